@@ -1,0 +1,279 @@
+//! Evaluation of kernel expressions on the CPU, a chunk of elements at a time.
+//!
+//! Every expression node owns a register: a typed vector holding its value for each element of
+//! the current chunk. Nodes are evaluated in order, each as one tight loop over the chunk, so
+//! dispatch costs once per node per chunk, not per element, and the loops vectorise. This module
+//! computes; it never decides what to compute and never touches buffers (see `map`).
+
+use braid_graph::expr::{Distribution, ExprNode, ExprOp, PrimBinary, PrimCmp, PrimUnary};
+use braid_graph::{DType, rng};
+use half::{bf16, f16};
+
+/// The values of one expression node over a chunk. Floats stored as f16/bf16 compute in `F32`.
+pub enum Reg {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    I32(Vec<i32>),
+    I64(Vec<i64>),
+    U8(Vec<u8>),
+    Bool(Vec<bool>),
+}
+
+impl Reg {
+    /// A register for compute dtype `dtype`, with room for `n` elements.
+    pub fn new(dtype: DType, n: usize) -> Reg {
+        match dtype.compute() {
+            DType::F32 => Reg::F32(vec![0.0; n]),
+            DType::F64 => Reg::F64(vec![0.0; n]),
+            DType::I32 => Reg::I32(vec![0; n]),
+            DType::I64 => Reg::I64(vec![0; n]),
+            DType::U8 => Reg::U8(vec![0; n]),
+            DType::Bool => Reg::Bool(vec![false; n]),
+            DType::F16 | DType::BF16 => unreachable!("compute() never returns a half type"),
+        }
+    }
+}
+
+/// Applies `f` elementwise from `x` into `out`.
+#[inline(always)]
+fn map1<A: Copy, B>(x: &[A], out: &mut [B], f: impl Fn(A) -> B) {
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = f(v);
+    }
+}
+
+#[inline(always)]
+fn map2<A: Copy, B>(x: &[A], y: &[A], out: &mut [B], f: impl Fn(A, A) -> B) {
+    for ((o, &a), &b) in out.iter_mut().zip(x).zip(y) {
+        *o = f(a, b);
+    }
+}
+
+macro_rules! float_unary {
+    ($op:expr, $x:expr, $out:expr) => {
+        match $op {
+            PrimUnary::Neg => map1($x, $out, |v| -v),
+            PrimUnary::Exp => map1($x, $out, |v| v.exp()),
+            PrimUnary::Log => map1($x, $out, |v| v.ln()),
+            PrimUnary::Sqrt => map1($x, $out, |v| v.sqrt()),
+            PrimUnary::Abs => map1($x, $out, |v| v.abs()),
+            PrimUnary::Sin => map1($x, $out, |v| v.sin()),
+            PrimUnary::Cos => map1($x, $out, |v| v.cos()),
+            PrimUnary::Tanh => map1($x, $out, |v| v.tanh()),
+        }
+    };
+}
+
+macro_rules! int_unary {
+    ($op:expr, $x:expr, $out:expr) => {
+        match $op {
+            PrimUnary::Neg => map1($x, $out, |v| v.wrapping_neg()),
+            PrimUnary::Abs => map1($x, $out, |v| v.wrapping_abs()),
+            other => return Err(format!("{other:?} has no integer form")),
+        }
+    };
+}
+
+macro_rules! float_binary {
+    ($op:expr, $a:expr, $b:expr, $out:expr) => {
+        match $op {
+            PrimBinary::Add => map2($a, $b, $out, |x, y| x + y),
+            PrimBinary::Sub => map2($a, $b, $out, |x, y| x - y),
+            PrimBinary::Mul => map2($a, $b, $out, |x, y| x * y),
+            PrimBinary::Div => map2($a, $b, $out, |x, y| x / y),
+            PrimBinary::Pow => map2($a, $b, $out, |x, y| x.powf(y)),
+            PrimBinary::Max => map2($a, $b, $out, |x, y| if x > y || x.is_nan() { x } else { y }),
+            PrimBinary::Min => map2($a, $b, $out, |x, y| if x < y || x.is_nan() { x } else { y }),
+        }
+    };
+}
+
+macro_rules! int_binary {
+    ($op:expr, $a:expr, $b:expr, $out:expr) => {
+        match $op {
+            PrimBinary::Add => map2($a, $b, $out, |x, y| x.wrapping_add(y)),
+            PrimBinary::Sub => map2($a, $b, $out, |x, y| x.wrapping_sub(y)),
+            PrimBinary::Mul => map2($a, $b, $out, |x, y| x.wrapping_mul(y)),
+            PrimBinary::Div => map2($a, $b, $out, |x, y| if y == 0 { 0 } else { x.wrapping_div(y) }),
+            PrimBinary::Max => map2($a, $b, $out, |x, y| x.max(y)),
+            PrimBinary::Min => map2($a, $b, $out, |x, y| x.min(y)),
+            PrimBinary::Pow => return Err("pow has no integer form".into()),
+        }
+    };
+}
+
+macro_rules! compare {
+    ($op:expr, $a:expr, $b:expr, $out:expr) => {
+        match $op {
+            PrimCmp::Eq => map2($a, $b, $out, |x, y| x == y),
+            PrimCmp::Ne => map2($a, $b, $out, |x, y| x != y),
+            PrimCmp::Lt => map2($a, $b, $out, |x, y| x < y),
+            PrimCmp::Le => map2($a, $b, $out, |x, y| x <= y),
+            PrimCmp::Gt => map2($a, $b, $out, |x, y| x > y),
+            PrimCmp::Ge => map2($a, $b, $out, |x, y| x >= y),
+        }
+    };
+}
+
+/// Converts register `x` into `out` (a register of `to.compute()`), with braid's cast
+/// semantics: floats round, float-to-int truncates and saturates (NaN gives 0), int-to-int
+/// wraps, anything-to-bool is `!= 0`, bool is 0/1; an f16/bf16 target rounds to that format.
+fn cast(to: DType, x: &Reg, out: &mut Reg, n: usize) {
+    macro_rules! from_any {
+        ($o:expr, $conv:expr) => {
+            match x {
+                Reg::F32(v) => map1(&v[..n], $o, |a| $conv(a as f64, false)),
+                Reg::F64(v) => map1(&v[..n], $o, |a| $conv(a, false)),
+                Reg::I32(v) => map1(&v[..n], $o, |a| $conv(a as f64, true)),
+                Reg::I64(v) => map1(&v[..n], $o, |a| $conv(a as f64, true)),
+                Reg::U8(v) => map1(&v[..n], $o, |a| $conv(a as f64, true)),
+                Reg::Bool(v) => map1(&v[..n], $o, |a| $conv(a as u8 as f64, true)),
+            }
+        };
+    }
+    // Integer sources are exact in f64 up to 2^53; i64 -> i64 / i32 / u8 must wrap exactly, so
+    // integer-to-integer casts go through i64, not f64.
+    let as_i64 = |x: &Reg, i: usize| -> Option<i64> {
+        match x {
+            Reg::I32(v) => Some(v[i] as i64),
+            Reg::I64(v) => Some(v[i]),
+            Reg::U8(v) => Some(v[i] as i64),
+            Reg::Bool(v) => Some(v[i] as i64),
+            _ => None,
+        }
+    };
+    match out {
+        Reg::F32(o) => match to {
+            DType::F16 => from_any!(&mut o[..n], |a: f64, _| f16::from_f64(a).to_f32()),
+            DType::BF16 => from_any!(&mut o[..n], |a: f64, _| bf16::from_f64(a).to_f32()),
+            _ => from_any!(&mut o[..n], |a: f64, _| a as f32),
+        },
+        Reg::F64(o) => match x {
+            Reg::I64(v) => map1(&v[..n], &mut o[..n], |a| a as f64),
+            _ => from_any!(&mut o[..n], |a: f64, _| a),
+        },
+        Reg::Bool(o) => from_any!(&mut o[..n], |a: f64, _| a != 0.0),
+        Reg::I32(o) => {
+            if matches!(x, Reg::F32(_) | Reg::F64(_)) {
+                from_any!(&mut o[..n], |a: f64, _| a as i32)
+            } else {
+                (0..n).for_each(|i| o[i] = as_i64(x, i).expect("integer register") as i32)
+            }
+        }
+        Reg::I64(o) => {
+            if matches!(x, Reg::F32(_) | Reg::F64(_)) {
+                from_any!(&mut o[..n], |a: f64, _| a as i64)
+            } else {
+                (0..n).for_each(|i| o[i] = as_i64(x, i).expect("integer register"))
+            }
+        }
+        Reg::U8(o) => {
+            if matches!(x, Reg::F32(_) | Reg::F64(_)) {
+                from_any!(&mut o[..n], |a: f64, _| a as u8)
+            } else {
+                (0..n).for_each(|i| o[i] = as_i64(x, i).expect("integer register") as u8)
+            }
+        }
+    }
+}
+
+/// Evaluates node `node` (at position `idx`) over the first `n` elements. `regs[..idx]` hold
+/// the operands; loads have been filled by the caller. `start` is the chunk's first linear
+/// index. Errors only on an ill-typed expression, which lowering never produces.
+pub fn eval_node(node: &ExprNode, idx: usize, regs: &mut [Reg], n: usize, start: usize) -> Result<(), String> {
+    let (operands, rest) = regs.split_at_mut(idx);
+    let out = &mut rest[0];
+    match node.op {
+        ExprOp::Load(_) => {}
+        ExprOp::Const(bits) => {
+            let v = f64::from_bits(bits);
+            match out {
+                Reg::F32(o) => o[..n].fill(v as f32),
+                Reg::F64(o) => o[..n].fill(v),
+                _ => return Err("float constant in an integer register".into()),
+            }
+        }
+        ExprOp::ConstInt(v) => match out {
+            Reg::I32(o) => o[..n].fill(v as i32),
+            Reg::I64(o) => o[..n].fill(v),
+            Reg::U8(o) => o[..n].fill(v as u8),
+            Reg::Bool(o) => o[..n].fill(v != 0),
+            _ => return Err("integer constant in a float register".into()),
+        },
+        ExprOp::Index => match out {
+            Reg::I64(o) => o[..n].iter_mut().enumerate().for_each(|(i, x)| *x = (start + i) as i64),
+            _ => return Err("index must be i64".into()),
+        },
+        ExprOp::Random { seed, dist, operand } => {
+            let Reg::I64(ix) = &operands[operand as usize] else { return Err("random operand must be i64".into()) };
+            match (out, dist) {
+                (Reg::F32(o), Distribution::Uniform) => {
+                    map1(&ix[..n], &mut o[..n], |i| rng::uniform(seed, i as u64, DType::F32) as f32)
+                }
+                (Reg::F32(o), Distribution::Normal) => map1(&ix[..n], &mut o[..n], |i| rng::normal_f32(seed, i as u64)),
+                (Reg::F64(o), Distribution::Uniform) => {
+                    map1(&ix[..n], &mut o[..n], |i| rng::uniform(seed, i as u64, DType::F64))
+                }
+                (Reg::F64(o), Distribution::Normal) => {
+                    map1(&ix[..n], &mut o[..n], |i| rng::normal_f64(seed, i as u64, DType::F64))
+                }
+                _ => return Err("random numbers are floats".into()),
+            }
+        }
+        ExprOp::Unary(op, x) => match (&operands[x as usize], out) {
+            (Reg::F32(x), Reg::F32(o)) => float_unary!(op, &x[..n], &mut o[..n]),
+            (Reg::F64(x), Reg::F64(o)) => float_unary!(op, &x[..n], &mut o[..n]),
+            (Reg::I32(x), Reg::I32(o)) => int_unary!(op, &x[..n], &mut o[..n]),
+            (Reg::I64(x), Reg::I64(o)) => int_unary!(op, &x[..n], &mut o[..n]),
+            (Reg::U8(x), Reg::U8(o)) => match op {
+                PrimUnary::Neg => map1(&x[..n], &mut o[..n], |v| v.wrapping_neg()),
+                PrimUnary::Abs => o[..n].copy_from_slice(&x[..n]),
+                other => return Err(format!("{other:?} has no integer form")),
+            },
+            _ => return Err(format!("{op:?} on an unsupported register")),
+        },
+        ExprOp::Binary(op, a, b) => match (&operands[a as usize], &operands[b as usize], out) {
+            (Reg::F32(a), Reg::F32(b), Reg::F32(o)) => float_binary!(op, &a[..n], &b[..n], &mut o[..n]),
+            (Reg::F64(a), Reg::F64(b), Reg::F64(o)) => float_binary!(op, &a[..n], &b[..n], &mut o[..n]),
+            (Reg::I32(a), Reg::I32(b), Reg::I32(o)) => int_binary!(op, &a[..n], &b[..n], &mut o[..n]),
+            (Reg::I64(a), Reg::I64(b), Reg::I64(o)) => int_binary!(op, &a[..n], &b[..n], &mut o[..n]),
+            (Reg::U8(a), Reg::U8(b), Reg::U8(o)) => int_binary!(op, &a[..n], &b[..n], &mut o[..n]),
+            _ => return Err(format!("{op:?} on mismatched registers")),
+        },
+        ExprOp::Cmp(op, a, b) => {
+            let Reg::Bool(o) = out else { return Err("comparisons produce bool".into()) };
+            let o = &mut o[..n];
+            match (&operands[a as usize], &operands[b as usize]) {
+                (Reg::F32(a), Reg::F32(b)) => compare!(op, &a[..n], &b[..n], o),
+                (Reg::F64(a), Reg::F64(b)) => compare!(op, &a[..n], &b[..n], o),
+                (Reg::I32(a), Reg::I32(b)) => compare!(op, &a[..n], &b[..n], o),
+                (Reg::I64(a), Reg::I64(b)) => compare!(op, &a[..n], &b[..n], o),
+                (Reg::U8(a), Reg::U8(b)) => compare!(op, &a[..n], &b[..n], o),
+                (Reg::Bool(a), Reg::Bool(b)) => compare!(op, &a[..n], &b[..n], o),
+                _ => return Err(format!("{op:?} on mismatched registers")),
+            }
+        }
+        ExprOp::Select(c, a, b) => {
+            let Reg::Bool(c) = &operands[c as usize] else { return Err("select needs a bool condition".into()) };
+            let c = &c[..n];
+            macro_rules! sel {
+                ($a:expr, $b:expr, $o:expr) => {
+                    for i in 0..n {
+                        $o[i] = if c[i] { $a[i] } else { $b[i] };
+                    }
+                };
+            }
+            match (&operands[a as usize], &operands[b as usize], out) {
+                (Reg::F32(a), Reg::F32(b), Reg::F32(o)) => sel!(a, b, o),
+                (Reg::F64(a), Reg::F64(b), Reg::F64(o)) => sel!(a, b, o),
+                (Reg::I32(a), Reg::I32(b), Reg::I32(o)) => sel!(a, b, o),
+                (Reg::I64(a), Reg::I64(b), Reg::I64(o)) => sel!(a, b, o),
+                (Reg::U8(a), Reg::U8(b), Reg::U8(o)) => sel!(a, b, o),
+                (Reg::Bool(a), Reg::Bool(b), Reg::Bool(o)) => sel!(a, b, o),
+                _ => return Err("select on mismatched registers".into()),
+            }
+        }
+        ExprOp::Cast(to, x) => cast(to, &operands[x as usize], out, n),
+    }
+    Ok(())
+}

@@ -1,0 +1,260 @@
+//! Running a [`MapLoop`] on the CPU: gather the loads of a chunk, evaluate the expression,
+//! scatter the stores; chunks of one task run in order, tasks run in parallel on rayon.
+//!
+//! Buffers arrive as raw pointers. Before anything is read or written, every view is checked
+//! against its argument's length, so the unchecked accesses below stay inside their buffers.
+//! This module never allocates device memory and never interprets ops (see `eval`).
+
+use super::eval::{Reg, eval_node};
+use braid_graph::DType;
+use braid_graph::expr::ExprOp;
+use braid_lowering::{MapLoop, View};
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+/// Elements evaluated per register pass (registers stay in L1/L2).
+const CHUNK: usize = 1024;
+/// Elements per parallel task; loops smaller than two tasks run on the calling thread.
+const TASK: usize = 32 * 1024;
+
+/// A kernel argument as the CPU sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct ArgPtr {
+    pub ptr: *mut u8,
+    /// Length in elements.
+    pub len: usize,
+    pub dtype: DType,
+}
+
+/// Shares argument pointers with rayon tasks. Sound because tasks write disjoint elements
+/// (different indices of a map loop never store to the same element) and only read inputs.
+#[derive(Clone, Copy)]
+struct Shared<'a>(&'a [ArgPtr]);
+unsafe impl Send for Shared<'_> {}
+unsafe impl Sync for Shared<'_> {}
+
+/// Smallest and largest element offset `view` touches (`None` for an empty view).
+fn extent(view: &View) -> Option<(isize, isize)> {
+    if view.dims.contains(&0) {
+        return None;
+    }
+    let (mut lo, mut hi) = (view.offset as isize, view.offset as isize);
+    for (&d, &s) in view.dims.iter().zip(&view.strides) {
+        let span = (d as isize - 1) * s;
+        if span < 0 { lo += span } else { hi += span }
+    }
+    Some((lo, hi))
+}
+
+pub fn check_view(view: &View, arg: &ArgPtr, what: &str) -> Result<(), String> {
+    match extent(view) {
+        Some((lo, hi)) if lo < 0 || hi >= arg.len as isize => {
+            Err(format!("{what} view {view:?} reaches element {lo}..={hi} of an argument of {} elements", arg.len))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Runs one loop. `args` must match the kernel's argument list.
+pub fn run_loop(l: &MapLoop, args: &[ArgPtr]) -> Result<(), String> {
+    for load in &l.loads {
+        let arg = args.get(load.arg as usize).ok_or("load of a missing argument")?;
+        if arg.dtype != load.dtype {
+            return Err(format!("load of {} from a {} argument", load.dtype, arg.dtype));
+        }
+        check_view(&load.view, arg, "load")?;
+    }
+    for store in &l.stores {
+        let arg = args.get(store.arg as usize).ok_or("store to a missing argument")?;
+        if arg.dtype != store.dtype {
+            return Err(format!("store of {} to a {} argument", store.dtype, arg.dtype));
+        }
+        check_view(&store.view, arg, "store")?;
+    }
+    for node in &l.expr.nodes {
+        if let ExprOp::Load(slot) = node.op {
+            let load = l.loads.get(slot as usize).ok_or("expression reads a missing load slot")?;
+            if node.dtype != load.dtype.compute() {
+                return Err(format!("load slot {slot} holds {} but the expression reads {}", load.dtype, node.dtype));
+            }
+        }
+    }
+    for store in &l.stores {
+        let node = l.expr.nodes.get(store.value as usize).ok_or("store of a missing expression node")?;
+        if node.dtype != store.dtype.compute() {
+            return Err(format!("store of a {} value to a {} argument", node.dtype, store.dtype));
+        }
+    }
+    let n = l.numel();
+    if n == 0 {
+        return Ok(());
+    }
+    let shared = Shared(args);
+    if n < 2 * TASK {
+        return run_range(l, shared, 0, n);
+    }
+    (0..n.div_ceil(TASK)).into_par_iter().try_for_each(|t| {
+        run_range(l, shared, t * TASK, ((t + 1) * TASK).min(n))
+    })
+}
+
+fn run_range(l: &MapLoop, args: Shared<'_>, start: usize, end: usize) -> Result<(), String> {
+    let width = CHUNK.min(end - start);
+    let mut regs: Vec<Reg> = l.expr.nodes.iter().map(|node| Reg::new(node.dtype, width)).collect();
+    let mut offsets = vec![0isize; width];
+    let mut c = start;
+    while c < end {
+        let m = width.min(end - c);
+        for (i, node) in l.expr.nodes.iter().enumerate() {
+            if let ExprOp::Load(slot) = node.op {
+                let load = &l.loads[slot as usize];
+                let arg = args.0[load.arg as usize];
+                // SAFETY: the view was checked against the argument's length in `run_loop`.
+                unsafe { gather(&load.view, arg, c, m, &mut regs[i], &mut offsets) };
+            } else {
+                eval_node(node, i, &mut regs, m, c)?;
+            }
+        }
+        for store in &l.stores {
+            let arg = args.0[store.arg as usize];
+            // SAFETY: as above; different indices write different elements.
+            unsafe { scatter(&store.view, arg, c, m, &regs[store.value as usize], &mut offsets) };
+        }
+        c += m;
+    }
+    Ok(())
+}
+
+/// Fills `out[..m]` with the element offsets of indices `start..start + m` of `view`.
+fn fill_offsets(view: &View, start: usize, m: usize, out: &mut [isize]) {
+    let rank = view.dims.len();
+    if rank == 0 {
+        out[..m].fill(view.offset as isize);
+        return;
+    }
+    let mut idx = [0usize; 8];
+    let mut idx_heap;
+    let idx: &mut [usize] = if rank <= 8 {
+        &mut idx[..rank]
+    } else {
+        idx_heap = vec![0; rank];
+        &mut idx_heap
+    };
+    let mut rem = start;
+    let mut cur = view.offset as isize;
+    for d in (0..rank).rev() {
+        idx[d] = rem % view.dims[d];
+        rem /= view.dims[d];
+        cur += idx[d] as isize * view.strides[d];
+    }
+    let (inner, s_inner) = (view.dims[rank - 1], view.strides[rank - 1]);
+    let mut p = 0;
+    while p < m {
+        let run = (inner - idx[rank - 1]).min(m - p);
+        for (j, o) in out[p..p + run].iter_mut().enumerate() {
+            *o = cur + j as isize * s_inner;
+        }
+        p += run;
+        cur += run as isize * s_inner;
+        idx[rank - 1] += run;
+        // Carry into outer dimensions.
+        let mut d = rank - 1;
+        while idx[d] == view.dims[d] && d > 0 {
+            cur -= view.dims[d] as isize * view.strides[d];
+            idx[d] = 0;
+            d -= 1;
+            idx[d] += 1;
+            cur += view.strides[d];
+        }
+    }
+}
+
+/// Reads indices `start..start + m` of `view` from `arg` into `out`, converting storage to
+/// compute type.
+///
+/// # Safety
+/// The view must lie within the argument (see [`check_view`]).
+unsafe fn gather(view: &View, arg: ArgPtr, start: usize, m: usize, out: &mut Reg, offsets: &mut [isize]) {
+    unsafe fn go<S: Copy, C: Copy>(
+        view: &View,
+        base: *const S,
+        start: usize,
+        out: &mut [C],
+        offsets: &mut [isize],
+        conv: impl Fn(S) -> C,
+    ) {
+        let m = out.len();
+        unsafe {
+            if view.is_contiguous() {
+                let src = std::slice::from_raw_parts(base.add(view.offset + start), m);
+                for (o, &s) in out.iter_mut().zip(src) {
+                    *o = conv(s);
+                }
+            } else if view.strides.iter().all(|&s| s == 0) {
+                out.fill(conv(*base.add(view.offset)));
+            } else {
+                fill_offsets(view, start, m, offsets);
+                for (o, &off) in out.iter_mut().zip(&offsets[..m]) {
+                    *o = conv(*base.offset(off));
+                }
+            }
+        }
+    }
+    unsafe {
+        match (arg.dtype, out) {
+            (DType::F32, Reg::F32(o)) => go(view, arg.ptr as *const f32, start, &mut o[..m], offsets, |v| v),
+            (DType::F16, Reg::F32(o)) => go(view, arg.ptr as *const f16, start, &mut o[..m], offsets, |v| v.to_f32()),
+            (DType::BF16, Reg::F32(o)) => go(view, arg.ptr as *const bf16, start, &mut o[..m], offsets, |v| v.to_f32()),
+            (DType::F64, Reg::F64(o)) => go(view, arg.ptr as *const f64, start, &mut o[..m], offsets, |v| v),
+            (DType::I32, Reg::I32(o)) => go(view, arg.ptr as *const i32, start, &mut o[..m], offsets, |v| v),
+            (DType::I64, Reg::I64(o)) => go(view, arg.ptr as *const i64, start, &mut o[..m], offsets, |v| v),
+            (DType::U8, Reg::U8(o)) => go(view, arg.ptr as *const u8, start, &mut o[..m], offsets, |v| v),
+            (DType::Bool, Reg::Bool(o)) => go(view, arg.ptr as *const u8, start, &mut o[..m], offsets, |v| v != 0),
+            (d, _) => unreachable!("load of {d} into a register of another type (checked by lowering)"),
+        }
+    }
+}
+
+/// Writes `reg[..m]` to indices `start..start + m` of `view` in `arg`, converting compute type
+/// to storage.
+///
+/// # Safety
+/// The view must lie within the argument, and no other thread may write these elements.
+unsafe fn scatter(view: &View, arg: ArgPtr, start: usize, m: usize, reg: &Reg, offsets: &mut [isize]) {
+    unsafe fn go<S: Copy, C: Copy>(
+        view: &View,
+        base: *mut S,
+        start: usize,
+        src: &[C],
+        offsets: &mut [isize],
+        conv: impl Fn(C) -> S,
+    ) {
+        let m = src.len();
+        unsafe {
+            if view.is_contiguous() {
+                let dst = std::slice::from_raw_parts_mut(base.add(view.offset + start), m);
+                for (d, &s) in dst.iter_mut().zip(src) {
+                    *d = conv(s);
+                }
+            } else {
+                fill_offsets(view, start, m, offsets);
+                for (&off, &s) in offsets[..m].iter().zip(src) {
+                    *base.offset(off) = conv(s);
+                }
+            }
+        }
+    }
+    unsafe {
+        match (arg.dtype, reg) {
+            (DType::F32, Reg::F32(r)) => go(view, arg.ptr as *mut f32, start, &r[..m], offsets, |v| v),
+            (DType::F16, Reg::F32(r)) => go(view, arg.ptr as *mut f16, start, &r[..m], offsets, f16::from_f32),
+            (DType::BF16, Reg::F32(r)) => go(view, arg.ptr as *mut bf16, start, &r[..m], offsets, bf16::from_f32),
+            (DType::F64, Reg::F64(r)) => go(view, arg.ptr as *mut f64, start, &r[..m], offsets, |v| v),
+            (DType::I32, Reg::I32(r)) => go(view, arg.ptr as *mut i32, start, &r[..m], offsets, |v| v),
+            (DType::I64, Reg::I64(r)) => go(view, arg.ptr as *mut i64, start, &r[..m], offsets, |v| v),
+            (DType::U8, Reg::U8(r)) => go(view, arg.ptr, start, &r[..m], offsets, |v| v),
+            (DType::Bool, Reg::Bool(r)) => go(view, arg.ptr, start, &r[..m], offsets, |v| v as u8),
+            (d, _) => unreachable!("store of a register into a {d} argument of another type (checked by lowering)"),
+        }
+    }
+}

@@ -1,0 +1,69 @@
+//! # braid-devices: runtimes
+//!
+//! Each device owns its memory (a pool of buffers) and executes schedules: allocations,
+//! kernels of the kernel IR, frees, and (with streams) events and copies. The CPU device is
+//! here; CUDA and wgpu arrive with their own issues behind the same [`Backend`] trait. A device
+//! runs what the schedule says; it never plans, fuses or reorders.
+
+pub mod cpu;
+
+use braid_lowering::Kernel;
+use braid_scheduler::{KernelId, Schedule};
+use std::sync::Arc;
+
+pub use cpu::pool::MemoryStats;
+
+/// A run-time failure of a device. Always returned, never panicked; the device stays usable.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum DeviceError {
+    #[error("out of memory: requested {requested} bytes with {in_use} in use and {reserved} reserved")]
+    OutOfMemory { requested: u64, in_use: u64, reserved: u64 },
+    #[error("kernel failed: {0}")]
+    Kernel(String),
+    #[error("device unavailable: {0}")]
+    Unavailable(String),
+    #[error("internal error (a bug in braid): {0}")]
+    Internal(String),
+}
+
+/// A device buffer; cloning shares it, and the memory returns to its pool with the last clone.
+#[derive(Clone, Debug)]
+pub enum Buffer {
+    Cpu(Arc<cpu::CpuBuffer>),
+}
+
+impl Buffer {
+    pub fn bytes(&self) -> usize {
+        match self {
+            Buffer::Cpu(b) => b.bytes(),
+        }
+    }
+}
+
+/// Everything a device needs to run one flush.
+pub struct Job<'a> {
+    pub schedule: &'a Schedule,
+    /// `kernels[i]` is the lowered form of `schedule.kernels[i]`.
+    pub kernels: &'a [Kernel],
+    /// Buffers of the flush's external values, in `schedule.external_buffers` order.
+    pub externals: &'a [Buffer],
+    /// Describes a kernel for logs and errors (called only when needed).
+    pub label: &'a (dyn Fn(KernelId) -> String + Sync),
+}
+
+/// A device runtime.
+pub trait Backend: Send + Sync {
+    fn name(&self) -> String;
+    /// Copies host bytes into a new device buffer.
+    fn upload(&self, bytes: &[u8]) -> Result<Buffer, DeviceError>;
+    /// Copies a buffer's bytes to the host.
+    fn download(&self, buffer: &Buffer) -> Result<Vec<u8>, DeviceError>;
+    /// Runs a schedule to completion; returns the buffers of `schedule.outputs`, in order.
+    fn execute(&self, job: Job<'_>) -> Result<Vec<Buffer>, DeviceError>;
+    fn memory(&self) -> MemoryStats;
+    fn reset_peak(&self);
+    /// Kernels run since the device was created.
+    fn kernels_launched(&self) -> u64;
+    /// Returns cached free memory to the system.
+    fn trim(&self);
+}

@@ -1,0 +1,285 @@
+//! Element types: the `DType` enum and the `Element` trait that maps Rust scalar types onto it.
+//!
+//! This module only describes types and their byte encodings; it never computes.
+
+use half::{bf16, f16};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// The element type of a tensor.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+pub enum DType {
+    F32,
+    F64,
+    F16,
+    BF16,
+    I32,
+    I64,
+    U8,
+    Bool,
+}
+
+/// Coarse classes used by the dtype rules of the op table.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum DTypeClass {
+    Float,
+    Int,
+    Bool,
+}
+
+impl DType {
+    /// Every dtype, in a fixed order (tests iterate over it).
+    pub const ALL: [DType; 8] =
+        [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64, DType::U8, DType::Bool];
+
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        match self {
+            DType::F64 | DType::I64 => 8,
+            DType::F32 | DType::I32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::U8 | DType::Bool => 1,
+        }
+    }
+
+    pub const fn class(self) -> DTypeClass {
+        match self {
+            DType::F32 | DType::F64 | DType::F16 | DType::BF16 => DTypeClass::Float,
+            DType::I32 | DType::I64 | DType::U8 => DTypeClass::Int,
+            DType::Bool => DTypeClass::Bool,
+        }
+    }
+
+    pub const fn is_float(self) -> bool {
+        matches!(self.class(), DTypeClass::Float)
+    }
+
+    pub const fn is_int(self) -> bool {
+        matches!(self.class(), DTypeClass::Int)
+    }
+
+    /// Float or integer (everything but `Bool`).
+    pub const fn is_numeric(self) -> bool {
+        !matches!(self, DType::Bool)
+    }
+
+    /// The type arithmetic is carried out in: f16 and bf16 compute in f32, everything else in
+    /// itself.
+    pub const fn compute(self) -> DType {
+        match self {
+            DType::F16 | DType::BF16 => DType::F32,
+            other => other,
+        }
+    }
+
+    /// Unit roundoff of a float type (half an ulp at 1.0); 0 for exact types.
+    pub const fn epsilon(self) -> f64 {
+        match self {
+            DType::F64 => f64::EPSILON / 2.0,
+            DType::F32 => f32::EPSILON as f64 / 2.0,
+            DType::F16 => 1.0 / 2048.0,
+            DType::BF16 => 1.0 / 256.0,
+            _ => 0.0,
+        }
+    }
+
+    /// Lower-case name used in messages and dumps (`f32`, `bf16`, `bool`, ...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::U8 => "u8",
+            DType::Bool => "bool",
+        }
+    }
+
+    /// Whether `v` is exactly representable in this dtype (always true for floats, which
+    /// round).
+    pub fn represents(self, v: f64) -> bool {
+        match self {
+            DType::I32 => v.fract() == 0.0 && v >= i32::MIN as f64 && v <= i32::MAX as f64,
+            DType::I64 => v.fract() == 0.0 && v >= i64::MIN as f64 && v < i64::MAX as f64,
+            DType::U8 => v.fract() == 0.0 && (0.0..=255.0).contains(&v),
+            DType::Bool => v == 0.0 || v == 1.0,
+            _ => !v.is_nan() || self.is_float(),
+        }
+    }
+
+    /// Converts an f64 to this dtype, returned as f64: floats round to nearest-even; integer
+    /// targets truncate towards zero and saturate at the type's range, NaN giving 0 (Rust's `as`
+    /// semantics); bool is `v != 0` (so NaN is true).
+    pub fn round_f64(self, v: f64) -> f64 {
+        match self {
+            DType::F64 => v,
+            DType::F32 => v as f32 as f64,
+            DType::F16 => f16::from_f64(v).to_f64(),
+            DType::BF16 => bf16::from_f64(v).to_f64(),
+            DType::I32 => v as i32 as f64,
+            DType::I64 => v as i64 as f64,
+            DType::U8 => v as u8 as f64,
+            DType::Bool => (v != 0.0) as u8 as f64,
+        }
+    }
+
+    /// Float-to-integer conversion as every device performs it: truncation towards zero,
+    /// saturating at this dtype's range, NaN giving 0; bool is `v != 0`. Only for integer and
+    /// bool dtypes.
+    pub fn int_from_f64(self, v: f64) -> i64 {
+        match self {
+            DType::I32 => v as i32 as i64,
+            DType::I64 => v as i64,
+            DType::U8 => v as u8 as i64,
+            DType::Bool => (v != 0.0) as i64,
+            other => panic!("int_from_f64 on float dtype {other}"),
+        }
+    }
+
+    /// Integer-to-integer conversion (two's-complement wrapping, Rust's `as`); bool is `v != 0`.
+    /// Integer arithmetic is defined as i64 arithmetic followed by this wrap.
+    pub fn wrap_int(self, v: i64) -> i64 {
+        match self {
+            DType::I32 => v as i32 as i64,
+            DType::I64 => v,
+            DType::U8 => v as u8 as i64,
+            DType::Bool => (v != 0) as i64,
+            other => panic!("wrap_int on float dtype {other}"),
+        }
+    }
+
+    /// Largest finite value of a float dtype (infinity for integer dtypes, which never overflow
+    /// into infinities).
+    pub fn max_finite(self) -> f64 {
+        match self {
+            DType::F64 => f64::MAX,
+            DType::F32 => f32::MAX as f64,
+            DType::F16 => f16::MAX.to_f64(),
+            DType::BF16 => bf16::MAX.to_f64(),
+            _ => f64::INFINITY,
+        }
+    }
+
+    /// Smallest positive (subnormal) value of a float dtype; 0 for exact types.
+    pub fn min_subnormal(self) -> f64 {
+        match self {
+            DType::F64 => f64::from_bits(1),
+            DType::F32 => f32::from_bits(1) as f64,
+            DType::F16 => f16::from_bits(1).to_f64(),
+            DType::BF16 => bf16::from_bits(1).to_f64(),
+            _ => 0.0,
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// A Rust scalar type that a tensor can hold: `f32, f64, i32, i64, u8, bool, f16, bf16`.
+///
+/// Sealed: the byte encoding of each type is part of braid's contract with its devices.
+pub trait Element: sealed::Sealed + Copy + Send + Sync + fmt::Debug + PartialEq + 'static {
+    const DTYPE: DType;
+    /// Writes the native-endian bytes of `values` to `out`.
+    fn write_bytes(values: &[Self], out: &mut Vec<u8>);
+    /// Reads values back from native-endian bytes (length must be a multiple of the size).
+    fn read_bytes(bytes: &[u8]) -> Vec<Self>;
+    /// The value as f64 (bools as 0/1).
+    fn to_f64(self) -> f64;
+    /// The nearest value of this type (see [`DType::round_f64`]).
+    fn from_f64(v: f64) -> Self;
+}
+
+macro_rules! element {
+    ($t:ty, $d:expr, $to:expr, $from:expr) => {
+        impl sealed::Sealed for $t {}
+        impl Element for $t {
+            const DTYPE: DType = $d;
+            fn write_bytes(values: &[Self], out: &mut Vec<u8>) {
+                out.reserve(values.len() * std::mem::size_of::<$t>());
+                for v in values {
+                    out.extend_from_slice(&v.to_ne_bytes());
+                }
+            }
+            fn read_bytes(bytes: &[u8]) -> Vec<Self> {
+                const N: usize = std::mem::size_of::<$t>();
+                bytes.chunks_exact(N).map(|c| <$t>::from_ne_bytes(c.try_into().expect("chunk of N bytes"))).collect()
+            }
+            fn to_f64(self) -> f64 {
+                let f: fn($t) -> f64 = $to;
+                f(self)
+            }
+            fn from_f64(v: f64) -> Self {
+                let f: fn(f64) -> $t = $from;
+                f(v)
+            }
+        }
+    };
+}
+
+element!(f32, DType::F32, |v| v as f64, |v| v as f32);
+element!(f64, DType::F64, |v| v, |v| v);
+element!(f16, DType::F16, |v| v.to_f64(), f16::from_f64);
+element!(bf16, DType::BF16, |v| v.to_f64(), bf16::from_f64);
+element!(i32, DType::I32, |v| v as f64, |v| v as i64 as i32);
+element!(i64, DType::I64, |v| v as f64, |v| v as i64);
+element!(u8, DType::U8, |v| v as f64, |v| v as i64 as u8);
+
+impl sealed::Sealed for bool {}
+impl Element for bool {
+    const DTYPE: DType = DType::Bool;
+    fn write_bytes(values: &[Self], out: &mut Vec<u8>) {
+        out.extend(values.iter().map(|&b| b as u8));
+    }
+    fn read_bytes(bytes: &[u8]) -> Vec<Self> {
+        bytes.iter().map(|&b| b != 0).collect()
+    }
+    fn to_f64(self) -> f64 {
+        self as u8 as f64
+    }
+    fn from_f64(v: f64) -> Self {
+        v != 0.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_round_trip_for_every_element() {
+        fn check<T: Element>(vals: &[T]) {
+            let mut bytes = Vec::new();
+            T::write_bytes(vals, &mut bytes);
+            assert_eq!(bytes.len(), vals.len() * T::DTYPE.size());
+            assert_eq!(T::read_bytes(&bytes), vals);
+        }
+        check(&[1.5f32, -2.25]);
+        check(&[1.5f64, -2.25]);
+        check(&[f16::from_f32(0.5), f16::from_f32(-3.0)]);
+        check(&[bf16::from_f32(0.5), bf16::from_f32(-3.0)]);
+        check(&[7i32, -9]);
+        check(&[7i64, -9]);
+        check(&[7u8, 250]);
+        check(&[true, false]);
+    }
+
+    #[test]
+    fn representable_scalars() {
+        assert!(DType::I32.represents(3.0));
+        assert!(!DType::I32.represents(3.5));
+        assert!(!DType::U8.represents(-1.0));
+        assert!(DType::Bool.represents(1.0));
+        assert!(!DType::Bool.represents(2.0));
+        assert!(DType::F16.represents(0.1));
+    }
+}

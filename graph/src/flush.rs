@@ -1,0 +1,85 @@
+//! The subgraph of one flush, extracted from the recorded graph and put in execution order.
+//!
+//! This is what fusion and the scheduler work on: a plain list in topological order with
+//! inputs resolved to positions, so neither needs the recorded graph (or its lock). It holds no
+//! data and knows nothing about buffers.
+
+use crate::dtype::DType;
+use crate::ir::{DeviceId, NodeId, StreamId};
+use crate::op::Op;
+use crate::shape::Shape;
+use smallvec::SmallVec;
+
+/// Where an input of a flush node comes from.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum ValueRef {
+    /// The result of `FlushGraph::nodes[i]`.
+    Node(usize),
+    /// `FlushGraph::externals[i]`: a value computed before this flush.
+    External(usize),
+}
+
+#[derive(Clone, Debug)]
+pub struct FlushNode {
+    /// The node's id in the recorded graph (what dumps print).
+    pub id: NodeId,
+    pub op: Op,
+    pub dtype: DType,
+    pub shape: Shape,
+    pub device: DeviceId,
+    pub stream: StreamId,
+    pub inputs: SmallVec<[ValueRef; 2]>,
+    /// Nodes of this flush that must finish first without passing data (control edges).
+    pub after: SmallVec<[usize; 1]>,
+    /// The value outlives the flush (it is read, held by a tensor, or needed by later work).
+    pub keep: bool,
+}
+
+impl FlushNode {
+    pub fn bytes(&self) -> usize {
+        self.shape.numel() * self.dtype.size()
+    }
+}
+
+/// A value that already exists when the flush starts.
+#[derive(Clone, Debug)]
+pub struct External {
+    pub id: NodeId,
+    pub dtype: DType,
+    pub shape: Shape,
+    pub device: DeviceId,
+    pub stream: StreamId,
+}
+
+impl External {
+    pub fn bytes(&self) -> usize {
+        self.shape.numel() * self.dtype.size()
+    }
+}
+
+/// The nodes of one flush in topological order (every input precedes its users).
+#[derive(Clone, Debug, Default)]
+pub struct FlushGraph {
+    pub nodes: Vec<FlushNode>,
+    pub externals: Vec<External>,
+}
+
+impl FlushGraph {
+    /// Dtype and shape of a value.
+    pub fn meta(&self, v: ValueRef) -> (DType, &Shape) {
+        match v {
+            ValueRef::Node(i) => (self.nodes[i].dtype, &self.nodes[i].shape),
+            ValueRef::External(i) => (self.externals[i].dtype, &self.externals[i].shape),
+        }
+    }
+
+    /// Checks the ordering promise; used by tests and debug builds.
+    pub fn is_topological(&self) -> bool {
+        self.nodes.iter().enumerate().all(|(i, n)| {
+            n.inputs.iter().all(|v| match *v {
+                ValueRef::Node(j) => j < i,
+                ValueRef::External(j) => j < self.externals.len(),
+            }) && n.after.iter().all(|&j| j < i)
+        })
+    }
+}

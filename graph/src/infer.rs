@@ -1,0 +1,221 @@
+//! Shape and dtype inference with validation.
+//!
+//! Each function checks one op's operands and returns the result's shape and dtype, or a
+//! sentence saying what is wrong. The caller (the public API) turns that sentence into a panic
+//! at the user's line, adding the operands' devices; this module never panics on user input.
+
+use crate::dtype::DType;
+use crate::op::ReduceOp;
+use crate::shape::Shape;
+use crate::table::{BinaryOp, DTypeRule, UnaryOp};
+
+pub type Inferred = Result<(Shape, DType), String>;
+
+fn check_rule(rule: DTypeRule, name: &str, dtype: DType) -> Result<(), String> {
+    match rule {
+        DTypeRule::Float if !dtype.is_float() => {
+            Err(format!("{name} needs a float dtype (f32, f64, f16, bf16), got {dtype}; convert with to_dtype"))
+        }
+        DTypeRule::Numeric if !dtype.is_numeric() => {
+            Err(format!("{name} needs a numeric dtype, got bool; convert with to_dtype"))
+        }
+        _ => Ok(()),
+    }
+}
+
+fn check_scalar(name: &str, dtype: DType, v: f64) -> Result<(), String> {
+    if dtype.represents(v) { Ok(()) } else { Err(format!("{name}: the scalar {v} is not representable in {dtype}")) }
+}
+
+fn broadcast(name: &str, a: &Shape, b: &Shape) -> Result<Shape, String> {
+    a.broadcast(b).ok_or_else(|| format!("{name}: shapes {a} and {b} do not broadcast"))
+}
+
+fn same_dtype(name: &str, a: DType, b: DType) -> Result<(), String> {
+    if a == b { Ok(()) } else { Err(format!("{name}: dtypes {a} and {b} differ; convert one with to_dtype")) }
+}
+
+pub fn unary(op: UnaryOp, shape: &Shape, dtype: DType) -> Inferred {
+    check_rule(op.def().dtypes, op.name(), dtype)?;
+    Ok((shape.clone(), dtype))
+}
+
+pub fn binary(op: BinaryOp, a: (&Shape, DType), b: (&Shape, DType)) -> Inferred {
+    let name = op.name();
+    same_dtype(name, a.1, b.1)?;
+    check_rule(op.def().dtypes, name, a.1)?;
+    Ok((broadcast(name, a.0, b.0)?, a.1))
+}
+
+pub fn binary_scalar(op: BinaryOp, shape: &Shape, dtype: DType, scalar: f64) -> Inferred {
+    check_rule(op.def().dtypes, op.name(), dtype)?;
+    check_scalar(op.name(), dtype, scalar)?;
+    Ok((shape.clone(), dtype))
+}
+
+pub fn compare(name: &str, a: (&Shape, DType), b: (&Shape, DType)) -> Inferred {
+    same_dtype(name, a.1, b.1)?;
+    Ok((broadcast(name, a.0, b.0)?, DType::Bool))
+}
+
+pub fn select(cond: (&Shape, DType), a: (&Shape, DType), b: (&Shape, DType)) -> Inferred {
+    if cond.1 != DType::Bool {
+        return Err(format!("select: the condition must be bool, got {}", cond.1));
+    }
+    same_dtype("select", a.1, b.1)?;
+    let ab = broadcast("select", a.0, b.0)?;
+    Ok((broadcast("select", cond.0, &ab)?, a.1))
+}
+
+pub fn clamp(shape: &Shape, dtype: DType, lo: f64, hi: f64) -> Inferred {
+    check_rule(DTypeRule::Numeric, "clamp", dtype)?;
+    check_scalar("clamp", dtype, lo)?;
+    check_scalar("clamp", dtype, hi)?;
+    if lo > hi || lo.is_nan() || hi.is_nan() {
+        return Err(format!("clamp: lo ({lo}) must not exceed hi ({hi})"));
+    }
+    Ok((shape.clone(), dtype))
+}
+
+pub fn reduce(op: ReduceOp, shape: &Shape, dtype: DType, dim: Option<usize>, keepdim: bool) -> Inferred {
+    let name = op.name();
+    let rule = if op == ReduceOp::Mean { DTypeRule::Float } else { DTypeRule::Numeric };
+    check_rule(rule, name, dtype)?;
+    let out_dtype = if op == ReduceOp::ArgMax { DType::I64 } else { dtype };
+    match dim {
+        None => {
+            if shape.numel() == 0 && matches!(op, ReduceOp::Max | ReduceOp::Min | ReduceOp::ArgMax) {
+                return Err(format!("{name}: cannot reduce an empty tensor of shape {shape}"));
+            }
+            Ok((Shape::scalar(), out_dtype))
+        }
+        Some(d) => {
+            if d >= shape.rank() {
+                return Err(format!("{name}: dimension {d} out of range for shape {shape} (rank {})", shape.rank()));
+            }
+            if shape.dims()[d] == 0 && matches!(op, ReduceOp::Max | ReduceOp::Min | ReduceOp::ArgMax) {
+                return Err(format!("{name}: cannot reduce the empty dimension {d} of shape {shape}"));
+            }
+            Ok((shape.reduced(d, keepdim), out_dtype))
+        }
+    }
+}
+
+pub fn matmul(a: (&Shape, DType), b: (&Shape, DType)) -> Inferred {
+    same_dtype("matmul", a.1, b.1)?;
+    check_rule(DTypeRule::Numeric, "matmul", a.1)?;
+    let (sa, sb) = (a.0.dims(), b.0.dims());
+    if sa.len() < 2 || sb.len() < 2 {
+        return Err(format!("matmul: both operands need at least 2 dimensions, got {} and {}", a.0, b.0));
+    }
+    let (m, k) = (sa[sa.len() - 2], sa[sa.len() - 1]);
+    let (k2, n) = (sb[sb.len() - 2], sb[sb.len() - 1]);
+    if k != k2 {
+        return Err(format!(
+            "matmul: inner dimensions differ: {} is [.., {m}, {k}] but {} is [.., {k2}, {n}]",
+            a.0, b.0
+        ));
+    }
+    let batch_a = Shape::new(&sa[..sa.len() - 2]);
+    let batch_b = Shape::new(&sb[..sb.len() - 2]);
+    let batch = batch_a
+        .broadcast(&batch_b)
+        .ok_or_else(|| format!("matmul: batch dimensions of {} and {} do not broadcast", a.0, b.0))?;
+    let mut dims = batch.dims().to_vec();
+    dims.extend([m, n]);
+    Ok((Shape::from(dims), a.1))
+}
+
+pub fn reshape(shape: &Shape, to: &Shape) -> Result<Shape, String> {
+    if shape.numel() != to.numel() {
+        return Err(format!(
+            "reshape: cannot reshape {shape} ({} elements) to {to} ({} elements)",
+            shape.numel(),
+            to.numel()
+        ));
+    }
+    Ok(to.clone())
+}
+
+pub fn permute(shape: &Shape, perm: &[usize]) -> Result<Shape, String> {
+    let mut seen = vec![false; shape.rank()];
+    if perm.len() != shape.rank() || perm.iter().any(|&p| p >= shape.rank() || std::mem::replace(&mut seen[p], true)) {
+        return Err(format!("permute: {perm:?} is not a permutation of the {} dimensions of {shape}", shape.rank()));
+    }
+    Ok(Shape::from(perm.iter().map(|&p| shape.dims()[p]).collect::<Vec<_>>()))
+}
+
+pub fn expand(shape: &Shape, to: &Shape) -> Result<Shape, String> {
+    if !shape.broadcasts_to(to) {
+        return Err(format!("expand: {shape} does not broadcast to {to}"));
+    }
+    Ok(to.clone())
+}
+
+pub fn narrow(shape: &Shape, dim: usize, start: usize, len: usize) -> Result<Shape, String> {
+    if dim >= shape.rank() {
+        return Err(format!("narrow: dimension {dim} out of range for shape {shape}"));
+    }
+    let size = shape.dims()[dim];
+    if start.checked_add(len).is_none_or(|end| end > size) {
+        return Err(format!(
+            "narrow: range {start}..{} exceeds size {size} of dimension {dim} of {shape}",
+            start.saturating_add(len)
+        ));
+    }
+    let mut d = shape.dims().to_vec();
+    d[dim] = len;
+    Ok(Shape::from(d))
+}
+
+pub fn cat(parts: &[(&Shape, DType)], dim: usize) -> Inferred {
+    let Some(&(first, dtype)) = parts.first() else {
+        return Err("cat: needs at least one tensor".into());
+    };
+    if dim >= first.rank() {
+        return Err(format!("cat: dimension {dim} out of range for shape {first}"));
+    }
+    let mut total = 0;
+    for (i, &(s, d)) in parts.iter().enumerate() {
+        same_dtype("cat", dtype, d)?;
+        let compatible = s.rank() == first.rank()
+            && s.dims().iter().zip(first.dims()).enumerate().all(|(j, (a, b))| j == dim || a == b);
+        if !compatible {
+            return Err(format!("cat: tensor {i} has shape {s}, which does not match {first} outside dimension {dim}"));
+        }
+        total += s.dims()[dim];
+    }
+    let mut d = first.dims().to_vec();
+    d[dim] = total;
+    Ok((Shape::from(d), dtype))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_name_the_problem() {
+        let e = binary(BinaryOp::Add, (&Shape::from([2, 3]), DType::F32), (&Shape::from([4]), DType::F32)).unwrap_err();
+        assert!(e.contains("[2, 3]") && e.contains("[4]"), "{e}");
+        let e = binary(BinaryOp::Add, (&Shape::from([2]), DType::F32), (&Shape::from([2]), DType::I32)).unwrap_err();
+        assert!(e.contains("f32") && e.contains("i32"), "{e}");
+        let e = unary(UnaryOp::Exp, &Shape::from([2]), DType::I64).unwrap_err();
+        assert!(e.contains("float"), "{e}");
+        assert!(matmul((&Shape::from([2, 3]), DType::F32), (&Shape::from([4, 5]), DType::F32)).is_err());
+        assert!(permute(&Shape::from([2, 3]), &[0, 0]).is_err());
+        assert!(narrow(&Shape::from([2, 3]), 1, 2, 2).is_err());
+    }
+
+    #[test]
+    fn matmul_broadcasts_batches() {
+        let (s, _) = matmul((&Shape::from([5, 1, 2, 3]), DType::F32), (&Shape::from([4, 3, 7]), DType::F32)).unwrap();
+        assert_eq!(s, Shape::from([5, 4, 2, 7]));
+    }
+
+    #[test]
+    fn cat_sums_the_dimension() {
+        let (s, _) = cat(&[(&Shape::from([2, 3]), DType::F32), (&Shape::from([2, 5]), DType::F32)], 1).unwrap();
+        assert_eq!(s, Shape::from([2, 8]));
+    }
+}

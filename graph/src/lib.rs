@@ -1,0 +1,30 @@
+//! # braid-graph: the IR
+//!
+//! What a recorded computation *is*: element types ([`DType`], [`Element`]), shapes with NumPy
+//! broadcasting ([`Shape`]), operations ([`Op`]) and the op table they come from
+//! ([`table`]), the scalar expression language kernels are written in ([`expr`]), shape and
+//! dtype inference ([`infer`]), the recorded graph on petgraph ([`Graph`]) and the extracted
+//! subgraph of one flush ([`FlushGraph`]).
+//!
+//! This crate never executes anything and never decides what runs where; fusion, scheduling,
+//! lowering and devices build on it. With the `reference` feature it also holds the f64
+//! reference interpreter that tests compare every device against.
+
+pub mod dtype;
+pub mod expr;
+pub mod flush;
+pub mod infer;
+pub mod ir;
+pub mod op;
+#[cfg(feature = "reference")]
+pub mod reference;
+pub mod rng;
+pub mod shape;
+pub mod table;
+
+pub use dtype::{DType, DTypeClass, Element};
+pub use flush::{External, FlushGraph, FlushNode, ValueRef};
+pub use ir::{DeviceId, Edge, Graph, Node, NodeId, StreamId};
+pub use op::{Op, ReduceOp, Scalar};
+pub use shape::Shape;
+pub use table::{BinaryOp, CompareOp, DTypeRule, Sensitivity, UnaryOp};

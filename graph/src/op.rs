@@ -1,0 +1,184 @@
+//! The operations a graph node can hold.
+//!
+//! Elementwise ops are rows of the op table ([`crate::table`]); this enum adds sources,
+//! reductions, matrix products and movement. An `Op` is pure description: its result's shape
+//! and dtype live on the node, and how it runs is decided by lowering.
+
+use crate::dtype::DType;
+use crate::table::{BinaryOp, CompareOp, UnaryOp};
+use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
+use std::fmt;
+
+/// An f64 that is compared and hashed by its bits, so that ops holding scalars can key caches.
+#[derive(Clone, Copy, Serialize, Deserialize)]
+pub struct Scalar(pub f64);
+
+impl PartialEq for Scalar {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.to_bits() == other.0.to_bits()
+    }
+}
+impl Eq for Scalar {}
+impl std::hash::Hash for Scalar {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.to_bits().hash(state)
+    }
+}
+impl fmt::Debug for Scalar {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Reductions along one dimension (or over everything).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+pub enum ReduceOp {
+    Sum,
+    Mean,
+    Max,
+    Min,
+    /// Index of the first maximum (NaN counts as the largest value); the result is `I64`.
+    ArgMax,
+}
+
+impl ReduceOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Mean => "mean",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+            ReduceOp::ArgMax => "argmax",
+        }
+    }
+}
+
+/// What a node computes. The node's shape and dtype complete the description (for example
+/// `Reshape` takes its target shape from the node).
+#[derive(Clone, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+pub enum Op {
+    /// Data supplied by the user (`from_vec`): a leaf, materialised when recorded.
+    Input,
+    /// Every element equal to a constant.
+    Full(Scalar),
+    /// `start, start + 1, ...` along the single dimension (I64).
+    Arange {
+        start: i64,
+    },
+    /// Uniform on `[lo, hi)` from the counter-based generator of [`crate::rng`].
+    Rand {
+        lo: Scalar,
+        hi: Scalar,
+        seed: u64,
+    },
+    /// Standard normal from the counter-based generator.
+    Randn {
+        seed: u64,
+    },
+    Unary(UnaryOp),
+    Binary(BinaryOp),
+    /// A binary op with a scalar operand: `x op s`, or `s op x` when `scalar_first`.
+    BinaryScalar {
+        op: BinaryOp,
+        scalar: Scalar,
+        scalar_first: bool,
+    },
+    Compare(CompareOp),
+    /// `cond.select(a, b)`: inputs are cond, a, b.
+    Select,
+    /// `min(max(x, lo), hi)`.
+    Clamp {
+        lo: Scalar,
+        hi: Scalar,
+    },
+    /// Conversion to the node's dtype.
+    Cast,
+    /// Reduction along `dim`, or over all elements when `dim` is `None`.
+    Reduce {
+        op: ReduceOp,
+        dim: Option<usize>,
+        keepdim: bool,
+    },
+    /// `[.., m, k] x [.., k, n]` with broadcast batch dimensions.
+    Matmul,
+    /// Same elements, the node's shape.
+    Reshape,
+    Permute(SmallVec<[usize; 4]>),
+    /// Broadcast to the node's shape.
+    Expand,
+    Narrow {
+        dim: usize,
+        start: usize,
+        len: usize,
+    },
+    Cat {
+        dim: usize,
+    },
+    /// A contiguous copy.
+    Contiguous,
+    /// A copy to the node's device.
+    ToDevice,
+}
+
+impl Op {
+    /// Short name for dumps and messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Input => "input",
+            Op::Full(_) => "full",
+            Op::Arange { .. } => "arange",
+            Op::Rand { .. } => "rand",
+            Op::Randn { .. } => "randn",
+            Op::Unary(u) => u.name(),
+            Op::Binary(b) | Op::BinaryScalar { op: b, .. } => b.name(),
+            Op::Compare(c) => c.name(),
+            Op::Select => "select",
+            Op::Clamp { .. } => "clamp",
+            Op::Cast => "cast",
+            Op::Reduce { op, .. } => op.name(),
+            Op::Matmul => "matmul",
+            Op::Reshape => "reshape",
+            Op::Permute(_) => "permute",
+            Op::Expand => "expand",
+            Op::Narrow { .. } => "narrow",
+            Op::Cat { .. } => "cat",
+            Op::Contiguous => "contiguous",
+            Op::ToDevice => "to_device",
+        }
+    }
+
+    /// Ops that produce their value without reading any tensor.
+    pub fn is_source(&self) -> bool {
+        matches!(self, Op::Input | Op::Full(_) | Op::Arange { .. } | Op::Rand { .. } | Op::Randn { .. })
+    }
+
+    /// Elementwise ops: output element `i` depends only on input elements at the same
+    /// (broadcast) position. These are what fusion chains.
+    pub fn is_elementwise(&self) -> bool {
+        matches!(
+            self,
+            Op::Unary(_)
+                | Op::Binary(_)
+                | Op::BinaryScalar { .. }
+                | Op::Compare(_)
+                | Op::Select
+                | Op::Clamp { .. }
+                | Op::Cast
+        )
+    }
+
+    /// Ops that only rearrange elements.
+    pub fn is_movement(&self) -> bool {
+        matches!(self, Op::Reshape | Op::Permute(_) | Op::Expand | Op::Narrow { .. } | Op::Cat { .. } | Op::Contiguous)
+    }
+}
+
+/// The dtype an op's result has, given its first input's dtype (used by inference).
+pub fn result_dtype(op: &Op, input: DType) -> DType {
+    match op {
+        Op::Compare(_) => DType::Bool,
+        Op::Reduce { op: ReduceOp::ArgMax, .. } => DType::I64,
+        _ => input,
+    }
+}

@@ -1,0 +1,268 @@
+//! Schedule dumps: JSON schema version 1 (as fixed in the user contract), a text listing and
+//! Graphviz DOT.
+//!
+//! A [`Dump`] is built from a schedule once and is self-contained, so a dump read back from a
+//! file prints and checks exactly like the live one. This module only formats; it never
+//! changes a schedule.
+
+use crate::schedule::{BufferSource, Schedule, Space, Step};
+use braid_graph::FlushGraph;
+use serde::{Deserialize, Serialize};
+use std::fmt::Write;
+
+pub const SCHEMA_VERSION: u32 = 1;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Dump {
+    pub schema: u32,
+    pub flush: u64,
+    pub device: String,
+    pub streams: Vec<DumpStream>,
+    pub events: Vec<DumpEvent>,
+    pub buffers: Vec<DumpBuffer>,
+    pub fusion: DumpFusion,
+    #[serde(default)]
+    pub offloads: Vec<DumpOffload>,
+    pub planned_peak_bytes: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DumpStream {
+    pub id: u32,
+    pub steps: Vec<DumpStep>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum DumpStep {
+    Kernel { id: String, ops: Vec<String>, nodes: Vec<u32>, inputs: Vec<String>, outputs: Vec<String> },
+    Alloc { buffer: String },
+    Free { buffer: String, after: Vec<String> },
+    Record { event: String },
+    Wait { event: String },
+    Copy { from: String, to: String, direction: String },
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DumpEvent {
+    pub id: String,
+    pub stream: u32,
+    pub auto: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DumpBuffer {
+    pub id: String,
+    pub bytes: u64,
+    pub space: String,
+    #[serde(default)]
+    pub dtype: String,
+    /// The graph node whose value the buffer holds first.
+    #[serde(default)]
+    pub node: Option<u32>,
+    /// Whether the buffer existed before the flush.
+    #[serde(default)]
+    pub external: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DumpFusion {
+    pub kernels: u64,
+    pub fused_ops: u64,
+    pub refused: Vec<DumpRefusal>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DumpRefusal {
+    pub a: u32,
+    pub b: u32,
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DumpOffload {
+    pub buffer: String,
+    pub to: String,
+    pub back_before: String,
+}
+
+impl Dump {
+    /// Describes `schedule` (planned from `graph`) as flush number `flush` on `device`.
+    pub fn new(schedule: &Schedule, graph: &FlushGraph, flush: u64, device: &str) -> Dump {
+        let node_id = |i: usize| graph.nodes[i].id.index() as u32;
+        let streams = schedule
+            .streams
+            .iter()
+            .map(|st| DumpStream {
+                id: st.stream.0,
+                steps: st
+                    .steps
+                    .iter()
+                    .map(|step| match step {
+                        Step::Kernel(k) => {
+                            let plan = &schedule.kernels[k.index()];
+                            let seg = &schedule.fusion.segments[plan.segment];
+                            DumpStep::Kernel {
+                                id: k.to_string(),
+                                ops: seg.nodes.iter().map(|&n| graph.nodes[n].op.name().to_string()).collect(),
+                                nodes: seg.nodes.iter().map(|&n| node_id(n)).collect(),
+                                inputs: plan.inputs.iter().map(|b| b.to_string()).collect(),
+                                outputs: plan.outputs.iter().map(|b| b.to_string()).collect(),
+                            }
+                        }
+                        Step::Alloc(b) => DumpStep::Alloc { buffer: b.to_string() },
+                        Step::Free { buffer, after } => DumpStep::Free {
+                            buffer: buffer.to_string(),
+                            after: after.iter().map(|e| e.to_string()).collect(),
+                        },
+                        Step::Record(e) => DumpStep::Record { event: e.to_string() },
+                        Step::Wait(e) => DumpStep::Wait { event: e.to_string() },
+                    })
+                    .collect(),
+            })
+            .collect();
+        Dump {
+            schema: SCHEMA_VERSION,
+            flush,
+            device: device.to_string(),
+            streams,
+            events: schedule
+                .events
+                .iter()
+                .map(|e| DumpEvent { id: e.id.to_string(), stream: e.stream.0, auto: e.auto })
+                .collect(),
+            buffers: schedule
+                .buffers
+                .iter()
+                .map(|b| DumpBuffer {
+                    id: b.id.to_string(),
+                    bytes: b.bytes as u64,
+                    space: match b.space {
+                        Space::Device => "device",
+                        Space::Host => "host",
+                    }
+                    .to_string(),
+                    dtype: b.dtype.name().to_string(),
+                    node: Some(match b.source {
+                        BufferSource::External(e) => graph.externals[e].id.index() as u32,
+                        BufferSource::Value(n) => node_id(n),
+                    }),
+                    external: matches!(b.source, BufferSource::External(_)),
+                })
+                .collect(),
+            fusion: DumpFusion {
+                kernels: schedule.kernels.len() as u64,
+                fused_ops: schedule.fusion.fused_ops() as u64,
+                refused: schedule
+                    .fusion
+                    .refused
+                    .iter()
+                    .map(|r| DumpRefusal { a: node_id(r.a), b: node_id(r.b), reason: r.reason.clone() })
+                    .collect(),
+            },
+            offloads: Vec::new(),
+            planned_peak_bytes: schedule.planned_peak_bytes,
+        }
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a dump always serialises")
+    }
+
+    /// Reads a dump back; the error says what is wrong (not JSON, another schema, a missing
+    /// field).
+    pub fn from_json(text: &str) -> Result<Dump, String> {
+        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+        match value.get("schema").and_then(|s| s.as_u64()) {
+            Some(v) if v == SCHEMA_VERSION as u64 => {}
+            Some(v) => {
+                return Err(format!("schema version {v} is not supported (this braid reads version {SCHEMA_VERSION})"));
+            }
+            None => return Err("not a braid schedule dump: no \"schema\" field".into()),
+        }
+        serde_json::from_value(value).map_err(|e| format!("malformed schedule dump: {e}"))
+    }
+
+    pub fn kernel_count(&self) -> usize {
+        self.fusion.kernels as usize
+    }
+
+    /// One line per step, stream after stream.
+    pub fn to_text(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "flush {} on {}: {} stream(s), {} kernel(s) for {} op(s), {} event(s), {} buffer(s), planned peak {} B",
+            self.flush,
+            self.device,
+            self.streams.len(),
+            self.fusion.kernels,
+            self.fusion.fused_ops,
+            self.events.len(),
+            self.buffers.len(),
+            self.planned_peak_bytes
+        );
+        for st in &self.streams {
+            let _ = writeln!(s, "stream {}:", st.id);
+            for step in &st.steps {
+                let _ = writeln!(s, "  {}", step_text(step, &self.buffers));
+            }
+        }
+        for r in &self.fusion.refused {
+            let _ = writeln!(s, "not fused: n{} | n{}: {}", r.a, r.b, r.reason);
+        }
+        s
+    }
+
+    /// Graphviz DOT: one cluster per stream with its steps in order; events as dashed edges
+    /// from the record to each wait.
+    pub fn to_dot(&self) -> String {
+        let mut s = String::from("digraph schedule {\n  rankdir=TB;\n  node [shape=box, fontname=monospace];\n");
+        let mut records = Vec::new();
+        let mut waits = Vec::new();
+        for st in &self.streams {
+            let _ = writeln!(s, "  subgraph cluster_s{} {{\n    label=\"stream {}\";", st.id, st.id);
+            for (i, step) in st.steps.iter().enumerate() {
+                let name = format!("s{}_{}", st.id, i);
+                let label = step_text(step, &self.buffers).replace('"', "'");
+                let _ = writeln!(s, "    {name} [label=\"{label}\"];");
+                if i > 0 {
+                    let _ = writeln!(s, "    s{}_{} -> {name};", st.id, i - 1);
+                }
+                match step {
+                    DumpStep::Record { event } => records.push((event.clone(), name)),
+                    DumpStep::Wait { event } => waits.push((event.clone(), name)),
+                    DumpStep::Free { after, .. } => waits.extend(after.iter().map(|e| (e.clone(), name.clone()))),
+                    _ => {}
+                }
+            }
+            s.push_str("  }\n");
+        }
+        for (event, from) in &records {
+            for (_, to) in waits.iter().filter(|(e, _)| e == event) {
+                let _ = writeln!(s, "  {from} -> {to} [style=dashed, label=\"{event}\"];");
+            }
+        }
+        s.push_str("}\n");
+        s
+    }
+}
+
+fn step_text(step: &DumpStep, buffers: &[DumpBuffer]) -> String {
+    let bytes = |b: &str| buffers.iter().find(|x| x.id == b).map_or(0, |x| x.bytes);
+    match step {
+        DumpStep::Kernel { id, ops, nodes, inputs, outputs } => format!(
+            "{id} {} [{}] {} -> {}",
+            ops.join("+"),
+            nodes.iter().map(|n| format!("n{n}")).collect::<Vec<_>>().join(" "),
+            inputs.join(" "),
+            outputs.join(" ")
+        ),
+        DumpStep::Alloc { buffer } => format!("alloc {buffer} ({} B)", bytes(buffer)),
+        DumpStep::Free { buffer, after } if after.is_empty() => format!("free {buffer}"),
+        DumpStep::Free { buffer, after } => format!("free {buffer} after {}", after.join(" ")),
+        DumpStep::Record { event } => format!("record {event}"),
+        DumpStep::Wait { event } => format!("wait {event}"),
+        DumpStep::Copy { from, to, direction } => format!("copy {from} -> {to} ({direction})"),
+    }
+}

@@ -1,0 +1,16 @@
+//! # braid-scheduler: from a flush graph to a schedule
+//!
+//! Given the subgraph of a flush and its fusion segments, decides what runs on which stream in
+//! which order, where events go, which buffer holds each value and when it is freed, and how
+//! many bytes that needs at the peak. The result is a [`Schedule`], which devices execute and
+//! [`dump`] prints. The scheduler never touches device memory and never runs kernels.
+
+pub mod dump;
+pub mod plan;
+pub mod schedule;
+
+pub use dump::Dump;
+pub use plan::plan;
+pub use schedule::{
+    BufferId, BufferPlan, BufferSource, EventId, EventPlan, KernelId, KernelPlan, Schedule, Space, Step, StreamSchedule,
+};

@@ -1,0 +1,121 @@
+//! The `Schedule`: what a flush will do, step by step, on each stream.
+//!
+//! Plain data produced by the planner and consumed by devices (which execute it), the
+//! validator and the dumps. It names buffers, kernels and events by small integers; it holds
+//! no device resources.
+
+use braid_fusion::Fusion;
+use braid_graph::{DType, StreamId};
+use std::fmt;
+
+macro_rules! id_type {
+    ($name:ident, $prefix:literal) => {
+        #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
+        pub struct $name(pub u32);
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, concat!($prefix, "{}"), self.0)
+            }
+        }
+        impl $name {
+            pub fn index(self) -> usize {
+                self.0 as usize
+            }
+        }
+    };
+}
+
+id_type!(BufferId, "b");
+id_type!(KernelId, "k");
+id_type!(EventId, "e");
+
+/// Where a buffer lives.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Space {
+    /// The device's (budgeted) memory.
+    Device,
+    /// Host memory used for offloads.
+    Host,
+}
+
+/// What a buffer holds when the flush starts or when it is first written.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum BufferSource {
+    /// `FlushGraph::externals[i]`, already materialised.
+    External(usize),
+    /// The value of `FlushGraph::nodes[i]`, written by a kernel of this flush.
+    Value(usize),
+}
+
+#[derive(Clone, Debug)]
+pub struct BufferPlan {
+    pub id: BufferId,
+    pub dtype: DType,
+    /// Length in elements.
+    pub len: usize,
+    pub bytes: usize,
+    pub space: Space,
+    pub source: BufferSource,
+}
+
+#[derive(Clone, Debug)]
+pub struct KernelPlan {
+    pub id: KernelId,
+    pub stream: StreamId,
+    /// Index into `fusion.segments`.
+    pub segment: usize,
+    /// Input buffers, in the order of the segment's inputs (the kernel's input arguments).
+    pub inputs: Vec<BufferId>,
+    /// Output buffers, in the order of the segment's outputs.
+    pub outputs: Vec<BufferId>,
+}
+
+#[derive(Clone, Debug)]
+pub struct EventPlan {
+    pub id: EventId,
+    pub stream: StreamId,
+    /// Inserted by braid (a cross-stream read) rather than recorded by the user.
+    pub auto: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Run a kernel.
+    Kernel(KernelId),
+    /// Take a buffer from the pool.
+    Alloc(BufferId),
+    /// Give a buffer back once every listed event has been reached.
+    Free { buffer: BufferId, after: Vec<EventId> },
+    /// Mark a point in this stream's order.
+    Record(EventId),
+    /// Wait until an event (of another stream) is reached.
+    Wait(EventId),
+}
+
+#[derive(Clone, Debug)]
+pub struct StreamSchedule {
+    pub stream: StreamId,
+    pub steps: Vec<Step>,
+}
+
+/// The plan of one flush on one device.
+#[derive(Clone, Debug, Default)]
+pub struct Schedule {
+    pub streams: Vec<StreamSchedule>,
+    pub buffers: Vec<BufferPlan>,
+    pub kernels: Vec<KernelPlan>,
+    pub events: Vec<EventPlan>,
+    pub fusion: Fusion,
+    /// Buffer of each external value (`FlushGraph::externals[i]`).
+    pub external_buffers: Vec<BufferId>,
+    /// Values that outlive the flush: (flush node, buffer holding it at the end).
+    pub outputs: Vec<(usize, BufferId)>,
+    /// Highest total of bytes allocated by this flush that are alive at once.
+    pub planned_peak_bytes: u64,
+}
+
+impl Schedule {
+    pub fn kernel_count(&self) -> usize {
+        self.kernels.len()
+    }
+}

@@ -1,0 +1,63 @@
+//! The `braid` command: tools around the engine.
+//!
+//! `braid inspect FILE.json` prints a summary of a schedule dump (written with
+//! `BRAID_DUMP=DIR`).
+
+use braid::ScheduleDump;
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "braid", version, about = "Tools for the braid tensor engine")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Summarise a schedule dump (flush-NNNNNN.json).
+    Inspect {
+        /// The dump file.
+        file: std::path::PathBuf,
+        /// Also print the full step listing.
+        #[arg(long)]
+        steps: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    match Cli::parse().command {
+        Command::Inspect { file, steps } => match inspect(&file, steps) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("braid inspect: {}: {e}", file.display());
+                ExitCode::FAILURE
+            }
+        },
+    }
+}
+
+fn inspect(file: &std::path::Path, steps: bool) -> Result<(), String> {
+    let text = std::fs::read_to_string(file).map_err(|e| format!("cannot read: {e}"))?;
+    let dump = ScheduleDump::from_json(&text)?;
+    let d = dump.dump();
+    println!("flush {} on {}", d.flush, d.device);
+    println!("streams: {}", d.streams.len());
+    for s in &d.streams {
+        let kernels = s.steps.iter().filter(|st| matches!(st, braid_scheduler::dump::DumpStep::Kernel { .. })).count();
+        println!("  stream {}: {} steps, {} kernels", s.id, s.steps.len(), kernels);
+    }
+    println!("kernels: {} ({} ops)", d.fusion.kernels, d.fusion.fused_ops);
+    println!("events: {} ({} automatic)", d.events.len(), d.events.iter().filter(|e| e.auto).count());
+    println!("buffers: {} ({} bytes)", d.buffers.len(), d.buffers.iter().map(|b| b.bytes).sum::<u64>());
+    println!("planned peak: {} bytes", d.planned_peak_bytes);
+    println!("fusion refusals: {}", d.fusion.refused.len());
+    for r in &d.fusion.refused {
+        println!("  n{} | n{}: {}", r.a, r.b, r.reason);
+    }
+    if steps {
+        print!("{}", d.to_text());
+    }
+    Ok(())
+}

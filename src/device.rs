@@ -1,0 +1,168 @@
+//! Devices as users see them: a cheap shared handle over a runtime from `braid-devices`, with
+//! its random-number state and the schedule of its latest flush.
+
+use crate::dump::ScheduleDump;
+use crate::engine;
+use crate::error::{Error, Result};
+use braid_devices::{Backend, cpu::CpuDevice};
+use braid_graph::{DeviceId, rng};
+use std::fmt;
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
+
+pub use braid_devices::MemoryStats;
+
+/// A device that tensors live on and work runs on. Cheap to clone; clones are the same device.
+#[derive(Clone)]
+pub struct Device(pub(crate) Arc<DeviceInner>);
+
+pub(crate) struct DeviceInner {
+    pub(crate) id: DeviceId,
+    pub(crate) backend: Arc<dyn Backend>,
+    rng: Mutex<RngState>,
+    pub(crate) last_schedule: Mutex<Option<ScheduleDump>>,
+}
+
+struct RngState {
+    seed: u64,
+    calls: u64,
+}
+
+/// Every device ever created, indexed by `DeviceId` (devices live for the whole program).
+static REGISTRY: Mutex<Vec<Device>> = Mutex::new(Vec::new());
+
+static CPU: LazyLock<Device> = LazyLock::new(|| {
+    crate::init_logging_from_env();
+    Device::register(Arc::new(CpuDevice::new()))
+});
+
+/// Locks a mutex whose data stays consistent even if a holder panicked (braid never panics
+/// while holding one in the middle of an update).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Device {
+    fn register(backend: Arc<dyn Backend>) -> Device {
+        let mut reg = lock(&REGISTRY);
+        let device = Device(Arc::new(DeviceInner {
+            id: DeviceId(reg.len() as u32),
+            backend,
+            rng: Mutex::new(RngState { seed: 0, calls: 0 }),
+            last_schedule: Mutex::new(None),
+        }));
+        reg.push(device.clone());
+        device
+    }
+
+    pub(crate) fn by_id(id: DeviceId) -> Device {
+        lock(&REGISTRY)[id.0 as usize].clone()
+    }
+
+    /// The CPU: always available, and the same device on every call.
+    pub fn cpu() -> Device {
+        CPU.clone()
+    }
+
+    /// A CUDA GPU. This build of braid has no CUDA backend yet, so this is always an `Err`
+    /// (never a panic).
+    pub fn cuda(ordinal: usize) -> Result<Device> {
+        Err(Error::Unavailable(format!(
+            "cuda:{ordinal} is unavailable: this build of braid has no CUDA backend (use Device::cpu())"
+        )))
+    }
+
+    /// The first wgpu adapter. This build of braid has no wgpu backend yet, so this is always
+    /// an `Err`.
+    pub fn wgpu() -> Result<Device> {
+        Err(Error::Unavailable(
+            "wgpu is unavailable: this build of braid has no wgpu backend (use Device::cpu())".into(),
+        ))
+    }
+
+    /// The device named by `BRAID_DEVICE` (`cpu`, `cuda`, `cuda:N`, `wgpu`); `cpu` when unset.
+    pub fn from_env() -> Result<Device> {
+        let value = std::env::var("BRAID_DEVICE").unwrap_or_default();
+        let v = value.trim().to_ascii_lowercase();
+        match v.as_str() {
+            "" | "cpu" => Ok(Device::cpu()),
+            "cuda" => Device::cuda(0),
+            "wgpu" => Device::wgpu(),
+            _ => match v.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(n)) => Device::cuda(n),
+                _ => Err(Error::Environment {
+                    name: "BRAID_DEVICE",
+                    value,
+                    reason: "expected cpu, cuda, cuda:N or wgpu".into(),
+                }),
+            },
+        }
+    }
+
+    /// The device's name (`cpu`, ...).
+    pub fn name(&self) -> String {
+        self.0.backend.name()
+    }
+
+    /// Seeds `rand`/`randn` on this device: the same seed and the same sequence of calls give
+    /// the same numbers. The initial seed is 0.
+    pub fn seed(&self, seed: u64) {
+        *lock(&self.0.rng) = RngState { seed, calls: 0 };
+    }
+
+    /// The seed for the next random tensor (one per call, so results do not depend on how
+    /// the work is split).
+    pub(crate) fn next_seed(&self) -> u64 {
+        let mut st = lock(&self.0.rng);
+        st.calls += 1;
+        rng::bits(st.seed, st.calls)
+    }
+
+    /// Flushes everything recorded for this device and waits for it.
+    pub fn sync(&self) -> Result<()> {
+        engine::flush_device(Some(self.0.id))
+    }
+
+    /// Memory of this device's pool: bytes in live buffers, the peak since the last reset, and
+    /// bytes reserved from the system.
+    pub fn memory(&self) -> MemoryStats {
+        self.0.backend.memory()
+    }
+
+    pub fn reset_peak(&self) {
+        self.0.backend.reset_peak()
+    }
+
+    /// Kernels this device has run since the program started (each fused segment counts once).
+    pub fn kernels_launched(&self) -> u64 {
+        self.0.backend.kernels_launched()
+    }
+
+    /// The schedule of the most recent flush on this device.
+    pub fn last_schedule(&self) -> Option<ScheduleDump> {
+        lock(&self.0.last_schedule).clone()
+    }
+
+    /// Returns cached free memory to the system (the pool keeps freed chunks for reuse).
+    pub fn trim_memory(&self) {
+        self.0.backend.trim()
+    }
+}
+
+impl PartialEq for Device {
+    fn eq(&self, other: &Device) -> bool {
+        self.0.id == other.0.id
+    }
+}
+impl Eq for Device {}
+
+impl fmt::Debug for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Device({})", self.name())
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.name())
+    }
+}

@@ -1,0 +1,117 @@
+//! Inspecting scheduled graphs: [`ScheduleDump`] (what `device.last_schedule()` returns),
+//! dump files (`BRAID_DUMP=DIR` or [`set_dir`]) and the recorded graph as DOT.
+//!
+//! Building the text of a dump costs time, so a flush only keeps what it planned; the JSON,
+//! text and DOT are produced when first asked for.
+
+use crate::device::lock;
+use braid_graph::FlushGraph;
+use braid_scheduler::{Dump, Schedule};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// The schedule of one flush, as a value: JSON (schema version 1), text and DOT.
+#[derive(Clone)]
+pub struct ScheduleDump(Arc<Source>);
+
+struct Source {
+    live: Option<(Arc<Schedule>, Arc<FlushGraph>, u64, String)>,
+    built: OnceLock<Dump>,
+}
+
+impl ScheduleDump {
+    pub(crate) fn live(schedule: Arc<Schedule>, graph: Arc<FlushGraph>, flush: u64, device: String) -> ScheduleDump {
+        ScheduleDump(Arc::new(Source { live: Some((schedule, graph, flush, device)), built: OnceLock::new() }))
+    }
+
+    /// Reads a dump written as JSON (for example by `BRAID_DUMP`); the error says what is
+    /// wrong with the text.
+    pub fn from_json(text: &str) -> Result<ScheduleDump, String> {
+        let dump = Dump::from_json(text)?;
+        Ok(ScheduleDump(Arc::new(Source { live: None, built: OnceLock::from(dump) })))
+    }
+
+    /// The dump as data (the JSON schema's fields).
+    pub fn dump(&self) -> &Dump {
+        self.0.built.get_or_init(|| {
+            let (schedule, graph, flush, device) = self.0.live.as_ref().expect("a loaded dump is built already");
+            Dump::new(schedule, graph, *flush, device)
+        })
+    }
+
+    pub fn to_json(&self) -> String {
+        self.dump().to_json()
+    }
+
+    pub fn to_text(&self) -> String {
+        self.dump().to_text()
+    }
+
+    pub fn to_dot(&self) -> String {
+        self.dump().to_dot()
+    }
+
+    /// The flush's sequence number (as in the file name `flush-NNNNNN`).
+    pub fn flush(&self) -> u64 {
+        self.dump().flush
+    }
+
+    /// Kernels this flush ran.
+    pub fn kernel_count(&self) -> usize {
+        match &self.0.live {
+            Some((s, ..)) => s.kernel_count(),
+            None => self.dump().kernel_count(),
+        }
+    }
+
+    /// Bytes of the highest simultaneous allocation the plan makes.
+    pub fn planned_peak_bytes(&self) -> u64 {
+        match &self.0.live {
+            Some((s, ..)) => s.planned_peak_bytes,
+            None => self.dump().planned_peak_bytes,
+        }
+    }
+}
+
+impl std::fmt::Debug for ScheduleDump {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ScheduleDump(flush {}, {} kernels)", self.flush(), self.kernel_count())
+    }
+}
+
+/// `Some(dir)` set by [`set_dir`]; `None` inside means "explicitly off".
+static DIR_OVERRIDE: Mutex<Option<Option<PathBuf>>> = Mutex::new(None);
+
+/// Makes every flush write `DIR/flush-NNNNNN.{json,txt,dot}` (`None` turns it off). Overrides
+/// `BRAID_DUMP`.
+pub fn set_dir(dir: Option<PathBuf>) {
+    *lock(&DIR_OVERRIDE) = Some(dir);
+}
+
+/// Where this flush's dump goes: [`set_dir`]'s choice, else `BRAID_DUMP` (read now).
+pub(crate) fn dir() -> Option<PathBuf> {
+    if let Some(choice) = lock(&DIR_OVERRIDE).clone() {
+        return choice;
+    }
+    std::env::var_os("BRAID_DUMP").filter(|v| !v.is_empty()).map(PathBuf::from)
+}
+
+/// Writes the three files of a dump; failures are logged, never fatal (a dump must not break
+/// the computation it describes).
+pub(crate) fn write_files(dir: &std::path::Path, dump: &ScheduleDump) {
+    let stem = dir.join(format!("flush-{:06}", dump.flush()));
+    let result = std::fs::create_dir_all(dir).and_then(|_| {
+        std::fs::write(stem.with_extension("json"), dump.to_json())?;
+        std::fs::write(stem.with_extension("txt"), dump.to_text())?;
+        std::fs::write(stem.with_extension("dot"), dump.to_dot())
+    });
+    if let Err(e) = result {
+        tracing::warn!(target: "braid::dump", "could not write {}: {e}", stem.display());
+    }
+}
+
+/// The whole recorded graph (pending and materialised nodes that are still alive) as Graphviz
+/// DOT.
+pub fn recorded_graph_dot() -> String {
+    crate::engine::recorded_graph_dot()
+}

@@ -1,0 +1,271 @@
+//! Flushing: pick the pending subgraph a read needs, plan it, run it, install the results.
+//!
+//! The pipeline of a flush: walk back from the requested nodes through pending inputs (under
+//! the graph lock), mark them in flight, then without the lock: fusion -> scheduler -> lowering
+//! -> device. Then, under the lock again, kept values become ready and everything else is
+//! released. If the device fails, the nodes become pending again (no work is lost) and the
+//! error goes to the reader.
+
+use super::{State, Ticket, Value, collect, device_error, state};
+use crate::device::{Device, lock};
+use crate::dump::{self, ScheduleDump};
+use crate::error::{Error, Result};
+use braid_devices::{Buffer, Job};
+use braid_graph::{DeviceId, External, FlushGraph, FlushNode, NodeId, ValueRef};
+use braid_lowering::{Kernel, lower_segment};
+use braid_scheduler::KernelId;
+use hashbrown::{HashMap, HashSet};
+use smallvec::SmallVec;
+use std::sync::Arc;
+
+/// An input of a flush that exists before it: on the device already, or host data to upload.
+enum ExternalData {
+    Device(Buffer),
+    Host(Arc<[u8]>),
+}
+
+/// What one flush took out of the graph.
+struct Extracted {
+    graph: FlushGraph,
+    externals: Vec<ExternalData>,
+    device: Device,
+    ticket: Arc<Ticket>,
+    number: u64,
+}
+
+/// Computes the pending nodes among `targets` and everything pending they need; waits for
+/// work other threads already started. Returns once the values are ready.
+pub(crate) fn flush_nodes(targets: &[NodeId]) -> Result<()> {
+    loop {
+        let mut st = state();
+        let (order, waits) = walk(&st, targets);
+        if !waits.is_empty() {
+            drop(st);
+            for t in waits {
+                // Failed work reverts to pending and is picked up by the next walk.
+                let _ = t.wait();
+            }
+            continue;
+        }
+        if order.is_empty() {
+            return Ok(());
+        }
+        let extracted = extract(&mut st, &order)?;
+        drop(st);
+        return run(extracted);
+    }
+}
+
+/// Flushes everything pending (on `device`, or everywhere) and waits for work in flight there.
+pub(crate) fn flush_device(device: Option<DeviceId>) -> Result<()> {
+    let on = |d: DeviceId| device.is_none_or(|x| x == d);
+    let (targets, tickets): (Vec<NodeId>, Vec<Arc<Ticket>>) = {
+        let st = state();
+        let mut targets = Vec::new();
+        let mut tickets = Vec::new();
+        for id in st.graph.node_ids() {
+            let n = st.graph.node(id);
+            if !on(n.device) {
+                continue;
+            }
+            match &n.value {
+                None => targets.push(id),
+                Some(Value::InFlight(t)) => tickets.push(t.clone()),
+                Some(Value::Ready(_) | Value::Host(_)) => {}
+            }
+        }
+        (targets, tickets)
+    };
+    let result = flush_nodes(&targets);
+    for t in tickets {
+        let _ = t.wait();
+    }
+    result
+}
+
+/// Pending nodes needed by `targets`, inputs first, and tickets of in-flight inputs.
+fn walk(st: &State, targets: &[NodeId]) -> (Vec<NodeId>, Vec<Arc<Ticket>>) {
+    let mut order = Vec::new();
+    let mut waits: Vec<Arc<Ticket>> = Vec::new();
+    let mut visited: HashSet<NodeId> = HashSet::new();
+    let mut stack: Vec<(NodeId, bool)> = Vec::new();
+    for &t in targets {
+        match st.graph.contains(t).then(|| &st.graph.node(t).value) {
+            Some(None) => stack.push((t, false)),
+            Some(Some(Value::InFlight(ticket))) => waits.push(ticket.clone()),
+            _ => {}
+        }
+    }
+    while let Some((id, expanded)) = stack.pop() {
+        if expanded {
+            order.push(id);
+            continue;
+        }
+        if !visited.insert(id) {
+            continue;
+        }
+        stack.push((id, true));
+        for p in st.graph.predecessors(id) {
+            // Ready values and host data are inputs of the flush; pending ones join it.
+            match &st.graph.node(p).value {
+                None if !visited.contains(&p) => stack.push((p, false)),
+                Some(Value::InFlight(t)) if !waits.iter().any(|w| Arc::ptr_eq(w, t)) => waits.push(t.clone()),
+                _ => {}
+            }
+        }
+    }
+    (order, waits)
+}
+
+/// Builds the flush graph of `order` and marks its nodes in flight.
+fn extract(st: &mut State, order: &[NodeId]) -> Result<Extracted> {
+    let index: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
+    let device_id = st.graph.node(order[0]).device;
+    let mut graph = FlushGraph { nodes: Vec::with_capacity(order.len()), externals: Vec::new() };
+    let mut externals = Vec::new();
+    let mut external_index: HashMap<NodeId, usize> = HashMap::new();
+    for &id in order {
+        let n = st.graph.node(id);
+        if n.device != device_id {
+            return Err(Error::Unavailable("a flush spanning two devices needs the multi-device scheduler".into()));
+        }
+        let mut inputs: SmallVec<[ValueRef; 2]> = SmallVec::new();
+        for p in st.graph.inputs(id) {
+            inputs.push(match index.get(&p) {
+                Some(&i) => ValueRef::Node(i),
+                None => {
+                    let next = external_index.len();
+                    let e = *external_index.entry(p).or_insert(next);
+                    if e == next {
+                        let pn = st.graph.node(p);
+                        externals.push(match &pn.value {
+                            Some(Value::Ready(buffer)) => ExternalData::Device(buffer.clone()),
+                            Some(Value::Host(bytes)) => ExternalData::Host(bytes.clone()),
+                            _ => unreachable!("walk waits for in-flight inputs and takes pending ones"),
+                        });
+                        graph.externals.push(External {
+                            id: p,
+                            dtype: pn.dtype,
+                            shape: pn.shape.clone(),
+                            device: pn.device,
+                            stream: pn.stream,
+                        });
+                    }
+                    ValueRef::External(e)
+                }
+            });
+        }
+        let after = st.graph.control_inputs(id).filter_map(|p| index.get(&p).copied()).collect();
+        let keep = n.handles > 0 || st.graph.successors(id).any(|s| !index.contains_key(&s));
+        graph.nodes.push(FlushNode {
+            id,
+            op: n.op.clone(),
+            dtype: n.dtype,
+            shape: n.shape.clone(),
+            device: n.device,
+            stream: n.stream,
+            inputs,
+            after,
+            keep,
+        });
+    }
+    let ticket = Arc::new(Ticket::default());
+    for &id in order {
+        st.graph.node_mut(id).value = Some(Value::InFlight(ticket.clone()));
+    }
+    st.pending -= order.len();
+    st.flushes += 1;
+    debug_assert!(graph.is_topological());
+    Ok(Extracted { graph, externals, device: Device::by_id(device_id), ticket, number: st.flushes })
+}
+
+/// Plans and executes an extracted flush, then installs its results.
+fn run(ex: Extracted) -> Result<()> {
+    let _span =
+        tracing::debug_span!(target: "braid::flush", "flush", n = ex.number, nodes = ex.graph.nodes.len()).entered();
+    let graph = Arc::new(ex.graph);
+    let schedule = {
+        let _s = tracing::debug_span!(target: "braid::flush", "schedule").entered();
+        let fusion = braid_fusion::segment(&graph);
+        Arc::new(braid_scheduler::plan(&graph, fusion))
+    };
+    let kernels: Vec<Kernel> =
+        schedule.kernels.iter().map(|k| lower_segment(&graph, &schedule.fusion.segments[k.segment])).collect();
+    let label = |k: KernelId| {
+        let seg = &schedule.fusion.segments[schedule.kernels[k.index()].segment];
+        let ops: Vec<&str> = seg.nodes.iter().map(|&n| graph.nodes[n].op.name()).collect();
+        let nodes: Vec<String> = seg.nodes.iter().map(|&n| format!("n{}", graph.nodes[n].id.index())).collect();
+        format!("{k} {} [{}]", ops.join("+"), nodes.join(" "))
+    };
+    // Host data goes to the device first; those leaves then keep the device copy.
+    let backend = &ex.device.0.backend;
+    let mut uploaded: Vec<(NodeId, Buffer)> = Vec::new();
+    let externals: Result<Vec<Buffer>, _> = ex
+        .externals
+        .iter()
+        .zip(&graph.externals)
+        .map(|(data, meta)| match data {
+            ExternalData::Device(b) => Ok(b.clone()),
+            ExternalData::Host(bytes) => {
+                let b = backend.upload(bytes)?;
+                uploaded.push((meta.id, b.clone()));
+                Ok(b)
+            }
+        })
+        .collect();
+    let result = externals.and_then(|externals| {
+        let _s = tracing::debug_span!(target: "braid::flush", "execute", kernels = kernels.len()).entered();
+        backend.execute(Job { schedule: &schedule, kernels: &kernels, externals: &externals, label: &label })
+    });
+    drop(ex.externals);
+    let dump = ScheduleDump::live(schedule.clone(), graph.clone(), ex.number, ex.device.name());
+    if let Some(dir) = dump::dir() {
+        dump::write_files(&dir, &dump);
+    }
+    *lock(&ex.device.0.last_schedule) = Some(dump);
+
+    let mut st = state();
+    for (id, buffer) in &uploaded {
+        super::install_upload(&mut st, *id, buffer);
+    }
+    drop(uploaded);
+    let result = match result {
+        Ok(outputs) => {
+            install(&mut st, &graph, &schedule.outputs, outputs);
+            Ok(())
+        }
+        Err(e) => {
+            for n in &graph.nodes {
+                st.graph.node_mut(n.id).value = None;
+            }
+            st.pending += graph.nodes.len();
+            let ids = graph.nodes.iter().map(|n| n.id).collect();
+            collect(&mut st, ids);
+            Err(device_error(&ex.device, e))
+        }
+    };
+    drop(st);
+    ex.ticket.finish(result.clone());
+    result
+}
+
+/// Kept values become ready; every other node of the flush leaves the graph; nodes of the
+/// flush no longer need their inputs.
+fn install(st: &mut State, graph: &FlushGraph, outputs: &[(usize, braid_scheduler::BufferId)], buffers: Vec<Buffer>) {
+    let mut candidates: Vec<NodeId> = Vec::new();
+    for n in &graph.nodes {
+        candidates.extend(st.graph.detach_inputs(n.id));
+    }
+    for (&(i, _), buffer) in outputs.iter().zip(buffers) {
+        st.graph.node_mut(graph.nodes[i].id).value = Some(Value::Ready(buffer));
+    }
+    for n in &graph.nodes {
+        if !n.keep {
+            st.graph.remove(n.id);
+        } else {
+            // Its tensor may have been dropped while it was computed.
+            candidates.push(n.id);
+        }
+    }
+    collect(st, candidates);
+}

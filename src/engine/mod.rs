@@ -1,0 +1,189 @@
+//! The engine: the one recorded graph shared by every thread, recording into it, releasing
+//! what nobody can read any more, and flushing what a read needs (`flush`).
+//!
+//! Invariants kept here:
+//! - A node leaves the graph only when no tensor names it, nothing pending depends on it and
+//!   it is not being computed; so dropped, never-read tensors are never computed.
+//! - A flushed value is kept (never recomputed) while a tensor or pending work needs it.
+//! - The lock is never held while a device runs, and misuse is checked before it is taken, so
+//!   recording never waits for device work and a caught panic cannot leave the graph
+//!   half-updated.
+
+mod flush;
+
+pub(crate) use flush::{flush_device, flush_nodes};
+
+use crate::device::{Device, lock};
+use crate::error::{Error, Result};
+use braid_devices::Buffer;
+use braid_graph::{DType, Graph, Node, NodeId, Op, Shape, StreamId};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, LazyLock, Mutex};
+
+/// The value state of a node (`None` in the graph means pending).
+pub(crate) enum Value {
+    /// Host data not yet on the device (`from_vec`); uploaded by the first flush or read that
+    /// needs it, so recording never waits for the device.
+    Host(Arc<[u8]>),
+    /// Being computed by a flush; wait on the ticket.
+    InFlight(Arc<Ticket>),
+    /// Computed.
+    Ready(Buffer),
+}
+
+/// Completion of one flush: readers of its values wait here.
+#[derive(Default)]
+pub(crate) struct Ticket {
+    done: Mutex<Option<Result<()>>>,
+    cv: Condvar,
+}
+
+impl Ticket {
+    pub(crate) fn finish(&self, result: Result<()>) {
+        *lock(&self.done) = Some(result);
+        self.cv.notify_all();
+    }
+
+    pub(crate) fn wait(&self) -> Result<()> {
+        let mut done = lock(&self.done);
+        while done.is_none() {
+            done = self.cv.wait(done).unwrap_or_else(|p| p.into_inner());
+        }
+        done.clone().expect("checked")
+    }
+}
+
+pub(crate) struct State {
+    pub(crate) graph: Graph<Value>,
+    /// Nodes whose value is neither computed nor being computed.
+    pub(crate) pending: usize,
+    pub(crate) flushes: u64,
+}
+
+static STATE: LazyLock<Mutex<State>> =
+    LazyLock::new(|| Mutex::new(State { graph: Graph::new(), pending: 0, flushes: 0 }));
+
+/// Default for [`max_pending_nodes`].
+pub const DEFAULT_MAX_PENDING: usize = 32_768;
+static MAX_PENDING: AtomicUsize = AtomicUsize::new(DEFAULT_MAX_PENDING);
+
+pub(crate) fn state() -> std::sync::MutexGuard<'static, State> {
+    lock(&STATE)
+}
+
+/// Sets how many pending nodes may accumulate before recording flushes them without being
+/// asked (default [`DEFAULT_MAX_PENDING`]). `0` means no limit.
+pub fn set_max_pending_nodes(n: usize) {
+    MAX_PENDING.store(n, Ordering::Relaxed);
+}
+
+pub fn max_pending_nodes() -> usize {
+    MAX_PENDING.load(Ordering::Relaxed)
+}
+
+/// Records a node and returns it with one handle counted. `inputs` are current versions.
+pub(crate) fn record(
+    op: Op,
+    dtype: DType,
+    shape: Shape,
+    device: &Device,
+    stream: StreamId,
+    inputs: &[NodeId],
+) -> NodeId {
+    let _span = tracing::trace_span!(target: "braid::record", "record", op = op.name()).entered();
+    let mut st = state();
+    let mut node = Node::new(op, dtype, shape, device.0.id, stream);
+    node.handles = 1;
+    let id = st.graph.add(node, inputs);
+    st.pending += 1;
+    let limit = MAX_PENDING.load(Ordering::Relaxed);
+    let over = limit != 0 && st.pending > limit;
+    drop(st);
+    if over {
+        // The new node has its handle counted, so the flush keeps it.
+        if let Err(e) = flush_device(None) {
+            tracing::warn!(target: "braid::flush", "automatic flush failed (the read will report it): {e}");
+        }
+    }
+    id
+}
+
+/// Records a leaf holding host data (`from_vec`).
+pub(crate) fn record_host(dtype: DType, shape: Shape, device: &Device, bytes: Arc<[u8]>) -> NodeId {
+    let mut node = Node::new(Op::Input, dtype, shape, device.0.id, StreamId(0));
+    node.handles = 1;
+    node.value = Some(Value::Host(bytes));
+    state().graph.add(node, &[])
+}
+
+/// Marks an uploaded leaf as ready (unless it is gone or was uploaded meanwhile).
+pub(crate) fn install_upload(st: &mut State, id: NodeId, buffer: &Buffer) {
+    if st.graph.contains(id) && matches!(st.graph.node(id).value, Some(Value::Host(_))) {
+        st.graph.node_mut(id).value = Some(Value::Ready(buffer.clone()));
+    }
+}
+
+/// Drops one handle of `id` and releases whatever that makes unreachable.
+pub(crate) fn release(id: NodeId) {
+    let mut st = state();
+    st.graph.node_mut(id).handles -= 1;
+    collect(&mut st, vec![id]);
+}
+
+/// Removes every node reachable from `candidates` (towards inputs) that nobody can read any
+/// more: no handle, no dependent node, not in flight. Freed buffers go back to their pool.
+pub(crate) fn collect(st: &mut State, mut candidates: Vec<NodeId>) {
+    while let Some(id) = candidates.pop() {
+        if !st.graph.contains(id) {
+            continue;
+        }
+        let node = st.graph.node(id);
+        if node.handles > 0 || matches!(node.value, Some(Value::InFlight(_))) || st.graph.has_successors(id) {
+            continue;
+        }
+        candidates.extend(st.graph.predecessors(id));
+        let node = st.graph.remove(id).expect("checked");
+        if node.value.is_none() {
+            st.pending -= 1;
+        }
+    }
+}
+
+/// The value of `id`, computing it first if needed.
+pub(crate) fn materialize(id: impl Fn() -> NodeId) -> Result<Buffer> {
+    loop {
+        let st = state();
+        let node_id = id();
+        match &st.graph.node(node_id).value {
+            Some(Value::Ready(b)) => return Ok(b.clone()),
+            Some(Value::Host(bytes)) => {
+                let bytes = bytes.clone();
+                let device = Device::by_id(st.graph.node(node_id).device);
+                drop(st);
+                let buffer = device.0.backend.upload(&bytes).map_err(|e| device_error(&device, e))?;
+                install_upload(&mut state(), node_id, &buffer);
+                return Ok(buffer);
+            }
+            Some(Value::InFlight(t)) => {
+                let t = t.clone();
+                drop(st);
+                // A failed flush reverts its nodes to pending; the loop then computes them
+                // here and reports this thread's own error.
+                let _ = t.wait();
+            }
+            None => {
+                drop(st);
+                flush_nodes(&[node_id])?;
+            }
+        }
+    }
+}
+
+pub(crate) fn recorded_graph_dot() -> String {
+    state().graph.to_dot(None)
+}
+
+/// Converts a device failure into the public error.
+pub(crate) fn device_error(device: &Device, e: braid_devices::DeviceError) -> Error {
+    Error::Device { device: device.name(), source: e }
+}

@@ -1,0 +1,35 @@
+//! Errors returned at run time (reads, syncs, device creation). Misuse at recording time is a
+//! panic at the caller's line instead (see the crate docs).
+
+use braid_devices::DeviceError;
+use braid_graph::{DType, Shape};
+
+/// A run-time failure. The engine stays usable after any of them.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Error {
+    /// `to_vec::<T>()` / `item::<T>()` with a `T` that is not the tensor's dtype.
+    #[error("dtype mismatch: the tensor holds {tensor}, but {requested} was requested (convert with to_dtype first)")]
+    DTypeMismatch { tensor: DType, requested: DType },
+    /// `item()` on a tensor that does not have exactly one element.
+    #[error("item() needs exactly one element, but the tensor has shape {shape} ({numel} elements)")]
+    NotAScalar { shape: Shape, numel: usize },
+    /// A device could not do what a flush asked (out of memory, a failed kernel, ...).
+    #[error("device {device}: {source}")]
+    Device {
+        device: String,
+        #[source]
+        source: DeviceError,
+    },
+    /// A backend that is not compiled in, or hardware that is absent.
+    #[error("{0}")]
+    Unavailable(String),
+    /// A `BRAID_*` environment variable with a value braid does not understand.
+    #[error("environment variable {name}={value:?}: {reason}")]
+    Environment { name: &'static str, value: String, reason: String },
+    /// A wait that can never finish, reported instead of hanging.
+    #[error("deadlock avoided: {0}")]
+    Deadlock(String),
+}
+
+/// `Result` with braid's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

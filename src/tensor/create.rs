@@ -1,0 +1,90 @@
+//! Creating tensors: from host data, constants, ranges and random numbers.
+
+use super::{Tensor, misuse};
+use crate::device::Device;
+use crate::engine;
+use braid_graph::{DType, Element, Op, Scalar, Shape};
+
+impl Tensor {
+    /// A tensor holding `data` (row-major) with `shape`. The data moves to the device when a
+    /// flush first needs it.
+    ///
+    /// ```
+    /// use braid::prelude::*;
+    /// let t = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], [2, 2], &Device::cpu());
+    /// assert_eq!(t.dims(), &[2, 2]);
+    /// ```
+    #[track_caller]
+    pub fn from_vec<T: Element>(data: Vec<T>, shape: impl Into<Shape>, device: &Device) -> Tensor {
+        Tensor::from_slice(&data, shape, device)
+    }
+
+    /// Like [`Tensor::from_vec`], copying from a slice.
+    #[track_caller]
+    pub fn from_slice<T: Element>(data: &[T], shape: impl Into<Shape>, device: &Device) -> Tensor {
+        let shape = shape.into();
+        if data.len() != shape.numel() {
+            misuse(
+                "from_vec",
+                &format!("{} values cannot fill shape {shape} ({} elements)", data.len(), shape.numel()),
+                &[("data", format!("{} {} values", data.len(), T::DTYPE))],
+            );
+        }
+        let mut bytes = Vec::new();
+        T::write_bytes(data, &mut bytes);
+        let id = engine::record_host(T::DTYPE, shape.clone(), device, bytes.into());
+        Tensor::from_node(id, shape, T::DTYPE, device.clone())
+    }
+
+    /// Every element equal to `value` (which must be representable in `dtype`).
+    #[track_caller]
+    pub fn full(shape: impl Into<Shape>, value: f64, dtype: DType, device: &Device) -> Tensor {
+        let shape = shape.into();
+        if !dtype.represents(value) {
+            misuse("full", &format!("{value} is not representable in {dtype}"), &[("shape", shape.to_string())]);
+        }
+        Tensor::record(Op::Full(Scalar(value)), dtype, shape, device, &[])
+    }
+
+    #[track_caller]
+    pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: &Device) -> Tensor {
+        Tensor::full(shape, 0.0, dtype, device)
+    }
+
+    #[track_caller]
+    pub fn ones(shape: impl Into<Shape>, dtype: DType, device: &Device) -> Tensor {
+        Tensor::full(shape, 1.0, dtype, device)
+    }
+
+    /// `start, start + 1, ..., end - 1` as I64 (empty when `end <= start`).
+    pub fn arange(start: i64, end: i64, device: &Device) -> Tensor {
+        let len = end.saturating_sub(start).max(0) as usize;
+        Tensor::record(Op::Arange { start }, DType::I64, Shape::from([len]), device, &[])
+    }
+
+    /// Uniform on `[lo, hi)`, from the device's seeded generator (see [`Device::seed`]).
+    #[track_caller]
+    pub fn rand(shape: impl Into<Shape>, lo: f64, hi: f64, dtype: DType, device: &Device) -> Tensor {
+        let shape = shape.into();
+        if !dtype.is_float() || !lo.is_finite() || !hi.is_finite() || lo > hi {
+            misuse(
+                "rand",
+                &format!("needs a float dtype and finite lo <= hi, got {dtype} and [{lo}, {hi})"),
+                &[("shape", shape.to_string())],
+            );
+        }
+        let seed = device.next_seed();
+        Tensor::record(Op::Rand { lo: Scalar(lo), hi: Scalar(hi), seed }, dtype, shape, device, &[])
+    }
+
+    /// Standard normal, from the device's seeded generator.
+    #[track_caller]
+    pub fn randn(shape: impl Into<Shape>, dtype: DType, device: &Device) -> Tensor {
+        let shape = shape.into();
+        if !dtype.is_float() {
+            misuse("randn", &format!("needs a float dtype, got {dtype}"), &[("shape", shape.to_string())]);
+        }
+        let seed = device.next_seed();
+        Tensor::record(Op::Randn { seed }, dtype, shape, device, &[])
+    }
+}

@@ -1,0 +1,135 @@
+//! Elementwise operations. The unary, binary and comparison methods are generated from the op
+//! table (`braid_graph::table`), so an op added there appears here without further code.
+
+use super::{Tensor, inferred, same_device};
+use braid_graph::table::{BinaryOp, CompareOp, UnaryOp};
+use braid_graph::{DType, Op, Scalar, infer};
+
+macro_rules! unary_methods {
+    ($($variant:ident { method: $method:ident, doc: $doc:literal, $($rest:tt)* };)*) => {
+        impl Tensor {
+            $(
+                #[doc = $doc]
+                #[track_caller]
+                pub fn $method(&self) -> Tensor {
+                    self.unary(UnaryOp::$variant)
+                }
+            )*
+        }
+    };
+}
+
+macro_rules! binary_methods {
+    ($($variant:ident { method: $method:ident, doc: $doc:literal, $($rest:tt)* };)*) => {
+        impl Tensor {
+            $(
+                #[doc = $doc]
+                #[track_caller]
+                pub fn $method(&self, other: &Tensor) -> Tensor {
+                    self.binary(BinaryOp::$variant, other)
+                }
+            )*
+        }
+    };
+}
+
+macro_rules! compare_methods {
+    ($($variant:ident { method: $method:ident, doc: $doc:literal, $($rest:tt)* };)*) => {
+        impl Tensor {
+            $(
+                #[doc = $doc]
+                #[doc = ""]
+                #[doc = "Both operands have one dtype; shapes broadcast; the result is `Bool`."]
+                #[track_caller]
+                pub fn $method(&self, other: &Tensor) -> Tensor {
+                    self.compare(CompareOp::$variant, other)
+                }
+            )*
+        }
+    };
+}
+
+braid_graph::unary_ops!(unary_methods);
+braid_graph::binary_ops!(binary_methods);
+braid_graph::compare_ops!(compare_methods);
+
+impl Tensor {
+    /// Applies a unary op of the table.
+    #[track_caller]
+    pub fn unary(&self, op: UnaryOp) -> Tensor {
+        let (shape, dtype) = inferred(op.name(), infer::unary(op, self.shape(), self.dtype()), &[("x", self)]);
+        Tensor::record(Op::Unary(op), dtype, shape, self.device(), &[self])
+    }
+
+    /// Applies a binary op of the table, with NumPy broadcasting.
+    #[track_caller]
+    pub fn binary(&self, op: BinaryOp, other: &Tensor) -> Tensor {
+        let operands = [("lhs", self), ("rhs", other)];
+        same_device(op.name(), &operands);
+        let r = infer::binary(op, (self.shape(), self.dtype()), (other.shape(), other.dtype()));
+        let (shape, dtype) = inferred(op.name(), r, &operands);
+        Tensor::record(Op::Binary(op), dtype, shape, self.device(), &[self, other])
+    }
+
+    /// `self op scalar`, or `scalar op self` when `scalar_first`. The scalar is converted to
+    /// the tensor's dtype (it must be representable in an integer dtype).
+    #[track_caller]
+    pub fn binary_scalar(&self, op: BinaryOp, scalar: f64, scalar_first: bool) -> Tensor {
+        let r = infer::binary_scalar(op, self.shape(), self.dtype(), scalar);
+        let (shape, dtype) = inferred(op.name(), r, &[("x", self)]);
+        Tensor::record(
+            Op::BinaryScalar { op, scalar: Scalar(scalar), scalar_first },
+            dtype,
+            shape,
+            self.device(),
+            &[self],
+        )
+    }
+
+    /// Applies a comparison of the table.
+    #[track_caller]
+    pub fn compare(&self, op: CompareOp, other: &Tensor) -> Tensor {
+        let operands = [("lhs", self), ("rhs", other)];
+        same_device(op.name(), &operands);
+        let r = infer::compare(op.name(), (self.shape(), self.dtype()), (other.shape(), other.dtype()));
+        let (shape, dtype) = inferred(op.name(), r, &operands);
+        Tensor::record(Op::Compare(op), dtype, shape, self.device(), &[self, other])
+    }
+
+    /// `where(self, a, b)`: `a` where `self` is true, else `b` (all three broadcast).
+    #[track_caller]
+    pub fn select(&self, a: &Tensor, b: &Tensor) -> Tensor {
+        let operands = [("cond", self), ("a", a), ("b", b)];
+        same_device("select", &operands);
+        let r = infer::select((self.shape(), self.dtype()), (a.shape(), a.dtype()), (b.shape(), b.dtype()));
+        let (shape, dtype) = inferred("select", r, &operands);
+        Tensor::record(Op::Select, dtype, shape, self.device(), &[self, a, b])
+    }
+
+    /// `min(max(x, lo), hi)`; NaN stays NaN.
+    #[track_caller]
+    pub fn clamp(&self, lo: f64, hi: f64) -> Tensor {
+        let (shape, dtype) = inferred("clamp", infer::clamp(self.shape(), self.dtype(), lo, hi), &[("x", self)]);
+        Tensor::record(Op::Clamp { lo: Scalar(lo), hi: Scalar(hi) }, dtype, shape, self.device(), &[self])
+    }
+
+    /// `x ^ exponent` for a scalar exponent.
+    #[track_caller]
+    pub fn powf(&self, exponent: f64) -> Tensor {
+        self.binary_scalar(BinaryOp::Pow, exponent, false)
+    }
+
+    /// Conversion to `dtype`: floats round to nearest; float to integer truncates towards zero
+    /// and saturates (NaN gives 0); integers wrap; to bool is `x != 0`; bool is 0 or 1.
+    pub fn to_dtype(&self, dtype: DType) -> Tensor {
+        if dtype == self.dtype() {
+            return self.clone();
+        }
+        Tensor::record(Op::Cast, dtype, self.shape().clone(), self.device(), &[self])
+    }
+
+    /// Shorthand for `self.to_dtype(DType::F32)`.
+    pub fn to_f32(&self) -> Tensor {
+        self.to_dtype(DType::F32)
+    }
+}

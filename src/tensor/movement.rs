@@ -1,0 +1,120 @@
+//! Movement: reshape, permute, transpose, expand, narrow, cat, and copies to a layout, dtype
+//! or device. Every result is a new value (never an alias that in-place updates could reach).
+
+use super::{Tensor, inferred, misuse, same_device};
+use crate::device::Device;
+use braid_graph::{Op, Shape, infer};
+
+impl Tensor {
+    /// The same elements (row-major) with another shape of the same size.
+    #[track_caller]
+    pub fn reshape(&self, shape: impl Into<Shape>) -> Tensor {
+        let to = shape.into();
+        let shape = inferred("reshape", infer::reshape(self.shape(), &to), &[("x", self)]);
+        Tensor::record(Op::Reshape, self.dtype(), shape, self.device(), &[self])
+    }
+
+    /// Reorders dimensions: result dimension `i` is input dimension `perm[i]`.
+    #[track_caller]
+    pub fn permute(&self, perm: &[usize]) -> Tensor {
+        let shape = inferred("permute", infer::permute(self.shape(), perm), &[("x", self)]);
+        Tensor::record(Op::Permute(perm.into()), self.dtype(), shape, self.device(), &[self])
+    }
+
+    /// Swaps two dimensions.
+    #[track_caller]
+    pub fn transpose(&self, d0: usize, d1: usize) -> Tensor {
+        let rank = self.rank();
+        if d0 >= rank || d1 >= rank {
+            misuse(
+                "transpose",
+                &format!("dimensions ({d0}, {d1}) out of range for rank {rank}"),
+                &[("x", self.describe())],
+            );
+        }
+        let mut perm: Vec<usize> = (0..rank).collect();
+        perm.swap(d0, d1);
+        self.permute(&perm)
+    }
+
+    /// The transpose of a 2-D tensor.
+    #[track_caller]
+    pub fn t(&self) -> Tensor {
+        if self.rank() != 2 {
+            misuse("t", "needs a 2-D tensor (use transpose for others)", &[("x", self.describe())]);
+        }
+        self.transpose(0, 1)
+    }
+
+    /// Broadcasts to `shape` (NumPy rules: size-1 dimensions stretch, new ones are added on the
+    /// left).
+    #[track_caller]
+    pub fn expand(&self, shape: impl Into<Shape>) -> Tensor {
+        let to = shape.into();
+        let shape = inferred("expand", infer::expand(self.shape(), &to), &[("x", self)]);
+        Tensor::record(Op::Expand, self.dtype(), shape, self.device(), &[self])
+    }
+
+    /// Elements `start..start + len` along `dim`.
+    #[track_caller]
+    pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Tensor {
+        let shape = inferred("narrow", infer::narrow(self.shape(), dim, start, len), &[("x", self)]);
+        Tensor::record(Op::Narrow { dim, start, len }, self.dtype(), shape, self.device(), &[self])
+    }
+
+    /// Concatenates tensors of one dtype and device along `dim` (other dimensions must match).
+    #[track_caller]
+    pub fn cat(tensors: &[&Tensor], dim: usize) -> Tensor {
+        let Some(first) = tensors.first() else {
+            misuse("cat", "needs at least one tensor", &[]);
+        };
+        let names: Vec<String> = (0..tensors.len()).map(|i| format!("tensors[{i}]")).collect();
+        let operands: Vec<(&str, &Tensor)> = names.iter().map(String::as_str).zip(tensors.iter().copied()).collect();
+        same_device("cat", &operands);
+        let parts: Vec<_> = tensors.iter().map(|t| (t.shape(), t.dtype())).collect();
+        let (shape, dtype) = inferred("cat", infer::cat(&parts, dim), &operands);
+        Tensor::record(Op::Cat { dim }, dtype, shape, first.device(), tensors)
+    }
+
+    /// A copy. (braid values are always stored contiguously; this exists for code written
+    /// against APIs with strided views.)
+    pub fn contiguous(&self) -> Tensor {
+        Tensor::record(Op::Contiguous, self.dtype(), self.shape().clone(), self.device(), &[self])
+    }
+
+    /// A copy on `device` (lazy: nothing synchronises now).
+    pub fn to_device(&self, device: &Device) -> Tensor {
+        Tensor::record(Op::ToDevice, self.dtype(), self.shape().clone(), device, &[self])
+    }
+
+    /// Inserts a dimension of size 1 at `dim`.
+    #[track_caller]
+    pub fn unsqueeze(&self, dim: usize) -> Tensor {
+        if dim > self.rank() {
+            misuse(
+                "unsqueeze",
+                &format!("dimension {dim} out of range for rank {}", self.rank()),
+                &[("x", self.describe())],
+            );
+        }
+        let mut d = self.dims().to_vec();
+        d.insert(dim, 1);
+        self.reshape(d)
+    }
+
+    /// Removes dimension `dim`, which must have size 1.
+    #[track_caller]
+    pub fn squeeze(&self, dim: usize) -> Tensor {
+        if dim >= self.rank() || self.dims()[dim] != 1 {
+            misuse("squeeze", &format!("dimension {dim} is not a dimension of size 1"), &[("x", self.describe())]);
+        }
+        let mut d = self.dims().to_vec();
+        d.remove(dim);
+        self.reshape(d)
+    }
+
+    /// All elements in one dimension.
+    pub fn flatten(&self) -> Tensor {
+        self.reshape([self.numel()])
+    }
+}

@@ -1,0 +1,106 @@
+//! Reading values (which flushes what they need) and in-place updates (new versions).
+
+use super::{Tensor, inferred, misuse, same_device};
+use crate::engine;
+use crate::error::{Error, Result};
+use braid_devices::Buffer;
+use braid_graph::table::BinaryOp;
+use braid_graph::{Element, Op, Scalar, infer};
+
+impl Tensor {
+    /// The elements in row-major order. Runs what this value needs (and only that), waits for
+    /// it, and copies it out. `Err` if `T` is not the tensor's dtype or the device failed.
+    ///
+    /// ```
+    /// use braid::prelude::*;
+    /// let cpu = Device::cpu();
+    /// let x = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], [3], &cpu);
+    /// assert_eq!((&x * 2.0).to_vec::<f32>().unwrap(), vec![2.0, 4.0, 6.0]);
+    /// assert!(x.to_vec::<f64>().is_err());
+    /// ```
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        if T::DTYPE != self.dtype() {
+            return Err(Error::DTypeMismatch { tensor: self.dtype(), requested: T::DTYPE });
+        }
+        let buffer = self.materialize()?;
+        let bytes = self.device().0.backend.download(&buffer).map_err(|e| engine::device_error(self.device(), e))?;
+        Ok(T::read_bytes(&bytes))
+    }
+
+    /// The single element of a one-element tensor.
+    pub fn item<T: Element>(&self) -> Result<T> {
+        if self.numel() != 1 {
+            return Err(Error::NotAScalar { shape: self.shape().clone(), numel: self.numel() });
+        }
+        Ok(self.to_vec::<T>()?[0])
+    }
+
+    /// Computes the current version (if needed) and returns its buffer.
+    pub(crate) fn materialize(&self) -> Result<Buffer> {
+        engine::materialize(|| self.node())
+    }
+
+    /// Replaces the value with `src` (broadcast to this shape); earlier readers keep the old
+    /// value.
+    #[track_caller]
+    pub fn assign(&self, src: &Tensor) {
+        let operands = [("self", self), ("src", src)];
+        same_device("assign", &operands);
+        if src.dtype() != self.dtype() || !src.shape().broadcasts_to(self.shape()) {
+            misuse(
+                "assign",
+                "the source must have this tensor's dtype and broadcast to its shape",
+                &[("self", self.describe()), ("src", src.describe())],
+            );
+        }
+        self.record_new_version(Op::Expand, &[src]);
+    }
+
+    /// `self += other` as a new version (see [`Tensor::assign`]).
+    #[track_caller]
+    pub fn add_assign(&self, other: &Tensor) {
+        self.update_with(BinaryOp::Add, other)
+    }
+
+    /// `self -= other` as a new version.
+    #[track_caller]
+    pub fn sub_assign(&self, other: &Tensor) {
+        self.update_with(BinaryOp::Sub, other)
+    }
+
+    /// `self *= other` as a new version.
+    #[track_caller]
+    pub fn mul_assign(&self, other: &Tensor) {
+        self.update_with(BinaryOp::Mul, other)
+    }
+
+    /// `self /= other` as a new version.
+    #[track_caller]
+    pub fn div_assign(&self, other: &Tensor) {
+        self.update_with(BinaryOp::Div, other)
+    }
+
+    #[track_caller]
+    pub(crate) fn update_with(&self, op: BinaryOp, other: &Tensor) {
+        let name = format!("{}_assign", op.name());
+        let operands = [("self", self), ("other", other)];
+        same_device(&name, &operands);
+        let r = infer::binary(op, (self.shape(), self.dtype()), (other.shape(), other.dtype()));
+        let (shape, _) = inferred(&name, r, &operands);
+        if &shape != self.shape() {
+            misuse(
+                &name,
+                &format!("the update would change the shape to {shape}"),
+                &[("self", self.describe()), ("other", other.describe())],
+            );
+        }
+        self.record_new_version(Op::Binary(op), &[self, other]);
+    }
+
+    #[track_caller]
+    pub(crate) fn update_with_scalar(&self, op: BinaryOp, scalar: f64) {
+        let name = format!("{}_assign", op.name());
+        inferred(&name, infer::binary_scalar(op, self.shape(), self.dtype(), scalar), &[("self", self)]);
+        self.record_new_version(Op::BinaryScalar { op, scalar: Scalar(scalar), scalar_first: false }, &[self]);
+    }
+}

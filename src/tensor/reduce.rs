@@ -1,0 +1,90 @@
+//! Reductions, matrix products and composite ops (softmax, log_softmax, layer_norm), the
+//! latter recorded as the primitive ops they are made of.
+
+use super::{Tensor, inferred, same_device};
+use braid_graph::{Op, ReduceOp, infer};
+
+impl Tensor {
+    #[track_caller]
+    fn reduce(&self, op: ReduceOp, dim: Option<usize>, keepdim: bool) -> Tensor {
+        let r = infer::reduce(op, self.shape(), self.dtype(), dim, keepdim);
+        let (shape, dtype) = inferred(op.name(), r, &[("x", self)]);
+        Tensor::record(Op::Reduce { op, dim, keepdim }, dtype, shape, self.device(), &[self])
+    }
+
+    /// Sum of all elements (a scalar tensor). Integers wrap.
+    #[track_caller]
+    pub fn sum(&self) -> Tensor {
+        self.reduce(ReduceOp::Sum, None, false)
+    }
+
+    /// Mean of all elements (floats).
+    #[track_caller]
+    pub fn mean(&self) -> Tensor {
+        self.reduce(ReduceOp::Mean, None, false)
+    }
+
+    /// Sum along `dim`; `keepdim` keeps it with size 1.
+    #[track_caller]
+    pub fn sum_dim(&self, dim: usize, keepdim: bool) -> Tensor {
+        self.reduce(ReduceOp::Sum, Some(dim), keepdim)
+    }
+
+    /// Mean along `dim` (floats).
+    #[track_caller]
+    pub fn mean_dim(&self, dim: usize, keepdim: bool) -> Tensor {
+        self.reduce(ReduceOp::Mean, Some(dim), keepdim)
+    }
+
+    /// Maximum along `dim`; NaN if any element is NaN.
+    #[track_caller]
+    pub fn max_dim(&self, dim: usize, keepdim: bool) -> Tensor {
+        self.reduce(ReduceOp::Max, Some(dim), keepdim)
+    }
+
+    /// Minimum along `dim`; NaN if any element is NaN.
+    #[track_caller]
+    pub fn min_dim(&self, dim: usize, keepdim: bool) -> Tensor {
+        self.reduce(ReduceOp::Min, Some(dim), keepdim)
+    }
+
+    /// Index (I64) of the first maximum along `dim`; a NaN counts as the maximum.
+    #[track_caller]
+    pub fn argmax_dim(&self, dim: usize, keepdim: bool) -> Tensor {
+        self.reduce(ReduceOp::ArgMax, Some(dim), keepdim)
+    }
+
+    /// Matrix product `[.., m, k] x [.., k, n] -> [.., m, n]`; batch dimensions broadcast.
+    #[track_caller]
+    pub fn matmul(&self, other: &Tensor) -> Tensor {
+        let operands = [("lhs", self), ("rhs", other)];
+        same_device("matmul", &operands);
+        let r = infer::matmul((self.shape(), self.dtype()), (other.shape(), other.dtype()));
+        let (shape, dtype) = inferred("matmul", r, &operands);
+        Tensor::record(Op::Matmul, dtype, shape, self.device(), &[self, other])
+    }
+
+    /// `exp(x - max) / sum(exp(x - max))` along `dim` (floats).
+    #[track_caller]
+    pub fn softmax(&self, dim: usize) -> Tensor {
+        let shifted = self - &self.max_dim(dim, true);
+        let e = shifted.exp();
+        &e / &e.sum_dim(dim, true)
+    }
+
+    /// `x - max - log(sum(exp(x - max)))` along `dim` (floats).
+    #[track_caller]
+    pub fn log_softmax(&self, dim: usize) -> Tensor {
+        let shifted = self - &self.max_dim(dim, true);
+        &shifted - &shifted.exp().sum_dim(dim, true).log()
+    }
+
+    /// `(x - mean) / sqrt(var + eps)` along `dim`, with the biased variance (no affine
+    /// parameters; multiply and add them yourself).
+    #[track_caller]
+    pub fn layer_norm(&self, dim: usize, eps: f64) -> Tensor {
+        let centered = self - &self.mean_dim(dim, true);
+        let var = centered.square().mean_dim(dim, true);
+        &centered * &(var + eps).rsqrt()
+    }
+}
