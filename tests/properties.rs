@@ -1,0 +1,60 @@
+//! Property tests: random programs (random ops, shapes with broadcasting, every dtype,
+//! movement, reductions, matrix products, in-place updates, reads in the middle, dropped
+//! tensors) run on the CPU device and compared with the f64 reference interpreter.
+//!
+//! `BRAID_PROPTEST_CASES` overrides the number of programs (default 2,000).
+
+mod common;
+
+use braid::prelude::*;
+use common::program::{self, Config};
+use proptest::prelude::*;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+fn cases() -> u32 {
+    std::env::var("BRAID_PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(5000)
+}
+
+/// Runs `cases` programs of `config`, asserting each matches the reference and that the
+/// comparisons are not vacuous.
+fn run_suite(cases: u32, config: &Config) {
+    // Programs predict the seeds `rand` draws from the shared CPU device, so suites take turns.
+    static DEVICE_RNG: Mutex<()> = Mutex::new(());
+    let _turn = DEVICE_RNG.lock().unwrap_or_else(|p| p.into_inner());
+    let dev = Device::cpu();
+    // `BRAID_PROPTEST_SEED=N` replays one program (the seed a failure reports).
+    if let Some(seed) = std::env::var("BRAID_PROPTEST_SEED").ok().and_then(|v| v.parse().ok()) {
+        let stats = program::run(seed, &dev, config).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        println!("seed {seed}: {stats:?}");
+        return;
+    }
+    let checked = AtomicUsize::new(0);
+    let uncertain = AtomicUsize::new(0);
+    let programs = AtomicUsize::new(0);
+    let proptest_config = ProptestConfig { cases, failure_persistence: None, ..ProptestConfig::default() };
+    proptest!(proptest_config, |(seed in any::<u64>())| {
+        let stats = program::run(seed, &dev, config).map_err(|e| TestCaseError::fail(format!("seed {seed}: {e}")))?;
+        checked.fetch_add(stats.checked, Ordering::Relaxed);
+        uncertain.fetch_add(stats.uncertain, Ordering::Relaxed);
+        programs.fetch_add(1, Ordering::Relaxed);
+    });
+    let (c, u, p) = (checked.into_inner(), uncertain.into_inner(), programs.into_inner());
+    println!("{p} programs: {c} elements compared, {u} skipped as uncertain");
+    assert_eq!(p, cases as usize);
+    // The comparison must not be vacuous: almost every element is decidable.
+    assert!(c > 20 * u, "too many uncertain elements: {c} compared, {u} uncertain");
+}
+
+/// Small shapes (up to 4 dimensions of up to 5): every op, dtype and edge case, many times.
+#[test]
+fn random_programs_match_the_reference() {
+    run_suite(cases(), &Config::default());
+}
+
+/// Larger shapes, so kernels run several chunks and parallel tasks.
+#[test]
+fn random_programs_with_large_shapes_match_the_reference() {
+    let config = Config { max_rank: 3, max_dim: 48, max_ops: 10, ..Config::default() };
+    run_suite((cases() / 25).max(40), &config);
+}
