@@ -63,6 +63,14 @@ impl Device {
         CPU.clone()
     }
 
+    /// A new, independent CPU device: its own memory pool, statistics and random state.
+    /// Tensors move between CPU devices with `to_device`; operands of one op must share a
+    /// device. Useful to isolate memory accounting (a data loader, a test).
+    pub fn new_cpu() -> Device {
+        crate::init_logging_from_env();
+        Device::register(Arc::new(CpuDevice::new()))
+    }
+
     /// A CUDA GPU. This build of braid has no CUDA backend yet, so this is always an `Err`
     /// (never a panic).
     pub fn cuda(ordinal: usize) -> Result<Device> {

@@ -10,7 +10,7 @@
 //! let x = Tensor::from_vec(vec![1.0f32, -2.0, 3.0, -4.0], [2, 2], &cpu);
 //! let w = Tensor::from_vec(vec![0.5f32, 1.0, -1.0, 0.25], [2, 2], &cpu);
 //! let y = x.matmul(&w).relu() + 1.0; // recorded, not computed
-//! assert_eq!(y.to_vec::<f32>().unwrap(), vec![3.5, 1.5, 6.5, 1.0]); // computed now
+//! assert_eq!(y.to_vec::<f32>().unwrap(), vec![3.5, 1.5, 6.5, 3.0]); // computed now
 //! ```
 //!
 //! Ground rules:

@@ -9,7 +9,7 @@
 use super::{State, Ticket, Value, collect, device_error, state};
 use crate::device::{Device, lock};
 use crate::dump::{self, ScheduleDump};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use braid_devices::{Buffer, Job};
 use braid_graph::{DeviceId, External, FlushGraph, FlushNode, NodeId, ValueRef};
 use braid_lowering::{Kernel, lower_segment};
@@ -50,9 +50,18 @@ pub(crate) fn flush_nodes(targets: &[NodeId]) -> Result<()> {
         if order.is_empty() {
             return Ok(());
         }
-        let extracted = extract(&mut st, &order)?;
+        // One device per flush: take the longest prefix of the (topological) order that runs on
+        // the first node's device; a prefix has all its inputs computed or inside it. What
+        // remains is flushed by the next round.
+        let device = st.graph.node(order[0]).device;
+        let prefix = order.iter().position(|&id| st.graph.node(id).device != device).unwrap_or(order.len());
+        let rest = prefix < order.len();
+        let extracted = extract(&mut st, &order[..prefix]);
         drop(st);
-        return run(extracted);
+        run(extracted)?;
+        if !rest {
+            return Ok(());
+        }
     }
 }
 
@@ -118,7 +127,7 @@ fn walk(st: &State, targets: &[NodeId]) -> (Vec<NodeId>, Vec<Arc<Ticket>>) {
 }
 
 /// Builds the flush graph of `order` and marks its nodes in flight.
-fn extract(st: &mut State, order: &[NodeId]) -> Result<Extracted> {
+fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
     let index: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
     let device_id = st.graph.node(order[0]).device;
     let mut graph = FlushGraph { nodes: Vec::with_capacity(order.len()), externals: Vec::new() };
@@ -126,9 +135,6 @@ fn extract(st: &mut State, order: &[NodeId]) -> Result<Extracted> {
     let mut external_index: HashMap<NodeId, usize> = HashMap::new();
     for &id in order {
         let n = st.graph.node(id);
-        if n.device != device_id {
-            return Err(Error::Unavailable("a flush spanning two devices needs the multi-device scheduler".into()));
-        }
         let mut inputs: SmallVec<[ValueRef; 2]> = SmallVec::new();
         for p in st.graph.inputs(id) {
             inputs.push(match index.get(&p) {
@@ -176,7 +182,7 @@ fn extract(st: &mut State, order: &[NodeId]) -> Result<Extracted> {
     st.pending -= order.len();
     st.flushes += 1;
     debug_assert!(graph.is_topological());
-    Ok(Extracted { graph, externals, device: Device::by_id(device_id), ticket, number: st.flushes })
+    Extracted { graph, externals, device: Device::by_id(device_id), ticket, number: st.flushes }
 }
 
 /// Plans and executes an extracted flush, then installs its results.

@@ -120,11 +120,10 @@ impl Tensor {
     }
 
     /// Conversion to `dtype`: floats round to nearest; float to integer truncates towards zero
-    /// and saturates (NaN gives 0); integers wrap; to bool is `x != 0`; bool is 0 or 1.
+    /// and saturates (NaN gives 0); integers wrap; to bool is `x != 0`; bool is 0 or 1. The
+    /// result is always a new value, even for the same dtype (so in-place updates of one never
+    /// reach the other).
     pub fn to_dtype(&self, dtype: DType) -> Tensor {
-        if dtype == self.dtype() {
-            return self.clone();
-        }
         Tensor::record(Op::Cast, dtype, self.shape().clone(), self.device(), &[self])
     }
 

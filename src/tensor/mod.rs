@@ -110,6 +110,8 @@ impl fmt::Debug for Tensor {
 #[track_caller]
 pub(crate) fn misuse(op: &str, problem: &str, operands: &[(&str, String)]) -> ! {
     let at = Location::caller();
+    // Inference messages start with the op's name, which the prefix already gives.
+    let problem = problem.strip_prefix(op).and_then(|p| p.strip_prefix(": ")).unwrap_or(problem);
     let operands: Vec<String> = operands.iter().map(|(name, d)| format!("{name}: {d}")).collect();
     panic!(
         "braid: invalid {op} at {}:{}:{}: {problem}\n  operands: {}",

@@ -277,8 +277,9 @@ impl Harness {
         let reference = braid_graph::reference::evaluate(&self.prog);
         let mut total = CheckStats::default();
         for (i, actual) in &self.reads {
-            let s = check(&reference[*i], actual)
-                .map_err(|e| format!("read of %{i} differs from the reference:\n{e}\nprogram:\n{}", self.listing.join("\n")))?;
+            let s = check(&reference[*i], actual).map_err(|e| {
+                format!("read of %{i} differs from the reference:\n{e}\nprogram:\n{}", self.listing.join("\n"))
+            })?;
             total.checked += s.checked;
             total.uncertain += s.uncertain;
         }

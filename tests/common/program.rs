@@ -24,7 +24,16 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Config {
-        Config { max_ops: 14, dtypes: DType::ALL.to_vec(), in_place: true, reads_in_middle: true, drops: true, random_sources: true, max_rank: 4, max_dim: 5 }
+        Config {
+            max_ops: 14,
+            dtypes: DType::ALL.to_vec(),
+            in_place: true,
+            reads_in_middle: true,
+            drops: true,
+            random_sources: true,
+            max_rank: 4,
+            max_dim: 5,
+        }
     }
 }
 
@@ -163,7 +172,8 @@ impl Gen<'_> {
             }
             24..=39 => {
                 let op = *self.rng.pick(BinaryOp::ALL);
-                let base = if op == BinaryOp::Pow && dtype.is_float() && self.rng.chance(0.8) { self.positive(x) } else { x };
+                let base =
+                    if op == BinaryOp::Pow && dtype.is_float() && self.rng.chance(0.8) { self.positive(x) } else { x };
                 let y = self.partner(dtype, &shape);
                 let (a, b) = if self.rng.chance(0.5) { (base, y) } else { (y, base) };
                 let r = infer::binary(op, (&self.h.meta(a).1, dtype), (&self.h.meta(b).1, dtype));
@@ -171,8 +181,10 @@ impl Gen<'_> {
             }
             40..=47 => {
                 let op = *self.rng.pick(BinaryOp::ALL);
-                let s = if op == BinaryOp::Pow { *self.rng.pick(&[2.0, 0.5, -1.0, 3.0, 1.5]) } else { self.scalar(dtype) };
-                let x = if op == BinaryOp::Pow && dtype.is_float() && self.rng.chance(0.7) { self.positive(x) } else { x };
+                let s =
+                    if op == BinaryOp::Pow { *self.rng.pick(&[2.0, 0.5, -1.0, 3.0, 1.5]) } else { self.scalar(dtype) };
+                let x =
+                    if op == BinaryOp::Pow && dtype.is_float() && self.rng.chance(0.7) { self.positive(x) } else { x };
                 let first = op != BinaryOp::Pow && self.rng.chance(0.4);
                 let r = infer::binary_scalar(op, &shape, dtype, s);
                 self.add(Op::BinaryScalar { op, scalar: Scalar(s), scalar_first: first }, r, &[x]);
@@ -199,19 +211,30 @@ impl Gen<'_> {
                 self.add(Op::Cast, Ok((shape, to)), &[x]);
             }
             66..=75 => {
-                let op = *self.rng.pick(&[ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min, ReduceOp::ArgMax]);
+                let op =
+                    *self.rng.pick(&[ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min, ReduceOp::ArgMax]);
                 let all = matches!(op, ReduceOp::Sum | ReduceOp::Mean) && self.rng.chance(0.3);
                 let dim = if all || shape.rank() == 0 { None } else { Some(self.rng.below(shape.rank())) };
                 if dim.is_none() && !all {
                     return Ok(());
                 }
                 let keepdim = self.rng.chance(0.5);
-                self.add(Op::Reduce { op, dim, keepdim: keepdim && !all }, infer::reduce(op, &shape, dtype, dim, keepdim && !all), &[x]);
+                self.add(
+                    Op::Reduce { op, dim, keepdim: keepdim && !all },
+                    infer::reduce(op, &shape, dtype, dim, keepdim && !all),
+                    &[x],
+                );
             }
             76..=80 => self.matmul(x, dtype, &shape),
             81..=89 => self.movement(x, dtype, &shape),
             90..=93 if self.cfg.in_place => {
-                let kind = *self.rng.pick(&[None, Some(BinaryOp::Add), Some(BinaryOp::Sub), Some(BinaryOp::Mul), Some(BinaryOp::Div)]);
+                let kind = *self.rng.pick(&[
+                    None,
+                    Some(BinaryOp::Add),
+                    Some(BinaryOp::Sub),
+                    Some(BinaryOp::Mul),
+                    Some(BinaryOp::Div),
+                ]);
                 let mut s = self.partner_shape(&shape);
                 if !s.broadcasts_to(&shape) {
                     s = shape.clone();
@@ -323,7 +346,8 @@ impl Gen<'_> {
                 self.add(Op::Permute(perm.as_slice().into()), infer::permute(shape, &perm).map(|s| (s, dtype)), &[x]);
             }
             2 => {
-                let mut dims: Vec<usize> = shape.dims().iter().map(|&d| if d == 1 { 1 + self.rng.below(4) } else { d }).collect();
+                let mut dims: Vec<usize> =
+                    shape.dims().iter().map(|&d| if d == 1 { 1 + self.rng.below(4) } else { d }).collect();
                 if dims.len() < 4 && self.rng.chance(0.5) {
                     dims.insert(0, 1 + self.rng.below(3));
                 }
@@ -335,7 +359,11 @@ impl Gen<'_> {
                 let size = shape.dims()[dim];
                 let start = self.rng.below(size + 1);
                 let len = self.rng.below(size - start + 1);
-                self.add(Op::Narrow { dim, start, len }, infer::narrow(shape, dim, start, len).map(|s| (s, dtype)), &[x]);
+                self.add(
+                    Op::Narrow { dim, start, len },
+                    infer::narrow(shape, dim, start, len).map(|s| (s, dtype)),
+                    &[x],
+                );
             }
             4 if rank >= 1 => {
                 let dim = self.rng.below(rank);

@@ -93,9 +93,7 @@ pub fn run_loop(l: &MapLoop, args: &[ArgPtr]) -> Result<(), String> {
     if n < 2 * TASK {
         return run_range(l, shared, 0, n);
     }
-    (0..n.div_ceil(TASK)).into_par_iter().try_for_each(|t| {
-        run_range(l, shared, t * TASK, ((t + 1) * TASK).min(n))
-    })
+    (0..n.div_ceil(TASK)).into_par_iter().try_for_each(|t| run_range(l, shared, t * TASK, ((t + 1) * TASK).min(n)))
 }
 
 fn run_range(l: &MapLoop, args: Shared<'_>, start: usize, end: usize) -> Result<(), String> {

@@ -1,0 +1,209 @@
+//! Flush on read: only what a read needs runs, unread tensors never run, values read once are
+//! kept, the pending graph is bounded, run-time failures are `Err` and lose no work, memory is
+//! accounted truthfully, and recording is safe from many threads.
+//!
+//! Each test counts kernels on its own CPU device (`Device::new_cpu()`), so counts are exact
+//! even with tests running in parallel. Tests that change the global pending-node limit take
+//! turns through `LIMIT`.
+
+use braid::prelude::*;
+use std::sync::Mutex;
+
+static LIMIT: Mutex<()> = Mutex::new(());
+
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    LIMIT.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn data(dev: &Device, n: usize) -> Tensor {
+    Tensor::from_vec((0..n).map(|i| i as f32 * 0.5 - 1.0).collect::<Vec<_>>(), [n], dev)
+}
+
+#[test]
+fn tensors_dropped_unread_are_never_computed() {
+    let _t = turn();
+    let dev = Device::new_cpu();
+    let x = data(&dev, 1000);
+    let y = x.exp().sin() * 3.0;
+    let z = y.reshape([1000, 1]).matmul(&y.reshape([1, 1000]));
+    drop((y, z));
+    dev.sync().unwrap();
+    braid::flush().unwrap();
+    assert_eq!(dev.kernels_launched(), 0, "nothing read, nothing computed");
+    assert_eq!(dev.memory().in_use, 0, "not even the input was uploaded");
+    drop(x);
+}
+
+#[test]
+fn a_read_runs_only_what_it_needs_and_values_are_kept() {
+    let _t = turn();
+    let dev = Device::new_cpu();
+    let x = data(&dev, 64);
+    let a = x.exp();
+    let b = x.sin();
+    let c = &a + 1.0;
+    c.to_vec::<f32>().unwrap();
+    assert_eq!(dev.kernels_launched(), 2, "exp and add; sin is not needed");
+    assert_eq!(dev.last_schedule().unwrap().kernel_count(), 2);
+    c.to_vec::<f32>().unwrap();
+    a.to_vec::<f32>().unwrap();
+    assert_eq!(dev.kernels_launched(), 2, "a value read once (or computed while held) is kept");
+    b.to_vec::<f32>().unwrap();
+    assert_eq!(dev.kernels_launched(), 3);
+}
+
+#[test]
+fn an_unheld_intermediate_needed_later_is_computed_once() {
+    let _t = turn();
+    let dev = Device::new_cpu();
+    let x = data(&dev, 64);
+    let shared = x.exp(); // dropped below, but two results depend on it
+    let p = &shared + 1.0;
+    let q = &shared * 2.0;
+    drop(shared);
+    p.to_vec::<f32>().unwrap();
+    assert_eq!(dev.kernels_launched(), 2);
+    q.to_vec::<f32>().unwrap();
+    assert_eq!(dev.kernels_launched(), 3, "exp is not recomputed for q");
+    let expect: Vec<f32> = x.to_vec::<f32>().unwrap().iter().map(|v| v.exp() * 2.0).collect();
+    assert_eq!(q.to_vec::<f32>().unwrap(), expect);
+}
+
+#[test]
+fn the_pending_graph_is_bounded() {
+    let _t = turn();
+    let dev = Device::new_cpu();
+    let old = braid::max_pending_nodes();
+    braid::set_max_pending_nodes(50);
+    let mut x = data(&dev, 16);
+    for _ in 0..200 {
+        x = &x * 1.01 + 0.01;
+    }
+    let flushed_while_recording = dev.kernels_launched();
+    braid::set_max_pending_nodes(old);
+    assert!(flushed_while_recording >= 300, "recording flushed on its own ({flushed_while_recording} kernels)");
+    let got = x.to_vec::<f32>().unwrap();
+    let mut expect: Vec<f32> = (0..16).map(|i| i as f32 * 0.5 - 1.0).collect();
+    for _ in 0..200 {
+        expect.iter_mut().for_each(|v| *v = *v * 1.01 + 0.01);
+    }
+    for (g, e) in got.iter().zip(&expect) {
+        assert!((g - e).abs() <= 1e-4 * (1.0 + e.abs()), "{g} vs {e}");
+    }
+}
+
+#[test]
+fn in_place_updates_are_new_versions() {
+    let _t = turn();
+    let dev = Device::new_cpu();
+    let x = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], [3], &dev);
+    let alias = x.clone();
+    let before = &x * 10.0; // recorded before the update: sees the old value
+    x.add_assign(&Tensor::ones([3], DType::F32, &dev));
+    let after = &x * 10.0;
+    let mut y = x.clone();
+    y += 1.0;
+    assert_eq!(before.to_vec::<f32>().unwrap(), vec![10.0, 20.0, 30.0]);
+    assert_eq!(after.to_vec::<f32>().unwrap(), vec![20.0, 30.0, 40.0]);
+    assert_eq!(alias.to_vec::<f32>().unwrap(), vec![3.0, 4.0, 5.0], "every clone is the same tensor");
+    x.assign(&Tensor::full([1], 7.0, DType::F32, &dev));
+    assert_eq!(y.to_vec::<f32>().unwrap(), vec![7.0; 3]);
+}
+
+#[test]
+fn out_of_memory_is_an_err_and_the_engine_stays_usable() {
+    let _t = turn();
+    let dev = Device::new_cpu();
+    let small = data(&dev, 8);
+    let huge = Tensor::zeros([1usize << 44], DType::F32, &dev); // 64 TiB
+    let pending = &huge + 1.0;
+    match pending.sum().item::<f32>() {
+        Err(Error::Device { source: braid_devices::DeviceError::OutOfMemory { .. }, .. }) => {}
+        other => panic!("expected out of memory, got {other:?}"),
+    }
+    // No work is lost: the failed values are pending again and fail again, cleanly.
+    assert!(pending.sum().item::<f32>().is_err());
+    // Everything else still works, and the failed flush left no memory behind.
+    assert_eq!((&small * 2.0).sum().item::<f32>().unwrap(), 12.0);
+    drop((huge, pending));
+    assert_eq!(dev.memory().in_use, 64, "only `small` (32 bytes, rounded to 64) is held");
+}
+
+#[test]
+fn memory_statistics_are_truthful() {
+    let _t = turn();
+    let dev = Device::new_cpu();
+    let x = data(&dev, 1 << 16); // 256 KiB
+    let y = x.exp();
+    y.to_vec::<f32>().unwrap();
+    let m = dev.memory();
+    assert_eq!(m.in_use, 2 * 4 << 16, "x and y are held");
+    assert!(m.reserved >= m.in_use && m.peak >= m.in_use);
+    drop(y);
+    assert_eq!(dev.memory().in_use, 4 << 16);
+    dev.reset_peak();
+    assert_eq!(dev.memory().peak, 4 << 16);
+    drop(x);
+    assert_eq!(dev.memory().in_use, 0);
+    dev.trim_memory();
+    assert_eq!(dev.memory().reserved, 0);
+}
+
+#[test]
+fn recording_and_reading_from_many_threads() {
+    let _t = turn();
+    let dev = Device::new_cpu();
+    let shared = data(&dev, 256);
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            let shared = shared.clone();
+            std::thread::spawn(move || {
+                let mut acc = shared.clone();
+                for i in 0..100 {
+                    acc = &acc + &(&shared * (t as f64));
+                    if i % 10 == 0 {
+                        acc.sum().item::<f32>().unwrap();
+                    }
+                }
+                acc.to_vec::<f32>().unwrap()
+            })
+        })
+        .collect();
+    let base: Vec<f32> = (0..256).map(|i| i as f32 * 0.5 - 1.0).collect();
+    for (t, th) in threads.into_iter().enumerate() {
+        let got = th.join().unwrap();
+        for (g, b) in got.iter().zip(&base) {
+            let mut e = *b;
+            for _ in 0..100 {
+                e += b * t as f32;
+            }
+            assert!((g - e).abs() <= 1e-3 * (1.0 + e.abs()), "thread {t}: {g} vs {e}");
+        }
+    }
+}
+
+#[test]
+fn handles_are_send_sync_and_static() {
+    fn check<T: Clone + std::fmt::Debug + Send + Sync + 'static>() {}
+    check::<Tensor>();
+    check::<Device>();
+    check::<braid::ScheduleDump>();
+}
+
+#[test]
+fn schedules_and_the_recorded_graph_can_be_inspected() {
+    let _t = turn();
+    let dev = Device::new_cpu();
+    let x = data(&dev, 4);
+    let y = x.exp() + 1.0;
+    let dot = braid::dump::recorded_graph_dot();
+    assert!(dot.contains("exp") && dot.starts_with("digraph"));
+    y.to_vec::<f32>().unwrap();
+    let s = dev.last_schedule().unwrap();
+    let json: serde_json::Value = serde_json::from_str(&s.to_json()).unwrap();
+    assert_eq!(json["schema"], 1);
+    assert_eq!(json["device"], "cpu");
+    assert_eq!(json["fusion"]["kernels"], 2);
+    assert!(s.to_text().contains("exp"), "{}", s.to_text());
+    assert!(s.to_dot().contains("cluster_s0"));
+}

@@ -1,0 +1,139 @@
+//! Misuse is reported at the recording call: a panic naming the operation, both operands
+//! (shape, dtype, device) and the caller's file and line. After a caught panic the engine keeps
+//! working on that thread and on every other.
+
+use braid::prelude::*;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Runs `f`, which must panic, and returns the panic message.
+fn panic_message(f: impl FnOnce()) -> String {
+    let err = catch_unwind(AssertUnwindSafe(f)).expect_err("expected a misuse panic");
+    err.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| err.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
+}
+
+fn assert_mentions(msg: &str, parts: &[&str]) {
+    for p in parts {
+        assert!(msg.contains(p), "message should mention {p:?}:\n{msg}");
+    }
+}
+
+#[test]
+fn shape_mismatch_names_both_shapes_and_the_callers_line() {
+    let cpu = Device::cpu();
+    let a = Tensor::zeros([2, 3], DType::F32, &cpu);
+    let b = Tensor::zeros([4], DType::F32, &cpu);
+    let line = line!() + 1;
+    let msg = panic_message(|| drop(&a + &b));
+    assert_mentions(&msg, &["add", "[2, 3]", "[4]", "f32", "cpu", &format!("{}:{line}:", file!())]);
+
+    let line = line!() + 1;
+    let msg = panic_message(|| drop(a.matmul(&b.reshape([4, 1]))));
+    assert_mentions(&msg, &["matmul", "[2, 3]", "[4, 1]", &format!("{}:{line}:", file!())]);
+}
+
+#[test]
+fn dtype_mismatch_names_both_dtypes_and_the_callers_line() {
+    let cpu = Device::cpu();
+    let a = Tensor::ones([3], DType::F32, &cpu);
+    let b = Tensor::ones([3], DType::I32, &cpu);
+    let line = line!() + 1;
+    let msg = panic_message(|| drop(a.mul(&b)));
+    assert_mentions(&msg, &["mul", "f32", "i32", &format!("{}:{line}:", file!())]);
+
+    let line = line!() + 1;
+    let msg = panic_message(|| drop(b.exp()));
+    assert_mentions(&msg, &["exp", "float", "i32", &format!("{}:{line}:", file!())]);
+}
+
+#[test]
+fn device_mismatch_names_both_devices_and_the_callers_line() {
+    let a = Tensor::ones([3], DType::F32, &Device::cpu());
+    let other = Device::new_cpu();
+    let b = Tensor::ones([3], DType::F32, &other);
+    let line = line!() + 1;
+    let msg = panic_message(|| drop(&a - &b));
+    assert_mentions(&msg, &["sub", "different devices", "[3] f32 on cpu", &format!("{}:{line}:", file!())]);
+    // Moving one operand makes it valid.
+    let sum = (&a + &b.to_device(a.device())).to_vec::<f32>().unwrap();
+    assert_eq!(sum, vec![2.0; 3]);
+}
+
+#[test]
+fn bad_dimensions_and_arguments_are_reported_at_the_call() {
+    let cpu = Device::cpu();
+    let x = Tensor::zeros([2, 3], DType::F32, &cpu);
+    type Case<'a> = (u32, Box<dyn FnOnce() + 'a>, &'static str);
+    let cases: Vec<Case> = vec![
+        (line!(), Box::new(|| drop(x.sum_dim(2, false))), "sum"),
+        (line!(), Box::new(|| drop(x.transpose(0, 5))), "transpose"),
+        (line!(), Box::new(|| drop(x.reshape([7]))), "reshape"),
+        (line!(), Box::new(|| drop(x.narrow(1, 2, 2))), "narrow"),
+        (line!(), Box::new(|| drop(x.permute(&[0, 0]))), "permute"),
+        (line!(), Box::new(|| drop(x.expand([3, 3]))), "expand"),
+        (line!(), Box::new(|| drop(Tensor::from_vec(vec![1.0f32; 5], [2, 3], &Device::cpu()))), "from_vec"),
+        (line!(), Box::new(|| drop(x.clamp(1.0, 0.0))), "clamp"),
+        (line!(), Box::new(|| x.add_assign(&Tensor::zeros([4, 2, 3], DType::F32, &Device::cpu()))), "add_assign"),
+        (line!(), Box::new(|| drop(&Tensor::zeros([2, 3], DType::U8, &Device::cpu()) * -1.0)), "mul"),
+    ];
+    for (line, f, op) in cases {
+        let msg = panic_message(f);
+        assert_mentions(&msg, &[op, "[2, 3]", &format!("{}:{line}:", file!())]);
+    }
+}
+
+#[test]
+fn the_engine_keeps_working_after_caught_misuse_on_every_thread() {
+    let cpu = Device::cpu();
+    let stop = Arc::new(AtomicBool::new(false));
+    // Other threads compute while this one panics repeatedly.
+    let workers: Vec<_> = (0..4)
+        .map(|t| {
+            let stop = stop.clone();
+            let cpu = cpu.clone();
+            std::thread::spawn(move || {
+                let mut rounds = 0u32;
+                while !stop.load(Ordering::Relaxed) || rounds < 20 {
+                    let x = Tensor::from_vec(vec![t as f32, 1.0, 2.0], [3], &cpu);
+                    let y = (&x * 2.0 + 1.0).sum().item::<f32>().unwrap();
+                    assert_eq!(y, 2.0 * (t as f32 + 3.0) + 3.0);
+                    rounds += 1;
+                }
+                rounds
+            })
+        })
+        .collect();
+    for _ in 0..50 {
+        let a = Tensor::ones([2, 2], DType::F32, &cpu);
+        let b = Tensor::ones([3], DType::F32, &cpu);
+        panic_message(|| drop(&a + &b));
+        panic_message(|| drop(a.argmax_dim(9, false)));
+        // The same thread computes right after.
+        assert_eq!((&a + &a).sum().item::<f32>().unwrap(), 8.0);
+    }
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        assert!(w.join().expect("worker thread must not panic") >= 20);
+    }
+}
+
+#[test]
+fn read_errors_are_errs_not_panics() {
+    let cpu = Device::cpu();
+    let x = Tensor::from_vec(vec![1.0f32, 2.0], [2], &cpu);
+    match x.to_vec::<f64>() {
+        Err(Error::DTypeMismatch { tensor: DType::F32, requested: DType::F64 }) => {}
+        other => panic!("expected a dtype mismatch, got {other:?}"),
+    }
+    match x.item::<f32>() {
+        Err(Error::NotAScalar { numel: 2, .. }) => {}
+        other => panic!("expected NotAScalar, got {other:?}"),
+    }
+    assert_eq!(x.sum().item::<f32>().unwrap(), 3.0);
+    assert!(Device::cuda(0).is_err());
+    assert!(Device::wgpu().is_err());
+}

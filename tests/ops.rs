@@ -1,0 +1,353 @@
+//! Every op of the API on every dtype it accepts, on random inputs, against the reference
+//! interpreter; dtypes it rejects must be reported at the call. Then a few hand-computed
+//! results a reader can check at a glance (NumPy semantics).
+
+mod common;
+
+use braid::prelude::*;
+use braid_graph::table::{BinaryOp, CompareOp, DTypeRule, UnaryOp};
+use braid_graph::{Op, ReduceOp, Scalar, infer};
+use common::{Harness, Rng, SeedMirror};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Mutex;
+
+/// Tests that draw random numbers from the shared device take turns (see `SeedMirror`).
+static DEVICE_RNG: Mutex<()> = Mutex::new(());
+
+fn run_checked(h: &mut Harness, nodes: &[usize]) {
+    for &n in nodes {
+        h.read(n).unwrap_or_else(|e| panic!("read of %{n}: {e}\n{}", h.listing.join("\n")));
+    }
+    let stats = h.check().unwrap_or_else(|e| panic!("{e}"));
+    assert!(stats.checked > 0, "nothing was compared");
+}
+
+fn accepts(rule: DTypeRule, d: DType) -> bool {
+    match rule {
+        DTypeRule::Float => d.is_float(),
+        DTypeRule::Numeric => d.is_numeric(),
+    }
+}
+
+/// Asserts that `f` panics with braid's misuse message.
+fn assert_misuse(what: &str, f: impl FnOnce()) {
+    let err = catch_unwind(AssertUnwindSafe(f)).expect_err(what);
+    let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(msg.starts_with("braid: invalid"), "{what}: unexpected panic {msg:?}");
+}
+
+#[test]
+fn unary_ops_on_every_dtype() {
+    let dev = Device::cpu();
+    let mut rng = Rng::new(1);
+    for &op in UnaryOp::ALL {
+        for d in DType::ALL {
+            let mut h = Harness::new(&dev);
+            let x = h.random(&mut rng, d, Shape::from([3, 5]));
+            if !accepts(op.def().dtypes, d) {
+                let t = h.tensors[x].clone().unwrap();
+                assert_misuse(&format!("{} on {d}", op.name()), || drop(t.unary(op)));
+                continue;
+            }
+            // Domain-restricted ops also see positive inputs.
+            let y = h.op(Op::Unary(op), d, Shape::from([3, 5]), &[x], 0);
+            let mut reads = vec![y];
+            if d.is_float() {
+                let a = h.op(Op::Unary(UnaryOp::Abs), d, Shape::from([3, 5]), &[x], 0);
+                let z = h.op(Op::Unary(op), d, Shape::from([3, 5]), &[a], 0);
+                reads.push(z);
+            }
+            run_checked(&mut h, &reads);
+        }
+    }
+}
+
+#[test]
+fn binary_ops_broadcast_on_every_dtype() {
+    let dev = Device::cpu();
+    let mut rng = Rng::new(2);
+    let shapes =
+        [(vec![2, 3, 4], vec![3, 1]), (vec![4], vec![2, 1]), (vec![], vec![2, 2]), (vec![3, 1, 2], vec![1, 4, 2])];
+    for &op in BinaryOp::ALL {
+        for d in DType::ALL {
+            for (sa, sb) in &shapes {
+                let (sa, sb) = (Shape::from(sa.clone()), Shape::from(sb.clone()));
+                let mut h = Harness::new(&dev);
+                let a = h.random(&mut rng, d, sa.clone());
+                let b = h.random(&mut rng, d, sb.clone());
+                match infer::binary(op, (&sa, d), (&sb, d)) {
+                    Err(_) => {
+                        let (ta, tb) = (h.tensors[a].clone().unwrap(), h.tensors[b].clone().unwrap());
+                        assert_misuse(&format!("{} on {d}", op.name()), || drop(ta.binary(op, &tb)));
+                    }
+                    Ok((shape, dtype)) => {
+                        let base = if op == BinaryOp::Pow {
+                            let abs = h.op(Op::Unary(UnaryOp::Abs), d, sa.clone(), &[a], 0);
+                            h.op(
+                                Op::BinaryScalar { op: BinaryOp::Add, scalar: Scalar(0.5), scalar_first: false },
+                                d,
+                                sa,
+                                &[abs],
+                                0,
+                            )
+                        } else {
+                            a
+                        };
+                        let mut reads = Vec::new();
+                        for variant in 0..3 {
+                            reads.push(h.op(Op::Binary(op), dtype, shape.clone(), &[base, b], variant));
+                        }
+                        run_checked(&mut h, &reads);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn scalar_operands_on_either_side() {
+    let dev = Device::cpu();
+    let mut rng = Rng::new(3);
+    for &op in BinaryOp::ALL {
+        for d in DType::ALL {
+            for first in [false, true] {
+                for s in [2.0, -3.0, 0.5] {
+                    let mut h = Harness::new(&dev);
+                    let x = h.random(&mut rng, d, Shape::from([2, 3]));
+                    let op_ = Op::BinaryScalar { op, scalar: Scalar(s), scalar_first: first };
+                    match infer::binary_scalar(op, &Shape::from([2, 3]), d, s) {
+                        Err(_) => {
+                            let t = h.tensors[x].clone().unwrap();
+                            assert_misuse("scalar op", || drop(t.binary_scalar(op, s, first)));
+                        }
+                        Ok((shape, dtype)) => {
+                            let reads: Vec<usize> =
+                                (0..2).map(|v| h.op(op_.clone(), dtype, shape.clone(), &[x], v)).collect();
+                            run_checked(&mut h, &reads);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn comparisons_select_clamp_and_casts() {
+    let dev = Device::cpu();
+    let mut rng = Rng::new(4);
+    for d in DType::ALL {
+        let mut h = Harness::new(&dev);
+        let a = h.random(&mut rng, d, Shape::from([4, 3]));
+        let b = h.random(&mut rng, d, Shape::from([3]));
+        // Equal elements too, so eq/le/ge see ties.
+        let a2 = h.op(Op::Contiguous, d, Shape::from([4, 3]), &[a], 0);
+        let mut reads = Vec::new();
+        for &c in CompareOp::ALL {
+            reads.push(h.op(Op::Compare(c), DType::Bool, Shape::from([4, 3]), &[a, b], 0));
+            reads.push(h.op(Op::Compare(c), DType::Bool, Shape::from([4, 3]), &[a, a2], 0));
+        }
+        let cond = h.random(&mut rng, DType::Bool, Shape::from([4, 1]));
+        reads.push(h.op(Op::Select, d, Shape::from([4, 3]), &[cond, a, b], 0));
+        if d.is_numeric() {
+            reads.push(h.op(Op::Clamp { lo: Scalar(0.0), hi: Scalar(2.0) }, d, Shape::from([4, 3]), &[a], 0));
+        } else {
+            let t = h.tensors[a].clone().unwrap();
+            assert_misuse("clamp on bool", || drop(t.clamp(0.0, 1.0)));
+        }
+        for to in DType::ALL {
+            reads.push(h.op(Op::Cast, to, Shape::from([4, 3]), &[a], 0));
+        }
+        run_checked(&mut h, &reads);
+    }
+}
+
+#[test]
+fn reductions_along_every_dimension() {
+    let dev = Device::cpu();
+    let mut rng = Rng::new(5);
+    let shape = Shape::from([3, 4, 5]);
+    for d in DType::ALL {
+        for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min, ReduceOp::ArgMax] {
+            let mut h = Harness::new(&dev);
+            let x = h.random(&mut rng, d, shape.clone());
+            let mut dims: Vec<Option<usize>> = (0..3).map(Some).collect();
+            if matches!(op, ReduceOp::Sum | ReduceOp::Mean) {
+                dims.push(None);
+            }
+            let mut reads = Vec::new();
+            for dim in dims {
+                for keepdim in [false, true] {
+                    let keepdim = keepdim && dim.is_some();
+                    match infer::reduce(op, &shape, d, dim, keepdim) {
+                        Ok((s, dt)) => reads.push(h.op(Op::Reduce { op, dim, keepdim }, dt, s, &[x], 0)),
+                        Err(_) => {
+                            let t = h.tensors[x].clone().unwrap();
+                            let op_ = Op::Reduce { op, dim, keepdim };
+                            assert_misuse(&format!("{op:?} on {d}"), || {
+                                drop(common::call(&op_, &[&t], &shape, d, &dev, 0))
+                            });
+                        }
+                    }
+                }
+            }
+            if !reads.is_empty() {
+                run_checked(&mut h, &reads);
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_with_broadcast_batches_on_every_numeric_dtype() {
+    let dev = Device::cpu();
+    let mut rng = Rng::new(6);
+    let cases = [
+        (vec![3, 4], vec![4, 5]),
+        (vec![2, 3, 4], vec![4, 2]),
+        (vec![2, 1, 3, 4], vec![5, 4, 2]),
+        (vec![1, 7], vec![7, 1]),
+    ];
+    for d in DType::ALL {
+        for (sa, sb) in &cases {
+            let (sa, sb) = (Shape::from(sa.clone()), Shape::from(sb.clone()));
+            let mut h = Harness::new(&dev);
+            let a = h.random(&mut rng, d, sa.clone());
+            let b = h.random(&mut rng, d, sb.clone());
+            match infer::matmul((&sa, d), (&sb, d)) {
+                Ok((s, dt)) => {
+                    let y = h.op(Op::Matmul, dt, s, &[a, b], 0);
+                    run_checked(&mut h, &[y]);
+                }
+                Err(_) => {
+                    let (ta, tb) = (h.tensors[a].clone().unwrap(), h.tensors[b].clone().unwrap());
+                    assert_misuse("matmul of bool", || drop(ta.matmul(&tb)));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn movement_on_every_dtype() {
+    let dev = Device::cpu();
+    let mut rng = Rng::new(7);
+    for d in DType::ALL {
+        let mut h = Harness::new(&dev);
+        let x = h.random(&mut rng, d, Shape::from([2, 3, 4]));
+        let y = h.random(&mut rng, d, Shape::from([2, 1, 4]));
+        let reads = vec![
+            h.op(Op::Reshape, d, Shape::from([4, 6]), &[x], 0),
+            h.op(Op::Permute([2, 0, 1].as_slice().into()), d, Shape::from([4, 2, 3]), &[x], 0),
+            h.op(Op::Permute([0, 2, 1].as_slice().into()), d, Shape::from([2, 4, 3]), &[x], 0),
+            h.op(Op::Expand, d, Shape::from([5, 2, 3, 4]), &[x], 0),
+            h.op(Op::Expand, d, Shape::from([2, 6, 4]), &[y], 0),
+            h.op(Op::Narrow { dim: 1, start: 1, len: 2 }, d, Shape::from([2, 2, 4]), &[x], 0),
+            h.op(Op::Narrow { dim: 2, start: 3, len: 1 }, d, Shape::from([2, 3, 1]), &[x], 0),
+            h.op(Op::Cat { dim: 1 }, d, Shape::from([2, 5, 4]), &[x, y, y], 0),
+            h.op(Op::Cat { dim: 0 }, d, Shape::from([4, 3, 4]), &[x, x], 0),
+            h.op(Op::Contiguous, d, Shape::from([2, 3, 4]), &[x], 0),
+            h.op(Op::ToDevice, d, Shape::from([2, 3, 4]), &[x], 0),
+        ];
+        run_checked(&mut h, &reads);
+    }
+}
+
+#[test]
+fn sources_and_random_numbers() {
+    let _turn = DEVICE_RNG.lock().unwrap_or_else(|p| p.into_inner());
+    let dev = Device::cpu();
+    let mut seeds = SeedMirror::reseed(&dev, 42);
+    for d in DType::ALL {
+        let mut h = Harness::new(&dev);
+        let mut reads = vec![
+            h.op(Op::Full(Scalar(1.0)), d, Shape::from([2, 3]), &[], 0),
+            h.op(Op::Full(Scalar(0.0)), d, Shape::from([]), &[], 0),
+            h.op(Op::Arange { start: -3 }, DType::I64, Shape::from([7]), &[], 0),
+        ];
+        if d.is_float() {
+            let (s1, s2) = (seeds.next(), seeds.next());
+            reads.push(h.op(Op::Rand { lo: Scalar(-1.0), hi: Scalar(2.0), seed: s1 }, d, Shape::from([3000]), &[], 0));
+            reads.push(h.op(Op::Randn { seed: s2 }, d, Shape::from([40, 50]), &[], 0));
+        } else {
+            assert_misuse("rand of ints", || drop(Tensor::rand([2], 0.0, 1.0, d, &dev)));
+            assert_misuse("randn of ints", || drop(Tensor::randn([2], d, &dev)));
+        }
+        run_checked(&mut h, &reads);
+    }
+    // Seeding makes random tensors reproducible.
+    dev.seed(7);
+    let a = Tensor::randn([100], DType::F32, &dev).to_vec::<f32>().unwrap();
+    dev.seed(7);
+    let b = Tensor::randn([100], DType::F32, &dev).to_vec::<f32>().unwrap();
+    assert_eq!(a, b);
+    let c = Tensor::randn([100], DType::F32, &dev).to_vec::<f32>().unwrap();
+    assert_ne!(a, c, "a second call draws new numbers");
+}
+
+#[test]
+fn composites_match_the_formulas() {
+    let dev = Device::cpu();
+    let x = Tensor::from_vec(vec![1.0f64, 2.0, 3.0, -1.0, 0.0, 1.0], [2, 3], &dev);
+    let sm = x.softmax(1).to_vec::<f64>().unwrap();
+    let lsm = x.log_softmax(1).to_vec::<f64>().unwrap();
+    let ln = x.layer_norm(1, 1e-5).to_vec::<f64>().unwrap();
+    for (r, row) in [[1.0f64, 2.0, 3.0], [-1.0, 0.0, 1.0]].iter().enumerate() {
+        let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let z: f64 = row.iter().map(|v| (v - m).exp()).sum();
+        let mean = row.iter().sum::<f64>() / 3.0;
+        let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / 3.0;
+        for c in 0..3 {
+            let i = r * 3 + c;
+            assert!((sm[i] - (row[c] - m).exp() / z).abs() < 1e-12);
+            assert!((lsm[i] - (row[c] - m - z.ln())).abs() < 1e-12);
+            assert!((ln[i] - (row[c] - mean) / (var + 1e-5).sqrt()).abs() < 1e-12);
+        }
+    }
+}
+
+#[test]
+fn numpy_semantics_pinned_by_hand() {
+    let dev = Device::cpu();
+    let i = |v: Vec<i32>, s: &[usize]| Tensor::from_vec(v, s, &dev);
+    // Integer division truncates towards zero; x / 0 is 0.
+    let q = i(vec![7, -7, 7, 5], &[4]) / i(vec![2, 2, -2, 0], &[4]);
+    assert_eq!(q.to_vec::<i32>().unwrap(), vec![3, -3, -3, 0]);
+    // Integer arithmetic wraps.
+    let w = i(vec![i32::MAX], &[1]) + 1.0;
+    assert_eq!(w.to_vec::<i32>().unwrap(), vec![i32::MIN]);
+    // Broadcasting a column against a row.
+    let col = Tensor::from_vec(vec![1.0f32, 2.0], [2, 1], &dev);
+    let row = Tensor::from_vec(vec![10.0f32, 20.0, 30.0], [3], &dev);
+    assert_eq!((&col + &row).to_vec::<f32>().unwrap(), vec![11.0, 21.0, 31.0, 12.0, 22.0, 32.0]);
+    // argmax takes the first maximum; NaN wins.
+    let a = Tensor::from_vec(vec![1.0f32, 3.0, 3.0, f32::NAN, 0.0, 9.0], [2, 3], &dev);
+    assert_eq!(a.argmax_dim(1, false).to_vec::<i64>().unwrap(), vec![1, 0]);
+    // max propagates NaN.
+    let m = a.max_dim(1, false).to_vec::<f32>().unwrap();
+    assert_eq!(m[0], 3.0);
+    assert!(m[1].is_nan());
+    // Float to integer casts truncate and saturate; NaN becomes 0.
+    let f = Tensor::from_vec(vec![300.7f32, -2.9, f32::NAN, -1e20], [4], &dev);
+    assert_eq!(f.to_dtype(DType::U8).to_vec::<u8>().unwrap(), vec![255, 0, 0, 0]);
+    assert_eq!(f.to_dtype(DType::I32).to_vec::<i32>().unwrap(), vec![300, -2, 0, i32::MIN]);
+    // Transpose and matmul.
+    let m2 = Tensor::from_vec(vec![1.0f64, 2.0, 3.0, 4.0, 5.0, 6.0], [2, 3], &dev);
+    assert_eq!(m2.t().to_vec::<f64>().unwrap(), vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0]);
+    assert_eq!(m2.matmul(&m2.t()).to_vec::<f64>().unwrap(), vec![14.0, 32.0, 32.0, 77.0]);
+    // cat, narrow, arange, comparisons and select.
+    let r = Tensor::arange(0, 5, &dev);
+    assert_eq!(r.narrow(0, 1, 3).to_vec::<i64>().unwrap(), vec![1, 2, 3]);
+    assert_eq!(Tensor::cat(&[&r, &r.narrow(0, 0, 2)], 0).to_vec::<i64>().unwrap(), vec![0, 1, 2, 3, 4, 0, 1]);
+    let two = Tensor::full([1], 2.0, DType::I64, &dev);
+    let picked = r.gt(&two).select(&r, &(&r * -1.0));
+    assert_eq!(picked.to_vec::<i64>().unwrap(), vec![0, -1, -2, 3, 4]);
+    // Reductions of the whole tensor and of a dimension.
+    assert_eq!(m2.sum().item::<f64>().unwrap(), 21.0);
+    assert_eq!(m2.mean_dim(0, true).to_vec::<f64>().unwrap(), vec![2.5, 3.5, 4.5]);
+    assert_eq!(m2.mean_dim(0, true).dims(), &[1, 3]);
+    // Unary ops on floats and integers.
+    assert_eq!(i(vec![-3, 4], &[2]).abs().to_vec::<i32>().unwrap(), vec![3, 4]);
+    assert_eq!(Tensor::from_vec(vec![4.0f32, 0.25], [2], &dev).rsqrt().to_vec::<f32>().unwrap(), vec![0.5, 2.0]);
+}
