@@ -137,7 +137,7 @@ fn memory_statistics_are_truthful() {
     let y = x.exp();
     y.to_vec::<f32>().unwrap();
     let m = dev.memory();
-    assert_eq!(m.in_use, 2 * 4 << 16, "x and y are held");
+    assert_eq!(m.in_use, 2 * (4 << 16), "x and y are held");
     assert!(m.reserved >= m.in_use && m.peak >= m.in_use);
     drop(y);
     assert_eq!(dev.memory().in_use, 4 << 16);
