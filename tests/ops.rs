@@ -298,11 +298,11 @@ fn composites_match_the_formulas() {
         let z: f64 = row.iter().map(|v| (v - m).exp()).sum();
         let mean = row.iter().sum::<f64>() / 3.0;
         let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / 3.0;
-        for c in 0..3 {
+        for (c, &v) in row.iter().enumerate() {
             let i = r * 3 + c;
-            assert!((sm[i] - (row[c] - m).exp() / z).abs() < 1e-12);
-            assert!((lsm[i] - (row[c] - m - z.ln())).abs() < 1e-12);
-            assert!((ln[i] - (row[c] - mean) / (var + 1e-5).sqrt()).abs() < 1e-12);
+            assert!((sm[i] - (v - m).exp() / z).abs() < 1e-12);
+            assert!((lsm[i] - (v - m - z.ln())).abs() < 1e-12);
+            assert!((ln[i] - (v - mean) / (var + 1e-5).sqrt()).abs() < 1e-12);
         }
     }
 }

@@ -160,7 +160,7 @@ pub fn call(op: &Op, inputs: &[&Tensor], shape: &Shape, dtype: DType, dev: &Devi
         Op::Permute(p) => {
             let x = inputs[0];
             let swapped: Vec<usize> = (0..p.len()).filter(|&i| p[i] != i).collect();
-            if variant % 2 == 0 && swapped.len() == 2 && p[swapped[0]] == swapped[1] {
+            if variant.is_multiple_of(2) && swapped.len() == 2 && p[swapped[0]] == swapped[1] {
                 if x.rank() == 2 { x.t() } else { x.transpose(swapped[0], swapped[1]) }
             } else {
                 x.permute(p)

@@ -319,7 +319,7 @@ impl Gen<'_> {
                 let mut dims = Vec::new();
                 let mut rest = n;
                 for f in [2usize, 3, 5, 7] {
-                    while rest % f == 0 && rest > 1 {
+                    while rest.is_multiple_of(f) && rest > 1 {
                         rest /= f;
                         if dims.is_empty() || self.rng.chance(0.5) {
                             dims.push(f);
