@@ -1,1 +1,133 @@
-fn main() {}
+//! Engine overhead (BENCH.md, "Engine overhead"):
+//! - O1 `record_one_op`: recording one elementwise op (`&x + &y`), drop excluded.
+//! - O2 `schedule_10k_nodes`: fusion + scheduling/memory planning + lowering of a 10,000-node
+//!   flush graph (no execution), reported per node.
+//! - O2 `flush_10k_nodes`: the whole flush of a recorded 10,000-node graph of small tensors
+//!   (walk, schedule, lower, execute 10,000 kernels, install), recording excluded, per node.
+//!
+//! Run: `cargo bench --bench overhead`. Per-node figures: divide by 10,000 (criterion reports
+//! the time per flush; `Throughput::Elements` prints nodes per second).
+
+use braid::prelude::*;
+use braid_graph::table::{BinaryOp, UnaryOp};
+use braid_graph::{DeviceId, FlushGraph, FlushNode, NodeId, Op, StreamId, ValueRef};
+use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
+use std::hint::black_box;
+use std::time::Duration;
+
+const NODES: usize = 10_000;
+
+fn record_one_op(c: &mut Criterion) {
+    braid::set_max_pending_nodes(0); // never flush while timing recording
+    let cpu = Device::cpu();
+    let x = Tensor::from_vec(vec![1.0f32; 64], [64], &cpu);
+    let y = Tensor::from_vec(vec![2.0f32; 64], [64], &cpu);
+    let mut g = c.benchmark_group("O1");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("record_one_op", |b| b.iter_with_large_drop(|| black_box(&x) + black_box(&y)));
+    g.finish();
+    braid::set_max_pending_nodes(braid::DEFAULT_MAX_PENDING);
+}
+
+/// A 10,000-node flush graph: a random DAG of unary and binary elementwise ops over [16, 16]
+/// f32 values, with a few values kept.
+fn flush_graph() -> FlushGraph {
+    let mut state = 12345u64;
+    let mut rand = |n: usize| {
+        state = braid_graph::rng::mix64(state);
+        (state % n as u64) as usize
+    };
+    let shape = braid_graph::Shape::from([16, 16]);
+    let mut g = FlushGraph::default();
+    for i in 0..4 {
+        g.externals.push(braid_graph::External {
+            id: NodeId::new(i),
+            dtype: DType::F32,
+            shape: shape.clone(),
+            device: DeviceId(0),
+            stream: StreamId(0),
+        });
+    }
+    for i in 0..NODES {
+        let pick = |r: usize| if i == 0 || r % 8 == 0 { ValueRef::External(r % 4) } else { ValueRef::Node(i - 1 - r % i.min(32)) };
+        let (op, inputs) = if rand(3) == 0 {
+            (Op::Unary(UnaryOp::ALL[rand(UnaryOp::ALL.len())]), vec![pick(rand(1000))])
+        } else {
+            (Op::Binary([BinaryOp::Add, BinaryOp::Mul, BinaryOp::Sub][rand(3)]), vec![pick(rand(1000)), pick(rand(1000))])
+        };
+        g.nodes.push(FlushNode {
+            id: NodeId::new(i + 4),
+            op,
+            dtype: DType::F32,
+            shape: shape.clone(),
+            device: DeviceId(0),
+            stream: StreamId(0),
+            inputs: inputs.into(),
+            after: Default::default(),
+            keep: i % 1000 == 999,
+        });
+    }
+    g
+}
+
+fn schedule_10k(c: &mut Criterion) {
+    let graph = flush_graph();
+    let mut g = c.benchmark_group("O2");
+    g.throughput(Throughput::Elements(NODES as u64));
+    g.sample_size(20).measurement_time(Duration::from_secs(5));
+    g.bench_function("schedule_10k_nodes", |b| {
+        b.iter(|| {
+            let fusion = braid_fusion::segment(&graph);
+            let schedule = braid_scheduler::plan(&graph, fusion);
+            let kernels: Vec<_> = schedule
+                .kernels
+                .iter()
+                .map(|k| braid_lowering::lower_segment(&graph, &schedule.fusion.segments[k.segment]))
+                .collect();
+            black_box((schedule, kernels))
+        })
+    });
+    g.finish();
+}
+
+fn flush_10k(c: &mut Criterion) {
+    let cpu = Device::cpu();
+    let leaves: Vec<Tensor> = (0..4)
+        .map(|i| Tensor::from_vec((0..256).map(|j| ((i * 256 + j) % 17) as f32 * 0.1).collect::<Vec<_>>(), [16, 16], &cpu))
+        .collect();
+    for l in &leaves {
+        l.to_vec::<f32>().unwrap();
+    }
+    let mut g = c.benchmark_group("O2");
+    g.throughput(Throughput::Elements(NODES as u64));
+    g.sample_size(20).measurement_time(Duration::from_secs(8));
+    g.bench_function("flush_10k_nodes", |b| {
+        b.iter_batched(
+            || {
+                // Record a chain with fan-in from recent values (recording is not timed).
+                let mut recent: Vec<Tensor> = leaves.clone();
+                for i in 0..NODES {
+                    let a = &recent[recent.len() - 1];
+                    let bb = &recent[recent.len() - 1 - i % 3];
+                    let t = match i % 4 {
+                        0 => a + bb,
+                        1 => a * 0.5,
+                        2 => a.tanh(),
+                        _ => a - bb,
+                    };
+                    recent.push(t);
+                    if recent.len() > 8 {
+                        recent.remove(0);
+                    }
+                }
+                recent.pop().unwrap()
+            },
+            |last| last.to_vec::<f32>().unwrap(),
+            BatchSize::PerIteration,
+        )
+    });
+    g.finish();
+}
+
+criterion_group!(overhead, record_one_op, schedule_10k, flush_10k);
+criterion_main!(overhead);

@@ -63,3 +63,8 @@ pub(crate) fn init_logging_from_env() {
             .try_init();
     }
 }
+
+/// The README's code blocks are compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
