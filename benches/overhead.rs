@@ -49,11 +49,20 @@ fn flush_graph() -> FlushGraph {
         });
     }
     for i in 0..NODES {
-        let pick = |r: usize| if i == 0 || r % 8 == 0 { ValueRef::External(r % 4) } else { ValueRef::Node(i - 1 - r % i.min(32)) };
+        let pick = |r: usize| {
+            if i == 0 || r.is_multiple_of(8) {
+                ValueRef::External(r % 4)
+            } else {
+                ValueRef::Node(i - 1 - r % i.min(32))
+            }
+        };
         let (op, inputs) = if rand(3) == 0 {
             (Op::Unary(UnaryOp::ALL[rand(UnaryOp::ALL.len())]), vec![pick(rand(1000))])
         } else {
-            (Op::Binary([BinaryOp::Add, BinaryOp::Mul, BinaryOp::Sub][rand(3)]), vec![pick(rand(1000)), pick(rand(1000))])
+            (
+                Op::Binary([BinaryOp::Add, BinaryOp::Mul, BinaryOp::Sub][rand(3)]),
+                vec![pick(rand(1000)), pick(rand(1000))],
+            )
         };
         g.nodes.push(FlushNode {
             id: NodeId::new(i + 4),
@@ -93,7 +102,9 @@ fn schedule_10k(c: &mut Criterion) {
 fn flush_10k(c: &mut Criterion) {
     let cpu = Device::cpu();
     let leaves: Vec<Tensor> = (0..4)
-        .map(|i| Tensor::from_vec((0..256).map(|j| ((i * 256 + j) % 17) as f32 * 0.1).collect::<Vec<_>>(), [16, 16], &cpu))
+        .map(|i| {
+            Tensor::from_vec((0..256).map(|j| ((i * 256 + j) % 17) as f32 * 0.1).collect::<Vec<_>>(), [16, 16], &cpu)
+        })
         .collect();
     for l in &leaves {
         l.to_vec::<f32>().unwrap();
