@@ -137,3 +137,16 @@ fn read_errors_are_errs_not_panics() {
     assert!(Device::cuda(0).is_err());
     assert!(Device::wgpu().is_err());
 }
+
+#[test]
+fn impossible_shapes_are_misuse_not_overflow() {
+    let cpu = Device::cpu();
+    let line = line!() + 1;
+    let msg = panic_message(|| drop(Tensor::zeros([1usize << 40, 1 << 40], DType::F32, &cpu)));
+    assert_mentions(&msg, &["too large", &format!("{}:{line}:", file!())]);
+    let x = Tensor::zeros([4], DType::F32, &cpu);
+    let msg = panic_message(|| drop(x.reshape([usize::MAX, 2])));
+    assert_mentions(&msg, &["reshape"]);
+    let msg = panic_message(|| drop(x.expand([usize::MAX / 2, 4])));
+    assert_mentions(&msg, &["too large"]);
+}

@@ -27,9 +27,13 @@ impl Shape {
         self.0.len()
     }
 
-    /// Number of elements (1 for a scalar).
+    /// Number of elements (1 for a scalar). Saturates at `usize::MAX` for shapes too large to
+    /// exist (which recording rejects).
     pub fn numel(&self) -> usize {
-        self.0.iter().product()
+        if self.0.contains(&0) {
+            return 0;
+        }
+        self.0.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).unwrap_or(usize::MAX)
     }
 
     /// Row-major strides, in elements, of a contiguous tensor of this shape.

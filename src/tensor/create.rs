@@ -57,6 +57,7 @@ impl Tensor {
     }
 
     /// `start, start + 1, ..., end - 1` as I64 (empty when `end <= start`).
+    #[track_caller]
     pub fn arange(start: i64, end: i64, device: &Device) -> Tensor {
         let len = end.saturating_sub(start).max(0) as usize;
         Tensor::record(Op::Arange { start }, DType::I64, Shape::from([len]), device, &[])

@@ -123,11 +123,13 @@ impl Tensor {
     /// and saturates (NaN gives 0); integers wrap; to bool is `x != 0`; bool is 0 or 1. The
     /// result is always a new value, even for the same dtype (so in-place updates of one never
     /// reach the other).
+    #[track_caller]
     pub fn to_dtype(&self, dtype: DType) -> Tensor {
         Tensor::record(Op::Cast, dtype, self.shape().clone(), self.device(), &[self])
     }
 
     /// Shorthand for `self.to_dtype(DType::F32)`.
+    #[track_caller]
     pub fn to_f32(&self) -> Tensor {
         self.to_dtype(DType::F32)
     }

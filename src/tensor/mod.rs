@@ -51,8 +51,18 @@ impl Tensor {
         NodeId::new(self.0.node.load(Ordering::Relaxed) as usize)
     }
 
-    /// Records `op` over `inputs` (validated by the caller) and returns its tensor.
+    /// Records `op` over `inputs` (validated by the caller) and returns its tensor. A result
+    /// too large to address is misuse, reported here.
+    #[track_caller]
     pub(crate) fn record(op: Op, dtype: DType, shape: Shape, device: &Device, inputs: &[&Tensor]) -> Tensor {
+        let addressable = shape
+            .dims()
+            .iter()
+            .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))
+            .is_some_and(|b| b <= isize::MAX as usize);
+        if !addressable {
+            misuse(op.name(), &format!("a result of shape {shape} and dtype {dtype} is too large to address"), &[]);
+        }
         let nodes: smallvec::SmallVec<[NodeId; 3]> = inputs.iter().map(|t| t.node()).collect();
         let id = engine::record(op, dtype, shape.clone(), device, StreamId(0), &nodes);
         Tensor::from_node(id, shape, dtype, device.clone())

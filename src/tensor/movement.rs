@@ -78,11 +78,13 @@ impl Tensor {
 
     /// A copy. (braid values are always stored contiguously; this exists for code written
     /// against APIs with strided views.)
+    #[track_caller]
     pub fn contiguous(&self) -> Tensor {
         Tensor::record(Op::Contiguous, self.dtype(), self.shape().clone(), self.device(), &[self])
     }
 
     /// A copy on `device` (lazy: nothing synchronises now).
+    #[track_caller]
     pub fn to_device(&self, device: &Device) -> Tensor {
         Tensor::record(Op::ToDevice, self.dtype(), self.shape().clone(), device, &[self])
     }
@@ -114,6 +116,7 @@ impl Tensor {
     }
 
     /// All elements in one dimension.
+    #[track_caller]
     pub fn flatten(&self) -> Tensor {
         self.reshape([self.numel()])
     }
