@@ -5,7 +5,9 @@ use crate::dump::ScheduleDump;
 use crate::engine;
 use crate::error::{Error, Result};
 use braid_devices::{Backend, cpu::CpuDevice};
-use braid_graph::{DeviceId, rng};
+use crate::stream::Stream;
+use braid_graph::{DeviceId, StreamId, rng};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::fmt;
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 
@@ -20,6 +22,9 @@ pub(crate) struct DeviceInner {
     pub(crate) backend: Arc<dyn Backend>,
     rng: Mutex<RngState>,
     pub(crate) last_schedule: Mutex<Option<ScheduleDump>>,
+    next_stream: AtomicU32,
+    /// Streams that default-stream work is spread over (`set_auto_streams`); empty when off.
+    auto_streams: Mutex<Vec<StreamId>>,
 }
 
 struct RngState {
@@ -49,6 +54,8 @@ impl Device {
             backend,
             rng: Mutex::new(RngState { seed: 0, calls: 0 }),
             last_schedule: Mutex::new(None),
+            next_stream: AtomicU32::new(1),
+            auto_streams: Mutex::new(Vec::new()),
         }));
         reg.push(device.clone());
         device
@@ -148,6 +155,33 @@ impl Device {
     /// The schedule of the most recent flush on this device.
     pub fn last_schedule(&self) -> Option<ScheduleDump> {
         lock(&self.0.last_schedule).clone()
+    }
+
+    /// The stream work goes to unless a [`Stream::scope`] says otherwise.
+    pub fn default_stream(&self) -> Stream {
+        Stream::new(self.clone(), StreamId(0))
+    }
+
+    /// A new, independent execution queue on this device (on the CPU: its own worker thread
+    /// while a flush runs).
+    pub fn new_stream(&self) -> Stream {
+        Stream::new(self.clone(), StreamId(self.0.next_stream.fetch_add(1, Ordering::Relaxed)))
+    }
+
+    /// Spreads independent branches of default-stream work over `n` streams (the default
+    /// stream and `n - 1` new ones); `n <= 1` turns it off (the default). Results do not change;
+    /// only how work overlaps.
+    pub fn set_auto_streams(&self, n: usize) {
+        let mut streams = lock(&self.0.auto_streams);
+        streams.clear();
+        if n > 1 {
+            streams.push(StreamId(0));
+            streams.extend((1..n).map(|_| self.new_stream().id));
+        }
+    }
+
+    pub(crate) fn auto_stream_ids(&self) -> Vec<StreamId> {
+        lock(&self.0.auto_streams).clone()
     }
 
     /// Returns cached free memory to the system (the pool keeps freed chunks for reuse).

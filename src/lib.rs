@@ -34,12 +34,14 @@ pub mod dump;
 mod engine;
 mod error;
 pub mod prelude;
+mod stream;
 mod tensor;
 
 pub use device::{Device, MemoryStats};
 pub use dump::ScheduleDump;
 pub use engine::{DEFAULT_MAX_PENDING, max_pending_nodes, set_max_pending_nodes};
 pub use error::{Error, Result};
+pub use stream::{Event, Stream};
 pub use tensor::Tensor;
 
 pub use braid_graph::{DType, Element, Shape};

@@ -3,5 +3,6 @@
 
 pub use crate::device::{Device, MemoryStats};
 pub use crate::error::{Error, Result};
+pub use crate::stream::{Event, Stream};
 pub use crate::tensor::Tensor;
 pub use braid_graph::{DType, Element, Shape};

@@ -45,11 +45,13 @@ pub struct Node<V> {
     pub value: Option<V>,
     /// How many tensor handles currently name this node as their version.
     pub handles: u32,
+    /// Recording order (program order): every input has a smaller number.
+    pub seq: u64,
 }
 
 impl<V> Node<V> {
     pub fn new(op: Op, dtype: DType, shape: Shape, device: DeviceId, stream: StreamId) -> Node<V> {
-        Node { op, dtype, shape, device, stream, value: None, handles: 0 }
+        Node { op, dtype, shape, device, stream, value: None, handles: 0, seq: 0 }
     }
 
     pub fn bytes(&self) -> usize {

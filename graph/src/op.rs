@@ -119,6 +119,9 @@ pub enum Op {
     Contiguous,
     /// A copy to the node's device.
     ToDevice,
+    /// A user event: a point in its stream's order, after the work recorded on the stream
+    /// before it (its control inputs). Carries no data and runs no kernel.
+    Event,
 }
 
 impl Op {
@@ -145,6 +148,7 @@ impl Op {
             Op::Cat { .. } => "cat",
             Op::Contiguous => "contiguous",
             Op::ToDevice => "to_device",
+            Op::Event => "event",
         }
     }
 

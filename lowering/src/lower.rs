@@ -49,6 +49,7 @@ fn lower_node(node: &FlushNode, args: &[u16], shapes: &[&Shape], dtypes: &[DType
     };
     match &node.op {
         Op::Input => unreachable!("inputs are materialised when recorded"),
+        Op::Event => unreachable!("user events run no kernel; the planner never lowers them"),
         Op::Full(v) => elementwise(&|b, _| b.constant(v.0, node.dtype)),
         Op::Arange { start } => elementwise(&|b, _| {
             let i = b.index();

@@ -6,7 +6,7 @@
 //! changes a schedule.
 
 use crate::schedule::{BufferSource, Schedule, Space, Step};
-use braid_graph::FlushGraph;
+use braid_graph::{FlushGraph, ValueRef};
 use serde::{Deserialize, Serialize};
 use std::fmt::Write;
 
@@ -35,7 +35,25 @@ pub struct DumpStream {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "lowercase")]
 pub enum DumpStep {
-    Kernel { id: String, ops: Vec<String>, nodes: Vec<u32>, inputs: Vec<String>, outputs: Vec<String> },
+    Kernel {
+        id: String,
+        ops: Vec<String>,
+        nodes: Vec<u32>,
+        inputs: Vec<String>,
+        outputs: Vec<String>,
+        /// The value (node) each input buffer must hold, parallel to `inputs`.
+        #[serde(default)]
+        input_nodes: Vec<u32>,
+        /// The value (node) each output buffer receives, parallel to `outputs`.
+        #[serde(default)]
+        output_nodes: Vec<u32>,
+        /// The stream of each node in `nodes`.
+        #[serde(default)]
+        node_streams: Vec<u32>,
+        /// Outputs written in place over an input's buffer.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        in_place: Vec<String>,
+    },
     Alloc { buffer: String },
     Free { buffer: String, after: Vec<String> },
     Record { event: String },
@@ -108,6 +126,17 @@ impl Dump {
                                 nodes: seg.nodes.iter().map(|&n| node_id(n)).collect(),
                                 inputs: plan.inputs.iter().map(|b| b.to_string()).collect(),
                                 outputs: plan.outputs.iter().map(|b| b.to_string()).collect(),
+                                input_nodes: seg
+                                    .inputs
+                                    .iter()
+                                    .map(|v| match *v {
+                                        ValueRef::Node(n) => node_id(n),
+                                        ValueRef::External(e) => graph.externals[e].id.index() as u32,
+                                    })
+                                    .collect(),
+                                output_nodes: seg.outputs.iter().map(|&n| node_id(n)).collect(),
+                                node_streams: seg.nodes.iter().map(|&n| graph.nodes[n].stream.0).collect(),
+                                in_place: plan.in_place.iter().map(|&(o, _)| plan.outputs[o].to_string()).collect(),
                             }
                         }
                         Step::Alloc(b) => DumpStep::Alloc { buffer: b.to_string() },
@@ -251,12 +280,13 @@ impl Dump {
 fn step_text(step: &DumpStep, buffers: &[DumpBuffer]) -> String {
     let bytes = |b: &str| buffers.iter().find(|x| x.id == b).map_or(0, |x| x.bytes);
     match step {
-        DumpStep::Kernel { id, ops, nodes, inputs, outputs } => format!(
-            "{id} {} [{}] {} -> {}",
+        DumpStep::Kernel { id, ops, nodes, inputs, outputs, in_place, .. } => format!(
+            "{id} {} [{}] {} -> {}{}",
             ops.join("+"),
             nodes.iter().map(|n| format!("n{n}")).collect::<Vec<_>>().join(" "),
             inputs.join(" "),
-            outputs.join(" ")
+            outputs.join(" "),
+            if in_place.is_empty() { String::new() } else { format!(" (in place: {})", in_place.join(" ")) }
         ),
         DumpStep::Alloc { buffer } => format!("alloc {buffer} ({} B)", bytes(buffer)),
         DumpStep::Free { buffer, after } if after.is_empty() => format!("free {buffer}"),

@@ -2,14 +2,19 @@
 //!
 //! Given the subgraph of a flush and its fusion segments, decides what runs on which stream in
 //! which order, where events go, which buffer holds each value and when it is freed, and how
-//! many bytes that needs at the peak. The result is a [`Schedule`], which devices execute and
-//! [`dump`] prints. The scheduler never touches device memory and never runs kernels.
+//! many bytes that needs at the peak. The result is a [`Schedule`], which devices execute,
+//! [`validate`] checks and [`dump`] prints. The scheduler never touches device memory and never
+//! runs kernels.
 
+pub mod assign;
 pub mod dump;
 pub mod plan;
 pub mod schedule;
+pub mod validate;
 
+pub use assign::spread_default_stream;
 pub use dump::Dump;
+pub use validate::{Hazard, HazardKind, Program, check_reachable, validate};
 pub use plan::plan;
 pub use schedule::{
     BufferId, BufferPlan, BufferSource, EventId, EventPlan, KernelId, KernelPlan, Schedule, Space, Step, StreamSchedule,

@@ -1,105 +1,384 @@
-//! Building a [`Schedule`] from a flush graph and its fusion.
+//! Building a [`Schedule`] from a flush graph and its fusion: streams, events, buffers, frees.
 //!
-//! Today: every segment runs on its node's stream in topological order; each value gets its own
-//! buffer, allocated right before the kernel that writes it and freed right after its last
-//! reader, unless it outlives the flush. The stream-aware planner (events, cross-stream
-//! lifetimes, reuse, offloads) replaces the body of [`plan`] without changing its contract:
-//! every read happens-after its write, and no buffer is freed before its last reader.
+//! Segments keep the flush graph's order (recording order, a topological order); each stream's
+//! steps are that order restricted to the stream, so waits can always be satisfied. A vector
+//! clock per stream tracks how far it knows every other stream to be: a dependency on another
+//! stream's kernel adds a wait only when no earlier wait already implies it. A value's buffer is
+//! allocated right before its writer and freed right after its last reader in plan order, on that
+//! reader's stream, gated by events recorded after its readers on other streams unless the clock
+//! shows they are done. An elementwise kernel writes in place over an input of the same shape and
+//! dtype when it is that value's last reader and every other reader happens-before it.
 
 use crate::schedule::*;
-use braid_fusion::Fusion;
-use braid_graph::{FlushGraph, StreamId, ValueRef};
+use braid_fusion::{Fusion, Segment};
+use braid_graph::{FlushGraph, Op, StreamId, ValueRef};
+use hashbrown::HashMap;
 
 /// Plans `graph` with the segments of `fusion`.
 pub fn plan(graph: &FlushGraph, fusion: Fusion) -> Schedule {
-    let mut s = Schedule::default();
-    let mut buffers = Vec::with_capacity(graph.externals.len() + graph.nodes.len());
-    for (i, e) in graph.externals.iter().enumerate() {
-        buffers.push(BufferPlan {
-            id: BufferId(i as u32),
-            dtype: e.dtype,
-            len: e.shape.numel(),
-            bytes: e.bytes(),
-            space: Space::Device,
-            source: BufferSource::External(i),
-        });
+    let mut p = Planner::new(graph, &fusion);
+    for si in 0..fusion.segments.len() {
+        p.segment(si);
     }
-    s.external_buffers = (0..graph.externals.len() as u32).map(BufferId).collect();
+    let mut schedule = p.finish();
+    schedule.fusion = fusion;
+    schedule
+}
 
-    // Last segment that reads each node's value (node values only; externals are never freed
-    // by a flush).
-    let mut last_reader = vec![usize::MAX; graph.nodes.len()];
-    for (si, seg) in fusion.segments.iter().enumerate() {
-        for v in &seg.inputs {
-            if let ValueRef::Node(n) = *v {
-                last_reader[n] = si;
+/// Who reads a value: per reading stream, the last reading segment; and the last reader overall.
+#[derive(Default, Clone)]
+struct Readers {
+    last: Option<usize>,
+    by_stream: Vec<(usize, usize)>,
+}
+
+impl Readers {
+    fn add(&mut self, seg: usize, stream: usize) {
+        self.last = Some(seg);
+        match self.by_stream.iter_mut().find(|(s, _)| *s == stream) {
+            Some(entry) => entry.1 = seg,
+            None => self.by_stream.push((stream, seg)),
+        }
+    }
+}
+
+struct Planner<'a> {
+    graph: &'a FlushGraph,
+    segments: &'a [Segment],
+    seg_of: Vec<usize>,
+    streams: Vec<StreamId>,
+    seg_stream: Vec<usize>,
+    /// Per stream: kernels emitted so far (a stream's "time").
+    count: Vec<u32>,
+    /// Per stream: how many kernels of every stream are known complete at its current point.
+    clock: Vec<Vec<u32>>,
+    /// Per segment: its stream's count right after it.
+    seg_point: Vec<u32>,
+    steps: Vec<Vec<Step>>,
+    events: Vec<EventPlan>,
+    event_clock: Vec<Vec<u32>>,
+    event_at: HashMap<(usize, u32), EventId>,
+    node_readers: Vec<Readers>,
+    external_readers: Vec<Readers>,
+    /// Per segment: a segment on another stream depends on it.
+    cross_dependents: Vec<bool>,
+    /// Per segment: it is the last reader on its stream of a value freed on another stream.
+    gates_a_free: Vec<bool>,
+    buffers: Vec<BufferPlan>,
+    node_buffer: Vec<Option<BufferId>>,
+    kernels: Vec<KernelPlan>,
+    live: u64,
+    peak: u64,
+}
+
+impl<'a> Planner<'a> {
+    fn new(graph: &'a FlushGraph, fusion: &'a Fusion) -> Planner<'a> {
+        let segments = fusion.segments.as_slice();
+        let mut streams: Vec<StreamId> = graph.nodes.iter().map(|n| n.stream).collect();
+        streams.sort_unstable();
+        streams.dedup();
+        let sidx = |s: StreamId| streams.binary_search(&s).expect("known stream");
+        let seg_stream: Vec<usize> = segments.iter().map(|s| sidx(graph.nodes[s.nodes[0]].stream)).collect();
+        let mut seg_of = vec![0; graph.nodes.len()];
+        for (si, s) in segments.iter().enumerate() {
+            for &n in &s.nodes {
+                seg_of[n] = si;
             }
         }
+        let mut node_readers = vec![Readers::default(); graph.nodes.len()];
+        let mut external_readers = vec![Readers::default(); graph.externals.len()];
+        let mut cross_dependents = vec![false; segments.len()];
+        for (si, seg) in segments.iter().enumerate() {
+            let st = seg_stream[si];
+            for v in &seg.inputs {
+                match *v {
+                    ValueRef::Node(n) => {
+                        node_readers[n].add(si, st);
+                        if seg_stream[seg_of[n]] != st {
+                            cross_dependents[seg_of[n]] = true;
+                        }
+                    }
+                    ValueRef::External(e) => external_readers[e].add(si, st),
+                }
+            }
+            for &n in &seg.nodes {
+                for &a in &graph.nodes[n].after {
+                    if seg_stream[seg_of[a]] != st {
+                        cross_dependents[seg_of[a]] = true;
+                    }
+                }
+            }
+        }
+        let mut gates_a_free = vec![false; segments.len()];
+        for (n, r) in node_readers.iter().enumerate() {
+            if graph.nodes[n].keep {
+                continue;
+            }
+            if let Some(last) = r.last {
+                for &(st, seg) in &r.by_stream {
+                    if st != seg_stream[last] {
+                        gates_a_free[seg] = true;
+                    }
+                }
+            }
+        }
+        let ns = streams.len();
+        let mut buffers = Vec::with_capacity(graph.externals.len() + graph.nodes.len());
+        let mut live = 0;
+        for (i, e) in graph.externals.iter().enumerate() {
+            buffers.push(BufferPlan {
+                id: BufferId(i as u32),
+                dtype: e.dtype,
+                len: e.shape.numel(),
+                bytes: e.bytes(),
+                space: Space::Device,
+                source: BufferSource::External(i),
+            });
+            live += e.bytes() as u64;
+        }
+        Planner {
+            graph,
+            segments,
+            seg_of,
+            seg_stream,
+            count: vec![0; ns],
+            clock: vec![vec![0; ns]; ns],
+            seg_point: vec![0; segments.len()],
+            steps: vec![Vec::new(); ns],
+            events: Vec::new(),
+            event_clock: Vec::new(),
+            event_at: HashMap::new(),
+            node_readers,
+            external_readers,
+            cross_dependents,
+            gates_a_free,
+            buffers,
+            node_buffer: vec![None; graph.nodes.len()],
+            kernels: Vec::new(),
+            live,
+            peak: live,
+            streams,
+        }
     }
 
-    let mut value_buffer: Vec<Option<BufferId>> = vec![None; graph.nodes.len()];
-    let stream = graph.nodes.first().map_or(StreamId(0), |n| n.stream);
-    let mut steps = Vec::with_capacity(graph.nodes.len() * 3);
-    let (mut live, mut peak) = (0u64, 0u64);
-    for (si, seg) in fusion.segments.iter().enumerate() {
-        let mut outputs = Vec::with_capacity(seg.outputs.len());
-        for &n in &seg.outputs {
-            let node = &graph.nodes[n];
-            let id = BufferId(buffers.len() as u32);
-            buffers.push(BufferPlan {
-                id,
-                dtype: node.dtype,
-                len: node.shape.numel(),
-                bytes: node.bytes(),
-                space: Space::Device,
-                source: BufferSource::Value(n),
-            });
-            value_buffer[n] = Some(id);
-            steps.push(Step::Alloc(id));
-            live += node.bytes() as u64;
-            outputs.push(id);
+    /// The segment that produces node `n`.
+    fn producer(&self, n: usize) -> usize {
+        self.seg_of[n]
+    }
+
+    /// An event recorded on stream `s` at its current point (shared if one is there already).
+    fn record_here(&mut self, s: usize, user_node: Option<usize>) -> EventId {
+        let key = (s, self.count[s]);
+        if let Some(&e) = self.event_at.get(&key) {
+            if user_node.is_some() {
+                self.events[e.index()].user_node = user_node;
+                self.events[e.index()].auto = false;
+            }
+            return e;
         }
-        peak = peak.max(live);
-        let inputs = seg
+        let e = EventId(self.events.len() as u32);
+        self.events.push(EventPlan { id: e, stream: self.streams[s], auto: user_node.is_none(), user_node });
+        self.event_clock.push(self.clock[s].clone());
+        self.event_at.insert(key, e);
+        self.steps[s].push(Step::Record(e));
+        e
+    }
+
+    /// Makes stream `s` wait until segment `dep` (on another stream) has run, unless its clock
+    /// already says so.
+    fn wait_for(&mut self, s: usize, dep: usize) {
+        let t = self.seg_stream[dep];
+        if t == s || self.clock[s][t] >= self.seg_point[dep] {
+            return;
+        }
+        let e = self.event_at[&(t, self.seg_point[dep])];
+        self.steps[s].push(Step::Wait(e));
+        let theirs = self.event_clock[e.index()].clone();
+        for (mine, &other) in self.clock[s].iter_mut().zip(&theirs) {
+            *mine = (*mine).max(other);
+        }
+    }
+
+    /// Whether every reader of a value on a stream other than `s` happens-before `s`'s current
+    /// point.
+    fn others_done(&self, s: usize, readers: &Readers) -> bool {
+        readers.by_stream.iter().all(|&(t, seg)| t == s || self.clock[s][t] >= self.seg_point[seg])
+    }
+
+    fn alloc(&mut self, s: usize, n: usize) -> BufferId {
+        let node = &self.graph.nodes[n];
+        let id = BufferId(self.buffers.len() as u32);
+        self.buffers.push(BufferPlan {
+            id,
+            dtype: node.dtype,
+            len: node.shape.numel(),
+            bytes: node.bytes(),
+            space: Space::Device,
+            source: BufferSource::Value(n),
+        });
+        self.steps[s].push(Step::Alloc(id));
+        self.live += node.bytes() as u64;
+        self.peak = self.peak.max(self.live);
+        id
+    }
+
+    fn free(&mut self, s: usize, buffer: BufferId, after: Vec<EventId>) {
+        self.steps[s].push(Step::Free { buffer, after });
+        self.live -= self.buffers[buffer.index()].bytes as u64;
+    }
+
+    /// The input (position) an elementwise segment may overwrite with its output, if any.
+    fn in_place_candidate(&self, si: usize, s: usize) -> Option<usize> {
+        let seg = &self.segments[si];
+        let node = &self.graph.nodes[seg.nodes[0]];
+        if seg.nodes.len() != 1 || !node.op.is_elementwise() {
+            return None;
+        }
+        seg.inputs.iter().position(|&v| {
+            let (dtype, shape) = self.graph.meta(v);
+            if dtype != node.dtype || shape != &node.shape {
+                return false;
+            }
+            let readers = match v {
+                ValueRef::Node(n) if !self.graph.nodes[n].keep => &self.node_readers[n],
+                ValueRef::External(e) if self.graph.externals[e].consumed => &self.external_readers[e],
+                _ => return false,
+            };
+            readers.last == Some(si) && self.others_done(s, readers)
+        })
+    }
+
+    fn segment(&mut self, si: usize) {
+        let s = self.seg_stream[si];
+        let segments = self.segments;
+        let seg = &segments[si];
+        // Dependencies on other streams: data inputs and control edges.
+        let mut deps: Vec<usize> = seg
+            .inputs
+            .iter()
+            .filter_map(|v| match *v {
+                ValueRef::Node(n) => Some(self.producer(n)),
+                ValueRef::External(_) => None,
+            })
+            .collect();
+        for &n in &seg.nodes {
+            deps.extend(self.graph.nodes[n].after.iter().map(|&a| self.producer(a)));
+        }
+        for dep in deps {
+            self.wait_for(s, dep);
+        }
+        let graph = self.graph;
+        let first = &graph.nodes[seg.nodes[0]];
+        if first.op == Op::Event {
+            // A user event: a point in the stream, no kernel.
+            self.seg_point[si] = self.count[s];
+            if self.cross_dependents[si] || first.keep {
+                self.record_here(s, Some(seg.nodes[0]));
+            }
+            return;
+        }
+        let input_buffers: Vec<BufferId> = seg
             .inputs
             .iter()
             .map(|v| match *v {
-                ValueRef::Node(n) => value_buffer[n].expect("producer planned before reader"),
-                ValueRef::External(e) => s.external_buffers[e],
+                ValueRef::Node(n) => self.node_buffer[n].expect("producer planned before reader"),
+                ValueRef::External(e) => BufferId(e as u32),
             })
-            .collect::<Vec<_>>();
-        let kid = KernelId(s.kernels.len() as u32);
-        s.kernels.push(KernelPlan { id: kid, stream, segment: si, inputs, outputs });
-        steps.push(Step::Kernel(kid));
-        for v in &seg.inputs {
-            if let ValueRef::Node(n) = *v
-                && last_reader[n] == si
-                && !graph.nodes[n].keep
-            {
-                let b = value_buffer[n].expect("planned");
-                steps.push(Step::Free { buffer: b, after: Vec::new() });
-                live -= buffers[b.index()].bytes as u64;
-            }
+            .collect();
+        let reuse = self.in_place_candidate(si, s);
+        let mut outputs = Vec::with_capacity(seg.outputs.len());
+        let mut in_place = Vec::new();
+        for (o, &n) in seg.outputs.iter().enumerate() {
+            let b = match reuse {
+                Some(i) if o == 0 => {
+                    in_place.push((0, i));
+                    input_buffers[i]
+                }
+                _ => self.alloc(s, n),
+            };
+            self.node_buffer[n] = Some(b);
+            outputs.push(b);
         }
-        // A value nobody reads and nobody keeps (a dead end of the graph) is freed at once.
+        let kid = KernelId(self.kernels.len() as u32);
+        self.kernels.push(KernelPlan {
+            id: kid,
+            stream: self.streams[s],
+            segment: si,
+            inputs: input_buffers.clone(),
+            outputs,
+            in_place: in_place.clone(),
+        });
+        self.steps[s].push(Step::Kernel(kid));
+        self.count[s] += 1;
+        self.clock[s][s] = self.count[s];
+        self.seg_point[si] = self.count[s];
+        if self.cross_dependents[si] || self.gates_a_free[si] {
+            self.record_here(s, None);
+        }
+        // Frees: inputs whose last reader this is (unless overwritten in place or kept).
+        for (i, v) in seg.inputs.iter().enumerate() {
+            let ValueRef::Node(n) = *v else { continue };
+            if self.graph.nodes[n].keep
+                || self.node_readers[n].last != Some(si)
+                || in_place.iter().any(|&(_, input)| input == i)
+            {
+                continue;
+            }
+            let after = self.node_readers[n]
+                .by_stream
+                .iter()
+                .filter(|&&(t, seg)| t != s && self.clock[s][t] < self.seg_point[seg])
+                .map(|&(t, seg)| self.event_at[&(t, self.seg_point[seg])])
+                .collect();
+            self.free(s, input_buffers[i], after);
+        }
+        // Values nobody reads and nobody keeps are freed at once.
         for &n in &seg.outputs {
-            if last_reader[n] == usize::MAX && !graph.nodes[n].keep {
-                let b = value_buffer[n].expect("planned");
-                steps.push(Step::Free { buffer: b, after: Vec::new() });
-                live -= buffers[b.index()].bytes as u64;
+            if self.node_readers[n].last.is_none() && !self.graph.nodes[n].keep {
+                let b = self.node_buffer[n].expect("planned");
+                self.free(s, b, Vec::new());
             }
         }
     }
-    s.outputs = graph
-        .nodes
-        .iter()
-        .enumerate()
-        .filter(|(_, n)| n.keep)
-        .map(|(i, _)| (i, value_buffer[i].expect("kept value has a buffer")))
-        .collect();
-    s.buffers = buffers;
-    s.streams = vec![StreamSchedule { stream, steps }];
-    s.fusion = fusion;
-    s.planned_peak_bytes = peak;
-    s
+
+    fn finish(mut self) -> Schedule {
+        // Drop records nobody waits for (kept: user events, which a later flush may name).
+        let used: hashbrown::HashSet<EventId> = self
+            .steps
+            .iter()
+            .flatten()
+            .flat_map(|st| match st {
+                Step::Wait(e) => vec![*e],
+                Step::Free { after, .. } => after.clone(),
+                _ => Vec::new(),
+            })
+            .collect();
+        let keep_event = |e: &EventId, events: &[EventPlan]| used.contains(e) || events[e.index()].user_node.is_some();
+        for steps in &mut self.steps {
+            steps.retain(|st| !matches!(st, Step::Record(e) if !keep_event(e, &self.events)));
+        }
+        let graph = self.graph;
+        let outputs = graph
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| n.keep && n.op != Op::Event)
+            .map(|(i, _)| (i, self.node_buffer[i].expect("kept value has a buffer")))
+            .collect();
+        Schedule {
+            streams: self
+                .streams
+                .iter()
+                .zip(self.steps)
+                .map(|(&stream, steps)| StreamSchedule { stream, steps })
+                .collect(),
+            buffers: self.buffers,
+            kernels: self.kernels,
+            events: self.events,
+            fusion: Fusion::default(),
+            external_buffers: (0..graph.externals.len() as u32).map(BufferId).collect(),
+            outputs,
+            planned_peak_bytes: self.peak,
+        }
+    }
 }

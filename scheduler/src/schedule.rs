@@ -68,14 +68,18 @@ pub struct KernelPlan {
     pub inputs: Vec<BufferId>,
     /// Output buffers, in the order of the segment's outputs.
     pub outputs: Vec<BufferId>,
+    /// Outputs written in place over an input's buffer: (output position, input position).
+    pub in_place: Vec<(usize, usize)>,
 }
 
 #[derive(Clone, Debug)]
 pub struct EventPlan {
     pub id: EventId,
     pub stream: StreamId,
-    /// Inserted by braid (a cross-stream read) rather than recorded by the user.
+    /// Inserted by braid (a cross-stream read or free) rather than recorded by the user.
     pub auto: bool,
+    /// The flush node of the user event this event realises (`None` for automatic ones).
+    pub user_node: Option<usize>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -110,7 +114,9 @@ pub struct Schedule {
     pub external_buffers: Vec<BufferId>,
     /// Values that outlive the flush: (flush node, buffer holding it at the end).
     pub outputs: Vec<(usize, BufferId)>,
-    /// Highest total of bytes allocated by this flush that are alive at once.
+    /// Highest total of bytes alive at once (the flush's inputs plus what it allocates),
+    /// with streams advancing in the order the steps were planned. Exact for one stream; with
+    /// several, streams running ahead of one another can hold more at the same moment.
     pub planned_peak_bytes: u64,
 }
 

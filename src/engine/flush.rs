@@ -9,11 +9,11 @@
 use super::{State, Ticket, Value, collect, device_error, state};
 use crate::device::{Device, lock};
 use crate::dump::{self, ScheduleDump};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use braid_devices::{Buffer, Job};
-use braid_graph::{DeviceId, External, FlushGraph, FlushNode, NodeId, ValueRef};
+use braid_graph::{DeviceId, External, FlushGraph, FlushNode, NodeId, Op, ValueRef};
 use braid_lowering::{Kernel, lower_segment};
-use braid_scheduler::KernelId;
+use braid_scheduler::{HazardKind, KernelId, Schedule};
 use hashbrown::{HashMap, HashSet};
 use smallvec::SmallVec;
 use std::sync::Arc;
@@ -80,7 +80,7 @@ pub(crate) fn flush_device(device: Option<DeviceId>) -> Result<()> {
             match &n.value {
                 None => targets.push(id),
                 Some(Value::InFlight(t)) => tickets.push(t.clone()),
-                Some(Value::Ready(_) | Value::Host(_)) => {}
+                Some(Value::Ready(_) | Value::Host(_) | Value::Done) => {}
             }
         }
         (targets, tickets)
@@ -123,6 +123,8 @@ fn walk(st: &State, targets: &[NodeId]) -> (Vec<NodeId>, Vec<Arc<Ticket>>) {
             }
         }
     }
+    // Recording order: a topological order, and each stream's program order.
+    order.sort_unstable_by_key(|&id| st.graph.node(id).seq);
     (order, waits)
 }
 
@@ -144,6 +146,7 @@ fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
                     let e = *external_index.entry(p).or_insert(next);
                     if e == next {
                         let pn = st.graph.node(p);
+                        let consumed = pn.handles == 0 && st.graph.successors(p).all(|s| index.contains_key(&s));
                         externals.push(match &pn.value {
                             Some(Value::Ready(buffer)) => ExternalData::Device(buffer.clone()),
                             Some(Value::Host(bytes)) => ExternalData::Host(bytes.clone()),
@@ -155,6 +158,7 @@ fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
                             shape: pn.shape.clone(),
                             device: pn.device,
                             stream: pn.stream,
+                            consumed,
                         });
                     }
                     ValueRef::External(e)
@@ -189,12 +193,18 @@ fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
 fn run(ex: Extracted) -> Result<()> {
     let _span =
         tracing::debug_span!(target: "braid::flush", "flush", n = ex.number, nodes = ex.graph.nodes.len()).entered();
-    let graph = Arc::new(ex.graph);
+    let mut graph = ex.graph;
+    let auto_streams = ex.device.auto_stream_ids();
+    if auto_streams.len() > 1 {
+        braid_scheduler::spread_default_stream(&mut graph, &auto_streams);
+    }
+    let graph = Arc::new(graph);
     let schedule = {
         let _s = tracing::debug_span!(target: "braid::flush", "schedule").entered();
         let fusion = braid_fusion::segment(&graph);
         Arc::new(braid_scheduler::plan(&graph, fusion))
     };
+    let checked = check(&schedule, &graph);
     let kernels: Vec<Kernel> =
         schedule.kernels.iter().map(|k| lower_segment(&graph, &schedule.fusion.segments[k.segment])).collect();
     let label = |k: KernelId| {
@@ -219,9 +229,12 @@ fn run(ex: Extracted) -> Result<()> {
             }
         })
         .collect();
-    let result = externals.and_then(|externals| {
+    let result = checked.and_then(|()| {
+        let externals = externals.map_err(|e| device_error(&ex.device, e))?;
         let _s = tracing::debug_span!(target: "braid::flush", "execute", kernels = kernels.len()).entered();
-        backend.execute(Job { schedule: &schedule, kernels: &kernels, externals: &externals, label: &label })
+        backend
+            .execute(Job { schedule: &schedule, kernels: &kernels, externals: &externals, label: &label })
+            .map_err(|e| device_error(&ex.device, e))
     });
     drop(ex.externals);
     let dump = ScheduleDump::live(schedule.clone(), graph.clone(), ex.number, ex.device.name());
@@ -247,12 +260,29 @@ fn run(ex: Extracted) -> Result<()> {
             st.pending += graph.nodes.len();
             let ids = graph.nodes.iter().map(|n| n.id).collect();
             collect(&mut st, ids);
-            Err(device_error(&ex.device, e))
+            Err(e)
         }
     };
     drop(st);
     ex.ticket.finish(result.clone());
     result
+}
+
+/// Checks a schedule before it runs: fully (every hazard) in debug builds or with
+/// `BRAID_VALIDATE=1`; otherwise only that every wait can be satisfied, so that a bad schedule
+/// is an error and never a hang.
+fn check(schedule: &Schedule, graph: &FlushGraph) -> Result<()> {
+    let full = cfg!(debug_assertions) || std::env::var("BRAID_VALIDATE").is_ok_and(|v| v == "1");
+    let hazards = if full {
+        braid_scheduler::validate(schedule, graph).err().unwrap_or_default()
+    } else {
+        braid_scheduler::check_reachable(schedule, graph).err().into_iter().collect()
+    };
+    match hazards.first() {
+        None => Ok(()),
+        Some(h) if h.kind == HazardKind::Deadlock => Err(Error::Deadlock(h.to_string())),
+        Some(_) => Err(Error::InvalidSchedule(hazards.iter().map(|h| h.to_string()).collect::<Vec<_>>().join("; "))),
+    }
 }
 
 /// Kept values become ready; every other node of the flush leaves the graph; nodes of the
@@ -266,6 +296,9 @@ fn install(st: &mut State, graph: &FlushGraph, outputs: &[(usize, braid_schedule
         st.graph.node_mut(graph.nodes[i].id).value = Some(Value::Ready(buffer));
     }
     for n in &graph.nodes {
+        if n.keep && n.op == Op::Event {
+            st.graph.node_mut(n.id).value = Some(Value::Done);
+        }
         if !n.keep {
             st.graph.remove(n.id);
         } else {

@@ -15,8 +15,10 @@ pub(crate) use flush::{flush_device, flush_nodes};
 
 use crate::device::{Device, lock};
 use crate::error::{Error, Result};
+use crate::stream::Event;
 use braid_devices::Buffer;
-use braid_graph::{DType, Graph, Node, NodeId, Op, Shape, StreamId};
+use braid_graph::{DType, DeviceId, Graph, Node, NodeId, Op, Shape, StreamId};
+use hashbrown::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, LazyLock, Mutex};
 
@@ -29,6 +31,8 @@ pub(crate) enum Value {
     InFlight(Arc<Ticket>),
     /// Computed.
     Ready(Buffer),
+    /// A user event that has been reached.
+    Done,
 }
 
 /// Completion of one flush: readers of its values wait here.
@@ -58,10 +62,24 @@ pub(crate) struct State {
     /// Nodes whose value is neither computed nor being computed.
     pub(crate) pending: usize,
     pub(crate) flushes: u64,
+    /// Recording order of the next node.
+    seq: u64,
+    /// Per stream: events that work recorded on it from now on must wait for.
+    waits: HashMap<(DeviceId, StreamId), Vec<Event>>,
 }
 
-static STATE: LazyLock<Mutex<State>> =
-    LazyLock::new(|| Mutex::new(State { graph: Graph::new(), pending: 0, flushes: 0 }));
+static STATE: LazyLock<Mutex<State>> = LazyLock::new(|| {
+    Mutex::new(State { graph: Graph::new(), pending: 0, flushes: 0, seq: 0, waits: HashMap::new() })
+});
+
+impl State {
+    /// Adds a node, stamping its recording order.
+    fn add(&mut self, mut node: Node<Value>, inputs: &[NodeId]) -> NodeId {
+        node.seq = self.seq;
+        self.seq += 1;
+        self.graph.add(node, inputs)
+    }
+}
 
 /// Default for [`max_pending_nodes`].
 pub const DEFAULT_MAX_PENDING: usize = 32_768;
@@ -94,11 +112,13 @@ pub(crate) fn record(
     let mut st = state();
     let mut node = Node::new(op, dtype, shape, device.0.id, stream);
     node.handles = 1;
-    let id = st.graph.add(node, inputs);
+    let id = st.add(node, inputs);
     st.pending += 1;
+    let reached = if st.waits.is_empty() { Vec::new() } else { apply_waits(&mut st, id, device.0.id, stream) };
     let limit = MAX_PENDING.load(Ordering::Relaxed);
     let over = limit != 0 && st.pending > limit;
     drop(st);
+    drop(reached);
     if over {
         // The new node has its handle counted, so the flush keeps it.
         if let Err(e) = flush_device(None) {
@@ -113,7 +133,84 @@ pub(crate) fn record_host(dtype: DType, shape: Shape, device: &Device, bytes: Ar
     let mut node = Node::new(Op::Input, dtype, shape, device.0.id, StreamId(0));
     node.handles = 1;
     node.value = Some(Value::Host(bytes));
-    state().graph.add(node, &[])
+    state().add(node, &[])
+}
+
+/// Orders node `id` (just recorded on `stream`) after the events its stream waits for. Events
+/// already reached are forgotten: they are returned, to be dropped once the lock is released
+/// (dropping an event takes the lock).
+#[must_use]
+fn apply_waits(st: &mut State, id: NodeId, device: DeviceId, stream: StreamId) -> Vec<Event> {
+    let Some(events) = st.waits.remove(&(device, stream)) else { return Vec::new() };
+    let (reached, waiting): (Vec<Event>, Vec<Event>) =
+        events.into_iter().partition(|e| matches!(st.graph.node(e.0.node).value, Some(Value::Done)));
+    for e in &waiting {
+        st.graph.add_control(e.0.node, id);
+    }
+    if !waiting.is_empty() {
+        st.waits.insert((device, stream), waiting);
+    }
+    reached
+}
+
+/// Records a user event on `stream`: a node ordered after every pending or running node
+/// recorded on the stream so far (after those of them that no later node of the stream
+/// depends on, which implies the rest).
+pub(crate) fn record_event(device: DeviceId, stream: StreamId) -> NodeId {
+    let mut st = state();
+    let on_stream = |st: &State, n: NodeId| {
+        let node = st.graph.node(n);
+        node.device == device
+            && node.stream == stream
+            && matches!(node.value, None | Some(Value::InFlight(_)))
+    };
+    let tail: Vec<NodeId> = st
+        .graph
+        .node_ids()
+        .filter(|&n| on_stream(&st, n) && !st.graph.successors(n).any(|s| on_stream(&st, s)))
+        .collect();
+    let mut node = Node::new(Op::Event, DType::Bool, Shape::from([0]), device, stream);
+    node.handles = 1;
+    let id = st.add(node, &[]);
+    st.pending += 1;
+    for t in tail {
+        st.graph.add_control(t, id);
+    }
+    let reached = if st.waits.is_empty() { Vec::new() } else { apply_waits(&mut st, id, device, stream) };
+    drop(st);
+    drop(reached);
+    id
+}
+
+/// Makes work recorded on `stream` from now on wait for `event`.
+pub(crate) fn wait_event(device: DeviceId, stream: StreamId, event: &Event) {
+    let mut st = state();
+    if matches!(st.graph.node(event.0.node).value, Some(Value::Done)) {
+        return;
+    }
+    let list = st.waits.entry((device, stream)).or_default();
+    if !list.contains(event) {
+        list.push(event.clone());
+    }
+}
+
+/// Runs what a user event depends on and waits until it is reached.
+pub(crate) fn complete(id: NodeId) -> Result<()> {
+    loop {
+        let st = state();
+        match &st.graph.node(id).value {
+            Some(Value::Done) => return Ok(()),
+            Some(Value::InFlight(t)) => {
+                let t = t.clone();
+                drop(st);
+                let _ = t.wait();
+            }
+            _ => {
+                drop(st);
+                flush_nodes(&[id])?;
+            }
+        }
+    }
 }
 
 /// Marks an uploaded leaf as ready (unless it is gone or was uploaded meanwhile).
@@ -171,12 +268,17 @@ pub(crate) fn materialize(id: impl Fn() -> NodeId) -> Result<Buffer> {
                 // here and reports this thread's own error.
                 let _ = t.wait();
             }
+            Some(Value::Done) => unreachable!("tensors never name event nodes"),
             None => {
                 drop(st);
                 flush_nodes(&[node_id])?;
             }
         }
     }
+}
+
+pub(crate) fn stream_of(id: NodeId) -> StreamId {
+    state().graph.node(id).stream
 }
 
 pub(crate) fn recorded_graph_dot() -> String {

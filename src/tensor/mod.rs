@@ -13,7 +13,8 @@ mod reduce;
 
 use crate::device::Device;
 use crate::engine;
-use braid_graph::{DType, NodeId, Op, Shape, StreamId};
+use crate::stream::{Stream, current_stream};
+use braid_graph::{DType, NodeId, Op, Shape};
 use std::fmt;
 use std::panic::Location;
 use std::sync::Arc;
@@ -64,7 +65,7 @@ impl Tensor {
             misuse(op.name(), &format!("a result of shape {shape} and dtype {dtype} is too large to address"), &[]);
         }
         let nodes: smallvec::SmallVec<[NodeId; 3]> = inputs.iter().map(|t| t.node()).collect();
-        let id = engine::record(op, dtype, shape.clone(), device, StreamId(0), &nodes);
+        let id = engine::record(op, dtype, shape.clone(), device, current_stream(device.0.id), &nodes);
         Tensor::from_node(id, shape, dtype, device.clone())
     }
 
@@ -72,7 +73,8 @@ impl Tensor {
     /// readers recorded earlier keep the old one.
     pub(crate) fn record_new_version(&self, op: Op, inputs: &[&Tensor]) {
         let nodes: smallvec::SmallVec<[NodeId; 3]> = inputs.iter().map(|t| t.node()).collect();
-        let new = engine::record(op, self.0.dtype, self.0.shape.clone(), &self.0.device, StreamId(0), &nodes);
+        let device = &self.0.device;
+        let new = engine::record(op, self.0.dtype, self.0.shape.clone(), device, current_stream(device.0.id), &nodes);
         // `record` counted one handle on `new`: ours, moved from the old version.
         let old = NodeId::new(self.0.node.swap(new.index() as u32, Ordering::Relaxed) as usize);
         engine::release(old);
@@ -101,6 +103,11 @@ impl Tensor {
 
     pub fn numel(&self) -> usize {
         self.0.shape.numel()
+    }
+
+    /// The stream that produces the current version.
+    pub fn stream(&self) -> Stream {
+        Stream::new(self.0.device.clone(), engine::stream_of(self.node()))
     }
 
     /// `[2, 3] f32 on cpu`, as misuse messages print an operand.

@@ -105,7 +105,7 @@ pub fn check(reference: &RefValue, actual: &Actual) -> Result<CheckStats, String
 pub fn call(op: &Op, inputs: &[&Tensor], shape: &Shape, dtype: DType, dev: &Device, variant: usize) -> Tensor {
     use braid_graph::table::BinaryOp as B;
     match op {
-        Op::Input => unreachable!("leaves are data"),
+        Op::Input | Op::Event => unreachable!("leaves are data; events carry no data"),
         Op::Full(v) => Tensor::full(shape.clone(), v.0, dtype, dev),
         Op::Arange { start } => Tensor::arange(*start, *start + shape.numel() as i64, dev),
         Op::Rand { lo, hi, .. } => Tensor::rand(shape.clone(), lo.0, hi.0, dtype, dev),

@@ -1,10 +1,10 @@
-//! The CPU device: a memory pool and an executor that runs schedules step by step, with data
-//! parallelism inside kernels (rayon) and matrix products through `gemm`.
+//! The CPU device: a memory pool, and an executor (`exec`) that runs schedules with one worker
+//! per stream; kernels use data parallelism (rayon) and `gemm` for matrix products.
 //!
-//! It executes exactly what the schedule says (allocations, kernels, frees, in order); it
-//! never reorders steps or decides lifetimes.
+//! It executes exactly what the schedule says; it never reorders steps or decides lifetimes.
 
 pub mod eval;
+mod exec;
 pub mod map;
 pub mod matmul;
 pub mod pool;
@@ -12,19 +12,18 @@ pub mod reduce;
 
 use crate::{Backend, Buffer, DeviceError, Job, MemoryStats};
 use braid_lowering::{Body, Kernel};
-use braid_scheduler::{Step, StreamSchedule};
 use map::ArgPtr;
 use pool::{Pool, Slice};
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
 
 /// A buffer of CPU memory taken from the pool; returned to it when dropped.
 pub struct CpuBuffer {
     slice: Option<Slice>,
     bytes: usize,
     pool: Arc<Pool>,
+    poison: bool,
 }
 
 // SAFETY: the memory is owned by this buffer until it is dropped; concurrent access is ordered
@@ -53,6 +52,10 @@ impl CpuBuffer {
 impl Drop for CpuBuffer {
     fn drop(&mut self) {
         if let Some(s) = self.slice.take() {
+            if self.poison {
+                // SAFETY: the slice is ours until it goes back to the pool below.
+                unsafe { std::ptr::write_bytes(s.ptr.as_ptr(), 0xFF, s.size) };
+            }
             self.pool.free(s);
         }
     }
@@ -76,7 +79,9 @@ impl CpuDevice {
         CpuDevice::default()
     }
 
-    fn alloc(&self, bytes: usize) -> Result<Arc<CpuBuffer>, DeviceError> {
+    /// A buffer of `bytes`; with `poison`, its memory is filled with 0xFF bytes (NaN for floats)
+    /// when it is freed, so a read after free shows up as a wrong result.
+    fn alloc(&self, bytes: usize, poison: bool) -> Result<Arc<CpuBuffer>, DeviceError> {
         let slice = if bytes == 0 {
             None
         } else {
@@ -85,65 +90,7 @@ impl CpuDevice {
                 DeviceError::OutOfMemory { requested: bytes as u64, in_use: s.in_use, reserved: s.reserved }
             })?)
         };
-        Ok(Arc::new(CpuBuffer { slice, bytes, pool: self.pool.clone() }))
-    }
-
-    fn run_stream(
-        &self,
-        job: &Job<'_>,
-        stream: &StreamSchedule,
-        table: &mut [Option<Buffer>],
-    ) -> Result<(), DeviceError> {
-        for step in &stream.steps {
-            match step {
-                Step::Alloc(b) => {
-                    let plan = &job.schedule.buffers[b.index()];
-                    table[b.index()] = Some(Buffer::Cpu(self.alloc(plan.bytes)?));
-                }
-                Step::Free { buffer, .. } => table[buffer.index()] = None,
-                Step::Kernel(k) => {
-                    let plan = &job.schedule.kernels[k.index()];
-                    let kernel = &job.kernels[k.index()];
-                    let args = plan
-                        .inputs
-                        .iter()
-                        .chain(&plan.outputs)
-                        .zip(&kernel.args)
-                        .map(|(b, a)| match &table[b.index()] {
-                            Some(Buffer::Cpu(buf)) if buf.bytes() == a.len * a.dtype.size() => {
-                                Ok(ArgPtr { ptr: buf.ptr(), len: a.len, dtype: a.dtype })
-                            }
-                            Some(Buffer::Cpu(buf)) => Err(DeviceError::Internal(format!(
-                                "{b} holds {} bytes but {k} expects {} {} elements",
-                                buf.bytes(),
-                                a.len,
-                                a.dtype
-                            ))),
-                            None => Err(DeviceError::Internal(format!("{k} uses {b}, which is not allocated"))),
-                        })
-                        .collect::<Result<Vec<_>, _>>()?;
-                    let timed = tracing::enabled!(target: "braid::kernel", tracing::Level::DEBUG);
-                    let t0 = timed.then(Instant::now);
-                    run_kernel(kernel, &args).map_err(|e| DeviceError::Kernel(format!("{}: {e}", (job.label)(*k))))?;
-                    self.kernels.fetch_add(1, Ordering::Relaxed);
-                    if let Some(t0) = t0 {
-                        let secs = t0.elapsed().as_secs_f64();
-                        tracing::debug!(
-                            target: "braid::kernel",
-                            "{} {} elems {:.1} us {:.2} GB/s",
-                            (job.label)(*k),
-                            kernel.output_elements(),
-                            secs * 1e6,
-                            kernel.bytes_moved() as f64 / secs.max(1e-9) / 1e9
-                        );
-                    }
-                }
-                Step::Record(_) | Step::Wait(_) => {
-                    return Err(DeviceError::Internal("events need the multi-stream executor".into()));
-                }
-            }
-        }
-        Ok(())
+        Ok(Arc::new(CpuBuffer { slice, bytes, pool: self.pool.clone(), poison }))
     }
 }
 
@@ -165,7 +112,7 @@ impl Backend for CpuDevice {
     }
 
     fn upload(&self, bytes: &[u8]) -> Result<Buffer, DeviceError> {
-        let buf = self.alloc(bytes.len())?;
+        let buf = self.alloc(bytes.len(), std::env::var("BRAID_POISON").is_ok_and(|v| v == "1"))?;
         // SAFETY: the fresh buffer holds bytes.len() bytes and nobody else has it yet.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf.ptr(), bytes.len()) };
         Ok(Buffer::Cpu(buf))
@@ -178,29 +125,7 @@ impl Backend for CpuDevice {
     }
 
     fn execute(&self, job: Job<'_>) -> Result<Vec<Buffer>, DeviceError> {
-        let s = job.schedule;
-        let mut table: Vec<Option<Buffer>> = vec![None; s.buffers.len()];
-        if job.externals.len() != s.external_buffers.len() {
-            return Err(DeviceError::Internal("external buffers do not match the schedule".into()));
-        }
-        for (b, ext) in s.external_buffers.iter().zip(job.externals) {
-            table[b.index()] = Some(ext.clone());
-        }
-        match s.streams.as_slice() {
-            [] => {}
-            [one] => self.run_stream(&job, one, &mut table)?,
-            _ => {
-                return Err(DeviceError::Internal(
-                    "schedules with several streams need the multi-stream executor".into(),
-                ));
-            }
-        }
-        s.outputs
-            .iter()
-            .map(|(_, b)| {
-                table[b.index()].clone().ok_or_else(|| DeviceError::Internal(format!("output {b} was freed")))
-            })
-            .collect()
+        exec::execute(self, job)
     }
 
     fn memory(&self) -> MemoryStats {

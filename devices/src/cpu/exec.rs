@@ -1,0 +1,231 @@
+//! Executing a schedule on the CPU: one worker per stream, truly concurrent, with events as
+//! real synchronisation.
+//!
+//! A single-stream schedule runs on the calling thread (no hand-off latency). With several
+//! streams, each runs on its own scoped thread (the first on the calling thread); `Record` sets
+//! an event, `Wait` blocks until it is set, and a `Free` gated on events returns its buffer to
+//! the pool when the last of them is reached, without blocking its stream. If any stream fails,
+//! every event of the flush is failed, so no stream waits forever, and the first error is
+//! returned. This module runs steps exactly as planned; it never reorders them.
+
+use super::{CpuBuffer, CpuDevice, map::ArgPtr, run_kernel};
+use crate::{Buffer, DeviceError, Job};
+use braid_scheduler::{Step, StreamSchedule};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+type Callback = Box<dyn FnOnce() + Send>;
+
+#[derive(Default)]
+struct EventState {
+    reached: bool,
+    failed: bool,
+    callbacks: Vec<Callback>,
+}
+
+/// A CPU event: set once by the stream that records it.
+#[derive(Default)]
+struct CpuEvent {
+    state: Mutex<EventState>,
+    cv: Condvar,
+}
+
+impl CpuEvent {
+    fn set(&self) {
+        let callbacks = {
+            let mut st = lock(&self.state);
+            st.reached = true;
+            std::mem::take(&mut st.callbacks)
+        };
+        self.cv.notify_all();
+        callbacks.into_iter().for_each(|f| f());
+    }
+
+    /// Wakes every waiter with a failure (another stream failed); pending callbacks still run
+    /// so that gated buffers return to the pool.
+    fn fail(&self) {
+        let callbacks = {
+            let mut st = lock(&self.state);
+            st.failed = true;
+            std::mem::take(&mut st.callbacks)
+        };
+        self.cv.notify_all();
+        callbacks.into_iter().for_each(|f| f());
+    }
+
+    /// Blocks until the event is set; `false` if the flush failed instead.
+    fn wait(&self) -> bool {
+        let mut st = lock(&self.state);
+        while !st.reached && !st.failed {
+            st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        st.reached
+    }
+
+    /// Runs `f` once the event is set (or failed); at once if it already is.
+    fn on_reached(&self, f: Callback) {
+        let mut st = lock(&self.state);
+        if st.reached || st.failed {
+            drop(st);
+            f();
+        } else {
+            st.callbacks.push(f);
+        }
+    }
+}
+
+/// State shared by the streams of one flush.
+struct Exec<'a, 'j> {
+    device: &'a CpuDevice,
+    job: &'a Job<'j>,
+    table: Vec<Mutex<Option<Buffer>>>,
+    events: Vec<CpuEvent>,
+    abort: AtomicBool,
+    error: Mutex<Option<DeviceError>>,
+    poison: bool,
+}
+
+impl Exec<'_, '_> {
+    fn fail(&self, e: DeviceError) {
+        lock(&self.error).get_or_insert(e);
+        self.abort.store(true, Ordering::SeqCst);
+        self.events.iter().for_each(CpuEvent::fail);
+    }
+
+    fn run_stream(&self, stream: &StreamSchedule) {
+        if let Err(e) = self.steps(stream) {
+            self.fail(e);
+        }
+    }
+
+    fn steps(&self, stream: &StreamSchedule) -> Result<(), DeviceError> {
+        let s = self.job.schedule;
+        for step in &stream.steps {
+            if self.abort.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            match step {
+                Step::Alloc(b) => {
+                    let buf = self.device.alloc(s.buffers[b.index()].bytes, self.poison)?;
+                    *lock(&self.table[b.index()]) = Some(Buffer::Cpu(buf));
+                }
+                Step::Free { buffer, after } => {
+                    let taken = lock(&self.table[buffer.index()]).take();
+                    if after.is_empty() {
+                        drop(taken);
+                    } else {
+                        // Return the buffer when the last gating event is reached.
+                        let remaining = Arc::new(AtomicUsize::new(after.len()));
+                        let slot = Arc::new(Mutex::new(taken));
+                        for e in after {
+                            let (remaining, slot) = (remaining.clone(), slot.clone());
+                            self.events[e.index()].on_reached(Box::new(move || {
+                                if remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+                                    drop(lock(&slot).take());
+                                }
+                            }));
+                        }
+                    }
+                }
+                Step::Record(e) => self.events[e.index()].set(),
+                Step::Wait(e) => {
+                    if !self.events[e.index()].wait() {
+                        return Ok(()); // another stream failed; its error is reported
+                    }
+                }
+                Step::Kernel(k) => self.kernel(*k)?,
+            }
+        }
+        Ok(())
+    }
+
+    fn kernel(&self, k: braid_scheduler::KernelId) -> Result<(), DeviceError> {
+        let plan = &self.job.schedule.kernels[k.index()];
+        let kernel = &self.job.kernels[k.index()];
+        // Hold the argument buffers for the kernel's duration, so a faulty plan can never
+        // return memory that a kernel is still using to the pool.
+        let mut held: Vec<Arc<CpuBuffer>> = Vec::with_capacity(kernel.args.len());
+        let mut args = Vec::with_capacity(kernel.args.len());
+        for (b, a) in plan.inputs.iter().chain(&plan.outputs).zip(&kernel.args) {
+            let buf = match &*lock(&self.table[b.index()]) {
+                Some(Buffer::Cpu(buf)) => buf.clone(),
+                None => return Err(DeviceError::Internal(format!("{k} uses {b}, which is not allocated"))),
+            };
+            if buf.bytes() != a.len * a.dtype.size() {
+                return Err(DeviceError::Internal(format!(
+                    "{b} holds {} bytes but {k} expects {} {} elements",
+                    buf.bytes(),
+                    a.len,
+                    a.dtype
+                )));
+            }
+            args.push(ArgPtr { ptr: buf.ptr(), len: a.len, dtype: a.dtype });
+            held.push(buf);
+        }
+        let timed = tracing::enabled!(target: "braid::kernel", tracing::Level::DEBUG);
+        let t0 = timed.then(Instant::now);
+        run_kernel(kernel, &args).map_err(|e| DeviceError::Kernel(format!("{}: {e}", (self.job.label)(k))))?;
+        self.device.kernels.fetch_add(1, Ordering::Relaxed);
+        if let Some(t0) = t0 {
+            let secs = t0.elapsed().as_secs_f64();
+            tracing::debug!(
+                target: "braid::kernel",
+                "{} s{} {} elems {:.1} us {:.2} GB/s",
+                (self.job.label)(k),
+                plan.stream.0,
+                kernel.output_elements(),
+                secs * 1e6,
+                kernel.bytes_moved() as f64 / secs.max(1e-9) / 1e9
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Runs a whole schedule; returns the buffers of `schedule.outputs`.
+pub(super) fn execute(device: &CpuDevice, job: Job<'_>) -> Result<Vec<Buffer>, DeviceError> {
+    let s = job.schedule;
+    if job.externals.len() != s.external_buffers.len() {
+        return Err(DeviceError::Internal("external buffers do not match the schedule".into()));
+    }
+    let poison = std::env::var("BRAID_POISON").is_ok_and(|v| v == "1");
+    let exec = Exec {
+        device,
+        job: &job,
+        table: (0..s.buffers.len()).map(|_| Mutex::new(None)).collect(),
+        events: (0..s.events.len()).map(|_| CpuEvent::default()).collect(),
+        abort: AtomicBool::new(false),
+        error: Mutex::new(None),
+        poison,
+    };
+    for (b, ext) in s.external_buffers.iter().zip(job.externals) {
+        *lock(&exec.table[b.index()]) = Some(ext.clone());
+    }
+    match s.streams.as_slice() {
+        [] => {}
+        [one] => exec.run_stream(one),
+        [first, rest @ ..] => std::thread::scope(|scope| {
+            for st in rest {
+                let exec = &exec;
+                std::thread::Builder::new()
+                    .name(format!("braid-cpu-s{}", st.stream.0))
+                    .spawn_scoped(scope, move || exec.run_stream(st))
+                    .map_err(|e| exec.fail(DeviceError::Internal(format!("cannot start a stream worker: {e}"))))
+                    .ok();
+            }
+            exec.run_stream(first);
+        }),
+    }
+    if let Some(e) = lock(&exec.error).take() {
+        return Err(e);
+    }
+    s.outputs
+        .iter()
+        .map(|(_, b)| lock(&exec.table[b.index()]).clone().ok_or_else(|| DeviceError::Internal(format!("output {b} was freed"))))
+        .collect()
+}

@@ -1,0 +1,461 @@
+//! The validator: proves a schedule safe before it runs, or names the hazard.
+//!
+//! It builds the happens-before order of a schedule (each stream's program order, plus every
+//! record before its waits and before the frees gated on it), computes a vector clock per step,
+//! and checks: every waited event is recorded and reachable (no deadlock); every pair of
+//! conflicting accesses to a buffer (a write, an allocation or a free against anything) is
+//! ordered; replayed in that order, every read sees the value it expects (no read before the
+//! write, no buffer overwritten or freed while a reader still needs it); and no kernel holds
+//! nodes of two streams. It works on [`Program`], which both a live schedule and a dump read
+//! back from JSON convert into, so `braid inspect` checks files exactly as the engine checks
+//! schedules. It never changes a schedule.
+
+use crate::dump::{Dump, DumpStep};
+use crate::schedule::{BufferSource, Schedule, Step};
+use braid_graph::FlushGraph;
+use hashbrown::HashMap;
+use std::collections::VecDeque;
+use std::fmt;
+
+/// A step of a [`Program`]; buffers and events are small integers, values are node ids.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PStep {
+    Kernel { label: String, reads: Vec<(u32, u64)>, writes: Vec<(u32, u64)>, node_streams: Vec<u32> },
+    Alloc(u32),
+    Free { buffer: u32, after: Vec<u32> },
+    Record(u32),
+    Wait(u32),
+}
+
+/// What the validator checks: per stream, its steps; and the buffers that hold a value before
+/// the schedule starts.
+#[derive(Clone, Debug, Default)]
+pub struct Program {
+    pub streams: Vec<(u32, Vec<PStep>)>,
+    pub initial: Vec<(u32, u64)>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HazardKind {
+    /// A read not ordered after the write it needs, or before any write.
+    ReadAfterWrite,
+    /// A buffer overwritten (or reused) while an earlier value still has readers.
+    WriteAfterRead,
+    /// Two writes to one buffer with no order between them.
+    WriteAfterWrite,
+    /// A buffer read, written or freed after it was freed, or freed while still in use.
+    UseAfterFree,
+    /// A wait that can never be satisfied (no record, or a cycle through events).
+    Deadlock,
+    /// A kernel with nodes of two streams.
+    CrossStreamFusion,
+}
+
+/// Where a step is: stream, position, and what it is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StepRef {
+    pub stream: u32,
+    pub index: usize,
+    pub label: String,
+}
+
+impl fmt::Display for StepRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} (stream {}, step {})", self.label, self.stream, self.index)
+    }
+}
+
+/// A problem found in a schedule.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hazard {
+    pub kind: HazardKind,
+    pub buffer: Option<String>,
+    pub steps: Vec<StepRef>,
+    pub message: String,
+}
+
+impl fmt::Display for Hazard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.kind)?;
+        if let Some(b) = &self.buffer {
+            write!(f, " on {b}")?;
+        }
+        write!(f, ": {}", self.message)
+    }
+}
+
+fn label(step: &PStep) -> String {
+    match step {
+        PStep::Kernel { label, .. } => label.clone(),
+        PStep::Alloc(b) => format!("alloc b{b}"),
+        PStep::Free { buffer, .. } => format!("free b{buffer}"),
+        PStep::Record(e) => format!("record e{e}"),
+        PStep::Wait(e) => format!("wait e{e}"),
+    }
+}
+
+impl Program {
+    /// The program of a live schedule (values named by recorded-graph node ids).
+    pub fn from_schedule(schedule: &Schedule, graph: &FlushGraph) -> Program {
+        let value = |b: &crate::BufferPlan| match b.source {
+            BufferSource::External(e) => graph.externals[e].id.index() as u64,
+            BufferSource::Value(n) => graph.nodes[n].id.index() as u64,
+        };
+        let initial = schedule
+            .buffers
+            .iter()
+            .filter(|b| matches!(b.source, BufferSource::External(_)))
+            .map(|b| (b.id.0, value(b)))
+            .collect();
+        let streams = schedule
+            .streams
+            .iter()
+            .map(|st| {
+                let steps = st
+                    .steps
+                    .iter()
+                    .map(|step| match step {
+                        Step::Kernel(k) => {
+                            let plan = &schedule.kernels[k.index()];
+                            let seg = &schedule.fusion.segments[plan.segment];
+                            let ops: Vec<&str> = seg.nodes.iter().map(|&n| graph.nodes[n].op.name()).collect();
+                            PStep::Kernel {
+                                label: format!("{k} {}", ops.join("+")),
+                                reads: plan.inputs.iter().zip(&seg.inputs).map(|(b, v)| (b.0, value_of(graph, *v))).collect(),
+                                writes: plan
+                                    .outputs
+                                    .iter()
+                                    .zip(&seg.outputs)
+                                    .map(|(b, &n)| (b.0, graph.nodes[n].id.index() as u64))
+                                    .collect(),
+                                node_streams: seg.nodes.iter().map(|&n| graph.nodes[n].stream.0).collect(),
+                            }
+                        }
+                        Step::Alloc(b) => PStep::Alloc(b.0),
+                        Step::Free { buffer, after } => {
+                            PStep::Free { buffer: buffer.0, after: after.iter().map(|e| e.0).collect() }
+                        }
+                        Step::Record(e) => PStep::Record(e.0),
+                        Step::Wait(e) => PStep::Wait(e.0),
+                    })
+                    .collect();
+                (st.stream.0, steps)
+            })
+            .collect();
+        Program { streams, initial }
+    }
+
+    /// The program of a dump read back from JSON. Errors name what is malformed.
+    pub fn from_dump(dump: &Dump) -> Result<Program, String> {
+        let num = |s: &str, prefix: char| -> Result<u32, String> {
+            s.strip_prefix(prefix).and_then(|n| n.parse().ok()).ok_or_else(|| format!("malformed id {s:?}"))
+        };
+        let initial = dump
+            .buffers
+            .iter()
+            .filter(|b| b.external)
+            .map(|b| Ok((num(&b.id, 'b')?, b.node.unwrap_or(u32::MAX) as u64)))
+            .collect::<Result<_, String>>()?;
+        let mut streams = Vec::new();
+        for st in &dump.streams {
+            let mut steps = Vec::new();
+            for step in &st.steps {
+                steps.push(match step {
+                    DumpStep::Kernel { id, ops, inputs, outputs, input_nodes, output_nodes, node_streams, .. } => {
+                        let pair = |bufs: &[String], nodes: &[u32]| -> Result<Vec<(u32, u64)>, String> {
+                            bufs.iter()
+                                .enumerate()
+                                .map(|(i, b)| Ok((num(b, 'b')?, nodes.get(i).map_or(u64::MAX - i as u64, |&n| n as u64))))
+                                .collect()
+                        };
+                        PStep::Kernel {
+                            label: format!("{id} {}", ops.join("+")),
+                            reads: pair(inputs, input_nodes)?,
+                            writes: pair(outputs, output_nodes)?,
+                            node_streams: node_streams.clone(),
+                        }
+                    }
+                    DumpStep::Alloc { buffer } => PStep::Alloc(num(buffer, 'b')?),
+                    DumpStep::Free { buffer, after } => PStep::Free {
+                        buffer: num(buffer, 'b')?,
+                        after: after.iter().map(|e| num(e, 'e')).collect::<Result<_, _>>()?,
+                    },
+                    DumpStep::Record { event } => PStep::Record(num(event, 'e')?),
+                    DumpStep::Wait { event } => PStep::Wait(num(event, 'e')?),
+                    DumpStep::Copy { .. } => return Err("copy steps are not supported by this validator".into()),
+                });
+            }
+            streams.push((st.id, steps));
+        }
+        Ok(Program { streams, initial })
+    }
+}
+
+fn value_of(graph: &FlushGraph, v: braid_graph::ValueRef) -> u64 {
+    match v {
+        braid_graph::ValueRef::Node(n) => graph.nodes[n].id.index() as u64,
+        braid_graph::ValueRef::External(e) => graph.externals[e].id.index() as u64,
+    }
+}
+
+/// Checks a live schedule.
+pub fn validate(schedule: &Schedule, graph: &FlushGraph) -> Result<(), Vec<Hazard>> {
+    check(&Program::from_schedule(schedule, graph))
+}
+
+/// Checks only that every wait can be satisfied (cheap; run before every execution so that a
+/// bad schedule is an error, never a hang).
+pub fn check_reachable(schedule: &Schedule, graph: &FlushGraph) -> Result<(), Hazard> {
+    let p = Program::from_schedule(schedule, graph);
+    order(&p).map(|_| ())
+}
+
+type Pos = (usize, usize);
+
+/// A topological order of all steps, or the deadlock that prevents one.
+fn order(p: &Program) -> Result<Vec<Pos>, Hazard> {
+    let step_ref = |(s, i): Pos| StepRef { stream: p.streams[s].0, index: i, label: label(&p.streams[s].1[i]) };
+    let mut records: HashMap<u32, Pos> = HashMap::new();
+    for (s, (_, steps)) in p.streams.iter().enumerate() {
+        for (i, st) in steps.iter().enumerate() {
+            if let PStep::Record(e) = st
+                && records.insert(*e, (s, i)).is_some()
+            {
+                return Err(Hazard {
+                    kind: HazardKind::Deadlock,
+                    buffer: None,
+                    steps: vec![step_ref((s, i))],
+                    message: format!("event e{e} is recorded twice"),
+                });
+            }
+        }
+    }
+    // In-degrees: the previous step of the stream, plus each event a step waits for.
+    let mut indeg: Vec<Vec<usize>> = p.streams.iter().map(|(_, st)| vec![0; st.len()]).collect();
+    let mut waiters: HashMap<u32, Vec<Pos>> = HashMap::new();
+    for (s, (_, steps)) in p.streams.iter().enumerate() {
+        for (i, st) in steps.iter().enumerate() {
+            indeg[s][i] = usize::from(i > 0);
+            let events: &[u32] = match st {
+                PStep::Wait(e) => std::slice::from_ref(e),
+                PStep::Free { after, .. } => after,
+                _ => &[],
+            };
+            for e in events {
+                if !records.contains_key(e) {
+                    return Err(Hazard {
+                        kind: HazardKind::Deadlock,
+                        buffer: None,
+                        steps: vec![step_ref((s, i))],
+                        message: format!(
+                            "{} on stream {} waits for event e{e}, which no stream records in this flush",
+                            label(st),
+                            p.streams[s].0
+                        ),
+                    });
+                }
+                indeg[s][i] += 1;
+                waiters.entry(*e).or_default().push((s, i));
+            }
+        }
+    }
+    let mut ready: VecDeque<Pos> = (0..p.streams.len()).filter(|&s| !p.streams[s].1.is_empty() && indeg[s][0] == 0).map(|s| (s, 0)).collect();
+    let mut out = Vec::with_capacity(indeg.iter().map(Vec::len).sum());
+    while let Some((s, i)) = ready.pop_front() {
+        out.push((s, i));
+        let mut release = |pos: Pos, ready: &mut VecDeque<Pos>| {
+            indeg[pos.0][pos.1] -= 1;
+            if indeg[pos.0][pos.1] == 0 {
+                ready.push_back(pos);
+            }
+        };
+        if i + 1 < p.streams[s].1.len() {
+            release((s, i + 1), &mut ready);
+        }
+        if let PStep::Record(e) = &p.streams[s].1[i] {
+            for &w in waiters.get(e).map(Vec::as_slice).unwrap_or(&[]) {
+                release(w, &mut ready);
+            }
+        }
+    }
+    if out.len() < indeg.iter().map(Vec::len).sum::<usize>() {
+        // The first step of some stream that never became ready is blocked on a cycle.
+        let blocked = (0..p.streams.len())
+            .filter_map(|s| (0..p.streams[s].1.len()).find(|&i| indeg[s][i] > 0).map(|i| (s, i)))
+            .find(|&(s, i)| matches!(p.streams[s].1[i], PStep::Wait(_) | PStep::Free { .. }))
+            .unwrap_or((0, 0));
+        return Err(Hazard {
+            kind: HazardKind::Deadlock,
+            buffer: None,
+            steps: vec![step_ref(blocked)],
+            message: format!(
+                "{} on stream {} can never be reached: its events wait on each other in a cycle",
+                label(&p.streams[blocked.0].1[blocked.1]),
+                p.streams[blocked.0].0
+            ),
+        });
+    }
+    Ok(out)
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Access {
+    Alloc,
+    Read(u64),
+    Write(u64),
+    Free,
+}
+
+/// Checks a program; returns every hazard found.
+pub fn check(p: &Program) -> Result<(), Vec<Hazard>> {
+    let order = order(p).map_err(|h| vec![h])?;
+    let ns = p.streams.len();
+    // Vector clocks: clock[s][i][t] = steps of stream t that happen-before-or-are step (s, i).
+    let mut clock: Vec<Vec<Vec<u32>>> = p.streams.iter().map(|(_, st)| vec![Vec::new(); st.len()]).collect();
+    let mut record_pos: HashMap<u32, Pos> = HashMap::new();
+    for (s, (_, steps)) in p.streams.iter().enumerate() {
+        for (i, st) in steps.iter().enumerate() {
+            if let PStep::Record(e) = st {
+                record_pos.insert(*e, (s, i));
+            }
+        }
+    }
+    let mut rank: Vec<Vec<usize>> = p.streams.iter().map(|(_, st)| vec![0; st.len()]).collect();
+    for (r, &(s, i)) in order.iter().enumerate() {
+        rank[s][i] = r;
+        let mut c = if i > 0 { clock[s][i - 1].clone() } else { vec![0; ns] };
+        let events: &[u32] = match &p.streams[s].1[i] {
+            PStep::Wait(e) => std::slice::from_ref(e),
+            PStep::Free { after, .. } => after,
+            _ => &[],
+        };
+        for e in events {
+            let (rs, ri) = record_pos[e];
+            for (mine, &theirs) in c.iter_mut().zip(&clock[rs][ri]) {
+                *mine = (*mine).max(theirs);
+            }
+        }
+        c[s] = i as u32 + 1;
+        clock[s][i] = c;
+    }
+    let hb = |a: Pos, b: Pos| a != b && clock[b.0][b.1][a.0] > a.1 as u32;
+    let step_ref = |(s, i): Pos| StepRef { stream: p.streams[s].0, index: i, label: label(&p.streams[s].1[i]) };
+
+    let mut hazards = Vec::new();
+    // Accesses per buffer.
+    let mut accesses: HashMap<u32, Vec<(Pos, Access)>> = HashMap::new();
+    for (s, (sid, steps)) in p.streams.iter().enumerate() {
+        for (i, st) in steps.iter().enumerate() {
+            match st {
+                PStep::Kernel { reads, writes, node_streams, .. } => {
+                    for &(b, v) in reads {
+                        accesses.entry(b).or_default().push(((s, i), Access::Read(v)));
+                    }
+                    for &(b, v) in writes {
+                        accesses.entry(b).or_default().push(((s, i), Access::Write(v)));
+                    }
+                    if let Some(other) = node_streams.iter().find(|&&ns| ns != *sid) {
+                        hazards.push(Hazard {
+                            kind: HazardKind::CrossStreamFusion,
+                            buffer: None,
+                            steps: vec![step_ref((s, i))],
+                            message: format!("{} on stream {sid} holds a node of stream {other}", label(st)),
+                        });
+                    }
+                }
+                PStep::Alloc(b) => accesses.entry(*b).or_default().push(((s, i), Access::Alloc)),
+                PStep::Free { buffer, .. } => accesses.entry(*buffer).or_default().push(((s, i), Access::Free)),
+                _ => {}
+            }
+        }
+    }
+    let initial: HashMap<u32, u64> = p.initial.iter().copied().collect();
+    let mut buffers: Vec<u32> = accesses.keys().copied().collect();
+    buffers.sort_unstable();
+    for b in buffers {
+        let mut acc = accesses.remove(&b).expect("key");
+        // 1. Conflicting accesses must be ordered.
+        let mut raced = false;
+        for x in 0..acc.len() {
+            for y in x + 1..acc.len() {
+                let ((pa, a), (pb, bb)) = (acc[x], acc[y]);
+                let conflict = !matches!((a, bb), (Access::Read(_), Access::Read(_)));
+                if !conflict || pa == pb || hb(pa, pb) || hb(pb, pa) {
+                    continue;
+                }
+                raced = true;
+                let kind = match (a, bb) {
+                    (Access::Free, _) | (_, Access::Free) => HazardKind::UseAfterFree,
+                    (Access::Write(_), Access::Write(_)) => HazardKind::WriteAfterWrite,
+                    (Access::Write(_) | Access::Alloc, Access::Read(_)) => HazardKind::ReadAfterWrite,
+                    _ => HazardKind::WriteAfterRead,
+                };
+                hazards.push(Hazard {
+                    kind,
+                    buffer: Some(format!("b{b}")),
+                    steps: vec![step_ref(pa), step_ref(pb)],
+                    message: format!(
+                        "b{b} is used by {} and by {} with no event ordering them",
+                        step_ref(pa),
+                        step_ref(pb)
+                    ),
+                });
+            }
+        }
+        if raced {
+            continue;
+        }
+        // 2. Replayed in that order, every access finds the buffer in the right state. Reads of
+        // a step come before its writes (an in-place kernel reads, then overwrites).
+        acc.sort_by_key(|&((s, i), a)| (rank[s][i], !matches!(a, Access::Read(_))));
+        #[derive(Clone, Copy, PartialEq)]
+        enum State {
+            Unallocated,
+            Allocated,
+            Holds(u64, Pos),
+            Freed(Pos),
+        }
+        let mut state = match initial.get(&b) {
+            Some(&v) => State::Holds(v, (usize::MAX, 0)),
+            None => State::Unallocated,
+        };
+        let who = |pos: Pos| if pos.0 == usize::MAX { "before the flush".to_string() } else { step_ref(pos).to_string() };
+        for &(pos, a) in &acc {
+            let problem = match (state, a) {
+                (State::Freed(f), _) => Some((HazardKind::UseAfterFree, format!("b{b} was freed by {}", who(f)), Some(f))),
+                (State::Unallocated, Access::Alloc) | (State::Allocated | State::Holds(..), Access::Write(_)) => None,
+                (State::Unallocated, _) => Some((HazardKind::ReadAfterWrite, format!("b{b} is not allocated yet"), None)),
+                (State::Allocated | State::Holds(..), Access::Alloc) => {
+                    Some((HazardKind::WriteAfterWrite, format!("b{b} is allocated while it is still live"), None))
+                }
+                (State::Allocated, Access::Read(_)) => {
+                    Some((HazardKind::ReadAfterWrite, format!("b{b} is read before anything is written to it"), None))
+                }
+                (State::Holds(have, w), Access::Read(want)) if have != want => Some((
+                    HazardKind::WriteAfterRead,
+                    format!("b{b} should hold n{want} but {} overwrote it with n{have} first (reused too early)", who(w)),
+                    (w.0 != usize::MAX).then_some(w),
+                )),
+                _ => None,
+            };
+            if let Some((kind, why, other)) = problem {
+                let mut steps: Vec<StepRef> = other.map(step_ref).into_iter().collect();
+                steps.push(step_ref(pos));
+                hazards.push(Hazard {
+                    kind,
+                    buffer: Some(format!("b{b}")),
+                    message: format!("{}: {why}", step_ref(pos)),
+                    steps,
+                });
+                break;
+            }
+            state = match a {
+                Access::Alloc => State::Allocated,
+                Access::Write(v) => State::Holds(v, pos),
+                Access::Read(_) => state,
+                Access::Free => State::Freed(pos),
+            };
+        }
+    }
+    if hazards.is_empty() { Ok(()) } else { Err(hazards) }
+}

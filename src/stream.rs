@@ -1,0 +1,139 @@
+//! Streams and events as users see them.
+//!
+//! A [`Stream`] is an ordered queue of work on one device; every recorded op carries the stream
+//! that was current on its thread ([`Stream::scope`]). Using a tensor on another stream is always
+//! safe: the scheduler inserts the event itself. An [`Event`] marks a point in a stream's order
+//! (after everything recorded on it so far); [`Stream::wait_event`] makes later work on another
+//! stream wait for it, ordering what data does not.
+
+use crate::device::Device;
+use crate::engine;
+use crate::error::Result;
+use braid_graph::{DeviceId, NodeId, StreamId};
+use std::cell::RefCell;
+use std::fmt;
+use std::sync::Arc;
+
+thread_local! {
+    /// The streams made current by `scope` on this thread, innermost last.
+    static SCOPES: RefCell<Vec<(DeviceId, StreamId)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The stream work recorded now on this thread goes to, on `device`.
+pub(crate) fn current_stream(device: DeviceId) -> StreamId {
+    SCOPES.with(|s| s.borrow().iter().rev().find(|(d, _)| *d == device).map_or(StreamId(0), |&(_, st)| st))
+}
+
+/// An execution queue of a device (a CPU worker, a CUDA stream, ...). Cheap to clone.
+#[derive(Clone)]
+pub struct Stream {
+    pub(crate) device: Device,
+    pub(crate) id: StreamId,
+}
+
+impl Stream {
+    pub(crate) fn new(device: Device, id: StreamId) -> Stream {
+        Stream { device, id }
+    }
+
+    /// The stream current on this thread for `device` (its default stream outside any
+    /// [`Stream::scope`]).
+    pub fn current(device: &Device) -> Stream {
+        Stream::new(device.clone(), current_stream(device.0.id))
+    }
+
+    /// Runs `f` with this stream current (on this thread, for this stream's device): everything
+    /// recorded in `f` goes to it. Scopes nest; the previous stream is current again afterwards,
+    /// even if `f` panics.
+    pub fn scope<R>(&self, f: impl FnOnce() -> R) -> R {
+        struct Pop;
+        impl Drop for Pop {
+            fn drop(&mut self) {
+                SCOPES.with(|s| s.borrow_mut().pop());
+            }
+        }
+        SCOPES.with(|s| s.borrow_mut().push((self.device.0.id, self.id)));
+        let _pop = Pop;
+        f()
+    }
+
+    /// Marks the current point of this stream: the event is reached once everything recorded on
+    /// the stream so far has run.
+    pub fn record_event(&self) -> Event {
+        let node = engine::record_event(self.device.0.id, self.id);
+        Event(Arc::new(EventInner { node, stream: self.clone() }))
+    }
+
+    /// Work recorded on this stream from now on runs only after `event` is reached.
+    pub fn wait_event(&self, event: &Event) {
+        engine::wait_event(self.device.0.id, self.id, event);
+    }
+
+    /// Flushes everything pending on this stream and waits for it.
+    pub fn synchronize(&self) -> Result<()> {
+        self.record_event().synchronize()
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The stream's number on its device (0 is the default stream).
+    pub fn id(&self) -> u32 {
+        self.id.0
+    }
+}
+
+impl PartialEq for Stream {
+    fn eq(&self, other: &Stream) -> bool {
+        self.device == other.device && self.id == other.id
+    }
+}
+impl Eq for Stream {}
+
+impl fmt::Debug for Stream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Stream({}:{})", self.device, self.id.0)
+    }
+}
+
+/// A point in a stream's order. Cheap to clone; clones are the same event.
+#[derive(Clone)]
+pub struct Event(pub(crate) Arc<EventInner>);
+
+pub(crate) struct EventInner {
+    /// The event's node in the recorded graph (one handle counted for this event).
+    pub(crate) node: NodeId,
+    stream: Stream,
+}
+
+impl Drop for EventInner {
+    fn drop(&mut self) {
+        engine::release(self.node);
+    }
+}
+
+impl Event {
+    /// Flushes what the event depends on and blocks until it is reached.
+    pub fn synchronize(&self) -> Result<()> {
+        engine::complete(self.0.node)
+    }
+
+    /// The stream the event was recorded on.
+    pub fn stream(&self) -> &Stream {
+        &self.0.stream
+    }
+}
+
+impl PartialEq for Event {
+    fn eq(&self, other: &Event) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+impl Eq for Event {}
+
+impl fmt::Debug for Event {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Event(n{} on {:?})", self.0.node.index(), self.0.stream)
+    }
+}
