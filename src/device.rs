@@ -25,6 +25,8 @@ pub(crate) struct DeviceInner {
     next_stream: AtomicU32,
     /// Streams that default-stream work is spread over (`set_auto_streams`); empty when off.
     auto_streams: Mutex<Vec<StreamId>>,
+    /// `set_poison`'s choice; `None` follows `BRAID_POISON`.
+    poison: Mutex<Option<bool>>,
 }
 
 struct RngState {
@@ -56,6 +58,7 @@ impl Device {
             last_schedule: Mutex::new(None),
             next_stream: AtomicU32::new(1),
             auto_streams: Mutex::new(Vec::new()),
+            poison: Mutex::new(None),
         }));
         reg.push(device.clone());
         device
@@ -178,6 +181,18 @@ impl Device {
             streams.push(StreamId(0));
             streams.extend((1..n).map(|_| self.new_stream().id));
         }
+    }
+
+    /// Poison mode for this device: freed buffers are filled with NaN / 0xFF bytes before the
+    /// pool reuses them, so a use after free shows up as a wrong result. Overrides
+    /// `BRAID_POISON=1` (which is read at every flush when this is not called).
+    pub fn set_poison(&self, on: bool) {
+        *lock(&self.0.poison) = Some(on);
+    }
+
+    /// Whether flushes starting now poison freed buffers.
+    pub fn poison_enabled(&self) -> bool {
+        lock(&self.0.poison).unwrap_or_else(|| std::env::var("BRAID_POISON").is_ok_and(|v| v == "1"))
     }
 
     pub(crate) fn auto_stream_ids(&self) -> Vec<StreamId> {

@@ -49,13 +49,15 @@ pub struct Job<'a> {
     pub externals: &'a [Buffer],
     /// Describes a kernel for logs and errors (called only when needed).
     pub label: &'a (dyn Fn(KernelId) -> String + Sync),
+    /// Fill buffers with 0xFF bytes (NaN for floats) when they are freed (`BRAID_POISON=1`).
+    pub poison: bool,
 }
 
 /// A device runtime.
 pub trait Backend: Send + Sync {
     fn name(&self) -> String;
-    /// Copies host bytes into a new device buffer.
-    fn upload(&self, bytes: &[u8]) -> Result<Buffer, DeviceError>;
+    /// Copies host bytes into a new device buffer (poisoned when freed if `poison`).
+    fn upload(&self, bytes: &[u8], poison: bool) -> Result<Buffer, DeviceError>;
     /// Copies a buffer's bytes to the host.
     fn download(&self, buffer: &Buffer) -> Result<Vec<u8>, DeviceError>;
     /// Runs a schedule to completion; returns the buffers of `schedule.outputs`, in order.

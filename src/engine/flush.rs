@@ -215,6 +215,7 @@ fn run(ex: Extracted) -> Result<()> {
     };
     // Host data goes to the device first; those leaves then keep the device copy.
     let backend = &ex.device.0.backend;
+    let poison = ex.device.poison_enabled();
     let mut uploaded: Vec<(NodeId, Buffer)> = Vec::new();
     let externals: Result<Vec<Buffer>, _> = ex
         .externals
@@ -223,7 +224,7 @@ fn run(ex: Extracted) -> Result<()> {
         .map(|(data, meta)| match data {
             ExternalData::Device(b) => Ok(b.clone()),
             ExternalData::Host(bytes) => {
-                let b = backend.upload(bytes)?;
+                let b = backend.upload(bytes, poison)?;
                 uploaded.push((meta.id, b.clone()));
                 Ok(b)
             }
@@ -233,7 +234,7 @@ fn run(ex: Extracted) -> Result<()> {
         let externals = externals.map_err(|e| device_error(&ex.device, e))?;
         let _s = tracing::debug_span!(target: "braid::flush", "execute", kernels = kernels.len()).entered();
         backend
-            .execute(Job { schedule: &schedule, kernels: &kernels, externals: &externals, label: &label })
+            .execute(Job { schedule: &schedule, kernels: &kernels, externals: &externals, label: &label, poison })
             .map_err(|e| device_error(&ex.device, e))
     });
     drop(ex.externals);

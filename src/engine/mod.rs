@@ -130,7 +130,8 @@ pub(crate) fn record(
 
 /// Records a leaf holding host data (`from_vec`).
 pub(crate) fn record_host(dtype: DType, shape: Shape, device: &Device, bytes: Arc<[u8]>) -> NodeId {
-    let mut node = Node::new(Op::Input, dtype, shape, device.0.id, StreamId(0));
+    let stream = crate::stream::current_stream(device.0.id);
+    let mut node = Node::new(Op::Input, dtype, shape, device.0.id, stream);
     node.handles = 1;
     node.value = Some(Value::Host(bytes));
     state().add(node, &[])
@@ -257,7 +258,8 @@ pub(crate) fn materialize(id: impl Fn() -> NodeId) -> Result<Buffer> {
                 let bytes = bytes.clone();
                 let device = Device::by_id(st.graph.node(node_id).device);
                 drop(st);
-                let buffer = device.0.backend.upload(&bytes).map_err(|e| device_error(&device, e))?;
+                let buffer =
+                    device.0.backend.upload(&bytes, device.poison_enabled()).map_err(|e| device_error(&device, e))?;
                 install_upload(&mut state(), node_id, &buffer);
                 return Ok(buffer);
             }

@@ -184,15 +184,33 @@ pub struct Harness {
     pub reads: Vec<(usize, Actual)>,
     /// A readable listing, printed when a check fails.
     pub listing: Vec<String>,
+    /// The stream new work is recorded on (`None`: the thread's current stream).
+    pub stream: Option<Stream>,
 }
 
 impl Harness {
     pub fn new(dev: &Device) -> Harness {
-        Harness { dev: dev.clone(), prog: Vec::new(), tensors: Vec::new(), reads: Vec::new(), listing: Vec::new() }
+        Harness {
+            dev: dev.clone(),
+            prog: Vec::new(),
+            tensors: Vec::new(),
+            reads: Vec::new(),
+            listing: Vec::new(),
+            stream: None,
+        }
+    }
+
+    /// Runs `f` with the harness's stream current.
+    fn on_stream<R>(&self, f: impl FnOnce() -> R) -> R {
+        match &self.stream {
+            Some(s) => s.scope(f),
+            None => f(),
+        }
     }
 
     fn push(&mut self, node: ProgNode, tensor: Option<Tensor>, line: String) -> usize {
-        self.listing.push(format!("%{} = {line}", self.prog.len()));
+        let on = self.stream.as_ref().map_or(String::new(), |s| format!(" @s{}", s.id()));
+        self.listing.push(format!("%{} = {line}{on}", self.prog.len()));
         self.prog.push(node);
         self.tensors.push(tensor);
         self.prog.len() - 1
@@ -207,7 +225,7 @@ impl Harness {
 
     /// A leaf with the given values.
     pub fn data(&mut self, dtype: DType, shape: Shape, values: Vec<f64>) -> usize {
-        let t = tensor_from_f64(&values, &shape, dtype, &self.dev);
+        let t = self.on_stream(|| tensor_from_f64(&values, &shape, dtype, &self.dev));
         let line = format!("data {dtype} {shape}");
         self.push(ProgNode::Data { dtype, shape, values }, Some(t), line)
     }
@@ -224,7 +242,7 @@ impl Harness {
         let handles: Vec<Tensor> =
             inputs.iter().map(|&i| self.tensors[i].clone().expect("input is a live version")).collect();
         let refs: Vec<&Tensor> = handles.iter().collect();
-        let t = call(&op, &refs, &shape, dtype, &self.dev, variant);
+        let t = self.on_stream(|| call(&op, &refs, &shape, dtype, &self.dev, variant));
         assert_eq!((t.dtype(), t.shape()), (dtype, &shape), "API result of {op:?}");
         let line = format!("{op:?} {inputs:?} -> {dtype} {shape}");
         self.push(ProgNode::Op { op, dtype, shape, inputs: inputs.to_vec() }, Some(t), line)
@@ -237,7 +255,7 @@ impl Harness {
         let t = self.tensors[target].take().expect("live target");
         let s = self.tensors[src].clone().expect("live source");
         let (dtype, shape) = self.meta(target);
-        let (op, inputs) = match kind {
+        let (op, inputs) = self.on_stream(|| match kind {
             None => {
                 t.assign(&s);
                 (Op::Expand, vec![src])
@@ -252,7 +270,7 @@ impl Harness {
                 }
                 (Op::Binary(b), vec![target, src])
             }
-        };
+        });
         let line = format!("in-place {kind:?} of %{target} with %{src}");
         self.push(ProgNode::Op { op, dtype, shape, inputs }, Some(t), line)
     }

@@ -7,6 +7,7 @@ use braid::prelude::*;
 use braid_graph::reference::CheckStats;
 use braid_graph::table::{BinaryOp, CompareOp, UnaryOp};
 use braid_graph::{Op, ReduceOp, Scalar, infer};
+use braid::{Event, Stream};
 
 /// What a generated program may contain.
 #[derive(Clone, Debug)]
@@ -20,6 +21,10 @@ pub struct Config {
     /// Largest rank and dimension of generated shapes.
     pub max_rank: usize,
     pub max_dim: usize,
+    /// Streams besides the default one that work is recorded on (0: default stream only).
+    pub streams: usize,
+    /// User events: record on one stream, wait on another, synchronize.
+    pub events: bool,
 }
 
 impl Default for Config {
@@ -33,6 +38,8 @@ impl Default for Config {
             random_sources: true,
             max_rank: 4,
             max_dim: 5,
+            streams: 0,
+            events: false,
         }
     }
 }
@@ -43,13 +50,16 @@ struct Gen<'a> {
     live: Vec<usize>,
     cfg: &'a Config,
     seeds: Option<SeedMirror>,
+    streams: Vec<Stream>,
+    events: Vec<Event>,
 }
 
 /// Generates and runs one program from `seed`; returns what was compared, or a description of
 /// the first mismatch with the program listing.
 pub fn run(seed: u64, dev: &Device, cfg: &Config) -> Result<CheckStats, String> {
     let seeds = cfg.random_sources.then(|| SeedMirror::reseed(dev, seed));
-    let mut g = Gen { rng: Rng::new(seed), h: Harness::new(dev), live: Vec::new(), cfg, seeds };
+    let streams = std::iter::once(dev.default_stream()).chain((0..cfg.streams).map(|_| dev.new_stream())).collect();
+    let mut g = Gen { rng: Rng::new(seed), h: Harness::new(dev), live: Vec::new(), cfg, seeds, streams, events: Vec::new() };
     let first = g.random_dtype();
     let shape = g.random_shape();
     let leaf = g.h.random(&mut g.rng, first, shape);
@@ -58,10 +68,14 @@ pub fn run(seed: u64, dev: &Device, cfg: &Config) -> Result<CheckStats, String> 
     for _ in 0..ops {
         g.step().map_err(|e| format!("read failed: {e}\nprogram:\n{}", g.h.listing.join("\n")))?;
     }
-    // Read everything still alive (at least the newest value).
+    // Read everything still alive (at least the first value), newest first so that the first
+    // read flushes a large graph, in order otherwise.
     let mut to_read: Vec<usize> = g.live.clone();
     if to_read.is_empty() {
         to_read.push(leaf);
+    }
+    if g.rng.chance(0.7) {
+        to_read.reverse();
     }
     for i in to_read {
         if g.h.tensors[i].is_some() {
@@ -127,6 +141,16 @@ impl Gen<'_> {
         let variant = self.rng.below(6);
         let id = self.h.op(op, dtype, shape, inputs, variant);
         self.live.push(id);
+        // Often nothing else names an input any more: it becomes an intermediate whose buffer
+        // the plan frees or reuses.
+        if self.cfg.drops {
+            for &i in inputs {
+                if self.live.contains(&i) && self.rng.chance(0.4) {
+                    self.h.drop_tensor(i);
+                    self.live.retain(|&l| l != i);
+                }
+            }
+        }
         Some(id)
     }
 
@@ -141,6 +165,7 @@ impl Gen<'_> {
             &[a],
             self.rng.below(2),
         );
+        self.h.drop_tensor(a);
         self.live.push(b);
         b
     }
@@ -153,7 +178,58 @@ impl Gen<'_> {
         }
     }
 
+    /// Switches streams, records an event, makes a stream wait for one, synchronizes one, or
+    /// reads one value on two streams and drops it (so its free must wait for both).
+    fn stream_action(&mut self) -> Result<()> {
+        match self.rng.below(8) {
+            6 | 7 => {
+                let Some(x) = self.pick_live() else { return Ok(()) };
+                let (dtype, shape) = self.h.meta(x);
+                let saved = self.h.stream.clone();
+                if !dtype.is_numeric() {
+                    return Ok(());
+                }
+                for _ in 0..2 {
+                    self.h.stream = Some(self.rng.pick(&self.streams).clone());
+                    let id = self.h.op(Op::Unary(UnaryOp::Neg), dtype, shape.clone(), &[x], 0);
+                    self.live.push(id);
+                }
+                self.h.stream = saved;
+                if self.live.contains(&x) {
+                    self.h.drop_tensor(x);
+                    self.live.retain(|&l| l != x);
+                }
+            }
+            0..=2 => {
+                let s = self.rng.pick(&self.streams).clone();
+                self.h.listing.push(format!("switch to s{}", s.id()));
+                self.h.stream = Some(s);
+            }
+            3 if self.cfg.events => {
+                let s = self.h.stream.clone().unwrap_or_else(|| self.streams[0].clone());
+                self.h.listing.push(format!("e{} = s{}.record_event()", self.events.len(), s.id()));
+                self.events.push(s.record_event());
+            }
+            4 if self.cfg.events && !self.events.is_empty() => {
+                let i = self.rng.below(self.events.len());
+                let s = self.rng.pick(&self.streams).clone();
+                self.h.listing.push(format!("s{}.wait_event(e{i})", s.id()));
+                s.wait_event(&self.events[i]);
+            }
+            5 if self.cfg.events && !self.events.is_empty() => {
+                let i = self.rng.below(self.events.len());
+                self.h.listing.push(format!("e{i}.synchronize()"));
+                self.events[i].synchronize()?;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
     fn step(&mut self) -> Result<()> {
+        if self.streams.len() > 1 && self.rng.chance(0.35) {
+            return self.stream_action();
+        }
         let Some(x) = self.pick_live() else {
             let d = self.random_dtype();
             let s = self.random_shape();

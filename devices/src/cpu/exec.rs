@@ -83,7 +83,8 @@ impl CpuEvent {
 struct Exec<'a, 'j> {
     device: &'a CpuDevice,
     job: &'a Job<'j>,
-    table: Vec<Mutex<Option<Buffer>>>,
+    /// Buffer of each `BufferId`; shared with the callbacks of gated frees.
+    table: Arc<Vec<Mutex<Option<Buffer>>>>,
     events: Vec<CpuEvent>,
     abort: AtomicBool,
     error: Mutex<Option<DeviceError>>,
@@ -114,22 +115,20 @@ impl Exec<'_, '_> {
                     let buf = self.device.alloc(s.buffers[b.index()].bytes, self.poison)?;
                     *lock(&self.table[b.index()]) = Some(Buffer::Cpu(buf));
                 }
+                Step::Free { buffer, after } if after.is_empty() => {
+                    drop(lock(&self.table[buffer.index()]).take());
+                }
                 Step::Free { buffer, after } => {
-                    let taken = lock(&self.table[buffer.index()]).take();
-                    if after.is_empty() {
-                        drop(taken);
-                    } else {
-                        // Return the buffer when the last gating event is reached.
-                        let remaining = Arc::new(AtomicUsize::new(after.len()));
-                        let slot = Arc::new(Mutex::new(taken));
-                        for e in after {
-                            let (remaining, slot) = (remaining.clone(), slot.clone());
-                            self.events[e.index()].on_reached(Box::new(move || {
-                                if remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
-                                    drop(lock(&slot).take());
-                                }
-                            }));
-                        }
+                    // The buffer stays in the table (readers on other streams may not have run
+                    // yet) and leaves it when the last gating event is reached.
+                    let remaining = Arc::new(AtomicUsize::new(after.len()));
+                    for e in after {
+                        let (remaining, table, b) = (remaining.clone(), self.table.clone(), buffer.index());
+                        self.events[e.index()].on_reached(Box::new(move || {
+                            if remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+                                drop(lock(&table[b]).take());
+                            }
+                        }));
                     }
                 }
                 Step::Record(e) => self.events[e.index()].set(),
@@ -193,11 +192,11 @@ pub(super) fn execute(device: &CpuDevice, job: Job<'_>) -> Result<Vec<Buffer>, D
     if job.externals.len() != s.external_buffers.len() {
         return Err(DeviceError::Internal("external buffers do not match the schedule".into()));
     }
-    let poison = std::env::var("BRAID_POISON").is_ok_and(|v| v == "1");
+    let poison = job.poison;
     let exec = Exec {
         device,
         job: &job,
-        table: (0..s.buffers.len()).map(|_| Mutex::new(None)).collect(),
+        table: Arc::new((0..s.buffers.len()).map(|_| Mutex::new(None)).collect()),
         events: (0..s.events.len()).map(|_| CpuEvent::default()).collect(),
         abort: AtomicBool::new(false),
         error: Mutex::new(None),

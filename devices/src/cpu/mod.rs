@@ -111,8 +111,8 @@ impl Backend for CpuDevice {
         "cpu".into()
     }
 
-    fn upload(&self, bytes: &[u8]) -> Result<Buffer, DeviceError> {
-        let buf = self.alloc(bytes.len(), std::env::var("BRAID_POISON").is_ok_and(|v| v == "1"))?;
+    fn upload(&self, bytes: &[u8], poison: bool) -> Result<Buffer, DeviceError> {
+        let buf = self.alloc(bytes.len(), poison)?;
         // SAFETY: the fresh buffer holds bytes.len() bytes and nobody else has it yet.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf.ptr(), bytes.len()) };
         Ok(Buffer::Cpu(buf))
