@@ -4,11 +4,11 @@
 use crate::dump::ScheduleDump;
 use crate::engine;
 use crate::error::{Error, Result};
-use braid_devices::{Backend, cpu::CpuDevice};
 use crate::stream::Stream;
+use braid_devices::{Backend, cpu::CpuDevice};
 use braid_graph::{DeviceId, StreamId, rng};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::fmt;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 
 pub use braid_devices::MemoryStats;
@@ -27,6 +27,8 @@ pub(crate) struct DeviceInner {
     auto_streams: Mutex<Vec<StreamId>>,
     /// `set_poison`'s choice; `None` follows `BRAID_POISON`.
     poison: Mutex<Option<bool>>,
+    /// Test-only: rewrites each planned schedule (see `braid::testing`).
+    pub(crate) schedule_hook: Mutex<Option<crate::testing::ScheduleHook>>,
 }
 
 struct RngState {
@@ -59,6 +61,7 @@ impl Device {
             next_stream: AtomicU32::new(1),
             auto_streams: Mutex::new(Vec::new()),
             poison: Mutex::new(None),
+            schedule_hook: Mutex::new(None),
         }));
         reg.push(device.clone());
         device

@@ -36,6 +36,8 @@ mod error;
 pub mod prelude;
 mod stream;
 mod tensor;
+#[doc(hidden)]
+pub mod testing;
 
 pub use device::{Device, MemoryStats};
 pub use dump::ScheduleDump;

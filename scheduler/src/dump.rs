@@ -54,11 +54,24 @@ pub enum DumpStep {
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         in_place: Vec<String>,
     },
-    Alloc { buffer: String },
-    Free { buffer: String, after: Vec<String> },
-    Record { event: String },
-    Wait { event: String },
-    Copy { from: String, to: String, direction: String },
+    Alloc {
+        buffer: String,
+    },
+    Free {
+        buffer: String,
+        after: Vec<String>,
+    },
+    Record {
+        event: String,
+    },
+    Wait {
+        event: String,
+    },
+    Copy {
+        from: String,
+        to: String,
+        direction: String,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

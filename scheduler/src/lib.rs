@@ -14,8 +14,8 @@ pub mod validate;
 
 pub use assign::spread_default_stream;
 pub use dump::Dump;
-pub use validate::{Hazard, HazardKind, Program, check_reachable, validate};
 pub use plan::plan;
 pub use schedule::{
     BufferId, BufferPlan, BufferSource, EventId, EventPlan, KernelId, KernelPlan, Schedule, Space, Step, StreamSchedule,
 };
+pub use validate::{Hazard, HazardKind, Program, check_reachable, validate};

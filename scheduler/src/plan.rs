@@ -264,6 +264,9 @@ impl<'a> Planner<'a> {
         for &n in &seg.nodes {
             deps.extend(self.graph.nodes[n].after.iter().map(|&a| self.producer(a)));
         }
+        // Waiting for the latest dependency of a stream implies the earlier ones.
+        deps.sort_unstable_by_key(|&d| std::cmp::Reverse((self.seg_stream[d], self.seg_point[d])));
+        deps.dedup_by_key(|d| self.seg_stream[*d]);
         for dep in deps {
             self.wait_for(s, dep);
         }

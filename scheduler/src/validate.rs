@@ -121,7 +121,12 @@ impl Program {
                             let ops: Vec<&str> = seg.nodes.iter().map(|&n| graph.nodes[n].op.name()).collect();
                             PStep::Kernel {
                                 label: format!("{k} {}", ops.join("+")),
-                                reads: plan.inputs.iter().zip(&seg.inputs).map(|(b, v)| (b.0, value_of(graph, *v))).collect(),
+                                reads: plan
+                                    .inputs
+                                    .iter()
+                                    .zip(&seg.inputs)
+                                    .map(|(b, v)| (b.0, value_of(graph, *v)))
+                                    .collect(),
                                 writes: plan
                                     .outputs
                                     .iter()
@@ -165,7 +170,9 @@ impl Program {
                         let pair = |bufs: &[String], nodes: &[u32]| -> Result<Vec<(u32, u64)>, String> {
                             bufs.iter()
                                 .enumerate()
-                                .map(|(i, b)| Ok((num(b, 'b')?, nodes.get(i).map_or(u64::MAX - i as u64, |&n| n as u64))))
+                                .map(|(i, b)| {
+                                    Ok((num(b, 'b')?, nodes.get(i).map_or(u64::MAX - i as u64, |&n| n as u64)))
+                                })
                                 .collect()
                         };
                         PStep::Kernel {
@@ -207,13 +214,62 @@ pub fn validate(schedule: &Schedule, graph: &FlushGraph) -> Result<(), Vec<Hazar
 /// bad schedule is an error, never a hang).
 pub fn check_reachable(schedule: &Schedule, graph: &FlushGraph) -> Result<(), Hazard> {
     let p = Program::from_schedule(schedule, graph);
-    order(&p).map(|_| ())
+    order(&p, &Lanes::new(&p)).map(|_| ())
 }
 
 type Pos = (usize, usize);
 
+/// The happens-before structure of a program. Each step sits on a lane: its stream's lane, in
+/// program order; except a free gated on events, which runs when those events are reached while
+/// its stream goes on, so it gets a lane of its own (after its stream's previous step and the
+/// events). `lane[s][i]` and `slot[s][i]` place step `(s, i)`.
+struct Lanes {
+    lane: Vec<Vec<usize>>,
+    slot: Vec<Vec<u32>>,
+    /// The step of the same stream this one follows (skipping gated frees).
+    chain: Vec<Vec<Option<usize>>>,
+    /// Events a step waits for (waits and gated frees).
+    events: Vec<Vec<Vec<u32>>>,
+    count: usize,
+}
+
+impl Lanes {
+    fn new(p: &Program) -> Lanes {
+        let ns = p.streams.len();
+        let mut l = Lanes { lane: Vec::new(), slot: Vec::new(), chain: Vec::new(), events: Vec::new(), count: ns };
+        for (s, (_, steps)) in p.streams.iter().enumerate() {
+            let (mut lane, mut slot, mut chain, mut events) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let mut prev: Option<usize> = None;
+            let mut pos = 0u32;
+            for (i, st) in steps.iter().enumerate() {
+                chain.push(prev);
+                match st {
+                    PStep::Free { after, .. } if !after.is_empty() => {
+                        lane.push(l.count);
+                        slot.push(0);
+                        l.count += 1;
+                        events.push(after.clone());
+                    }
+                    _ => {
+                        lane.push(s);
+                        slot.push(pos);
+                        pos += 1;
+                        prev = Some(i);
+                        events.push(if let PStep::Wait(e) = st { vec![*e] } else { Vec::new() });
+                    }
+                }
+            }
+            l.lane.push(lane);
+            l.slot.push(slot);
+            l.chain.push(chain);
+            l.events.push(events);
+        }
+        l
+    }
+}
+
 /// A topological order of all steps, or the deadlock that prevents one.
-fn order(p: &Program) -> Result<Vec<Pos>, Hazard> {
+fn order(p: &Program, lanes: &Lanes) -> Result<Vec<Pos>, Hazard> {
     let step_ref = |(s, i): Pos| StepRef { stream: p.streams[s].0, index: i, label: label(&p.streams[s].1[i]) };
     let mut records: HashMap<u32, Pos> = HashMap::new();
     for (s, (_, steps)) in p.streams.iter().enumerate() {
@@ -230,18 +286,16 @@ fn order(p: &Program) -> Result<Vec<Pos>, Hazard> {
             }
         }
     }
-    // In-degrees: the previous step of the stream, plus each event a step waits for.
     let mut indeg: Vec<Vec<usize>> = p.streams.iter().map(|(_, st)| vec![0; st.len()]).collect();
+    let mut next: Vec<Vec<Vec<usize>>> = p.streams.iter().map(|(_, st)| vec![Vec::new(); st.len()]).collect();
     let mut waiters: HashMap<u32, Vec<Pos>> = HashMap::new();
     for (s, (_, steps)) in p.streams.iter().enumerate() {
         for (i, st) in steps.iter().enumerate() {
-            indeg[s][i] = usize::from(i > 0);
-            let events: &[u32] = match st {
-                PStep::Wait(e) => std::slice::from_ref(e),
-                PStep::Free { after, .. } => after,
-                _ => &[],
-            };
-            for e in events {
+            if let Some(j) = lanes.chain[s][i] {
+                indeg[s][i] += 1;
+                next[s][j].push(i);
+            }
+            for e in &lanes.events[s][i] {
                 if !records.contains_key(e) {
                     return Err(Hazard {
                         kind: HazardKind::Deadlock,
@@ -259,7 +313,10 @@ fn order(p: &Program) -> Result<Vec<Pos>, Hazard> {
             }
         }
     }
-    let mut ready: VecDeque<Pos> = (0..p.streams.len()).filter(|&s| !p.streams[s].1.is_empty() && indeg[s][0] == 0).map(|s| (s, 0)).collect();
+    let mut ready: VecDeque<Pos> = (0..p.streams.len())
+        .flat_map(|s| (0..indeg[s].len()).map(move |i| (s, i)))
+        .filter(|&(s, i)| indeg[s][i] == 0)
+        .collect();
     let mut out = Vec::with_capacity(indeg.iter().map(Vec::len).sum());
     while let Some((s, i)) = ready.pop_front() {
         out.push((s, i));
@@ -269,8 +326,8 @@ fn order(p: &Program) -> Result<Vec<Pos>, Hazard> {
                 ready.push_back(pos);
             }
         };
-        if i + 1 < p.streams[s].1.len() {
-            release((s, i + 1), &mut ready);
+        for &j in &next[s][i] {
+            release((s, j), &mut ready);
         }
         if let PStep::Record(e) = &p.streams[s].1[i] {
             for &w in waiters.get(e).map(Vec::as_slice).unwrap_or(&[]) {
@@ -279,10 +336,10 @@ fn order(p: &Program) -> Result<Vec<Pos>, Hazard> {
         }
     }
     if out.len() < indeg.iter().map(Vec::len).sum::<usize>() {
-        // The first step of some stream that never became ready is blocked on a cycle.
+        // A waiting step that never became ready is blocked on a cycle.
         let blocked = (0..p.streams.len())
-            .filter_map(|s| (0..p.streams[s].1.len()).find(|&i| indeg[s][i] > 0).map(|i| (s, i)))
-            .find(|&(s, i)| matches!(p.streams[s].1[i], PStep::Wait(_) | PStep::Free { .. }))
+            .flat_map(|s| (0..p.streams[s].1.len()).map(move |i| (s, i)))
+            .find(|&(s, i)| indeg[s][i] > 0 && !lanes.events[s][i].is_empty())
             .unwrap_or((0, 0));
         return Err(Hazard {
             kind: HazardKind::Deadlock,
@@ -308,9 +365,10 @@ enum Access {
 
 /// Checks a program; returns every hazard found.
 pub fn check(p: &Program) -> Result<(), Vec<Hazard>> {
-    let order = order(p).map_err(|h| vec![h])?;
-    let ns = p.streams.len();
-    // Vector clocks: clock[s][i][t] = steps of stream t that happen-before-or-are step (s, i).
+    let lanes = Lanes::new(p);
+    let order = order(p, &lanes).map_err(|h| vec![h])?;
+    // Vector clocks over lanes: clock[s][i][l] = steps of lane l that happen-before-or-are
+    // step (s, i).
     let mut clock: Vec<Vec<Vec<u32>>> = p.streams.iter().map(|(_, st)| vec![Vec::new(); st.len()]).collect();
     let mut record_pos: HashMap<u32, Pos> = HashMap::new();
     for (s, (_, steps)) in p.streams.iter().enumerate() {
@@ -323,22 +381,20 @@ pub fn check(p: &Program) -> Result<(), Vec<Hazard>> {
     let mut rank: Vec<Vec<usize>> = p.streams.iter().map(|(_, st)| vec![0; st.len()]).collect();
     for (r, &(s, i)) in order.iter().enumerate() {
         rank[s][i] = r;
-        let mut c = if i > 0 { clock[s][i - 1].clone() } else { vec![0; ns] };
-        let events: &[u32] = match &p.streams[s].1[i] {
-            PStep::Wait(e) => std::slice::from_ref(e),
-            PStep::Free { after, .. } => after,
-            _ => &[],
+        let mut c = match lanes.chain[s][i] {
+            Some(j) => clock[s][j].clone(),
+            None => vec![0; lanes.count],
         };
-        for e in events {
+        for e in &lanes.events[s][i] {
             let (rs, ri) = record_pos[e];
             for (mine, &theirs) in c.iter_mut().zip(&clock[rs][ri]) {
                 *mine = (*mine).max(theirs);
             }
         }
-        c[s] = i as u32 + 1;
+        c[lanes.lane[s][i]] = lanes.slot[s][i] + 1;
         clock[s][i] = c;
     }
-    let hb = |a: Pos, b: Pos| a != b && clock[b.0][b.1][a.0] > a.1 as u32;
+    let hb = |a: Pos, b: Pos| a != b && clock[b.0][b.1][lanes.lane[a.0][a.1]] > lanes.slot[a.0][a.1];
     let step_ref = |(s, i): Pos| StepRef { stream: p.streams[s].0, index: i, label: label(&p.streams[s].1[i]) };
 
     let mut hazards = Vec::new();
@@ -419,21 +475,47 @@ pub fn check(p: &Program) -> Result<(), Vec<Hazard>> {
             Some(&v) => State::Holds(v, (usize::MAX, 0)),
             None => State::Unallocated,
         };
-        let who = |pos: Pos| if pos.0 == usize::MAX { "before the flush".to_string() } else { step_ref(pos).to_string() };
+        let who =
+            |pos: Pos| if pos.0 == usize::MAX { "before the flush".to_string() } else { step_ref(pos).to_string() };
+        // The allocation (or first write) of the buffer: what a too-early access should follow.
+        let setup = acc
+            .iter()
+            .find(|(_, a)| matches!(a, Access::Alloc))
+            .or_else(|| acc.iter().find(|(_, a)| matches!(a, Access::Write(_))))
+            .map(|&(p, _)| p);
+        let mut allocated_at: Option<Pos> = None;
         for &(pos, a) in &acc {
             let problem = match (state, a) {
-                (State::Freed(f), _) => Some((HazardKind::UseAfterFree, format!("b{b} was freed by {}", who(f)), Some(f))),
+                (State::Freed(f), _) => {
+                    Some((HazardKind::UseAfterFree, format!("b{b} was freed by {}", who(f)), Some(f)))
+                }
                 (State::Unallocated, Access::Alloc) | (State::Allocated | State::Holds(..), Access::Write(_)) => None,
-                (State::Unallocated, _) => Some((HazardKind::ReadAfterWrite, format!("b{b} is not allocated yet"), None)),
-                (State::Allocated | State::Holds(..), Access::Alloc) => {
-                    Some((HazardKind::WriteAfterWrite, format!("b{b} is allocated while it is still live"), None))
-                }
-                (State::Allocated, Access::Read(_)) => {
-                    Some((HazardKind::ReadAfterWrite, format!("b{b} is read before anything is written to it"), None))
-                }
+                (State::Unallocated, _) => Some((
+                    HazardKind::ReadAfterWrite,
+                    format!(
+                        "b{b} is not allocated yet{}",
+                        setup
+                            .filter(|&p| p != pos)
+                            .map_or(String::new(), |p| format!(" ({} allocates it later)", who(p)))
+                    ),
+                    setup.filter(|&p| p != pos),
+                )),
+                (State::Allocated | State::Holds(..), Access::Alloc) => Some((
+                    HazardKind::WriteAfterWrite,
+                    format!("b{b} is allocated while it is still live"),
+                    allocated_at,
+                )),
+                (State::Allocated, Access::Read(_)) => Some((
+                    HazardKind::ReadAfterWrite,
+                    format!("b{b} is read before anything is written to it"),
+                    allocated_at,
+                )),
                 (State::Holds(have, w), Access::Read(want)) if have != want => Some((
                     HazardKind::WriteAfterRead,
-                    format!("b{b} should hold n{want} but {} overwrote it with n{have} first (reused too early)", who(w)),
+                    format!(
+                        "b{b} should hold n{want} but {} overwrote it with n{have} first (reused too early)",
+                        who(w)
+                    ),
                     (w.0 != usize::MAX).then_some(w),
                 )),
                 _ => None,
@@ -450,7 +532,10 @@ pub fn check(p: &Program) -> Result<(), Vec<Hazard>> {
                 break;
             }
             state = match a {
-                Access::Alloc => State::Allocated,
+                Access::Alloc => {
+                    allocated_at = Some(pos);
+                    State::Allocated
+                }
                 Access::Write(v) => State::Holds(v, pos),
                 Access::Read(_) => state,
                 Access::Free => State::Freed(pos),

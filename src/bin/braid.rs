@@ -1,7 +1,8 @@
 //! The `braid` command: tools around the engine.
 //!
 //! `braid inspect FILE.json` prints a summary of a schedule dump (written with
-//! `BRAID_DUMP=DIR`).
+//! `BRAID_DUMP=DIR`) and re-runs the validator on it; exit status 1 if the file cannot be read
+//! as a dump or the validator finds a hazard.
 
 use braid::ScheduleDump;
 use clap::{Parser, Subcommand};
@@ -59,5 +60,18 @@ fn inspect(file: &std::path::Path, steps: bool) -> Result<(), String> {
     if steps {
         print!("{}", d.to_text());
     }
-    Ok(())
+    let program = braid_scheduler::Program::from_dump(d)?;
+    match braid_scheduler::validate::check(&program) {
+        Ok(()) => {
+            println!("validator: ok");
+            Ok(())
+        }
+        Err(hazards) => {
+            println!("validator: {} hazard(s)", hazards.len());
+            for h in &hazards {
+                println!("  {h}");
+            }
+            Err(format!("the schedule has {} hazard(s)", hazards.len()))
+        }
+    }
 }

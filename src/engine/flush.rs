@@ -202,7 +202,11 @@ fn run(ex: Extracted) -> Result<()> {
     let schedule = {
         let _s = tracing::debug_span!(target: "braid::flush", "schedule").entered();
         let fusion = braid_fusion::segment(&graph);
-        Arc::new(braid_scheduler::plan(&graph, fusion))
+        let mut schedule = braid_scheduler::plan(&graph, fusion);
+        if let Some(hook) = lock(&ex.device.0.schedule_hook).clone() {
+            hook(&mut schedule);
+        }
+        Arc::new(schedule)
     };
     let checked = check(&schedule, &graph);
     let kernels: Vec<Kernel> =

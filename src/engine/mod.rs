@@ -68,9 +68,8 @@ pub(crate) struct State {
     waits: HashMap<(DeviceId, StreamId), Vec<Event>>,
 }
 
-static STATE: LazyLock<Mutex<State>> = LazyLock::new(|| {
-    Mutex::new(State { graph: Graph::new(), pending: 0, flushes: 0, seq: 0, waits: HashMap::new() })
-});
+static STATE: LazyLock<Mutex<State>> =
+    LazyLock::new(|| Mutex::new(State { graph: Graph::new(), pending: 0, flushes: 0, seq: 0, waits: HashMap::new() }));
 
 impl State {
     /// Adds a node, stamping its recording order.
@@ -161,9 +160,7 @@ pub(crate) fn record_event(device: DeviceId, stream: StreamId) -> NodeId {
     let mut st = state();
     let on_stream = |st: &State, n: NodeId| {
         let node = st.graph.node(n);
-        node.device == device
-            && node.stream == stream
-            && matches!(node.value, None | Some(Value::InFlight(_)))
+        node.device == device && node.stream == stream && matches!(node.value, None | Some(Value::InFlight(_)))
     };
     let tail: Vec<NodeId> = st
         .graph

@@ -4,10 +4,10 @@
 
 use super::{Harness, Rng, SeedMirror};
 use braid::prelude::*;
+use braid::{Event, Stream};
 use braid_graph::reference::CheckStats;
 use braid_graph::table::{BinaryOp, CompareOp, UnaryOp};
 use braid_graph::{Op, ReduceOp, Scalar, infer};
-use braid::{Event, Stream};
 
 /// What a generated program may contain.
 #[derive(Clone, Debug)]
@@ -59,7 +59,8 @@ struct Gen<'a> {
 pub fn run(seed: u64, dev: &Device, cfg: &Config) -> Result<CheckStats, String> {
     let seeds = cfg.random_sources.then(|| SeedMirror::reseed(dev, seed));
     let streams = std::iter::once(dev.default_stream()).chain((0..cfg.streams).map(|_| dev.new_stream())).collect();
-    let mut g = Gen { rng: Rng::new(seed), h: Harness::new(dev), live: Vec::new(), cfg, seeds, streams, events: Vec::new() };
+    let mut g =
+        Gen { rng: Rng::new(seed), h: Harness::new(dev), live: Vec::new(), cfg, seeds, streams, events: Vec::new() };
     let first = g.random_dtype();
     let shape = g.random_shape();
     let leaf = g.h.random(&mut g.rng, first, shape);

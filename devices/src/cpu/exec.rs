@@ -225,6 +225,8 @@ pub(super) fn execute(device: &CpuDevice, job: Job<'_>) -> Result<Vec<Buffer>, D
     }
     s.outputs
         .iter()
-        .map(|(_, b)| lock(&exec.table[b.index()]).clone().ok_or_else(|| DeviceError::Internal(format!("output {b} was freed"))))
+        .map(|(_, b)| {
+            lock(&exec.table[b.index()]).clone().ok_or_else(|| DeviceError::Internal(format!("output {b} was freed")))
+        })
         .collect()
 }

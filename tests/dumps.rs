@@ -1,0 +1,113 @@
+//! Schedule dumps: files written for every flush, the JSON schema, the text and DOT forms, and
+//! `braid inspect` (summary plus the validator) on a real two-stream dump, on a corrupted one and
+//! on files that are not dumps at all.
+
+use braid::prelude::*;
+use serde_json::Value as Json;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn tmp_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("braid-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn inspect(file: &Path) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_braid")).arg("inspect").arg(file).output().expect("run braid");
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+}
+
+/// Two chains on two streams, joined on the default stream, plus a value read on both streams
+/// and then dropped (so its free is gated on the other stream's event).
+fn two_stream_flush(dev: &Device) -> Tensor {
+    let (s1, s2) = (dev.new_stream(), dev.new_stream());
+    let x = Tensor::from_vec((0..64).map(|i| i as f32 * 0.01).collect::<Vec<_>>(), [8, 8], dev);
+    let shared = x.exp();
+    let (mut a, mut b) = (s1.scope(|| shared.sin()), s2.scope(|| shared.cos()));
+    drop(shared);
+    for _ in 0..3 {
+        a = s1.scope(|| a.matmul(&x).tanh());
+        b = s2.scope(|| b.matmul(&x).tanh());
+    }
+    &a + &b
+}
+
+#[test]
+fn dumps_show_streams_events_and_gated_frees_and_inspect_validates_them() {
+    let dir = tmp_dir("dump");
+    let dev = Device::new_cpu();
+    braid::dump::set_dir(Some(dir.clone()));
+    let y = two_stream_flush(&dev);
+    y.to_vec::<f32>().unwrap();
+    braid::dump::set_dir(None);
+    let last = dev.last_schedule().unwrap();
+    let stem = dir.join(format!("flush-{:06}", last.flush()));
+    let json_path = stem.with_extension("json");
+    let text = std::fs::read_to_string(&json_path).expect("the dump file was written");
+    assert_eq!(text, last.to_json(), "the file and last_schedule() agree");
+    assert!(stem.with_extension("txt").exists() && stem.with_extension("dot").exists());
+
+    let json: Json = serde_json::from_str(&text).unwrap();
+    assert_eq!(json["schema"], 1);
+    assert_eq!(json["streams"].as_array().unwrap().len(), 3, "the default stream and both chains");
+    let events = json["events"].as_array().unwrap();
+    assert!(!events.is_empty() && events.iter().all(|e| e["auto"] == true), "automatic events: {events:?}");
+    let frees: Vec<&Json> = json["streams"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|s| s["steps"].as_array().unwrap())
+        .filter(|s| s["kind"] == "free")
+        .collect();
+    assert!(!frees.is_empty() && frees.iter().all(|f| f["after"].is_array()), "every free lists its gating events");
+    assert!(frees.iter().any(|f| !f["after"].as_array().unwrap().is_empty()), "a free is gated on another stream");
+    for key in ["buffers", "fusion", "planned_peak_bytes", "offloads", "device", "flush"] {
+        assert!(json.get(key).is_some(), "schema field {key}");
+    }
+    let dot = last.to_dot();
+    assert!(dot.matches("subgraph cluster_s").count() == 3 && dot.contains("style=dashed"), "{dot}");
+
+    let (ok, out, err) = inspect(&json_path);
+    assert!(ok, "braid inspect failed: {out}{err}");
+    for part in
+        ["streams: 3", "kernels:", "events:", "buffers:", "planned peak:", "fusion refusals: 0", "validator: ok"]
+    {
+        assert!(out.contains(part), "inspect output lacks {part:?}:\n{out}");
+    }
+
+    // A corrupted dump: drop every wait. The validator names the hazard; the exit status is 1.
+    let mut bad: Json = json.clone();
+    for s in bad["streams"].as_array_mut().unwrap() {
+        s["steps"].as_array_mut().unwrap().retain(|st| st["kind"] != "wait");
+    }
+    let bad_path = dir.join("bad.json");
+    std::fs::write(&bad_path, serde_json::to_string(&bad).unwrap()).unwrap();
+    let (ok, out, err) = inspect(&bad_path);
+    assert!(!ok && out.contains("hazard") && out.contains("stream"), "{out}{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn inspect_rejects_files_that_are_not_dumps_without_panicking() {
+    let dir = tmp_dir("foreign");
+    std::fs::create_dir_all(&dir).unwrap();
+    let cases = [
+        ("missing.json", None, "cannot read"),
+        ("text.json", Some("this is not json"), "not JSON"),
+        ("other.json", Some(r#"{"name": "a package manifest"}"#), "not a braid schedule dump"),
+        ("future.json", Some(r#"{"schema": 2}"#), "schema version 2"),
+        ("broken.json", Some(r#"{"schema": 1, "flush": 1}"#), "malformed"),
+    ];
+    for (name, content, expect) in cases {
+        let path = dir.join(name);
+        if let Some(c) = content {
+            std::fs::write(&path, c).unwrap();
+        }
+        let (ok, out, err) = inspect(&path);
+        assert!(!ok, "{name} should fail: {out}");
+        assert!(err.contains(expect) && !err.contains("panicked"), "{name}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
