@@ -53,6 +53,9 @@ pub enum DumpStep {
         /// Outputs written in place over an input's buffer.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         in_place: Vec<String>,
+        /// Why a buffer was not reused in place (another stream may still read it).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        note: Option<String>,
     },
     Alloc {
         buffer: String,
@@ -150,6 +153,7 @@ impl Dump {
                                 output_nodes: seg.outputs.iter().map(|&n| node_id(n)).collect(),
                                 node_streams: seg.nodes.iter().map(|&n| graph.nodes[n].stream.0).collect(),
                                 in_place: plan.in_place.iter().map(|&(o, _)| plan.outputs[o].to_string()).collect(),
+                                note: plan.note.clone(),
                             }
                         }
                         Step::Alloc(b) => DumpStep::Alloc { buffer: b.to_string() },
@@ -293,13 +297,14 @@ impl Dump {
 fn step_text(step: &DumpStep, buffers: &[DumpBuffer]) -> String {
     let bytes = |b: &str| buffers.iter().find(|x| x.id == b).map_or(0, |x| x.bytes);
     match step {
-        DumpStep::Kernel { id, ops, nodes, inputs, outputs, in_place, .. } => format!(
-            "{id} {} [{}] {} -> {}{}",
+        DumpStep::Kernel { id, ops, nodes, inputs, outputs, in_place, note, .. } => format!(
+            "{id} {} [{}] {} -> {}{}{}",
             ops.join("+"),
             nodes.iter().map(|n| format!("n{n}")).collect::<Vec<_>>().join(" "),
             inputs.join(" "),
             outputs.join(" "),
-            if in_place.is_empty() { String::new() } else { format!(" (in place: {})", in_place.join(" ")) }
+            if in_place.is_empty() { String::new() } else { format!(" (in place: {})", in_place.join(" ")) },
+            note.as_ref().map_or(String::new(), |n| format!(" ({n})"))
         ),
         DumpStep::Alloc { buffer } => format!("alloc {buffer} ({} B)", bytes(buffer)),
         DumpStep::Free { buffer, after } if after.is_empty() => format!("free {buffer}"),

@@ -227,25 +227,40 @@ impl<'a> Planner<'a> {
         self.live -= self.buffers[buffer.index()].bytes as u64;
     }
 
-    /// The input (position) an elementwise segment may overwrite with its output, if any.
-    fn in_place_candidate(&self, si: usize, s: usize) -> Option<usize> {
+    /// The input (position) an elementwise segment may overwrite with its output, if any; or,
+    /// when the only obstacle was another stream that may still read an input, why not.
+    fn in_place_candidate(&self, si: usize, s: usize) -> Result<usize, Option<String>> {
         let seg = &self.segments[si];
         let node = &self.graph.nodes[seg.nodes[0]];
         if seg.nodes.len() != 1 || !node.op.is_elementwise() {
-            return None;
+            return Err(None);
         }
-        seg.inputs.iter().position(|&v| {
+        let mut note = None;
+        for (i, &v) in seg.inputs.iter().enumerate() {
             let (dtype, shape) = self.graph.meta(v);
             if dtype != node.dtype || shape != &node.shape {
-                return false;
+                continue;
             }
             let readers = match v {
                 ValueRef::Node(n) if !self.graph.nodes[n].keep => &self.node_readers[n],
                 ValueRef::External(e) if self.graph.externals[e].consumed => &self.external_readers[e],
-                _ => return false,
+                _ => continue,
             };
-            readers.last == Some(si) && self.others_done(s, readers)
-        })
+            if readers.last != Some(si) {
+                continue;
+            }
+            if self.others_done(s, readers) {
+                return Ok(i);
+            }
+            let busy: Vec<String> = readers
+                .by_stream
+                .iter()
+                .filter(|&&(t, seg)| t != s && self.clock[s][t] < self.seg_point[seg])
+                .map(|&(t, _)| self.streams[t].0.to_string())
+                .collect();
+            note = Some(format!("input {i} not overwritten in place: stream {} may still read it", busy.join(", ")));
+        }
+        Err(note)
     }
 
     fn segment(&mut self, si: usize) {
@@ -288,7 +303,10 @@ impl<'a> Planner<'a> {
                 ValueRef::External(e) => BufferId(e as u32),
             })
             .collect();
-        let reuse = self.in_place_candidate(si, s);
+        let (reuse, note) = match self.in_place_candidate(si, s) {
+            Ok(i) => (Some(i), None),
+            Err(note) => (None, note),
+        };
         let mut outputs = Vec::with_capacity(seg.outputs.len());
         let mut in_place = Vec::new();
         for (o, &n) in seg.outputs.iter().enumerate() {
@@ -310,6 +328,7 @@ impl<'a> Planner<'a> {
             inputs: input_buffers.clone(),
             outputs,
             in_place: in_place.clone(),
+            note,
         });
         self.steps[s].push(Step::Kernel(kid));
         self.count[s] += 1;

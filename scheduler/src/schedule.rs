@@ -70,6 +70,9 @@ pub struct KernelPlan {
     pub outputs: Vec<BufferId>,
     /// Outputs written in place over an input's buffer: (output position, input position).
     pub in_place: Vec<(usize, usize)>,
+    /// Why an input that could have been overwritten in place was not (another stream may still
+    /// read it), so a fresh buffer was picked instead.
+    pub note: Option<String>,
 }
 
 #[derive(Clone, Debug)]

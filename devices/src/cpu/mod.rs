@@ -144,3 +144,26 @@ impl Backend for CpuDevice {
         self.pool.trim()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn poisoned_buffers_are_filled_with_0xff_when_freed() {
+        let dev = CpuDevice::new();
+        for poison in [true, false] {
+            let Buffer::Cpu(buf) = dev.upload(&[1u8, 2, 3, 4], poison).unwrap();
+            let ptr = buf.ptr();
+            drop(buf);
+            // The pool still owns the memory; nothing else has taken it.
+            let after = unsafe { std::slice::from_raw_parts(ptr, 4) }.to_vec();
+            if poison {
+                assert_eq!(after, vec![0xFF; 4]);
+            } else {
+                assert_eq!(after, vec![1, 2, 3, 4]);
+            }
+        }
+        assert_eq!(dev.memory().in_use, 0);
+    }
+}
