@@ -87,13 +87,11 @@ fn schedule_10k(c: &mut Criterion) {
     g.sample_size(20).measurement_time(Duration::from_secs(5));
     g.bench_function("schedule_10k_nodes", |b| {
         b.iter(|| {
-            let fusion = braid_fusion::segment(&graph);
+            let fusion = braid_fusion::segment(&graph, &braid_fusion::Options::default());
             let schedule = braid_scheduler::plan(&graph, fusion);
-            let kernels: Vec<_> = schedule
-                .kernels
-                .iter()
-                .map(|k| braid_lowering::lower_segment(&graph, &schedule.fusion.segments[k.segment]))
-                .collect();
+            let lowering = braid_lowering::Lowering::new(&graph, &schedule.fusion);
+            let kernels: Vec<_> =
+                schedule.kernels.iter().map(|k| lowering.segment(&schedule.fusion.segments[k.segment])).collect();
             black_box((schedule, kernels))
         })
     });

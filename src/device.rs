@@ -27,6 +27,8 @@ pub(crate) struct DeviceInner {
     auto_streams: Mutex<Vec<StreamId>>,
     /// `set_poison`'s choice; `None` follows `BRAID_POISON`.
     poison: Mutex<Option<bool>>,
+    /// `set_fusion`'s choice; `None` follows `BRAID_FUSION`.
+    fusion: Mutex<Option<bool>>,
     /// Test-only: rewrites each planned schedule (see `braid::testing`).
     pub(crate) schedule_hook: Mutex<Option<crate::testing::ScheduleHook>>,
 }
@@ -61,6 +63,7 @@ impl Device {
             next_stream: AtomicU32::new(1),
             auto_streams: Mutex::new(Vec::new()),
             poison: Mutex::new(None),
+            fusion: Mutex::new(None),
             schedule_hook: Mutex::new(None),
         }));
         reg.push(device.clone());
@@ -196,6 +199,17 @@ impl Device {
     /// Whether flushes starting now poison freed buffers.
     pub fn poison_enabled(&self) -> bool {
         lock(&self.0.poison).unwrap_or_else(|| std::env::var("BRAID_POISON").is_ok_and(|v| v == "1"))
+    }
+
+    /// Turns fusion on or off for this device (overrides `BRAID_FUSION`, which is read at every
+    /// flush when this is not called). Off, every op is its own kernel; results do not change.
+    pub fn set_fusion(&self, on: bool) {
+        *lock(&self.0.fusion) = Some(on);
+    }
+
+    /// Whether flushes starting now fuse (`BRAID_FUSION=0` turns fusion off by default).
+    pub fn fusion_enabled(&self) -> bool {
+        lock(&self.0.fusion).unwrap_or_else(|| !std::env::var("BRAID_FUSION").is_ok_and(|v| v.trim() == "0"))
     }
 
     pub(crate) fn auto_stream_ids(&self) -> Vec<StreamId> {

@@ -29,6 +29,9 @@ pub enum Error {
     /// A wait that can never finish, reported instead of hanging.
     #[error("deadlock avoided: {0}")]
     Deadlock(String),
+    /// Something inside braid failed that should not (a bug); the engine recovered.
+    #[error("internal error: {0}")]
+    Internal(String),
     /// The validator found a hazard in a schedule (a bug in braid); nothing ran.
     #[error("invalid schedule (a bug in braid; nothing ran): {0}")]
     InvalidSchedule(String),

@@ -3,8 +3,8 @@
 //! accounted truthfully, and recording is safe from many threads.
 //!
 //! Each test counts kernels on its own CPU device (`Device::new_cpu()`), so counts are exact
-//! even with tests running in parallel. Tests that change the global pending-node limit take
-//! turns through `LIMIT`.
+//! even with tests running in parallel; fusion is off where a test counts ops one kernel each.
+//! Tests that change the global pending-node limit take turns through `LIMIT`.
 
 use braid::prelude::*;
 use std::sync::Mutex;
@@ -13,6 +13,13 @@ static LIMIT: Mutex<()> = Mutex::new(());
 
 fn turn() -> std::sync::MutexGuard<'static, ()> {
     LIMIT.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A fresh CPU device that runs one kernel per op, so kernel counts are op counts.
+fn unfused() -> Device {
+    let dev = Device::new_cpu();
+    dev.set_fusion(false);
+    dev
 }
 
 fn data(dev: &Device, n: usize) -> Tensor {
@@ -37,7 +44,7 @@ fn tensors_dropped_unread_are_never_computed() {
 #[test]
 fn a_read_runs_only_what_it_needs_and_values_are_kept() {
     let _t = turn();
-    let dev = Device::new_cpu();
+    let dev = unfused();
     let x = data(&dev, 64);
     let a = x.exp();
     let b = x.sin();
@@ -55,7 +62,7 @@ fn a_read_runs_only_what_it_needs_and_values_are_kept() {
 #[test]
 fn an_unheld_intermediate_needed_later_is_computed_once() {
     let _t = turn();
-    let dev = Device::new_cpu();
+    let dev = unfused();
     let x = data(&dev, 64);
     let shared = x.exp(); // dropped below, but two results depend on it
     let p = &shared + 1.0;
@@ -72,7 +79,7 @@ fn an_unheld_intermediate_needed_later_is_computed_once() {
 #[test]
 fn the_pending_graph_is_bounded() {
     let _t = turn();
-    let dev = Device::new_cpu();
+    let dev = unfused();
     let old = braid::max_pending_nodes();
     braid::set_max_pending_nodes(50);
     let mut x = data(&dev, 16);
@@ -193,7 +200,7 @@ fn handles_are_send_sync_and_static() {
 #[test]
 fn schedules_and_the_recorded_graph_can_be_inspected() {
     let _t = turn();
-    let dev = Device::new_cpu();
+    let dev = unfused();
     let x = data(&dev, 4);
     let y = x.exp() + 1.0;
     let dot = braid::dump::recorded_graph_dot();

@@ -17,11 +17,12 @@ fn cases() -> u32 {
 
 /// Runs `cases` programs of `config`, asserting each matches the reference and that the
 /// comparisons are not vacuous.
-fn run_suite(cases: u32, config: &Config) {
+fn run_suite(cases: u32, config: &Config, fusion: bool) {
     // Each suite has its own device (programs predict the seeds `rand` draws from it), with
     // poison mode on: a buffer freed or reused too early shows up as a wrong result.
     let dev = Device::new_cpu();
     dev.set_poison(true);
+    dev.set_fusion(fusion);
     // `BRAID_PROPTEST_SEED=N` replays one program (the seed a failure reports).
     if let Some(seed) = std::env::var("BRAID_PROPTEST_SEED").ok().and_then(|v| v.parse().ok()) {
         let stats = program::run(seed, &dev, config).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
@@ -48,7 +49,13 @@ fn run_suite(cases: u32, config: &Config) {
 /// Small shapes (up to 4 dimensions of up to 5): every op, dtype and edge case, many times.
 #[test]
 fn random_programs_match_the_reference() {
-    run_suite(cases(), &Config::default());
+    run_suite(cases(), &Config::default(), true);
+}
+
+/// The same with fusion off (`BRAID_FUSION=0`): one kernel per op.
+#[test]
+fn random_programs_match_the_reference_without_fusion() {
+    run_suite(cases() / 2, &Config::default(), false);
 }
 
 /// Work on several streams with user events (record, wait, synchronize) between them; every
@@ -57,12 +64,19 @@ fn random_programs_match_the_reference() {
 #[test]
 fn random_programs_on_streams_with_events_match_the_reference() {
     let config = Config { streams: 2, events: true, max_ops: 30, reads_in_middle: false, ..Config::default() };
-    run_suite(cases(), &config);
+    run_suite(cases(), &config, true);
+}
+
+/// Streams and events with fusion off.
+#[test]
+fn random_programs_on_streams_match_the_reference_without_fusion() {
+    let config = Config { streams: 2, events: true, max_ops: 30, reads_in_middle: false, ..Config::default() };
+    run_suite(cases() / 2, &config, false);
 }
 
 /// Larger shapes, so kernels run several chunks and parallel tasks.
 #[test]
 fn random_programs_with_large_shapes_match_the_reference() {
     let config = Config { max_rank: 3, max_dim: 48, max_ops: 10, ..Config::default() };
-    run_suite((cases() / 25).max(40), &config);
+    run_suite((cases() / 25).max(40), &config, true);
 }

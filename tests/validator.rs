@@ -82,7 +82,7 @@ fn random_graph(rng: &mut Rng) -> FlushGraph {
 }
 
 fn schedule_for(g: &FlushGraph) -> Schedule {
-    plan(g, braid_fusion::segment(g))
+    plan(g, braid_fusion::segment(g, &braid_fusion::Options::default()))
 }
 
 /// The oracle: runs the schedule's streams in random interleavings against a model of the

@@ -1,29 +1,58 @@
 //! # braid-fusion: grouping nodes into kernels
 //!
 //! Takes the subgraph of a flush and groups its nodes into segments, each of which becomes one
-//! kernel, and states each segment's inputs and outputs. **Today this pass does not fuse**:
-//! every node is its own segment, and no report claims otherwise (`fused_ops` equals the number
-//! of nodes and nothing is refused). Real fusion (elementwise chains, reductions with
-//! prologue/epilogue, matmul epilogues, with refusal reasons) arrives with its own issue; its
-//! contract is fixed here already: a segment never contains nodes of two streams, and never
-//! spans an event wait or control edge. This crate never allocates buffers or picks streams.
+//! kernel, and states each segment's inputs and outputs:
+//! - **Map**: elementwise nodes over one index space (sources, unary, binary with broadcasting,
+//!   comparisons, select, clamp, casts);
+//! - **Rows**: reductions along one axis with the elementwise work before them (over the full
+//!   shape) and after them (over the reduced shape), so a composed softmax or layer norm is one
+//!   kernel that keeps a row in cache;
+//! - **Matmul**: a matrix product with an elementwise epilogue (bias, activation);
+//! - **Single**: anything else (concatenation, a materialised movement, a user event).
+//!
+//! Movement ops (permute, expand, narrow, reshape where no copy is needed) whose readers all
+//! load through views are not kernels at all: they are *folded* into those loads.
+//!
+//! The pass never fuses across streams, across an event wait or control edge, or past a
+//! target's limit on kernel inputs, and it records why it refused each fusion a reader would
+//! expect (shown in dumps as `fusion.refused`). It never allocates buffers or picks streams.
 
-use braid_graph::{FlushGraph, ValueRef};
+mod group;
+
+use braid_graph::{FlushGraph, Shape, ValueRef};
+
+/// What kind of kernel a segment becomes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SegmentKind {
+    /// One node that is not fused.
+    Single,
+    /// Elementwise nodes, all of the same shape (the index space).
+    Map,
+    /// Reductions along `axis` of `full` (all elements when `None`), with elementwise nodes over
+    /// `full` and over the reduced shape.
+    Rows { full: Shape, axis: Option<usize> },
+    /// A matrix product (the first node) and elementwise nodes on its result.
+    Matmul,
+}
 
 /// A group of flush nodes that runs as one kernel.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Segment {
+    pub kind: SegmentKind,
     /// Indices into `FlushGraph::nodes`, in execution order.
     pub nodes: Vec<usize>,
-    /// Values read from outside the segment, each once, in order of first use. These are the
-    /// kernel's input arguments, in this order.
+    /// Values read from outside the segment, each once, in order of first use (movement folded
+    /// into loads is resolved to the value underneath). These are the kernel's input arguments.
     pub inputs: Vec<ValueRef>,
-    /// Nodes whose values leave the segment (used later or kept), in node order. These are the
-    /// kernel's output arguments, in this order.
+    /// Per input: every load of it is the identity over the segment's index space (so a Map
+    /// kernel may overwrite it in place).
+    pub direct: Vec<bool>,
+    /// Nodes whose values leave the segment (read later, through a view or directly, or kept),
+    /// in node order. These are the kernel's output arguments.
     pub outputs: Vec<usize>,
 }
 
-/// Why two neighbouring nodes were not fused (shown in dumps as `fusion.refused`).
+/// Why two nodes were not fused (shown in dumps as `fusion.refused`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Refusal {
     pub a: usize,
@@ -36,65 +65,45 @@ pub struct Refusal {
 pub struct Fusion {
     pub segments: Vec<Segment>,
     pub refused: Vec<Refusal>,
+    /// Movement nodes folded into their readers' loads (no kernel, no buffer).
+    pub folded: Vec<usize>,
 }
 
 impl Fusion {
-    /// Number of graph ops that ended up in kernels.
+    /// Number of graph ops in kernels (folded movement not counted).
     pub fn fused_ops(&self) -> usize {
         self.segments.iter().map(|s| s.nodes.len()).sum()
     }
 }
 
-/// Groups the nodes of `graph` into segments. Pass-through for now: one segment per node, in
-/// the graph's (topological) order.
-pub fn segment(graph: &FlushGraph) -> Fusion {
-    let segments = graph
-        .nodes
-        .iter()
-        .enumerate()
-        .map(|(i, node)| {
-            let mut inputs = Vec::with_capacity(node.inputs.len());
-            for v in &node.inputs {
-                if !inputs.contains(v) {
-                    inputs.push(*v);
-                }
-            }
-            Segment { nodes: vec![i], inputs, outputs: vec![i] }
-        })
-        .collect();
-    Fusion { segments, refused: Vec::new() }
+/// Settings of the pass.
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    /// `false` (`BRAID_FUSION=0`): every node is its own kernel and no movement is folded.
+    pub enabled: bool,
+    /// The target's limit on distinct input buffers of one kernel.
+    pub max_inputs: usize,
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use braid_graph::{DType, DeviceId, FlushNode, Op, Shape, StreamId, table::BinaryOp};
-
-    #[test]
-    fn every_node_is_its_own_segment_and_inputs_are_deduplicated() {
-        let node = |inputs: Vec<ValueRef>| FlushNode {
-            id: Default::default(),
-            op: Op::Binary(BinaryOp::Mul),
-            dtype: DType::F32,
-            shape: Shape::from([2]),
-            device: DeviceId(0),
-            stream: StreamId(0),
-            inputs: inputs.into(),
-            after: Default::default(),
-            keep: false,
-        };
-        let g = FlushGraph {
-            nodes: vec![
-                node(vec![ValueRef::External(0), ValueRef::External(0)]),
-                node(vec![ValueRef::Node(0), ValueRef::External(0)]),
-            ],
-            externals: vec![],
-        };
-        let f = segment(&g);
-        assert_eq!(f.segments.len(), 2);
-        assert_eq!(f.segments[0].inputs, vec![ValueRef::External(0)]);
-        assert_eq!(f.segments[1].inputs, vec![ValueRef::Node(0), ValueRef::External(0)]);
-        assert_eq!(f.fused_ops(), 2);
-        assert!(f.refused.is_empty());
+impl Default for Options {
+    fn default() -> Options {
+        Options { enabled: true, max_inputs: 16 }
     }
+}
+
+/// Groups the nodes of `graph` into segments.
+pub fn segment(graph: &FlushGraph, options: &Options) -> Fusion {
+    group::run(graph, options)
+}
+
+/// The value a read of `v` really loads: through folded movement, the value underneath; a
+/// folded constant (which has nothing underneath) is returned as itself.
+pub fn underlying(graph: &FlushGraph, folded: &[bool], mut v: ValueRef) -> ValueRef {
+    while let ValueRef::Node(n) = v {
+        match graph.nodes[n].inputs.first() {
+            Some(&input) if folded[n] => v = input,
+            _ => break,
+        }
+    }
+    v
 }

@@ -6,6 +6,7 @@
 //! expressions; evaluating them is a device's job.
 
 use crate::dtype::DType;
+use crate::op::ReduceOp;
 use serde::{Deserialize, Serialize};
 
 /// Index of a node inside an [`Expr`].
@@ -80,6 +81,9 @@ pub enum ExprOp {
     Select(ExprId, ExprId, ExprId),
     /// Conversion to the storage dtype named here (f16/bf16 round but stay in f32 registers).
     Cast(DType, ExprId),
+    /// The reduction of `operand` along a row kernel's axis (only in row kernels): one value per
+    /// row, broadcast to every element of the row where later nodes use it.
+    Reduce(ReduceOp, ExprId),
 }
 
 /// One node: an operation and the compute dtype of its result (never F16/BF16).
@@ -179,6 +183,12 @@ impl ExprBuilder {
         let d = self.dtype(a);
         assert_eq!(d, self.dtype(b), "select branches of different dtypes");
         self.push(ExprOp::Select(cond, a, b), d)
+    }
+
+    /// A reduction over a row kernel's axis: `ArgMax` gives i64, the others keep the dtype.
+    pub fn reduce(&mut self, op: ReduceOp, x: ExprId) -> ExprId {
+        let d = if op == ReduceOp::ArgMax { DType::I64 } else { self.dtype(x) };
+        self.push(ExprOp::Reduce(op, x), d)
     }
 
     pub fn cast(&mut self, to: DType, x: ExprId) -> ExprId {

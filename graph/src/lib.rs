@@ -21,6 +21,7 @@ pub mod reference;
 pub mod rng;
 pub mod shape;
 pub mod table;
+pub mod view;
 
 pub use dtype::{DType, DTypeClass, Element};
 pub use flush::{External, FlushGraph, FlushNode, ValueRef};
@@ -28,3 +29,4 @@ pub use ir::{DeviceId, Edge, Graph, Node, NodeId, StreamId};
 pub use op::{Op, ReduceOp, Scalar};
 pub use shape::Shape;
 pub use table::{BinaryOp, CompareOp, DTypeRule, Sensitivity, UnaryOp};
+pub use view::View;

@@ -2,56 +2,16 @@
 //!
 //! A kernel reads and writes numbered buffer arguments through strided [`View`]s. Its body is
 //! either a set of map loops (an index space, loads, an expression DAG from
-//! [`braid_graph::expr`], stores), a reduction, or a matrix product. Targets interpret it (the
+//! [`braid_graph::expr`], stores), a row kernel (reductions with the elementwise work around
+//! them), or a matrix product with an elementwise epilogue. Targets interpret it (the
 //! CPU) or print it (CUDA C, WGSL); none of them needs to know which graph ops it came from.
 //! The IR holds no buffers and no data, so kernels can be cached by structure.
 
+use braid_graph::DType;
+pub use braid_graph::View;
 use braid_graph::expr::Expr;
-use braid_graph::{DType, ReduceOp, Shape};
 use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
-
-/// Strides and offset, in elements, that map an index space onto a buffer argument.
-/// `dims[i]` is the extent of index dimension `i`; `strides[i]` may be 0 (broadcast).
-#[derive(Clone, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
-pub struct View {
-    pub dims: SmallVec<[usize; 4]>,
-    pub strides: SmallVec<[isize; 4]>,
-    pub offset: usize,
-}
-
-impl View {
-    /// The row-major contiguous view of `shape`.
-    pub fn contiguous(shape: &Shape) -> View {
-        View { dims: shape.dims().into(), strides: shape.contiguous_strides(), offset: 0 }
-    }
-
-    /// A view of a contiguous tensor of shape `from`, broadcast (NumPy rules) to `to`.
-    pub fn broadcast(from: &Shape, to: &Shape) -> View {
-        let pad = to.rank() - from.rank();
-        let src = from.contiguous_strides();
-        let strides = (0..to.rank())
-            .map(|i| if i < pad || from.dims()[i - pad] != to.dims()[i] { 0 } else { src[i - pad] })
-            .collect();
-        View { dims: to.dims().into(), strides, offset: 0 }
-    }
-
-    pub fn numel(&self) -> usize {
-        self.dims.iter().product()
-    }
-
-    /// Whether element `i` of the index space is element `offset + i` of the buffer.
-    pub fn is_contiguous(&self) -> bool {
-        let mut acc = 1isize;
-        for (&d, &s) in self.dims.iter().zip(&self.strides).rev() {
-            if d != 1 && s != acc {
-                return false;
-            }
-            acc *= d as isize;
-        }
-        true
-    }
-}
 
 /// Reads argument `arg` (stored as `dtype`) through `view`; referenced by `ExprOp::Load(slot)`
 /// where `slot` is the load's position in its loop.
@@ -124,41 +84,52 @@ impl MapLoop {
     }
 }
 
-/// A reduction of a contiguous `[outer, len, inner]` input along the middle dimension into a
-/// contiguous `[outer, inner]` output.
+/// Reductions along one axis of an index space (`dims`), one row at a time: a row is every
+/// index that differs only along `axis` (with `axis` `None`, the whole space is one row). The
+/// expression mixes per-element nodes and per-row nodes (`ExprOp::Reduce` and whatever depends
+/// only on reductions, constants or loads that are constant along the row). Loads and stores are
+/// views over `dims`; a per-row value is stored through a view with stride 0 along the row.
 #[derive(Clone, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
-pub struct ReduceKernel {
-    pub op: ReduceOp,
-    pub input: u16,
-    pub in_dtype: DType,
-    pub output: u16,
-    pub out_dtype: DType,
-    pub outer: usize,
-    pub len: usize,
-    pub inner: usize,
+pub struct RowKernel {
+    pub dims: SmallVec<[usize; 4]>,
+    pub axis: Option<usize>,
+    pub loads: Vec<Load>,
+    pub expr: Expr,
+    pub stores: Vec<Store>,
 }
 
-/// Batched matrix product of contiguous operands `[.., m, k] x [.., k, n] -> [.., m, n]`; the
-/// output batch index `b` reads `lhs` at element offset `lhs_offsets[b]` and `rhs` at
-/// `rhs_offsets[b]` (broadcast batches repeat offsets).
+/// One operand of a batched matrix product: batch `b` is the matrix at element offset
+/// `batch_offsets[b]` of argument `arg`, with row stride `rs` and column stride `cs` (a
+/// transposed operand is just other strides).
+#[derive(Clone, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+pub struct MatmulOperand {
+    pub arg: u16,
+    pub batch_offsets: Vec<usize>,
+    pub rs: isize,
+    pub cs: isize,
+}
+
+/// Batched matrix product `[.., m, k] x [.., k, n]`, written contiguously (`[batch, m, n]`) to
+/// argument `product` (one past the last argument means a scratch buffer the target provides),
+/// then an optional elementwise epilogue over the product's index space, which reads the product
+/// through a load of `product` and writes the kernel's outputs.
 #[derive(Clone, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
 pub struct MatmulKernel {
     pub dtype: DType,
-    pub lhs: u16,
-    pub rhs: u16,
-    pub output: u16,
+    pub lhs: MatmulOperand,
+    pub rhs: MatmulOperand,
+    pub product: u16,
     pub m: usize,
     pub n: usize,
     pub k: usize,
-    pub lhs_offsets: Vec<usize>,
-    pub rhs_offsets: Vec<usize>,
+    pub epilogue: Option<MapLoop>,
 }
 
 #[derive(Clone, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
 pub enum Body {
     /// Loops run one after another (a concatenation is one loop per part).
     Map(Vec<MapLoop>),
-    Reduce(ReduceKernel),
+    Rows(RowKernel),
     Matmul(MatmulKernel),
 }
 

@@ -9,5 +9,5 @@
 pub mod kernel;
 pub mod lower;
 
-pub use kernel::{Arg, Body, Kernel, Load, MapLoop, MatmulKernel, ReduceKernel, Store, View};
-pub use lower::lower_segment;
+pub use kernel::{Arg, Body, Kernel, Load, MapLoop, MatmulKernel, MatmulOperand, RowKernel, Store, View};
+pub use lower::Lowering;

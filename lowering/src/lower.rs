@@ -1,197 +1,394 @@
-//! Lowering of a segment of the flush graph into a [`Kernel`].
+//! Lowering of a fused segment into a [`Kernel`].
 //!
-//! Each op says here how it becomes loads, an expression and stores (or a reduction, or a
-//! matrix product). Elementwise ops take their expression from the op table, never from code in
-//! this file. Lowering is pure: it never allocates buffers or runs anything.
+//! Each node's expression comes from the op table; folded movement becomes the view of a load
+//! and folded constants become constants of the expression. Map segments become one loop over
+//! their index space, Rows segments a row kernel, Matmul segments a matrix product with its
+//! epilogue, and the rest copies. Lowering is pure: it never allocates buffers or runs anything.
 
-use crate::kernel::{Arg, Body, Kernel, Load, MapLoop, MatmulKernel, ReduceKernel, Store, View};
-use braid_fusion::Segment;
+use crate::kernel::{Arg, Body, Kernel, Load, MapLoop, MatmulKernel, MatmulOperand, RowKernel, Store};
+use braid_fusion::{Fusion, Segment, SegmentKind};
 use braid_graph::expr::{Distribution, ExprBuilder, ExprId};
-use braid_graph::{DType, FlushGraph, FlushNode, Op, ReduceOp, Shape, ValueRef};
+use braid_graph::{DType, FlushGraph, Op, Shape, ValueRef, View};
 use smallvec::SmallVec;
 
-/// Lowers `segment` of `graph`. Arguments are the segment's inputs, then its outputs.
-pub fn lower_segment(graph: &FlushGraph, segment: &Segment) -> Kernel {
-    assert_eq!(segment.nodes.len(), 1, "fusion is a pass-through: one node per segment");
-    let node = &graph.nodes[segment.nodes[0]];
-    let mut args: Vec<Arg> = segment
-        .inputs
-        .iter()
-        .map(|&v| {
-            let (dtype, shape) = graph.meta(v);
-            Arg { dtype, len: shape.numel() }
-        })
-        .collect();
-    args.push(Arg { dtype: node.dtype, len: node.shape.numel() });
-    let arg_of = |v: ValueRef| segment.inputs.iter().position(|&x| x == v).expect("input of segment") as u16;
-    let input_args: SmallVec<[u16; 3]> = node.inputs.iter().map(|&v| arg_of(v)).collect();
-    let input_shapes: SmallVec<[&Shape; 3]> = node.inputs.iter().map(|&v| graph.meta(v).1).collect();
-    let input_dtypes: SmallVec<[DType; 3]> = node.inputs.iter().map(|&v| graph.meta(v).0).collect();
-    let out = segment.inputs.len() as u16;
-    let body = lower_node(node, &input_args, &input_shapes, &input_dtypes, out);
-    Kernel { args, inputs: segment.inputs.len(), body }
+/// What a read of a value amounts to once folding is resolved.
+enum Source {
+    /// A folded constant of this dtype.
+    Const(f64, DType),
+    /// A load of a value (with a buffer) through a view over the read value's shape.
+    Value(ValueRef, View),
 }
 
-fn lower_node(node: &FlushNode, args: &[u16], shapes: &[&Shape], dtypes: &[DType], out: u16) -> Body {
-    let shape = &node.shape;
-    // A map over the output's index space whose loads broadcast every input to it.
-    let elementwise = |build: &dyn Fn(&mut ExprBuilder, &[ExprId]) -> ExprId| {
-        let mut b = ExprBuilder::new();
-        let loads: Vec<Load> = args
-            .iter()
-            .zip(shapes)
-            .zip(dtypes)
-            .map(|((&arg, s), &dtype)| Load { arg, dtype, view: View::broadcast(s, shape) })
-            .collect();
-        let ids: Vec<ExprId> = loads.iter().enumerate().map(|(i, l)| b.load(i as u16, l.dtype)).collect();
-        let root = build(&mut b, &ids);
-        map(shape, loads, b, root, out, node.dtype)
-    };
-    match &node.op {
-        Op::Input => unreachable!("inputs are materialised when recorded"),
-        Op::Event => unreachable!("user events run no kernel; the planner never lowers them"),
-        Op::Full(v) => elementwise(&|b, _| b.constant(v.0, node.dtype)),
-        Op::Arange { start } => elementwise(&|b, _| {
-            let i = b.index();
-            let s = b.int_constant(*start, DType::I64);
-            b.add(i, s)
-        }),
-        Op::Rand { lo, hi, seed } => elementwise(&|b, _| {
-            let i = b.index();
-            let u = b.random(*seed, Distribution::Uniform, i, node.dtype);
-            let low = b.constant(lo.0, node.dtype);
-            let range = b.constant(hi.0 - lo.0, node.dtype);
-            let scaled = b.mul(range, u);
-            b.add(low, scaled)
-        }),
-        Op::Randn { seed } => elementwise(&|b, _| {
-            let i = b.index();
-            b.random(*seed, Distribution::Normal, i, node.dtype)
-        }),
-        Op::Unary(u) => elementwise(&|b, x| (u.def().kernel)(b, x[0])),
-        Op::Binary(op) => elementwise(&|b, x| (op.def().kernel)(b, x[0], x[1])),
-        Op::BinaryScalar { op, scalar, scalar_first } => elementwise(&|b, x| {
-            let s = b.constant_like(x[0], scalar.0);
-            if *scalar_first { (op.def().kernel)(b, s, x[0]) } else { (op.def().kernel)(b, x[0], s) }
-        }),
-        Op::Compare(c) => elementwise(&|b, x| b.cmp(c.def().prim, x[0], x[1])),
-        Op::Select => elementwise(&|b, x| b.select(x[0], x[1], x[2])),
-        Op::Clamp { lo, hi } => elementwise(&|b, x| {
-            let lo = b.constant_like(x[0], lo.0);
-            let hi = b.constant_like(x[0], hi.0);
-            let m = b.max(x[0], lo);
-            b.min(m, hi)
-        }),
-        Op::Cast => elementwise(&|b, x| b.cast(node.dtype, x[0])),
-        Op::Reshape | Op::Contiguous | Op::ToDevice => {
-            copy(View::contiguous(shape), args[0], dtypes[0], shape, out, node.dtype)
-        }
-        Op::Expand => copy(View::broadcast(shapes[0], shape), args[0], dtypes[0], shape, out, node.dtype),
-        Op::Permute(perm) => {
-            let src = shapes[0].contiguous_strides();
-            let view = View { dims: shape.dims().into(), strides: perm.iter().map(|&p| src[p]).collect(), offset: 0 };
-            copy(view, args[0], dtypes[0], shape, out, node.dtype)
-        }
-        Op::Narrow { dim, start, .. } => {
-            let src = shapes[0].contiguous_strides();
-            let view = View { dims: shape.dims().into(), strides: src.clone(), offset: start * src[*dim] as usize };
-            copy(view, args[0], dtypes[0], shape, out, node.dtype)
-        }
-        Op::Cat { dim } => {
-            let out_strides = shape.contiguous_strides();
-            let mut offset = 0;
-            let loops = args
-                .iter()
-                .zip(shapes)
-                .map(|(&arg, s)| {
-                    let mut b = ExprBuilder::new();
-                    let x = b.load(0, node.dtype);
-                    let load = Load { arg, dtype: node.dtype, view: View::contiguous(s) };
-                    let store_view = View { dims: s.dims().into(), strides: out_strides.clone(), offset };
-                    offset += s.dims()[*dim] * out_strides[*dim] as usize;
-                    let mut l = MapLoop {
-                        dims: s.dims().into(),
-                        loads: vec![load],
-                        expr: b.finish(),
-                        stores: vec![Store { arg: out, dtype: node.dtype, view: store_view, value: x }],
-                    };
-                    l.simplify();
-                    l
-                })
-                .collect();
-            Body::Map(loops)
-        }
-        Op::Reduce { op, dim, .. } => {
-            let dims = shapes[0].dims();
-            let (outer, len, inner) = match dim {
-                None => (1, shapes[0].numel(), 1),
-                Some(d) => (dims[..*d].iter().product(), dims[*d], dims[d + 1..].iter().product()),
-            };
-            Body::Reduce(ReduceKernel {
-                op: *op,
-                input: args[0],
-                in_dtype: dtypes[0],
-                output: out,
-                out_dtype: if *op == ReduceOp::ArgMax { DType::I64 } else { node.dtype },
-                outer,
-                len,
-                inner,
-            })
-        }
-        Op::Matmul => Body::Matmul(matmul(shapes[0], shapes[1], shape, args, out, node.dtype)),
+/// Rounds `e` to f16/bf16 when `dtype` is one (values of those types live in f32 registers).
+fn round_half(b: &mut ExprBuilder, dtype: DType, e: ExprId) -> ExprId {
+    match dtype {
+        DType::F16 | DType::BF16 => b.cast(dtype, e),
+        _ => e,
     }
 }
 
-fn map(shape: &Shape, loads: Vec<Load>, b: ExprBuilder, root: ExprId, out: u16, dtype: DType) -> Body {
-    let mut l = MapLoop {
-        dims: shape.dims().into(),
-        loads,
-        expr: b.finish(),
-        stores: vec![Store { arg: out, dtype, view: View::contiguous(shape), value: root }],
-    };
-    l.simplify();
-    Body::Map(vec![l])
+/// Lowers the segments of one flush.
+pub struct Lowering<'a> {
+    graph: &'a FlushGraph,
+    folded: Vec<bool>,
 }
 
-/// A map that copies argument `arg` read through `view` into a contiguous output.
-fn copy(view: View, arg: u16, in_dtype: DType, shape: &Shape, out: u16, dtype: DType) -> Body {
-    let mut b = ExprBuilder::new();
-    let x = b.load(0, in_dtype);
-    map(shape, vec![Load { arg, dtype: in_dtype, view }], b, x, out, dtype)
+/// An expression under construction with its (deduplicated) loads.
+struct Builder {
+    b: ExprBuilder,
+    loads: Vec<Load>,
+    load_ids: Vec<ExprId>,
 }
 
-fn matmul(a: &Shape, b: &Shape, out: &Shape, args: &[u16], output: u16, dtype: DType) -> MatmulKernel {
-    let (ra, rb, ro) = (a.rank(), b.rank(), out.rank());
-    let (m, k, n) = (a.dims()[ra - 2], a.dims()[ra - 1], b.dims()[rb - 1]);
-    let batch = Shape::new(&out.dims()[..ro - 2]);
-    let batch_a = Shape::new(&a.dims()[..ra - 2]);
-    let batch_b = Shape::new(&b.dims()[..rb - 2]);
-    let offsets = |bs: &Shape, matrix: usize| -> Vec<usize> {
-        let v = View::broadcast(bs, &batch);
-        let mut offs = Vec::with_capacity(batch.numel());
-        let mut idx = vec![0usize; batch.rank()];
-        for _ in 0..batch.numel() {
-            let off: isize = idx.iter().zip(&v.strides).map(|(&i, &s)| i as isize * s).sum();
-            offs.push(off as usize * matrix);
-            for d in (0..batch.rank()).rev() {
-                idx[d] += 1;
-                if idx[d] < batch.dims()[d] {
-                    break;
+impl Builder {
+    fn new() -> Builder {
+        Builder { b: ExprBuilder::new(), loads: Vec::new(), load_ids: Vec::new() }
+    }
+
+    fn load(&mut self, arg: u16, dtype: DType, view: View) -> ExprId {
+        if let Some(i) = self.loads.iter().position(|l| l.arg == arg && l.view == view) {
+            return self.load_ids[i];
+        }
+        let id = self.b.load(self.loads.len() as u16, dtype);
+        self.loads.push(Load { arg, dtype, view });
+        self.load_ids.push(id);
+        id
+    }
+}
+
+impl<'a> Lowering<'a> {
+    pub fn new(graph: &'a FlushGraph, fusion: &Fusion) -> Lowering<'a> {
+        let mut folded = vec![false; graph.nodes.len()];
+        for &n in &fusion.folded {
+            folded[n] = true;
+        }
+        Lowering { graph, folded }
+    }
+
+    /// Resolves a read of `v` through folded constants and movement.
+    fn source(&self, v: ValueRef) -> Source {
+        match v {
+            ValueRef::Node(j) if self.folded[j] => {
+                let node = &self.graph.nodes[j];
+                if let Op::Full(x) = node.op {
+                    return Source::Const(node.dtype.round_f64(x.0), node.dtype);
                 }
-                idx[d] = 0;
+                match self.source(node.inputs[0]) {
+                    Source::Const(x, _) => Source::Const(x, node.dtype),
+                    Source::Value(u, view) => {
+                        let view = match &node.op {
+                            Op::Permute(p) => view.permute(p),
+                            Op::Expand => view.broadcast_to(&node.shape),
+                            Op::Narrow { dim, start, len } => view.narrow(*dim, *start, *len),
+                            _ => view.reshape(&node.shape).expect("fusion folds only views that exist"),
+                        };
+                        Source::Value(u, view)
+                    }
+                }
+            }
+            v => Source::Value(v, View::contiguous(self.graph.meta(v).1)),
+        }
+    }
+
+    /// Lowers `seg`. Arguments are the segment's inputs, then its outputs.
+    pub fn segment(&self, seg: &Segment) -> Kernel {
+        let g = self.graph;
+        let mut args: Vec<Arg> = seg
+            .inputs
+            .iter()
+            .map(|&v| {
+                let (dtype, shape) = g.meta(v);
+                Arg { dtype, len: shape.numel() }
+            })
+            .collect();
+        args.extend(seg.outputs.iter().map(|&n| Arg { dtype: g.nodes[n].dtype, len: g.nodes[n].shape.numel() }));
+        let body = match &seg.kind {
+            SegmentKind::Map => Body::Map(vec![self.map(seg)]),
+            SegmentKind::Rows { full, axis } => Body::Rows(self.rows(seg, full, *axis)),
+            SegmentKind::Matmul => Body::Matmul(self.matmul(seg, args.len())),
+            SegmentKind::Single => self.single(seg),
+        };
+        Kernel { args, inputs: seg.inputs.len(), body }
+    }
+
+    fn arg_of(seg: &Segment, u: ValueRef) -> u16 {
+        seg.inputs.iter().position(|&x| x == u).expect("value is an input of its segment") as u16
+    }
+
+    fn out_arg(seg: &Segment, n: usize) -> u16 {
+        (seg.inputs.len() + seg.outputs.iter().position(|&o| o == n).expect("an output")) as u16
+    }
+
+    /// The expression of node `i` over its operands `x`. A value stored as f16 or bf16 is
+    /// rounded to that format even inside a kernel, so that fusing never changes a result
+    /// (rounding, or overflow to infinity) compared with running the ops one by one.
+    fn node_expr(&self, b: &mut ExprBuilder, i: usize, x: &[ExprId]) -> ExprId {
+        let e = self.node_expr_unrounded(b, i, x);
+        round_half(b, self.graph.nodes[i].dtype, e)
+    }
+
+    fn node_expr_unrounded(&self, b: &mut ExprBuilder, i: usize, x: &[ExprId]) -> ExprId {
+        let node = &self.graph.nodes[i];
+        match &node.op {
+            Op::Full(v) => b.constant(node.dtype.round_f64(v.0), node.dtype),
+            Op::Arange { start } => {
+                let idx = b.index();
+                let s = b.int_constant(*start, DType::I64);
+                b.add(idx, s)
+            }
+            Op::Rand { lo, hi, seed } => {
+                let idx = b.index();
+                let u = b.random(*seed, Distribution::Uniform, idx, node.dtype);
+                let low = b.constant(lo.0, node.dtype);
+                let range = b.constant(hi.0 - lo.0, node.dtype);
+                let scaled = b.mul(range, u);
+                b.add(low, scaled)
+            }
+            Op::Randn { seed } => {
+                let idx = b.index();
+                b.random(*seed, Distribution::Normal, idx, node.dtype)
+            }
+            Op::Unary(u) => (u.def().kernel)(b, x[0]),
+            Op::Binary(op) => (op.def().kernel)(b, x[0], x[1]),
+            Op::BinaryScalar { op, scalar, scalar_first } => {
+                let s = b.constant_like(x[0], scalar.0);
+                if *scalar_first { (op.def().kernel)(b, s, x[0]) } else { (op.def().kernel)(b, x[0], s) }
+            }
+            Op::Compare(c) => b.cmp(c.def().prim, x[0], x[1]),
+            Op::Select => b.select(x[0], x[1], x[2]),
+            Op::Clamp { lo, hi } => {
+                let lo = b.constant_like(x[0], lo.0);
+                let hi = b.constant_like(x[0], hi.0);
+                let m = b.max(x[0], lo);
+                b.min(m, hi)
+            }
+            Op::Cast => b.cast(node.dtype, x[0]),
+            other => unreachable!("{} is not elementwise", other.name()),
+        }
+    }
+
+    /// The operands of node `i`: internal values from `map`, the rest loaded (through `view_for`,
+    /// which maps a view over the node's own shape onto the kernel's index space) or constant.
+    fn operands(
+        &self,
+        seg: &Segment,
+        bld: &mut Builder,
+        map: &[Option<ExprId>],
+        i: usize,
+        view_for: &dyn Fn(View, &Shape) -> View,
+    ) -> SmallVec<[ExprId; 3]> {
+        let node = &self.graph.nodes[i];
+        node.inputs
+            .iter()
+            .map(|&v| match v {
+                ValueRef::Node(j) if map[j].is_some() => map[j].expect("checked"),
+                _ => match self.source(v) {
+                    Source::Const(x, dtype) => bld.b.constant(x, dtype),
+                    Source::Value(u, view) => {
+                        let dtype = self.graph.meta(u).0;
+                        let arg = Self::arg_of(seg, u);
+                        bld.load(arg, dtype, view_for(view, &node.shape))
+                    }
+                },
+            })
+            .collect()
+    }
+
+    fn map(&self, seg: &Segment) -> MapLoop {
+        let g = self.graph;
+        let space = g.nodes[seg.nodes[0]].shape.clone();
+        let mut bld = Builder::new();
+        let mut map: Vec<Option<ExprId>> = vec![None; g.nodes.len()];
+        for &i in &seg.nodes {
+            let x = self.operands(seg, &mut bld, &map, i, &|v, s| v.broadcast_to(s));
+            map[i] = Some(self.node_expr(&mut bld.b, i, &x));
+        }
+        let stores = seg
+            .outputs
+            .iter()
+            .map(|&o| Store {
+                arg: Self::out_arg(seg, o),
+                dtype: g.nodes[o].dtype,
+                view: View::contiguous(&space),
+                value: map[o].expect("output is in its segment"),
+            })
+            .collect();
+        let mut l = MapLoop { dims: space.dims().into(), loads: bld.loads, expr: bld.b.finish(), stores };
+        l.simplify();
+        l
+    }
+
+    fn rows(&self, seg: &Segment, full: &Shape, axis: Option<usize>) -> RowKernel {
+        let g = self.graph;
+        // A view over a node's shape, as seen from the full index space: full nodes broadcast;
+        // reduced ones (axis kept with size 1, removed, or a scalar) get stride 0 along the axis.
+        let to_full = |v: View, s: &Shape| -> View {
+            let mut v = v.broadcast_to(s);
+            if let Some(d) = axis
+                && s != full
+                && s.rank() + 1 == full.rank()
+            {
+                v.dims.insert(d, 1);
+                v.strides.insert(d, 0);
+            }
+            v.broadcast_to(full)
+        };
+        let mut bld = Builder::new();
+        let mut map: Vec<Option<ExprId>> = vec![None; g.nodes.len()];
+        for &i in &seg.nodes {
+            map[i] = Some(match g.nodes[i].op {
+                // A reduction reads its operand over the full space.
+                Op::Reduce { op, .. } => {
+                    let x = self.operands(seg, &mut bld, &map, i, &|v, _| v.broadcast_to(full));
+                    let r = bld.b.reduce(op, x[0]);
+                    round_half(&mut bld.b, g.nodes[i].dtype, r)
+                }
+                _ => {
+                    let x = self.operands(seg, &mut bld, &map, i, &to_full);
+                    self.node_expr(&mut bld.b, i, &x)
+                }
+            });
+        }
+        let stores = seg
+            .outputs
+            .iter()
+            .map(|&o| Store {
+                arg: Self::out_arg(seg, o),
+                dtype: g.nodes[o].dtype,
+                view: to_full(View::contiguous(&g.nodes[o].shape), &g.nodes[o].shape),
+                value: map[o].expect("output is in its segment"),
+            })
+            .collect();
+        RowKernel { dims: full.dims().into(), axis, loads: bld.loads, expr: bld.b.finish(), stores }
+    }
+
+    fn matmul(&self, seg: &Segment, nargs: usize) -> MatmulKernel {
+        let g = self.graph;
+        let mm = seg.nodes[0];
+        let node = &g.nodes[mm];
+        let out = &node.shape;
+        let r = out.rank();
+        let (m, n) = (out.dims()[r - 2], out.dims()[r - 1]);
+        let k = g.meta(node.inputs[0]).1.dims().last().copied().unwrap_or(0);
+        let batch = Shape::new(&out.dims()[..r - 2]);
+        let operand = |v: ValueRef, rows: usize, cols: usize| -> MatmulOperand {
+            let Source::Value(u, view) = self.source(v) else { unreachable!("constants never fold into a matmul") };
+            let mut dims = batch.dims().to_vec();
+            dims.extend([rows, cols]);
+            let view = view.broadcast_to(&Shape::from(dims));
+            let mut offsets = Vec::with_capacity(batch.numel());
+            let mut idx = vec![0usize; r];
+            for _ in 0..batch.numel() {
+                offsets.push(view.offset_of(&idx) as usize);
+                for d in (0..r - 2).rev() {
+                    idx[d] += 1;
+                    if idx[d] < batch.dims()[d] {
+                        break;
+                    }
+                    idx[d] = 0;
+                }
+            }
+            MatmulOperand {
+                arg: Self::arg_of(seg, u),
+                batch_offsets: offsets,
+                rs: view.strides[r - 2],
+                cs: view.strides[r - 1],
+            }
+        };
+        let lhs = operand(node.inputs[0], m, k);
+        let rhs = operand(node.inputs[1], k, n);
+        let product = if seg.outputs.contains(&mm) {
+            Self::out_arg(seg, mm)
+        } else {
+            match seg.outputs.iter().find(|&&o| g.nodes[o].dtype == node.dtype) {
+                Some(&o) => Self::out_arg(seg, o),
+                None => nargs as u16, // a scratch buffer
+            }
+        };
+        let epilogue = (seg.nodes.len() > 1).then(|| {
+            let mut bld = Builder::new();
+            let mut map: Vec<Option<ExprId>> = vec![None; g.nodes.len()];
+            map[mm] = Some(bld.load(product, node.dtype, View::contiguous(out)));
+            for &i in &seg.nodes[1..] {
+                let x = self.operands(seg, &mut bld, &map, i, &|v, s| v.broadcast_to(s));
+                map[i] = Some(self.node_expr(&mut bld.b, i, &x));
+            }
+            let stores = seg
+                .outputs
+                .iter()
+                .filter(|&&o| o != mm)
+                .map(|&o| Store {
+                    arg: Self::out_arg(seg, o),
+                    dtype: g.nodes[o].dtype,
+                    view: View::contiguous(out),
+                    value: map[o].expect("output is in its segment"),
+                })
+                .collect();
+            let mut l = MapLoop { dims: out.dims().into(), loads: bld.loads, expr: bld.b.finish(), stores };
+            l.simplify();
+            l
+        });
+        MatmulKernel { dtype: node.dtype, lhs, rhs, product, m, n, k, epilogue }
+    }
+
+    /// Kernels that are not fused: concatenation and materialised movement (copies).
+    fn single(&self, seg: &Segment) -> Body {
+        let g = self.graph;
+        let i = seg.nodes[0];
+        let node = &g.nodes[i];
+        let out = Self::out_arg(seg, i);
+        let value_view = |v: ValueRef| -> (u16, DType, View) {
+            let Source::Value(u, view) = self.source(v) else { unreachable!("constants fold only into expressions") };
+            (Self::arg_of(seg, u), g.meta(u).0, view)
+        };
+        let copy = |arg: u16, dtype: DType, load: View, store: View| -> MapLoop {
+            let mut b = ExprBuilder::new();
+            let x = b.load(0, dtype);
+            let dims = load.dims.clone();
+            let mut l = MapLoop {
+                dims,
+                loads: vec![Load { arg, dtype, view: load }],
+                expr: b.finish(),
+                stores: vec![Store { arg: out, dtype: node.dtype, view: store, value: x }],
+            };
+            l.simplify();
+            l
+        };
+        match &node.op {
+            Op::Cat { dim } => {
+                let out_strides = node.shape.contiguous_strides();
+                let mut offset = 0;
+                let loops = node
+                    .inputs
+                    .iter()
+                    .map(|&v| {
+                        let (arg, dtype, view) = value_view(v);
+                        let store = View { dims: view.dims.clone(), strides: out_strides.clone(), offset };
+                        offset += view.dims[*dim] * out_strides[*dim] as usize;
+                        copy(arg, dtype, view, store)
+                    })
+                    .collect();
+                Body::Map(loops)
+            }
+            op => {
+                let (arg, dtype, view) = value_view(node.inputs[0]);
+                let moved = match op {
+                    Op::Permute(p) => Some(view.permute(p)),
+                    Op::Expand => Some(view.broadcast_to(&node.shape)),
+                    Op::Narrow { dim, start, len } => Some(view.narrow(*dim, *start, *len)),
+                    Op::Reshape | Op::Contiguous | Op::ToDevice => view.reshape(&node.shape),
+                    other => unreachable!("{} does not lower to a copy", other.name()),
+                };
+                match moved {
+                    Some(v) => Body::Map(vec![copy(arg, dtype, v, View::contiguous(&node.shape))]),
+                    // A reshape of a strided view: copy in the input's order (the same row-major
+                    // order as the output's).
+                    None => {
+                        let store = View::contiguous(&view.shape());
+                        Body::Map(vec![copy(arg, dtype, view, store)])
+                    }
+                }
             }
         }
-        offs
-    };
-    MatmulKernel {
-        dtype,
-        lhs: args[0],
-        rhs: args[1],
-        output,
-        m,
-        n,
-        k,
-        lhs_offsets: offsets(&batch_a, m * k),
-        rhs_offsets: offsets(&batch_b, k * n),
     }
 }

@@ -10,7 +10,7 @@
 //! dtype when it is that value's last reader and every other reader happens-before it.
 
 use crate::schedule::*;
-use braid_fusion::{Fusion, Segment};
+use braid_fusion::{Fusion, Segment, SegmentKind};
 use braid_graph::{FlushGraph, Op, StreamId, ValueRef};
 use hashbrown::HashMap;
 
@@ -79,7 +79,8 @@ impl<'a> Planner<'a> {
         streams.dedup();
         let sidx = |s: StreamId| streams.binary_search(&s).expect("known stream");
         let seg_stream: Vec<usize> = segments.iter().map(|s| sidx(graph.nodes[s.nodes[0]].stream)).collect();
-        let mut seg_of = vec![0; graph.nodes.len()];
+        // Folded nodes belong to no segment; nothing asks for theirs.
+        let mut seg_of = vec![usize::MAX; graph.nodes.len()];
         for (si, s) in segments.iter().enumerate() {
             for &n in &s.nodes {
                 seg_of[n] = si;
@@ -227,18 +228,19 @@ impl<'a> Planner<'a> {
         self.live -= self.buffers[buffer.index()].bytes as u64;
     }
 
-    /// The input (position) an elementwise segment may overwrite with its output, if any; or,
-    /// when the only obstacle was another stream that may still read an input, why not.
+    /// The input (position) a Map segment may overwrite with its first output, if any; or, when
+    /// the only obstacle was another stream that may still read an input, why not.
     fn in_place_candidate(&self, si: usize, s: usize) -> Result<usize, Option<String>> {
         let seg = &self.segments[si];
-        let node = &self.graph.nodes[seg.nodes[0]];
-        if seg.nodes.len() != 1 || !node.op.is_elementwise() {
+        let Some(&first) = seg.outputs.first() else { return Err(None) };
+        let node = &self.graph.nodes[first];
+        if seg.kind != SegmentKind::Map {
             return Err(None);
         }
         let mut note = None;
         for (i, &v) in seg.inputs.iter().enumerate() {
             let (dtype, shape) = self.graph.meta(v);
-            if dtype != node.dtype || shape != &node.shape {
+            if !seg.direct[i] || dtype != node.dtype || shape != &node.shape {
                 continue;
             }
             let readers = match v {

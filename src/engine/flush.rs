@@ -12,7 +12,7 @@ use crate::dump::{self, ScheduleDump};
 use crate::error::{Error, Result};
 use braid_devices::{Buffer, Job};
 use braid_graph::{DeviceId, External, FlushGraph, FlushNode, NodeId, Op, ValueRef};
-use braid_lowering::{Kernel, lower_segment};
+use braid_lowering::{Kernel, Lowering};
 use braid_scheduler::{HazardKind, KernelId, Schedule};
 use hashbrown::{HashMap, HashSet};
 use smallvec::SmallVec;
@@ -189,8 +189,36 @@ fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
     Extracted { graph, externals, device: Device::by_id(device_id), ticket, number: st.flushes }
 }
 
-/// Plans and executes an extracted flush, then installs its results.
+/// Plans and executes an extracted flush, then installs its results. A panic inside (a bug in
+/// braid) becomes an error and the flush's nodes become pending again, so nothing waits forever.
 fn run(ex: Extracted) -> Result<()> {
+    let ids: Vec<NodeId> = ex.graph.nodes.iter().map(|n| n.id).collect();
+    let ticket = ex.ticket.clone();
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_inner(ex))) {
+        Ok(result) => result,
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            let err = Error::Internal(format!("a flush panicked (a bug in braid): {what}"));
+            let mut st = state();
+            for &id in &ids {
+                if st.graph.contains(id) && matches!(st.graph.node(id).value, Some(Value::InFlight(_))) {
+                    st.graph.node_mut(id).value = None;
+                    st.pending += 1;
+                }
+            }
+            collect(&mut st, ids);
+            drop(st);
+            ticket.finish(Err(err.clone()));
+            Err(err)
+        }
+    }
+}
+
+fn run_inner(ex: Extracted) -> Result<()> {
     let _span =
         tracing::debug_span!(target: "braid::flush", "flush", n = ex.number, nodes = ex.graph.nodes.len()).entered();
     let mut graph = ex.graph;
@@ -201,7 +229,8 @@ fn run(ex: Extracted) -> Result<()> {
     let graph = Arc::new(graph);
     let schedule = {
         let _s = tracing::debug_span!(target: "braid::flush", "schedule").entered();
-        let fusion = braid_fusion::segment(&graph);
+        let options = braid_fusion::Options { enabled: ex.device.fusion_enabled(), ..Default::default() };
+        let fusion = braid_fusion::segment(&graph, &options);
         let mut schedule = braid_scheduler::plan(&graph, fusion);
         if let Some(hook) = lock(&ex.device.0.schedule_hook).clone() {
             hook(&mut schedule);
@@ -209,8 +238,9 @@ fn run(ex: Extracted) -> Result<()> {
         Arc::new(schedule)
     };
     let checked = check(&schedule, &graph);
+    let lowering = Lowering::new(&graph, &schedule.fusion);
     let kernels: Vec<Kernel> =
-        schedule.kernels.iter().map(|k| lower_segment(&graph, &schedule.fusion.segments[k.segment])).collect();
+        schedule.kernels.iter().map(|k| lowering.segment(&schedule.fusion.segments[k.segment])).collect();
     let label = |k: KernelId| {
         let seg = &schedule.fusion.segments[schedule.kernels[k.index()].segment];
         let ops: Vec<&str> = seg.nodes.iter().map(|&n| graph.nodes[n].op.name()).collect();

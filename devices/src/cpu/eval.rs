@@ -20,6 +20,21 @@ pub enum Reg {
 }
 
 impl Reg {
+    pub fn len(&self) -> usize {
+        match self {
+            Reg::F32(v) => v.len(),
+            Reg::F64(v) => v.len(),
+            Reg::I32(v) => v.len(),
+            Reg::I64(v) => v.len(),
+            Reg::U8(v) => v.len(),
+            Reg::Bool(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// A register for compute dtype `dtype`, with room for `n` elements.
     pub fn new(dtype: DType, n: usize) -> Reg {
         match dtype.compute() {
@@ -274,6 +289,7 @@ pub fn eval_node(node: &ExprNode, idx: usize, regs: &mut [Reg], n: usize, start:
             }
         }
         ExprOp::Cast(to, x) => cast(to, &operands[x as usize], out, n),
+        ExprOp::Reduce(..) => return Err("reductions are evaluated by row kernels".into()),
     }
     Ok(())
 }

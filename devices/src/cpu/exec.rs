@@ -98,9 +98,21 @@ impl Exec<'_, '_> {
         self.events.iter().for_each(CpuEvent::fail);
     }
 
+    /// Runs one stream's steps; any failure (even a panic, which would be a bug in braid) fails
+    /// every event of the flush, so no other stream waits forever.
     fn run_stream(&self, stream: &StreamSchedule) {
-        if let Err(e) = self.steps(stream) {
-            self.fail(e);
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.steps(stream)));
+        match result {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => self.fail(e),
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                self.fail(DeviceError::Internal(format!("stream {} panicked: {what}", stream.stream.0)));
+            }
         }
     }
 

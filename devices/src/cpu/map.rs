@@ -7,15 +7,16 @@
 
 use super::eval::{Reg, eval_node};
 use braid_graph::DType;
+use braid_graph::expr::Expr;
 use braid_graph::expr::ExprOp;
-use braid_lowering::{MapLoop, View};
+use braid_lowering::{Load, MapLoop, Store, View};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
 /// Elements evaluated per register pass (registers stay in L1/L2).
-const CHUNK: usize = 1024;
+pub(super) const CHUNK: usize = 1024;
 /// Elements per parallel task; loops smaller than two tasks run on the calling thread.
-const TASK: usize = 32 * 1024;
+pub(super) const TASK: usize = 32 * 1024;
 
 /// A kernel argument as the CPU sees it.
 #[derive(Clone, Copy, Debug)]
@@ -29,7 +30,7 @@ pub struct ArgPtr {
 /// Shares argument pointers with rayon tasks. Sound because tasks write disjoint elements
 /// (different indices of a map loop never store to the same element) and only read inputs.
 #[derive(Clone, Copy)]
-struct Shared<'a>(&'a [ArgPtr]);
+pub(super) struct Shared<'a>(pub(super) &'a [ArgPtr]);
 unsafe impl Send for Shared<'_> {}
 unsafe impl Sync for Shared<'_> {}
 
@@ -57,34 +58,7 @@ pub fn check_view(view: &View, arg: &ArgPtr, what: &str) -> Result<(), String> {
 
 /// Runs one loop. `args` must match the kernel's argument list.
 pub fn run_loop(l: &MapLoop, args: &[ArgPtr]) -> Result<(), String> {
-    for load in &l.loads {
-        let arg = args.get(load.arg as usize).ok_or("load of a missing argument")?;
-        if arg.dtype != load.dtype {
-            return Err(format!("load of {} from a {} argument", load.dtype, arg.dtype));
-        }
-        check_view(&load.view, arg, "load")?;
-    }
-    for store in &l.stores {
-        let arg = args.get(store.arg as usize).ok_or("store to a missing argument")?;
-        if arg.dtype != store.dtype {
-            return Err(format!("store of {} to a {} argument", store.dtype, arg.dtype));
-        }
-        check_view(&store.view, arg, "store")?;
-    }
-    for node in &l.expr.nodes {
-        if let ExprOp::Load(slot) = node.op {
-            let load = l.loads.get(slot as usize).ok_or("expression reads a missing load slot")?;
-            if node.dtype != load.dtype.compute() {
-                return Err(format!("load slot {slot} holds {} but the expression reads {}", load.dtype, node.dtype));
-            }
-        }
-    }
-    for store in &l.stores {
-        let node = l.expr.nodes.get(store.value as usize).ok_or("store of a missing expression node")?;
-        if node.dtype != store.dtype.compute() {
-            return Err(format!("store of a {} value to a {} argument", node.dtype, store.dtype));
-        }
-    }
+    check_io(&l.loads, &l.stores, &l.expr, args)?;
     let n = l.numel();
     if n == 0 {
         return Ok(());
@@ -94,6 +68,40 @@ pub fn run_loop(l: &MapLoop, args: &[ArgPtr]) -> Result<(), String> {
         return run_range(l, shared, 0, n);
     }
     (0..n.div_ceil(TASK)).into_par_iter().try_for_each(|t| run_range(l, shared, t * TASK, ((t + 1) * TASK).min(n)))
+}
+
+/// Checks loads, stores and the expression against the arguments before any unchecked access:
+/// dtypes agree, every view lies within its argument, every register has the right type.
+pub(super) fn check_io(loads: &[Load], stores: &[Store], expr: &Expr, args: &[ArgPtr]) -> Result<(), String> {
+    for load in loads {
+        let arg = args.get(load.arg as usize).ok_or("load of a missing argument")?;
+        if arg.dtype != load.dtype {
+            return Err(format!("load of {} from a {} argument", load.dtype, arg.dtype));
+        }
+        check_view(&load.view, arg, "load")?;
+    }
+    for store in stores {
+        let arg = args.get(store.arg as usize).ok_or("store to a missing argument")?;
+        if arg.dtype != store.dtype {
+            return Err(format!("store of {} to a {} argument", store.dtype, arg.dtype));
+        }
+        check_view(&store.view, arg, "store")?;
+    }
+    for node in &expr.nodes {
+        if let ExprOp::Load(slot) = node.op {
+            let load = loads.get(slot as usize).ok_or("expression reads a missing load slot")?;
+            if node.dtype != load.dtype.compute() {
+                return Err(format!("load slot {slot} holds {} but the expression reads {}", load.dtype, node.dtype));
+            }
+        }
+    }
+    for store in stores {
+        let node = expr.nodes.get(store.value as usize).ok_or("store of a missing expression node")?;
+        if node.dtype != store.dtype.compute() {
+            return Err(format!("store of a {} value to a {} argument", node.dtype, store.dtype));
+        }
+    }
+    Ok(())
 }
 
 fn run_range(l: &MapLoop, args: Shared<'_>, start: usize, end: usize) -> Result<(), String> {
@@ -124,7 +132,7 @@ fn run_range(l: &MapLoop, args: Shared<'_>, start: usize, end: usize) -> Result<
 }
 
 /// Fills `out[..m]` with the element offsets of indices `start..start + m` of `view`.
-fn fill_offsets(view: &View, start: usize, m: usize, out: &mut [isize]) {
+pub(super) fn fill_offsets(view: &View, start: usize, m: usize, out: &mut [isize]) {
     let rank = view.dims.len();
     if rank == 0 {
         out[..m].fill(view.offset as isize);
@@ -172,7 +180,7 @@ fn fill_offsets(view: &View, start: usize, m: usize, out: &mut [isize]) {
 ///
 /// # Safety
 /// The view must lie within the argument (see [`check_view`]).
-unsafe fn gather(view: &View, arg: ArgPtr, start: usize, m: usize, out: &mut Reg, offsets: &mut [isize]) {
+pub(super) unsafe fn gather(view: &View, arg: ArgPtr, start: usize, m: usize, out: &mut Reg, offsets: &mut [isize]) {
     unsafe fn go<S: Copy, C: Copy>(
         view: &View,
         base: *const S,
@@ -218,7 +226,7 @@ unsafe fn gather(view: &View, arg: ArgPtr, start: usize, m: usize, out: &mut Reg
 ///
 /// # Safety
 /// The view must lie within the argument, and no other thread may write these elements.
-unsafe fn scatter(view: &View, arg: ArgPtr, start: usize, m: usize, reg: &Reg, offsets: &mut [isize]) {
+pub(super) unsafe fn scatter(view: &View, arg: ArgPtr, start: usize, m: usize, reg: &Reg, offsets: &mut [isize]) {
     unsafe fn go<S: Copy, C: Copy>(
         view: &View,
         base: *mut S,

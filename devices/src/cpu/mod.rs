@@ -8,7 +8,7 @@ mod exec;
 pub mod map;
 pub mod matmul;
 pub mod pool;
-pub mod reduce;
+pub mod rows;
 
 use crate::{Backend, Buffer, DeviceError, Job, MemoryStats};
 use braid_lowering::{Body, Kernel};
@@ -101,7 +101,7 @@ pub fn run_kernel(kernel: &Kernel, args: &[ArgPtr]) -> Result<(), String> {
     }
     match &kernel.body {
         Body::Map(loops) => loops.iter().try_for_each(|l| map::run_loop(l, args)),
-        Body::Reduce(r) => reduce::run_reduce(r, args),
+        Body::Rows(r) => rows::run_rows(r, args),
         Body::Matmul(m) => matmul::run_matmul(m, args),
     }
 }

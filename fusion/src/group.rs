@@ -1,0 +1,478 @@
+//! The grouping algorithm: fold movement and constants into loads, then grow segments greedily
+//! in topological order, then order the segments.
+//!
+//! A node joins the segment of one of its producers when the two can share a kernel: same
+//! stream, no control edge in between, compatible kinds and index spaces, the input limit kept,
+//! and no cycle between segments. Otherwise it starts a segment of its own, and the refusal is
+//! recorded with its reason.
+
+use crate::{Fusion, Options, Refusal, Segment, SegmentKind};
+use braid_graph::{FlushGraph, Op, Shape, StreamId, ValueRef, View};
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Class {
+    Elementwise,
+    Reduce,
+    Matmul,
+    Other,
+}
+
+fn class(op: &Op) -> Class {
+    match op {
+        _ if op.is_elementwise() => Class::Elementwise,
+        Op::Full(_) | Op::Arange { .. } | Op::Rand { .. } | Op::Randn { .. } => Class::Elementwise,
+        Op::Reduce { .. } => Class::Reduce,
+        Op::Matmul => Class::Matmul,
+        _ => Class::Other,
+    }
+}
+
+/// Where a node's value sits in a Rows segment: over the full shape, or reduced (keeping the
+/// axis with size 1, or without it).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Level {
+    Full,
+    Keep,
+    Flat,
+}
+
+#[derive(Clone, Debug)]
+enum Kind {
+    Single,
+    Map(Shape),
+    Rows(Shape, Option<usize>),
+    Matmul(Shape),
+}
+
+struct Group {
+    kind: Kind,
+    nodes: Vec<usize>,
+    stream: StreamId,
+    /// The control dependencies of the first node: later nodes may join only if theirs are a
+    /// subset (a kernel never spans an event wait).
+    waits: Vec<usize>,
+    /// Distinct values read from outside (underlying values of folded movement).
+    inputs: Vec<ValueRef>,
+    /// Groups this one reads from.
+    deps: Vec<usize>,
+}
+
+struct Grouper<'a> {
+    graph: &'a FlushGraph,
+    options: &'a Options,
+    folded: Vec<bool>,
+    group_of: Vec<Option<usize>>,
+    level: Vec<Level>,
+    groups: Vec<Group>,
+    refused: Vec<Refusal>,
+}
+
+pub(crate) fn run(graph: &FlushGraph, options: &Options) -> Fusion {
+    let n = graph.nodes.len();
+    let mut control_pred = vec![false; n];
+    let mut readers: Vec<Vec<usize>> = vec![Vec::new(); n];
+    for (i, node) in graph.nodes.iter().enumerate() {
+        for &a in &node.after {
+            control_pred[a] = true;
+        }
+        for v in &node.inputs {
+            if let ValueRef::Node(j) = *v {
+                readers[j].push(i);
+            }
+        }
+    }
+    let folded = if options.enabled { fold(graph, &control_pred, &readers) } else { vec![false; n] };
+    let mut g = Grouper {
+        graph,
+        options,
+        folded,
+        group_of: vec![None; n],
+        level: vec![Level::Full; n],
+        groups: Vec::new(),
+        refused: Vec::new(),
+    };
+    for i in 0..n {
+        if !g.folded[i] {
+            g.place(i);
+        }
+    }
+    g.finish(&readers)
+}
+
+/// Decides which movement and constant nodes are folded into their readers' loads: not kept,
+/// not ordering anything, and (for movement) expressible as a view of the value underneath.
+fn fold(graph: &FlushGraph, control_pred: &[bool], readers: &[Vec<usize>]) -> Vec<bool> {
+    let n = graph.nodes.len();
+    let mut folded = vec![false; n];
+    // The view of each folded movement node over its underlying value; `None` for constants.
+    let mut views: Vec<Option<View>> = vec![None; n];
+    for (i, node) in graph.nodes.iter().enumerate() {
+        if node.keep || control_pred[i] {
+            continue;
+        }
+        match &node.op {
+            // A constant folds into readers that evaluate expressions (not into matrix products
+            // or copies, which need a buffer).
+            Op::Full(_) => {
+                folded[i] =
+                    readers[i].iter().all(|&r| matches!(class(&graph.nodes[r].op), Class::Elementwise | Class::Reduce));
+            }
+            Op::Reshape | Op::Permute(_) | Op::Expand | Op::Narrow { .. } | Op::Contiguous | Op::ToDevice => {
+                let input = node.inputs[0];
+                let base = match input {
+                    ValueRef::Node(j) if folded[j] => match &views[j] {
+                        Some(v) => v.clone(),
+                        None => {
+                            // Movement of a folded constant is still that constant.
+                            folded[i] = readers[i]
+                                .iter()
+                                .all(|&r| matches!(class(&graph.nodes[r].op), Class::Elementwise | Class::Reduce));
+                            continue;
+                        }
+                    },
+                    v => View::contiguous(graph.meta(v).1),
+                };
+                let view = match &node.op {
+                    Op::Reshape | Op::Contiguous | Op::ToDevice => base.reshape(&node.shape),
+                    Op::Permute(p) => Some(base.permute(p)),
+                    Op::Expand => Some(base.broadcast_to(&node.shape)),
+                    Op::Narrow { dim, start, len } => Some(base.narrow(*dim, *start, *len)),
+                    _ => unreachable!(),
+                };
+                if let Some(v) = view {
+                    folded[i] = true;
+                    views[i] = Some(v);
+                }
+            }
+            _ => {}
+        }
+    }
+    folded
+}
+
+impl Grouper<'_> {
+    /// What node `i` reads: (input position, the node underneath, whether through folding).
+    fn producers(&self, i: usize) -> Vec<(usize, usize, bool)> {
+        let folded = &self.folded;
+        self.graph.nodes[i]
+            .inputs
+            .iter()
+            .enumerate()
+            .filter_map(|(k, &v)| match crate::underlying(self.graph, folded, v) {
+                ValueRef::Node(j) if !folded[j] => Some((k, j, v != ValueRef::Node(j))),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn place(&mut self, i: usize) {
+        let node = &self.graph.nodes[i];
+        let cls = class(&node.op);
+        if !self.options.enabled || cls == Class::Other {
+            self.new_group(i, cls);
+            return;
+        }
+        let producers = self.producers(i);
+        let mut candidates: Vec<usize> =
+            producers.iter().filter(|(_, _, via_view)| !via_view).filter_map(|&(_, j, _)| self.group_of[j]).collect();
+        candidates.sort_unstable_by_key(|&g| Reverse(g));
+        candidates.dedup();
+        let mut joined = None;
+        let mut reasons: Vec<(usize, String)> = Vec::new();
+        for g in candidates {
+            match self.check(g, i) {
+                Ok(level) => {
+                    joined = Some((g, level));
+                    break;
+                }
+                Err(reason) => reasons.push((g, reason)),
+            }
+        }
+        match joined {
+            Some((g, level)) => self.join(g, i, level),
+            None => self.new_group(i, cls),
+        }
+        // Record why producers of fusable kinds stayed in other kernels.
+        let mine = self.group_of[i];
+        for &(_, j, via_view) in &producers {
+            let Some(g) = self.group_of[j] else { continue };
+            if Some(g) == mine || class(&self.graph.nodes[j].op) == Class::Other {
+                continue;
+            }
+            let reason = match reasons.iter().find(|(rg, _)| *rg == g) {
+                Some((_, r)) => r.clone(),
+                None if via_view => "read through a view (folded movement); only direct reads fuse".to_string(),
+                None => continue,
+            };
+            let r = Refusal { a: j, b: i, reason };
+            if !self.refused.contains(&r) {
+                self.refused.push(r);
+            }
+        }
+    }
+
+    fn new_group(&mut self, i: usize, cls: Class) {
+        let node = &self.graph.nodes[i];
+        let kind = match cls {
+            Class::Elementwise => Kind::Map(node.shape.clone()),
+            Class::Reduce => {
+                let Op::Reduce { dim, keepdim, .. } = node.op else { unreachable!() };
+                self.level[i] = if keepdim || dim.is_none() { Level::Keep } else { Level::Flat };
+                Kind::Rows(self.graph.meta(node.inputs[0]).1.clone(), dim)
+            }
+            Class::Matmul => Kind::Matmul(node.shape.clone()),
+            Class::Other => Kind::Single,
+        };
+        let mut waits: Vec<usize> = node.after.to_vec();
+        waits.sort_unstable();
+        self.groups.push(Group {
+            kind,
+            nodes: Vec::new(),
+            stream: node.stream,
+            waits,
+            inputs: Vec::new(),
+            deps: Vec::new(),
+        });
+        let g = self.groups.len() - 1;
+        self.add(g, i);
+    }
+
+    fn join(&mut self, g: usize, i: usize, level: Level) {
+        if let (Kind::Map(space), Op::Reduce { dim, .. }) = (&self.groups[g].kind, &self.graph.nodes[i].op) {
+            self.groups[g].kind = Kind::Rows(space.clone(), *dim);
+        }
+        self.level[i] = level;
+        self.add(g, i);
+    }
+
+    /// Puts node `i` into group `g`, recording its outside inputs and dependencies.
+    fn add(&mut self, g: usize, i: usize) {
+        self.group_of[i] = Some(g);
+        self.groups[g].nodes.push(i);
+        let node = &self.graph.nodes[i];
+        for &v in &node.inputs {
+            let u = crate::underlying(self.graph, &self.folded, v);
+            let external = match u {
+                ValueRef::Node(j) if self.folded[j] => continue, // a folded constant
+                ValueRef::Node(j) => self.group_of[j] != Some(g) || v != u,
+                ValueRef::External(_) => true,
+            };
+            if external && !self.groups[g].inputs.contains(&u) {
+                self.groups[g].inputs.push(u);
+            }
+            if let ValueRef::Node(j) = u
+                && let Some(h) = self.group_of[j]
+                && h != g
+                && !self.groups[g].deps.contains(&h)
+            {
+                self.groups[g].deps.push(h);
+            }
+        }
+        for &a in &node.after {
+            if let Some(h) = self.group_of[a]
+                && h != g
+                && !self.groups[g].deps.contains(&h)
+            {
+                self.groups[g].deps.push(h);
+            }
+        }
+    }
+
+    /// Whether group `from` depends (transitively) on group `to`.
+    fn depends(&self, from: usize, to: usize) -> bool {
+        let mut stack = vec![from];
+        let mut seen = vec![false; self.groups.len()];
+        while let Some(x) = stack.pop() {
+            if x == to {
+                return true;
+            }
+            if !std::mem::replace(&mut seen[x], true) {
+                stack.extend(&self.groups[x].deps);
+            }
+        }
+        false
+    }
+
+    /// Can node `i` join group `g`? The level it would have, or why not.
+    fn check(&self, g: usize, i: usize) -> Result<Level, String> {
+        let grp = &self.groups[g];
+        let node = &self.graph.nodes[i];
+        let nid = node.id.index();
+        if grp.stream != node.stream {
+            return Err(format!("different streams ({}, {})", grp.stream.0, node.stream.0));
+        }
+        if node.after.iter().any(|a| grp.waits.binary_search(a).is_err()) {
+            return Err(format!("an event wait or control edge orders n{nid} after work in this kernel"));
+        }
+        // Every read of a value of this group must be direct (no view of a value being computed).
+        let producers = self.producers(i);
+        if producers.iter().any(|&(_, j, via)| via && self.group_of[j] == Some(g)) {
+            return Err(format!("n{nid} reads a value of this kernel through a view"));
+        }
+        let inside = |j: usize| self.group_of[j] == Some(g);
+        let levels: Vec<Level> =
+            producers.iter().filter(|&&(_, j, _)| inside(j)).map(|&(_, j, _)| self.level[j]).collect();
+        let level = match (&grp.kind, class(&node.op)) {
+            (Kind::Single, _) => return Err("a kernel of this kind does not fuse".into()),
+            (Kind::Map(space), Class::Elementwise) if &node.shape == space => Level::Full,
+            (Kind::Map(space), Class::Reduce) if self.graph.meta(node.inputs[0]).1 == space => reduce_level(&node.op),
+            (Kind::Rows(full, axis), Class::Elementwise) => {
+                let keep = reduced(full, *axis, true);
+                let flat = reduced(full, *axis, false);
+                if &node.shape == full && levels.iter().all(|&l| l != Level::Flat || axis.is_none()) {
+                    Level::Full
+                } else if node.shape == keep && levels.iter().all(|&l| l == Level::Keep) {
+                    Level::Keep
+                } else if node.shape == flat && levels.iter().all(|&l| l == Level::Flat) {
+                    Level::Flat
+                } else {
+                    return Err(format!("index spaces {full} (reduced along {axis:?}) and {} differ", node.shape));
+                }
+            }
+            (Kind::Rows(full, axis), Class::Reduce) => {
+                let Op::Reduce { dim, .. } = node.op else { unreachable!() };
+                if dim != *axis || self.graph.meta(node.inputs[0]).1 != full || levels.iter().any(|&l| l != Level::Full)
+                {
+                    return Err(format!("a reduction along {dim:?} does not share rows reduced along {axis:?}"));
+                }
+                reduce_level(&node.op)
+            }
+            (Kind::Matmul(out), Class::Elementwise) if &node.shape == out => Level::Full,
+            (Kind::Map(space) | Kind::Matmul(space), _) => {
+                return Err(format!("n{nid} ({}, {}) does not fit a kernel over {space}", node.op.name(), node.shape));
+            }
+            (Kind::Rows(..), _) => return Err("a matrix product starts its own kernel".into()),
+        };
+        // The target's limit on kernel inputs.
+        let new_inputs: Vec<ValueRef> = node
+            .inputs
+            .iter()
+            .map(|&v| crate::underlying(self.graph, &self.folded, v))
+            .filter(|&u| match u {
+                ValueRef::Node(j) => !self.folded[j] && !inside(j),
+                ValueRef::External(_) => true,
+            })
+            .filter(|u| !grp.inputs.contains(u))
+            .collect();
+        let mut distinct = new_inputs.clone();
+        distinct.dedup();
+        if grp.inputs.len() + distinct.len() > self.options.max_inputs {
+            return Err(format!("kernel input limit {} reached", self.options.max_inputs));
+        }
+        // No cycle: nothing this node reads from elsewhere may depend on this group.
+        for u in &new_inputs {
+            if let ValueRef::Node(j) = *u
+                && let Some(h) = self.group_of[j]
+                && self.depends(h, g)
+            {
+                return Err(format!(
+                    "joining would form a cycle through the kernel of n{}",
+                    self.graph.nodes[j].id.index()
+                ));
+            }
+        }
+        Ok(level)
+    }
+
+    fn finish(self, readers: &[Vec<usize>]) -> Fusion {
+        let graph = self.graph;
+        let n = graph.nodes.len();
+        // Topological order of the groups, ties broken by their first node.
+        let ng = self.groups.len();
+        let mut indeg = vec![0usize; ng];
+        let mut users: Vec<Vec<usize>> = vec![Vec::new(); ng];
+        for (g, grp) in self.groups.iter().enumerate() {
+            for &h in &grp.deps {
+                indeg[g] += 1;
+                users[h].push(g);
+            }
+        }
+        let mut heap: BinaryHeap<Reverse<(usize, usize)>> =
+            (0..ng).filter(|&g| indeg[g] == 0).map(|g| Reverse((self.groups[g].nodes[0], g))).collect();
+        let mut order = Vec::with_capacity(ng);
+        while let Some(Reverse((_, g))) = heap.pop() {
+            order.push(g);
+            for &u in &users[g] {
+                indeg[u] -= 1;
+                if indeg[u] == 0 {
+                    heap.push(Reverse((self.groups[u].nodes[0], u)));
+                }
+            }
+        }
+        assert_eq!(order.len(), ng, "fusion produced a cycle between kernels");
+        // Who reads each node from outside its group (directly, or through folded movement).
+        let mut outside = vec![false; n];
+        for i in 0..n {
+            for &r in &readers[i] {
+                let through_view = self.folded[r];
+                if through_view || self.group_of[r] != self.group_of[i] {
+                    outside[i] = true;
+                }
+            }
+        }
+        let segments = order
+            .into_iter()
+            .map(|g| {
+                let grp = &self.groups[g];
+                let kind = match &grp.kind {
+                    Kind::Single => SegmentKind::Single,
+                    Kind::Map(_) => SegmentKind::Map,
+                    Kind::Rows(full, axis) => SegmentKind::Rows { full: full.clone(), axis: *axis },
+                    Kind::Matmul(_) => SegmentKind::Matmul,
+                };
+                let space = match &grp.kind {
+                    Kind::Map(s) => Some(s),
+                    _ => None,
+                };
+                let direct = grp
+                    .inputs
+                    .iter()
+                    .map(|&u| {
+                        space.is_some_and(|s| {
+                            graph.meta(u).1 == s
+                                && grp.nodes.iter().all(|&i| {
+                                    graph.nodes[i]
+                                        .inputs
+                                        .iter()
+                                        .all(|&v| v == u || crate::underlying(graph, &self.folded, v) != u)
+                                })
+                        })
+                    })
+                    .collect();
+                let mut outputs: Vec<usize> = grp
+                    .nodes
+                    .iter()
+                    .copied()
+                    .filter(|&i| graph.nodes[i].op != Op::Event && (graph.nodes[i].keep || outside[i]))
+                    .collect();
+                // A kernel whose values nobody reads (work ordered before a user event) still
+                // writes its last value, which the plan frees at once.
+                let last = *grp.nodes.last().expect("groups are not empty");
+                if outputs.is_empty() && graph.nodes[last].op != Op::Event {
+                    outputs.push(last);
+                }
+                Segment { kind, nodes: grp.nodes.clone(), inputs: grp.inputs.clone(), direct, outputs }
+            })
+            .collect();
+        let folded = (0..n).filter(|&i| self.folded[i]).collect();
+        Fusion { segments, refused: self.refused, folded }
+    }
+}
+
+/// The level of a reduction's result.
+fn reduce_level(op: &Op) -> Level {
+    match op {
+        Op::Reduce { dim: None, .. } | Op::Reduce { keepdim: true, .. } => Level::Keep,
+        _ => Level::Flat,
+    }
+}
+
+/// The shape of `full` reduced along `axis` (a scalar when `None`).
+fn reduced(full: &Shape, axis: Option<usize>, keepdim: bool) -> Shape {
+    match axis {
+        None => Shape::scalar(),
+        Some(d) => full.reduced(d, keepdim),
+    }
+}

@@ -1,0 +1,148 @@
+//! Fusion as a reader sees it in the dumps: what becomes one kernel, what is refused and why.
+//! (That fused results equal the reference is the property suites' job.)
+
+use braid::prelude::*;
+use serde_json::Value as Json;
+
+fn data(dev: &Device, shape: &[usize]) -> Tensor {
+    let n: usize = shape.iter().product();
+    Tensor::from_vec((0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect::<Vec<_>>(), shape, dev)
+}
+
+fn dump(dev: &Device) -> Json {
+    serde_json::from_str(&dev.last_schedule().unwrap().to_json()).unwrap()
+}
+
+fn kernels(j: &Json) -> u64 {
+    j["fusion"]["kernels"].as_u64().unwrap()
+}
+
+fn refusals(j: &Json) -> Vec<String> {
+    j["fusion"]["refused"].as_array().unwrap().iter().map(|r| r["reason"].as_str().unwrap().to_string()).collect()
+}
+
+#[test]
+fn a_chain_of_six_elementwise_ops_is_one_kernel() {
+    let dev = Device::new_cpu();
+    let x = data(&dev, &[64, 64]);
+    let y = x.exp().sin().neg().sigmoid().square().relu();
+    y.to_vec::<f32>().unwrap();
+    let j = dump(&dev);
+    assert_eq!(kernels(&j), 1, "{}", dev.last_schedule().unwrap().to_text());
+    assert_eq!(j["fusion"]["fused_ops"], 6);
+    let k = &j["streams"][0]["steps"].as_array().unwrap().iter().find(|s| s["kind"] == "kernel").unwrap().clone();
+    assert_eq!(k["ops"].as_array().unwrap().len(), 6, "the dump lists the member ops: {k}");
+    assert_eq!(k["nodes"].as_array().unwrap().len(), 6);
+}
+
+#[test]
+fn a_chain_with_its_middle_on_another_stream_is_split_and_says_why() {
+    let dev = Device::new_cpu();
+    let s1 = dev.new_stream();
+    let x = data(&dev, &[64, 64]);
+    let a = x.exp().sin();
+    let b = s1.scope(|| a.neg().sigmoid());
+    let y = b.square().relu();
+    y.to_vec::<f32>().unwrap();
+    let j = dump(&dev);
+    assert!(kernels(&j) >= 3, "{}", dev.last_schedule().unwrap().to_text());
+    let reasons = refusals(&j);
+    assert!(
+        reasons.iter().any(|r| r == &format!("different streams (0, {})", s1.id()))
+            && reasons.iter().any(|r| r == &format!("different streams ({}, 0)", s1.id())),
+        "{reasons:?}"
+    );
+}
+
+#[test]
+fn a_chain_cut_by_a_user_wait_is_two_kernels() {
+    let dev = Device::new_cpu();
+    let s1 = dev.new_stream();
+    let x = data(&dev, &[64, 64]);
+    let a = x.exp().sin().neg();
+    let other = s1.scope(|| x.cos());
+    let ev = s1.record_event();
+    dev.default_stream().wait_event(&ev);
+    let y = a.sigmoid().square().relu();
+    y.to_vec::<f32>().unwrap();
+    let j = dump(&dev);
+    let text = dev.last_schedule().unwrap().to_text();
+    let on_default: usize = j["streams"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["id"] == 0)
+        .map(|s| s["steps"].as_array().unwrap().iter().filter(|st| st["kind"] == "kernel").count())
+        .sum();
+    assert_eq!(on_default, 2, "{text}");
+    assert!(refusals(&j).iter().any(|r| r.contains("event wait")), "{:?}", refusals(&j));
+    drop(other);
+}
+
+#[test]
+fn composed_softmax_and_layer_norm_are_one_kernel_each() {
+    let dev = Device::new_cpu();
+    let x = data(&dev, &[32, 100]);
+    let m = x.max_dim(1, true);
+    let e = (&x - &m).exp();
+    let s = e.sum_dim(1, true);
+    let y = &e / &s;
+    let got = y.to_vec::<f32>().unwrap();
+    assert_eq!(kernels(&dump(&dev)), 1, "{}", dev.last_schedule().unwrap().to_text());
+    for row in got.chunks(100) {
+        assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-5);
+    }
+    x.layer_norm(1, 1e-5).to_vec::<f32>().unwrap();
+    assert_eq!(kernels(&dump(&dev)), 1, "{}", dev.last_schedule().unwrap().to_text());
+    x.log_softmax(0).to_vec::<f32>().unwrap();
+    assert_eq!(kernels(&dump(&dev)), 1, "{}", dev.last_schedule().unwrap().to_text());
+}
+
+#[test]
+fn matmul_epilogues_and_transposed_operands_fuse() {
+    let dev = Device::new_cpu();
+    let x = data(&dev, &[16, 32]);
+    let w = data(&dev, &[24, 32]);
+    let b = data(&dev, &[24]);
+    // A transposed operand is read through its strides; bias and activation run on the product.
+    let y = (x.matmul(&w.t()) + &b).relu();
+    let got = y.to_vec::<f32>().unwrap();
+    let j = dump(&dev);
+    assert_eq!(kernels(&j), 1, "{}", dev.last_schedule().unwrap().to_text());
+    assert_eq!(j["fusion"]["fused_ops"], 3, "matmul, add, relu (the transpose is folded)");
+    // Against the same computed without fusion.
+    let plain = Device::new_cpu();
+    plain.set_fusion(false);
+    let (x2, w2, b2) = (data(&plain, &[16, 32]), data(&plain, &[24, 32]), data(&plain, &[24]));
+    let want = (x2.matmul(&w2.t()) + &b2).relu().to_vec::<f32>().unwrap();
+    for (g, w) in got.iter().zip(&want) {
+        assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "{g} vs {w}");
+    }
+    assert!(kernels(&dump(&plain)) >= 4, "unfused: transpose copy, matmul, add, relu");
+}
+
+#[test]
+fn the_kernel_input_limit_splits_kernels() {
+    let dev = Device::new_cpu();
+    let xs: Vec<Tensor> = (0..24).map(|i| data(&dev, &[8]) * (i as f64)).collect();
+    dev.sync().unwrap();
+    let mut total = xs[0].clone();
+    for x in &xs[1..] {
+        total = &total + x;
+    }
+    total.to_vec::<f32>().unwrap();
+    let j = dump(&dev);
+    assert!(kernels(&j) >= 2);
+    assert!(refusals(&j).iter().any(|r| r.contains("kernel input limit 16")), "{:?}", refusals(&j));
+}
+
+#[test]
+fn fusion_off_runs_every_op_as_its_own_kernel() {
+    let dev = Device::new_cpu();
+    dev.set_fusion(false);
+    let x = data(&dev, &[64]);
+    x.exp().sin().neg().to_vec::<f32>().unwrap();
+    let j = dump(&dev);
+    assert_eq!(kernels(&j), 3);
+    assert!(refusals(&j).is_empty());
+}
