@@ -179,6 +179,11 @@ impl Grouper<'_> {
             producers.iter().filter(|(_, _, via_view)| !via_view).filter_map(|&(_, j, _)| self.group_of[j]).collect();
         candidates.sort_unstable_by_key(|&g| Reverse(g));
         candidates.dedup();
+        // A node that reads nothing computed in this flush may join a recent kernel of the same
+        // index space anyway (horizontal fusion: `gelu(x * w) * sigmoid(x)` reads x once).
+        if candidates.is_empty() {
+            candidates = (0..self.groups.len()).rev().take(4).collect();
+        }
         let mut joined = None;
         let mut reasons: Vec<(usize, String)> = Vec::new();
         for g in candidates {

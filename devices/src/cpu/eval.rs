@@ -6,6 +6,7 @@
 //! computes; it never decides what to compute and never touches buffers (see `map`).
 
 use braid_graph::expr::{Distribution, ExprNode, ExprOp, PrimBinary, PrimCmp, PrimUnary};
+use super::vmath;
 use braid_graph::{DType, rng};
 use half::{bf16, f16};
 
@@ -65,16 +66,16 @@ fn map2<A: Copy, B>(x: &[A], y: &[A], out: &mut [B], f: impl Fn(A, A) -> B) {
 }
 
 macro_rules! float_unary {
-    ($op:expr, $x:expr, $out:expr) => {
+    ($op:expr, $x:expr, $out:expr, $exp:expr, $tanh:expr) => {
         match $op {
             PrimUnary::Neg => map1($x, $out, |v| -v),
-            PrimUnary::Exp => map1($x, $out, |v| v.exp()),
+            PrimUnary::Exp => map1($x, $out, $exp),
             PrimUnary::Log => map1($x, $out, |v| v.ln()),
             PrimUnary::Sqrt => map1($x, $out, |v| v.sqrt()),
             PrimUnary::Abs => map1($x, $out, |v| v.abs()),
             PrimUnary::Sin => map1($x, $out, |v| v.sin()),
             PrimUnary::Cos => map1($x, $out, |v| v.cos()),
-            PrimUnary::Tanh => map1($x, $out, |v| v.tanh()),
+            PrimUnary::Tanh => map1($x, $out, $tanh),
         }
     };
 }
@@ -195,7 +196,33 @@ fn cast(to: DType, x: &Reg, out: &mut Reg, n: usize) {
 /// Evaluates node `node` (at position `idx`) over the first `n` elements. `regs[..idx]` hold
 /// the operands; loads have been filled by the caller. `start` is the chunk's first linear
 /// index. Errors only on an ill-typed expression, which lowering never produces.
+///
+/// The loops are compiled twice, for the baseline x86-64 and with AVX2, and the CPU picks at
+/// run time (the code is the same, so are the results: no fused multiply-adds are used).
 pub fn eval_node(node: &ExprNode, idx: usize, regs: &mut [Reg], n: usize, start: usize) -> Result<(), String> {
+    #[cfg(target_arch = "x86_64")]
+    if avx2() {
+        // SAFETY: the CPU has AVX2 (checked once, at run time).
+        return unsafe { eval_node_avx2(node, idx, regs, n, start) };
+    }
+    eval_node_impl(node, idx, regs, n, start)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx2() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| std::arch::is_x86_feature_detected!("avx2"))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn eval_node_avx2(node: &ExprNode, idx: usize, regs: &mut [Reg], n: usize, start: usize) -> Result<(), String> {
+    eval_node_impl(node, idx, regs, n, start)
+}
+
+#[inline(always)]
+fn eval_node_impl(node: &ExprNode, idx: usize, regs: &mut [Reg], n: usize, start: usize) -> Result<(), String> {
     let (operands, rest) = regs.split_at_mut(idx);
     let out = &mut rest[0];
     match node.op {
@@ -236,8 +263,8 @@ pub fn eval_node(node: &ExprNode, idx: usize, regs: &mut [Reg], n: usize, start:
             }
         }
         ExprOp::Unary(op, x) => match (&operands[x as usize], out) {
-            (Reg::F32(x), Reg::F32(o)) => float_unary!(op, &x[..n], &mut o[..n]),
-            (Reg::F64(x), Reg::F64(o)) => float_unary!(op, &x[..n], &mut o[..n]),
+            (Reg::F32(x), Reg::F32(o)) => float_unary!(op, &x[..n], &mut o[..n], vmath::exp, vmath::tanh),
+            (Reg::F64(x), Reg::F64(o)) => float_unary!(op, &x[..n], &mut o[..n], f64::exp, f64::tanh),
             (Reg::I32(x), Reg::I32(o)) => int_unary!(op, &x[..n], &mut o[..n]),
             (Reg::I64(x), Reg::I64(o)) => int_unary!(op, &x[..n], &mut o[..n]),
             (Reg::U8(x), Reg::U8(o)) => match op {

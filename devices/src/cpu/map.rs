@@ -14,7 +14,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 
 /// Elements evaluated per register pass (registers stay in L1/L2).
-pub(super) const CHUNK: usize = 1024;
+pub(super) const CHUNK: usize = 512;
 /// Elements per parallel task; loops smaller than two tasks run on the calling thread.
 pub(super) const TASK: usize = 32 * 1024;
 
@@ -104,14 +104,39 @@ pub(super) fn check_io(loads: &[Load], stores: &[Store], expr: &Expr, args: &[Ar
     Ok(())
 }
 
+/// Which expression nodes have the same value for every element (constants, and operations on
+/// constants only): they are evaluated once per task, not once per chunk.
+pub(super) fn invariant_nodes(expr: &Expr) -> Vec<bool> {
+    let mut inv = vec![false; expr.nodes.len()];
+    for (i, n) in expr.nodes.iter().enumerate() {
+        inv[i] = match n.op {
+            ExprOp::Const(_) | ExprOp::ConstInt(_) => true,
+            ExprOp::Load(_) | ExprOp::Index | ExprOp::Random { .. } | ExprOp::Reduce(..) => false,
+            ExprOp::Unary(_, a) | ExprOp::Cast(_, a) => inv[a as usize],
+            ExprOp::Binary(_, a, b) | ExprOp::Cmp(_, a, b) => inv[a as usize] && inv[b as usize],
+            ExprOp::Select(c, a, b) => inv[c as usize] && inv[a as usize] && inv[b as usize],
+        };
+    }
+    inv
+}
+
 fn run_range(l: &MapLoop, args: Shared<'_>, start: usize, end: usize) -> Result<(), String> {
     let width = CHUNK.min(end - start);
     let mut regs: Vec<Reg> = l.expr.nodes.iter().map(|node| Reg::new(node.dtype, width)).collect();
     let mut offsets = vec![0isize; width];
+    let invariant = invariant_nodes(&l.expr);
+    for (i, node) in l.expr.nodes.iter().enumerate() {
+        if invariant[i] {
+            eval_node(node, i, &mut regs, width, start)?;
+        }
+    }
     let mut c = start;
     while c < end {
         let m = width.min(end - c);
         for (i, node) in l.expr.nodes.iter().enumerate() {
+            if invariant[i] {
+                continue;
+            }
             if let ExprOp::Load(slot) = node.op {
                 let load = &l.loads[slot as usize];
                 let arg = args.0[load.arg as usize];

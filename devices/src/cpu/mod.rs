@@ -9,6 +9,7 @@ pub mod map;
 pub mod matmul;
 pub mod pool;
 pub mod rows;
+pub mod vmath;
 
 use crate::{Backend, Buffer, DeviceError, Job, MemoryStats};
 use braid_lowering::{Body, Kernel};

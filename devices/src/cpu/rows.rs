@@ -354,6 +354,25 @@ fn fold_float<T: Copy + PartialOrd + std::ops::Add<Output = T> + Default>(
             let a = &mut acc[(c + t) % inner];
             *a = *a + x;
         }),
+        ReduceOp::Max | ReduceOp::Min if inner == 1 => {
+            // Eight running extremes (NaN-propagating), then one.
+            let pick = |a: T, x: T| {
+                let better = if op == ReduceOp::Min { x < a } else { x > a };
+                if better || is_nan(x) || is_nan(a) { if is_nan(a) { a } else { x } } else { a }
+            };
+            let mut parts = [acc[0]; 8];
+            let mut it = v.chunks_exact(8);
+            for ch in &mut it {
+                for (p, &x) in parts.iter_mut().zip(ch) {
+                    *p = pick(*p, x);
+                }
+            }
+            let mut m = it.remainder().iter().fold(acc[0], |a, &x| pick(a, x));
+            for p in parts {
+                m = pick(m, p);
+            }
+            acc[0] = m;
+        }
         ReduceOp::Max | ReduceOp::Min | ReduceOp::ArgMax => {
             let better = |x: T, a: T| if op == ReduceOp::Min { x < a } else { x > a };
             for (t, &x) in v.iter().enumerate() {
