@@ -150,8 +150,13 @@ fn c4(dev: &Device) -> (f64, String) {
 fn peers(which: &str) -> Vec<String> {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/peers/card_jax.py");
     match Command::new("python3").arg(script).arg(which).output() {
-        Ok(out) if out.status.success() => String::from_utf8_lossy(&out.stdout).lines().map(|l| format!("  peer {l}")).collect(),
-        Ok(out) => vec![format!("  peer: not run ({})", String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("failed"))],
+        Ok(out) if out.status.success() => {
+            String::from_utf8_lossy(&out.stdout).lines().map(|l| format!("  peer {l}")).collect()
+        }
+        Ok(out) => vec![format!(
+            "  peer: not run ({})",
+            String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("failed")
+        )],
         Err(e) => vec![format!("  peer: not run (python3: {e})")],
     }
 }

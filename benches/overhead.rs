@@ -3,7 +3,10 @@
 //! - O2 `schedule_10k_nodes`: fusion + scheduling/memory planning + lowering of a 10,000-node
 //!   flush graph (no execution), reported per node.
 //! - O2 `flush_10k_nodes`: the whole flush of a recorded 10,000-node graph of small tensors
-//!   (walk, schedule, lower, execute 10,000 kernels, install), recording excluded, per node.
+//!   (walk, schedule, lower, execute, install), recording excluded, per node.
+//! - O3 `replay_1k_nodes`: flushing a 1,000-node graph structurally identical to an earlier one
+//!   (the plan comes from the cache), recording excluded; everything else (extracting the
+//!   subgraph, the structural key, execution, install) included.
 //!
 //! Run: `cargo bench --bench overhead`. Per-node figures: divide by 10,000 (criterion reports
 //! the time per flush; `Throughput::Elements` prints nodes per second).
@@ -139,5 +142,49 @@ fn flush_10k(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(overhead, record_one_op, schedule_10k, flush_10k);
+/// A graph of `n` nodes over [16] f32 values whose structure is the same every time.
+fn record_mlp_like(leaves: &[Tensor], n: usize) -> Tensor {
+    let mut recent: Vec<Tensor> = leaves.to_vec();
+    for i in 0..n {
+        let a = &recent[recent.len() - 1];
+        let b = &recent[recent.len() - 1 - i % 3];
+        let t = match i % 5 {
+            0 => a + b,
+            1 => a * 0.5,
+            2 => a.tanh(),
+            3 => a.sum_dim(0, true) * b,
+            _ => a - b,
+        };
+        recent.push(t);
+        if recent.len() > 8 {
+            recent.remove(0);
+        }
+    }
+    recent.pop().unwrap()
+}
+
+fn replay_1k(c: &mut Criterion) {
+    const REPLAY: usize = 1000;
+    let cpu = Device::new_cpu();
+    let leaves: Vec<Tensor> = (0..4)
+        .map(|i| Tensor::from_vec((0..16).map(|j| ((i * 16 + j) % 7) as f32 * 0.1).collect::<Vec<_>>(), [16], &cpu))
+        .collect();
+    cpu.sync().unwrap();
+    record_mlp_like(&leaves, REPLAY).to_vec::<f32>().unwrap(); // plans once
+    let mut g = c.benchmark_group("O3");
+    g.throughput(Throughput::Elements(REPLAY as u64));
+    g.sample_size(30).measurement_time(Duration::from_secs(5));
+    g.bench_function("replay_1k_nodes", |b| {
+        b.iter_batched(
+            || record_mlp_like(&leaves, REPLAY),
+            |last| last.to_vec::<f32>().unwrap(),
+            BatchSize::PerIteration,
+        )
+    });
+    g.finish();
+    let (hits, misses) = cpu.plan_cache_stats();
+    assert!(hits > misses, "the replays hit the plan cache ({hits} hits, {misses} misses)");
+}
+
+criterion_group!(overhead, record_one_op, schedule_10k, flush_10k, replay_1k);
 criterion_main!(overhead);

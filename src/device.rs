@@ -29,6 +29,8 @@ pub(crate) struct DeviceInner {
     poison: Mutex<Option<bool>>,
     /// `set_fusion`'s choice; `None` follows `BRAID_FUSION`.
     fusion: Mutex<Option<bool>>,
+    /// Plans of earlier flushes, reused for structurally identical ones.
+    pub(crate) plans: Mutex<crate::engine::cache::PlanCache>,
     /// Test-only: rewrites each planned schedule (see `braid::testing`).
     pub(crate) schedule_hook: Mutex<Option<crate::testing::ScheduleHook>>,
 }
@@ -64,6 +66,7 @@ impl Device {
             auto_streams: Mutex::new(Vec::new()),
             poison: Mutex::new(None),
             fusion: Mutex::new(None),
+            plans: Mutex::new(Default::default()),
             schedule_hook: Mutex::new(None),
         }));
         reg.push(device.clone());
@@ -214,6 +217,12 @@ impl Device {
 
     pub(crate) fn auto_stream_ids(&self) -> Vec<StreamId> {
         lock(&self.0.auto_streams).clone()
+    }
+
+    /// How many flushes reused a cached plan, and how many were planned anew.
+    pub fn plan_cache_stats(&self) -> (u64, u64) {
+        let c = lock(&self.0.plans);
+        (c.hits, c.misses)
     }
 
     /// Returns cached free memory to the system (the pool keeps freed chunks for reuse).

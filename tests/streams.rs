@@ -73,7 +73,8 @@ fn cross_stream_reads_get_automatic_events_and_redundant_waits_are_removed() {
     let consumer = kinds(&steps_of(&json, s2.id() as u64));
     assert_eq!(consumer.iter().filter(|k| *k == "wait").count(), 1, "one wait covers both inputs: {consumer:?}");
     let producer = kinds(&steps_of(&json, s1.id() as u64));
-    assert_eq!(producer, vec!["alloc", "kernel", "alloc", "kernel", "record"], "one record after the later producer");
+    assert_eq!(producer.iter().filter(|k| *k == "record").count(), 1, "one record, after the producers: {producer:?}");
+    assert_eq!(producer.last().map(String::as_str), Some("record"));
     assert!(json["events"].as_array().unwrap().iter().all(|e| e["auto"] == true));
 }
 

@@ -44,7 +44,7 @@ impl Buffer {
 pub struct Job<'a> {
     pub schedule: &'a Schedule,
     /// `kernels[i]` is the lowered form of `schedule.kernels[i]`.
-    pub kernels: &'a [Kernel],
+    pub kernels: &'a [Arc<Kernel>],
     /// Buffers of the flush's external values, in `schedule.external_buffers` order.
     pub externals: &'a [Buffer],
     /// Describes a kernel for logs and errors (called only when needed).

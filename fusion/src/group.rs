@@ -11,6 +11,10 @@ use braid_graph::{FlushGraph, Op, Shape, StreamId, ValueRef, View};
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
+/// Reductions per row kernel: each one re-reads (and recomputes) its row, so beyond a few it is
+/// cheaper to store values than to recompute them.
+const MAX_REDUCTIONS: usize = 4;
+
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Class {
     Elementwise,
@@ -326,8 +330,15 @@ impl Grouper<'_> {
             (Kind::Rows(full, axis), Class::Elementwise) => {
                 let keep = reduced(full, *axis, true);
                 let flat = reduced(full, *axis, false);
+                // Sources number their elements over the kernel's whole index space.
+                let source = matches!(node.op, Op::Arange { .. } | Op::Rand { .. } | Op::Randn { .. });
                 if &node.shape == full && levels.iter().all(|&l| l != Level::Flat || axis.is_none()) {
                     Level::Full
+                } else if source {
+                    return Err(format!(
+                        "n{nid} ({}) numbers its elements, which a reduced index space cannot",
+                        node.op.name()
+                    ));
                 } else if node.shape == keep && levels.iter().all(|&l| l == Level::Keep) {
                     Level::Keep
                 } else if node.shape == flat && levels.iter().all(|&l| l == Level::Flat) {
@@ -338,6 +349,14 @@ impl Grouper<'_> {
             }
             (Kind::Rows(full, axis), Class::Reduce) => {
                 let Op::Reduce { dim, .. } = node.op else { unreachable!() };
+                let reductions =
+                    grp.nodes.iter().filter(|&&j| matches!(self.graph.nodes[j].op, Op::Reduce { .. })).count();
+                if reductions >= MAX_REDUCTIONS {
+                    return Err(format!(
+                        "a row kernel with {reductions} reductions already recomputes its rows that often; storing n{} costs less",
+                        self.graph.nodes[producers[0].1].id.index()
+                    ));
+                }
                 if dim != *axis || self.graph.meta(node.inputs[0]).1 != full || levels.iter().any(|&l| l != Level::Full)
                 {
                     return Err(format!("a reduction along {dim:?} does not share rows reduced along {axis:?}"));

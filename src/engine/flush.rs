@@ -6,6 +6,7 @@
 //! released. If the device fails, the nodes become pending again (no work is lost) and the
 //! error goes to the reader.
 
+use super::cache::Plan;
 use super::{State, Ticket, Value, collect, device_error, state};
 use crate::device::{Device, lock};
 use crate::dump::{self, ScheduleDump};
@@ -227,20 +228,40 @@ fn run_inner(ex: Extracted) -> Result<()> {
         braid_scheduler::spread_default_stream(&mut graph, &auto_streams);
     }
     let graph = Arc::new(graph);
-    let schedule = {
-        let _s = tracing::debug_span!(target: "braid::flush", "schedule").entered();
-        let options = braid_fusion::Options { enabled: ex.device.fusion_enabled(), ..Default::default() };
-        let fusion = braid_fusion::segment(&graph, &options);
-        let mut schedule = braid_scheduler::plan(&graph, fusion);
-        if let Some(hook) = lock(&ex.device.0.schedule_hook).clone() {
-            hook(&mut schedule);
+    let fusion_on = ex.device.fusion_enabled();
+    let hook = lock(&ex.device.0.schedule_hook).clone();
+    // A structurally identical flush reuses its validated plan (not with a test hook).
+    let key = hook.is_none().then(|| lock(&ex.device.0.plans).key(&graph, fusion_on));
+    let cached = key.and_then(|k| lock(&ex.device.0.plans).get(k));
+    let (schedule, kernels, checked) = match cached {
+        Some(plan) => (plan.schedule.clone(), plan.kernels.clone(), Ok(())),
+        None => {
+            let mut schedule = {
+                let _s = tracing::debug_span!(target: "braid::flush", "schedule").entered();
+                let options = braid_fusion::Options { enabled: fusion_on, ..Default::default() };
+                braid_scheduler::plan(&graph, braid_fusion::segment(&graph, &options))
+            };
+            if let Some(hook) = &hook {
+                hook(&mut schedule);
+            }
+            let schedule = Arc::new(schedule);
+            let checked = check(&schedule, &graph);
+            let lowering = Lowering::new(&graph, &schedule.fusion);
+            let kernels: Arc<[Arc<Kernel>]> = {
+                let mut cache = lock(&ex.device.0.plans);
+                schedule
+                    .kernels
+                    .iter()
+                    .map(|k| cache.intern(lowering.segment(&schedule.fusion.segments[k.segment])))
+                    .collect()
+            };
+            if let (Some(k), Ok(())) = (key, &checked) {
+                let plan = Arc::new(Plan { schedule: schedule.clone(), kernels: kernels.clone() });
+                lock(&ex.device.0.plans).insert(k, plan);
+            }
+            (schedule, kernels, checked)
         }
-        Arc::new(schedule)
     };
-    let checked = check(&schedule, &graph);
-    let lowering = Lowering::new(&graph, &schedule.fusion);
-    let kernels: Vec<Kernel> =
-        schedule.kernels.iter().map(|k| lowering.segment(&schedule.fusion.segments[k.segment])).collect();
     let label = |k: KernelId| {
         let seg = &schedule.fusion.segments[schedule.kernels[k.index()].segment];
         let ops: Vec<&str> = seg.nodes.iter().map(|&n| graph.nodes[n].op.name()).collect();

@@ -9,6 +9,7 @@
 //!   recording never waits for device work and a caught panic cannot leave the graph
 //!   half-updated.
 
+pub(crate) mod cache;
 mod flush;
 
 pub(crate) use flush::{flush_device, flush_nodes};

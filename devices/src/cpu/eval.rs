@@ -5,8 +5,8 @@
 //! dispatch costs once per node per chunk, not per element, and the loops vectorise. This module
 //! computes; it never decides what to compute and never touches buffers (see `map`).
 
-use braid_graph::expr::{Distribution, ExprNode, ExprOp, PrimBinary, PrimCmp, PrimUnary};
 use super::vmath;
+use braid_graph::expr::{Distribution, ExprNode, ExprOp, PrimBinary, PrimCmp, PrimUnary};
 use braid_graph::{DType, rng};
 use half::{bf16, f16};
 

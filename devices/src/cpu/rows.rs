@@ -172,24 +172,30 @@ pub fn run_rows(k: &RowKernel, args: &[ArgPtr]) -> Result<(), String> {
         .try_for_each(|t| run_range(k, &p, shared, t * per_task, ((t + 1) * per_task).min(outer)))
 }
 
+/// Rows up to this many elements are evaluated as one chunk, so values computed for one
+/// reduction stay in registers for the next (no recomputation).
+const WHOLE_ROW: usize = 4096;
+
 fn run_range(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: usize) -> Result<(), String> {
     let nodes = &k.expr.nodes;
     let row = p.len * p.inner;
-    let width = CHUNK.min(row.max(1));
+    let width = if row <= WHOLE_ROW { row.max(1) } else { CHUNK };
     let mut chunk: Vec<Reg> = nodes.iter().map(|n| Reg::new(n.dtype, width)).collect();
     let mut rowv: Vec<Reg> = nodes.iter().map(|n| Reg::new(n.dtype, p.inner)).collect();
     let mut offsets = vec![0isize; width.max(p.inner)];
     let mut store_offsets = vec![0isize; width.max(p.inner)];
     let mut done = vec![false; nodes.len()];
+    let mut fresh = vec![false; nodes.len()];
     let elem_stores: Vec<_> = k.stores.iter().zip(&p.row_stores).filter(|(_, r)| !**r).map(|(s, _)| s).collect();
     for o in from..to {
         done.iter_mut().for_each(|d| *d = false);
+        fresh.iter_mut().for_each(|f| *f = false);
         for (r, need) in &p.phases {
             // The per-row values this reduction's operand may use.
             eval_row_values(k, p, args, o, *r, &mut rowv, &mut done, &mut offsets)?;
             let ExprOp::Reduce(op, x) = nodes[*r].op else { unreachable!("phases are reductions") };
             let mut acc = Acc::new(op, nodes[x as usize].dtype, p.inner);
-            sweep(k, p, args, o, need, &mut chunk, &rowv, &mut offsets, |c, m, regs| {
+            sweep(k, p, args, o, need, &mut chunk, &rowv, &mut offsets, &mut fresh, &done, |c, m, regs| {
                 acc.add(&regs[x as usize], c, m, p.inner);
             })?;
             acc.finish(p.len, &mut rowv[*r]);
@@ -204,7 +210,7 @@ fn run_range(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: usize) 
         if !elem_stores.is_empty() {
             let views: Vec<View> =
                 elem_stores.iter().map(|s| row_view(&s.view, k.axis, o, &p.outer_dims, true)).collect();
-            sweep(k, p, args, o, &p.last_phase, &mut chunk, &rowv, &mut offsets, |c, m, regs| {
+            sweep(k, p, args, o, &p.last_phase, &mut chunk, &rowv, &mut offsets, &mut fresh, &done, |c, m, regs| {
                 for (s, view) in elem_stores.iter().zip(&views) {
                     // SAFETY: as above.
                     unsafe { scatter(view, args.0[s.arg as usize], c, m, &regs[s.value as usize], &mut store_offsets) };
@@ -258,10 +264,14 @@ fn sweep(
     chunk: &mut [Reg],
     rowv: &[Reg],
     offsets: &mut [isize],
+    fresh: &mut [bool],
+    done: &[bool],
     mut each: impl FnMut(usize, usize, &[Reg]),
 ) -> Result<(), String> {
     let row = p.len * p.inner;
     let width = chunk.first().map_or(0, Reg::len);
+    // With the whole row in one chunk, a value computed by an earlier pass is still there.
+    let whole = width >= row;
     let views: Vec<Option<View>> = need
         .iter()
         .map(|&i| match k.expr.nodes[i].op {
@@ -272,10 +282,18 @@ fn sweep(
     let mut c = 0;
     while c < row {
         let m = width.min(row - c);
-        for &b in &p.broadcast {
-            broadcast(&rowv[b], &mut chunk[b], c, m, p.inner);
+        // Per-row values not computed yet are not read by this pass.
+        for &b in p.broadcast.iter().filter(|&&b| done[b]) {
+            if !(whole && fresh[b]) {
+                broadcast(&rowv[b], &mut chunk[b], c, m, p.inner);
+                fresh[b] = whole;
+            }
         }
         for (&i, view) in need.iter().zip(&views) {
+            if whole && fresh[i] {
+                continue;
+            }
+            fresh[i] = whole;
             match (view, k.expr.nodes[i].op) {
                 (Some(view), ExprOp::Load(slot)) => {
                     let arg = args.0[k.loads[slot as usize].arg as usize];
