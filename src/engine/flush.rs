@@ -97,7 +97,7 @@ pub(crate) fn flush_device(device: Option<DeviceId>) -> Result<()> {
 fn walk(st: &State, targets: &[NodeId]) -> (Vec<NodeId>, Vec<Arc<Ticket>>) {
     let mut order = Vec::new();
     let mut waits: Vec<Arc<Ticket>> = Vec::new();
-    let mut visited: HashSet<NodeId> = HashSet::new();
+    let mut visited: HashSet<NodeId> = HashSet::with_capacity(st.pending.min(1 << 16));
     let mut stack: Vec<(NodeId, bool)> = Vec::new();
     for &t in targets {
         match st.graph.contains(t).then(|| &st.graph.node(t).value) {
@@ -135,7 +135,7 @@ fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
     let device_id = st.graph.node(order[0]).device;
     let mut graph = FlushGraph { nodes: Vec::with_capacity(order.len()), externals: Vec::new() };
     let mut externals = Vec::new();
-    let mut external_index: HashMap<NodeId, usize> = HashMap::new();
+    let mut external_index: HashMap<NodeId, usize> = HashMap::with_capacity(16);
     for &id in order {
         let n = st.graph.node(id);
         let mut inputs: SmallVec<[ValueRef; 2]> = SmallVec::new();

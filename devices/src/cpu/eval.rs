@@ -208,8 +208,9 @@ pub fn eval_node(node: &ExprNode, idx: usize, regs: &mut [Reg], n: usize, start:
     eval_node_impl(node, idx, regs, n, start)
 }
 
+/// Whether the CPU has AVX2 (checked once).
 #[cfg(target_arch = "x86_64")]
-fn avx2() -> bool {
+pub(super) fn avx2() -> bool {
     use std::sync::OnceLock;
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| std::arch::is_x86_feature_detected!("avx2"))

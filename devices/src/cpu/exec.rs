@@ -8,7 +8,7 @@
 //! every event of the flush is failed, so no stream waits forever, and the first error is
 //! returned. This module runs steps exactly as planned; it never reorders them.
 
-use super::{CpuBuffer, CpuDevice, map::ArgPtr, run_kernel};
+use super::{CpuBuffer, CpuDevice, map::ArgPtr};
 use crate::{Buffer, DeviceError, Job};
 use braid_scheduler::{Step, StreamSchedule};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -180,7 +180,7 @@ impl Exec<'_, '_> {
         }
         let timed = tracing::enabled!(target: "braid::kernel", tracing::Level::DEBUG);
         let t0 = timed.then(Instant::now);
-        run_kernel(kernel, &args).map_err(|e| DeviceError::Kernel(format!("{}: {e}", (self.job.label)(k))))?;
+        self.device.run(kernel, &args).map_err(|e| DeviceError::Kernel(format!("{}: {e}", (self.job.label)(k))))?;
         self.device.kernels.fetch_add(1, Ordering::Relaxed);
         if let Some(t0) = t0 {
             let secs = t0.elapsed().as_secs_f64();

@@ -120,7 +120,24 @@ pub(super) fn invariant_nodes(expr: &Expr) -> Vec<bool> {
     inv
 }
 
+/// Indices `start..end`, compiled with AVX2 where the CPU has it.
 fn run_range(l: &MapLoop, args: Shared<'_>, start: usize, end: usize) -> Result<(), String> {
+    #[cfg(target_arch = "x86_64")]
+    if super::eval::avx2() {
+        // SAFETY: the CPU has AVX2.
+        return unsafe { run_range_avx2(l, args, start, end) };
+    }
+    run_range_impl(l, args, start, end)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn run_range_avx2(l: &MapLoop, args: Shared<'_>, start: usize, end: usize) -> Result<(), String> {
+    run_range_impl(l, args, start, end)
+}
+
+#[inline(always)]
+fn run_range_impl(l: &MapLoop, args: Shared<'_>, start: usize, end: usize) -> Result<(), String> {
     let width = CHUNK.min(end - start);
     let mut regs: Vec<Reg> = l.expr.nodes.iter().map(|node| Reg::new(node.dtype, width)).collect();
     let mut offsets = vec![0isize; width];
@@ -157,6 +174,7 @@ fn run_range(l: &MapLoop, args: Shared<'_>, start: usize, end: usize) -> Result<
 }
 
 /// Fills `out[..m]` with the element offsets of indices `start..start + m` of `view`.
+#[inline(always)]
 pub(super) fn fill_offsets(view: &View, start: usize, m: usize, out: &mut [isize]) {
     let rank = view.dims.len();
     if rank == 0 {
@@ -205,6 +223,7 @@ pub(super) fn fill_offsets(view: &View, start: usize, m: usize, out: &mut [isize
 ///
 /// # Safety
 /// The view must lie within the argument (see [`check_view`]).
+#[inline(always)]
 pub(super) unsafe fn gather(view: &View, arg: ArgPtr, start: usize, m: usize, out: &mut Reg, offsets: &mut [isize]) {
     unsafe fn go<S: Copy, C: Copy>(
         view: &View,
@@ -251,6 +270,7 @@ pub(super) unsafe fn gather(view: &View, arg: ArgPtr, start: usize, m: usize, ou
 ///
 /// # Safety
 /// The view must lie within the argument, and no other thread may write these elements.
+#[inline(always)]
 pub(super) unsafe fn scatter(view: &View, arg: ArgPtr, start: usize, m: usize, reg: &Reg, offsets: &mut [isize]) {
     unsafe fn go<S: Copy, C: Copy>(
         view: &View,

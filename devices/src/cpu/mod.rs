@@ -73,11 +73,26 @@ impl std::fmt::Debug for CpuBuffer {
 pub struct CpuDevice {
     pool: Arc<Pool>,
     kernels: AtomicU64,
+    prepared: std::sync::Mutex<Prepared>,
 }
 
 impl CpuDevice {
     pub fn new() -> CpuDevice {
         CpuDevice::default()
+    }
+
+    /// Runs `kernel`, preparing it once per distinct (interned) kernel.
+    fn run(&self, kernel: &Arc<Kernel>, args: &[ArgPtr]) -> Result<(), String> {
+        let Body::Rows(r) = &kernel.body else { return run_prepared(kernel, None, args) };
+        let key = Arc::as_ptr(kernel) as usize;
+        let plan = {
+            let mut prep = self.prepared.lock().unwrap_or_else(|p| p.into_inner());
+            if prep.rows.len() >= MAX_PREPARED {
+                prep.rows.clear();
+            }
+            prep.rows.entry(key).or_insert_with(|| (kernel.clone(), Arc::new(rows::plan(r)))).1.clone()
+        };
+        run_prepared(kernel, Some(&plan), args)
     }
 
     /// A buffer of `bytes`; with `poison`, its memory is filled with 0xFF bytes (NaN for floats)
@@ -97,15 +112,31 @@ impl CpuDevice {
 
 /// Runs one kernel over its arguments.
 pub fn run_kernel(kernel: &Kernel, args: &[ArgPtr]) -> Result<(), String> {
+    run_prepared(kernel, None, args)
+}
+
+fn run_prepared(kernel: &Kernel, row_plan: Option<&rows::Plan>, args: &[ArgPtr]) -> Result<(), String> {
     if args.len() != kernel.args.len() {
         return Err(format!("{} arguments for a kernel of {}", args.len(), kernel.args.len()));
     }
     match &kernel.body {
         Body::Map(loops) => loops.iter().try_for_each(|l| map::run_loop(l, args)),
-        Body::Rows(r) => rows::run_rows(r, args),
+        Body::Rows(r) => match row_plan {
+            Some(p) => rows::run_rows(r, p, args),
+            None => rows::run_rows(r, &rows::plan(r), args),
+        },
         Body::Matmul(m) => matmul::run_matmul(m, args),
     }
 }
+
+/// Per-kernel preparation kept across runs (today: the plans of row kernels), keyed by the
+/// identity of the interned kernel, which the cache holds so the key cannot be reused.
+#[derive(Default)]
+struct Prepared {
+    rows: hashbrown::HashMap<usize, (Arc<Kernel>, Arc<rows::Plan>)>,
+}
+
+const MAX_PREPARED: usize = 4096;
 
 impl Backend for CpuDevice {
     fn name(&self) -> String {

@@ -18,8 +18,9 @@ use rayon::prelude::*;
 /// Row elements per parallel task (rows are grouped until a task has about this much work).
 const TASK: usize = 32 * 1024;
 
-/// What a kernel's expression looks like from a row's point of view.
-struct Plan {
+/// What a kernel's expression looks like from a row's point of view (computed once per kernel
+/// and kept by the device).
+pub struct Plan {
     /// Per expression node: constant along the row.
     per_row: Vec<bool>,
     /// Per store: its view is constant along the row (written once per row).
@@ -36,7 +37,7 @@ struct Plan {
     inner: usize,
 }
 
-fn plan(k: &RowKernel) -> Plan {
+pub fn plan(k: &RowKernel) -> Plan {
     let nodes = &k.expr.nodes;
     let d = k.axis;
     let mut per_row = vec![false; nodes.len()];
@@ -145,7 +146,8 @@ fn row_view(view: &View, axis: Option<usize>, o: usize, outer_dims: &[usize], wh
     View { dims: view.dims[from..].into(), strides: view.strides[from..].into(), offset: offset as usize }
 }
 
-pub fn run_rows(k: &RowKernel, args: &[ArgPtr]) -> Result<(), String> {
+/// Runs a row kernel with its plan (from [`plan`]).
+pub fn run_rows(k: &RowKernel, p: &Plan, args: &[ArgPtr]) -> Result<(), String> {
     check_io(&k.loads, &k.stores, &k.expr, args)?;
     for n in &k.expr.nodes {
         if let ExprOp::Reduce(_, x) = n.op
@@ -154,7 +156,6 @@ pub fn run_rows(k: &RowKernel, args: &[ArgPtr]) -> Result<(), String> {
             return Err("reductions of bool are rejected when recorded".into());
         }
     }
-    let p = plan(k);
     let outer: usize = p.outer_dims.iter().product();
     // No rows, or rows with no per-row positions: nothing to write. (An empty axis with
     // positions left is fine: sums are 0, means NaN; max/min/argmax of it are rejected.)
@@ -165,18 +166,35 @@ pub fn run_rows(k: &RowKernel, args: &[ArgPtr]) -> Result<(), String> {
     let row = p.len * p.inner;
     let per_task = (TASK / row.max(1)).max(1);
     if outer <= per_task {
-        return run_range(k, &p, shared, 0, outer);
+        return run_range(k, p, shared, 0, outer);
     }
     (0..outer.div_ceil(per_task))
         .into_par_iter()
-        .try_for_each(|t| run_range(k, &p, shared, t * per_task, ((t + 1) * per_task).min(outer)))
+        .try_for_each(|t| run_range(k, p, shared, t * per_task, ((t + 1) * per_task).min(outer)))
 }
 
 /// Rows up to this many elements are evaluated as one chunk, so values computed for one
 /// reduction stay in registers for the next (no recomputation).
 const WHOLE_ROW: usize = 4096;
 
+/// Rows `from..to`, compiled with AVX2 where the CPU has it (the loops in here vectorise).
 fn run_range(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: usize) -> Result<(), String> {
+    #[cfg(target_arch = "x86_64")]
+    if super::eval::avx2() {
+        // SAFETY: the CPU has AVX2.
+        return unsafe { run_range_avx2(k, p, args, from, to) };
+    }
+    run_range_impl(k, p, args, from, to)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn run_range_avx2(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: usize) -> Result<(), String> {
+    run_range_impl(k, p, args, from, to)
+}
+
+#[inline(always)]
+fn run_range_impl(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: usize) -> Result<(), String> {
     let nodes = &k.expr.nodes;
     let row = p.len * p.inner;
     let width = if row <= WHOLE_ROW { row.max(1) } else { CHUNK };
@@ -255,6 +273,7 @@ fn eval_row_values(
 /// One pass over row `o`: evaluates `need` (per-element nodes) a chunk at a time, with per-row
 /// operands broadcast, and hands each chunk to `each(start, len, registers)`.
 #[allow(clippy::too_many_arguments)]
+#[inline(always)]
 fn sweep(
     k: &RowKernel,
     p: &Plan,
@@ -311,6 +330,7 @@ fn sweep(
 
 /// Fills `out[..m]` with the per-row value for flat row positions `c..c + m` (position `f` is
 /// inner index `f % inner`).
+#[inline(always)]
 fn broadcast(row: &Reg, out: &mut Reg, c: usize, m: usize, inner: usize) {
     macro_rules! go {
         ($r:expr, $o:expr) => {
@@ -343,6 +363,7 @@ struct Acc {
 }
 
 /// Folds `v[..m]` (flat row positions `c..`) into float accumulators.
+#[inline(always)]
 fn fold_float<T: Copy + PartialOrd + std::ops::Add<Output = T> + Default>(
     op: ReduceOp,
     acc: &mut [T],
@@ -405,6 +426,7 @@ fn fold_float<T: Copy + PartialOrd + std::ops::Add<Output = T> + Default>(
 }
 
 /// Folds `v[..m]` into integer accumulators (sums wrap).
+#[inline(always)]
 fn fold_int<T: Copy + Ord>(
     op: ReduceOp,
     acc: &mut [T],
@@ -453,6 +475,7 @@ impl Acc {
         Acc { op, vals, idx: vec![0; inner] }
     }
 
+    #[inline(always)]
     fn add(&mut self, v: &Reg, c: usize, m: usize, inner: usize) {
         let (op, idx) = (self.op, &mut self.idx);
         match (&mut self.vals, v) {
