@@ -2,7 +2,8 @@
 //! real synchronisation.
 //!
 //! A single-stream schedule runs on the calling thread (no hand-off latency). With several
-//! streams, each runs on its own scoped thread (the first on the calling thread); `Record` sets
+//! streams, the first runs on the calling thread and each other one on a persistent worker
+//! (`workers`); `Record` sets
 //! an event, `Wait` blocks until it is set, and a `Free` gated on events returns its buffer to
 //! the pool when the last of them is reached, without blocking its stream. If any stream fails,
 //! every event of the flush is failed, so no stream waits forever, and the first error is
@@ -220,17 +221,12 @@ pub(super) fn execute(device: &CpuDevice, job: Job<'_>) -> Result<Vec<Buffer>, D
     match s.streams.as_slice() {
         [] => {}
         [one] => exec.run_stream(one),
-        [first, rest @ ..] => std::thread::scope(|scope| {
-            for st in rest {
-                let exec = &exec;
-                std::thread::Builder::new()
-                    .name(format!("braid-cpu-s{}", st.stream.0))
-                    .spawn_scoped(scope, move || exec.run_stream(st))
-                    .map_err(|e| exec.fail(DeviceError::Internal(format!("cannot start a stream worker: {e}"))))
-                    .ok();
-            }
-            exec.run_stream(first);
-        }),
+        [first, rest @ ..] => {
+            let bodies: Vec<Box<dyn Fn() + Sync + '_>> =
+                rest.iter().map(|st| Box::new(|| exec.run_stream(st)) as Box<dyn Fn() + Sync + '_>).collect();
+            let refs: Vec<&(dyn Fn() + Sync)> = bodies.iter().map(|b| b.as_ref()).collect();
+            super::workers::run_all(&|| exec.run_stream(first), &refs);
+        }
     }
     if let Some(e) = lock(&exec.error).take() {
         return Err(e);

@@ -10,6 +10,7 @@ pub mod matmul;
 pub mod pool;
 pub mod rows;
 pub mod vmath;
+mod workers;
 
 use crate::{Backend, Buffer, DeviceError, Job, MemoryStats};
 use braid_lowering::{Body, Kernel};
