@@ -49,7 +49,6 @@ fn flush_graph() -> FlushGraph {
             shape: shape.clone(),
             device: DeviceId(0),
             stream: StreamId(0),
-            consumed: false,
         });
     }
     for i in 0..NODES {

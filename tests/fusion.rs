@@ -146,3 +146,17 @@ fn fusion_off_runs_every_op_as_its_own_kernel() {
     assert_eq!(kernels(&j), 3);
     assert!(refusals(&j).is_empty());
 }
+
+#[test]
+fn many_reductions_of_one_input_split_into_several_row_kernels() {
+    let dev = Device::new_cpu();
+    let x = Tensor::from_vec((0..32).map(|i| i as f32).collect::<Vec<_>>(), [4, 8], &dev);
+    let stats = x.sum_dim(1, false)
+        + x.max_dim(1, false)
+        + x.min_dim(1, false)
+        + x.mean_dim(1, false)
+        + x.argmax_dim(1, false).to_dtype(DType::F32);
+    assert_eq!(stats.to_vec::<f32>().unwrap(), vec![45.5, 133.5, 221.5, 309.5]);
+    // At most four reductions share a row kernel.
+    assert!(kernels(&dump(&dev)) >= 2, "{}", dev.last_schedule().unwrap().to_text());
+}

@@ -353,8 +353,7 @@ impl Grouper<'_> {
                     grp.nodes.iter().filter(|&&j| matches!(self.graph.nodes[j].op, Op::Reduce { .. })).count();
                 if reductions >= MAX_REDUCTIONS {
                     return Err(format!(
-                        "a row kernel with {reductions} reductions already recomputes its rows that often; storing n{} costs less",
-                        self.graph.nodes[producers[0].1].id.index()
+                        "a row kernel with {reductions} reductions already re-reads its rows that often; a new kernel for n{nid} costs less"
                     ));
                 }
                 if dim != *axis || self.graph.meta(node.inputs[0]).1 != full || levels.iter().any(|&l| l != Level::Full)

@@ -49,9 +49,6 @@ pub struct External {
     pub shape: Shape,
     pub device: DeviceId,
     pub stream: StreamId,
-    /// Nothing outside this flush will read the value again (no tensor names it and all its
-    /// readers are in the flush), so the flush may overwrite its buffer in place.
-    pub consumed: bool,
 }
 
 impl External {

@@ -7,7 +7,8 @@
 //! allocated right before its writer and freed right after its last reader in plan order, on that
 //! reader's stream, gated by events recorded after its readers on other streams unless the clock
 //! shows they are done. An elementwise kernel writes in place over an input of the same shape and
-//! dtype when it is that value's last reader and every other reader happens-before it.
+//! dtype computed by the same flush when it is that value's last reader and every other reader
+//! happens-before it (never over a value from before the flush: see `in_place_candidate`).
 
 use crate::schedule::*;
 use braid_fusion::{Fusion, Segment, SegmentKind};
@@ -59,7 +60,6 @@ struct Planner<'a> {
     event_clock: Vec<Vec<u32>>,
     event_at: HashMap<(usize, u32), EventId>,
     node_readers: Vec<Readers>,
-    external_readers: Vec<Readers>,
     /// Per segment: a segment on another stream depends on it.
     cross_dependents: Vec<bool>,
     /// Per segment: it is the last reader on its stream of a value freed on another stream.
@@ -87,7 +87,6 @@ impl<'a> Planner<'a> {
             }
         }
         let mut node_readers = vec![Readers::default(); graph.nodes.len()];
-        let mut external_readers = vec![Readers::default(); graph.externals.len()];
         let mut cross_dependents = vec![false; segments.len()];
         for (si, seg) in segments.iter().enumerate() {
             let st = seg_stream[si];
@@ -99,7 +98,7 @@ impl<'a> Planner<'a> {
                             cross_dependents[seg_of[n]] = true;
                         }
                     }
-                    ValueRef::External(e) => external_readers[e].add(si, st),
+                    ValueRef::External(_) => {}
                 }
             }
             for &n in &seg.nodes {
@@ -150,7 +149,6 @@ impl<'a> Planner<'a> {
             event_clock: Vec::new(),
             event_at: HashMap::new(),
             node_readers,
-            external_readers,
             cross_dependents,
             gates_a_free,
             buffers,
@@ -243,9 +241,11 @@ impl<'a> Planner<'a> {
             if !seg.direct[i] || dtype != node.dtype || shape != &node.shape {
                 continue;
             }
+            // Only values computed by this flush: an external's buffer may still be read by
+            // someone else (a download in progress), and overwriting it would be lost if the
+            // flush failed after that kernel (a retry would read the overwritten input).
             let readers = match v {
                 ValueRef::Node(n) if !self.graph.nodes[n].keep => &self.node_readers[n],
-                ValueRef::External(e) if self.graph.externals[e].consumed => &self.external_readers[e],
                 _ => continue,
             };
             if readers.last != Some(si) {

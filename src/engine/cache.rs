@@ -3,7 +3,7 @@
 //!
 //! The structural key covers what the plan depends on: every node's op (with its constants),
 //! dtype, shape, stream, inputs, control edges and whether it is kept; the externals' dtypes,
-//! shapes, streams and whether the flush may overwrite them; and whether fusion is on. Data never
+//! shapes and streams; and whether fusion is on. Data never
 //! enters the key, so the second and later iterations of a training loop skip fusion, planning,
 //! validation and lowering. (A graph with `rand`/`randn` carries fresh seeds each time and is
 //! planned anew.) The key is 128 bits from two independent hashers; entries are evicted oldest
@@ -70,7 +70,6 @@ impl PlanCache {
                 e.dtype.hash(&mut h);
                 e.shape.hash(&mut h);
                 e.stream.hash(&mut h);
-                e.consumed.hash(&mut h);
             });
         }
         (a.finish(), b.finish())

@@ -147,7 +147,6 @@ fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
                     let e = *external_index.entry(p).or_insert(next);
                     if e == next {
                         let pn = st.graph.node(p);
-                        let consumed = pn.handles == 0 && st.graph.successors(p).all(|s| index.contains_key(&s));
                         externals.push(match &pn.value {
                             Some(Value::Ready(buffer)) => ExternalData::Device(buffer.clone()),
                             Some(Value::Host(bytes)) => ExternalData::Host(bytes.clone()),
@@ -159,7 +158,6 @@ fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
                             shape: pn.shape.clone(),
                             device: pn.device,
                             stream: pn.stream,
-                            consumed,
                         });
                     }
                     ValueRef::External(e)

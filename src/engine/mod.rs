@@ -20,7 +20,7 @@ use crate::stream::Event;
 use braid_devices::Buffer;
 use braid_graph::{DType, DeviceId, Graph, Node, NodeId, Op, Shape, StreamId};
 use hashbrown::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, LazyLock, Mutex};
 
 /// The value state of a node (`None` in the graph means pending).
@@ -100,20 +100,33 @@ pub fn max_pending_nodes() -> usize {
 }
 
 /// Records a node and returns it with one handle counted. `inputs` are current versions.
+///
+/// `inputs` are the tensors' version cells, read under the lock (another thread may be moving a
+/// tensor to a new version). With `version_of`, the new node becomes that tensor's current
+/// version in the same critical section, and the old version loses the handle.
 pub(crate) fn record(
     op: Op,
     dtype: DType,
     shape: Shape,
     device: &Device,
     stream: StreamId,
-    inputs: &[NodeId],
+    inputs: &[&AtomicU32],
+    version_of: Option<&AtomicU32>,
 ) -> NodeId {
     let _span = tracing::trace_span!(target: "braid::record", "record", op = op.name()).entered();
     let mut st = state();
+    let nodes: smallvec::SmallVec<[NodeId; 3]> =
+        inputs.iter().map(|cell| NodeId::new(cell.load(Ordering::Relaxed) as usize)).collect();
     let mut node = Node::new(op, dtype, shape, device.0.id, stream);
     node.handles = 1;
-    let id = st.add(node, inputs);
+    let id = st.add(node, &nodes);
     st.pending += 1;
+    if let Some(cell) = version_of {
+        // The handle `add` counted is the tensor's, moved from its old version.
+        let old = NodeId::new(cell.swap(id.index() as u32, Ordering::Relaxed) as usize);
+        st.graph.node_mut(old).handles -= 1;
+        collect(&mut st, vec![old]);
+    }
     let reached = if st.waits.is_empty() { Vec::new() } else { apply_waits(&mut st, id, device.0.id, stream) };
     let limit = MAX_PENDING.load(Ordering::Relaxed);
     let over = limit != 0 && st.pending > limit;
@@ -277,8 +290,10 @@ pub(crate) fn materialize(id: impl Fn() -> NodeId) -> Result<Buffer> {
     }
 }
 
-pub(crate) fn stream_of(id: NodeId) -> StreamId {
-    state().graph.node(id).stream
+/// The stream of the node a version cell names (read under the lock).
+pub(crate) fn stream_of(cell: &AtomicU32) -> StreamId {
+    let st = state();
+    st.graph.node(NodeId::new(cell.load(Ordering::Relaxed) as usize)).stream
 }
 
 pub(crate) fn recorded_graph_dot() -> String {

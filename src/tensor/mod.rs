@@ -64,20 +64,18 @@ impl Tensor {
         if !addressable {
             misuse(op.name(), &format!("a result of shape {shape} and dtype {dtype} is too large to address"), &[]);
         }
-        let nodes: smallvec::SmallVec<[NodeId; 3]> = inputs.iter().map(|t| t.node()).collect();
-        let id = engine::record(op, dtype, shape.clone(), device, current_stream(device.0.id), &nodes);
+        let cells: smallvec::SmallVec<[&AtomicU32; 3]> = inputs.iter().map(|t| &t.0.node).collect();
+        let id = engine::record(op, dtype, shape.clone(), device, current_stream(device.0.id), &cells, None);
         Tensor::from_node(id, shape, dtype, device.clone())
     }
 
     /// Makes `self` (and every clone) name a new version computed by `op` over `inputs`;
     /// readers recorded earlier keep the old one.
     pub(crate) fn record_new_version(&self, op: Op, inputs: &[&Tensor]) {
-        let nodes: smallvec::SmallVec<[NodeId; 3]> = inputs.iter().map(|t| t.node()).collect();
+        let cells: smallvec::SmallVec<[&AtomicU32; 3]> = inputs.iter().map(|t| &t.0.node).collect();
         let device = &self.0.device;
-        let new = engine::record(op, self.0.dtype, self.0.shape.clone(), device, current_stream(device.0.id), &nodes);
-        // `record` counted one handle on `new`: ours, moved from the old version.
-        let old = NodeId::new(self.0.node.swap(new.index() as u32, Ordering::Relaxed) as usize);
-        engine::release(old);
+        let stream = current_stream(device.0.id);
+        engine::record(op, self.0.dtype, self.0.shape.clone(), device, stream, &cells, Some(&self.0.node));
     }
 
     pub fn shape(&self) -> &Shape {
@@ -107,7 +105,7 @@ impl Tensor {
 
     /// The stream that produces the current version.
     pub fn stream(&self) -> Stream {
-        Stream::new(self.0.device.clone(), engine::stream_of(self.node()))
+        Stream::new(self.0.device.clone(), engine::stream_of(&self.0.node))
     }
 
     /// `[2, 3] f32 on cpu`, as misuse messages print an operand.
