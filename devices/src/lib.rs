@@ -26,6 +26,15 @@ pub enum DeviceError {
     Internal(String),
 }
 
+/// The message of a caught panic (for errors that report a bug instead of hanging or crashing).
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
+}
+
 /// A device buffer; cloning shares it, and the memory returns to its pool with the last clone.
 #[derive(Clone, Debug)]
 pub enum Buffer {

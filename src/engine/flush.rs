@@ -196,11 +196,7 @@ fn run(ex: Extracted) -> Result<()> {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_inner(ex))) {
         Ok(result) => result,
         Err(panic) => {
-            let what = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_default();
+            let what = braid_devices::panic_message(panic.as_ref());
             let err = Error::Internal(format!("a flush panicked (a bug in braid): {what}"));
             let mut st = state();
             for &id in &ids {

@@ -107,11 +107,7 @@ impl Exec<'_, '_> {
             Ok(Ok(())) => {}
             Ok(Err(e)) => self.fail(e),
             Err(panic) => {
-                let what = panic
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default();
+                let what = crate::panic_message(panic.as_ref());
                 self.fail(DeviceError::Internal(format!("stream {} panicked: {what}", stream.stream.0)));
             }
         }
