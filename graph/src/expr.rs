@@ -233,16 +233,4 @@ impl Expr {
     pub fn root(&self) -> ExprId {
         (self.nodes.len() - 1) as ExprId
     }
-
-    /// Number of distinct load slots the expression reads.
-    pub fn load_slots(&self) -> usize {
-        self.nodes
-            .iter()
-            .filter_map(|n| match n.op {
-                ExprOp::Load(s) => Some(s as usize + 1),
-                _ => None,
-            })
-            .max()
-            .unwrap_or(0)
-    }
 }

@@ -4,7 +4,6 @@
 //! reductions, matrix products and movement. An `Op` is pure description: its result's shape
 //! and dtype live on the node, and how it runs is decided by lowering.
 
-use crate::dtype::DType;
 use crate::table::{BinaryOp, CompareOp, UnaryOp};
 use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
@@ -152,11 +151,6 @@ impl Op {
         }
     }
 
-    /// Ops that produce their value without reading any tensor.
-    pub fn is_source(&self) -> bool {
-        matches!(self, Op::Input | Op::Full(_) | Op::Arange { .. } | Op::Rand { .. } | Op::Randn { .. })
-    }
-
     /// Elementwise ops: output element `i` depends only on input elements at the same
     /// (broadcast) position. These are what fusion chains.
     pub fn is_elementwise(&self) -> bool {
@@ -170,19 +164,5 @@ impl Op {
                 | Op::Clamp { .. }
                 | Op::Cast
         )
-    }
-
-    /// Ops that only rearrange elements.
-    pub fn is_movement(&self) -> bool {
-        matches!(self, Op::Reshape | Op::Permute(_) | Op::Expand | Op::Narrow { .. } | Op::Cat { .. } | Op::Contiguous)
-    }
-}
-
-/// The dtype an op's result has, given its first input's dtype (used by inference).
-pub fn result_dtype(op: &Op, input: DType) -> DType {
-    match op {
-        Op::Compare(_) => DType::Bool,
-        Op::Reduce { op: ReduceOp::ArgMax, .. } => DType::I64,
-        _ => input,
     }
 }
