@@ -29,16 +29,19 @@
 //! Logging: with `RUST_LOG=braid=debug` (and no subscriber installed by the program), braid
 //! prints one line per executed kernel with its time and bandwidth.
 
+pub(crate) mod autograd;
 mod device;
 pub mod dump;
 mod engine;
 mod error;
+pub mod optim;
 pub mod prelude;
 mod stream;
 mod tensor;
 #[doc(hidden)]
 pub mod testing;
 
+pub use autograd::{Grads, grad_enabled, no_grad};
 pub use device::{Device, MemoryStats};
 pub use dump::ScheduleDump;
 pub use engine::{DEFAULT_MAX_PENDING, max_pending_nodes, set_max_pending_nodes};

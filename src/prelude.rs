@@ -1,6 +1,7 @@
 //! `use braid::prelude::*;` brings the types every program needs (and no operator traits, so
 //! `t.neg()` is always the tensor method).
 
+pub use crate::autograd::Grads;
 pub use crate::device::{Device, MemoryStats};
 pub use crate::error::{Error, Result};
 pub use crate::stream::{Event, Stream};

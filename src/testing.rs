@@ -12,3 +12,72 @@ pub type ScheduleHook = Arc<dyn Fn(&mut Schedule) + Send + Sync>;
 pub fn set_schedule_hook(device: &Device, hook: Option<ScheduleHook>) {
     *lock(&device.0.schedule_hook) = hook;
 }
+
+/// One node of a recorded program, in the form the reference interpreter takes.
+#[derive(Clone, Debug)]
+pub enum RecordedNode {
+    /// A value that exists already (host data, or a value an earlier flush computed): its
+    /// bytes in the dtype's layout.
+    Data { dtype: braid_graph::DType, shape: braid_graph::Shape, bytes: Vec<u8> },
+    /// A pending op over earlier nodes of the program.
+    Op { op: braid_graph::Op, dtype: braid_graph::DType, shape: braid_graph::Shape, inputs: Vec<usize> },
+}
+
+/// The recorded (not yet computed) work behind `targets`, in dependency order, with the index
+/// of each target. Lets tests evaluate exactly what braid recorded (a backward pass included)
+/// with the reference interpreter. Values already computed come back as data.
+pub fn recorded_program(targets: &[&crate::Tensor]) -> crate::Result<(Vec<RecordedNode>, Vec<usize>)> {
+    use crate::engine::{Value, state};
+    use braid_graph::NodeId;
+    use hashbrown::HashMap;
+    let st = state();
+    let mut index: HashMap<NodeId, usize> = HashMap::new();
+    let mut program = Vec::new();
+    let mut downloads = Vec::new();
+    let mut roots = Vec::new();
+    for t in targets {
+        let mut stack = vec![(t.node(), false)];
+        while let Some((id, expanded)) = stack.pop() {
+            if index.contains_key(&id) {
+                continue;
+            }
+            let node = st.graph.node(id);
+            let inputs = st.graph.inputs(id);
+            if node.value.is_none() && !expanded {
+                stack.push((id, true));
+                stack.extend(inputs.iter().map(|&i| (i, false)));
+                continue;
+            }
+            let entry = match &node.value {
+                None => RecordedNode::Op {
+                    op: node.op.clone(),
+                    dtype: node.dtype,
+                    shape: node.shape.clone(),
+                    inputs: inputs.iter().map(|i| index[i]).collect(),
+                },
+                Some(Value::Host(bytes)) => {
+                    RecordedNode::Data { dtype: node.dtype, shape: node.shape.clone(), bytes: bytes.to_vec() }
+                }
+                Some(Value::Ready(buffer)) => {
+                    downloads.push((program.len(), buffer.clone(), node.device));
+                    RecordedNode::Data { dtype: node.dtype, shape: node.shape.clone(), bytes: Vec::new() }
+                }
+                Some(Value::InFlight(_)) | Some(Value::Done) => {
+                    return Err(crate::Error::Internal("recorded_program: a value is being computed".into()));
+                }
+            };
+            index.insert(id, program.len());
+            program.push(entry);
+        }
+        roots.push(index[&t.node()]);
+    }
+    drop(st);
+    for (i, buffer, device) in downloads {
+        let device = Device::by_id(device);
+        let bytes = device.0.backend.download(&buffer).map_err(|e| crate::engine::device_error(&device, e))?;
+        if let RecordedNode::Data { bytes: b, .. } = &mut program[i] {
+            *b = bytes;
+        }
+    }
+    Ok((program, roots))
+}

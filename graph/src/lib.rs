@@ -10,6 +10,7 @@
 //! lowering and devices build on it. With the `reference` feature it also holds the f64
 //! reference interpreter that tests compare every device against.
 
+pub mod diff;
 pub mod dtype;
 pub mod expr;
 pub mod flush;

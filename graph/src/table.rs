@@ -10,6 +10,8 @@
 //! them to a callback macro: this crate builds the enums and tables from them, the `braid`
 //! crate builds its methods.
 
+#[allow(unused_imports)]
+use crate::diff::{Diff, Dv, Saves, abs_grad, gelu_grad, pow_grad_base, pow_grad_exponent};
 use crate::expr::{ExprBuilder, ExprId, PrimBinary, PrimCmp, PrimUnary};
 
 /// Which dtypes an op accepts.
@@ -58,6 +60,10 @@ pub struct UnaryDef {
     /// Rounding error a device may add, in units of the compute dtype's epsilon times
     /// `max(|out|, |in|)`.
     pub ulps: f64,
+    /// The derivative: `(d, x, y, g)` gives `g * f'(x)` (`y = f(x)`); it may read only the
+    /// values `saves` names.
+    pub grad: fn(&mut dyn Diff, Dv, Dv, Dv) -> Dv,
+    pub saves: Saves,
 }
 
 /// A binary elementwise op with NumPy broadcasting.
@@ -69,6 +75,11 @@ pub struct BinaryDef {
     pub kernel: fn(&mut ExprBuilder, ExprId, ExprId) -> ExprId,
     pub sensitivity: Sensitivity,
     pub ulps: f64,
+    /// `(d, a, b, y, g)` gives `g * df/da` in the output's shape (`y = f(a, b)`).
+    pub grad_lhs: fn(&mut dyn Diff, Dv, Dv, Dv, Dv) -> Dv,
+    /// `(d, a, b, y, g)` gives `g * df/db` in the output's shape.
+    pub grad_rhs: fn(&mut dyn Diff, Dv, Dv, Dv, Dv) -> Dv,
+    pub saves: Saves,
 }
 
 /// A comparison (any dtype, result `Bool`).
@@ -125,49 +136,63 @@ macro_rules! unary_ops {
         $callback! {
             Neg { method: neg, doc: "`-x` (wrapping for integers).", dtypes: Numeric,
                 reference: |x| -x, reference_int: Some(|x| x.wrapping_neg()),
-                kernel: |b, x| b.neg(x), sensitivity: Lipschitz(1.0), ulps: 0.0 };
+                kernel: |b, x| b.neg(x), sensitivity: Lipschitz(1.0), ulps: 0.0,
+                grad: |d, _, _, g| d.neg(g), saves: Nothing };
             Exp { method: exp, doc: "`e^x`.", dtypes: Float,
                 reference: |x| x.exp(), reference_int: None,
-                kernel: |b, x| b.exp(x), sensitivity: Monotone { pole_at_zero: false }, ulps: 4.0 };
+                kernel: |b, x| b.exp(x), sensitivity: Monotone { pole_at_zero: false }, ulps: 4.0,
+                grad: |d, _, y, g| d.mul(g, y), saves: Output };
             Log { method: log, doc: "Natural logarithm (NaN below zero, -inf at zero).", dtypes: Float,
                 reference: |x| x.ln(), reference_int: None,
-                kernel: |b, x| b.unary(PrimUnary::Log, x), sensitivity: Monotone { pole_at_zero: true }, ulps: 4.0 };
+                kernel: |b, x| b.unary(PrimUnary::Log, x), sensitivity: Monotone { pole_at_zero: true }, ulps: 4.0,
+                grad: |d, x, _, g| d.div(g, x), saves: Inputs };
             Sqrt { method: sqrt, doc: "Square root (NaN below zero).", dtypes: Float,
                 reference: |x| x.sqrt(), reference_int: None,
-                kernel: |b, x| b.sqrt(x), sensitivity: Monotone { pole_at_zero: true }, ulps: 2.0 };
+                kernel: |b, x| b.sqrt(x), sensitivity: Monotone { pole_at_zero: true }, ulps: 2.0,
+                grad: |d, _, y, g| { let y2 = d.scale(y, 2.0); d.div(g, y2) }, saves: Output };
             Rsqrt { method: rsqrt, doc: "`1 / sqrt(x)`.", dtypes: Float,
                 reference: |x| 1.0 / x.sqrt(), reference_int: None,
                 kernel: |b, x| { let one = b.constant_like(x, 1.0); let s = b.sqrt(x); b.div(one, s) },
-                sensitivity: Monotone { pole_at_zero: true }, ulps: 3.0 };
+                sensitivity: Monotone { pole_at_zero: true }, ulps: 3.0,
+                grad: |d, x, y, g| { let q = d.div(y, x); let q = d.scale(q, -0.5); d.mul(g, q) }, saves: InputsAndOutput };
             Abs { method: abs, doc: "`|x|` (wrapping for the most negative integer).", dtypes: Numeric,
                 reference: |x| x.abs(), reference_int: Some(|x| x.wrapping_abs()),
-                kernel: |b, x| b.unary(PrimUnary::Abs, x), sensitivity: Lipschitz(1.0), ulps: 0.0 };
+                kernel: |b, x| b.unary(PrimUnary::Abs, x), sensitivity: Lipschitz(1.0), ulps: 0.0,
+                grad: |d, x, _, g| abs_grad(d, x, g), saves: Inputs };
             Sin { method: sin, doc: "Sine.", dtypes: Float,
                 reference: |x| x.sin(), reference_int: None,
-                kernel: |b, x| b.unary(PrimUnary::Sin, x), sensitivity: Lipschitz(1.0), ulps: 4.0 };
+                kernel: |b, x| b.unary(PrimUnary::Sin, x), sensitivity: Lipschitz(1.0), ulps: 4.0,
+                grad: |d, x, _, g| { let c = d.unary(UnaryOp::Cos, x); d.mul(g, c) }, saves: Inputs };
             Cos { method: cos, doc: "Cosine.", dtypes: Float,
                 reference: |x| x.cos(), reference_int: None,
-                kernel: |b, x| b.unary(PrimUnary::Cos, x), sensitivity: Lipschitz(1.0), ulps: 4.0 };
+                kernel: |b, x| b.unary(PrimUnary::Cos, x), sensitivity: Lipschitz(1.0), ulps: 4.0,
+                grad: |d, x, _, g| { let s = d.unary(UnaryOp::Sin, x); let s = d.neg(s); d.mul(g, s) }, saves: Inputs };
             Tanh { method: tanh, doc: "Hyperbolic tangent.", dtypes: Float,
                 reference: |x| x.tanh(), reference_int: None,
-                kernel: |b, x| b.tanh(x), sensitivity: Lipschitz(1.0), ulps: 4.0 };
+                kernel: |b, x| b.tanh(x), sensitivity: Lipschitz(1.0), ulps: 4.0,
+                grad: |d, _, y, g| { let y2 = d.unary(UnaryOp::Square, y); let s = d.rsub(1.0, y2); d.mul(g, s) }, saves: Output };
             Sigmoid { method: sigmoid, doc: "`1 / (1 + e^-x)`.", dtypes: Float,
                 reference: |x| 1.0 / (1.0 + (-x).exp()), reference_int: None,
-                kernel: sigmoid_kernel, sensitivity: Lipschitz(0.25), ulps: 6.0 };
+                kernel: sigmoid_kernel, sensitivity: Lipschitz(0.25), ulps: 6.0,
+                grad: |d, _, y, g| { let s = d.rsub(1.0, y); let s = d.mul(y, s); d.mul(g, s) }, saves: Output };
             Relu { method: relu, doc: "`max(x, 0)` (NaN stays NaN).", dtypes: Numeric,
                 reference: |x| if x.is_nan() { x } else { x.max(0.0) }, reference_int: Some(|x| x.max(0)),
                 kernel: |b, x| { let z = b.constant_like(x, 0.0); b.max(x, z) },
-                sensitivity: Lipschitz(1.0), ulps: 0.0 };
+                sensitivity: Lipschitz(1.0), ulps: 0.0,
+                grad: |d, _, y, g| { let z = d.zeros_like(y); let on = d.compare(CompareOp::Gt, y, z); d.mask(on, g) }, saves: Output };
             Gelu { method: gelu, doc: "GELU, tanh form: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.", dtypes: Float,
                 reference: gelu_reference, reference_int: None,
-                kernel: gelu_kernel, sensitivity: Lipschitz(1.2), ulps: 12.0 };
+                kernel: gelu_kernel, sensitivity: Lipschitz(1.2), ulps: 12.0,
+                grad: |d, x, _, g| gelu_grad(d, x, g), saves: Inputs };
             Recip { method: recip, doc: "`1 / x`.", dtypes: Float,
                 reference: |x| 1.0 / x, reference_int: None,
                 kernel: |b, x| { let one = b.constant_like(x, 1.0); b.div(one, x) },
-                sensitivity: Monotone { pole_at_zero: true }, ulps: 1.0 };
+                sensitivity: Monotone { pole_at_zero: true }, ulps: 1.0,
+                grad: |d, _, y, g| { let y2 = d.unary(UnaryOp::Square, y); let s = d.neg(y2); d.mul(g, s) }, saves: Output };
             Square { method: square, doc: "`x * x` (wrapping for integers).", dtypes: Numeric,
                 reference: |x| x * x, reference_int: Some(|x| x.wrapping_mul(x)),
-                kernel: |b, x| b.mul(x, x), sensitivity: Square, ulps: 1.0 };
+                kernel: |b, x| b.mul(x, x), sensitivity: Square, ulps: 1.0,
+                grad: |d, x, _, g| { let s = d.scale(x, 2.0); d.mul(g, s) }, saves: Inputs };
         }
     };
 }
@@ -179,25 +204,39 @@ macro_rules! binary_ops {
         $callback! {
             Add { method: add, doc: "`a + b` with broadcasting (wrapping for integers).", dtypes: Numeric,
                 reference: |a, b| a + b, reference_int: Some(|a, b| a.wrapping_add(b)),
-                kernel: |bd, a, b| bd.add(a, b), sensitivity: Sum, ulps: 1.0 };
+                kernel: |bd, a, b| bd.add(a, b), sensitivity: Sum, ulps: 1.0,
+                grad_lhs: |_, _, _, _, g| g,
+                grad_rhs: |_, _, _, _, g| g, saves: Nothing };
             Sub { method: sub, doc: "`a - b` with broadcasting (wrapping for integers).", dtypes: Numeric,
                 reference: |a, b| a - b, reference_int: Some(|a, b| a.wrapping_sub(b)),
-                kernel: |bd, a, b| bd.sub(a, b), sensitivity: Sum, ulps: 1.0 };
+                kernel: |bd, a, b| bd.sub(a, b), sensitivity: Sum, ulps: 1.0,
+                grad_lhs: |_, _, _, _, g| g,
+                grad_rhs: |d, _, _, _, g| d.neg(g), saves: Nothing };
             Mul { method: mul, doc: "`a * b` with broadcasting (wrapping for integers).", dtypes: Numeric,
                 reference: |a, b| a * b, reference_int: Some(|a, b| a.wrapping_mul(b)),
-                kernel: |bd, a, b| bd.mul(a, b), sensitivity: Product, ulps: 1.0 };
+                kernel: |bd, a, b| bd.mul(a, b), sensitivity: Product, ulps: 1.0,
+                grad_lhs: |d, _, b, _, g| d.mul(g, b),
+                grad_rhs: |d, a, _, _, g| d.mul(g, a), saves: Inputs };
             Div { method: div, doc: "`a / b` with broadcasting; integers truncate towards zero and `x / 0 == 0`.", dtypes: Numeric,
                 reference: |a, b| a / b, reference_int: Some(int_div),
-                kernel: |bd, a, b| bd.div(a, b), sensitivity: Quotient, ulps: 1.0 };
+                kernel: |bd, a, b| bd.div(a, b), sensitivity: Quotient, ulps: 1.0,
+                grad_lhs: |d, _, b, _, g| d.div(g, b),
+                grad_rhs: |d, a, b, _, g| { let ga = d.mul(g, a); let b2 = d.unary(UnaryOp::Square, b); let q = d.div(ga, b2); d.neg(q) }, saves: Inputs };
             Pow { method: pow, doc: "`a ^ b` with broadcasting (floats).", dtypes: Float,
                 reference: |a, b| a.powf(b), reference_int: None,
-                kernel: |bd, a, b| bd.binary(PrimBinary::Pow, a, b), sensitivity: Power, ulps: 4.0 };
+                kernel: |bd, a, b| bd.binary(PrimBinary::Pow, a, b), sensitivity: Power, ulps: 4.0,
+                grad_lhs: |d, a, b, _, g| pow_grad_base(d, a, b, g),
+                grad_rhs: |d, a, _, y, g| pow_grad_exponent(d, a, y, g), saves: InputsAndOutput };
             Maximum { method: maximum, doc: "Elementwise maximum; NaN if either is NaN.", dtypes: Numeric,
                 reference: nan_max, reference_int: Some(|a, b| a.max(b)),
-                kernel: |bd, a, b| bd.max(a, b), sensitivity: Extremum, ulps: 0.0 };
+                kernel: |bd, a, b| bd.max(a, b), sensitivity: Extremum, ulps: 0.0,
+                grad_lhs: |d, a, b, _, g| { let m = d.compare(CompareOp::Ge, a, b); d.mask(m, g) },
+                grad_rhs: |d, a, b, _, g| { let m = d.compare(CompareOp::Lt, a, b); d.mask(m, g) }, saves: Inputs };
             Minimum { method: minimum, doc: "Elementwise minimum; NaN if either is NaN.", dtypes: Numeric,
                 reference: nan_min, reference_int: Some(|a, b| a.min(b)),
-                kernel: |bd, a, b| bd.min(a, b), sensitivity: Extremum, ulps: 0.0 };
+                kernel: |bd, a, b| bd.min(a, b), sensitivity: Extremum, ulps: 0.0,
+                grad_lhs: |d, a, b, _, g| { let m = d.compare(CompareOp::Le, a, b); d.mask(m, g) },
+                grad_rhs: |d, a, b, _, g| { let m = d.compare(CompareOp::Gt, a, b); d.mask(m, g) }, saves: Inputs };
         }
     };
 }
@@ -233,7 +272,7 @@ macro_rules! define_table {
             /// This op's row of the table.
             pub fn def(self) -> &'static $def {
                 #[allow(unused_imports)]
-                use {DTypeRule::*, Sensitivity::*};
+                use {DTypeRule::*, Saves::*, Sensitivity::*};
                 match self {
                     $($enum::$variant => {
                         static ROW: $def = $def { name: stringify!($method), $($field: $value),* };

@@ -99,11 +99,28 @@ pub fn max_pending_nodes() -> usize {
     MAX_PENDING.load(Ordering::Relaxed)
 }
 
+/// Extra handles taken while recording (autograd keeps the values a derivative reads).
+pub(crate) struct Retainer<'a>(&'a mut State);
+
+impl Retainer<'_> {
+    /// Counts one more handle of `id`; the caller owns it (a `Tensor` made with
+    /// `Tensor::from_node` releases it when dropped).
+    pub(crate) fn retain(&mut self, id: NodeId) {
+        self.0.graph.node_mut(id).handles += 1;
+    }
+}
+
+/// Runs under the engine lock after a node is recorded, with the input versions that were read
+/// and the new node, so that autograd's bookkeeping agrees with the versions. It must not drop
+/// a `Tensor` (that takes the lock): return such things to be dropped afterwards.
+pub(crate) type Track<'a> = &'a mut dyn FnMut(&mut Retainer<'_>, &[NodeId], NodeId);
+
 /// Records a node and returns it with one handle counted. `inputs` are current versions.
 ///
 /// `inputs` are the tensors' version cells, read under the lock (another thread may be moving a
 /// tensor to a new version). With `version_of`, the new node becomes that tensor's current
 /// version in the same critical section, and the old version loses the handle.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn record(
     op: Op,
     dtype: DType,
@@ -112,6 +129,7 @@ pub(crate) fn record(
     stream: StreamId,
     inputs: &[&AtomicU32],
     version_of: Option<&AtomicU32>,
+    track: Option<Track<'_>>,
 ) -> NodeId {
     let _span = tracing::trace_span!(target: "braid::record", "record", op = op.name()).entered();
     let mut st = state();
@@ -121,6 +139,9 @@ pub(crate) fn record(
     node.handles = 1;
     let id = st.add(node, &nodes);
     st.pending += 1;
+    if let Some(track) = track {
+        track(&mut Retainer(&mut st), &nodes, id);
+    }
     if let Some(cell) = version_of {
         // The handle `add` counted is the tensor's, moved from its old version.
         let old = NodeId::new(cell.swap(id.index() as u32, Ordering::Relaxed) as usize);
@@ -288,6 +309,22 @@ pub(crate) fn materialize(id: impl Fn() -> NodeId) -> Result<Buffer> {
             }
         }
     }
+}
+
+/// Runs `f` under the engine lock (autograd reads and writes its per-version bookkeeping only
+/// there). `f` must not drop a `Tensor`.
+pub(crate) fn locked<R>(f: impl FnOnce() -> R) -> R {
+    let _st = state();
+    f()
+}
+
+/// A second handle of the node a version cell names now (a snapshot that in-place updates
+/// of the tensor do not move).
+pub(crate) fn retain_current(cell: &AtomicU32) -> NodeId {
+    let mut st = state();
+    let id = NodeId::new(cell.load(Ordering::Relaxed) as usize);
+    st.graph.node_mut(id).handles += 1;
+    id
 }
 
 /// The stream of the node a version cell names (read under the lock).

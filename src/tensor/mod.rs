@@ -11,14 +11,15 @@ mod operators;
 mod read;
 mod reduce;
 
+use crate::autograd::{self, GradSource, Tracker};
 use crate::device::Device;
-use crate::engine;
+use crate::engine::{self, Retainer, Track};
 use crate::stream::{Stream, current_stream};
 use braid_graph::{DType, NodeId, Op, Shape};
 use std::fmt;
 use std::panic::Location;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// A lazily computed n-dimensional array on a device.
 ///
@@ -33,6 +34,9 @@ struct TensorInner {
     shape: Shape,
     dtype: DType,
     device: Device,
+    /// Gradient bookkeeping of the current version; read and written only under the engine
+    /// lock, like `node` (see `crate::autograd`).
+    grad: Mutex<Option<GradSource>>,
 }
 
 impl Drop for TensorInner {
@@ -44,7 +48,17 @@ impl Drop for TensorInner {
 impl Tensor {
     /// Wraps a freshly recorded node (whose handle is already counted).
     pub(crate) fn from_node(node: NodeId, shape: Shape, dtype: DType, device: Device) -> Tensor {
-        Tensor(Arc::new(TensorInner { node: AtomicU32::new(node.index() as u32), shape, dtype, device }))
+        Tensor(Arc::new(TensorInner {
+            node: AtomicU32::new(node.index() as u32),
+            shape,
+            dtype,
+            device,
+            grad: Mutex::new(None),
+        }))
+    }
+
+    pub(crate) fn grad_meta(&self) -> &Mutex<Option<GradSource>> {
+        &self.0.grad
     }
 
     /// The node of the current version.
@@ -65,17 +79,76 @@ impl Tensor {
             misuse(op.name(), &format!("a result of shape {shape} and dtype {dtype} is too large to address"), &[]);
         }
         let cells: smallvec::SmallVec<[&AtomicU32; 3]> = inputs.iter().map(|t| &t.0.node).collect();
-        let id = engine::record(op, dtype, shape.clone(), device, current_stream(device.0.id), &cells, None);
-        Tensor::from_node(id, shape, dtype, device.clone())
+        let stream = current_stream(device.0.id);
+        let mut tracker = Tracker::new(&op, inputs, None, (&shape, dtype, device, stream));
+        let mut track =
+            tracker.as_mut().map(|t| move |r: &mut Retainer<'_>, ids: &[NodeId], out: NodeId| t.run(r, ids, out));
+        let id = engine::record(
+            op,
+            dtype,
+            shape.clone(),
+            device,
+            stream,
+            &cells,
+            None,
+            track.as_mut().map(|c| c as Track<'_>),
+        );
+        let t = Tensor::from_node(id, shape, dtype, device.clone());
+        if let Some(tracker) = tracker {
+            *t.0.grad.lock().unwrap_or_else(|p| p.into_inner()) = tracker.into_result();
+        }
+        t
     }
 
     /// Makes `self` (and every clone) name a new version computed by `op` over `inputs`;
     /// readers recorded earlier keep the old one.
+    #[track_caller]
     pub(crate) fn record_new_version(&self, op: Op, inputs: &[&Tensor]) {
+        if let Err(problem) = autograd::check_in_place(self) {
+            misuse(&format!("{}_assign", op.name()), problem, &[("self", self.describe())]);
+        }
         let cells: smallvec::SmallVec<[&AtomicU32; 3]> = inputs.iter().map(|t| &t.0.node).collect();
         let device = &self.0.device;
         let stream = current_stream(device.0.id);
-        engine::record(op, self.0.dtype, self.0.shape.clone(), device, stream, &cells, Some(&self.0.node));
+        let (shape, dtype) = (&self.0.shape, self.0.dtype);
+        let mut tracker = Tracker::new(&op, inputs, Some(self), (shape, dtype, device, stream));
+        let mut track =
+            tracker.as_mut().map(|t| move |r: &mut Retainer<'_>, ids: &[NodeId], out: NodeId| t.run(r, ids, out));
+        let track = track.as_mut().map(|c| c as Track<'_>);
+        engine::record(op, dtype, shape.clone(), device, stream, &cells, Some(&self.0.node), track);
+    }
+
+    /// Marks this tensor as a leaf whose gradient `backward` computes, and returns it (the
+    /// same tensor: clones share the mark). Only floating-point tensors without recorded
+    /// history can be marked.
+    ///
+    /// ```
+    /// use braid::prelude::*;
+    /// let cpu = Device::cpu();
+    /// let w = Tensor::from_vec(vec![1.0f64, -2.0, 3.0], [3], &cpu).requires_grad();
+    /// let loss = (&w * &w).sum();
+    /// let grads = loss.backward().unwrap();
+    /// assert_eq!(grads.get(&w).unwrap().to_vec::<f64>().unwrap(), vec![2.0, -4.0, 6.0]);
+    /// ```
+    #[track_caller]
+    pub fn requires_grad(&self) -> Tensor {
+        if let Err(problem) = autograd::mark_leaf(self) {
+            misuse("requires_grad", problem, &[("x", self.describe())]);
+        }
+        self.clone()
+    }
+
+    /// Whether gradients flow back through this tensor's current version (a marked leaf or
+    /// the result of ops on one, recorded with gradients enabled).
+    pub fn needs_grad(&self) -> bool {
+        autograd::source_of(self).is_some()
+    }
+
+    /// A new tensor naming the current value without gradient history (later in-place
+    /// updates of either do not reach the other).
+    pub fn detach(&self) -> Tensor {
+        let id = engine::retain_current(&self.0.node);
+        Tensor::from_node(id, self.0.shape.clone(), self.0.dtype, self.0.device.clone())
     }
 
     pub fn shape(&self) -> &Shape {

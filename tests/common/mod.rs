@@ -322,3 +322,46 @@ impl SeedMirror {
         braid_graph::rng::bits(self.seed, self.calls)
     }
 }
+
+/// Converts what braid recorded (see `braid::testing::recorded_program`) into a program for the
+/// reference interpreter.
+pub fn reference_program(nodes: Vec<braid::testing::RecordedNode>) -> Vec<ProgNode> {
+    use braid::testing::RecordedNode as R;
+    fn floats<T: Element>(bytes: &[u8]) -> Vec<f64> {
+        T::read_bytes(bytes).into_iter().map(Element::to_f64).collect()
+    }
+    fn ints<T: Element>(bytes: &[u8]) -> Vec<i64> {
+        T::read_bytes(bytes).into_iter().map(|v| v.to_f64() as i64).collect()
+    }
+    nodes
+        .into_iter()
+        .map(|n| match n {
+            R::Op { op, dtype, shape, inputs } => ProgNode::Op { op, dtype, shape, inputs },
+            R::Data { dtype, shape, bytes } => match dtype {
+                DType::F32 => ProgNode::Data { dtype, shape, values: floats::<f32>(&bytes) },
+                DType::F64 => ProgNode::Data { dtype, shape, values: floats::<f64>(&bytes) },
+                DType::F16 => ProgNode::Data { dtype, shape, values: floats::<f16>(&bytes) },
+                DType::BF16 => ProgNode::Data { dtype, shape, values: floats::<bf16>(&bytes) },
+                DType::I32 => ProgNode::IntData { dtype, shape, values: ints::<i32>(&bytes) },
+                DType::I64 => ProgNode::IntData { dtype, shape, values: i64::read_bytes(&bytes) },
+                DType::U8 => ProgNode::IntData { dtype, shape, values: ints::<u8>(&bytes) },
+                DType::Bool => ProgNode::IntData { dtype, shape, values: ints::<bool>(&bytes) },
+            },
+        })
+        .collect()
+}
+
+/// Evaluates what braid recorded for `targets` with the reference interpreter, then reads the
+/// targets from braid and checks them against it.
+pub fn check_recorded(targets: &[&Tensor]) -> Result<CheckStats, String> {
+    let (nodes, roots) = braid::testing::recorded_program(targets).map_err(|e| e.to_string())?;
+    let reference = braid_graph::reference::evaluate(&reference_program(nodes));
+    let mut total = CheckStats::default();
+    for (t, &root) in targets.iter().zip(&roots) {
+        let actual = read(t).map_err(|e| e.to_string())?;
+        let s = check(&reference[root], &actual).map_err(|e| format!("target {root}: {e}"))?;
+        total.checked += s.checked;
+        total.uncertain += s.uncertain;
+    }
+    Ok(total)
+}

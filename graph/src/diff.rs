@@ -1,0 +1,247 @@
+//! The algebra derivatives are written in.
+//!
+//! Each row of the op table ([`crate::table`]) states its derivative once, as a small program
+//! over [`Diff`]: elementwise ops of the table, comparisons, `select` and constants, applied to
+//! opaque values ([`Dv`]). The `braid` crate implements [`Diff`] by recording tensor ops (so a
+//! backward pass is an ordinary lazy graph); this crate's tests implement it on plain `f64`
+//! to check every row against finite differences of its reference formula.
+//!
+//! Derivatives here are elementwise in the output's (broadcast) shape; reducing a gradient to a
+//! broadcast operand's shape is the caller's job. This module never records, evaluates or
+//! allocates anything itself.
+
+use crate::table::{BinaryOp, CompareOp, UnaryOp};
+
+/// A value in a derivative program (an index the [`Diff`] implementation hands out).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct Dv(pub u32);
+
+/// Which forward values an op's derivative reads, so that only those are kept for backward.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Saves {
+    /// Only the incoming gradient (and shapes).
+    Nothing,
+    /// The op's inputs.
+    Inputs,
+    /// The op's result.
+    Output,
+    /// Inputs and result.
+    InputsAndOutput,
+}
+
+impl Saves {
+    pub fn inputs(self) -> bool {
+        matches!(self, Saves::Inputs | Saves::InputsAndOutput)
+    }
+    pub fn output(self) -> bool {
+        matches!(self, Saves::Output | Saves::InputsAndOutput)
+    }
+}
+
+/// The operations a derivative may use. Every value has the dtype of the op being
+/// differentiated (comparisons give masks usable only by `select`).
+pub trait Diff {
+    fn unary(&mut self, op: UnaryOp, x: Dv) -> Dv;
+    fn binary(&mut self, op: BinaryOp, a: Dv, b: Dv) -> Dv;
+    /// `x op s` (or `s op x` when `scalar_first`).
+    fn scalar(&mut self, op: BinaryOp, x: Dv, s: f64, scalar_first: bool) -> Dv;
+    fn compare(&mut self, op: CompareOp, a: Dv, b: Dv) -> Dv;
+    /// `cond ? a : b`.
+    fn select(&mut self, cond: Dv, a: Dv, b: Dv) -> Dv;
+    /// Zeros shaped like `x`.
+    fn zeros_like(&mut self, x: Dv) -> Dv;
+}
+
+/// Shorthands for derivative rows.
+impl dyn Diff + '_ {
+    pub fn add(&mut self, a: Dv, b: Dv) -> Dv {
+        self.binary(BinaryOp::Add, a, b)
+    }
+    pub fn sub(&mut self, a: Dv, b: Dv) -> Dv {
+        self.binary(BinaryOp::Sub, a, b)
+    }
+    pub fn mul(&mut self, a: Dv, b: Dv) -> Dv {
+        self.binary(BinaryOp::Mul, a, b)
+    }
+    pub fn div(&mut self, a: Dv, b: Dv) -> Dv {
+        self.binary(BinaryOp::Div, a, b)
+    }
+    pub fn neg(&mut self, x: Dv) -> Dv {
+        self.unary(UnaryOp::Neg, x)
+    }
+    pub fn scale(&mut self, x: Dv, s: f64) -> Dv {
+        self.scalar(BinaryOp::Mul, x, s, false)
+    }
+    /// `s - x`.
+    pub fn rsub(&mut self, s: f64, x: Dv) -> Dv {
+        self.scalar(BinaryOp::Sub, x, s, true)
+    }
+    /// `g` where `cond`, else zero.
+    pub fn mask(&mut self, cond: Dv, g: Dv) -> Dv {
+        let z = self.zeros_like(g);
+        self.select(cond, g, z)
+    }
+}
+
+/// `d/dx gelu(x)` for the tanh form, times `g`.
+pub(crate) fn gelu_grad(d: &mut dyn Diff, x: Dv, g: Dv) -> Dv {
+    let c = (2.0 / std::f64::consts::PI).sqrt();
+    let k = 0.044715;
+    // u = c (x + k x^3), t = tanh(u):
+    // gelu' = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 k x^2)
+    let x2 = d.unary(UnaryOp::Square, x);
+    let x3 = d.mul(x2, x);
+    let kx3 = d.scale(x3, k);
+    let inner = d.add(x, kx3);
+    let u = d.scale(inner, c);
+    let t = d.unary(UnaryOp::Tanh, u);
+    let one_plus_t = d.scalar(BinaryOp::Add, t, 1.0, false);
+    let left = d.scale(one_plus_t, 0.5);
+    let t2 = d.unary(UnaryOp::Square, t);
+    let sech2 = d.rsub(1.0, t2);
+    let x2k = d.scale(x2, 3.0 * k);
+    let du = d.scalar(BinaryOp::Add, x2k, 1.0, false);
+    let du = d.scale(du, 0.5 * c);
+    let right = d.mul(x, sech2);
+    let right = d.mul(right, du);
+    let total = d.add(left, right);
+    d.mul(g, total)
+}
+
+/// `d/da a^b`, times `g`: `g b a^(b-1)`.
+pub(crate) fn pow_grad_base(d: &mut dyn Diff, a: Dv, b: Dv, g: Dv) -> Dv {
+    let bm1 = d.scalar(BinaryOp::Sub, b, 1.0, false);
+    let p = d.binary(BinaryOp::Pow, a, bm1);
+    let bp = d.mul(b, p);
+    d.mul(g, bp)
+}
+
+/// `d/db a^b`, times `g`: `g a^b ln a` (NaN for negative bases, as in other frameworks).
+pub(crate) fn pow_grad_exponent(d: &mut dyn Diff, a: Dv, y: Dv, g: Dv) -> Dv {
+    let ln = d.unary(UnaryOp::Log, a);
+    let yl = d.mul(y, ln);
+    d.mul(g, yl)
+}
+
+/// `d/dx |x|` times `g`: the sign of `x` (zero at zero).
+pub(crate) fn abs_grad(d: &mut dyn Diff, x: Dv, g: Dv) -> Dv {
+    let z = d.zeros_like(x);
+    let pos = d.compare(CompareOp::Gt, x, z);
+    let neg = d.compare(CompareOp::Lt, x, z);
+    let ng = d.neg(g);
+    let zg = d.zeros_like(g);
+    let inner = d.select(neg, ng, zg);
+    d.select(pos, g, inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `Diff` on plain f64 values, for checking rows against finite differences.
+    struct Scalars(Vec<f64>);
+
+    impl Scalars {
+        fn push(&mut self, v: f64) -> Dv {
+            self.0.push(v);
+            Dv(self.0.len() as u32 - 1)
+        }
+        fn get(&self, v: Dv) -> f64 {
+            self.0[v.0 as usize]
+        }
+    }
+
+    impl Diff for Scalars {
+        fn unary(&mut self, op: UnaryOp, x: Dv) -> Dv {
+            let v = (op.def().reference)(self.get(x));
+            self.push(v)
+        }
+        fn binary(&mut self, op: BinaryOp, a: Dv, b: Dv) -> Dv {
+            let v = (op.def().reference)(self.get(a), self.get(b));
+            self.push(v)
+        }
+        fn scalar(&mut self, op: BinaryOp, x: Dv, s: f64, scalar_first: bool) -> Dv {
+            let x = self.get(x);
+            let v = if scalar_first { (op.def().reference)(s, x) } else { (op.def().reference)(x, s) };
+            self.push(v)
+        }
+        fn compare(&mut self, op: CompareOp, a: Dv, b: Dv) -> Dv {
+            let v = (op.def().reference)(self.get(a), self.get(b));
+            self.push(if v { 1.0 } else { 0.0 })
+        }
+        fn select(&mut self, cond: Dv, a: Dv, b: Dv) -> Dv {
+            let v = if self.get(cond) != 0.0 { self.get(a) } else { self.get(b) };
+            self.push(v)
+        }
+        fn zeros_like(&mut self, _: Dv) -> Dv {
+            self.push(0.0)
+        }
+    }
+
+    /// Random points away from zero and from kinks, where the derivative is defined.
+    fn points(seed: u64) -> Vec<f64> {
+        (0..200u64)
+            .map(|i| {
+                let u = (crate::rng::mix64(seed ^ i.wrapping_mul(0x9E37_79B9)) >> 11) as f64 / (1u64 << 53) as f64;
+                let v = -3.0 + 6.0 * u;
+                if v.abs() < 0.05 { v + 0.2 } else { v }
+            })
+            .collect()
+    }
+
+    fn close(analytic: f64, numeric: f64) -> bool {
+        (analytic - numeric).abs() <= 1e-6 * (1.0 + analytic.abs().max(numeric.abs()))
+    }
+
+    #[test]
+    fn every_unary_derivative_matches_central_differences() {
+        for &op in UnaryOp::ALL {
+            let f = op.def().reference;
+            for x in points(op as u64) {
+                let x = if matches!(op, UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Rsqrt) { x.abs() } else { x };
+                let h = 1e-6 * (1.0 + x.abs());
+                let numeric = (f(x + h) - f(x - h)) / (2.0 * h);
+                let g = 1.7;
+                let mut d = Scalars(Vec::new());
+                // Values the row does not declare in `saves` are NaN, so reading one fails.
+                let saves = op.def().saves;
+                let xv = d.push(if saves.inputs() { x } else { f64::NAN });
+                let yv = d.push(if saves.output() { f(x) } else { f64::NAN });
+                let gv = d.push(g);
+                let out = (op.def().grad)(&mut d as &mut dyn Diff, xv, yv, gv);
+                let analytic = d.get(out) / g;
+                assert!(close(analytic, numeric), "{}'({x}) = {analytic}, finite differences {numeric}", op.name());
+            }
+        }
+    }
+
+    #[test]
+    fn every_binary_derivative_matches_central_differences() {
+        for &op in BinaryOp::ALL {
+            let f = op.def().reference;
+            let xs = points(100 + op as u64);
+            for pair in xs.chunks(2) {
+                let (mut a, b) = (pair[0], pair[1]);
+                if op == BinaryOp::Pow {
+                    a = a.abs();
+                }
+                let g = -0.6;
+                let mut d = Scalars(Vec::new());
+                let saves = op.def().saves;
+                let av = d.push(if saves.inputs() { a } else { f64::NAN });
+                let bv = d.push(if saves.inputs() { b } else { f64::NAN });
+                let yv = d.push(if saves.output() { f(a, b) } else { f64::NAN });
+                let gv = d.push(g);
+                let da = (op.def().grad_lhs)(&mut d as &mut dyn Diff, av, bv, yv, gv);
+                let db = (op.def().grad_rhs)(&mut d as &mut dyn Diff, av, bv, yv, gv);
+                let (da, db) = (d.get(da) / g, d.get(db) / g);
+                let ha = 1e-6 * (1.0 + a.abs());
+                let hb = 1e-6 * (1.0 + b.abs());
+                let na = (f(a + ha, b) - f(a - ha, b)) / (2.0 * ha);
+                let nb = (f(a, b + hb) - f(a, b - hb)) / (2.0 * hb);
+                assert!(close(da, na), "d{}/da at ({a}, {b}) = {da}, finite differences {na}", op.name());
+                assert!(close(db, nb), "d{}/db at ({a}, {b}) = {db}, finite differences {nb}", op.name());
+            }
+        }
+    }
+}

@@ -1,0 +1,194 @@
+//! The backward pass: walking recorded `GradNode`s from a loss and recording their
+//! derivatives, and [`Grads`], the gradients it produces.
+
+use super::{GradNode, GradSource, Saved, no_grad, rules, source_of};
+use crate::stream::Stream;
+use crate::tensor::{Tensor, misuse};
+use hashbrown::HashMap;
+use std::sync::Arc;
+
+/// Gradients of leaves (tensors marked with [`Tensor::requires_grad`]), as lazy tensors.
+///
+/// Several backward passes can add into one `Grads` ([`Tensor::backward_into`]), which is
+/// how gradients accumulate over micro-batches.
+#[derive(Clone, Default)]
+pub struct Grads {
+    by_leaf: HashMap<u64, Tensor>,
+}
+
+impl Grads {
+    /// No gradients yet.
+    pub fn new() -> Grads {
+        Grads::default()
+    }
+
+    /// The gradient of leaf `t` (same shape and dtype), or `None` when `t` is not a leaf or
+    /// the loss does not depend on it.
+    pub fn get(&self, t: &Tensor) -> Option<Tensor> {
+        match source_of(t) {
+            Some(GradSource::Leaf(id)) => self.by_leaf.get(&id).cloned(),
+            _ => None,
+        }
+    }
+
+    /// How many leaves have a gradient.
+    pub fn len(&self) -> usize {
+        self.by_leaf.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_leaf.is_empty()
+    }
+
+    /// Forgets every gradient (the next `backward_into` starts from zero).
+    pub fn clear(&mut self) {
+        self.by_leaf.clear();
+    }
+
+    /// Adds `other`'s gradients into these (recorded lazily).
+    #[track_caller]
+    pub fn accumulate(&mut self, other: &Grads) {
+        for (&leaf, g) in &other.by_leaf {
+            self.add(leaf, g.clone());
+        }
+    }
+
+    fn add(&mut self, leaf: u64, g: Tensor) {
+        let sum = match self.by_leaf.remove(&leaf) {
+            Some(prev) => no_grad(|| &prev + &g),
+            None => g,
+        };
+        self.by_leaf.insert(leaf, sum);
+    }
+}
+
+impl std::fmt::Debug for Grads {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Grads({} leaves)", self.by_leaf.len())
+    }
+}
+
+impl Tensor {
+    /// Records the backward pass from this scalar loss and returns the gradients of every
+    /// leaf it depends on. Nothing runs until a gradient is read. Each derivative runs on the
+    /// stream of the forward op it differentiates.
+    ///
+    /// The values saved for the backward pass are released afterwards (so memory does not
+    /// stay pinned while `self` lives); to run backward through the same graph again, use
+    /// [`Tensor::backward_with`] with `keep_graph`.
+    ///
+    /// Misuse (a panic at the caller's line): a loss with more than one element, an integer
+    /// loss, a loss without gradient history, a graph already released by a backward pass.
+    /// Run-time failures of the recorded work come back from the reads, as everywhere.
+    #[track_caller]
+    pub fn backward(&self) -> crate::Result<Grads> {
+        let mut grads = Grads::new();
+        self.backward_with(&mut grads, false)?;
+        Ok(grads)
+    }
+
+    /// Like [`Tensor::backward`], adding into `grads` (gradient accumulation).
+    #[track_caller]
+    pub fn backward_into(&self, grads: &mut Grads) -> crate::Result<()> {
+        self.backward_with(grads, false)
+    }
+
+    /// The backward pass, adding into `grads`; with `keep_graph` the saved values stay for
+    /// another backward pass through the same ops.
+    #[track_caller]
+    pub fn backward_with(&self, grads: &mut Grads, keep_graph: bool) -> crate::Result<()> {
+        let describe = || [("loss", format!("{:?}", self))];
+        if self.numel() != 1 || !self.dtype().is_float() {
+            misuse("backward", "the loss must be a floating-point tensor with one element", &describe());
+        }
+        let root = match source_of(self) {
+            None => misuse(
+                "backward",
+                "the loss has no gradient history: no tensor it depends on was marked with requires_grad \
+                 (or it was recorded inside no_grad)",
+                &describe(),
+            ),
+            Some(root) => root,
+        };
+        let nodes = reachable(&root);
+        // Take (or copy) every saved value before recording anything, so that misuse leaves
+        // `grads` untouched.
+        let mut saved: Vec<Saved> = Vec::with_capacity(nodes.len());
+        for node in &nodes {
+            let mut slot = node.saved.lock().unwrap_or_else(|p| p.into_inner());
+            let s = if keep_graph { slot.clone() } else { slot.take() };
+            drop(slot);
+            match s {
+                Some(s) => saved.push(s),
+                None => {
+                    for (node, s) in nodes.iter().zip(saved) {
+                        *node.saved.lock().unwrap_or_else(|p| p.into_inner()) = Some(s);
+                    }
+                    misuse(
+                        "backward",
+                        "this graph was already released by a backward pass; pass keep_graph = true to \
+                         backward_with to differentiate through the same ops again",
+                        &describe(),
+                    )
+                }
+            }
+        }
+        no_grad(|| {
+            let stream = Stream::current(self.device());
+            let seed = stream.scope(|| Tensor::ones(self.shape().clone(), self.dtype(), self.device()));
+            let mut pending: HashMap<*const GradNode, Tensor> = HashMap::new();
+            route(&root, seed, &mut pending, grads);
+            for (node, saved) in nodes.iter().zip(&saved) {
+                let Some(g) = pending.remove(&Arc::as_ptr(node)) else { continue };
+                Stream::new(node.device.clone(), node.stream).scope(|| {
+                    let input_grads = rules::input_grads(node, saved, &g);
+                    for (slot, ig) in node.inputs.iter().zip(input_grads) {
+                        if let (Some(source), Some(ig)) = (&slot.source, ig) {
+                            route(source, ig, &mut pending, grads);
+                        }
+                    }
+                });
+            }
+        });
+        Ok(())
+    }
+}
+
+/// Every `GradNode` reachable from `root`, latest first (a valid order for the backward pass:
+/// a node is recorded after all of its inputs).
+fn reachable(root: &GradSource) -> Vec<Arc<GradNode>> {
+    let mut seen: HashMap<*const GradNode, Arc<GradNode>> = HashMap::new();
+    let mut stack: Vec<Arc<GradNode>> = Vec::new();
+    if let GradSource::Node(n) = root {
+        stack.push(n.clone());
+    }
+    while let Some(n) = stack.pop() {
+        if seen.contains_key(&Arc::as_ptr(&n)) {
+            continue;
+        }
+        for slot in &n.inputs {
+            if let Some(GradSource::Node(input)) = &slot.source {
+                stack.push(input.clone());
+            }
+        }
+        seen.insert(Arc::as_ptr(&n), n);
+    }
+    let mut nodes: Vec<Arc<GradNode>> = seen.into_values().collect();
+    nodes.sort_by_key(|n| std::cmp::Reverse(n.seq));
+    nodes
+}
+
+/// Adds gradient `g` to where `source` collects it (on the current stream).
+fn route(source: &GradSource, g: Tensor, pending: &mut HashMap<*const GradNode, Tensor>, grads: &mut Grads) {
+    match source {
+        GradSource::Leaf(leaf) => grads.add(*leaf, g),
+        GradSource::Node(node) => {
+            let key = Arc::as_ptr(node);
+            let sum = match pending.remove(&key) {
+                Some(prev) => &prev + &g,
+                None => g,
+            };
+            pending.insert(key, sum);
+        }
+    }
+}

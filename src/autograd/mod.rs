@@ -1,0 +1,304 @@
+//! Reverse-mode automatic differentiation over the lazy graph.
+//!
+//! While gradients are enabled ([`no_grad`] turns them off on a thread), every op that reads a
+//! tensor with gradient history records, next to its graph node, a [`GradNode`]: the op, where
+//! each input's gradient goes ([`GradSource`]) and handles on exactly the forward values its
+//! derivative reads (the op table's `saves`). Those handles are ordinary graph values, so the
+//! memory planner frees them once their last backward reader is done. `loss.backward()` walks
+//! the `GradNode`s in reverse recording order and records each derivative, as ordinary lazy
+//! tensor ops, on the stream of the forward op it differentiates; nothing runs until a
+//! gradient is read.
+//!
+//! Gradient bookkeeping is per version: an in-place update gives the tensor a new version and
+//! a new `GradNode` whose input is the old version. It is read and written only under the
+//! engine lock (see [`Tracker`]), so it always agrees with the version a recording read.
+//!
+//! This module never executes anything and never reads device values.
+
+mod backward;
+mod rules;
+
+pub use backward::Grads;
+
+use crate::device::Device;
+use crate::engine::Retainer;
+use crate::tensor::Tensor;
+use braid_graph::{DType, NodeId, Op, ReduceOp, Shape, StreamId};
+use smallvec::SmallVec;
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Set once any tensor is marked with `requires_grad`; until then recording skips autograd.
+static IN_USE: AtomicBool = AtomicBool::new(false);
+/// Recording order of `GradNode`s (a node is always created after its inputs').
+static NEXT_SEQ: AtomicU64 = AtomicU64::new(0);
+/// Identities of leaves (stable across in-place updates of the leaf).
+static NEXT_LEAF: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    static NO_GRAD_DEPTH: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Runs `f` with gradient recording off on this thread: ops recorded inside have no gradient
+/// history (use it for optimizer updates and evaluation). Scopes nest; recording is back on
+/// afterwards, even if `f` panics.
+///
+/// ```
+/// use braid::prelude::*;
+/// let w = Tensor::from_vec(vec![1.0f32, 2.0], [2], &Device::cpu()).requires_grad();
+/// let y = braid::no_grad(|| &w * 2.0);
+/// assert!(!y.needs_grad());
+/// assert!((&w * 2.0).needs_grad());
+/// ```
+pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore;
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            NO_GRAD_DEPTH.with(|d| d.set(d.get() - 1));
+        }
+    }
+    NO_GRAD_DEPTH.with(|d| d.set(d.get() + 1));
+    let _restore = Restore;
+    f()
+}
+
+/// Whether ops recorded now on this thread get gradient history.
+pub fn grad_enabled() -> bool {
+    NO_GRAD_DEPTH.with(|d| d.get() == 0)
+}
+
+/// Where the gradient of a version goes.
+#[derive(Clone)]
+pub(crate) enum GradSource {
+    /// A leaf marked with `requires_grad`; its gradients are summed into [`Grads`] under this
+    /// identity.
+    Leaf(u64),
+    /// The output of a recorded op.
+    Node(Arc<GradNode>),
+}
+
+/// One input of a differentiated op.
+pub(crate) struct InputSlot {
+    /// `None` when the input has no gradient history (nothing flows back through it).
+    pub(crate) source: Option<GradSource>,
+    pub(crate) shape: Shape,
+    pub(crate) dtype: DType,
+    pub(crate) device: Device,
+}
+
+/// The forward values a derivative reads: graph handles that keep them alive until released.
+#[derive(Clone)]
+pub(crate) struct Saved {
+    pub(crate) inputs: SmallVec<[Option<Tensor>; 3]>,
+    pub(crate) output: Option<Tensor>,
+}
+
+/// The record of one differentiable op.
+pub(crate) struct GradNode {
+    pub(crate) op: Op,
+    pub(crate) seq: u64,
+    pub(crate) device: Device,
+    /// The forward op's stream: its derivative is recorded there.
+    pub(crate) stream: StreamId,
+    pub(crate) inputs: SmallVec<[InputSlot; 3]>,
+    pub(crate) out_shape: Shape,
+    pub(crate) out_dtype: DType,
+    /// `None` once a backward pass has released the saved values.
+    pub(crate) saved: Mutex<Option<Saved>>,
+}
+
+/// Marks `t` as a leaf whose gradient [`Grads`] collects. Misuse (checked by the caller):
+/// an integer tensor, or one that already has gradient history from ops.
+pub(crate) fn mark_leaf(t: &Tensor) -> Result<(), &'static str> {
+    if !t.dtype().is_float() {
+        return Err("only floating-point tensors can require gradients");
+    }
+    IN_USE.store(true, Ordering::Relaxed);
+    crate::engine::locked(|| {
+        let mut meta = t.grad_meta().lock().unwrap_or_else(|p| p.into_inner());
+        match &*meta {
+            Some(GradSource::Leaf(_)) => Ok(()),
+            Some(GradSource::Node(_)) => {
+                Err("the tensor is the result of recorded ops; only leaves can be marked (use detach() first)")
+            }
+            None => {
+                *meta = Some(GradSource::Leaf(NEXT_LEAF.fetch_add(1, Ordering::Relaxed)));
+                Ok(())
+            }
+        }
+    })
+}
+
+/// The gradient bookkeeping of `t`'s current version.
+pub(crate) fn source_of(t: &Tensor) -> Option<GradSource> {
+    if !IN_USE.load(Ordering::Relaxed) {
+        return None;
+    }
+    crate::engine::locked(|| t.grad_meta().lock().unwrap_or_else(|p| p.into_inner()).clone())
+}
+
+/// Misuse of an in-place update of `t` (checked by the caller before recording): a leaf that
+/// requires gradients cannot change while gradients are recorded, or its gradient would
+/// silently refer to a value that no longer exists.
+pub(crate) fn check_in_place(t: &Tensor) -> Result<(), &'static str> {
+    if grad_enabled() && matches!(source_of(t), Some(GradSource::Leaf(_))) {
+        return Err("a leaf that requires gradients cannot be updated in place while gradients are recorded \
+                    (update parameters inside braid::no_grad, as optimizers do)");
+    }
+    Ok(())
+}
+
+/// Whether an op can pass gradients to its inputs (given a floating-point result).
+fn differentiable(op: &Op) -> bool {
+    match op {
+        Op::Unary(_)
+        | Op::Binary(_)
+        | Op::BinaryScalar { .. }
+        | Op::Select
+        | Op::Clamp { .. }
+        | Op::Cast
+        | Op::Matmul
+        | Op::Reshape
+        | Op::Permute(_)
+        | Op::Expand
+        | Op::Narrow { .. }
+        | Op::Cat { .. }
+        | Op::Contiguous
+        | Op::ToDevice => true,
+        Op::Reduce { op, .. } => *op != ReduceOp::ArgMax,
+        Op::Input | Op::Full(_) | Op::Arange { .. } | Op::Rand { .. } | Op::Randn { .. } | Op::Compare(_) => false,
+        Op::Event => false,
+    }
+}
+
+/// Which inputs (given which of them need gradients) and whether the output the derivative of
+/// `op` reads.
+fn saves(op: &Op, needs: &[bool]) -> (SmallVec<[bool; 3]>, bool) {
+    let all = |on: bool| needs.iter().map(|_| on).collect::<SmallVec<[bool; 3]>>();
+    match op {
+        Op::Unary(u) => (all(u.def().saves.inputs()), u.def().saves.output()),
+        Op::Binary(b) | Op::BinaryScalar { op: b, .. } => (all(b.def().saves.inputs()), b.def().saves.output()),
+        Op::Select => (SmallVec::from_slice(&[true, false, false]), false),
+        Op::Clamp { .. } => (all(true), true),
+        Op::Reduce { op: ReduceOp::Max | ReduceOp::Min, .. } => (all(true), true),
+        // dA = g B^T needs B; dB = A^T g needs A.
+        Op::Matmul => (SmallVec::from_slice(&[needs[1], needs[0]]), false),
+        _ => (all(false), false),
+    }
+}
+
+/// Autograd's part of recording one op: built before the engine lock is taken, run under it
+/// (as the engine's [`Track`] callback), finished after it is released.
+pub(crate) struct Tracker<'a> {
+    op: Op,
+    inputs: &'a [&'a Tensor],
+    /// The tensor an in-place op moves to a new version.
+    in_place: Option<&'a Tensor>,
+    out_shape: Shape,
+    out_dtype: DType,
+    device: Device,
+    stream: StreamId,
+    /// The output's bookkeeping, for a fresh tensor.
+    pub(crate) result: Option<GradSource>,
+    /// Bookkeeping replaced or copied under the lock, dropped after it (dropping may release
+    /// graph handles, which takes the lock).
+    graveyard: Vec<GradSource>,
+}
+
+impl<'a> Tracker<'a> {
+    /// A tracker when autograd may be involved in recording `op`, else `None` (the fast path).
+    pub(crate) fn new(
+        op: &Op,
+        inputs: &'a [&'a Tensor],
+        in_place: Option<&'a Tensor>,
+        out: (&Shape, DType, &Device, StreamId),
+    ) -> Option<Tracker<'a>> {
+        if !IN_USE.load(Ordering::Relaxed) || inputs.is_empty() {
+            return None;
+        }
+        Some(Tracker {
+            op: op.clone(),
+            inputs,
+            in_place,
+            out_shape: out.0.clone(),
+            out_dtype: out.1,
+            device: out.2.clone(),
+            stream: out.3,
+            result: None,
+            graveyard: Vec::new(),
+        })
+    }
+
+    /// The output's bookkeeping, once recording is done.
+    pub(crate) fn into_result(self) -> Option<GradSource> {
+        self.result
+    }
+
+    /// Under the engine lock: reads the inputs' bookkeeping for the versions `ids` and records
+    /// the output's.
+    pub(crate) fn run(&mut self, retainer: &mut Retainer<'_>, ids: &[NodeId], out: NodeId) {
+        let sources: SmallVec<[Option<GradSource>; 3]> =
+            self.inputs.iter().map(|t| t.grad_meta().lock().unwrap_or_else(|p| p.into_inner()).clone()).collect();
+        let tracked = grad_enabled()
+            && self.out_dtype.is_float()
+            && differentiable(&self.op)
+            && sources.iter().any(Option::is_some);
+        let new = if tracked {
+            let needs: SmallVec<[bool; 3]> = sources.iter().map(Option::is_some).collect();
+            let (save_inputs, save_output) = saves(&self.op, &needs);
+            let inputs: SmallVec<[Option<Tensor>; 3]> = self
+                .inputs
+                .iter()
+                .zip(ids)
+                .zip(&save_inputs)
+                .map(|((t, &id), &save)| {
+                    save.then(|| {
+                        retainer.retain(id);
+                        Tensor::from_node(id, t.shape().clone(), t.dtype(), t.device().clone())
+                    })
+                })
+                .collect();
+            let output = save_output.then(|| {
+                retainer.retain(out);
+                Tensor::from_node(out, self.out_shape.clone(), self.out_dtype, self.device.clone())
+            });
+            let slots = self
+                .inputs
+                .iter()
+                .zip(sources)
+                .map(|(t, source)| InputSlot {
+                    source,
+                    shape: t.shape().clone(),
+                    dtype: t.dtype(),
+                    device: t.device().clone(),
+                })
+                .collect();
+            Some(GradSource::Node(Arc::new(GradNode {
+                op: self.op.clone(),
+                seq: NEXT_SEQ.fetch_add(1, Ordering::Relaxed),
+                device: self.device.clone(),
+                stream: self.stream,
+                inputs: slots,
+                out_shape: self.out_shape.clone(),
+                out_dtype: self.out_dtype,
+                saved: Mutex::new(Some(Saved { inputs, output })),
+            })))
+        } else {
+            self.graveyard.extend(sources.into_iter().flatten());
+            None
+        };
+        match self.in_place {
+            Some(t) => {
+                let mut meta = t.grad_meta().lock().unwrap_or_else(|p| p.into_inner());
+                // Without gradients a leaf stays the same leaf (an optimizer update); anything
+                // else loses its history.
+                let keep_leaf = !tracked && matches!(&*meta, Some(GradSource::Leaf(_)));
+                if !keep_leaf && let Some(old) = std::mem::replace(&mut *meta, new) {
+                    self.graveyard.push(old);
+                }
+            }
+            None => self.result = new,
+        }
+    }
+}

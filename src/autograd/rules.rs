@@ -1,0 +1,244 @@
+//! The derivative of each op, recorded as tensor ops.
+//!
+//! Elementwise ops take their derivative from the op table (`grad`, `grad_lhs`, `grad_rhs`
+//! rows, evaluated through [`TensorDiff`]); reductions, matrix products and movement have theirs
+//! here, one arm per op. Every result is reduced to its input's shape (undoing broadcasting)
+//! and dtype. This module records; it never reads values.
+
+use super::{GradNode, Saved};
+use crate::tensor::Tensor;
+use braid_graph::diff::{Diff, Dv};
+use braid_graph::table::{BinaryOp, CompareOp, UnaryOp};
+use braid_graph::{DType, Op, ReduceOp, Shape};
+use smallvec::SmallVec;
+
+type InputGrads = SmallVec<[Option<Tensor>; 3]>;
+
+/// The gradients of `node`'s inputs (those with a gradient source) given the gradient `g` of
+/// its output.
+pub(super) fn input_grads(node: &GradNode, saved: &Saved, g: &Tensor) -> InputGrads {
+    let needs: SmallVec<[bool; 3]> = node.inputs.iter().map(|s| s.source.is_some()).collect();
+    let input = |i: usize| saved.inputs[i].clone().expect("the derivative's saved input");
+    let output = || saved.output.clone().expect("the derivative's saved output");
+    let mut grads: InputGrads = match &node.op {
+        Op::Unary(u) => {
+            let mut d = TensorDiff::default();
+            let x = d.push_opt(saved.inputs[0].clone(), g);
+            let y = d.push_opt(saved.output.clone(), g);
+            let gv = d.push(g.clone());
+            let r = (u.def().grad)(&mut d, x, y, gv);
+            SmallVec::from_iter([Some(d.take(r))])
+        }
+        Op::Binary(b) => {
+            let mut d = TensorDiff::default();
+            let a = d.push_opt(saved.inputs[0].clone(), g);
+            let bb = d.push_opt(saved.inputs[1].clone(), g);
+            let y = d.push_opt(saved.output.clone(), g);
+            let gv = d.push(g.clone());
+            let ga = needs[0].then(|| (b.def().grad_lhs)(&mut d, a, bb, y, gv));
+            let gb = needs[1].then(|| (b.def().grad_rhs)(&mut d, a, bb, y, gv));
+            SmallVec::from_iter([ga.map(|v| d.take(v)), gb.map(|v| d.take(v))])
+        }
+        Op::BinaryScalar { op, scalar, scalar_first } => {
+            let mut d = TensorDiff::default();
+            let x = d.push_opt(saved.inputs[0].clone(), g);
+            let s = d.push(Tensor::full((), scalar.0, node.out_dtype, &node.device));
+            let y = d.push_opt(saved.output.clone(), g);
+            let gv = d.push(g.clone());
+            let r = if *scalar_first {
+                (op.def().grad_rhs)(&mut d, s, x, y, gv)
+            } else {
+                (op.def().grad_lhs)(&mut d, x, s, y, gv)
+            };
+            SmallVec::from_iter([Some(d.take(r))])
+        }
+        Op::Select => {
+            let cond = input(0);
+            let zero = Tensor::zeros((), g.dtype(), g.device());
+            SmallVec::from_iter([
+                None,
+                needs[1].then(|| cond.select(g, &zero)),
+                needs[2].then(|| cond.select(&zero, g)),
+            ])
+        }
+        Op::Clamp { .. } => {
+            // Where the value passed through unchanged (NaN compares unequal: no gradient).
+            let zero = Tensor::zeros((), g.dtype(), g.device());
+            SmallVec::from_iter([Some(output().eq(&input(0)).select(g, &zero))])
+        }
+        Op::Cast => SmallVec::from_iter([Some(g.to_dtype(node.inputs[0].dtype))]),
+        Op::Reduce { op, dim, keepdim } => {
+            let in_shape = &node.inputs[0].shape;
+            let g_keep = keep_reduced_dim(g, *dim, *keepdim, in_shape.rank());
+            let r = match op {
+                ReduceOp::Sum => g_keep.expand(in_shape.clone()),
+                ReduceOp::Mean => {
+                    let count = (in_shape.numel() / node.out_shape.numel().max(1)).max(1);
+                    g_keep.expand(in_shape.clone()) * (1.0 / count as f64)
+                }
+                ReduceOp::Max | ReduceOp::Min => {
+                    // Shared evenly between the elements equal to the extremum.
+                    let y = keep_reduced_dim(&output(), *dim, *keepdim, in_shape.rank());
+                    let hit = input(0).eq(&y).to_dtype(g.dtype());
+                    let count = match dim {
+                        Some(d) => hit.sum_dim(*d, true),
+                        None => hit.sum(),
+                    };
+                    &(&hit / &count) * &g_keep
+                }
+                ReduceOp::ArgMax => unreachable!("argmax is not differentiable"),
+            };
+            SmallVec::from_iter([Some(r)])
+        }
+        Op::Matmul => {
+            let rank = |t: &Tensor| t.rank();
+            let ga = needs[0].then(|| {
+                let b = input(1);
+                g.matmul(&b.transpose(rank(&b) - 2, rank(&b) - 1))
+            });
+            let gb = needs[1].then(|| {
+                let a = input(0);
+                a.transpose(rank(&a) - 2, rank(&a) - 1).matmul(g)
+            });
+            SmallVec::from_iter([ga, gb])
+        }
+        Op::Reshape => SmallVec::from_iter([Some(g.reshape(node.inputs[0].shape.clone()))]),
+        Op::Permute(perm) => {
+            let mut inverse = vec![0; perm.len()];
+            for (i, &p) in perm.iter().enumerate() {
+                inverse[p] = i;
+            }
+            SmallVec::from_iter([Some(g.permute(&inverse))])
+        }
+        Op::Expand | Op::Contiguous => SmallVec::from_iter([Some(g.clone())]),
+        Op::Narrow { dim, start, len } => {
+            let full = &node.inputs[0].shape;
+            let mut parts = Vec::new();
+            let zeros = |n: usize| {
+                let mut dims = full.dims().to_vec();
+                dims[*dim] = n;
+                Tensor::zeros(dims, g.dtype(), g.device())
+            };
+            if *start > 0 {
+                parts.push(zeros(*start));
+            }
+            parts.push(g.clone());
+            let after = full.dims()[*dim] - start - len;
+            if after > 0 {
+                parts.push(zeros(after));
+            }
+            let refs: Vec<&Tensor> = parts.iter().collect();
+            SmallVec::from_iter([Some(if refs.len() == 1 { g.clone() } else { Tensor::cat(&refs, *dim) })])
+        }
+        Op::Cat { dim } => {
+            let mut offset = 0;
+            node.inputs
+                .iter()
+                .map(|slot| {
+                    let len = slot.shape.dims()[*dim];
+                    let part = slot.source.as_ref().map(|_| g.narrow(*dim, offset, len));
+                    offset += len;
+                    part
+                })
+                .collect()
+        }
+        Op::ToDevice => SmallVec::from_iter([Some(g.to_device(&node.inputs[0].device))]),
+        op => unreachable!("{} is not differentiable", op.name()),
+    };
+    for (slot, grad) in node.inputs.iter().zip(grads.iter_mut()) {
+        *grad = match (slot.source.is_some(), grad.take()) {
+            (true, Some(t)) => Some(to_input(t, &slot.shape, slot.dtype)),
+            _ => None,
+        };
+    }
+    grads
+}
+
+/// A reduced gradient with the reduced dimension kept (size 1), so it broadcasts against the
+/// input.
+fn keep_reduced_dim(g: &Tensor, dim: Option<usize>, keepdim: bool, rank: usize) -> Tensor {
+    match dim {
+        Some(d) if !keepdim => g.unsqueeze(d),
+        Some(_) => g.clone(),
+        None => g.reshape(vec![1; rank]),
+    }
+}
+
+/// Sums a gradient over the dimensions broadcasting added or stretched, and converts it to the
+/// input's dtype.
+fn to_input(g: Tensor, shape: &Shape, dtype: DType) -> Tensor {
+    let mut g = g;
+    if g.shape() != shape {
+        if shape.numel() == 1 && g.numel() != 1 {
+            g = g.sum().reshape(shape.clone());
+        } else {
+            while g.rank() > shape.rank() {
+                g = g.sum_dim(0, false);
+            }
+            for (d, &n) in shape.dims().iter().enumerate() {
+                if n == 1 && g.dims()[d] != 1 {
+                    g = g.sum_dim(d, true);
+                }
+            }
+            if g.shape() != shape {
+                g = g.reshape(shape.clone());
+            }
+        }
+    }
+    if g.dtype() != dtype { g.to_dtype(dtype) } else { g }
+}
+
+/// [`Diff`] over tensors: each value is a recorded tensor.
+#[derive(Default)]
+struct TensorDiff {
+    values: Vec<Tensor>,
+}
+
+impl TensorDiff {
+    fn push(&mut self, t: Tensor) -> Dv {
+        self.values.push(t);
+        Dv(self.values.len() as u32 - 1)
+    }
+
+    /// A saved value, or (when the row does not read it) a stand-in of the right shape: the
+    /// op table's tests check that rows read only what they save.
+    fn push_opt(&mut self, t: Option<Tensor>, stand_in: &Tensor) -> Dv {
+        self.push(t.unwrap_or_else(|| stand_in.clone()))
+    }
+
+    fn get(&self, v: Dv) -> &Tensor {
+        &self.values[v.0 as usize]
+    }
+
+    fn take(&self, v: Dv) -> Tensor {
+        self.get(v).clone()
+    }
+}
+
+impl Diff for TensorDiff {
+    fn unary(&mut self, op: UnaryOp, x: Dv) -> Dv {
+        let t = self.get(x).unary(op);
+        self.push(t)
+    }
+    fn binary(&mut self, op: BinaryOp, a: Dv, b: Dv) -> Dv {
+        let t = self.get(a).binary(op, self.get(b));
+        self.push(t)
+    }
+    fn scalar(&mut self, op: BinaryOp, x: Dv, s: f64, scalar_first: bool) -> Dv {
+        let t = self.get(x).binary_scalar(op, s, scalar_first);
+        self.push(t)
+    }
+    fn compare(&mut self, op: CompareOp, a: Dv, b: Dv) -> Dv {
+        let t = self.get(a).compare(op, self.get(b));
+        self.push(t)
+    }
+    fn select(&mut self, cond: Dv, a: Dv, b: Dv) -> Dv {
+        let t = self.get(cond).select(self.get(a), self.get(b));
+        self.push(t)
+    }
+    fn zeros_like(&mut self, x: Dv) -> Dv {
+        let x = self.get(x);
+        let t = Tensor::zeros((), x.dtype(), x.device());
+        self.push(t)
+    }
+}

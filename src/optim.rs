@@ -1,0 +1,244 @@
+//! Optimizers: they record parameter updates as in-place ops (new versions of the parameter
+//! tensors), inside [`crate::no_grad`], like everything else lazily.
+//!
+//! Per-parameter state (momentum, Adam's moments) is kept by the leaf's identity, so it
+//! follows a parameter across its versions. Values that change every step (Adam's bias
+//! corrections) enter as small host tensors rather than as constants baked into the ops, so
+//! every step records the same structure and replays the cached schedule.
+//!
+//! ```
+//! use braid::prelude::*;
+//! use braid::optim::Sgd;
+//!
+//! let cpu = Device::cpu();
+//! let w = Tensor::from_vec(vec![1.0f32, -1.0], [2], &cpu).requires_grad();
+//! let mut opt = Sgd::new(0.1).momentum(0.9);
+//! for _ in 0..3 {
+//!     let loss = (&w * &w).sum();
+//!     let grads = loss.backward().unwrap();
+//!     opt.step(&mut [w.clone()], &grads);
+//! }
+//! let v = w.to_vec::<f32>().unwrap();
+//! assert!(v[0].abs() < 1.0 && v[1].abs() < 1.0);
+//! ```
+
+use crate::autograd::{GradSource, Grads, no_grad, source_of};
+use crate::device::Device;
+use crate::tensor::{Tensor, misuse};
+use braid_graph::DType;
+use braid_graph::table::BinaryOp;
+use hashbrown::HashMap;
+
+/// The identity optimizers key their state by: the parameter's leaf.
+#[track_caller]
+fn leaf_of(p: &Tensor, optimizer: &str) -> u64 {
+    match source_of(p) {
+        Some(GradSource::Leaf(id)) => id,
+        _ => misuse(optimizer, "parameters must be leaves marked with requires_grad", &[("param", format!("{p:?}"))]),
+    }
+}
+
+/// A one-element tensor of `dtype` holding `v` (host data: not part of the graph's structure).
+fn host_scalar(v: f64, dtype: DType, device: &Device) -> Tensor {
+    match dtype {
+        DType::F64 => Tensor::from_vec(vec![v], (), device),
+        DType::F16 => Tensor::from_vec(vec![half::f16::from_f64(v)], (), device),
+        DType::BF16 => Tensor::from_vec(vec![half::bf16::from_f64(v)], (), device),
+        _ => Tensor::from_vec(vec![v as f32], (), device),
+    }
+}
+
+/// Stochastic gradient descent with optional momentum (heavy ball or Nesterov), dampening and
+/// L2 weight decay, as in PyTorch's `SGD`:
+/// `g += wd p; b = m b + (1 - dampening) g; p -= lr (nesterov ? g + m b : b)`.
+#[derive(Debug, Clone)]
+pub struct Sgd {
+    lr: f64,
+    momentum: f64,
+    dampening: f64,
+    weight_decay: f64,
+    nesterov: bool,
+    velocity: HashMap<u64, Tensor>,
+}
+
+impl Sgd {
+    pub fn new(lr: f64) -> Sgd {
+        Sgd { lr, momentum: 0.0, dampening: 0.0, weight_decay: 0.0, nesterov: false, velocity: HashMap::new() }
+    }
+
+    pub fn momentum(mut self, momentum: f64) -> Sgd {
+        self.momentum = momentum;
+        self
+    }
+
+    pub fn dampening(mut self, dampening: f64) -> Sgd {
+        self.dampening = dampening;
+        self
+    }
+
+    pub fn weight_decay(mut self, weight_decay: f64) -> Sgd {
+        self.weight_decay = weight_decay;
+        self
+    }
+
+    pub fn nesterov(mut self, on: bool) -> Sgd {
+        self.nesterov = on;
+        self
+    }
+
+    pub fn lr(&self) -> f64 {
+        self.lr
+    }
+
+    pub fn set_lr(&mut self, lr: f64) {
+        self.lr = lr;
+    }
+
+    /// Records the update of every parameter that has a gradient in `grads` (others are left
+    /// alone). Panics at the caller's line if a parameter is not a leaf.
+    #[track_caller]
+    pub fn step(&mut self, params: &mut [Tensor], grads: &Grads) {
+        let ids: Vec<u64> = params.iter().map(|p| leaf_of(p, "Sgd::step")).collect();
+        no_grad(|| {
+            for (p, id) in params.iter().zip(ids) {
+                let Some(mut g) = grads.get(p) else { continue };
+                if self.weight_decay != 0.0 {
+                    g = &g + &(p * self.weight_decay);
+                }
+                if self.momentum != 0.0 {
+                    let b = match self.velocity.remove(&id) {
+                        Some(b) => &(&b * self.momentum) + &(&g * (1.0 - self.dampening)),
+                        None => g.clone(),
+                    };
+                    g = if self.nesterov { &g + &(&b * self.momentum) } else { b.clone() };
+                    self.velocity.insert(id, b);
+                }
+                p.sub_assign(&(&g * self.lr));
+            }
+        });
+    }
+}
+
+/// Adam (and, with decoupled weight decay, AdamW), as in PyTorch:
+/// `m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
+///  p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)`.
+#[derive(Debug, Clone)]
+pub struct Adam {
+    lr: f64,
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    weight_decay: f64,
+    /// AdamW: decay the parameter directly instead of adding `wd p` to the gradient.
+    decoupled: bool,
+    state: HashMap<u64, Moments>,
+}
+
+#[derive(Debug, Clone)]
+struct Moments {
+    m: Tensor,
+    v: Tensor,
+    steps: i32,
+}
+
+impl Adam {
+    /// Betas (0.9, 0.999), eps 1e-8, no weight decay.
+    pub fn new(lr: f64) -> Adam {
+        Adam { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, decoupled: false, state: HashMap::new() }
+    }
+
+    pub fn betas(mut self, beta1: f64, beta2: f64) -> Adam {
+        self.beta1 = beta1;
+        self.beta2 = beta2;
+        self
+    }
+
+    pub fn eps(mut self, eps: f64) -> Adam {
+        self.eps = eps;
+        self
+    }
+
+    /// L2 weight decay added to the gradient (for `AdamW`, the decoupled decay rate).
+    pub fn weight_decay(mut self, weight_decay: f64) -> Adam {
+        self.weight_decay = weight_decay;
+        self
+    }
+
+    pub fn lr(&self) -> f64 {
+        self.lr
+    }
+
+    pub fn set_lr(&mut self, lr: f64) {
+        self.lr = lr;
+    }
+
+    /// Records the update of every parameter that has a gradient in `grads`.
+    #[track_caller]
+    pub fn step(&mut self, params: &mut [Tensor], grads: &Grads) {
+        let name = if self.decoupled { "AdamW::step" } else { "Adam::step" };
+        let ids: Vec<u64> = params.iter().map(|p| leaf_of(p, name)).collect();
+        no_grad(|| {
+            for (p, id) in params.iter().zip(ids) {
+                let Some(mut g) = grads.get(p) else { continue };
+                if self.weight_decay != 0.0 {
+                    if self.decoupled {
+                        p.update_with_scalar(BinaryOp::Mul, 1.0 - self.lr * self.weight_decay);
+                    } else {
+                        g = &g + &(p * self.weight_decay);
+                    }
+                }
+                let (b1, b2) = (self.beta1, self.beta2);
+                let moments = match self.state.remove(&id) {
+                    Some(s) => Moments {
+                        m: &(&s.m * b1) + &(&g * (1.0 - b1)),
+                        v: &(&s.v * b2) + &(&g.square() * (1.0 - b2)),
+                        steps: s.steps + 1,
+                    },
+                    None => Moments { m: &g * (1.0 - b1), v: &g.square() * (1.0 - b2), steps: 1 },
+                };
+                let step_size = self.lr / (1.0 - b1.powi(moments.steps));
+                let inv_sqrt_bc2 = 1.0 / (1.0 - b2.powi(moments.steps)).sqrt();
+                let step_size = host_scalar(step_size, p.dtype(), p.device());
+                let inv_sqrt_bc2 = host_scalar(inv_sqrt_bc2, p.dtype(), p.device());
+                let denom = &(&moments.v.sqrt() * &inv_sqrt_bc2) + self.eps;
+                p.sub_assign(&(&(&moments.m * &step_size) / &denom));
+                self.state.insert(id, moments);
+            }
+        });
+    }
+}
+
+/// Adam with decoupled weight decay (default 0.01), as in PyTorch's `AdamW`.
+#[derive(Debug, Clone)]
+pub struct AdamW(Adam);
+
+impl AdamW {
+    pub fn new(lr: f64) -> AdamW {
+        AdamW(Adam { decoupled: true, weight_decay: 0.01, ..Adam::new(lr) })
+    }
+
+    pub fn betas(self, beta1: f64, beta2: f64) -> AdamW {
+        AdamW(self.0.betas(beta1, beta2))
+    }
+
+    pub fn eps(self, eps: f64) -> AdamW {
+        AdamW(self.0.eps(eps))
+    }
+
+    pub fn weight_decay(self, weight_decay: f64) -> AdamW {
+        AdamW(self.0.weight_decay(weight_decay))
+    }
+
+    pub fn lr(&self) -> f64 {
+        self.0.lr
+    }
+
+    pub fn set_lr(&mut self, lr: f64) {
+        self.0.lr = lr;
+    }
+
+    #[track_caller]
+    pub fn step(&mut self, params: &mut [Tensor], grads: &Grads) {
+        self.0.step(params, grads)
+    }
+}

@@ -1,0 +1,374 @@
+//! Autodiff: every op's gradient against central finite differences (f64, random inputs away
+//! from kinks), on one stream and across streams; the micrograd graph; accumulation, no_grad,
+//! in-place updates and misuse; whole models (an MLP, a transformer block) checked against the
+//! reference interpreter evaluating exactly the backward graph braid recorded.
+
+mod common;
+
+use braid::prelude::*;
+use braid_graph::table::{BinaryOp, UnaryOp};
+use common::{Rng, check_recorded};
+
+fn cpu() -> Device {
+    Device::cpu()
+}
+
+/// Random values in `[-2, 2]` at least 0.2 away from zero (kinks of relu/abs), or positive.
+fn values(rng: &mut Rng, n: usize, positive: bool) -> Vec<f64> {
+    (0..n)
+        .map(|_| {
+            let v = rng.uniform(0.2, 2.0);
+            if positive || rng.chance(0.5) { v } else { -v }
+        })
+        .collect()
+}
+
+fn leaf(shape: &[usize], vals: &[f64], dev: &Device) -> Tensor {
+    Tensor::from_vec(vals.to_vec(), shape.to_vec(), dev)
+}
+
+/// `sum(f(xs) * r)` for fixed random weights `r`, so every output element matters differently.
+fn weighted_loss(out: &Tensor, weights: &[f64]) -> Tensor {
+    (out * &leaf(out.dims(), weights, out.device())).sum()
+}
+
+/// Checks the gradients `backward` records for `f` against central finite differences.
+fn check_gradients(name: &str, inputs: &[(Vec<usize>, Vec<f64>)], f: &dyn Fn(&[Tensor]) -> Tensor) {
+    let dev = cpu();
+    let mut rng = Rng::new(name.len() as u64 * 7919);
+    let leaves: Vec<Tensor> = inputs.iter().map(|(s, v)| leaf(s, v, &dev).requires_grad()).collect();
+    let out = f(&leaves);
+    let weights = values(&mut rng, out.numel(), false);
+    let loss = weighted_loss(&out, &weights);
+    let grads = loss.backward().unwrap();
+    let loss_at = |vals: &[Vec<f64>]| -> f64 {
+        braid::no_grad(|| {
+            let xs: Vec<Tensor> = inputs.iter().zip(vals).map(|((s, _), v)| leaf(s, v, &dev)).collect();
+            weighted_loss(&f(&xs), &weights).item::<f64>().unwrap()
+        })
+    };
+    let base: Vec<Vec<f64>> = inputs.iter().map(|(_, v)| v.clone()).collect();
+    for (i, x) in leaves.iter().enumerate() {
+        let g = grads.get(x).unwrap_or_else(|| panic!("{name}: no gradient for input {i}"));
+        assert_eq!((g.dims(), g.dtype()), (x.dims(), x.dtype()), "{name}: gradient {i} shape/dtype");
+        let analytic = g.to_vec::<f64>().unwrap();
+        for j in 0..base[i].len() {
+            let h = 1e-5 * base[i][j].abs().max(1.0);
+            let mut plus = base.clone();
+            plus[i][j] += h;
+            let mut minus = base.clone();
+            minus[i][j] -= h;
+            let numeric = (loss_at(&plus) - loss_at(&minus)) / (2.0 * h);
+            let tol = 1e-5 * (1.0 + numeric.abs());
+            assert!(
+                (analytic[j] - numeric).abs() <= tol,
+                "{name}: d/dx{i}[{j}] = {} but finite differences give {numeric}",
+                analytic[j]
+            );
+        }
+    }
+}
+
+#[test]
+fn every_unary_op_of_the_table() {
+    let mut rng = Rng::new(1);
+    for &op in UnaryOp::ALL {
+        let positive = matches!(op, UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Rsqrt);
+        let x = values(&mut rng, 6, positive);
+        check_gradients(op.name(), &[(vec![2, 3], x)], &|xs| xs[0].unary(op));
+    }
+}
+
+#[test]
+fn every_binary_op_of_the_table_with_broadcasting() {
+    let mut rng = Rng::new(2);
+    for &op in BinaryOp::ALL {
+        let positive = op == BinaryOp::Pow;
+        for (sa, sb) in
+            [(vec![2, 3], vec![2, 3]), (vec![2, 3], vec![3]), (vec![2, 1], vec![1, 3]), (vec![], vec![2, 2])]
+        {
+            let na: usize = sa.iter().product();
+            let nb: usize = sb.iter().product();
+            let a = values(&mut rng, na, positive);
+            let b = values(&mut rng, nb, false);
+            let name = format!("{}({sa:?}, {sb:?})", op.name());
+            check_gradients(&name, &[(sa, a), (sb, b)], &|xs| xs[0].binary(op, &xs[1]));
+        }
+    }
+}
+
+#[test]
+fn scalar_forms_select_clamp_and_cast() {
+    let mut rng = Rng::new(3);
+    let x = || (vec![2, 3], values(&mut Rng::new(33), 6, false));
+    let pos = (vec![2, 3], values(&mut rng, 6, true));
+    check_gradients("x + 2", &[x()], &|xs| &xs[0] + 2.0);
+    check_gradients("2 - x", &[x()], &|xs| 2.0 - &xs[0]);
+    check_gradients("3 * x", &[x()], &|xs| 3.0 * &xs[0]);
+    check_gradients("3 / x", &[x()], &|xs| 3.0 / &xs[0]);
+    check_gradients("x / 4", &[x()], &|xs| &xs[0] / 4.0);
+    check_gradients("x ^ 2.5", std::slice::from_ref(&pos), &|xs| xs[0].powf(2.5));
+    check_gradients("1.5 ^ x", &[x()], &|xs| xs[0].binary_scalar(BinaryOp::Pow, 1.5, true));
+    check_gradients("maximum(x, 0.1)", &[x()], &|xs| xs[0].binary_scalar(BinaryOp::Maximum, 0.1, false));
+    let cond = Tensor::from_vec(vec![true, false, true], [3], &cpu());
+    let b = (vec![2, 1], values(&mut rng, 2, false));
+    check_gradients("select", &[x(), b], &|xs| cond.select(&xs[0], &xs[1]));
+    // Bounds well away from every value (all |v| >= 0.2).
+    check_gradients("clamp", &[x()], &|xs| xs[0].clamp(-0.15, 0.1) + xs[0].clamp(-10.0, 10.0));
+    check_gradients("cast", &[x()], &|xs| xs[0].to_dtype(DType::F64).exp());
+}
+
+#[test]
+fn reductions() {
+    let x = || (vec![3, 4], values(&mut Rng::new(4), 12, false));
+    check_gradients("sum", &[x()], &|xs| xs[0].sum());
+    check_gradients("mean", &[x()], &|xs| xs[0].mean());
+    for dim in 0..2 {
+        for keep in [false, true] {
+            let tag = format!("dim {dim} keep {keep}");
+            check_gradients(&format!("sum_dim {tag}"), &[x()], &|xs| xs[0].sum_dim(dim, keep));
+            check_gradients(&format!("mean_dim {tag}"), &[x()], &|xs| xs[0].mean_dim(dim, keep));
+            check_gradients(&format!("max_dim {tag}"), &[x()], &|xs| xs[0].max_dim(dim, keep));
+            check_gradients(&format!("min_dim {tag}"), &[x()], &|xs| xs[0].min_dim(dim, keep));
+        }
+    }
+}
+
+#[test]
+fn max_shares_the_gradient_between_ties() {
+    let x = Tensor::from_vec(vec![1.0f64, 3.0, 3.0, 2.0], [4], &cpu()).requires_grad();
+    let g = x.max_dim(0, false).backward().unwrap();
+    assert_eq!(g.get(&x).unwrap().to_vec::<f64>().unwrap(), vec![0.0, 0.5, 0.5, 0.0]);
+}
+
+#[test]
+fn matrix_products_with_broadcast_batches() {
+    let mut rng = Rng::new(5);
+    for (sa, sb) in [
+        (vec![2, 3], vec![3, 4]),
+        (vec![2, 2, 3], vec![3, 2]),
+        (vec![1, 2, 3], vec![2, 3, 2]),
+        (vec![2, 1, 2, 3], vec![3, 3, 2]),
+    ] {
+        let na: usize = sa.iter().product();
+        let nb: usize = sb.iter().product();
+        let inputs = [(sa.clone(), values(&mut rng, na, false)), (sb.clone(), values(&mut rng, nb, false))];
+        check_gradients(&format!("matmul {sa:?} x {sb:?}"), &inputs, &|xs| xs[0].matmul(&xs[1]));
+    }
+    let inputs = [(vec![3, 2], values(&mut rng, 6, false)), (vec![4, 2], values(&mut rng, 8, false))];
+    check_gradients("x @ w^T", &inputs, &|xs| xs[0].matmul(&xs[1].t()));
+}
+
+#[test]
+fn movement() {
+    let x = || (vec![2, 3, 2], values(&mut Rng::new(6), 12, false));
+    check_gradients("reshape", &[x()], &|xs| xs[0].reshape([3, 4]).exp());
+    check_gradients("permute", &[x()], &|xs| xs[0].permute(&[2, 0, 1]).sin());
+    check_gradients("transpose", &[x()], &|xs| xs[0].transpose(0, 2).square());
+    check_gradients("expand", &[(vec![3, 1], values(&mut Rng::new(7), 3, false))], &|xs| xs[0].expand([2, 3, 4]));
+    check_gradients("narrow", &[x()], &|xs| xs[0].narrow(1, 1, 1).exp() + xs[0].narrow(0, 0, 1).sum());
+    let y = (vec![2, 1, 2], values(&mut Rng::new(8), 4, false));
+    check_gradients("cat", &[x(), y], &|xs| Tensor::cat(&[&xs[0], &xs[1], &xs[0]], 1).tanh());
+    check_gradients("contiguous", &[x()], &|xs| xs[0].contiguous().cos());
+    check_gradients("squeeze/unsqueeze/flatten", &[x()], &|xs| xs[0].unsqueeze(1).squeeze(1).flatten().exp());
+}
+
+#[test]
+fn composites() {
+    let x = || (vec![2, 5], values(&mut Rng::new(9), 10, false));
+    check_gradients("softmax", &[x()], &|xs| xs[0].softmax(1));
+    check_gradients("log_softmax", &[x()], &|xs| xs[0].log_softmax(1));
+    check_gradients("layer_norm", &[x()], &|xs| xs[0].layer_norm(1, 1e-5));
+    check_gradients("gelu(x) * sigmoid(x)", &[x()], &|xs| xs[0].gelu() * xs[0].sigmoid());
+}
+
+#[test]
+fn in_place_updates_are_differentiated_per_version() {
+    let mut rng = Rng::new(10);
+    let inputs = [(vec![4], values(&mut rng, 4, false)), (vec![4], values(&mut rng, 4, false))];
+    check_gradients("in-place chain", &inputs, &|xs| {
+        let h = &xs[0] * 1.0;
+        h.add_assign(&xs[1]);
+        h.mul_assign(&xs[0]);
+        let keep = h.clone();
+        h.sub_assign(&xs[1].exp());
+        h.assign(&(&h * &keep));
+        h
+    });
+}
+
+/// The micrograd example (BENCH.md C4), with in-place `+=` as the example writes it.
+fn tiny_graph(dev: &Device) -> (Tensor, Tensor, Tensor) {
+    let a = Tensor::from_vec(vec![-4.0f64], (), dev).requires_grad();
+    let b = Tensor::from_vec(vec![2.0f64], (), dev).requires_grad();
+    let c = &a + &b;
+    let d = &(&a * &b) + &b.powf(3.0);
+    c.add_assign(&(&c + 1.0));
+    c.add_assign(&(&(1.0 + &c) + &a.neg()));
+    d.add_assign(&(&(&d * 2.0) + &(&b + &a).relu()));
+    d.add_assign(&(&(3.0 * &d) + &(&b - &a).relu()));
+    let e = &c - &d;
+    let f = e.powf(2.0);
+    let g = &f / 2.0;
+    g.add_assign(&(10.0 / &f));
+    (a, b, g)
+}
+
+#[test]
+fn micrograd_example_gives_the_published_values() {
+    let (a, b, g) = tiny_graph(&cpu());
+    let grads = g.backward().unwrap();
+    let close = |x: f64, want: f64| (x - want).abs() < 1e-4;
+    assert!(close(g.item::<f64>().unwrap(), 24.7041), "g = {}", g.item::<f64>().unwrap());
+    let da = grads.get(&a).unwrap().item::<f64>().unwrap();
+    let db = grads.get(&b).unwrap().item::<f64>().unwrap();
+    assert!(close(da, 138.8338) && close(db, 645.5773), "dg/da = {da}, dg/db = {db}");
+}
+
+#[test]
+fn backward_follows_the_forward_streams() {
+    let dev = cpu();
+    let side = dev.new_stream();
+    let mut rng = Rng::new(11);
+    let inputs = [(vec![3, 4], values(&mut rng, 12, false)), (vec![4, 2], values(&mut rng, 8, false))];
+    let f = |xs: &[Tensor]| {
+        let h = side.scope(|| xs[0].matmul(&xs[1]).tanh());
+        (&h * &h).sum_dim(1, false)
+    };
+    check_gradients("two streams", &inputs, &f);
+    // The gradient of w is `x^T @ g`, recorded where the forward matmul ran; the gradient of
+    // `h * h` stays on the default stream.
+    let x = leaf(&inputs[0].0, &inputs[0].1, &dev).requires_grad();
+    let w = leaf(&inputs[1].0, &inputs[1].1, &dev).requires_grad();
+    let loss = f(&[x.clone(), w.clone()]).sum();
+    let grads = loss.backward().unwrap();
+    assert_eq!(grads.get(&w).unwrap().stream(), side);
+    assert_eq!(grads.get(&x).unwrap().stream(), side);
+    let gw = grads.get(&w).unwrap();
+    gw.to_vec::<f64>().unwrap();
+    let dump = dev.last_schedule().unwrap().to_json();
+    let json: serde_json::Value = serde_json::from_str(&dump).unwrap();
+    let kernels_on = |s: u64| {
+        json["streams"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|st| st["id"] == s)
+            .flat_map(|st| st["steps"].as_array().unwrap().iter())
+            .filter(|step| step["kind"] == "kernel")
+            .count()
+    };
+    assert!(kernels_on(side.id() as u64) >= 2, "backward kernels on the side stream:\n{dump}");
+}
+
+#[test]
+fn gradients_accumulate_over_backward_calls() {
+    let dev = cpu();
+    let w = Tensor::from_vec(vec![1.0f64, 2.0], [2], &dev).requires_grad();
+    let mut grads = Grads::new();
+    (&w * &w).sum().backward_into(&mut grads).unwrap();
+    (&w * 3.0).sum().backward_into(&mut grads).unwrap();
+    assert_eq!(grads.get(&w).unwrap().to_vec::<f64>().unwrap(), vec![5.0, 7.0]);
+    assert_eq!(grads.len(), 1);
+}
+
+#[test]
+fn no_grad_and_detach_stop_gradients() {
+    let dev = cpu();
+    let w = Tensor::from_vec(vec![1.0f64, 2.0], [2], &dev).requires_grad();
+    let frozen = braid::no_grad(|| &w * 2.0);
+    assert!(!frozen.needs_grad() && !w.detach().needs_grad() && w.needs_grad());
+    assert!(braid::grad_enabled());
+    let loss = (&(&w * &frozen) + &w.detach()).sum();
+    let g = loss.backward().unwrap();
+    assert_eq!(g.get(&w).unwrap().to_vec::<f64>().unwrap(), vec![2.0, 4.0]);
+    assert!(g.get(&frozen).is_none());
+    // A leaf updated without gradients stays the same leaf.
+    braid::no_grad(|| w.sub_assign(&(&g.get(&w).unwrap() * 0.5)));
+    assert!(w.needs_grad());
+    let g2 = w.sum().backward().unwrap();
+    assert_eq!(g2.get(&w).unwrap().to_vec::<f64>().unwrap(), vec![1.0, 1.0]);
+    assert_eq!(w.to_vec::<f64>().unwrap(), vec![0.0, 0.0]);
+}
+
+fn panic_message(f: impl FnOnce()) -> String {
+    let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).expect_err("should panic");
+    e.downcast_ref::<String>().cloned().unwrap_or_default()
+}
+
+#[test]
+fn misuse_is_reported_at_the_call() {
+    let dev = cpu();
+    let w = Tensor::from_vec(vec![1.0f32, 2.0], [2], &dev).requires_grad();
+    let m = panic_message(|| (&w * 2.0).backward().map(|_| ()).unwrap());
+    assert!(m.contains("backward") && m.contains("one element") && m.contains("autodiff.rs"), "{m}");
+    let m = panic_message(|| Tensor::from_vec(vec![1.0f32], [1], &dev).sum().backward().map(|_| ()).unwrap());
+    assert!(m.contains("no gradient history"), "{m}");
+    let m = panic_message(|| w.add_assign(&w));
+    assert!(m.contains("no_grad") && m.contains("autodiff.rs"), "{m}");
+    let m = panic_message(|| {
+        Tensor::arange(0, 3, &dev).requires_grad();
+    });
+    assert!(m.contains("floating-point"), "{m}");
+    let loss = (&w * &w).sum();
+    loss.backward().unwrap();
+    let m = panic_message(|| loss.backward().map(|_| ()).unwrap());
+    assert!(m.contains("keep_graph"), "{m}");
+    // Keeping the graph allows a second pass, and the engine is fine after all of the above.
+    let loss = (&w * &w).sum();
+    let mut g = Grads::new();
+    loss.backward_with(&mut g, true).unwrap();
+    loss.backward_with(&mut g, false).unwrap();
+    assert_eq!(g.get(&w).unwrap().to_vec::<f32>().unwrap(), vec![4.0, 8.0]);
+}
+
+/// A two-layer MLP's gradients, as braid computes them (fusion on, poison on or off),
+/// against the reference interpreter evaluating the recorded backward graph.
+#[test]
+fn mlp_gradients_equal_the_reference() {
+    for poison in [false, true] {
+        let dev = Device::new_cpu();
+        dev.set_poison(poison);
+        dev.seed(12);
+        let x = Tensor::randn([8, 16], DType::F32, &dev);
+        let w1 = Tensor::randn([16, 32], DType::F32, &dev).requires_grad();
+        let b1 = Tensor::randn([32], DType::F32, &dev).requires_grad();
+        let w2 = Tensor::randn([32, 4], DType::F32, &dev).requires_grad();
+        let h = (&x.matmul(&w1) + &b1).relu();
+        let loss = h.matmul(&w2).square().mean();
+        let grads = loss.backward().unwrap();
+        let targets: Vec<Tensor> = [&w1, &b1, &w2].iter().map(|p| grads.get(p).unwrap()).collect();
+        let refs: Vec<&Tensor> = targets.iter().collect();
+        let stats = check_recorded(&refs).unwrap_or_else(|e| panic!("poison {poison}: {e}"));
+        assert!(stats.checked > 500, "{stats:?}");
+    }
+}
+
+/// One pre-norm transformer block (attention with a causal mask, an MLP with GELU) on two
+/// streams, checked against the reference.
+#[test]
+fn transformer_block_gradients_equal_the_reference() {
+    let dev = Device::new_cpu();
+    dev.seed(13);
+    let (t, d) = (6, 8);
+    let p = |shape: &[usize]| (Tensor::randn(shape.to_vec(), DType::F32, &dev) * 0.3).detach().requires_grad();
+    let x = Tensor::randn([t, d], DType::F32, &dev);
+    let (wq, wk, wv, wo, w1, w2) = (p(&[d, d]), p(&[d, d]), p(&[d, d]), p(&[d, d]), p(&[d, 4 * d]), p(&[4 * d, d]));
+    let mask_vals: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { -30.0 } else { 0.0 }).collect();
+    let mask = Tensor::from_vec(mask_vals, [t, t], &dev);
+    let side = dev.new_stream();
+    let h = x.layer_norm(1, 1e-5);
+    let q = h.matmul(&wq);
+    let k = side.scope(|| h.matmul(&wk));
+    let v = side.scope(|| h.matmul(&wv));
+    let att = (&(&q.matmul(&k.t()) * (1.0 / (d as f64).sqrt())) + &mask).softmax(1);
+    let x2 = &x + &att.matmul(&v).matmul(&wo);
+    let mlp = x2.layer_norm(1, 1e-5).matmul(&w1).gelu().matmul(&w2);
+    let loss = (&x2 + &mlp).square().mean();
+    let grads = loss.backward().unwrap();
+    let params = [&wq, &wk, &wv, &wo, &w1, &w2];
+    let targets: Vec<Tensor> = params.iter().map(|p| grads.get(p).unwrap()).collect();
+    let refs: Vec<&Tensor> = targets.iter().collect();
+    let stats = check_recorded(&refs).unwrap();
+    assert!(stats.checked > 600, "{stats:?}");
+}
