@@ -1,4 +1,5 @@
-//! The bench card (shared/BENCH.md), CPU part: C1 chain, C2 softmax, C4 tiny_graph (forward),
+//! The bench card (shared/BENCH.md), CPU part: C1 chain, C2 softmax, C3 mlp_step, C4 tiny_graph (forward, and
+//! forward + backward),
 //! each checked for correctness first, timed as the median of repeated runs after a warm-up, and
 //! shown next to a physical limit (a parallel copy measured in the same run) and a peer (JAX,
 //! if installed: `pip install jax`), whose script `benches/peers/card_jax.py` runs in the same
@@ -146,6 +147,174 @@ fn c4(dev: &Device) -> (f64, String) {
     (t, line)
 }
 
+/// The micrograd example with gradients: leaves a, b; returns (a, b, g).
+fn tiny_graph_grad(dev: &Device) -> (Tensor, Tensor, Tensor) {
+    let s = |v: f64| Tensor::from_vec(vec![v], (), dev).requires_grad();
+    let a = s(-4.0);
+    let b = s(2.0);
+    let mut c = &a + &b;
+    let mut d = &a * &b + b.powf(3.0);
+    c = &c + &(&c + 1.0);
+    c = &c + &(1.0 + &c + (-&a));
+    d = &d + &(&d * 2.0 + (&b + &a).relu());
+    d = &d + &(3.0 * &d + (&b - &a).relu());
+    let e = &c - &d;
+    let f = e.powf(2.0);
+    let g = &f / 2.0;
+    (a, b, &g + &(10.0 / &f))
+}
+
+/// C4 forward + backward: record both passes, run them in one flush, read g, dg/da, dg/db.
+fn c4_backward(dev: &Device) -> (f64, String) {
+    let step = || {
+        let (a, b, g) = tiny_graph_grad(dev);
+        let grads = g.backward().unwrap();
+        let (da, db) = (grads.get(&a).unwrap(), grads.get(&b).unwrap());
+        dev.sync().unwrap();
+        (g.item::<f64>().unwrap(), da.item::<f64>().unwrap(), db.item::<f64>().unwrap())
+    };
+    let (g, da, db) = step();
+    assert!(
+        (g - 24.7041).abs() < 1e-4 && (da - 138.8338).abs() < 1e-4 && (db - 645.5773).abs() < 1e-4,
+        "C4: g = {g}, dg/da = {da}, dg/db = {db}"
+    );
+    let t = median(200, 2001, || {
+        step();
+    });
+    let kernels = dev.last_schedule().unwrap().kernel_count();
+    // Where the time goes: recording both passes, the flush (cached schedule + kernels), reads.
+    let (mut rec, mut flush, mut read) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..2001 {
+        let t0 = Instant::now();
+        let (a, b, g) = tiny_graph_grad(dev);
+        let grads = g.backward().unwrap();
+        let (da, db) = (grads.get(&a).unwrap(), grads.get(&b).unwrap());
+        let t1 = Instant::now();
+        dev.sync().unwrap();
+        let t2 = Instant::now();
+        std::hint::black_box((g.item::<f64>().unwrap(), da.item::<f64>().unwrap(), db.item::<f64>().unwrap()));
+        let t3 = Instant::now();
+        rec.push((t1 - t0).as_secs_f64());
+        flush.push((t2 - t1).as_secs_f64());
+        read.push((t3 - t2).as_secs_f64());
+    }
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        v[v.len() / 2] * 1e6
+    };
+    let line = format!(
+        "C4 tiny_graph forward+backward (f64 scalars): {:.2} us per iteration, {kernels} kernel(s); g = {g:.4}, dg/da = {da:.4}, dg/db = {db:.4}; \
+         medians: record {:.2} us, flush {:.2} us, reads {:.2} us; target <= 10 us, never above 45 us",
+        t * 1e6,
+        med(&mut rec),
+        med(&mut flush),
+        med(&mut read)
+    );
+    (t, line)
+}
+
+/// C3 mlp_step: 4 x `relu(h @ W + b)` (H = 512, batch 256, f32), loss `mean(h^2)`, backward,
+/// in-place SGD. Checked first against an f64 host computation of the loss and of the first
+/// layer's updated weights.
+fn c3(dev: &Device) -> (f64, String) {
+    const H: usize = 512;
+    const B: usize = 256;
+    const LAYERS: usize = 4;
+    const LR: f64 = 0.01;
+    dev.seed(3);
+    let x = Tensor::randn([B, H], DType::F32, dev);
+    let scale = (2.0 / H as f64).sqrt();
+    let mut params: Vec<Tensor> = Vec::new();
+    for _ in 0..LAYERS {
+        params.push(braid::no_grad(|| Tensor::randn([H, H], DType::F32, dev) * scale).requires_grad());
+        params.push(braid::no_grad(|| Tensor::randn([H], DType::F32, dev) * 0.1).requires_grad());
+    }
+    let host = |t: &Tensor| t.to_vec::<f32>().unwrap().into_iter().map(f64::from).collect::<Vec<f64>>();
+    let (xs, ps): (Vec<f64>, Vec<Vec<f64>>) = (host(&x), params.iter().map(host).collect());
+    let mut opt = braid::optim::Sgd::new(LR);
+    let mut step = |params: &mut [Tensor]| {
+        let mut h = x.clone();
+        for l in 0..LAYERS {
+            h = (&h.matmul(&params[2 * l]) + &params[2 * l + 1]).relu();
+        }
+        let loss = h.square().mean();
+        let grads = loss.backward().unwrap();
+        opt.step(params, &grads);
+        dev.sync().unwrap();
+        loss
+    };
+    let loss = step(&mut params).item::<f32>().unwrap() as f64;
+    let (want_loss, want_w0) = mlp_host(&xs, &ps, B, H, LR);
+    let got_w0 = host(&params[0]);
+    let worst = got_w0.iter().zip(&want_w0).map(|(a, b)| (a - b).abs() / (1e-3 + b.abs())).fold(0.0, f64::max);
+    let loss_err = (loss - want_loss).abs() / want_loss;
+    assert!(loss_err < 1e-4 && worst < 1e-3, "C3: loss {loss} vs {want_loss}, worst W0 error {worst}");
+    let kernels = dev.last_schedule().unwrap().kernel_count();
+    let t = median(3, 21, || {
+        step(&mut params);
+    });
+    let line = format!(
+        "C3 mlp_step (H=512, batch 256, 4 layers, f32, fwd+bwd+SGD): {:.2} ms = {:.1} GFLOP/s, {kernels} kernel(s) in the last flush; \
+         loss rel. error {loss_err:.1e}, W0 update max rel. error {worst:.1e}; target <= 14 ms",
+        t * 1e3,
+        1.61 / t
+    );
+    (t, line)
+}
+
+/// The C3 step on the host in f64: returns the loss and the first weight after the update.
+fn mlp_host(x: &[f64], ps: &[Vec<f64>], b: usize, h: usize, lr: f64) -> (f64, Vec<f64>) {
+    // c[m x n] = a[m x k] * w[k x n] (+ optional transposes by index functions).
+    let matmul = |m: usize, k: usize, n: usize, a: &dyn Fn(usize, usize) -> f64, w: &dyn Fn(usize, usize) -> f64| {
+        let mut c = vec![0.0; m * n];
+        for i in 0..m {
+            for kk in 0..k {
+                let av = a(i, kk);
+                if av != 0.0 {
+                    for j in 0..n {
+                        c[i * n + j] += av * w(kk, j);
+                    }
+                }
+            }
+        }
+        c
+    };
+    let layers = ps.len() / 2;
+    let mut acts = vec![x.to_vec()];
+    for l in 0..layers {
+        let (w, bias) = (&ps[2 * l], &ps[2 * l + 1]);
+        let prev = acts.last().unwrap();
+        let mut z = matmul(b, h, h, &|i, k| prev[i * h + k], &|k, j| w[k * h + j]);
+        for (i, v) in z.iter_mut().enumerate() {
+            *v = (*v + bias[i % h]).max(0.0);
+        }
+        acts.push(z);
+    }
+    let out = acts.last().unwrap();
+    let n = out.len() as f64;
+    let loss = out.iter().map(|v| v * v).sum::<f64>() / n;
+    // Backward to the first layer's weight.
+    let mut g: Vec<f64> = out.iter().map(|v| 2.0 * v / n).collect();
+    let mut gw0 = Vec::new();
+    for l in (0..layers).rev() {
+        let a_out = &acts[l + 1];
+        for (gv, av) in g.iter_mut().zip(a_out) {
+            if *av <= 0.0 {
+                *gv = 0.0;
+            }
+        }
+        let a_in = &acts[l];
+        if l == 0 {
+            gw0 = matmul(h, b, h, &|k, i| a_in[i * h + k], &|i, j| g[i * h + j]);
+        } else {
+            let w = &ps[2 * l];
+            g = matmul(b, h, h, &|i, j| g[i * h + j], &|j, k| w[k * h + j]);
+        }
+    }
+    let w0 = ps[0].iter().zip(&gw0).map(|(w, g)| w - lr * g).collect();
+    (loss, w0)
+}
+
 /// Runs the JAX peer script and returns its lines (or why it could not run).
 fn peers(which: &str) -> Vec<String> {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/peers/card_jax.py");
@@ -174,8 +343,13 @@ fn main() {
         println!("{}", c2(&dev).1);
         peers("c2").iter().for_each(|l| println!("{l}"));
     }
+    if all || which == "c3" {
+        println!("{}", c3(&dev).1);
+        peers("c3").iter().for_each(|l| println!("{l}"));
+    }
     if all || which == "c4" {
         println!("{}", c4(&dev).1);
+        println!("{}", c4_backward(&dev).1);
         peers("c4").iter().for_each(|l| println!("{l}"));
     }
 }

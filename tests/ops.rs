@@ -351,3 +351,26 @@ fn numpy_semantics_pinned_by_hand() {
     assert_eq!(i(vec![-3, 4], &[2]).abs().to_vec::<i32>().unwrap(), vec![3, 4]);
     assert_eq!(Tensor::from_vec(vec![4.0f32, 0.25], [2], &dev).rsqrt().to_vec::<f32>().unwrap(), vec![0.5, 2.0]);
 }
+
+/// Reductions along an axis with few rows before it and a wide last dimension (bias gradients,
+/// column softmax) run re-tiled into column blocks; they must still equal the reference,
+/// with elementwise work before and after, several reductions, argmax and odd widths.
+#[test]
+fn reductions_over_few_wide_rows_equal_the_reference() {
+    let dev = Device::new_cpu();
+    dev.seed(21);
+    for dims in [vec![256, 512], vec![3, 40, 128], vec![5, 72], vec![2, 7, 24, 40], vec![300, 100]] {
+        let x = Tensor::randn(dims.clone(), DType::F32, &dev);
+        let y = Tensor::randn(dims.clone(), DType::F32, &dev);
+        let axis = if dims.len() > 2 { 1 } else { 0 };
+        let z = &x * &y;
+        let col_sum = z.relu().sum_dim(axis, false);
+        let soft = z.softmax(axis);
+        let norm = x.layer_norm(axis, 1e-5);
+        let arg = x.argmax_dim(axis, true);
+        let mean = (&x.mean_dim(axis, true) * 2.0) - 1.0;
+        let targets = [&col_sum, &soft, &norm, &arg, &mean];
+        let stats = common::check_recorded(&targets).unwrap_or_else(|e| panic!("{dims:?}: {e}"));
+        assert!(stats.checked > 0);
+    }
+}

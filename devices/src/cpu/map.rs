@@ -176,11 +176,23 @@ fn run_range_impl(l: &MapLoop, args: Shared<'_>, start: usize, end: usize) -> Re
 /// Fills `out[..m]` with the element offsets of indices `start..start + m` of `view`.
 #[inline(always)]
 pub(super) fn fill_offsets(view: &View, start: usize, m: usize, out: &mut [isize]) {
-    let rank = view.dims.len();
-    if rank == 0 {
+    if view.dims.is_empty() {
         out[..m].fill(view.offset as isize);
         return;
     }
+    let s_inner = view.strides[view.dims.len() - 1];
+    for_each_run(view, start, m, |p, cur, run| {
+        for (j, o) in out[p..p + run].iter_mut().enumerate() {
+            *o = cur + j as isize * s_inner;
+        }
+    });
+}
+
+/// Splits indices `start..start + m` of `view` (rank >= 1) into runs along the last dimension:
+/// calls `each(position in 0..m, offset of the run's first element, run length)`.
+#[inline(always)]
+fn for_each_run(view: &View, start: usize, m: usize, mut each: impl FnMut(usize, isize, usize)) {
+    let rank = view.dims.len();
     let mut idx = [0usize; 8];
     let mut idx_heap;
     let idx: &mut [usize] = if rank <= 8 {
@@ -200,9 +212,7 @@ pub(super) fn fill_offsets(view: &View, start: usize, m: usize, out: &mut [isize
     let mut p = 0;
     while p < m {
         let run = (inner - idx[rank - 1]).min(m - p);
-        for (j, o) in out[p..p + run].iter_mut().enumerate() {
-            *o = cur + j as isize * s_inner;
-        }
+        each(p, cur, run);
         p += run;
         cur += run as isize * s_inner;
         idx[rank - 1] += run;
@@ -216,6 +226,12 @@ pub(super) fn fill_offsets(view: &View, start: usize, m: usize, out: &mut [isize
             cur += view.strides[d];
         }
     }
+}
+
+/// Whether a view's last dimension is contiguous in runs long enough to copy as slices.
+#[inline(always)]
+fn contiguous_runs(view: &View) -> bool {
+    view.dims.last().is_some_and(|&n| n >= 8) && view.strides.last() == Some(&1)
 }
 
 /// Reads indices `start..start + m` of `view` from `arg` into `out`, converting storage to
@@ -242,6 +258,13 @@ pub(super) unsafe fn gather(view: &View, arg: ArgPtr, start: usize, m: usize, ou
                 }
             } else if view.strides.iter().all(|&s| s == 0) {
                 out.fill(conv(*base.add(view.offset)));
+            } else if contiguous_runs(view) {
+                for_each_run(view, start, m, |p, cur, run| {
+                    let src = std::slice::from_raw_parts(base.offset(cur), run);
+                    for (o, &s) in out[p..p + run].iter_mut().zip(src) {
+                        *o = conv(s);
+                    }
+                });
             } else {
                 fill_offsets(view, start, m, offsets);
                 for (o, &off) in out.iter_mut().zip(&offsets[..m]) {
@@ -287,6 +310,13 @@ pub(super) unsafe fn scatter(view: &View, arg: ArgPtr, start: usize, m: usize, r
                 for (d, &s) in dst.iter_mut().zip(src) {
                     *d = conv(s);
                 }
+            } else if contiguous_runs(view) {
+                for_each_run(view, start, m, |p, cur, run| {
+                    let dst = std::slice::from_raw_parts_mut(base.offset(cur), run);
+                    for (d, &s) in dst.iter_mut().zip(&src[p..p + run]) {
+                        *d = conv(s);
+                    }
+                });
             } else {
                 fill_offsets(view, start, m, offsets);
                 for (&off, &s) in offsets[..m].iter().zip(src) {

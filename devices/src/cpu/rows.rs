@@ -14,6 +14,7 @@ use braid_graph::expr::ExprOp;
 use braid_graph::{DType, ReduceOp};
 use braid_lowering::{RowKernel, Store, View};
 use rayon::prelude::*;
+use smallvec::SmallVec;
 
 /// Row elements per parallel task (rows are grouped until a task has about this much work).
 const TASK: usize = 32 * 1024;
@@ -35,9 +36,11 @@ pub struct Plan {
     /// Extent of the axis (the whole space when `None`) and of the dimensions after it.
     len: usize,
     inner: usize,
+    /// The kernel to run instead of the one planned (see [`retile`]).
+    retiled: Option<Box<RowKernel>>,
 }
 
-pub fn plan(k: &RowKernel) -> Plan {
+fn plan_for(k: &RowKernel) -> Plan {
     let nodes = &k.expr.nodes;
     let d = k.axis;
     let mut per_row = vec![false; nodes.len()];
@@ -113,7 +116,67 @@ pub fn plan(k: &RowKernel) -> Plan {
         Some(d) => (k.dims[..d].to_vec(), k.dims[d], k.dims[d + 1..].iter().product()),
         None => (Vec::new(), k.dims.iter().product(), 1),
     };
-    Plan { per_row, row_stores, phases, last_phase, broadcast, outer_dims, len, inner }
+    Plan { per_row, row_stores, phases, last_phase, broadcast, outer_dims, len, inner, retiled: None }
+}
+
+/// Plans a row kernel, first re-tiling it when it has too few rows to split across threads
+/// (see [`retile`]).
+pub fn plan(k: &RowKernel) -> Plan {
+    match retile(k) {
+        Some(tiled) => Plan { retiled: Some(Box::new(tiled.clone())), ..plan_for(&tiled) },
+        None => plan_for(k),
+    }
+}
+
+/// Rows needed before a kernel is left as it is: enough to keep every thread busy.
+const MIN_ROWS: usize = 16;
+
+/// A reduction along an axis with few rows before it and a wide last dimension (the column sums
+/// of a bias gradient: `[batch, n]` summed over the batch is one row of `batch x n` elements,
+/// run on one thread and too long to stay in cache) is the same kernel over the index space
+/// with the last dimension split into `blocks x width` and the blocks moved in front of the
+/// axis: every block is an independent row of `len x width` elements. Views are strided, so
+/// this only rewrites dims and strides. Kernels that use the flat element index (random
+/// numbers) keep their index space.
+fn retile(k: &RowKernel) -> Option<RowKernel> {
+    let d = k.axis?;
+    let last = k.dims.len() - 1;
+    if d == last || k.expr.nodes.iter().any(|n| matches!(n.op, ExprOp::Index | ExprOp::Random { .. })) {
+        return None;
+    }
+    let outer: usize = k.dims[..d].iter().product();
+    let inner: usize = k.dims[d + 1..].iter().product();
+    let cols = k.dims[last];
+    if outer >= MIN_ROWS || inner < 64 {
+        return None;
+    }
+    // The widest block (a multiple of 8 lanes) that leaves enough rows and, where possible,
+    // rows that fit one chunk.
+    let rest = k.dims[d] * (inner / cols);
+    let width = [64usize, 32, 16, 8]
+        .into_iter()
+        .filter(|&w| cols.is_multiple_of(w) && outer * (cols / w) >= MIN_ROWS)
+        .find(|&w| rest * w <= WHOLE_ROW)
+        .or_else(|| [8usize, 16, 32, 64].into_iter().find(|&w| cols.is_multiple_of(w) && cols / w >= 2))?;
+    let blocks = cols / width;
+    let split = |v: &View| -> View {
+        let s = v.strides[last];
+        let mut dims: SmallVec<[usize; 4]> = v.dims[..d].into();
+        let mut strides: SmallVec<[isize; 4]> = v.strides[..d].into();
+        dims.push(blocks);
+        strides.push(s * width as isize);
+        dims.extend_from_slice(&v.dims[d..last]);
+        strides.extend_from_slice(&v.strides[d..last]);
+        dims.push(width);
+        strides.push(s);
+        View { dims, strides, offset: v.offset }
+    };
+    let mut tiled = k.clone();
+    tiled.dims = split(&View { dims: k.dims.clone(), strides: k.dims.iter().map(|_| 0).collect(), offset: 0 }).dims;
+    tiled.axis = Some(d + 1);
+    tiled.loads.iter_mut().for_each(|l| l.view = split(&l.view));
+    tiled.stores.iter_mut().for_each(|s| s.view = split(&s.view));
+    Some(tiled)
 }
 
 fn operands(op: &ExprOp) -> Vec<usize> {
@@ -148,6 +211,7 @@ fn row_view(view: &View, axis: Option<usize>, o: usize, outer_dims: &[usize], wh
 
 /// Runs a row kernel with its plan (from [`plan`]).
 pub fn run_rows(k: &RowKernel, p: &Plan, args: &[ArgPtr]) -> Result<(), String> {
+    let k = p.retiled.as_deref().unwrap_or(k);
     check_io(&k.loads, &k.stores, &k.expr, args)?;
     for n in &k.expr.nodes {
         if let ExprOp::Reduce(_, x) = n.op
@@ -337,8 +401,12 @@ fn broadcast(row: &Reg, out: &mut Reg, c: usize, m: usize, inner: usize) {
             if inner == 1 {
                 $o[..m].fill($r[0]);
             } else {
-                for (t, x) in $o[..m].iter_mut().enumerate() {
-                    *x = $r[(c + t) % inner];
+                let (mut t, mut j) = (0, c % inner);
+                while t < m {
+                    let run = (inner - j).min(m - t);
+                    $o[t..t + run].copy_from_slice(&$r[j..j + run]);
+                    t += run;
+                    j = 0;
                 }
             }
         };
@@ -389,10 +457,18 @@ fn fold_float<T: Copy + PartialOrd + std::ops::Add<Output = T> + Default>(
             }
             acc[0] = acc[0] + s;
         }
-        ReduceOp::Sum | ReduceOp::Mean => v.iter().enumerate().for_each(|(t, &x)| {
-            let a = &mut acc[(c + t) % inner];
-            *a = *a + x;
-        }),
+        ReduceOp::Sum | ReduceOp::Mean => {
+            // Runs of consecutive inner positions: loops the compiler vectorises.
+            let (mut t, mut j) = (0, c % inner);
+            while t < v.len() {
+                let run = (inner - j).min(v.len() - t);
+                for (a, &x) in acc[j..j + run].iter_mut().zip(&v[t..t + run]) {
+                    *a = *a + x;
+                }
+                t += run;
+                j = 0;
+            }
+        }
         ReduceOp::Max | ReduceOp::Min if inner == 1 => {
             // Eight running extremes (NaN-propagating), then one.
             let pick = |a: T, x: T| {
