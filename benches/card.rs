@@ -1,11 +1,14 @@
 //! The bench card (shared/BENCH.md), CPU part: C1 chain, C2 softmax, C3 mlp_step, C4 tiny_graph (forward, and
-//! forward + backward),
+//! forward + backward), C5 mini_gpt,
 //! each checked for correctness first, timed as the median of repeated runs after a warm-up, and
 //! shown next to a physical limit (a parallel copy measured in the same run) and a peer (JAX,
 //! if installed: `pip install jax`), whose script `benches/peers/card_jax.py` runs in the same
 //! command.
 //!
 //! Run: `cargo bench --bench card` (or `cargo bench --bench card -- c1` for one workload).
+
+#[path = "../examples/common/mini_gpt.rs"]
+mod mini_gpt;
 
 use braid::prelude::*;
 use rayon::prelude::*;
@@ -315,6 +318,44 @@ fn mlp_host(x: &[f64], ps: &[Vec<f64>], b: usize, h: usize, lr: f64) -> (f64, Ve
     (loss, w0)
 }
 
+/// C5 mini_gpt: one SGD step per sample (forward, backward, update, device sync), f32.
+/// Checked first: 46,337 parameters, and the loss falls over the first steps.
+fn c5(dev: &Device) -> (f64, String) {
+    let model = mini_gpt::MiniGpt::new(dev, 5);
+    let mut params = model.parameters();
+    let count: usize = params.iter().map(Tensor::numel).sum();
+    assert_eq!(count, 46_337, "C5 parameter count");
+    let tokens = mini_gpt::tokens();
+    let ctx = mini_gpt::CONTEXT;
+    let mut opt = braid::optim::Sgd::new(0.1);
+    let mut at = 0;
+    let mut step = |params: &mut [Tensor]| {
+        at = (at + 7) % (tokens.len() - ctx - 1);
+        let loss = model.loss(&tokens[at..at + ctx], &tokens[at + 1..at + ctx + 1]);
+        let grads = loss.backward().unwrap();
+        opt.step(params, &grads);
+        dev.sync().unwrap();
+        loss
+    };
+    let first: Vec<f32> = (0..40).map(|_| step(&mut params).item::<f32>().unwrap()).collect();
+    let (early, late) = (first[..10].iter().sum::<f32>() / 10.0, first[30..].iter().sum::<f32>() / 10.0);
+    assert!(late < early, "C5 loss does not fall: {early} -> {late}");
+    dev.reset_peak();
+    let t = median(20, 201, || {
+        step(&mut params);
+    });
+    let peak = dev.memory().peak;
+    let s = dev.last_schedule().unwrap();
+    let line = format!(
+        "C5 mini_gpt (46,337 parameters, context 8, batch 1, f32, fwd+bwd+SGD+sync): {:.2} ms per step, {} kernel(s) per step; \
+         loss {early:.3} -> {late:.3} over 40 steps; peak device memory {:.0} KiB; target <= 2.5 ms",
+        t * 1e3,
+        s.kernel_count(),
+        peak as f64 / 1024.0
+    );
+    (t, line)
+}
+
 /// Runs the JAX peer script and returns its lines (or why it could not run).
 fn peers(which: &str) -> Vec<String> {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/peers/card_jax.py");
@@ -346,6 +387,10 @@ fn main() {
     if all || which == "c3" {
         println!("{}", c3(&dev).1);
         peers("c3").iter().for_each(|l| println!("{l}"));
+    }
+    if all || which == "c5" {
+        println!("{}", c5(&dev).1);
+        peers("c5").iter().for_each(|l| println!("{l}"));
     }
     if all || which == "c4" {
         println!("{}", c4(&dev).1);

@@ -79,6 +79,63 @@ def c3():
     print(f"jax.jit C3 mlp_step: {t * 1e3:.2f} ms")
 
 
+def c5():
+    vocab, ctx, d, heads, layers, lr = 65, 8, 24, 6, 6, 0.1
+    keys = iter(jax.random.split(jax.random.PRNGKey(0), 200))
+
+    def w(*shape):
+        return jax.random.normal(next(keys), shape, jnp.float32) * 0.02
+
+    def lin(i, o):
+        return (w(i, o), jnp.zeros((o,), jnp.float32))
+
+    def ln():
+        return (jnp.ones((d,), jnp.float32), jnp.zeros((d,), jnp.float32))
+
+    params = {
+        "tok": w(vocab, d), "pos": w(ctx, d), "lnf": ln(), "head": lin(d, vocab),
+        "layers": [{"ln1": ln(), "q": w(d, d), "k": w(d, d), "v": w(d, d), "proj": lin(d, d),
+                    "ln2": ln(), "ff1": lin(d, 4 * d), "ff2": lin(4 * d, d)} for _ in range(layers)],
+    }
+    count = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    mask = jnp.where(jnp.arange(ctx)[None, :] > jnp.arange(ctx)[:, None], -1e9, 0.0)
+
+    def norm(x, gb):
+        m = x.mean(-1, keepdims=True)
+        v = ((x - m) ** 2).mean(-1, keepdims=True)
+        return (x - m) / jnp.sqrt(v + 1e-5) * gb[0] + gb[1]
+
+    def loss(p, idx, tgt):
+        x = p["tok"][idx] + p["pos"]
+        hs = d // heads
+        split = lambda t: t.reshape(ctx, heads, hs).transpose(1, 0, 2)
+        for l in p["layers"]:
+            h = norm(x, l["ln1"])
+            q, k, v = split(h @ l["q"]), split(h @ l["k"]), split(h @ l["v"])
+            att = jax.nn.softmax(q @ k.transpose(0, 2, 1) / hs ** 0.5 + mask, axis=-1)
+            x = x + (att @ v).transpose(1, 0, 2).reshape(ctx, d) @ l["proj"][0] + l["proj"][1]
+            h = norm(x, l["ln2"])
+            x = x + jax.nn.relu(h @ l["ff1"][0] + l["ff1"][1]) @ l["ff2"][0] + l["ff2"][1]
+        logits = norm(x, p["lnf"]) @ p["head"][0] + p["head"][1]
+        return -jax.nn.log_softmax(logits)[jnp.arange(ctx), tgt].mean()
+
+    @jax.jit
+    def step(p, idx, tgt):
+        l, g = jax.value_and_grad(loss)(p, idx, tgt)
+        return jax.tree_util.tree_map(lambda a, b: a - lr * b, p, g), l
+
+    data = jax.random.randint(next(keys), (200,), 0, vocab)
+    state = {"p": params, "at": 0}
+
+    def run():
+        at = state["at"] = (state["at"] + 7) % (200 - ctx - 1)
+        state["p"], l = step(state["p"], data[at:at + ctx], data[at + 1:at + ctx + 1])
+        l.block_until_ready()
+
+    t = median(run, 20, 201)
+    print(f"jax.jit C5 mini_gpt ({count} parameters): {t * 1e3:.2f} ms per step")
+
+
 def c4():
     def graph(a, b):
         c = a + b
@@ -107,4 +164,4 @@ def c4():
     print(f"jax.jit C4 tiny_graph forward+backward: {t * 1e6:.2f} us (g = {g:.4f}, dg/da = {da:.4f}, dg/db = {db:.4f})")
 
 
-{"c1": c1, "c2": c2, "c3": c3, "c4": c4}[sys.argv[1]]()
+{"c1": c1, "c2": c2, "c3": c3, "c4": c4, "c5": c5}[sys.argv[1]]()
