@@ -77,6 +77,7 @@ fn flush_graph() -> FlushGraph {
             inputs: inputs.into(),
             after: Default::default(),
             keep: i % 1000 == 999,
+            offload_hint: false,
         });
     }
     g

@@ -8,7 +8,7 @@ use crate::stream::Stream;
 use braid_devices::{Backend, cpu::CpuDevice};
 use braid_graph::{DeviceId, StreamId, rng};
 use std::fmt;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 
 pub use braid_devices::MemoryStats;
@@ -29,6 +29,8 @@ pub(crate) struct DeviceInner {
     poison: Mutex<Option<bool>>,
     /// `set_fusion`'s choice; `None` follows `BRAID_FUSION`.
     fusion: Mutex<Option<bool>>,
+    /// `set_memory_budget`'s cap on planned device memory; `u64::MAX` when none.
+    budget: AtomicU64,
     /// Plans of earlier flushes, reused for structurally identical ones.
     pub(crate) plans: Mutex<crate::engine::cache::PlanCache>,
     /// Test-only: rewrites each planned schedule (see `braid::testing`).
@@ -66,6 +68,7 @@ impl Device {
             auto_streams: Mutex::new(Vec::new()),
             poison: Mutex::new(None),
             fusion: Mutex::new(None),
+            budget: AtomicU64::new(u64::MAX),
             plans: Mutex::new(Default::default()),
             schedule_hook: Mutex::new(None),
         }));
@@ -213,6 +216,28 @@ impl Device {
     /// Whether flushes starting now fuse (`BRAID_FUSION=0` turns fusion off by default).
     pub fn fusion_enabled(&self) -> bool {
         lock(&self.0.fusion).unwrap_or_else(|| !std::env::var("BRAID_FUSION").is_ok_and(|v| v.trim() == "0"))
+    }
+
+    /// Caps the device memory a flush may plan for: when the planned peak (the flush's inputs
+    /// plus everything it allocates) would exceed `bytes`, the scheduler moves values that sit
+    /// idle at the peak to host memory on an offload stream and brings them back before their
+    /// next use, with events at both ends (shown in dumps as copy steps and `offloads`). A
+    /// budget below what that can reach makes the read that needed the flush return
+    /// `Error::MemoryBudget` naming the lowest reachable peak. `None` removes the cap.
+    ///
+    /// ```
+    /// use braid::prelude::*;
+    /// let dev = Device::new_cpu();
+    /// dev.set_memory_budget(Some(1 << 30));
+    /// assert_eq!(dev.memory_budget(), Some(1 << 30));
+    /// ```
+    pub fn set_memory_budget(&self, bytes: Option<u64>) {
+        self.0.budget.store(bytes.unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+
+    pub fn memory_budget(&self) -> Option<u64> {
+        let b = self.0.budget.load(Ordering::Relaxed);
+        (b != u64::MAX).then_some(b)
     }
 
     pub(crate) fn auto_stream_ids(&self) -> Vec<StreamId> {

@@ -32,6 +32,13 @@ pub enum Error {
     /// Something inside braid failed that should not (a bug); the engine recovered.
     #[error("internal error: {0}")]
     Internal(String),
+    /// The device's memory budget (`Device::set_memory_budget`) is below what offloading can
+    /// reach for this flush; nothing ran. Raise the budget (at least to `min_peak`) and read
+    /// again.
+    #[error(
+        "memory budget of {budget} bytes cannot be met: offloading idle values gets the peak down to {min_peak} bytes at best, reached at {at}"
+    )]
+    MemoryBudget { budget: u64, min_peak: u64, at: String },
     /// The validator found a hazard in a schedule (a bug in braid); nothing ran.
     #[error("invalid schedule (a bug in braid; nothing ran): {0}")]
     InvalidSchedule(String),

@@ -10,7 +10,7 @@ mod common;
 
 use braid_graph::table::{BinaryOp, UnaryOp};
 use braid_graph::{DType, DeviceId, External, FlushGraph, FlushNode, NodeId, Op, Shape, StreamId, ValueRef};
-use braid_scheduler::{BufferSource, HazardKind, Schedule, Step, plan, validate};
+use braid_scheduler::{BufferSource, HazardKind, Schedule, Step, offload, plan, validate};
 use common::Rng;
 use hashbrown::HashMap;
 
@@ -68,6 +68,7 @@ fn random_graph(rng: &mut Rng) -> FlushGraph {
             inputs: inputs.into(),
             after,
             keep: false,
+            offload_hint: rng.chance(0.25),
         });
     }
     // Keep values nobody reads (the flush's results) and a few others.
@@ -80,8 +81,21 @@ fn random_graph(rng: &mut Rng) -> FlushGraph {
     g
 }
 
-fn schedule_for(g: &FlushGraph) -> Schedule {
-    plan(g, braid_fusion::segment(g, &braid_fusion::Options::default()))
+/// A plan; half the time with offloads, for a random budget below the plain plan's peak (or
+/// only for the hinted values when that budget is out of reach).
+fn schedule_for(g: &FlushGraph, rng: &mut Rng) -> Schedule {
+    if rng.chance(0.5) {
+        return plan(g, braid_fusion::segment(g, &braid_fusion::Options::default()));
+    }
+    // Unfused plans have more kernels, so more idle gaps to offload in.
+    let options = braid_fusion::Options { enabled: rng.chance(0.3), ..Default::default() };
+    let base = plan(g, braid_fusion::segment(g, &options));
+    let budget = (base.planned_peak_bytes as f64 * rng.uniform(0.3, 0.95)) as u64;
+    let model = braid_scheduler::CostModel::CPU;
+    let decisions = offload::choose(g, &base, Some(budget), &model)
+        .or_else(|_| offload::choose(g, &base, None, &model))
+        .expect("hints alone always place");
+    braid_scheduler::plan_with_offloads(g, base, &decisions)
 }
 
 /// The oracle: runs the schedule's streams in random interleavings against a model of the
@@ -170,6 +184,15 @@ fn oracle(s: &Schedule, g: &FlushGraph, rng: &mut Rng) -> Option<String> {
                     }
                 }
                 Step::Wait(_) => {}
+                Step::Copy { from, to, node } => {
+                    if state[from.index()] != B::Holds(*node) {
+                        return Some(format!("copy reads {from} in state {:?}, wanting n{node}", state[from.index()]));
+                    }
+                    if matches!(state[to.index()], B::Unallocated | B::Freed) {
+                        return Some(format!("copy writes {to}, which is not live"));
+                    }
+                    state[to.index()] = B::Holds(*node);
+                }
             }
             // Frees happen once their events are recorded.
             pending_frees.retain(|(b, after)| {
@@ -253,6 +276,17 @@ fn corrupt(s: &Schedule, kind: Corruption, rng: &mut Rng) -> Option<Schedule> {
                     }
                 }
             }
+            for st in &mut c.streams {
+                for step in &mut st.steps {
+                    if let Step::Copy { from, to, .. } = step {
+                        for v in [from, to] {
+                            if *v == b {
+                                *v = a;
+                            }
+                        }
+                    }
+                }
+            }
             c.outputs.iter_mut().for_each(|(_, v)| {
                 if *v == b {
                     *v = a
@@ -270,10 +304,13 @@ fn planned_schedules_validate_and_every_planted_hazard_is_named() {
     let mut harmless = 0;
     let mut flagged_unseen = 0;
     let mut plans = 0;
+    let mut offloaded = 0;
+    let mut planted_with_offloads = 0;
     for _ in 0..1500 {
         let g = random_graph(&mut rng);
-        let s = schedule_for(&g);
+        let s = schedule_for(&g, &mut rng);
         plans += 1;
+        offloaded += usize::from(!s.offloads.is_empty());
         if let Err(h) = validate(&s, &g) {
             panic!("the planner produced a schedule the validator rejects: {h:?}\n{g:#?}\n{s:#?}");
         }
@@ -290,6 +327,7 @@ fn planned_schedules_validate_and_every_planted_hazard_is_named() {
                 ),
                 (Some(_), Err(hazards)) => {
                     *planted.entry(kind).or_default() += 1;
+                    planted_with_offloads += usize::from(!s.offloads.is_empty());
                     for h in &hazards {
                         match h.kind {
                             HazardKind::Deadlock => assert!(!h.steps.is_empty() && h.message.contains("stream"), "{h}"),
@@ -318,8 +356,12 @@ fn planned_schedules_validate_and_every_planted_hazard_is_named() {
             }
         }
     }
+    assert!(
+        offloaded >= 50 && planted_with_offloads >= 100,
+        "too few plans with offloads ({offloaded}) or hazards planted in them ({planted_with_offloads})"
+    );
     println!(
-        "{plans} plans; planted hazards caught: {planted:?}; corruptions with no effect: {harmless}; \
+        "{plans} plans ({offloaded} with offloads, {planted_with_offloads} hazards planted in those); planted hazards caught: {planted:?}; corruptions with no effect: {harmless}; \
          races found by the validator that no sampled interleaving hit: {flagged_unseen}"
     );
     for kind in [Corruption::DropWait, Corruption::DropRecord, Corruption::FreeEarly, Corruption::ReuseEarly] {

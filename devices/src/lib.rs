@@ -77,4 +77,8 @@ pub trait Backend: Send + Sync {
     fn kernels_launched(&self) -> u64;
     /// Returns cached free memory to the system.
     fn trim(&self);
+    /// How fast this device computes and copies, for placing offloads.
+    fn cost_model(&self) -> braid_scheduler::CostModel {
+        braid_scheduler::CostModel::CPU
+    }
 }

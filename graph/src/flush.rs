@@ -33,6 +33,8 @@ pub struct FlushNode {
     pub after: SmallVec<[usize; 1]>,
     /// The value outlives the flush (it is read, held by a tensor, or needed by later work).
     pub keep: bool,
+    /// Offload this value to host memory when it is idle long enough, budget or not.
+    pub offload_hint: bool,
 }
 
 impl FlushNode {

@@ -47,11 +47,13 @@ pub struct Node<V> {
     pub handles: u32,
     /// Recording order (program order): every input has a smaller number.
     pub seq: u64,
+    /// The user asked for this value to be offloaded while idle (`Tensor::offload_hint`).
+    pub offload_hint: bool,
 }
 
 impl<V> Node<V> {
     pub fn new(op: Op, dtype: DType, shape: Shape, device: DeviceId, stream: StreamId) -> Node<V> {
-        Node { op, dtype, shape, device, stream, value: None, handles: 0, seq: 0 }
+        Node { op, dtype, shape, device, stream, value: None, handles: 0, seq: 0, offload_hint: false }
     }
 
     pub fn bytes(&self) -> usize {

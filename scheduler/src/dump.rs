@@ -74,6 +74,9 @@ pub enum DumpStep {
         from: String,
         to: String,
         direction: String,
+        /// The value (node) copied.
+        #[serde(default)]
+        node: Option<u32>,
     },
 }
 
@@ -163,6 +166,16 @@ impl Dump {
                         },
                         Step::Record(e) => DumpStep::Record { event: e.to_string() },
                         Step::Wait(e) => DumpStep::Wait { event: e.to_string() },
+                        Step::Copy { from, to, node } => DumpStep::Copy {
+                            from: from.to_string(),
+                            to: to.to_string(),
+                            direction: match schedule.buffers[to.index()].space {
+                                Space::Host => "d2h",
+                                Space::Device => "h2d",
+                            }
+                            .to_string(),
+                            node: Some(node_id(*node)),
+                        },
                     })
                     .collect(),
             })
@@ -206,7 +219,15 @@ impl Dump {
                     .map(|r| DumpRefusal { a: node_id(r.a), b: node_id(r.b), reason: r.reason.clone() })
                     .collect(),
             },
-            offloads: Vec::new(),
+            offloads: schedule
+                .offloads
+                .iter()
+                .map(|o| DumpOffload {
+                    buffer: o.device.to_string(),
+                    to: o.host.to_string(),
+                    back_before: o.back_before.map_or("end".to_string(), |k| k.to_string()),
+                })
+                .collect(),
             planned_peak_bytes: schedule.planned_peak_bytes,
         }
     }
@@ -256,6 +277,9 @@ impl Dump {
         }
         for r in &self.fusion.refused {
             let _ = writeln!(s, "not fused: n{} | n{}: {}", r.a, r.b, r.reason);
+        }
+        for o in &self.offloads {
+            let _ = writeln!(s, "offload: {} -> {} while idle, back before {}", o.buffer, o.to, o.back_before);
         }
         s
     }
@@ -311,6 +335,6 @@ fn step_text(step: &DumpStep, buffers: &[DumpBuffer]) -> String {
         DumpStep::Free { buffer, after } => format!("free {buffer} after {}", after.join(" ")),
         DumpStep::Record { event } => format!("record {event}"),
         DumpStep::Wait { event } => format!("wait {event}"),
-        DumpStep::Copy { from, to, direction } => format!("copy {from} -> {to} ({direction})"),
+        DumpStep::Copy { from, to, direction, .. } => format!("copy {from} -> {to} ({direction}, {} B)", bytes(from)),
     }
 }

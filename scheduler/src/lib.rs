@@ -8,14 +8,17 @@
 
 pub mod assign;
 pub mod dump;
+pub mod offload;
 pub mod plan;
 pub mod schedule;
 pub mod validate;
 
 pub use assign::spread_default_stream;
 pub use dump::Dump;
-pub use plan::plan;
+pub use offload::{CostModel, Decision, Unreachable};
+pub use plan::{plan, plan_with_offloads};
 pub use schedule::{
-    BufferId, BufferPlan, BufferSource, EventId, EventPlan, KernelId, KernelPlan, Schedule, Space, Step, StreamSchedule,
+    BufferId, BufferPlan, BufferSource, EventId, EventPlan, KernelId, KernelPlan, OFFLOAD_STREAM, OffloadPlan,
+    Schedule, Space, Step, StreamSchedule,
 };
 pub use validate::{Hazard, HazardKind, Program, check_reachable, validate};

@@ -97,6 +97,28 @@ pub enum Step {
     Record(EventId),
     /// Wait until an event (of another stream) is reached.
     Wait(EventId),
+    /// Copy the value of flush node `node` between spaces: to host memory (an offload) or
+    /// back to the device.
+    Copy { from: BufferId, to: BufferId, node: usize },
+}
+
+/// The stream offload copies run on (a device's copy engine; a worker on the CPU).
+pub const OFFLOAD_STREAM: StreamId = StreamId(u32::MAX);
+
+/// A value moved out of device memory while idle and brought back before its next use.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OffloadPlan {
+    /// Flush node of the value.
+    pub node: usize,
+    /// Its device buffer before the offload (freed once the copy out completes).
+    pub device: BufferId,
+    /// The host copy.
+    pub host: BufferId,
+    /// The device buffer it returns to.
+    pub back: BufferId,
+    /// The kernel that needs it back (`None`: the end of the flush, for a value that
+    /// outlives it).
+    pub back_before: Option<KernelId>,
 }
 
 #[derive(Clone, Debug)]
@@ -121,6 +143,8 @@ pub struct Schedule {
     /// with streams advancing in the order the steps were planned. Exact for one stream; with
     /// several, streams running ahead of one another can hold more at the same moment.
     pub planned_peak_bytes: u64,
+    /// Values offloaded to host memory during the flush (to keep the peak under a budget).
+    pub offloads: Vec<OffloadPlan>,
 }
 
 impl Schedule {

@@ -136,6 +136,15 @@ impl Program {
                                 node_streams: seg.nodes.iter().map(|&n| graph.nodes[n].stream.0).collect(),
                             }
                         }
+                        Step::Copy { from, to, node } => {
+                            let v = graph.nodes[*node].id.index() as u64;
+                            PStep::Kernel {
+                                label: format!("copy {from} -> {to}"),
+                                reads: vec![(from.0, v)],
+                                writes: vec![(to.0, v)],
+                                node_streams: Vec::new(),
+                            }
+                        }
                         Step::Alloc(b) => PStep::Alloc(b.0),
                         Step::Free { buffer, after } => {
                             PStep::Free { buffer: buffer.0, after: after.iter().map(|e| e.0).collect() }
@@ -189,7 +198,15 @@ impl Program {
                     },
                     DumpStep::Record { event } => PStep::Record(num(event, 'e')?),
                     DumpStep::Wait { event } => PStep::Wait(num(event, 'e')?),
-                    DumpStep::Copy { .. } => return Err("copy steps are not supported by this validator".into()),
+                    DumpStep::Copy { from, to, node, .. } => {
+                        let v = node.ok_or_else(|| format!("copy {from} -> {to} does not name the value it copies"))?;
+                        PStep::Kernel {
+                            label: format!("copy {from} -> {to}"),
+                            reads: vec![(num(from, 'b')?, v as u64)],
+                            writes: vec![(num(to, 'b')?, v as u64)],
+                            node_streams: Vec::new(),
+                        }
+                    }
                 });
             }
             streams.push((st.id, steps));

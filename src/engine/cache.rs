@@ -2,8 +2,8 @@
 //! keyed by the structure of the flushed subgraph, and lowered kernels interned by their IR.
 //!
 //! The structural key covers what the plan depends on: every node's op (with its constants),
-//! dtype, shape, stream, inputs, control edges and whether it is kept; the externals' dtypes,
-//! shapes and streams; and whether fusion is on. Data never
+//! dtype, shape, stream, inputs, control edges and whether it is kept or hinted for offload; the externals'
+//! dtypes, shapes and streams; whether fusion is on and the device's memory budget. Data never
 //! enters the key, so the second and later iterations of a training loop skip fusion, planning,
 //! validation and lowering. (A graph with `rand`/`randn` carries fresh seeds each time and is
 //! planned anew.) The key is 128 bits from two independent hashers; entries are evicted oldest
@@ -40,7 +40,7 @@ pub(crate) struct PlanCache {
 
 impl PlanCache {
     /// The structural key of a flush graph.
-    pub(crate) fn key(&self, graph: &FlushGraph, fusion: bool) -> Key {
+    pub(crate) fn key(&self, graph: &FlushGraph, fusion: bool, budget: Option<u64>) -> Key {
         let (mut a, mut b) = (self.hashers.0.build_hasher(), self.hashers.1.build_hasher());
         let mut both = |f: &dyn Fn(&mut dyn Hasher)| {
             f(&mut a);
@@ -48,6 +48,7 @@ impl PlanCache {
         };
         both(&|h| {
             fusion.hash(&mut HashTo(h));
+            budget.hash(&mut HashTo(h));
             graph.nodes.len().hash(&mut HashTo(h));
             graph.externals.len().hash(&mut HashTo(h));
         });
@@ -62,6 +63,7 @@ impl PlanCache {
                 n.inputs.hash(&mut h);
                 n.after.hash(&mut h);
                 n.keep.hash(&mut h);
+                n.offload_hint.hash(&mut h);
             });
         }
         for e in &graph.externals {

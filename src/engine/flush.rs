@@ -176,6 +176,7 @@ fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
             inputs,
             after,
             keep,
+            offload_hint: n.offload_hint,
         });
     }
     let ticket = Arc::new(Ticket::default());
@@ -225,21 +226,23 @@ fn run_inner(ex: Extracted) -> Result<()> {
     let fusion_on = ex.device.fusion_enabled();
     let hook = lock(&ex.device.0.schedule_hook).clone();
     // A structurally identical flush reuses its validated plan (not with a test hook).
-    let key = hook.is_none().then(|| lock(&ex.device.0.plans).key(&graph, fusion_on));
+    let budget = ex.device.memory_budget();
+    let key = hook.is_none().then(|| lock(&ex.device.0.plans).key(&graph, fusion_on, budget));
     let cached = key.and_then(|k| lock(&ex.device.0.plans).get(k));
     let (schedule, kernels, checked) = match cached {
         Some(plan) => (plan.schedule.clone(), plan.kernels.clone(), Ok(())),
         None => {
-            let mut schedule = {
+            let (mut schedule, placed) = {
                 let _s = tracing::debug_span!(target: "braid::flush", "schedule").entered();
                 let options = braid_fusion::Options { enabled: fusion_on, ..Default::default() };
-                braid_scheduler::plan(&graph, braid_fusion::segment(&graph, &options))
+                let base = braid_scheduler::plan(&graph, braid_fusion::segment(&graph, &options));
+                place_offloads(&graph, base, budget, &ex.device)
             };
             if let Some(hook) = &hook {
                 hook(&mut schedule);
             }
             let schedule = Arc::new(schedule);
-            let checked = check(&schedule, &graph);
+            let checked = placed.and_then(|()| check(&schedule, &graph));
             let lowering = Lowering::new(&graph, &schedule.fusion);
             let kernels: Arc<[Arc<Kernel>]> = {
                 let mut cache = lock(&ex.device.0.plans);
@@ -316,6 +319,34 @@ fn run_inner(ex: Extracted) -> Result<()> {
     drop(st);
     ex.ticket.finish(result.clone());
     result
+}
+
+/// Adds offloads to a schedule planned without them: to keep it under the device's memory
+/// budget, and for values with `offload_hint`. When the budget cannot be met, the schedule is
+/// returned as it was with the error (it is dumped, not run).
+fn place_offloads(graph: &FlushGraph, base: Schedule, budget: Option<u64>, device: &Device) -> (Schedule, Result<()>) {
+    let hinted = graph.nodes.iter().any(|n| n.offload_hint);
+    if !hinted && budget.is_none_or(|b| base.planned_peak_bytes <= b) {
+        return (base, Ok(()));
+    }
+    match braid_scheduler::offload::choose(graph, &base, budget, &device.0.backend.cost_model()) {
+        Ok(decisions) => (braid_scheduler::plan_with_offloads(graph, base, &decisions), Ok(())),
+        Err(u) => {
+            let at = match u.at {
+                Some(k) => {
+                    let plan = &base.kernels[k.index()];
+                    let seg = &base.fusion.segments[plan.segment];
+                    let ops: Vec<&str> = seg.nodes.iter().map(|&n| graph.nodes[n].op.name()).collect();
+                    format!("kernel {k} ({}) on stream {}", ops.join("+"), plan.stream.0)
+                }
+                None => "the end of the flush (its inputs and every value that outlives it, which offloading cannot \
+                         move)"
+                    .to_string(),
+            };
+            let err = Error::MemoryBudget { budget: budget.unwrap_or(u64::MAX), min_peak: u.min_peak, at };
+            (base, Err(err))
+        }
+    }
 }
 
 /// Checks a schedule before it runs: fully (every hazard) in debug builds or with

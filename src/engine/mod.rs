@@ -327,6 +327,13 @@ pub(crate) fn retain_current(cell: &AtomicU32) -> NodeId {
     id
 }
 
+/// Marks the node a version cell names for offloading while idle.
+pub(crate) fn hint_offload(cell: &AtomicU32) {
+    let mut st = state();
+    let id = NodeId::new(cell.load(Ordering::Relaxed) as usize);
+    st.graph.node_mut(id).offload_hint = true;
+}
+
 /// The stream of the node a version cell names (read under the lock).
 pub(crate) fn stream_of(cell: &AtomicU32) -> StreamId {
     let st = state();

@@ -144,6 +144,14 @@ impl Tensor {
         autograd::source_of(self).is_some()
     }
 
+    /// Asks the scheduler to move this value (its current version) to host memory while it is
+    /// idle within a flush, and to bring it back in time for its next use, with or without a
+    /// memory budget. Typical for activations saved for the backward pass. Returns the tensor.
+    pub fn offload_hint(&self) -> Tensor {
+        engine::hint_offload(&self.0.node);
+        self.clone()
+    }
+
     /// A new tensor naming the current value without gradient history (later in-place
     /// updates of either do not reach the other).
     pub fn detach(&self) -> Tensor {

@@ -25,6 +25,9 @@ pub struct Config {
     pub streams: usize,
     /// User events: record on one stream, wait on another, synchronize.
     pub events: bool,
+    /// A random device memory budget per program and random `offload_hint`s; a read the
+    /// budget cannot allow is retried with the lowest peak the error names.
+    pub budgets: bool,
 }
 
 impl Default for Config {
@@ -40,6 +43,7 @@ impl Default for Config {
             max_dim: 5,
             streams: 0,
             events: false,
+            budgets: false,
         }
     }
 }
@@ -80,11 +84,15 @@ pub fn run(seed: u64, dev: &Device, cfg: &Config) -> Result<CheckStats, String> 
     }
     for i in to_read {
         if g.h.tensors[i].is_some() {
-            g.h.read(i).map_err(|e| format!("read failed: {e}\nprogram:\n{}", g.h.listing.join("\n")))?;
+            g.read(i).map_err(|e| format!("read failed: {e}\nprogram:\n{}", g.h.listing.join("\n")))?;
         }
     }
     g.h.check()
 }
+
+/// Reads whose flush offloaded, and budgets found out of reach (for `budgets` suites).
+pub static BUDGET_STATS: [std::sync::atomic::AtomicUsize; 2] =
+    [std::sync::atomic::AtomicUsize::new(0), std::sync::atomic::AtomicUsize::new(0)];
 
 impl Gen<'_> {
     fn random_dtype(&mut self) -> DType {
@@ -137,10 +145,44 @@ impl Gen<'_> {
         leaf
     }
 
+    /// Reads node `i` (counting flushes that offloaded, and budgets out of reach, in
+    /// [`BUDGET_STATS`]); under a budget the flush cannot meet, raises the budget to the lowest
+    /// peak the error names (the engine must stay usable) and reads again.
+    fn read(&mut self, i: usize) -> Result<()> {
+        if self.cfg.budgets {
+            let budget = self.rng.chance(0.8).then(|| self.rng.below(6_000) as u64);
+            self.h.dev.set_memory_budget(budget);
+        }
+        loop {
+            match self.h.read(i) {
+                Err(Error::MemoryBudget { budget, min_peak, .. }) if self.cfg.budgets && min_peak > budget => {
+                    BUDGET_STATS[1].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    self.h.listing.push(format!("budget {budget} B raised to {min_peak} B"));
+                    self.h.dev.set_memory_budget(Some(min_peak));
+                }
+                r => {
+                    if self.cfg.budgets
+                        && r.is_ok()
+                        && self.h.dev.last_schedule().is_some_and(|s| s.to_json().contains("\"d2h\""))
+                    {
+                        BUDGET_STATS[0].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    return r;
+                }
+            }
+        }
+    }
+
     fn add(&mut self, op: Op, inferred: Result<(Shape, DType), String>, inputs: &[usize]) -> Option<usize> {
         let (shape, dtype) = inferred.ok()?;
         let variant = self.rng.below(6);
         let id = self.h.op(op, dtype, shape, inputs, variant);
+        if self.cfg.budgets
+            && self.rng.chance(0.1)
+            && let Some(t) = &self.h.tensors[id]
+        {
+            t.offload_hint();
+        }
         self.live.push(id);
         // Often nothing else names an input any more: it becomes an intermediate whose buffer
         // the plan frees or reuses.
@@ -324,7 +366,7 @@ impl Gen<'_> {
                 self.live.retain(|&i| i != x);
                 self.live.push(new);
             }
-            94..=96 if self.cfg.reads_in_middle => self.h.read(x)?,
+            94..=96 if self.cfg.reads_in_middle => self.read(x)?,
             97..=99 if self.cfg.drops && self.live.len() > 1 => {
                 self.h.drop_tensor(x);
                 self.live.retain(|&i| i != x);

@@ -11,7 +11,7 @@
 
 use super::{CpuBuffer, CpuDevice, map::ArgPtr};
 use crate::{Buffer, DeviceError, Job};
-use braid_scheduler::{Step, StreamSchedule};
+use braid_scheduler::{BufferId, Space, Step, StreamSchedule};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
@@ -121,9 +121,14 @@ impl Exec<'_, '_> {
             }
             match step {
                 Step::Alloc(b) => {
-                    let buf = self.device.alloc(s.buffers[b.index()].bytes, self.poison)?;
+                    let plan = &s.buffers[b.index()];
+                    let buf = match plan.space {
+                        Space::Device => self.device.alloc(plan.bytes, self.poison)?,
+                        Space::Host => self.device.alloc_host(plan.bytes, self.poison)?,
+                    };
                     *lock(&self.table[b.index()]) = Some(Buffer::Cpu(buf));
                 }
+                Step::Copy { from, to, .. } => self.copy(*from, *to)?,
                 Step::Free { buffer, after } if after.is_empty() => {
                     drop(lock(&self.table[buffer.index()]).take());
                 }
@@ -149,6 +154,26 @@ impl Exec<'_, '_> {
                 Step::Kernel(k) => self.kernel(*k)?,
             }
         }
+        Ok(())
+    }
+
+    /// Copies a whole buffer into another of the same size (an offload or its way back).
+    fn copy(&self, from: BufferId, to: BufferId) -> Result<(), DeviceError> {
+        let get = |b: BufferId| match &*lock(&self.table[b.index()]) {
+            Some(Buffer::Cpu(buf)) => Ok(buf.clone()),
+            None => Err(DeviceError::Internal(format!("copy {from} -> {to} uses {b}, which is not allocated"))),
+        };
+        let (src, dst) = (get(from)?, get(to)?);
+        if src.bytes() != dst.bytes() {
+            return Err(DeviceError::Internal(format!(
+                "copy {from} -> {to}: {} and {} bytes",
+                src.bytes(),
+                dst.bytes()
+            )));
+        }
+        // SAFETY: both buffers are held for the copy and hold `bytes` bytes; the validated
+        // schedule orders every other access to them around this step.
+        unsafe { std::ptr::copy_nonoverlapping(src.ptr(), dst.ptr(), src.bytes()) };
         Ok(())
     }
 

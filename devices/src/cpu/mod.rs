@@ -69,10 +69,12 @@ impl std::fmt::Debug for CpuBuffer {
     }
 }
 
-/// The CPU device runtime.
+/// The CPU device runtime. Its pool is the device memory that `memory()` reports and budgets
+/// cap; offloaded values go to a separate host pool.
 #[derive(Default)]
 pub struct CpuDevice {
     pool: Arc<Pool>,
+    host_pool: Arc<Pool>,
     kernels: AtomicU64,
     prepared: std::sync::Mutex<Prepared>,
 }
@@ -99,17 +101,33 @@ impl CpuDevice {
     /// A buffer of `bytes`; with `poison`, its memory is filled with 0xFF bytes (NaN for floats)
     /// when it is freed, so a read after free shows up as a wrong result.
     fn alloc(&self, bytes: usize, poison: bool) -> Result<Arc<CpuBuffer>, DeviceError> {
-        let slice = if bytes == 0 {
-            None
-        } else {
-            Some(self.pool.alloc(bytes).ok_or_else(|| {
-                let s = self.pool.stats();
-                DeviceError::OutOfMemory { requested: bytes as u64, in_use: s.in_use, reserved: s.reserved }
-            })?)
-        };
-        Ok(Arc::new(CpuBuffer { slice, bytes, pool: self.pool.clone(), poison }))
+        alloc_from(&self.pool, bytes, poison)
+    }
+
+    /// A buffer in the host pool (offload space).
+    fn alloc_host(&self, bytes: usize, poison: bool) -> Result<Arc<CpuBuffer>, DeviceError> {
+        alloc_from(&self.host_pool, bytes, poison)
+    }
+
+    /// Bytes in use in the host (offload) pool, and its peak.
+    pub fn host_memory(&self) -> MemoryStats {
+        self.host_pool.stats()
     }
 }
+
+fn alloc_from(pool: &Arc<Pool>, bytes: usize, poison: bool) -> Result<Arc<CpuBuffer>, DeviceError> {
+    let slice = if bytes == 0 {
+        None
+    } else {
+        Some(pool.alloc(bytes).ok_or_else(|| {
+            let s = pool.stats();
+            DeviceError::OutOfMemory { requested: bytes as u64, in_use: s.in_use, reserved: s.reserved }
+        })?)
+    };
+    Ok(Arc::new(CpuBuffer { slice, bytes, pool: pool.clone(), poison }))
+}
+
+impl CpuDevice {}
 
 /// Runs one kernel over its arguments.
 pub fn run_kernel(kernel: &Kernel, args: &[ArgPtr]) -> Result<(), String> {
@@ -174,7 +192,8 @@ impl Backend for CpuDevice {
     }
 
     fn trim(&self) {
-        self.pool.trim()
+        self.pool.trim();
+        self.host_pool.trim();
     }
 }
 

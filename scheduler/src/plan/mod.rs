@@ -10,16 +10,55 @@
 //! dtype computed by the same flush when it is that value's last reader and every other reader
 //! happens-before it (never over a value from before the flush: see `in_place_candidate`).
 
+mod copies;
+
+use crate::offload::Decision;
 use crate::schedule::*;
 use braid_fusion::{Fusion, Segment, SegmentKind};
 use braid_graph::{FlushGraph, Op, StreamId, ValueRef};
+use copies::{OffloadState, SegOffload};
 use hashbrown::HashMap;
 
 /// Plans `graph` with the segments of `fusion`.
 pub fn plan(graph: &FlushGraph, fusion: Fusion) -> Schedule {
-    let mut p = Planner::new(graph, &fusion);
+    let mut p = Planner::new(graph, &fusion, &[]);
     for si in 0..fusion.segments.len() {
         p.segment(si);
+    }
+    let mut schedule = p.finish();
+    schedule.fusion = fusion;
+    schedule
+}
+
+/// Plans `graph` again like `base` (planned by [`plan`] from the same graph), with the
+/// offloads `decisions` (see [`crate::offload`]) on [`OFFLOAD_STREAM`].
+pub fn plan_with_offloads(graph: &FlushGraph, base: Schedule, decisions: &[Decision]) -> Schedule {
+    if decisions.is_empty() {
+        return base;
+    }
+    let end = base.fusion.segments.len();
+    let seg = |t: usize| base.kernels.get(t).map_or(end, |k| k.segment);
+    let offloads: Vec<SegOffload> = decisions
+        .iter()
+        .map(|d| SegOffload {
+            node: d.node,
+            last_use: seg(d.last_use),
+            release: (d.release < d.back_at).then(|| seg(d.release)),
+            back_at: seg(d.back_at),
+            next_use: seg(d.next_use),
+        })
+        .collect();
+    let fusion = base.fusion;
+    let mut p = Planner::new(graph, &fusion, &offloads);
+    for si in 0..fusion.segments.len() {
+        p.segment(si);
+    }
+    // Values that outlive the flush come back at its end.
+    let last = p.kernels.last().map_or(0, |k| p.seg_stream[k.segment]);
+    for (i, o) in offloads.iter().enumerate() {
+        if o.back_at == end {
+            p.copy_back(i, last);
+        }
     }
     let mut schedule = p.finish();
     schedule.fusion = fusion;
@@ -69,12 +108,19 @@ struct Planner<'a> {
     kernels: Vec<KernelPlan>,
     live: u64,
     peak: u64,
+    offloads: &'a [SegOffload],
+    offload_state: Vec<OffloadState>,
+    /// Per flush node: it is offloaded (never overwritten in place).
+    offloaded: Vec<bool>,
 }
 
 impl<'a> Planner<'a> {
-    fn new(graph: &'a FlushGraph, fusion: &'a Fusion) -> Planner<'a> {
+    fn new(graph: &'a FlushGraph, fusion: &'a Fusion, offloads: &'a [SegOffload]) -> Planner<'a> {
         let segments = fusion.segments.as_slice();
         let mut streams: Vec<StreamId> = graph.nodes.iter().map(|n| n.stream).collect();
+        if !offloads.is_empty() {
+            streams.push(OFFLOAD_STREAM);
+        }
         streams.sort_unstable();
         streams.dedup();
         let sidx = |s: StreamId| streams.binary_search(&s).expect("known stream");
@@ -108,6 +154,18 @@ impl<'a> Planner<'a> {
                     }
                 }
             }
+        }
+        // The copy out of an offloaded value waits for its readers so far on every stream.
+        for o in offloads {
+            for (si, seg) in segments.iter().enumerate().take(o.last_use + 1) {
+                if seg.inputs.contains(&ValueRef::Node(o.node)) || seg.outputs.contains(&o.node) {
+                    cross_dependents[si] = true;
+                }
+            }
+        }
+        let mut offloaded = vec![false; graph.nodes.len()];
+        for o in offloads {
+            offloaded[o.node] = true;
         }
         let mut gates_a_free = vec![false; segments.len()];
         for (n, r) in node_readers.iter().enumerate() {
@@ -157,6 +215,9 @@ impl<'a> Planner<'a> {
             live,
             peak: live,
             streams,
+            offloads,
+            offload_state: vec![OffloadState::default(); offloads.len()],
+            offloaded,
         }
     }
 
@@ -191,11 +252,7 @@ impl<'a> Planner<'a> {
             return;
         }
         let e = self.event_at[&(t, self.seg_point[dep])];
-        self.steps[s].push(Step::Wait(e));
-        let theirs = self.event_clock[e.index()].clone();
-        for (mine, &other) in self.clock[s].iter_mut().zip(&theirs) {
-            *mine = (*mine).max(other);
-        }
+        self.wait_event(s, e);
     }
 
     /// Whether every reader of a value on a stream other than `s` happens-before `s`'s current
@@ -245,7 +302,7 @@ impl<'a> Planner<'a> {
             // someone else (a download in progress), and overwriting it would be lost if the
             // flush failed after that kernel (a retry would read the overwritten input).
             let readers = match v {
-                ValueRef::Node(n) if !self.graph.nodes[n].keep => &self.node_readers[n],
+                ValueRef::Node(n) if !self.graph.nodes[n].keep && !self.offloaded[n] => &self.node_readers[n],
                 _ => continue,
             };
             if readers.last != Some(si) {
@@ -266,6 +323,36 @@ impl<'a> Planner<'a> {
     }
 
     fn segment(&mut self, si: usize) {
+        let s = self.seg_stream[si];
+        for i in 0..self.offloads.len() {
+            if self.offloads[i].back_at == si {
+                self.copy_back(i, s);
+            }
+            if self.offloads[i].release == Some(si) {
+                // Planned without the value from here: wait until its copy out is done.
+                let e = self.offload_state[i].out_done.expect("the copy out is planned first");
+                self.wait_event(s, e);
+                self.live -= self.graph.nodes[self.offloads[i].node].bytes() as u64;
+            }
+        }
+        self.segment_steps(si);
+        for i in 0..self.offloads.len() {
+            if self.offloads[i].last_use == si {
+                self.copy_out(i);
+            }
+        }
+    }
+
+    /// Makes stream `s` wait for event `e` (of another stream) and learn its clock.
+    fn wait_event(&mut self, s: usize, e: EventId) {
+        self.steps[s].push(Step::Wait(e));
+        let theirs = self.event_clock[e.index()].clone();
+        for (mine, &other) in self.clock[s].iter_mut().zip(&theirs) {
+            *mine = (*mine).max(other);
+        }
+    }
+
+    fn segment_steps(&mut self, si: usize) {
         let s = self.seg_stream[si];
         let segments = self.segments;
         let seg = &segments[si];
@@ -382,6 +469,18 @@ impl<'a> Planner<'a> {
             steps.retain(|st| !matches!(st, Step::Record(e) if !keep_event(e, &self.events)));
         }
         let graph = self.graph;
+        let offloads = self
+            .offloads
+            .iter()
+            .zip(&self.offload_state)
+            .map(|(o, st)| OffloadPlan {
+                node: o.node,
+                device: st.device.expect("planned"),
+                host: st.host.expect("planned"),
+                back: st.back.expect("planned"),
+                back_before: self.kernels.iter().find(|k| k.segment == o.next_use).map(|k| k.id),
+            })
+            .collect();
         let outputs = graph
             .nodes
             .iter()
@@ -403,6 +502,7 @@ impl<'a> Planner<'a> {
             external_buffers: (0..graph.externals.len() as u32).map(BufferId).collect(),
             outputs,
             planned_peak_bytes: self.peak,
+            offloads,
         }
     }
 }

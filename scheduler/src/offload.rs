@@ -1,0 +1,252 @@
+//! Offload placement: which values leave device memory while idle, and when they come back.
+//!
+//! Works on a schedule planned without offloads (the baseline), in plan order (kernel `t` is
+//! the `t`-th kernel planned). From its allocations and frees it computes the bytes live during
+//! each kernel; while the highest of those is over the budget it looks at that kernel `T` and
+//! picks, among the values live there but idle (last used at `a < T`, next used at `b > T`),
+//! the largest: it is copied to host memory on the offload stream right after `a`, its device
+//! buffer is given back once that copy is done (the kernel after next waits for it, so one
+//! kernel of compute hides the copy; when the peak is the very next kernel, that one waits),
+//! and it is copied back starting at kernel `c`, early
+//! enough that the copy takes no longer than the kernels `c..b` by the device's cost model,
+//! yet after `T`. Values the user marked with `offload_hint` are offloaded over their longest
+//! idle gap whether or not a budget asks for it. When no idle value is left at the peak, the
+//! budget cannot be met: the error names the smallest peak reached and the kernel where it is.
+//!
+//! This module decides; the planner (`plan`) emits the copies, events and frees. It never
+//! touches memory.
+
+use crate::schedule::{KernelId, Schedule, Step};
+use braid_fusion::SegmentKind;
+use braid_graph::{FlushGraph, ValueRef};
+
+/// How fast a device computes and copies, for hiding copies behind compute.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CostModel {
+    /// Offload copy bandwidth (device to host and back), bytes per second.
+    pub copy_bytes_per_sec: f64,
+    /// Bandwidth of elementwise and reduction kernels, bytes per second.
+    pub kernel_bytes_per_sec: f64,
+    /// Matrix product throughput, flop per second.
+    pub flops_per_sec: f64,
+}
+
+impl CostModel {
+    /// A two-core CPU copying between two pools in the same memory.
+    pub const CPU: CostModel = CostModel { copy_bytes_per_sec: 8e9, kernel_bytes_per_sec: 10e9, flops_per_sec: 60e9 };
+}
+
+/// One offload: value `node` (a flush node) leaves after kernel `last_use`, is out of device
+/// memory from kernel `release` (which waits for the copy out: `last_use + 2` lets one kernel
+/// hide it, `last_use + 1` when the memory is needed at once), comes back starting at kernel
+/// `back_at` and is needed again by kernel `next_use` (kernel positions in plan order, which
+/// the planner reproduces; the number of kernels stands for the end of the flush, where a
+/// value that outlives it must be back in device memory).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Decision {
+    pub node: usize,
+    pub last_use: usize,
+    pub release: usize,
+    pub back_at: usize,
+    pub next_use: usize,
+}
+
+/// A budget offloading cannot meet.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unreachable {
+    /// The lowest peak offloading reaches.
+    pub min_peak: u64,
+    /// Where that peak is: a kernel, or (`None`) the end of the flush, where its inputs and
+    /// every value that outlives it are in device memory together.
+    pub at: Option<KernelId>,
+}
+
+/// Per value computed by the flush: its bytes and the kernels that write and read it.
+struct Uses {
+    bytes: u64,
+    kernels: Vec<usize>,
+    eligible: bool,
+    hinted: bool,
+}
+
+/// Chooses offloads so that `base` (planned without any) peaks at most at `budget`.
+pub fn choose(
+    graph: &FlushGraph,
+    base: &Schedule,
+    budget: Option<u64>,
+    model: &CostModel,
+) -> Result<Vec<Decision>, Unreachable> {
+    let k = base.kernels.len();
+    let mut live = live_per_kernel(base);
+    let uses = value_uses(graph, base);
+    let cost: Vec<f64> = (0..k).map(|t| kernel_seconds(graph, base, t, model)).collect();
+    let mut decisions: Vec<Decision> = Vec::new();
+    let mut taken = vec![false; graph.nodes.len()];
+    let mut apply = |d: Decision, bytes: u64, live: &mut [u64], taken: &mut [bool]| {
+        // Absent from device memory during kernels release .. back_at - 1.
+        for l in &mut live[d.release..d.back_at] {
+            *l -= bytes;
+        }
+        taken[d.node] = true;
+        decisions.push(d);
+    };
+    // Hinted values first: over their longest idle gap.
+    for (n, u) in uses.iter().enumerate() {
+        if !u.hinted || !u.eligible {
+            continue;
+        }
+        let best = u.kernels.windows(2).filter(|w| w[1] >= w[0] + 3).max_by_key(|w| w[1] - w[0]);
+        if let Some(w) = best {
+            let back_at = back_at(w[0] + 2, w[1], u.bytes, &cost, model);
+            if back_at <= w[0] + 2 {
+                continue; // the copy back would have to start at once: nothing to gain
+            }
+            let d = Decision { node: n, last_use: w[0], release: w[0] + 2, back_at, next_use: w[1] };
+            apply(d, u.bytes, &mut live, &mut taken);
+        }
+    }
+    let Some(budget) = budget else { return Ok(decisions) };
+    loop {
+        let Some((peak_at, &peak)) = live.iter().enumerate().max_by_key(|&(t, &b)| (b, std::cmp::Reverse(t))) else {
+            return Ok(decisions);
+        };
+        if peak <= budget {
+            return Ok(decisions);
+        }
+        // The largest value idle at the peak (ties: the longest gap).
+        let candidate = uses
+            .iter()
+            .enumerate()
+            .filter(|&(n, u)| u.eligible && !taken[n])
+            .filter_map(|(n, u)| {
+                let i = u.kernels.iter().position(|&t| t > peak_at)?;
+                let (a, b) = (*u.kernels.get(i.checked_sub(1)?)?, u.kernels[i]);
+                (a < peak_at).then_some((n, a, b, u.bytes))
+            })
+            // The largest; then one whose copy out a kernel can hide; then the longest gap.
+            .max_by_key(|&(_, a, b, bytes)| (bytes, a + 2 <= peak_at, b - a));
+        let Some((n, a, b, bytes)) = candidate else {
+            return Err(Unreachable { min_peak: peak, at: (peak_at < k).then_some(KernelId(peak_at as u32)) });
+        };
+        let back = back_at(peak_at + 1, b, bytes, &cost, model);
+        let release = if a + 2 <= peak_at { a + 2 } else { a + 1 };
+        apply(Decision { node: n, last_use: a, release, back_at: back, next_use: b }, bytes, &mut live, &mut taken);
+    }
+}
+
+/// Where the copy back of `bytes` needed by kernel `next_use` starts: the latest kernel, no
+/// earlier than `earliest`, from which the kernels before `next_use` take at least as long as
+/// the copy.
+fn back_at(earliest: usize, next_use: usize, bytes: u64, cost: &[f64], model: &CostModel) -> usize {
+    let copy = bytes as f64 / model.copy_bytes_per_sec;
+    let mut c = next_use;
+    let mut hidden = 0.0;
+    while c > earliest && hidden < copy {
+        c -= 1;
+        hidden += cost[c];
+    }
+    c.max(earliest)
+}
+
+/// Bytes live while each kernel runs (after its outputs are allocated, before its inputs are
+/// freed), as the planner counts them, and at the end of the flush (one more entry).
+fn live_per_kernel(base: &Schedule) -> Vec<u64> {
+    let k = base.kernels.len();
+    let mut alloc_at = vec![0u64; k];
+    let mut free_after = vec![0u64; k];
+    let mut start = base
+        .buffers
+        .iter()
+        .filter(|b| matches!(b.source, crate::BufferSource::External(_)))
+        .map(|b| b.bytes as u64)
+        .sum::<u64>();
+    for st in &base.streams {
+        let mut pending = 0u64;
+        let mut last: Option<usize> = None;
+        for step in &st.steps {
+            match step {
+                Step::Alloc(b) => pending += base.buffers[b.index()].bytes as u64,
+                Step::Kernel(kid) => {
+                    alloc_at[kid.index()] += std::mem::take(&mut pending);
+                    last = Some(kid.index());
+                }
+                Step::Free { buffer, .. } => {
+                    let bytes = base.buffers[buffer.index()].bytes as u64;
+                    match last {
+                        Some(t) => free_after[t] += bytes,
+                        None => start -= bytes,
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    let mut live = Vec::with_capacity(k + 1);
+    let mut cur = start;
+    for t in 0..k {
+        cur += alloc_at[t];
+        live.push(cur);
+        cur -= free_after[t];
+    }
+    // The end of the flush: its inputs and every value that outlives it, all in device memory.
+    live.push(cur);
+    live
+}
+
+/// For every flush node: the kernels that write and read it (a value that outlives the flush
+/// is also used at the end, position `kernels.len()`), and whether it may be offloaded
+/// (computed by this flush, not sharing a buffer through in-place reuse).
+fn value_uses(graph: &FlushGraph, base: &Schedule) -> Vec<Uses> {
+    let mut uses: Vec<Uses> = graph
+        .nodes
+        .iter()
+        .map(|n| Uses { bytes: n.bytes() as u64, kernels: Vec::new(), eligible: true, hinted: n.offload_hint })
+        .collect();
+    let mut written = vec![false; graph.nodes.len()];
+    for (t, plan) in base.kernels.iter().enumerate() {
+        let seg = &base.fusion.segments[plan.segment];
+        for &n in &seg.outputs {
+            uses[n].kernels.push(t);
+            written[n] = true;
+        }
+        for v in &seg.inputs {
+            if let ValueRef::Node(n) = *v
+                && uses[n].kernels.last() != Some(&t)
+            {
+                uses[n].kernels.push(t);
+            }
+        }
+        for &(o, i) in &plan.in_place {
+            uses[seg.outputs[o]].eligible = false;
+            if let ValueRef::Node(n) = seg.inputs[i] {
+                uses[n].eligible = false;
+            }
+        }
+    }
+    for ((u, w), n) in uses.iter_mut().zip(written).zip(&graph.nodes) {
+        u.eligible &= w && u.bytes > 0;
+        if n.keep {
+            u.kernels.push(base.kernels.len());
+        }
+    }
+    uses
+}
+
+/// Estimated run time of kernel `t`.
+fn kernel_seconds(graph: &FlushGraph, base: &Schedule, t: usize, model: &CostModel) -> f64 {
+    let seg = &base.fusion.segments[base.kernels[t].segment];
+    let bytes: usize = seg.inputs.iter().map(|&v| byte_size(graph, v)).sum::<usize>()
+        + seg.outputs.iter().map(|&n| graph.nodes[n].bytes()).sum::<usize>();
+    let mut secs = bytes as f64 / model.kernel_bytes_per_sec;
+    if seg.kind == SegmentKind::Matmul {
+        let first = &graph.nodes[seg.nodes[0]];
+        let inner = first.inputs.first().map_or(1, |&v| graph.meta(v).1.dims().last().copied().unwrap_or(1));
+        secs += 2.0 * first.shape.numel() as f64 * inner as f64 / model.flops_per_sec;
+    }
+    secs
+}
+
+fn byte_size(graph: &FlushGraph, v: ValueRef) -> usize {
+    let (dtype, shape) = graph.meta(v);
+    dtype.size() * shape.numel()
+}

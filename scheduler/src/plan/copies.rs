@@ -1,0 +1,106 @@
+//! The planner's offload steps: copying a value to host memory on the offload stream after its
+//! last use before an idle gap, and back before its next use (decided by `crate::offload`).
+
+use super::Planner;
+use crate::schedule::*;
+use braid_graph::ValueRef;
+
+/// An offload in segment terms.
+pub(super) struct SegOffload {
+    pub(super) node: usize,
+    pub(super) last_use: usize,
+    /// The first segment planned without the value in device memory (it waits for the copy
+    /// out), if any.
+    pub(super) release: Option<usize>,
+    pub(super) back_at: usize,
+    pub(super) next_use: usize,
+}
+
+/// Planning state of one offload.
+#[derive(Default, Clone)]
+pub(super) struct OffloadState {
+    pub(super) device: Option<BufferId>,
+    pub(super) host: Option<BufferId>,
+    pub(super) out_done: Option<EventId>,
+    pub(super) back: Option<BufferId>,
+}
+
+impl Planner<'_> {
+    pub(super) fn offload_stream(&self) -> usize {
+        self.streams.len() - 1
+    }
+
+    fn host_buffer(&mut self, n: usize, space: Space) -> BufferId {
+        let node = &self.graph.nodes[n];
+        let id = BufferId(self.buffers.len() as u32);
+        self.buffers.push(BufferPlan {
+            id,
+            dtype: node.dtype,
+            len: node.shape.numel(),
+            bytes: node.bytes(),
+            space,
+            source: BufferSource::Value(n),
+        });
+        id
+    }
+
+    /// After the value's last use before its idle gap: copy it to the host on the offload
+    /// stream, once every stream has finished reading it, then give its device buffer back.
+    pub(super) fn copy_out(&mut self, i: usize) {
+        let o = self.offload_stream();
+        let n = self.offloads[i].node;
+        let last_use = self.offloads[i].last_use;
+        let users: Vec<usize> = (0..=last_use)
+            .filter(|&si| {
+                let seg = &self.segments[si];
+                seg.inputs.contains(&ValueRef::Node(n)) || seg.outputs.contains(&n)
+            })
+            .collect();
+        for si in users {
+            self.wait_for(o, si);
+        }
+        let device = self.node_buffer[n].expect("offloaded value has a buffer");
+        let host = self.host_buffer(n, Space::Host);
+        self.steps[o].extend([
+            Step::Alloc(host),
+            Step::Copy { from: device, to: host, node: n },
+            Step::Free { buffer: device, after: Vec::new() },
+        ]);
+        self.count[o] += 1;
+        self.clock[o][o] = self.count[o];
+        let done = self.record_here(o, None);
+        self.offload_state[i] =
+            OffloadState { device: Some(device), host: Some(host), out_done: Some(done), back: None };
+        if self.offloads[i].release.is_none() {
+            self.live -= self.graph.nodes[n].bytes() as u64;
+        }
+    }
+
+    /// Before segment `back_at` (on stream `s`): copy the value back into a new device buffer
+    /// on the offload stream, starting once `s` gets here; its next reader waits for it.
+    pub(super) fn copy_back(&mut self, i: usize, s: usize) {
+        let o = self.offload_stream();
+        let n = self.offloads[i].node;
+        let start = self.record_here(s, None);
+        self.wait_event(o, start);
+        let back = self.host_buffer(n, Space::Device);
+        let host = self.offload_state[i].host.expect("the copy out is planned first");
+        self.steps[o].extend([
+            Step::Alloc(back),
+            Step::Copy { from: host, to: back, node: n },
+            Step::Free { buffer: host, after: Vec::new() },
+        ]);
+        self.live += self.graph.nodes[n].bytes() as u64;
+        self.peak = self.peak.max(self.live);
+        self.count[o] += 1;
+        self.clock[o][o] = self.count[o];
+        // The copy stands for the value's producer from now on.
+        let pseudo = self.seg_stream.len();
+        self.seg_stream.push(o);
+        self.seg_point.push(self.count[o]);
+        self.seg_of[n] = pseudo;
+        self.record_here(o, None);
+        self.node_buffer[n] = Some(back);
+        self.offload_state[i].back = Some(back);
+    }
+}

@@ -1,0 +1,169 @@
+//! Offload placement under a memory budget: the same results with less device memory, the
+//! offloads visible in the dump and checked by the validator, a clear error (naming the lowest
+//! reachable peak) when a budget is too small, and `offload_hint`.
+
+mod common;
+
+use braid::optim::Sgd;
+use braid::prelude::*;
+use serde_json::Value as Json;
+
+/// An MLP whose activations (batch 2048) dwarf its weights, so offloading them matters.
+struct Mlp {
+    x: Tensor,
+    params: Vec<Tensor>,
+}
+
+fn mlp(dev: &Device) -> Mlp {
+    dev.seed(7);
+    let x = Tensor::randn([2048, 64], DType::F32, dev);
+    let params = (0..8)
+        .map(|_| braid::no_grad(|| Tensor::randn([64, 64], DType::F32, dev) * 0.2).requires_grad())
+        .collect::<Vec<_>>();
+    dev.sync().unwrap();
+    Mlp { x, params }
+}
+
+/// One training step (forward, backward, SGD) run by one flush; returns the loss.
+fn step(m: &mut Mlp, dev: &Device) -> Result<f32> {
+    let mut h = m.x.clone();
+    for w in &m.params {
+        h = h.matmul(w).tanh();
+    }
+    let loss = h.square().mean();
+    let grads = loss.backward()?;
+    Sgd::new(0.1).step(&mut m.params, &grads);
+    dev.sync()?;
+    loss.item::<f32>()
+}
+
+fn values(ts: &[Tensor]) -> Vec<Vec<f32>> {
+    ts.iter().map(|t| t.to_vec::<f32>().unwrap()).collect()
+}
+
+fn dump(dev: &Device) -> Json {
+    serde_json::from_str(&dev.last_schedule().unwrap().to_json()).unwrap()
+}
+
+fn copies(j: &Json) -> usize {
+    j["streams"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|s| s["steps"].as_array().unwrap())
+        .filter(|s| s["kind"] == "copy")
+        .count()
+}
+
+/// The unbudgeted run: (parameters after the step, loss, planned peak, measured peak).
+fn unbudgeted() -> (Vec<Vec<f32>>, f32, u64, u64) {
+    let dev = Device::new_cpu();
+    let mut m = mlp(&dev);
+    dev.reset_peak();
+    let loss = step(&mut m, &dev).unwrap();
+    let planned = dev.last_schedule().unwrap().planned_peak_bytes();
+    (values(&m.params), loss, planned, dev.memory().peak)
+}
+
+#[test]
+fn half_the_peak_gives_the_same_training_step() {
+    let (want, want_loss, planned, measured) = unbudgeted();
+    for poison in [false, true] {
+        let dev = Device::new_cpu();
+        dev.set_poison(poison);
+        let mut m = mlp(&dev);
+        let budget = planned / 2;
+        dev.set_memory_budget(Some(budget));
+        dev.reset_peak();
+        let loss = step(&mut m, &dev).unwrap();
+        let j = dump(&dev);
+        let text = dev.last_schedule().unwrap().to_text();
+        assert!(!j["offloads"].as_array().unwrap().is_empty() && copies(&j) >= 2, "{text}");
+        assert!(j["planned_peak_bytes"].as_u64().unwrap() <= budget, "{text}");
+        let peak = dev.memory().peak;
+        assert!(peak <= budget, "measured peak {peak} over the budget {budget} (unbudgeted: {measured})\n{text}");
+        assert_eq!(loss, want_loss);
+        assert_eq!(values(&m.params), want, "offloading changed the result (poison {poison})");
+    }
+}
+
+#[test]
+fn a_budget_below_reach_is_an_error_naming_the_minimum_and_the_engine_stays_usable() {
+    let (want, _, planned, _) = unbudgeted();
+    let dev = Device::new_cpu();
+    let mut m = mlp(&dev);
+    dev.set_memory_budget(Some(planned / 50));
+    let err = step(&mut m, &dev).unwrap_err();
+    let Error::MemoryBudget { budget, min_peak, at } = &err else { panic!("{err}") };
+    assert_eq!(*budget, planned / 50);
+    assert!(*min_peak > *budget && *min_peak < planned, "{err}");
+    assert!(at.contains("kernel k") && err.to_string().contains(&min_peak.to_string()), "{err}");
+    // Nothing ran; with the lowest reachable peak as the budget, the same step runs.
+    dev.set_memory_budget(Some(*min_peak));
+    dev.sync().unwrap();
+    assert!(dev.memory().peak <= *min_peak);
+    assert_eq!(values(&m.params), want);
+}
+
+#[test]
+fn offload_hint_moves_an_idle_value_without_a_budget() {
+    let dev = Device::new_cpu();
+    dev.seed(3);
+    let x = Tensor::randn([256, 256], DType::F32, &dev);
+    let saved = x.exp().offload_hint();
+    let mut h = x.sin();
+    for _ in 0..6 {
+        h = h.matmul(&x).tanh();
+    }
+    let y = &h + &saved;
+    let want: Vec<f32> = {
+        let d2 = Device::new_cpu();
+        let x2 = Tensor::from_vec(x.to_vec::<f32>().unwrap(), [256, 256], &d2);
+        let mut h2 = x2.sin();
+        for _ in 0..6 {
+            h2 = h2.matmul(&x2).tanh();
+        }
+        (&h2 + &x2.exp()).to_vec::<f32>().unwrap()
+    };
+    drop(saved);
+    assert_eq!(y.to_vec::<f32>().unwrap(), want);
+    let j = dump(&dev);
+    assert_eq!(j["offloads"].as_array().unwrap().len(), 1, "{}", dev.last_schedule().unwrap().to_text());
+    assert_eq!(copies(&j), 2);
+}
+
+#[test]
+fn offloads_across_streams_keep_results_and_the_budget() {
+    let (want, _, planned, _) = unbudgeted();
+    let dev = Device::new_cpu();
+    let mut m = mlp(&dev);
+    let side = dev.new_stream();
+    dev.set_memory_budget(Some(planned / 2));
+    dev.reset_peak();
+    // The first half of the forward pass (and so its backward) on a second stream.
+    let mut h = m.x.clone();
+    for (i, w) in m.params.iter().enumerate() {
+        h = if i < 4 { side.scope(|| h.matmul(w).tanh()) } else { h.matmul(w).tanh() };
+    }
+    let loss = h.square().mean();
+    let grads = loss.backward().unwrap();
+    Sgd::new(0.1).step(&mut m.params, &grads);
+    dev.sync().unwrap();
+    assert!(!dump(&dev)["offloads"].as_array().unwrap().is_empty());
+    assert_eq!(values(&m.params), want);
+}
+
+/// The dump of a flush with offloads reads back and passes the validator (`braid inspect`).
+#[test]
+fn dumps_with_offloads_pass_the_validator() {
+    let (_, _, planned, _) = unbudgeted();
+    let dev = Device::new_cpu();
+    let mut m = mlp(&dev);
+    dev.set_memory_budget(Some(planned / 2));
+    step(&mut m, &dev).unwrap();
+    let json = dev.last_schedule().unwrap().to_json();
+    let back = braid_scheduler::Dump::from_json(&json).unwrap();
+    let program = braid_scheduler::Program::from_dump(&back).unwrap();
+    braid_scheduler::validate::check(&program).unwrap();
+    assert!(json.contains("\"d2h\"") && json.contains("\"h2d\"") && json.contains("\"space\": \"host\""));
+}
