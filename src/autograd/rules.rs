@@ -22,7 +22,7 @@ pub(super) fn input_grads(node: &GradNode, saved: &Saved, g: &Tensor) -> InputGr
     let output = || saved.output.clone().expect("the derivative's saved output");
     let mut grads: InputGrads = match &node.op {
         Op::Unary(u) => {
-            let mut d = TensorDiff::default();
+            let mut d = TensorDiff::new(node);
             let x = d.push_opt(saved.inputs[0].clone(), g);
             let y = d.push_opt(saved.output.clone(), g);
             let gv = d.push(g.clone());
@@ -30,19 +30,20 @@ pub(super) fn input_grads(node: &GradNode, saved: &Saved, g: &Tensor) -> InputGr
             SmallVec::from_iter([Some(d.take(r))])
         }
         Op::Binary(b) => {
-            let mut d = TensorDiff::default();
+            let mut d = TensorDiff::new(node);
             let a = d.push_opt(saved.inputs[0].clone(), g);
             let bb = d.push_opt(saved.inputs[1].clone(), g);
             let y = d.push_opt(saved.output.clone(), g);
             let gv = d.push(g.clone());
             let ga = needs[0].then(|| (b.def().grad_lhs)(&mut d, a, bb, y, gv));
             let gb = needs[1].then(|| (b.def().grad_rhs)(&mut d, a, bb, y, gv));
-            SmallVec::from_iter([ga.map(|v| d.take(v)), gb.map(|v| d.take(v))])
+            let ga = ga.map(|v| d.take(v));
+            SmallVec::from_iter([ga, gb.map(|v| d.take(v))])
         }
         Op::BinaryScalar { op, scalar, scalar_first } => {
-            let mut d = TensorDiff::default();
+            let mut d = TensorDiff::new(node);
             let x = d.push_opt(saved.inputs[0].clone(), g);
-            let s = d.push(Tensor::full((), scalar.0, node.out_dtype, &node.device));
+            let s = d.push_val(Val::S(scalar.0));
             let y = d.push_opt(saved.output.clone(), g);
             let gv = d.push(g.clone());
             let r = if *scalar_first {
@@ -188,15 +189,38 @@ fn to_input(g: Tensor, shape: &Shape, dtype: DType) -> Tensor {
     if g.dtype() != dtype { g.to_dtype(dtype) } else { g }
 }
 
-/// [`Diff`] over tensors: each value is a recorded tensor.
-#[derive(Default)]
+/// A value of a derivative program: a recorded tensor, or a constant not recorded yet (the
+/// scalar operand of `x * 3.0`, a zero), which ops with a tensor take as a scalar operand.
+enum Val {
+    T(Tensor),
+    S(f64),
+}
+
+/// [`Diff`] over tensors: each value is a recorded tensor or a constant (recorded as a
+/// one-element tensor only when an op needs it as a tensor).
 struct TensorDiff {
-    values: Vec<Tensor>,
+    values: Vec<Val>,
+    dtype: DType,
+    out_shape: Shape,
+    device: crate::device::Device,
 }
 
 impl TensorDiff {
+    fn new(node: &GradNode) -> TensorDiff {
+        TensorDiff {
+            values: Vec::new(),
+            dtype: node.out_dtype,
+            out_shape: node.out_shape.clone(),
+            device: node.device.clone(),
+        }
+    }
+
     fn push(&mut self, t: Tensor) -> Dv {
-        self.values.push(t);
+        self.push_val(Val::T(t))
+    }
+
+    fn push_val(&mut self, v: Val) -> Dv {
+        self.values.push(v);
         Dv(self.values.len() as u32 - 1)
     }
 
@@ -206,39 +230,62 @@ impl TensorDiff {
         self.push(t.unwrap_or_else(|| stand_in.clone()))
     }
 
-    fn get(&self, v: Dv) -> &Tensor {
-        &self.values[v.0 as usize]
+    /// The value as a tensor (a constant is recorded once, then reused).
+    fn tensor(&mut self, v: Dv) -> Tensor {
+        let slot = &mut self.values[v.0 as usize];
+        if let Val::S(s) = *slot {
+            *slot = Val::T(Tensor::full((), s, self.dtype, &self.device));
+        }
+        match slot {
+            Val::T(t) => t.clone(),
+            Val::S(_) => unreachable!("just recorded"),
+        }
     }
 
-    fn take(&self, v: Dv) -> Tensor {
-        self.get(v).clone()
+    /// A result: a tensor of the output's shape (a constant result, which no row gives today
+    /// since every derivative scales the incoming gradient, would be broadcast).
+    fn take(&mut self, v: Dv) -> Tensor {
+        match self.values[v.0 as usize] {
+            Val::S(s) => Tensor::full(self.out_shape.clone(), s, self.dtype, &self.device),
+            Val::T(ref t) => t.clone(),
+        }
     }
 }
 
 impl Diff for TensorDiff {
     fn unary(&mut self, op: UnaryOp, x: Dv) -> Dv {
-        let t = self.get(x).unary(op);
-        self.push(t)
+        let v = match &self.values[x.0 as usize] {
+            Val::S(s) => Val::S((op.def().reference)(*s)),
+            Val::T(t) => Val::T(t.unary(op)),
+        };
+        self.push_val(v)
     }
     fn binary(&mut self, op: BinaryOp, a: Dv, b: Dv) -> Dv {
-        let t = self.get(a).binary(op, self.get(b));
-        self.push(t)
+        let v = match (&self.values[a.0 as usize], &self.values[b.0 as usize]) {
+            (Val::S(x), Val::S(y)) => Val::S((op.def().reference)(*x, *y)),
+            (Val::T(t), Val::S(s)) => Val::T(t.binary_scalar(op, *s, false)),
+            (Val::S(s), Val::T(t)) => Val::T(t.binary_scalar(op, *s, true)),
+            (Val::T(x), Val::T(y)) => Val::T(x.binary(op, y)),
+        };
+        self.push_val(v)
     }
     fn scalar(&mut self, op: BinaryOp, x: Dv, s: f64, scalar_first: bool) -> Dv {
-        let t = self.get(x).binary_scalar(op, s, scalar_first);
-        self.push(t)
+        let v = match &self.values[x.0 as usize] {
+            Val::S(v) if scalar_first => Val::S((op.def().reference)(s, *v)),
+            Val::S(v) => Val::S((op.def().reference)(*v, s)),
+            Val::T(t) => Val::T(t.binary_scalar(op, s, scalar_first)),
+        };
+        self.push_val(v)
     }
     fn compare(&mut self, op: CompareOp, a: Dv, b: Dv) -> Dv {
-        let t = self.get(a).compare(op, self.get(b));
-        self.push(t)
+        let (a, b) = (self.tensor(a), self.tensor(b));
+        self.push(a.compare(op, &b))
     }
     fn select(&mut self, cond: Dv, a: Dv, b: Dv) -> Dv {
-        let t = self.get(cond).select(self.get(a), self.get(b));
-        self.push(t)
+        let (c, a, b) = (self.tensor(cond), self.tensor(a), self.tensor(b));
+        self.push(c.select(&a, &b))
     }
-    fn zeros_like(&mut self, x: Dv) -> Dv {
-        let x = self.get(x);
-        let t = Tensor::zeros((), x.dtype(), x.device());
-        self.push(t)
+    fn zeros_like(&mut self, _: Dv) -> Dv {
+        self.push_val(Val::S(0.0))
     }
 }

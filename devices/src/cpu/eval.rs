@@ -36,6 +36,20 @@ impl Reg {
         self.len() == 0
     }
 
+    /// Whether this register holds compute dtype `dtype` with room for `n` elements.
+    pub fn fits(&self, dtype: DType, n: usize) -> bool {
+        let same = matches!(
+            (self, dtype.compute()),
+            (Reg::F32(_), DType::F32)
+                | (Reg::F64(_), DType::F64)
+                | (Reg::I32(_), DType::I32)
+                | (Reg::I64(_), DType::I64)
+                | (Reg::U8(_), DType::U8)
+                | (Reg::Bool(_), DType::Bool)
+        );
+        same && self.len() >= n
+    }
+
     /// A register for compute dtype `dtype`, with room for `n` elements.
     pub fn new(dtype: DType, n: usize) -> Reg {
         match dtype.compute() {

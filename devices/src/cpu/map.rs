@@ -136,15 +136,44 @@ unsafe fn run_range_avx2(l: &MapLoop, args: Shared<'_>, start: usize, end: usize
     run_range_impl(l, args, start, end)
 }
 
+thread_local! {
+    /// Registers kept between runs on this thread: small kernels (a scalar training step runs
+    /// hundreds) would otherwise spend more time allocating registers than computing.
+    static SCRATCH: std::cell::RefCell<(Vec<Reg>, Vec<isize>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
 #[inline(always)]
 fn run_range_impl(l: &MapLoop, args: Shared<'_>, start: usize, end: usize) -> Result<(), String> {
     let width = CHUNK.min(end - start);
-    let mut regs: Vec<Reg> = l.expr.nodes.iter().map(|node| Reg::new(node.dtype, width)).collect();
-    let mut offsets = vec![0isize; width];
+    let (mut regs, mut offsets) = SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    regs.truncate(l.expr.nodes.len());
+    for (i, node) in l.expr.nodes.iter().enumerate() {
+        match regs.get_mut(i) {
+            Some(r) if r.fits(node.dtype, width) => {}
+            Some(r) => *r = Reg::new(node.dtype, width),
+            None => regs.push(Reg::new(node.dtype, width)),
+        }
+    }
+    offsets.resize(offsets.len().max(width), 0);
+    let result = run_chunks(l, args, start, end, width, &mut regs, &mut offsets);
+    SCRATCH.with(|s| *s.borrow_mut() = (regs, offsets));
+    result
+}
+
+#[inline(always)]
+fn run_chunks(
+    l: &MapLoop,
+    args: Shared<'_>,
+    start: usize,
+    end: usize,
+    width: usize,
+    regs: &mut [Reg],
+    offsets: &mut [isize],
+) -> Result<(), String> {
     let invariant = invariant_nodes(&l.expr);
     for (i, node) in l.expr.nodes.iter().enumerate() {
         if invariant[i] {
-            eval_node(node, i, &mut regs, width, start)?;
+            eval_node(node, i, regs, width, start)?;
         }
     }
     let mut c = start;
@@ -158,15 +187,15 @@ fn run_range_impl(l: &MapLoop, args: Shared<'_>, start: usize, end: usize) -> Re
                 let load = &l.loads[slot as usize];
                 let arg = args.0[load.arg as usize];
                 // SAFETY: the view was checked against the argument's length in `run_loop`.
-                unsafe { gather(&load.view, arg, c, m, &mut regs[i], &mut offsets) };
+                unsafe { gather(&load.view, arg, c, m, &mut regs[i], offsets) };
             } else {
-                eval_node(node, i, &mut regs, m, c)?;
+                eval_node(node, i, regs, m, c)?;
             }
         }
         for store in &l.stores {
             let arg = args.0[store.arg as usize];
             // SAFETY: as above; different indices write different elements.
-            unsafe { scatter(&store.view, arg, c, m, &regs[store.value as usize], &mut offsets) };
+            unsafe { scatter(&store.view, arg, c, m, &regs[store.value as usize], offsets) };
         }
         c += m;
     }
