@@ -1,9 +1,12 @@
 //! The backward pass: walking recorded `GradNode`s from a loss and recording their
 //! derivatives, and [`Grads`], the gradients it produces.
 
-use super::{GradNode, GradSource, Saved, no_grad, rules, source_of};
+use super::rules::{self, Val};
+use super::{GradNode, GradSource, Saved, no_grad, source_of};
+use crate::device::Device;
 use crate::stream::Stream;
 use crate::tensor::{Tensor, misuse};
+use braid_graph::{DType, Shape};
 use hashbrown::HashMap;
 use std::sync::Arc;
 
@@ -134,20 +137,26 @@ impl Tensor {
             }
         }
         no_grad(|| {
-            let stream = Stream::current(self.device());
-            let seed = stream.scope(|| Tensor::ones(self.shape().clone(), self.dtype(), self.device()));
-            let mut pending: HashMap<*const GradNode, Tensor> = HashMap::new();
-            route(&root, seed, &mut pending, grads);
+            // d loss / d loss = 1, kept as a constant until an op needs it as a tensor.
+            let mut pending: HashMap<*const GradNode, Val> = HashMap::new();
+            let seed_at = (self.shape(), self.dtype(), self.device());
+            route(&root, Val::S(1.0), seed_at, &mut pending, grads);
+            let current = crate::stream::current_stream(self.device().0.id);
             for (node, saved) in nodes.iter().zip(&saved) {
                 let Some(g) = pending.remove(&Arc::as_ptr(node)) else { continue };
-                Stream::new(node.device.clone(), node.stream).scope(|| {
+                let mut differentiate = || {
                     let input_grads = rules::input_grads(node, saved, &g);
                     for (slot, ig) in node.inputs.iter().zip(input_grads) {
                         if let (Some(source), Some(ig)) = (&slot.source, ig) {
-                            route(source, ig, &mut pending, grads);
+                            route(source, ig, (&slot.shape, slot.dtype, &slot.device), &mut pending, grads);
                         }
                     }
-                });
+                };
+                if node.stream == current {
+                    differentiate();
+                } else {
+                    Stream::new(node.device.clone(), node.stream).scope(differentiate);
+                }
             }
         });
         Ok(())
@@ -178,14 +187,21 @@ fn reachable(root: &GradSource) -> Vec<Arc<GradNode>> {
     nodes
 }
 
-/// Adds gradient `g` to where `source` collects it (on the current stream).
-fn route(source: &GradSource, g: Tensor, pending: &mut HashMap<*const GradNode, Tensor>, grads: &mut Grads) {
+/// Adds gradient `g` (of a value with shape, dtype and device `at`) to where `source`
+/// collects it (on the current stream).
+fn route(
+    source: &GradSource,
+    g: Val,
+    at: (&Shape, DType, &Device),
+    pending: &mut HashMap<*const GradNode, Val>,
+    grads: &mut Grads,
+) {
     match source {
-        GradSource::Leaf(leaf) => grads.add(*leaf, g),
+        GradSource::Leaf(leaf) => grads.add(*leaf, g.to_tensor(at.0, at.1, at.2)),
         GradSource::Node(node) => {
             let key = Arc::as_ptr(node);
             let sum = match pending.remove(&key) {
-                Some(prev) => &prev + &g,
+                Some(prev) => prev.plus(g),
                 None => g,
             };
             pending.insert(key, sum);

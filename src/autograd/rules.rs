@@ -12,40 +12,41 @@ use braid_graph::table::{BinaryOp, CompareOp, UnaryOp};
 use braid_graph::{DType, Op, ReduceOp, Shape};
 use smallvec::SmallVec;
 
-type InputGrads = SmallVec<[Option<Tensor>; 3]>;
+type InputGrads = SmallVec<[Option<Val>; 3]>;
 
 /// The gradients of `node`'s inputs (those with a gradient source) given the gradient `g` of
-/// its output.
-pub(super) fn input_grads(node: &GradNode, saved: &Saved, g: &Tensor) -> InputGrads {
+/// its output. Elementwise derivatives keep constants unrecorded (a loss's seed of 1, its
+/// halves and doubles) until an op needs them as tensors; other rules record them first.
+pub(super) fn input_grads(node: &GradNode, saved: &Saved, g: &Val) -> InputGrads {
     let needs: SmallVec<[bool; 3]> = node.inputs.iter().map(|s| s.source.is_some()).collect();
     let input = |i: usize| saved.inputs[i].clone().expect("the derivative's saved input");
     let output = || saved.output.clone().expect("the derivative's saved output");
+    let elementwise = |d: &mut TensorDiff, i: usize| d.push_saved(saved.inputs.get(i).cloned().flatten());
     let mut grads: InputGrads = match &node.op {
         Op::Unary(u) => {
             let mut d = TensorDiff::new(node);
-            let x = d.push_opt(saved.inputs[0].clone(), g);
-            let y = d.push_opt(saved.output.clone(), g);
-            let gv = d.push(g.clone());
+            let x = elementwise(&mut d, 0);
+            let y = d.push_saved(saved.output.clone());
+            let gv = d.push_val(g.clone());
             let r = (u.def().grad)(&mut d, x, y, gv);
             SmallVec::from_iter([Some(d.take(r))])
         }
         Op::Binary(b) => {
             let mut d = TensorDiff::new(node);
-            let a = d.push_opt(saved.inputs[0].clone(), g);
-            let bb = d.push_opt(saved.inputs[1].clone(), g);
-            let y = d.push_opt(saved.output.clone(), g);
-            let gv = d.push(g.clone());
+            let a = elementwise(&mut d, 0);
+            let bb = elementwise(&mut d, 1);
+            let y = d.push_saved(saved.output.clone());
+            let gv = d.push_val(g.clone());
             let ga = needs[0].then(|| (b.def().grad_lhs)(&mut d, a, bb, y, gv));
             let gb = needs[1].then(|| (b.def().grad_rhs)(&mut d, a, bb, y, gv));
-            let ga = ga.map(|v| d.take(v));
-            SmallVec::from_iter([ga, gb.map(|v| d.take(v))])
+            SmallVec::from_iter([ga.map(|v| d.take(v)), gb.map(|v| d.take(v))])
         }
         Op::BinaryScalar { op, scalar, scalar_first } => {
             let mut d = TensorDiff::new(node);
-            let x = d.push_opt(saved.inputs[0].clone(), g);
+            let x = elementwise(&mut d, 0);
             let s = d.push_val(Val::S(scalar.0));
-            let y = d.push_opt(saved.output.clone(), g);
-            let gv = d.push(g.clone());
+            let y = d.push_saved(saved.output.clone());
+            let gv = d.push_val(g.clone());
             let r = if *scalar_first {
                 (op.def().grad_rhs)(&mut d, s, x, y, gv)
             } else {
@@ -53,6 +54,34 @@ pub(super) fn input_grads(node: &GradNode, saved: &Saved, g: &Tensor) -> InputGr
             };
             SmallVec::from_iter([Some(d.take(r))])
         }
+        _ => {
+            let g = g.to_tensor(&node.out_shape, node.out_dtype, &node.device);
+            other_grads(node, &needs, &g, input, output).into_iter().map(|t| t.map(Val::T)).collect()
+        }
+    };
+    for (slot, grad) in node.inputs.iter().zip(grads.iter_mut()) {
+        *grad = match (slot.source.is_some(), grad.take()) {
+            (true, Some(Val::T(t))) => Some(Val::T(to_input(t, &slot.shape, slot.dtype))),
+            (true, Some(Val::S(s))) => {
+                // A uniform gradient summed over the positions broadcasting added.
+                let copies = node.out_shape.numel() as f64 / slot.shape.numel().max(1) as f64;
+                Some(Val::S(s * copies))
+            }
+            _ => None,
+        };
+    }
+    grads
+}
+
+/// The derivatives of reductions, products and movement (`g` recorded, in the output's shape).
+fn other_grads(
+    node: &GradNode,
+    needs: &[bool],
+    g: &Tensor,
+    input: impl Fn(usize) -> Tensor,
+    output: impl Fn() -> Tensor,
+) -> SmallVec<[Option<Tensor>; 3]> {
+    match &node.op {
         Op::Select => {
             let cond = input(0);
             let zero = Tensor::zeros((), g.dtype(), g.device());
@@ -145,14 +174,7 @@ pub(super) fn input_grads(node: &GradNode, saved: &Saved, g: &Tensor) -> InputGr
         }
         Op::ToDevice => SmallVec::from_iter([Some(g.to_device(&node.inputs[0].device))]),
         op => unreachable!("{} is not differentiable", op.name()),
-    };
-    for (slot, grad) in node.inputs.iter().zip(grads.iter_mut()) {
-        *grad = match (slot.source.is_some(), grad.take()) {
-            (true, Some(t)) => Some(to_input(t, &slot.shape, slot.dtype)),
-            _ => None,
-        };
     }
-    grads
 }
 
 /// A reduced gradient with the reduced dimension kept (size 1), so it broadcasts against the
@@ -189,30 +211,47 @@ fn to_input(g: Tensor, shape: &Shape, dtype: DType) -> Tensor {
     if g.dtype() != dtype { g.to_dtype(dtype) } else { g }
 }
 
-/// A value of a derivative program: a recorded tensor, or a constant not recorded yet (the
-/// scalar operand of `x * 3.0`, a zero), which ops with a tensor take as a scalar operand.
-enum Val {
+/// A value of a derivative program, and a gradient in flight: a recorded tensor, or a
+/// constant, uniform over its shape, not recorded yet (a loss's seed of 1, the scalar operand of
+/// `x * 3.0`, a zero), which ops with a tensor take as a scalar operand.
+#[derive(Clone)]
+pub(crate) enum Val {
     T(Tensor),
     S(f64),
 }
 
-/// [`Diff`] over tensors: each value is a recorded tensor or a constant (recorded as a
-/// one-element tensor only when an op needs it as a tensor).
+impl Val {
+    /// As a tensor of `shape` (a constant is recorded).
+    pub(crate) fn to_tensor(&self, shape: &Shape, dtype: DType, device: &crate::device::Device) -> Tensor {
+        match self {
+            Val::T(t) => t.clone(),
+            Val::S(s) => Tensor::full(shape.clone(), *s, dtype, device),
+        }
+    }
+
+    /// `self + other`, recording only what involves a tensor.
+    pub(crate) fn plus(self, other: Val) -> Val {
+        match (self, other) {
+            (Val::S(a), Val::S(b)) => Val::S(a + b),
+            (Val::T(t), Val::S(s)) | (Val::S(s), Val::T(t)) => Val::T(t.binary_scalar(BinaryOp::Add, s, false)),
+            (Val::T(a), Val::T(b)) => Val::T(&a + &b),
+        }
+    }
+}
+
+/// [`Diff`] over tensors and unrecorded constants; a constant is recorded (once per value) only
+/// when an op needs it as a tensor.
 struct TensorDiff {
     values: Vec<Val>,
     dtype: DType,
-    out_shape: Shape,
     device: crate::device::Device,
+    /// Constants recorded so far, by bits (the zeros of a relu's mask and its select are one).
+    recorded: SmallVec<[(u64, Tensor); 2]>,
 }
 
 impl TensorDiff {
     fn new(node: &GradNode) -> TensorDiff {
-        TensorDiff {
-            values: Vec::new(),
-            dtype: node.out_dtype,
-            out_shape: node.out_shape.clone(),
-            device: node.device.clone(),
-        }
+        TensorDiff { values: Vec::new(), dtype: node.out_dtype, device: node.device.clone(), recorded: SmallVec::new() }
     }
 
     fn push(&mut self, t: Tensor) -> Dv {
@@ -224,31 +263,30 @@ impl TensorDiff {
         Dv(self.values.len() as u32 - 1)
     }
 
-    /// A saved value, or (when the row does not read it) a stand-in of the right shape: the
-    /// op table's tests check that rows read only what they save.
-    fn push_opt(&mut self, t: Option<Tensor>, stand_in: &Tensor) -> Dv {
-        self.push(t.unwrap_or_else(|| stand_in.clone()))
+    /// A saved value, or NaN when the row does not read it (the op table's tests check that
+    /// rows read only what they save; a NaN would show in every gradient if one did).
+    fn push_saved(&mut self, t: Option<Tensor>) -> Dv {
+        self.push_val(t.map_or(Val::S(f64::NAN), Val::T))
     }
 
-    /// The value as a tensor (a constant is recorded once, then reused).
+    /// The value as a tensor (a constant is recorded once, as a one-element tensor, then
+    /// reused).
     fn tensor(&mut self, v: Dv) -> Tensor {
-        let slot = &mut self.values[v.0 as usize];
-        if let Val::S(s) = *slot {
-            *slot = Val::T(Tensor::full((), s, self.dtype, &self.device));
-        }
-        match slot {
-            Val::T(t) => t.clone(),
-            Val::S(_) => unreachable!("just recorded"),
+        match self.values[v.0 as usize] {
+            Val::T(ref t) => t.clone(),
+            Val::S(s) => {
+                if let Some((_, t)) = self.recorded.iter().find(|(bits, _)| *bits == s.to_bits()) {
+                    return t.clone();
+                }
+                let t = Tensor::full((), s, self.dtype, &self.device);
+                self.recorded.push((s.to_bits(), t.clone()));
+                t
+            }
         }
     }
 
-    /// A result: a tensor of the output's shape (a constant result, which no row gives today
-    /// since every derivative scales the incoming gradient, would be broadcast).
-    fn take(&mut self, v: Dv) -> Tensor {
-        match self.values[v.0 as usize] {
-            Val::S(s) => Tensor::full(self.out_shape.clone(), s, self.dtype, &self.device),
-            Val::T(ref t) => t.clone(),
-        }
+    fn take(&self, v: Dv) -> Val {
+        self.values[v.0 as usize].clone()
     }
 }
 
@@ -263,6 +301,9 @@ impl Diff for TensorDiff {
     fn binary(&mut self, op: BinaryOp, a: Dv, b: Dv) -> Dv {
         let v = match (&self.values[a.0 as usize], &self.values[b.0 as usize]) {
             (Val::S(x), Val::S(y)) => Val::S((op.def().reference)(*x, *y)),
+            // Exact identities that save a node (x^1 = x and x^0 = 1 hold for every x).
+            (t @ Val::T(_), Val::S(s)) if op == BinaryOp::Pow && *s == 1.0 => t.clone(),
+            (Val::T(_), Val::S(s)) if op == BinaryOp::Pow && *s == 0.0 => Val::S(1.0),
             (Val::T(t), Val::S(s)) => Val::T(t.binary_scalar(op, *s, false)),
             (Val::S(s), Val::T(t)) => Val::T(t.binary_scalar(op, *s, true)),
             (Val::T(x), Val::T(y)) => Val::T(x.binary(op, y)),
