@@ -1,5 +1,6 @@
 //! The bench card (shared/BENCH.md), CPU part: C1 chain, C2 softmax, C3 mlp_step, C4 tiny_graph (forward, and
-//! forward + backward), C5 mini_gpt,
+//! forward + backward), C5 mini_gpt, and activation offloading under a memory budget (G5 at CPU
+//! scale),
 //! each checked for correctness first, timed as the median of repeated runs after a warm-up, and
 //! shown next to a physical limit (a parallel copy measured in the same run) and a peer (JAX,
 //! if installed: `pip install jax`), whose script `benches/peers/card_jax.py` runs in the same
@@ -356,6 +357,61 @@ fn c5(dev: &Device) -> (f64, String) {
     (t, line)
 }
 
+/// G5 at CPU scale: an activation-heavy MLP training step (8 x `tanh(h @ W)`, batch 4096,
+/// width 128, f32, SGD) without a budget and with half its planned peak as the device budget:
+/// peak device memory and step time, and the results checked equal.
+fn offload(dev_plain: &Device) -> (f64, String) {
+    let build = |dev: &Device| {
+        dev.seed(9);
+        let x = Tensor::randn([4096, 128], DType::F32, dev);
+        let ws: Vec<Tensor> = (0..8)
+            .map(|_| braid::no_grad(|| Tensor::randn([128, 128], DType::F32, dev) * 0.1).requires_grad())
+            .collect();
+        dev.sync().unwrap();
+        (x, ws)
+    };
+    let step = |dev: &Device, x: &Tensor, ws: &mut [Tensor]| {
+        let mut h = x.clone();
+        for w in ws.iter() {
+            h = h.matmul(w).tanh();
+        }
+        let grads = h.square().mean().backward().unwrap();
+        braid::optim::Sgd::new(0.01).step(ws, &grads);
+        drop(grads);
+        dev.sync().unwrap();
+    };
+    let run = |dev: &Device, budget: Option<u64>| {
+        let (x, mut ws) = build(dev);
+        dev.set_memory_budget(budget);
+        dev.reset_peak();
+        step(dev, &x, &mut ws);
+        let peak = dev.memory().peak;
+        let planned = dev.last_schedule().unwrap().planned_peak_bytes();
+        let offloads = dev.last_schedule().unwrap().to_json().matches("\"d2h\"").count();
+        let t = median(2, 11, || step(dev, &x, &mut ws));
+        let values: Vec<Vec<f32>> = ws.iter().map(|w| w.to_vec::<f32>().unwrap()).collect();
+        (t, peak, planned, offloads, values)
+    };
+    let (t0, peak0, planned0, _, v0) = run(dev_plain, None);
+    let dev = Device::new_cpu();
+    let budget = planned0 / 2;
+    let (t1, peak1, _, offloads, v1) = run(&dev, Some(budget));
+    assert_eq!(v0, v1, "offloading changed the training result");
+    assert!(peak1 <= budget, "peak {peak1} over the budget {budget}");
+    let line = format!(
+        "offload (MLP 8 x 128, batch 4096, f32, fwd+bwd+SGD): no budget {:.2} ms, peak {:.1} MiB; budget {:.1} MiB (half the planned peak): \
+         {:.2} ms ({:+.0}%), peak {:.1} MiB ({:.0}% saved), {offloads} value(s) offloaded; results identical",
+        t0 * 1e3,
+        peak0 as f64 / 1048576.0,
+        budget as f64 / 1048576.0,
+        t1 * 1e3,
+        100.0 * (t1 / t0 - 1.0),
+        peak1 as f64 / 1048576.0,
+        100.0 * (1.0 - peak1 as f64 / peak0 as f64)
+    );
+    (t1, line)
+}
+
 /// Runs the JAX peer script and returns its lines (or why it could not run).
 fn peers(which: &str) -> Vec<String> {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/peers/card_jax.py");
@@ -391,6 +447,9 @@ fn main() {
     if all || which == "c5" {
         println!("{}", c5(&dev).1);
         peers("c5").iter().for_each(|l| println!("{l}"));
+    }
+    if all || which == "offload" {
+        println!("{}", offload(&Device::new_cpu()).1);
     }
     if all || which == "c4" {
         println!("{}", c4(&dev).1);
