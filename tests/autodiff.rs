@@ -326,11 +326,15 @@ fn misuse_is_reported_at_the_call() {
 /// against the reference interpreter evaluating the recorded backward graph.
 #[test]
 fn mlp_gradients_equal_the_reference() {
-    for poison in [false, true] {
+    for (poison, budget) in [(false, false), (true, false), (true, true)] {
         let dev = Device::new_cpu();
         dev.set_poison(poison);
+        if budget {
+            // Out of reach: the read raises it to the lowest reachable peak, which offloads.
+            dev.set_memory_budget(Some(1));
+        }
         dev.seed(12);
-        let x = Tensor::randn([8, 16], DType::F32, &dev);
+        let x = Tensor::randn([64, 16], DType::F32, &dev);
         let w1 = Tensor::randn([16, 32], DType::F32, &dev).requires_grad();
         let b1 = Tensor::randn([32], DType::F32, &dev).requires_grad();
         let w2 = Tensor::randn([32, 4], DType::F32, &dev).requires_grad();
@@ -341,6 +345,8 @@ fn mlp_gradients_equal_the_reference() {
         let refs: Vec<&Tensor> = targets.iter().collect();
         let stats = check_recorded(&refs).unwrap_or_else(|e| panic!("poison {poison}: {e}"));
         assert!(stats.checked > 500, "{stats:?}");
+        let offloads = dev.last_schedule().unwrap().to_json().matches("\"d2h\"").count();
+        assert_eq!(offloads > 0, budget, "{}", dev.last_schedule().unwrap().to_text());
     }
 }
 
@@ -348,7 +354,17 @@ fn mlp_gradients_equal_the_reference() {
 /// streams, checked against the reference.
 #[test]
 fn transformer_block_gradients_equal_the_reference() {
+    for budget in [false, true] {
+        transformer_block(budget);
+    }
+}
+
+fn transformer_block(budget: bool) {
     let dev = Device::new_cpu();
+    if budget {
+        dev.set_poison(true);
+        dev.set_memory_budget(Some(1));
+    }
     dev.seed(13);
     let (t, d) = (6, 8);
     let p = |shape: &[usize]| (Tensor::randn(shape.to_vec(), DType::F32, &dev) * 0.3).detach().requires_grad();
@@ -371,4 +387,6 @@ fn transformer_block_gradients_equal_the_reference() {
     let refs: Vec<&Tensor> = targets.iter().collect();
     let stats = check_recorded(&refs).unwrap();
     assert!(stats.checked > 600, "{stats:?}");
+    let offloads = dev.last_schedule().unwrap().to_json().matches("\"d2h\"").count();
+    assert_eq!(offloads > 0, budget, "{}", dev.last_schedule().unwrap().to_text());
 }
