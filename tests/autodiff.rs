@@ -34,7 +34,11 @@ fn weighted_loss(out: &Tensor, weights: &[f64]) -> Tensor {
 
 /// Checks the gradients `backward` records for `f` against central finite differences.
 fn check_gradients(name: &str, inputs: &[(Vec<usize>, Vec<f64>)], f: &dyn Fn(&[Tensor]) -> Tensor) {
-    let dev = cpu();
+    check_gradients_on(&cpu(), name, inputs, f)
+}
+
+fn check_gradients_on(dev: &Device, name: &str, inputs: &[(Vec<usize>, Vec<f64>)], f: &dyn Fn(&[Tensor]) -> Tensor) {
+    let dev = dev.clone();
     let mut rng = Rng::new(name.len() as u64 * 7919);
     let leaves: Vec<Tensor> = inputs.iter().map(|(s, v)| leaf(s, v, &dev).requires_grad()).collect();
     let out = f(&leaves);
@@ -227,7 +231,8 @@ fn micrograd_example_gives_the_published_values() {
 
 #[test]
 fn backward_follows_the_forward_streams() {
-    let dev = cpu();
+    // Its own device: the dump read below must be this test's last flush.
+    let dev = Device::new_cpu();
     let side = dev.new_stream();
     let mut rng = Rng::new(11);
     let inputs = [(vec![3, 4], values(&mut rng, 12, false)), (vec![4, 2], values(&mut rng, 8, false))];
@@ -235,7 +240,7 @@ fn backward_follows_the_forward_streams() {
         let h = side.scope(|| xs[0].matmul(&xs[1]).tanh());
         (&h * &h).sum_dim(1, false)
     };
-    check_gradients("two streams", &inputs, &f);
+    check_gradients_on(&dev, "two streams", &inputs, &f);
     // The gradient of w is `x^T @ g`, recorded where the forward matmul ran; the gradient of
     // `h * h` stays on the default stream.
     let x = leaf(&inputs[0].0, &inputs[0].1, &dev).requires_grad();

@@ -94,16 +94,24 @@ impl MiniGpt {
     /// Mean cross-entropy of predicting `targets[i]` after `tokens[..=i]` (both `CONTEXT` long).
     pub fn loss(&self, tokens: &[usize], targets: &[usize]) -> Tensor {
         assert_eq!((tokens.len(), targets.len()), (CONTEXT, CONTEXT));
-        let t = CONTEXT;
+        self.batch_loss(tokens, targets)
+    }
+
+    /// The mean loss over a batch of sequences, concatenated (`CONTEXT` tokens each).
+    pub fn batch_loss(&self, tokens: &[usize], targets: &[usize]) -> Tensor {
+        assert!(tokens.len() == targets.len() && tokens.len() % CONTEXT == 0 && !tokens.is_empty());
+        let (b, t) = (tokens.len() / CONTEXT, CONTEXT);
         let head_size = D_MODEL / HEADS;
-        let norm = |x: &Tensor, (g, b): &(Tensor, Tensor)| &(&x.layer_norm(1, 1e-5) * g) + b;
-        let heads = |x: &Tensor| x.reshape([t, HEADS, head_size]).permute(&[1, 0, 2]);
-        let mut x = &self.one_hot(tokens).matmul(&self.token_embedding) + &self.position_embedding;
+        let norm = |x: &Tensor, (g, bias): &(Tensor, Tensor)| &(&x.layer_norm(1, 1e-5) * g) + bias;
+        // [b * t, d] -> [b, heads, t, head_size]
+        let heads = |x: &Tensor| x.reshape([b, t, HEADS, head_size]).permute(&[0, 2, 1, 3]);
+        let positions = self.position_embedding.expand([b, t, D_MODEL]).reshape([b * t, D_MODEL]);
+        let mut x = &self.one_hot(tokens).matmul(&self.token_embedding) + &positions;
         for l in &self.layers {
             let h = norm(&x, &l.ln1);
             let (q, k, v) = (heads(&h.matmul(&l.query)), heads(&h.matmul(&l.key)), heads(&h.matmul(&l.value)));
-            let scores = &(&q.matmul(&k.transpose(1, 2)) * (1.0 / (head_size as f64).sqrt())) + &self.causal_mask;
-            let attended = scores.softmax(2).matmul(&v).permute(&[1, 0, 2]).reshape([t, D_MODEL]);
+            let scores = &(&q.matmul(&k.transpose(2, 3)) * (1.0 / (head_size as f64).sqrt())) + &self.causal_mask;
+            let attended = scores.softmax(3).matmul(&v).permute(&[0, 2, 1, 3]).reshape([b * t, D_MODEL]);
             x = &x + &(&attended.matmul(&l.proj.0) + &l.proj.1);
             let h = norm(&x, &l.ln2);
             let ff = (&h.matmul(&l.ff1.0) + &l.ff1.1).relu();
@@ -111,7 +119,7 @@ impl MiniGpt {
         }
         let logits = &norm(&x, &self.ln_final).matmul(&self.head.0) + &self.head.1;
         let picked = &self.one_hot(targets) * &logits.log_softmax(1);
-        picked.sum() * (-1.0 / t as f64)
+        picked.sum() * (-1.0 / (b * t) as f64)
     }
 }
 

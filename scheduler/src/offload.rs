@@ -20,7 +20,8 @@ use crate::schedule::{KernelId, Schedule, Step};
 use braid_fusion::SegmentKind;
 use braid_graph::{FlushGraph, ValueRef};
 
-/// How fast a device computes and copies, for hiding copies behind compute.
+/// How fast a device computes and copies, for hiding copies behind compute, and how it
+/// allocates.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CostModel {
     /// Offload copy bandwidth (device to host and back), bytes per second.
@@ -29,11 +30,24 @@ pub struct CostModel {
     pub kernel_bytes_per_sec: f64,
     /// Matrix product throughput, flop per second.
     pub flops_per_sec: f64,
+    /// Allocations take a multiple of this many bytes (what a budget is compared with).
+    pub allocation_granularity: u64,
 }
 
 impl CostModel {
-    /// A two-core CPU copying between two pools in the same memory.
-    pub const CPU: CostModel = CostModel { copy_bytes_per_sec: 8e9, kernel_bytes_per_sec: 10e9, flops_per_sec: 60e9 };
+    /// A two-core CPU copying between two pools in the same memory (64-byte aligned slices).
+    pub const CPU: CostModel = CostModel {
+        copy_bytes_per_sec: 8e9,
+        kernel_bytes_per_sec: 10e9,
+        flops_per_sec: 60e9,
+        allocation_granularity: 64,
+    };
+
+    /// The device memory a buffer of `bytes` takes.
+    pub fn allocated(&self, bytes: usize) -> u64 {
+        let g = self.allocation_granularity.max(1);
+        if bytes == 0 { 0 } else { (bytes as u64).div_ceil(g) * g }
+    }
 }
 
 /// One offload: value `node` (a flush node) leaves after kernel `last_use`, is out of device
@@ -77,8 +91,8 @@ pub fn choose(
     model: &CostModel,
 ) -> Result<Vec<Decision>, Unreachable> {
     let k = base.kernels.len();
-    let mut live = live_per_kernel(base);
-    let uses = value_uses(graph, base);
+    let mut live = live_per_kernel(base, model);
+    let uses = value_uses(graph, base, model);
     let cost: Vec<f64> = (0..k).map(|t| kernel_seconds(graph, base, t, model)).collect();
     let mut decisions: Vec<Decision> = Vec::new();
     let mut taken = vec![false; graph.nodes.len()];
@@ -148,9 +162,10 @@ fn back_at(earliest: usize, next_use: usize, bytes: u64, cost: &[f64], model: &C
     c.max(earliest)
 }
 
-/// Bytes live while each kernel runs (after its outputs are allocated, before its inputs are
-/// freed), as the planner counts them, and at the end of the flush (one more entry).
-fn live_per_kernel(base: &Schedule) -> Vec<u64> {
+/// Device memory live while each kernel runs (after its outputs are allocated, before its
+/// inputs are freed), as the planner orders them but counted as the device allocates (rounded
+/// to its granularity), and at the end of the flush (one more entry).
+fn live_per_kernel(base: &Schedule, model: &CostModel) -> Vec<u64> {
     let k = base.kernels.len();
     let mut alloc_at = vec![0u64; k];
     let mut free_after = vec![0u64; k];
@@ -158,20 +173,20 @@ fn live_per_kernel(base: &Schedule) -> Vec<u64> {
         .buffers
         .iter()
         .filter(|b| matches!(b.source, crate::BufferSource::External(_)))
-        .map(|b| b.bytes as u64)
+        .map(|b| model.allocated(b.bytes))
         .sum::<u64>();
     for st in &base.streams {
         let mut pending = 0u64;
         let mut last: Option<usize> = None;
         for step in &st.steps {
             match step {
-                Step::Alloc(b) => pending += base.buffers[b.index()].bytes as u64,
+                Step::Alloc(b) => pending += model.allocated(base.buffers[b.index()].bytes),
                 Step::Kernel(kid) => {
                     alloc_at[kid.index()] += std::mem::take(&mut pending);
                     last = Some(kid.index());
                 }
                 Step::Free { buffer, .. } => {
-                    let bytes = base.buffers[buffer.index()].bytes as u64;
+                    let bytes = model.allocated(base.buffers[buffer.index()].bytes);
                     match last {
                         Some(t) => free_after[t] += bytes,
                         None => start -= bytes,
@@ -196,11 +211,16 @@ fn live_per_kernel(base: &Schedule) -> Vec<u64> {
 /// For every flush node: the kernels that write and read it (a value that outlives the flush
 /// is also used at the end, position `kernels.len()`), and whether it may be offloaded
 /// (computed by this flush, not sharing a buffer through in-place reuse).
-fn value_uses(graph: &FlushGraph, base: &Schedule) -> Vec<Uses> {
+fn value_uses(graph: &FlushGraph, base: &Schedule, model: &CostModel) -> Vec<Uses> {
     let mut uses: Vec<Uses> = graph
         .nodes
         .iter()
-        .map(|n| Uses { bytes: n.bytes() as u64, kernels: Vec::new(), eligible: true, hinted: n.offload_hint })
+        .map(|n| Uses {
+            bytes: model.allocated(n.bytes()),
+            kernels: Vec::new(),
+            eligible: true,
+            hinted: n.offload_hint,
+        })
         .collect();
     let mut written = vec![false; graph.nodes.len()];
     for (t, plan) in base.kernels.iter().enumerate() {

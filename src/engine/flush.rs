@@ -326,7 +326,7 @@ fn run_inner(ex: Extracted) -> Result<()> {
 /// returned as it was with the error (it is dumped, not run).
 fn place_offloads(graph: &FlushGraph, base: Schedule, budget: Option<u64>, device: &Device) -> (Schedule, Result<()>) {
     let hinted = graph.nodes.iter().any(|n| n.offload_hint);
-    if !hinted && budget.is_none_or(|b| base.planned_peak_bytes <= b) {
+    if !hinted && budget.is_none() {
         return (base, Ok(()));
     }
     match braid_scheduler::offload::choose(graph, &base, budget, &device.0.backend.cost_model()) {
