@@ -99,7 +99,7 @@ impl MiniGpt {
 
     /// The mean loss over a batch of sequences, concatenated (`CONTEXT` tokens each).
     pub fn batch_loss(&self, tokens: &[usize], targets: &[usize]) -> Tensor {
-        assert!(tokens.len() == targets.len() && tokens.len() % CONTEXT == 0 && !tokens.is_empty());
+        assert!(tokens.len() == targets.len() && tokens.len().is_multiple_of(CONTEXT) && !tokens.is_empty());
         let (b, t) = (tokens.len() / CONTEXT, CONTEXT);
         let head_size = D_MODEL / HEADS;
         let norm = |x: &Tensor, (g, bias): &(Tensor, Tensor)| &(&x.layer_norm(1, 1e-5) * g) + bias;
