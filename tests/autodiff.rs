@@ -395,3 +395,56 @@ fn transformer_block(budget: bool) {
     let offloads = dev.last_schedule().unwrap().to_json().matches("\"d2h\"").count();
     assert_eq!(offloads > 0, budget, "{}", dev.last_schedule().unwrap().to_text());
 }
+
+/// Regressions found in review.
+#[test]
+fn a_scalar_loss_times_operands_of_other_ranks() {
+    let dev = cpu();
+    let a = Tensor::from_vec(vec![1.0f32, 2.0], [2], &dev).requires_grad();
+    let b = Tensor::from_vec(vec![3.0f32], [1], &dev).requires_grad();
+    let g = (&a.sum() * &b).backward().unwrap();
+    assert_eq!(g.get(&a).unwrap().to_vec::<f32>().unwrap(), vec![3.0, 3.0]);
+    assert_eq!(g.get(&b).unwrap().to_vec::<f32>().unwrap(), vec![3.0]);
+    let x = Tensor::from_vec(vec![2.0f32], [1, 1], &dev).requires_grad();
+    let s = Tensor::from_vec(vec![5.0f32], (), &dev).requires_grad();
+    let g = (&x * &s).sum().backward().unwrap();
+    assert_eq!(
+        (g.get(&x).unwrap().to_vec::<f32>().unwrap(), g.get(&s).unwrap().to_vec::<f32>().unwrap()),
+        (vec![5.0], vec![2.0])
+    );
+    // A constant gradient times a smaller operand broadcast over the output: summed over it.
+    let p = Tensor::from_vec(vec![2.0f32], [1], &dev).requires_grad();
+    let q = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], [3], &dev).requires_grad();
+    let g = (&(&p * &q) * 1.0).sum().backward().unwrap();
+    assert_eq!(g.get(&p).unwrap().to_vec::<f32>().unwrap(), vec![6.0]);
+}
+
+#[test]
+fn a_very_deep_history_is_dropped_without_overflowing_the_stack() {
+    let w = Tensor::from_vec(vec![1.0f32], [1], &cpu()).requires_grad();
+    let mut h = w.clone();
+    for _ in 0..200_000 {
+        h = &h + 1.0;
+    }
+    drop(h);
+}
+
+#[test]
+fn pow_gradients_at_a_zero_base_are_zero_not_nan() {
+    let dev = cpu();
+    let x = Tensor::from_vec(vec![0.0f64, 2.0], [2], &dev).requires_grad();
+    let p = Tensor::from_vec(vec![2.0f64, 2.0], [2], &dev).requires_grad();
+    let g = x.pow(&p).sum().backward().unwrap();
+    let dp = g.get(&p).unwrap().to_vec::<f64>().unwrap();
+    assert_eq!(dp[0], 0.0);
+    assert!((dp[1] - 4.0 * 2f64.ln()).abs() < 1e-12);
+    let g = x.powf(0.0).sum().backward().unwrap();
+    assert_eq!(g.get(&x).unwrap().to_vec::<f64>().unwrap(), vec![0.0, 0.0]);
+}
+
+#[test]
+fn in_place_misuse_names_the_method_called() {
+    let w = Tensor::from_vec(vec![1.0f32], [1], &cpu()).requires_grad();
+    let m = panic_message(|| w.assign(&Tensor::from_vec(vec![2.0f32], [1], &cpu())));
+    assert!(m.contains("invalid assign at"), "{m}");
+}

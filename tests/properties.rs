@@ -77,12 +77,13 @@ fn random_programs_on_streams_match_the_reference_without_fusion() {
 }
 
 /// Larger shapes, so kernels run several chunks and parallel tasks.
-/// Random budgets (and offload hints) on random programs, on streams: offloaded schedules give
-/// the reference's results, and budgets out of reach are errors the engine recovers from.
+/// Random budgets (and offload hints) on random programs, on streams with user events:
+/// offloaded schedules give the reference's results and plan within the budget, and budgets out
+/// of reach are errors the engine recovers from.
 #[test]
 fn random_programs_under_memory_budgets_match_the_reference() {
     // Longer programs without fusion: more kernels, so values sit idle between their uses.
-    let config = Config { streams: 2, budgets: true, max_ops: 24, ..Config::default() };
+    let config = Config { streams: 2, events: true, budgets: true, max_ops: 32, ..Config::default() };
     run_suite(cases(), &config, false);
     let offloaded = program::BUDGET_STATS[0].load(Ordering::Relaxed);
     let out_of_reach = program::BUDGET_STATS[1].load(Ordering::Relaxed);

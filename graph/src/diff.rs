@@ -108,19 +108,31 @@ pub(crate) fn gelu_grad(d: &mut dyn Diff, x: Dv, g: Dv) -> Dv {
     d.mul(g, total)
 }
 
-/// `d/da a^b`, times `g`: `g b a^(b-1)`.
+/// `d/da a^b`, times `g`: `g b a^(b-1)`, and 0 where `b == 0` (`a^0` is constant, even at
+/// `a == 0` where the formula gives `0 * inf`).
 pub(crate) fn pow_grad_base(d: &mut dyn Diff, a: Dv, b: Dv, g: Dv) -> Dv {
     let bm1 = d.scalar(BinaryOp::Sub, b, 1.0, false);
     let p = d.binary(BinaryOp::Pow, a, bm1);
     let bp = d.mul(b, p);
-    d.mul(g, bp)
+    let r = d.mul(g, bp);
+    let zero = d.zeros_like(b);
+    let constant = d.compare(CompareOp::Eq, b, zero);
+    let z = d.zeros_like(r);
+    d.select(constant, z, r)
 }
 
-/// `d/db a^b`, times `g`: `g a^b ln a` (NaN for negative bases, as in other frameworks).
-pub(crate) fn pow_grad_exponent(d: &mut dyn Diff, a: Dv, y: Dv, g: Dv) -> Dv {
+/// `d/db a^b`, times `g`: `g a^b ln a`; 0 at `a == 0` with `b >= 0` (where `a^b` is 0 or 1
+/// and `ln a` is -inf), and NaN for negative bases, as in other frameworks.
+pub(crate) fn pow_grad_exponent(d: &mut dyn Diff, a: Dv, b: Dv, y: Dv, g: Dv) -> Dv {
     let ln = d.unary(UnaryOp::Log, a);
     let yl = d.mul(y, ln);
-    d.mul(g, yl)
+    let r = d.mul(g, yl);
+    let zero = d.zeros_like(a);
+    let at_zero = d.compare(CompareOp::Eq, a, zero);
+    let b_nonneg = d.compare(CompareOp::Ge, b, zero);
+    let z = d.zeros_like(r);
+    let masked = d.select(b_nonneg, z, r);
+    d.select(at_zero, masked, r)
 }
 
 /// `d/dx |x|` times `g`: the sign of `x` (zero at zero).

@@ -226,7 +226,7 @@ macro_rules! binary_ops {
                 reference: |a, b| a.powf(b), reference_int: None,
                 kernel: |bd, a, b| bd.binary(PrimBinary::Pow, a, b), sensitivity: Power, ulps: 4.0,
                 grad_lhs: |d, a, b, _, g| pow_grad_base(d, a, b, g),
-                grad_rhs: |d, a, _, y, g| pow_grad_exponent(d, a, y, g), saves: InputsAndOutput };
+                grad_rhs: |d, a, b, y, g| pow_grad_exponent(d, a, b, y, g), saves: InputsAndOutput };
             Maximum { method: maximum, doc: "Elementwise maximum; NaN if either is NaN.", dtypes: Numeric,
                 reference: nan_max, reference_int: Some(|a, b| a.max(b)),
                 kernel: |bd, a, b| bd.max(a, b), sensitivity: Extremum, ulps: 0.0,

@@ -108,6 +108,29 @@ pub(crate) struct GradNode {
     pub(crate) saved: Mutex<Option<Saved>>,
 }
 
+impl Drop for GradNode {
+    /// Releases a chain of recorded ops iteratively: a history of a million ops (a running sum
+    /// kept with gradients on) would otherwise be freed by a million nested drops.
+    fn drop(&mut self) {
+        let mut stack: Vec<Arc<GradNode>> = take_node_sources(&mut self.inputs);
+        while let Some(node) = stack.pop() {
+            if let Ok(mut last) = Arc::try_unwrap(node) {
+                stack.extend(take_node_sources(&mut last.inputs));
+            }
+        }
+    }
+}
+
+fn take_node_sources(inputs: &mut [InputSlot]) -> Vec<Arc<GradNode>> {
+    inputs
+        .iter_mut()
+        .filter_map(|slot| match slot.source.take() {
+            Some(GradSource::Node(n)) => Some(n),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Marks `t` as a leaf whose gradient [`Grads`] collects. Misuse (checked by the caller):
 /// an integer tensor, or one that already has gradient history from ops.
 pub(crate) fn mark_leaf(t: &Tensor) -> Result<(), &'static str> {

@@ -61,7 +61,13 @@ pub(super) fn input_grads(node: &GradNode, saved: &Saved, g: &Val) -> InputGrads
     };
     for (slot, grad) in node.inputs.iter().zip(grads.iter_mut()) {
         *grad = match (slot.source.is_some(), grad.take()) {
-            (true, Some(Val::T(t))) => Some(Val::T(to_input(t, &slot.shape, slot.dtype))),
+            (true, Some(Val::T(t))) => {
+                // An elementwise rule applied to a constant gradient can give a result in an
+                // operand's shape; what reaches the input is its broadcast to the output, summed.
+                let elementwise = matches!(node.op, Op::Unary(_) | Op::Binary(_) | Op::BinaryScalar { .. });
+                let t = if elementwise && t.shape() != &node.out_shape { t.expand(node.out_shape.clone()) } else { t };
+                Some(Val::T(to_input(t, &slot.shape, slot.dtype)))
+            }
             (true, Some(Val::S(s))) => {
                 // A uniform gradient summed over the positions broadcasting added.
                 let copies = node.out_shape.numel() as f64 / slot.shape.numel().max(1) as f64;
@@ -319,10 +325,19 @@ impl Diff for TensorDiff {
         self.push_val(v)
     }
     fn compare(&mut self, op: CompareOp, a: Dv, b: Dv) -> Dv {
+        if let (Val::S(x), Val::S(y)) = (&self.values[a.0 as usize], &self.values[b.0 as usize]) {
+            // A decided comparison: 1 or 0, which `select` below takes as a constant condition.
+            let v = if (op.def().reference)(*x, *y) { 1.0 } else { 0.0 };
+            return self.push_val(Val::S(v));
+        }
         let (a, b) = (self.tensor(a), self.tensor(b));
         self.push(a.compare(op, &b))
     }
     fn select(&mut self, cond: Dv, a: Dv, b: Dv) -> Dv {
+        if let Val::S(c) = self.values[cond.0 as usize] {
+            let pick = if c != 0.0 { a } else { b };
+            return self.push_val(self.values[pick.0 as usize].clone());
+        }
         let (c, a, b) = (self.tensor(cond), self.tensor(a), self.tensor(b));
         self.push(c.select(&a, &b))
     }

@@ -103,9 +103,9 @@ impl Tensor {
     /// Makes `self` (and every clone) name a new version computed by `op` over `inputs`;
     /// readers recorded earlier keep the old one.
     #[track_caller]
-    pub(crate) fn record_new_version(&self, op: Op, inputs: &[&Tensor]) {
+    pub(crate) fn record_new_version(&self, name: &str, op: Op, inputs: &[&Tensor]) {
         if let Err(problem) = autograd::check_in_place(self) {
-            misuse(&format!("{}_assign", op.name()), problem, &[("self", self.describe())]);
+            misuse(name, problem, &[("self", self.describe())]);
         }
         let cells: smallvec::SmallVec<[&AtomicU32; 3]> = inputs.iter().map(|t| &t.0.node).collect();
         let device = &self.0.device;

@@ -53,7 +53,7 @@ impl Tensor {
                 &[("self", self.describe()), ("src", src.describe())],
             );
         }
-        self.record_new_version(Op::Expand, &[src]);
+        self.record_new_version("assign", Op::Expand, &[src]);
     }
 
     /// `self += other` as a new version (see [`Tensor::assign`]).
@@ -94,13 +94,13 @@ impl Tensor {
                 &[("self", self.describe()), ("other", other.describe())],
             );
         }
-        self.record_new_version(Op::Binary(op), &[self, other]);
+        self.record_new_version(&name, Op::Binary(op), &[self, other]);
     }
 
     #[track_caller]
     pub(crate) fn update_with_scalar(&self, op: BinaryOp, scalar: f64) {
         let name = format!("{}_assign", op.name());
         inferred(&name, infer::binary_scalar(op, self.shape(), self.dtype(), scalar), &[("self", self)]);
-        self.record_new_version(Op::BinaryScalar { op, scalar: Scalar(scalar), scalar_first: false }, &[self]);
+        self.record_new_version(&name, Op::BinaryScalar { op, scalar: Scalar(scalar), scalar_first: false }, &[self]);
     }
 }

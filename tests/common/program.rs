@@ -149,23 +149,44 @@ impl Gen<'_> {
     /// [`BUDGET_STATS`]); under a budget the flush cannot meet, raises the budget to the lowest
     /// peak the error names (the engine must stay usable) and reads again.
     fn read(&mut self, i: usize) -> Result<()> {
-        if self.cfg.budgets {
-            let budget = self.rng.chance(0.8).then(|| self.rng.below(6_000) as u64);
-            self.h.dev.set_memory_budget(budget);
+        self.under_budget(|g| g.h.read(i))
+    }
+
+    /// Runs `f` (a read or a synchronize). In a `budgets` suite: first sets a random budget;
+    /// when the flush reports it out of reach, raises it to the lowest peak the error names
+    /// (nothing ran, the engine must stay usable) and runs `f` again; after a flush, checks
+    /// that its planned peak is within the budget.
+    fn under_budget(&mut self, f: impl Fn(&mut Self) -> Result<()>) -> Result<()> {
+        if !self.cfg.budgets {
+            return f(self);
         }
+        let budget = self.rng.chance(0.8).then(|| self.rng.below(6_000) as u64);
+        self.h.dev.set_memory_budget(budget);
+        let before = self.h.dev.last_schedule().map(|s| s.flush());
         loop {
-            match self.h.read(i) {
-                Err(Error::MemoryBudget { budget, min_peak, .. }) if self.cfg.budgets && min_peak > budget => {
+            match f(self) {
+                Err(Error::MemoryBudget { budget, min_peak, .. }) if min_peak > budget => {
                     BUDGET_STATS[1].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     self.h.listing.push(format!("budget {budget} B raised to {min_peak} B"));
                     self.h.dev.set_memory_budget(Some(min_peak));
                 }
                 r => {
-                    if self.cfg.budgets
-                        && r.is_ok()
-                        && self.h.dev.last_schedule().is_some_and(|s| s.to_json().contains("\"d2h\""))
+                    let last = self.h.dev.last_schedule();
+                    if let (Ok(()), Some(s)) = (&r, &last)
+                        && Some(s.flush()) != before
                     {
-                        BUDGET_STATS[0].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if s.to_json().contains("\"d2h\"") {
+                            BUDGET_STATS[0].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        if let Some(b) = self.h.dev.memory_budget()
+                            && s.planned_peak_bytes() > b
+                        {
+                            return Err(Error::Internal(format!(
+                                "planned peak {} over the budget {b}:\n{}",
+                                s.planned_peak_bytes(),
+                                s.to_text()
+                            )));
+                        }
                     }
                     return r;
                 }
@@ -262,7 +283,8 @@ impl Gen<'_> {
             5 if self.cfg.events && !self.events.is_empty() => {
                 let i = self.rng.below(self.events.len());
                 self.h.listing.push(format!("e{i}.synchronize()"));
-                self.events[i].synchronize()?;
+                let event = self.events[i].clone();
+                self.under_budget(|_| event.synchronize())?;
             }
             _ => {}
         }

@@ -324,15 +324,19 @@ impl<'a> Planner<'a> {
 
     fn segment(&mut self, si: usize) {
         let s = self.seg_stream[si];
+        // Values planned out of device memory from here go first, then values coming back:
+        // the choice of offloads counted them as simultaneous.
         for i in 0..self.offloads.len() {
-            if self.offloads[i].back_at == si {
-                self.copy_back(i, s);
-            }
             if self.offloads[i].release == Some(si) {
                 // Planned without the value from here: wait until its copy out is done.
                 let e = self.offload_state[i].out_done.expect("the copy out is planned first");
                 self.wait_event(s, e);
                 self.live -= self.graph.nodes[self.offloads[i].node].bytes() as u64;
+            }
+        }
+        for i in 0..self.offloads.len() {
+            if self.offloads[i].back_at == si {
+                self.copy_back(i, s);
             }
         }
         self.segment_steps(si);
