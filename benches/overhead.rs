@@ -49,6 +49,7 @@ fn flush_graph() -> FlushGraph {
             shape: shape.clone(),
             device: DeviceId(0),
             stream: StreamId(0),
+            donated: false,
         });
     }
     for i in 0..NODES {

@@ -62,7 +62,7 @@ pub fn recorded_program(targets: &[&crate::Tensor]) -> crate::Result<(Vec<Record
                     downloads.push((program.len(), buffer.clone(), node.device));
                     RecordedNode::Data { dtype: node.dtype, shape: node.shape.clone(), bytes: Vec::new() }
                 }
-                Some(Value::InFlight(_)) | Some(Value::Done) => {
+                Some(Value::InFlight(_) | Value::Done | Value::Lent | Value::Lost(_)) => {
                     return Err(crate::Error::Internal("recorded_program: a value is being computed".into()));
                 }
             };

@@ -25,6 +25,7 @@ fn random_graph(rng: &mut Rng) -> FlushGraph {
             shape: shape.clone(),
             device: DeviceId(0),
             stream: StreamId(0),
+            donated: rng.chance(0.5),
         });
     }
     let n = 4 + rng.below(16);

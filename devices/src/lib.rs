@@ -54,8 +54,9 @@ pub struct Job<'a> {
     pub schedule: &'a Schedule,
     /// `kernels[i]` is the lowered form of `schedule.kernels[i]`.
     pub kernels: &'a [Arc<Kernel>],
-    /// Buffers of the flush's external values, in `schedule.external_buffers` order.
-    pub externals: &'a [Buffer],
+    /// Buffers of the flush's external values, in `schedule.external_buffers` order, handed to
+    /// the device: a donated one's memory returns to the pool when the schedule frees it.
+    pub externals: Vec<Buffer>,
     /// Describes a kernel for logs and errors (called only when needed).
     pub label: &'a (dyn Fn(KernelId) -> String + Sync),
     /// Fill buffers with 0xFF bytes (NaN for floats) when they are freed (`BRAID_POISON=1`).
@@ -69,8 +70,10 @@ pub trait Backend: Send + Sync {
     fn upload(&self, bytes: &[u8], poison: bool) -> Result<Buffer, DeviceError>;
     /// Copies a buffer's bytes to the host.
     fn download(&self, buffer: &Buffer) -> Result<Vec<u8>, DeviceError>;
-    /// Runs a schedule to completion; returns the buffers of `schedule.outputs`, in order.
-    fn execute(&self, job: Job<'_>) -> Result<Vec<Buffer>, DeviceError>;
+    /// Runs a schedule to completion; returns the buffers of `schedule.outputs`, in order, and
+    /// the external buffers still held at the end (by position; `None` once the schedule freed
+    /// one), from which the engine gives donated values back after a failure.
+    fn execute(&self, job: Job<'_>) -> (Result<Vec<Buffer>, DeviceError>, Vec<Option<Buffer>>);
     fn memory(&self) -> MemoryStats;
     fn reset_peak(&self);
     /// Kernels run since the device was created.

@@ -51,6 +51,9 @@ pub struct External {
     pub shape: Shape,
     pub device: DeviceId,
     pub stream: StreamId,
+    /// Nothing outside this flush reads the value any more (no tensor names it, every reader is
+    /// in the flush): its buffer is handed to the flush, which frees it after its last reader.
+    pub donated: bool,
 }
 
 impl External {

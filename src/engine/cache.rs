@@ -3,7 +3,7 @@
 //!
 //! The structural key covers what the plan depends on: every node's op (with its constants),
 //! dtype, shape, stream, inputs, control edges and whether it is kept or hinted for offload; the externals'
-//! dtypes, shapes and streams; whether fusion is on and the device's memory budget. Data never
+//! dtypes, shapes, streams and whether they are donated; whether fusion is on and the device's memory budget. Data never
 //! enters the key, so the second and later iterations of a training loop skip fusion, planning,
 //! validation and lowering. (A graph with `rand`/`randn` carries fresh seeds each time and is
 //! planned anew.) The key is 128 bits from two independent hashers; entries are evicted oldest
@@ -72,6 +72,7 @@ impl PlanCache {
                 e.dtype.hash(&mut h);
                 e.shape.hash(&mut h);
                 e.stream.hash(&mut h);
+                e.donated.hash(&mut h);
             });
         }
         (a.finish(), b.finish())

@@ -39,7 +39,10 @@ struct Extracted {
 pub(crate) fn flush_nodes(targets: &[NodeId]) -> Result<()> {
     loop {
         let mut st = state();
-        let (order, waits) = walk(&st, targets);
+        let (order, waits, lost) = walk(&st, targets);
+        if let Some(reason) = lost {
+            return Err(Error::ValueLost(reason));
+        }
         if !waits.is_empty() {
             drop(st);
             for t in waits {
@@ -81,7 +84,7 @@ pub(crate) fn flush_device(device: Option<DeviceId>) -> Result<()> {
             match &n.value {
                 None => targets.push(id),
                 Some(Value::InFlight(t)) => tickets.push(t.clone()),
-                Some(Value::Ready(_) | Value::Host(_) | Value::Done) => {}
+                Some(Value::Ready(_) | Value::Host(_) | Value::Done | Value::Lent | Value::Lost(_)) => {}
             }
         }
         (targets, tickets)
@@ -93,10 +96,12 @@ pub(crate) fn flush_device(device: Option<DeviceId>) -> Result<()> {
     result
 }
 
-/// Pending nodes needed by `targets`, inputs first, and tickets of in-flight inputs.
-fn walk(st: &State, targets: &[NodeId]) -> (Vec<NodeId>, Vec<Arc<Ticket>>) {
+/// Pending nodes needed by `targets`, inputs first, tickets of in-flight inputs, and why an
+/// input was lost if one was.
+fn walk(st: &State, targets: &[NodeId]) -> (Vec<NodeId>, Vec<Arc<Ticket>>, Option<String>) {
     let mut order = Vec::new();
     let mut waits: Vec<Arc<Ticket>> = Vec::new();
+    let mut lost = None;
     let mut visited: HashSet<NodeId> = HashSet::with_capacity(st.pending.min(1 << 16));
     let mut stack: Vec<(NodeId, bool)> = Vec::new();
     for &t in targets {
@@ -120,13 +125,14 @@ fn walk(st: &State, targets: &[NodeId]) -> (Vec<NodeId>, Vec<Arc<Ticket>>) {
             match &st.graph.node(p).value {
                 None if !visited.contains(&p) => stack.push((p, false)),
                 Some(Value::InFlight(t)) if !waits.iter().any(|w| Arc::ptr_eq(w, t)) => waits.push(t.clone()),
+                Some(Value::Lost(reason)) => lost = Some(reason.clone()),
                 _ => {}
             }
         }
     }
     // Recording order: a topological order, and each stream's program order.
     order.sort_unstable_by_key(|&id| st.graph.node(id).seq);
-    (order, waits)
+    (order, waits, lost)
 }
 
 /// Builds the flush graph of `order` and marks its nodes in flight.
@@ -136,6 +142,7 @@ fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
     let mut graph = FlushGraph { nodes: Vec::with_capacity(order.len()), externals: Vec::new() };
     let mut externals = Vec::new();
     let mut external_index: HashMap<NodeId, usize> = HashMap::with_capacity(16);
+    let donate = Device::by_id(device_id).memory_budget().is_some();
     for &id in order {
         let n = st.graph.node(id);
         let mut inputs: SmallVec<[ValueRef; 2]> = SmallVec::new();
@@ -152,12 +159,20 @@ fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
                             Some(Value::Host(bytes)) => ExternalData::Host(bytes.clone()),
                             _ => unreachable!("walk waits for in-flight inputs and takes pending ones"),
                         });
+                        // Under a budget, a device value that no tensor names and that only this
+                        // flush reads is handed to the flush, which frees it after its last reader.
+                        let donated = donate
+                            && pn.handles == 0
+                            && pn.device == device_id
+                            && matches!(pn.value, Some(Value::Ready(_)))
+                            && st.graph.successors(p).all(|s| index.contains_key(&s));
                         graph.externals.push(External {
                             id: p,
                             dtype: pn.dtype,
                             shape: pn.shape.clone(),
                             device: pn.device,
                             stream: pn.stream,
+                            donated,
                         });
                     }
                     ValueRef::External(e)
@@ -183,6 +198,10 @@ fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
     for &id in order {
         st.graph.node_mut(id).value = Some(Value::InFlight(ticket.clone()));
     }
+    // The flush owns donated buffers now (the graph keeps no clone, so freeing returns memory).
+    for e in graph.externals.iter().filter(|e| e.donated) {
+        st.graph.node_mut(e.id).value = Some(Value::Lent);
+    }
     st.pending -= order.len();
     st.flushes += 1;
     debug_assert!(graph.is_topological());
@@ -193,6 +212,7 @@ fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
 /// braid) becomes an error and the flush's nodes become pending again, so nothing waits forever.
 fn run(ex: Extracted) -> Result<()> {
     let ids: Vec<NodeId> = ex.graph.nodes.iter().map(|n| n.id).collect();
+    let donated: Vec<NodeId> = ex.graph.externals.iter().filter(|e| e.donated).map(|e| e.id).collect();
     let ticket = ex.ticket.clone();
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_inner(ex))) {
         Ok(result) => result,
@@ -200,6 +220,11 @@ fn run(ex: Extracted) -> Result<()> {
             let what = braid_devices::panic_message(panic.as_ref());
             let err = Error::Internal(format!("a flush panicked (a bug in braid): {what}"));
             let mut st = state();
+            for &id in &donated {
+                if st.graph.contains(id) && matches!(st.graph.node(id).value, Some(Value::Lent)) {
+                    st.graph.node_mut(id).value = Some(Value::Lost(err.to_string()));
+                }
+            }
             for &id in &ids {
                 if st.graph.contains(id) && matches!(st.graph.node(id).value, Some(Value::InFlight(_))) {
                     st.graph.node_mut(id).value = None;
@@ -269,27 +294,41 @@ fn run_inner(ex: Extracted) -> Result<()> {
     let backend = &ex.device.0.backend;
     let poison = ex.device.poison_enabled();
     let mut uploaded: Vec<(NodeId, Buffer)> = Vec::new();
-    let externals: Result<Vec<Buffer>, _> = ex
+    // The job takes the external buffers (moved, not cloned: a donated one must have no other
+    // owner for its memory to return when the schedule frees it).
+    let donated: Vec<(usize, NodeId)> =
+        graph.externals.iter().enumerate().filter(|(_, e)| e.donated).map(|(i, e)| (i, e.id)).collect();
+    let mut upload_failed = None;
+    let mut lent: Vec<Option<Buffer>> = ex
         .externals
-        .iter()
+        .into_iter()
         .zip(&graph.externals)
         .map(|(data, meta)| match data {
-            ExternalData::Device(b) => Ok(b.clone()),
-            ExternalData::Host(bytes) => {
-                let b = backend.upload(bytes, poison)?;
-                uploaded.push((meta.id, b.clone()));
-                Ok(b)
-            }
+            ExternalData::Device(b) => Some(b),
+            ExternalData::Host(bytes) => match backend.upload(&bytes, poison) {
+                Ok(b) => {
+                    uploaded.push((meta.id, b.clone()));
+                    Some(b)
+                }
+                Err(e) => {
+                    upload_failed.get_or_insert(e);
+                    None
+                }
+            },
         })
         .collect();
-    let result = checked.and_then(|()| {
-        let externals = externals.map_err(|e| device_error(&ex.device, e))?;
-        let _s = tracing::debug_span!(target: "braid::flush", "execute", kernels = kernels.len()).entered();
-        backend
-            .execute(Job { schedule: &schedule, kernels: &kernels, externals: &externals, label: &label, poison })
-            .map_err(|e| device_error(&ex.device, e))
-    });
-    drop(ex.externals);
+    let result = match (checked, upload_failed) {
+        (Err(e), _) => Err(e),
+        (_, Some(e)) => Err(device_error(&ex.device, e)),
+        (Ok(()), None) => {
+            let _s = tracing::debug_span!(target: "braid::flush", "execute", kernels = kernels.len()).entered();
+            let externals = std::mem::take(&mut lent).into_iter().map(|b| b.expect("uploaded")).collect();
+            let (result, held) =
+                backend.execute(Job { schedule: &schedule, kernels: &kernels, externals, label: &label, poison });
+            lent = held;
+            result.map_err(|e| device_error(&ex.device, e))
+        }
+    };
     let dump = ScheduleDump::live(schedule.clone(), graph.clone(), ex.number, ex.device.name());
     if let Some(dir) = dump::dir() {
         dump::write_files(&dir, &dump);
@@ -307,6 +346,16 @@ fn run_inner(ex: Extracted) -> Result<()> {
             Ok(())
         }
         Err(e) => {
+            // Donated inputs go back, unless the flush freed them before failing.
+            for &(i, id) in &donated {
+                st.graph.node_mut(id).value = Some(match lent.get_mut(i).and_then(Option::take) {
+                    Some(buffer) => Value::Ready(buffer),
+                    None => Value::Lost(format!(
+                        "flush {} freed it (under a memory budget) and then failed: {e}",
+                        ex.number
+                    )),
+                });
+            }
             for n in &graph.nodes {
                 st.graph.node_mut(n.id).value = None;
             }
@@ -317,6 +366,7 @@ fn run_inner(ex: Extracted) -> Result<()> {
         }
     };
     drop(st);
+    drop(lent);
     ex.ticket.finish(result.clone());
     result
 }

@@ -34,6 +34,12 @@ pub(crate) enum Value {
     Ready(Buffer),
     /// A user event that has been reached.
     Done,
+    /// Donated to a running flush (nothing else reads it): the flush owns the buffer and frees
+    /// it after its last reader.
+    Lent,
+    /// Donated to a flush that failed after freeing it: the pending work that needed it cannot
+    /// run again (reads of it report this reason).
+    Lost(String),
 }
 
 /// Completion of one flush: readers of its values wait here.
@@ -302,7 +308,9 @@ pub(crate) fn materialize(id: impl Fn() -> NodeId) -> Result<Buffer> {
                 // here and reports this thread's own error.
                 let _ = t.wait();
             }
-            Some(Value::Done) => unreachable!("tensors never name event nodes"),
+            Some(Value::Done | Value::Lent | Value::Lost(_)) => {
+                unreachable!("tensors never name event nodes, and donated values have no tensor")
+            }
             None => {
                 drop(st);
                 flush_nodes(&[node_id])?;

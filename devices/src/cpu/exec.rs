@@ -220,11 +220,14 @@ impl Exec<'_, '_> {
     }
 }
 
-/// Runs a whole schedule; returns the buffers of `schedule.outputs`.
-pub(super) fn execute(device: &CpuDevice, job: Job<'_>) -> Result<Vec<Buffer>, DeviceError> {
+/// Runs a whole schedule; returns the buffers of `schedule.outputs` and the external buffers
+/// still held at the end.
+pub(super) fn execute(device: &CpuDevice, mut job: Job<'_>) -> (Result<Vec<Buffer>, DeviceError>, Vec<Option<Buffer>>) {
     let s = job.schedule;
-    if job.externals.len() != s.external_buffers.len() {
-        return Err(DeviceError::Internal("external buffers do not match the schedule".into()));
+    let externals = std::mem::take(&mut job.externals);
+    if externals.len() != s.external_buffers.len() {
+        let held = externals.into_iter().map(Some).collect();
+        return (Err(DeviceError::Internal("external buffers do not match the schedule".into())), held);
     }
     let poison = job.poison;
     let exec = Exec {
@@ -236,8 +239,9 @@ pub(super) fn execute(device: &CpuDevice, job: Job<'_>) -> Result<Vec<Buffer>, D
         error: Mutex::new(None),
         poison,
     };
-    for (b, ext) in s.external_buffers.iter().zip(job.externals) {
-        *lock(&exec.table[b.index()]) = Some(ext.clone());
+    // The table owns the external buffers: a donated one is freed by the schedule.
+    for (b, ext) in s.external_buffers.iter().zip(externals) {
+        *lock(&exec.table[b.index()]) = Some(ext);
     }
     match s.streams.as_slice() {
         [] => {}
@@ -249,13 +253,16 @@ pub(super) fn execute(device: &CpuDevice, job: Job<'_>) -> Result<Vec<Buffer>, D
             super::workers::run_all(&|| exec.run_stream(first), &refs);
         }
     }
+    let held = s.external_buffers.iter().map(|b| lock(&exec.table[b.index()]).clone()).collect();
     if let Some(e) = lock(&exec.error).take() {
-        return Err(e);
+        return (Err(e), held);
     }
-    s.outputs
+    let outputs = s
+        .outputs
         .iter()
         .map(|(_, b)| {
             lock(&exec.table[b.index()]).clone().ok_or_else(|| DeviceError::Internal(format!("output {b} was freed")))
         })
-        .collect()
+        .collect();
+    (outputs, held)
 }

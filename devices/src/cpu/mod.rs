@@ -175,7 +175,7 @@ impl Backend for CpuDevice {
         }
     }
 
-    fn execute(&self, job: Job<'_>) -> Result<Vec<Buffer>, DeviceError> {
+    fn execute(&self, job: Job<'_>) -> (Result<Vec<Buffer>, DeviceError>, Vec<Option<Buffer>>) {
         exec::execute(self, job)
     }
 

@@ -99,6 +99,8 @@ struct Planner<'a> {
     event_clock: Vec<Vec<u32>>,
     event_at: HashMap<(usize, u32), EventId>,
     node_readers: Vec<Readers>,
+    /// Readers of each external value (those `donated` are freed after their last one).
+    ext_readers: Vec<Readers>,
     /// Per segment: a segment on another stream depends on it.
     cross_dependents: Vec<bool>,
     /// Per segment: it is the last reader on its stream of a value freed on another stream.
@@ -133,6 +135,7 @@ impl<'a> Planner<'a> {
             }
         }
         let mut node_readers = vec![Readers::default(); graph.nodes.len()];
+        let mut ext_readers = vec![Readers::default(); graph.externals.len()];
         let mut cross_dependents = vec![false; segments.len()];
         for (si, seg) in segments.iter().enumerate() {
             let st = seg_stream[si];
@@ -144,7 +147,7 @@ impl<'a> Planner<'a> {
                             cross_dependents[seg_of[n]] = true;
                         }
                     }
-                    ValueRef::External(_) => {}
+                    ValueRef::External(e) => ext_readers[e].add(si, st),
                 }
             }
             for &n in &seg.nodes {
@@ -168,10 +171,13 @@ impl<'a> Planner<'a> {
             offloaded[o.node] = true;
         }
         let mut gates_a_free = vec![false; segments.len()];
-        for (n, r) in node_readers.iter().enumerate() {
-            if graph.nodes[n].keep {
-                continue;
-            }
+        let freed_here = node_readers
+            .iter()
+            .enumerate()
+            .filter(|&(n, _)| !graph.nodes[n].keep)
+            .map(|(_, r)| r)
+            .chain(ext_readers.iter().enumerate().filter(|&(e, _)| graph.externals[e].donated).map(|(_, r)| r));
+        for r in freed_here {
             if let Some(last) = r.last {
                 for &(st, seg) in &r.by_stream {
                     if st != seg_stream[last] {
@@ -207,6 +213,7 @@ impl<'a> Planner<'a> {
             event_clock: Vec::new(),
             event_at: HashMap::new(),
             node_readers,
+            ext_readers,
             cross_dependents,
             gates_a_free,
             buffers,
@@ -430,16 +437,21 @@ impl<'a> Planner<'a> {
         if self.cross_dependents[si] || self.gates_a_free[si] {
             self.record_here(s, None);
         }
-        // Frees: inputs whose last reader this is (unless overwritten in place or kept).
+        // Frees: inputs whose last reader this is (unless overwritten in place or kept), and
+        // donated flush inputs after their last reader.
         for (i, v) in seg.inputs.iter().enumerate() {
-            let ValueRef::Node(n) = *v else { continue };
-            if self.graph.nodes[n].keep
-                || self.node_readers[n].last != Some(si)
-                || in_place.iter().any(|&(_, input)| input == i)
-            {
+            if seg.inputs[..i].contains(v) {
+                continue; // read twice by this kernel: freed once
+            }
+            let readers = match *v {
+                ValueRef::Node(n) if !self.graph.nodes[n].keep => &self.node_readers[n],
+                ValueRef::External(e) if self.graph.externals[e].donated => &self.ext_readers[e],
+                _ => continue,
+            };
+            if readers.last != Some(si) || in_place.iter().any(|&(_, input)| input == i) {
                 continue;
             }
-            let after = self.node_readers[n]
+            let after = readers
                 .by_stream
                 .iter()
                 .filter(|&&(t, seg)| t != s && self.clock[s][t] < self.seg_point[seg])
