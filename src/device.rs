@@ -35,6 +35,8 @@ pub(crate) struct DeviceInner {
     pub(crate) plans: Mutex<crate::engine::cache::PlanCache>,
     /// Test-only: rewrites each planned schedule (see `braid::testing`).
     pub(crate) schedule_hook: Mutex<Option<crate::testing::ScheduleHook>>,
+    /// Test-only: the next flush fails at this kernel (see `braid::testing`).
+    pub(crate) fail_at: Mutex<Option<u32>>,
 }
 
 struct RngState {
@@ -71,6 +73,7 @@ impl Device {
             budget: AtomicU64::new(u64::MAX),
             plans: Mutex::new(Default::default()),
             schedule_hook: Mutex::new(None),
+            fail_at: Mutex::new(None),
         }));
         reg.push(device.clone());
         device

@@ -13,6 +13,12 @@ pub fn set_schedule_hook(device: &Device, hook: Option<ScheduleHook>) {
     *lock(&device.0.schedule_hook) = hook;
 }
 
+/// Makes the next flush on `device` that reaches kernel `kernel` fail there, as a failing
+/// kernel would (once).
+pub fn fail_next_flush_at(device: &Device, kernel: u32) {
+    *lock(&device.0.fail_at) = Some(kernel);
+}
+
 /// One node of a recorded program, in the form the reference interpreter takes.
 #[derive(Clone, Debug)]
 pub enum RecordedNode {

@@ -120,7 +120,7 @@ fn oracle(s: &Schedule, g: &FlushGraph, rng: &mut Rng) -> Option<String> {
             .iter()
             .map(|b| match b.source {
                 BufferSource::External(e) => B::Holds(1_000_000 + e),
-                BufferSource::Value(_) => B::Unallocated,
+                BufferSource::Value(_) | BufferSource::CopyOf(_) => B::Unallocated,
             })
             .collect();
         let mut pc = vec![0usize; s.streams.len()];
@@ -185,14 +185,18 @@ fn oracle(s: &Schedule, g: &FlushGraph, rng: &mut Rng) -> Option<String> {
                     }
                 }
                 Step::Wait(_) => {}
-                Step::Copy { from, to, node } => {
-                    if state[from.index()] != B::Holds(*node) {
-                        return Some(format!("copy reads {from} in state {:?}, wanting n{node}", state[from.index()]));
+                Step::Copy { from, to, value } => {
+                    let v = value_of(*value);
+                    if state[from.index()] != B::Holds(v) {
+                        return Some(format!(
+                            "copy reads {from} in state {:?}, wanting {value:?}",
+                            state[from.index()]
+                        ));
                     }
                     if matches!(state[to.index()], B::Unallocated | B::Freed) {
                         return Some(format!("copy writes {to}, which is not live"));
                     }
-                    state[to.index()] = B::Holds(*node);
+                    state[to.index()] = B::Holds(v);
                 }
             }
             // Frees happen once their events are recorded.

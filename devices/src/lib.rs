@@ -61,6 +61,9 @@ pub struct Job<'a> {
     pub label: &'a (dyn Fn(KernelId) -> String + Sync),
     /// Fill buffers with 0xFF bytes (NaN for floats) when they are freed (`BRAID_POISON=1`).
     pub poison: bool,
+    /// Test-only: fail when this kernel is reached (as a failing kernel would), to exercise
+    /// recovery from a flush that fails part-way.
+    pub fail_at: Option<KernelId>,
 }
 
 /// A device runtime.

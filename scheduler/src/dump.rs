@@ -127,6 +127,10 @@ impl Dump {
     /// Describes `schedule` (planned from `graph`) as flush number `flush` on `device`.
     pub fn new(schedule: &Schedule, graph: &FlushGraph, flush: u64, device: &str) -> Dump {
         let node_id = |i: usize| graph.nodes[i].id.index() as u32;
+        let value_id = |v: ValueRef| match v {
+            ValueRef::Node(n) => node_id(n),
+            ValueRef::External(e) => graph.externals[e].id.index() as u32,
+        };
         let streams = schedule
             .streams
             .iter()
@@ -166,7 +170,7 @@ impl Dump {
                         },
                         Step::Record(e) => DumpStep::Record { event: e.to_string() },
                         Step::Wait(e) => DumpStep::Wait { event: e.to_string() },
-                        Step::Copy { from, to, node } => DumpStep::Copy {
+                        Step::Copy { from, to, value } => DumpStep::Copy {
                             from: from.to_string(),
                             to: to.to_string(),
                             direction: match schedule.buffers[to.index()].space {
@@ -174,7 +178,7 @@ impl Dump {
                                 Space::Device => "h2d",
                             }
                             .to_string(),
-                            node: Some(node_id(*node)),
+                            node: Some(value_id(*value)),
                         },
                     })
                     .collect(),
@@ -203,7 +207,7 @@ impl Dump {
                     .to_string(),
                     dtype: b.dtype.name().to_string(),
                     node: Some(match b.source {
-                        BufferSource::External(e) => graph.externals[e].id.index() as u32,
+                        BufferSource::External(e) | BufferSource::CopyOf(e) => graph.externals[e].id.index() as u32,
                         BufferSource::Value(n) => node_id(n),
                     }),
                     external: matches!(b.source, BufferSource::External(_)),

@@ -15,7 +15,7 @@ pub mod validate;
 
 pub use assign::spread_default_stream;
 pub use dump::Dump;
-pub use offload::{CostModel, Decision, Unreachable};
+pub use offload::{CostModel, Decision, PeakAt, Unreachable};
 pub use plan::{plan, plan_with_offloads};
 pub use schedule::{
     BufferId, BufferPlan, BufferSource, EventId, EventPlan, KernelId, KernelPlan, OFFLOAD_STREAM, OffloadPlan,

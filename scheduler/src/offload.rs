@@ -50,7 +50,8 @@ impl CostModel {
     }
 }
 
-/// One offload: value `node` (a flush node) leaves after kernel `last_use`, is out of device
+/// One offload: `value` (a flush node, or a donated input) leaves after kernel `last_use` (`None`:
+/// a donated input idle from the start of the flush leaves at once), is out of device
 /// memory from kernel `release` (which waits for the copy out: `last_use + 2` lets one kernel
 /// hide it, `last_use + 1` when the memory is needed at once), comes back starting at kernel
 /// `back_at` and is needed again by kernel `next_use` (kernel positions in plan order, which
@@ -58,8 +59,8 @@ impl CostModel {
 /// value that outlives it must be back in device memory).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Decision {
-    pub node: usize,
-    pub last_use: usize,
+    pub value: ValueRef,
+    pub last_use: Option<usize>,
     pub release: usize,
     pub back_at: usize,
     pub next_use: usize,
@@ -70,13 +71,25 @@ pub struct Decision {
 pub struct Unreachable {
     /// The lowest peak offloading reaches.
     pub min_peak: u64,
-    /// Where that peak is: a kernel, or (`None`) the end of the flush, where its inputs and
-    /// every value that outlives it are in device memory together.
-    pub at: Option<KernelId>,
+    /// Where that peak is.
+    pub at: PeakAt,
 }
 
-/// Per value computed by the flush: its bytes and the kernels that write and read it.
+/// Where a flush's memory peaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeakAt {
+    /// When it starts: its inputs are all in device memory.
+    Start,
+    /// While this kernel runs.
+    Kernel(KernelId),
+    /// When it ends: its inputs that it does not free and every value that outlives it.
+    End,
+}
+
+/// Per value (computed by the flush, or one of its inputs): its bytes and the kernels that write
+/// and read it.
 struct Uses {
+    value: ValueRef,
     bytes: u64,
     kernels: Vec<usize>,
     eligible: bool,
@@ -95,13 +108,12 @@ pub fn choose(
     let uses = value_uses(graph, base, model);
     let cost: Vec<f64> = (0..k).map(|t| kernel_seconds(graph, base, t, model)).collect();
     let mut decisions: Vec<Decision> = Vec::new();
-    let mut taken = vec![false; graph.nodes.len()];
-    let mut apply = |d: Decision, bytes: u64, live: &mut [u64], taken: &mut [bool]| {
+    let mut taken = vec![false; uses.len()];
+    let mut apply = |d: Decision, bytes: u64, live: &mut [u64]| {
         // Absent from device memory during kernels release .. back_at - 1.
         for l in &mut live[d.release..d.back_at] {
             *l -= bytes;
         }
-        taken[d.node] = true;
         decisions.push(d);
     };
     // Hinted values first: over their longest idle gap.
@@ -115,8 +127,9 @@ pub fn choose(
             if back_at <= w[0] + 2 {
                 continue; // the copy back would have to start at once: nothing to gain
             }
-            let d = Decision { node: n, last_use: w[0], release: w[0] + 2, back_at, next_use: w[1] };
-            apply(d, u.bytes, &mut live, &mut taken);
+            let d = Decision { value: u.value, last_use: Some(w[0]), release: w[0] + 2, back_at, next_use: w[1] };
+            taken[n] = true;
+            apply(d, u.bytes, &mut live);
         }
     }
     let Some(budget) = budget else { return Ok(decisions) };
@@ -125,6 +138,11 @@ pub fn choose(
             return Ok(decisions);
         };
         if peak <= budget {
+            // Before the first kernel every input is in device memory (offloads begin then).
+            let start = inputs_at_start(base, model);
+            if start > budget {
+                return Err(Unreachable { min_peak: start.max(peak), at: PeakAt::Start });
+            }
             return Ok(decisions);
         }
         // The largest value idle at the peak (ties: the longest gap).
@@ -134,17 +152,32 @@ pub fn choose(
             .filter(|&(n, u)| u.eligible && !taken[n])
             .filter_map(|(n, u)| {
                 let i = u.kernels.iter().position(|&t| t > peak_at)?;
-                let (a, b) = (*u.kernels.get(i.checked_sub(1)?)?, u.kernels[i]);
-                (a < peak_at).then_some((n, a, b, u.bytes))
+                // Kernel positions shifted by one: 0 stands for the start of the flush, where a
+                // donated input is already idle until its first reader.
+                let a = match i.checked_sub(1) {
+                    Some(j) => u.kernels[j] + 1,
+                    None if matches!(u.value, ValueRef::External(_)) => 0,
+                    None => return None,
+                };
+                (a < peak_at + 1).then_some((n, a, u.kernels[i], u.bytes))
             })
             // The largest; then one whose copy out a kernel can hide; then the longest gap.
-            .max_by_key(|&(_, a, b, bytes)| (bytes, a + 2 <= peak_at, b - a));
+            .max_by_key(|&(_, a, b, bytes)| (bytes, a < peak_at, b + 1 - a));
         let Some((n, a, b, bytes)) = candidate else {
-            return Err(Unreachable { min_peak: peak, at: (peak_at < k).then_some(KernelId(peak_at as u32)) });
+            let start = inputs_at_start(base, model);
+            if start >= peak {
+                return Err(Unreachable { min_peak: start, at: PeakAt::Start });
+            }
+            let at = if peak_at < k { PeakAt::Kernel(KernelId(peak_at as u32)) } else { PeakAt::End };
+            return Err(Unreachable { min_peak: peak, at });
         };
         let back = back_at(peak_at + 1, b, bytes, &cost, model);
-        let release = if a + 2 <= peak_at { a + 2 } else { a + 1 };
-        apply(Decision { node: n, last_use: a, release, back_at: back, next_use: b }, bytes, &mut live, &mut taken);
+        // In unshifted positions: out of memory from last use + 2 (one kernel hides the copy
+        // out) or last use + 1 (the peak is the very next kernel).
+        let release = if a < peak_at { a + 1 } else { a };
+        taken[n] = true;
+        let last_use = a.checked_sub(1);
+        apply(Decision { value: uses[n].value, last_use, release, back_at: back, next_use: b }, bytes, &mut live);
     }
 }
 
@@ -160,6 +193,15 @@ fn back_at(earliest: usize, next_use: usize, bytes: u64, cost: &[f64], model: &C
         hidden += cost[c];
     }
     c.max(earliest)
+}
+
+/// Device memory the flush's inputs take when it starts (what no offload can lower).
+fn inputs_at_start(base: &Schedule, model: &CostModel) -> u64 {
+    base.buffers
+        .iter()
+        .filter(|b| matches!(b.source, crate::BufferSource::External(_)))
+        .map(|b| model.allocated(b.bytes))
+        .sum()
 }
 
 /// Device memory live while each kernel runs (after its outputs are allocated, before its
@@ -208,20 +250,30 @@ fn live_per_kernel(base: &Schedule, model: &CostModel) -> Vec<u64> {
     live
 }
 
-/// For every flush node: the kernels that write and read it (a value that outlives the flush
-/// is also used at the end, position `kernels.len()`), and whether it may be offloaded
-/// (computed by this flush, not sharing a buffer through in-place reuse).
+/// For every flush node, then every input of the flush: the kernels that write and read it (a
+/// value that outlives the flush is also used at the end, position `kernels.len()`), and whether
+/// it may be offloaded (computed by this flush, or a donated input; not sharing a buffer through
+/// in-place reuse).
 fn value_uses(graph: &FlushGraph, base: &Schedule, model: &CostModel) -> Vec<Uses> {
-    let mut uses: Vec<Uses> = graph
-        .nodes
-        .iter()
-        .map(|n| Uses {
-            bytes: model.allocated(n.bytes()),
-            kernels: Vec::new(),
-            eligible: true,
-            hinted: n.offload_hint,
-        })
-        .collect();
+    let nodes = graph.nodes.iter().enumerate().map(|(i, n)| Uses {
+        value: ValueRef::Node(i),
+        bytes: model.allocated(n.bytes()),
+        kernels: Vec::new(),
+        eligible: true,
+        hinted: n.offload_hint,
+    });
+    let externals = graph.externals.iter().enumerate().map(|(i, e)| Uses {
+        value: ValueRef::External(i),
+        bytes: model.allocated(e.bytes()),
+        kernels: Vec::new(),
+        eligible: e.donated,
+        hinted: false,
+    });
+    let mut uses: Vec<Uses> = nodes.chain(externals).collect();
+    let slot = |v: ValueRef| match v {
+        ValueRef::Node(n) => n,
+        ValueRef::External(e) => graph.nodes.len() + e,
+    };
     let mut written = vec![false; graph.nodes.len()];
     for (t, plan) in base.kernels.iter().enumerate() {
         let seg = &base.fusion.segments[plan.segment];
@@ -229,25 +281,25 @@ fn value_uses(graph: &FlushGraph, base: &Schedule, model: &CostModel) -> Vec<Use
             uses[n].kernels.push(t);
             written[n] = true;
         }
-        for v in &seg.inputs {
-            if let ValueRef::Node(n) = *v
-                && uses[n].kernels.last() != Some(&t)
-            {
-                uses[n].kernels.push(t);
+        for &v in &seg.inputs {
+            let u = &mut uses[slot(v)];
+            if u.kernels.last() != Some(&t) {
+                u.kernels.push(t);
             }
         }
         for &(o, i) in &plan.in_place {
             uses[seg.outputs[o]].eligible = false;
-            if let ValueRef::Node(n) = seg.inputs[i] {
-                uses[n].eligible = false;
-            }
+            uses[slot(seg.inputs[i])].eligible = false;
         }
     }
     for ((u, w), n) in uses.iter_mut().zip(written).zip(&graph.nodes) {
-        u.eligible &= w && u.bytes > 0;
+        u.eligible &= w;
         if n.keep {
             u.kernels.push(base.kernels.len());
         }
+    }
+    for u in &mut uses {
+        u.eligible &= u.bytes > 0;
     }
     uses
 }

@@ -45,6 +45,8 @@ pub enum BufferSource {
     External(usize),
     /// The value of `FlushGraph::nodes[i]`, written by a kernel of this flush.
     Value(usize),
+    /// A copy of `FlushGraph::externals[i]` (offloaded), written by a copy step.
+    CopyOf(usize),
 }
 
 #[derive(Clone, Debug)]
@@ -97,9 +99,9 @@ pub enum Step {
     Record(EventId),
     /// Wait until an event (of another stream) is reached.
     Wait(EventId),
-    /// Copy the value of flush node `node` between spaces: to host memory (an offload) or
-    /// back to the device.
-    Copy { from: BufferId, to: BufferId, node: usize },
+    /// Copy a value (of this flush, or a donated input) between spaces: to host memory (an
+    /// offload) or back to the device.
+    Copy { from: BufferId, to: BufferId, value: braid_graph::ValueRef },
 }
 
 /// The stream offload copies run on (a device's copy engine; a worker on the CPU).
@@ -108,8 +110,8 @@ pub const OFFLOAD_STREAM: StreamId = StreamId(u32::MAX);
 /// A value moved out of device memory while idle and brought back before its next use.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OffloadPlan {
-    /// Flush node of the value.
-    pub node: usize,
+    /// The value (a flush node, or a donated input).
+    pub value: braid_graph::ValueRef,
     /// Its device buffer before the offload (freed once the copy out completes).
     pub device: BufferId,
     /// The host copy.

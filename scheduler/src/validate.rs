@@ -98,7 +98,7 @@ impl Program {
     /// The program of a live schedule (values named by recorded-graph node ids).
     pub fn from_schedule(schedule: &Schedule, graph: &FlushGraph) -> Program {
         let value = |b: &crate::BufferPlan| match b.source {
-            BufferSource::External(e) => graph.externals[e].id.index() as u64,
+            BufferSource::External(e) | BufferSource::CopyOf(e) => graph.externals[e].id.index() as u64,
             BufferSource::Value(n) => graph.nodes[n].id.index() as u64,
         };
         let initial = schedule
@@ -136,8 +136,8 @@ impl Program {
                                 node_streams: seg.nodes.iter().map(|&n| graph.nodes[n].stream.0).collect(),
                             }
                         }
-                        Step::Copy { from, to, node } => {
-                            let v = graph.nodes[*node].id.index() as u64;
+                        Step::Copy { from, to, value } => {
+                            let v = value_of(graph, *value);
                             PStep::Kernel {
                                 label: format!("copy {from} -> {to}"),
                                 reads: vec![(from.0, v)],

@@ -159,12 +159,13 @@ fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
                             Some(Value::Host(bytes)) => ExternalData::Host(bytes.clone()),
                             _ => unreachable!("walk waits for in-flight inputs and takes pending ones"),
                         });
-                        // Under a budget, a device value that no tensor names and that only this
-                        // flush reads is handed to the flush, which frees it after its last reader.
+                        // Under a budget, a value that no tensor names and that only this flush
+                        // reads is handed to the flush, which frees it after its last reader (host
+                        // data: its upload; the host copy stays in the graph).
                         let donated = donate
                             && pn.handles == 0
                             && pn.device == device_id
-                            && matches!(pn.value, Some(Value::Ready(_)))
+                            && matches!(pn.value, Some(Value::Ready(_) | Value::Host(_)))
                             && st.graph.successors(p).all(|s| index.contains_key(&s));
                         graph.externals.push(External {
                             id: p,
@@ -198,9 +199,12 @@ fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
     for &id in order {
         st.graph.node_mut(id).value = Some(Value::InFlight(ticket.clone()));
     }
-    // The flush owns donated buffers now (the graph keeps no clone, so freeing returns memory).
+    // The flush owns donated device buffers now (the graph keeps no clone, so freeing returns
+    // memory).
     for e in graph.externals.iter().filter(|e| e.donated) {
-        st.graph.node_mut(e.id).value = Some(Value::Lent);
+        if matches!(st.graph.node(e.id).value, Some(Value::Ready(_))) {
+            st.graph.node_mut(e.id).value = Some(Value::Lent);
+        }
     }
     st.pending -= order.len();
     st.flushes += 1;
@@ -296,8 +300,14 @@ fn run_inner(ex: Extracted) -> Result<()> {
     let mut uploaded: Vec<(NodeId, Buffer)> = Vec::new();
     // The job takes the external buffers (moved, not cloned: a donated one must have no other
     // owner for its memory to return when the schedule frees it).
-    let donated: Vec<(usize, NodeId)> =
-        graph.externals.iter().enumerate().filter(|(_, e)| e.donated).map(|(i, e)| (i, e.id)).collect();
+    let donated: Vec<(usize, NodeId)> = graph
+        .externals
+        .iter()
+        .zip(&ex.externals)
+        .enumerate()
+        .filter(|(_, (e, data))| e.donated && matches!(data, ExternalData::Device(_)))
+        .map(|(i, (e, _))| (i, e.id))
+        .collect();
     let mut upload_failed = None;
     let mut lent: Vec<Option<Buffer>> = ex
         .externals
@@ -307,7 +317,10 @@ fn run_inner(ex: Extracted) -> Result<()> {
             ExternalData::Device(b) => Some(b),
             ExternalData::Host(bytes) => match backend.upload(&bytes, poison) {
                 Ok(b) => {
-                    uploaded.push((meta.id, b.clone()));
+                    // A donated upload is the flush's alone (freed after its last reader).
+                    if !meta.donated {
+                        uploaded.push((meta.id, b.clone()));
+                    }
                     Some(b)
                 }
                 Err(e) => {
@@ -323,8 +336,9 @@ fn run_inner(ex: Extracted) -> Result<()> {
         (Ok(()), None) => {
             let _s = tracing::debug_span!(target: "braid::flush", "execute", kernels = kernels.len()).entered();
             let externals = std::mem::take(&mut lent).into_iter().map(|b| b.expect("uploaded")).collect();
-            let (result, held) =
-                backend.execute(Job { schedule: &schedule, kernels: &kernels, externals, label: &label, poison });
+            let fail_at = lock(&ex.device.0.fail_at).take().map(KernelId);
+            let job = Job { schedule: &schedule, kernels: &kernels, externals, label: &label, poison, fail_at };
+            let (result, held) = backend.execute(job);
             lent = held;
             result.map_err(|e| device_error(&ex.device, e))
         }
@@ -383,14 +397,17 @@ fn place_offloads(graph: &FlushGraph, base: Schedule, budget: Option<u64>, devic
         Ok(decisions) => (braid_scheduler::plan_with_offloads(graph, base, &decisions), Ok(())),
         Err(u) => {
             let at = match u.at {
-                Some(k) => {
+                braid_scheduler::PeakAt::Kernel(k) => {
                     let plan = &base.kernels[k.index()];
                     let seg = &base.fusion.segments[plan.segment];
                     let ops: Vec<&str> = seg.nodes.iter().map(|&n| graph.nodes[n].op.name()).collect();
                     format!("kernel {k} ({}) on stream {}", ops.join("+"), plan.stream.0)
                 }
-                None => "the end of the flush (its inputs and every value that outlives it, which offloading cannot \
-                         move)"
+                braid_scheduler::PeakAt::Start => {
+                    "the start of the flush (its inputs, computed earlier, are all in device memory)".to_string()
+                }
+                braid_scheduler::PeakAt::End => "the end of the flush (the inputs it does not free and every value \
+                                                 that outlives it, which offloading cannot move)"
                     .to_string(),
             };
             let err = Error::MemoryBudget { budget: budget.unwrap_or(u64::MAX), min_peak: u.min_peak, at };

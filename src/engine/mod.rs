@@ -34,8 +34,8 @@ pub(crate) enum Value {
     Ready(Buffer),
     /// A user event that has been reached.
     Done,
-    /// Donated to a running flush (nothing else reads it): the flush owns the buffer and frees
-    /// it after its last reader.
+    /// A device value donated to a running flush (nothing else reads it): the flush owns the
+    /// buffer and frees it after its last reader. (Donated host data keeps `Host`.)
     Lent,
     /// Donated to a flush that failed after freeing it: the pending work that needed it cannot
     /// run again (reads of it report this reason).

@@ -178,6 +178,9 @@ impl Exec<'_, '_> {
     }
 
     fn kernel(&self, k: braid_scheduler::KernelId) -> Result<(), DeviceError> {
+        if self.job.fail_at == Some(k) {
+            return Err(DeviceError::Kernel(format!("{}: failure injected by a test", (self.job.label)(k))));
+        }
         let plan = &self.job.schedule.kernels[k.index()];
         let kernel = &self.job.kernels[k.index()];
         // Hold the argument buffers for the kernel's duration, so a faulty plan can never

@@ -7,8 +7,9 @@ use braid_graph::ValueRef;
 
 /// An offload in segment terms.
 pub(super) struct SegOffload {
-    pub(super) node: usize,
-    pub(super) last_use: usize,
+    pub(super) value: ValueRef,
+    /// `None`: a donated input that leaves at the start of the flush.
+    pub(super) last_use: Option<usize>,
     /// The first segment planned without the value in device memory (it waits for the copy
     /// out), if any.
     pub(super) release: Option<usize>,
@@ -30,40 +31,55 @@ impl Planner<'_> {
         self.streams.len() - 1
     }
 
-    fn host_buffer(&mut self, n: usize, space: Space) -> BufferId {
-        let node = &self.graph.nodes[n];
+    fn host_buffer(&mut self, v: ValueRef, space: Space) -> BufferId {
+        let (dtype, shape) = self.graph.meta(v);
         let id = BufferId(self.buffers.len() as u32);
         self.buffers.push(BufferPlan {
             id,
-            dtype: node.dtype,
-            len: node.shape.numel(),
-            bytes: node.bytes(),
+            dtype,
+            len: shape.numel(),
+            bytes: shape.numel() * dtype.size(),
             space,
-            source: BufferSource::Value(n),
+            source: match v {
+                ValueRef::Node(n) => BufferSource::Value(n),
+                ValueRef::External(e) => BufferSource::CopyOf(e),
+            },
         });
         id
+    }
+
+    /// The buffer holding a value now.
+    pub(super) fn buffer_of(&self, v: ValueRef) -> BufferId {
+        match v {
+            ValueRef::Node(n) => self.node_buffer[n].expect("planned before its readers"),
+            ValueRef::External(e) => self.ext_buffer[e],
+        }
+    }
+
+    pub(super) fn bytes_of(&self, v: ValueRef) -> u64 {
+        let (dtype, shape) = self.graph.meta(v);
+        (shape.numel() * dtype.size()) as u64
     }
 
     /// After the value's last use before its idle gap: copy it to the host on the offload
     /// stream, once every stream has finished reading it, then give its device buffer back.
     pub(super) fn copy_out(&mut self, i: usize) {
         let o = self.offload_stream();
-        let n = self.offloads[i].node;
-        let last_use = self.offloads[i].last_use;
-        let users: Vec<usize> = (0..=last_use)
+        let v = self.offloads[i].value;
+        let users: Vec<usize> = (0..self.offloads[i].last_use.map_or(0, |l| l + 1))
             .filter(|&si| {
                 let seg = &self.segments[si];
-                seg.inputs.contains(&ValueRef::Node(n)) || seg.outputs.contains(&n)
+                seg.inputs.contains(&v) || matches!(v, ValueRef::Node(n) if seg.outputs.contains(&n))
             })
             .collect();
         for si in users {
             self.wait_for(o, si);
         }
-        let device = self.node_buffer[n].expect("offloaded value has a buffer");
-        let host = self.host_buffer(n, Space::Host);
+        let device = self.buffer_of(v);
+        let host = self.host_buffer(v, Space::Host);
         self.steps[o].extend([
             Step::Alloc(host),
-            Step::Copy { from: device, to: host, node: n },
+            Step::Copy { from: device, to: host, value: v },
             Step::Free { buffer: device, after: Vec::new() },
         ]);
         self.count[o] += 1;
@@ -72,7 +88,7 @@ impl Planner<'_> {
         self.offload_state[i] =
             OffloadState { device: Some(device), host: Some(host), out_done: Some(done), back: None };
         if self.offloads[i].release.is_none() {
-            self.live -= self.graph.nodes[n].bytes() as u64;
+            self.live -= self.bytes_of(v);
         }
     }
 
@@ -80,17 +96,17 @@ impl Planner<'_> {
     /// on the offload stream, starting once `s` gets here; its next reader waits for it.
     pub(super) fn copy_back(&mut self, i: usize, s: usize) {
         let o = self.offload_stream();
-        let n = self.offloads[i].node;
+        let v = self.offloads[i].value;
         let start = self.record_here(s, None);
         self.wait_event(o, start);
-        let back = self.host_buffer(n, Space::Device);
+        let back = self.host_buffer(v, Space::Device);
         let host = self.offload_state[i].host.expect("the copy out is planned first");
         self.steps[o].extend([
             Step::Alloc(back),
-            Step::Copy { from: host, to: back, node: n },
+            Step::Copy { from: host, to: back, value: v },
             Step::Free { buffer: host, after: Vec::new() },
         ]);
-        self.live += self.graph.nodes[n].bytes() as u64;
+        self.live += self.bytes_of(v);
         self.peak = self.peak.max(self.live);
         self.count[o] += 1;
         self.clock[o][o] = self.count[o];
@@ -98,9 +114,17 @@ impl Planner<'_> {
         let pseudo = self.seg_stream.len();
         self.seg_stream.push(o);
         self.seg_point.push(self.count[o]);
-        self.seg_of[n] = pseudo;
         self.record_here(o, None);
-        self.node_buffer[n] = Some(back);
+        match v {
+            ValueRef::Node(n) => {
+                self.seg_of[n] = pseudo;
+                self.node_buffer[n] = Some(back);
+            }
+            ValueRef::External(e) => {
+                self.ext_producer[e] = Some(pseudo);
+                self.ext_buffer[e] = back;
+            }
+        }
         self.offload_state[i].back = Some(back);
     }
 }

@@ -41,8 +41,8 @@ pub fn plan_with_offloads(graph: &FlushGraph, base: Schedule, decisions: &[Decis
     let offloads: Vec<SegOffload> = decisions
         .iter()
         .map(|d| SegOffload {
-            node: d.node,
-            last_use: seg(d.last_use),
+            value: d.value,
+            last_use: d.last_use.map(seg),
             release: (d.release < d.back_at).then(|| seg(d.release)),
             back_at: seg(d.back_at),
             next_use: seg(d.next_use),
@@ -101,6 +101,10 @@ struct Planner<'a> {
     node_readers: Vec<Readers>,
     /// Readers of each external value (those `donated` are freed after their last one).
     ext_readers: Vec<Readers>,
+    /// The buffer holding each external now (its own, or where an offload brought it back).
+    ext_buffer: Vec<BufferId>,
+    /// The copy that brought an offloaded external back, which its later readers wait for.
+    ext_producer: Vec<Option<usize>>,
     /// Per segment: a segment on another stream depends on it.
     cross_dependents: Vec<bool>,
     /// Per segment: it is the last reader on its stream of a value freed on another stream.
@@ -160,15 +164,18 @@ impl<'a> Planner<'a> {
         }
         // The copy out of an offloaded value waits for its readers so far on every stream.
         for o in offloads {
-            for (si, seg) in segments.iter().enumerate().take(o.last_use + 1) {
-                if seg.inputs.contains(&ValueRef::Node(o.node)) || seg.outputs.contains(&o.node) {
+            for (si, seg) in segments.iter().enumerate().take(o.last_use.map_or(0, |l| l + 1)) {
+                let writes = matches!(o.value, ValueRef::Node(n) if seg.outputs.contains(&n));
+                if seg.inputs.contains(&o.value) || writes {
                     cross_dependents[si] = true;
                 }
             }
         }
         let mut offloaded = vec![false; graph.nodes.len()];
         for o in offloads {
-            offloaded[o.node] = true;
+            if let ValueRef::Node(n) = o.value {
+                offloaded[n] = true;
+            }
         }
         let mut gates_a_free = vec![false; segments.len()];
         let freed_here = node_readers
@@ -214,6 +221,8 @@ impl<'a> Planner<'a> {
             event_at: HashMap::new(),
             node_readers,
             ext_readers,
+            ext_buffer: (0..graph.externals.len() as u32).map(BufferId).collect(),
+            ext_producer: vec![None; graph.externals.len()],
             cross_dependents,
             gates_a_free,
             buffers,
@@ -331,6 +340,14 @@ impl<'a> Planner<'a> {
 
     fn segment(&mut self, si: usize) {
         let s = self.seg_stream[si];
+        if si == 0 {
+            // Donated inputs idle from the start leave at once.
+            for i in 0..self.offloads.len() {
+                if self.offloads[i].last_use.is_none() {
+                    self.copy_out(i);
+                }
+            }
+        }
         // Values planned out of device memory from here go first, then values coming back:
         // the choice of offloads counted them as simultaneous.
         for i in 0..self.offloads.len() {
@@ -338,7 +355,7 @@ impl<'a> Planner<'a> {
                 // Planned without the value from here: wait until its copy out is done.
                 let e = self.offload_state[i].out_done.expect("the copy out is planned first");
                 self.wait_event(s, e);
-                self.live -= self.graph.nodes[self.offloads[i].node].bytes() as u64;
+                self.live -= self.bytes_of(self.offloads[i].value);
             }
         }
         for i in 0..self.offloads.len() {
@@ -348,7 +365,7 @@ impl<'a> Planner<'a> {
         }
         self.segment_steps(si);
         for i in 0..self.offloads.len() {
-            if self.offloads[i].last_use == si {
+            if self.offloads[i].last_use == Some(si) {
                 self.copy_out(i);
             }
         }
@@ -373,7 +390,7 @@ impl<'a> Planner<'a> {
             .iter()
             .filter_map(|v| match *v {
                 ValueRef::Node(n) => Some(self.producer(n)),
-                ValueRef::External(_) => None,
+                ValueRef::External(e) => self.ext_producer[e],
             })
             .collect();
         for &n in &seg.nodes {
@@ -395,14 +412,7 @@ impl<'a> Planner<'a> {
             }
             return;
         }
-        let input_buffers: Vec<BufferId> = seg
-            .inputs
-            .iter()
-            .map(|v| match *v {
-                ValueRef::Node(n) => self.node_buffer[n].expect("producer planned before reader"),
-                ValueRef::External(e) => BufferId(e as u32),
-            })
-            .collect();
+        let input_buffers: Vec<BufferId> = seg.inputs.iter().map(|&v| self.buffer_of(v)).collect();
         let (reuse, note) = match self.in_place_candidate(si, s) {
             Ok(i) => (Some(i), None),
             Err(note) => (None, note),
@@ -490,7 +500,7 @@ impl<'a> Planner<'a> {
             .iter()
             .zip(&self.offload_state)
             .map(|(o, st)| OffloadPlan {
-                node: o.node,
+                value: o.value,
                 device: st.device.expect("planned"),
                 host: st.host.expect("planned"),
                 back: st.back.expect("planned"),
