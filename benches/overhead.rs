@@ -79,6 +79,7 @@ fn flush_graph() -> FlushGraph {
             after: Default::default(),
             keep: i % 1000 == 999,
             offload_hint: false,
+            persistent: false,
         });
     }
     g

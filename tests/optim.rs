@@ -142,3 +142,30 @@ fn a_parameter_that_is_not_a_leaf_is_misuse() {
     let m = e.downcast_ref::<String>().cloned().unwrap_or_default();
     assert!(m.contains("Sgd::step") && m.contains("leaves") && m.contains("optim.rs"), "{m}");
 }
+
+/// Parameters live in exact-size memory: every version of every parameter, step after step,
+/// and nothing else does.
+#[test]
+fn parameters_live_in_exact_size_memory() {
+    let dev = Device::new_cpu();
+    dev.seed(4);
+    let x = Tensor::randn([32, 24], DType::F32, &dev);
+    let w1 = (Tensor::randn([24, 40], DType::F32, &dev) * 0.2).detach().requires_grad();
+    let w2 = Tensor::randn([40, 3], DType::F32, &dev).requires_grad();
+    let b = Tensor::zeros([3], DType::F32, &dev).requires_grad();
+    let round = |bytes: u64| bytes.div_ceil(64) * 64;
+    let params_bytes = round(24 * 40 * 4) + round(40 * 3 * 4) + round(3 * 4);
+    let mut params = vec![w1, w2, b];
+    let mut opt = Adam::new(0.01);
+    for _ in 0..3 {
+        let h = (&x.matmul(&params[0]).tanh().matmul(&params[1]) + &params[2]).square().mean();
+        let grads = h.backward().unwrap();
+        opt.step(&mut params, &grads);
+        drop(grads);
+        dev.sync().unwrap();
+        assert_eq!(dev.memory().persistent, params_bytes, "{:?}", dev.memory());
+    }
+    let dump: serde_json::Value = serde_json::from_str(&dev.last_schedule().unwrap().to_json()).unwrap();
+    let persistent = dump["buffers"].as_array().unwrap().iter().filter(|b| b["persistent"] == true).count();
+    assert_eq!(persistent, 3, "the three new parameter versions");
+}

@@ -70,6 +70,7 @@ fn random_graph(rng: &mut Rng) -> FlushGraph {
             after,
             keep: false,
             offload_hint: rng.chance(0.25),
+            persistent: rng.chance(0.2),
         });
     }
     // Keep values nobody reads (the flush's results) and a few others.

@@ -35,6 +35,8 @@ pub struct FlushNode {
     pub keep: bool,
     /// Offload this value to host memory when it is idle long enough, budget or not.
     pub offload_hint: bool,
+    /// A parameter: its buffer comes from exact-size memory.
+    pub persistent: bool,
 }
 
 impl FlushNode {

@@ -49,11 +49,25 @@ pub struct Node<V> {
     pub seq: u64,
     /// The user asked for this value to be offloaded while idle (`Tensor::offload_hint`).
     pub offload_hint: bool,
+    /// A parameter (a leaf that requires gradients, or its update): stored apart, in
+    /// exact-size memory.
+    pub persistent: bool,
 }
 
 impl<V> Node<V> {
     pub fn new(op: Op, dtype: DType, shape: Shape, device: DeviceId, stream: StreamId) -> Node<V> {
-        Node { op, dtype, shape, device, stream, value: None, handles: 0, seq: 0, offload_hint: false }
+        Node {
+            op,
+            dtype,
+            shape,
+            device,
+            stream,
+            value: None,
+            handles: 0,
+            seq: 0,
+            offload_hint: false,
+            persistent: false,
+        }
     }
 
     pub fn bytes(&self) -> usize {

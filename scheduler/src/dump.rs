@@ -100,6 +100,9 @@ pub struct DumpBuffer {
     /// Whether the buffer existed before the flush.
     #[serde(default)]
     pub external: bool,
+    /// Whether it holds a parameter (exact-size memory).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub persistent: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -211,6 +214,7 @@ impl Dump {
                         BufferSource::Value(n) => node_id(n),
                     }),
                     external: matches!(b.source, BufferSource::External(_)),
+                    persistent: b.persistent,
                 })
                 .collect(),
             fusion: DumpFusion {

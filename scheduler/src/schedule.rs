@@ -58,6 +58,8 @@ pub struct BufferPlan {
     pub bytes: usize,
     pub space: Space,
     pub source: BufferSource,
+    /// Holds a parameter: allocated from the device's exact-size memory.
+    pub persistent: bool,
 }
 
 #[derive(Clone, Debug)]

@@ -317,7 +317,9 @@ impl<'a> Tracker<'a> {
                 // Without gradients a leaf stays the same leaf (an optimizer update); anything
                 // else loses its history.
                 let keep_leaf = !tracked && matches!(&*meta, Some(GradSource::Leaf(_)));
-                if !keep_leaf && let Some(old) = std::mem::replace(&mut *meta, new) {
+                if keep_leaf {
+                    retainer.mark_persistent(out);
+                } else if let Some(old) = std::mem::replace(&mut *meta, new) {
                     self.graveyard.push(old);
                 }
             }

@@ -64,6 +64,7 @@ impl PlanCache {
                 n.after.hash(&mut h);
                 n.keep.hash(&mut h);
                 n.offload_hint.hash(&mut h);
+                n.persistent.hash(&mut h);
             });
         }
         for e in &graph.externals {

@@ -193,6 +193,7 @@ fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
             after,
             keep,
             offload_hint: n.offload_hint,
+            persistent: n.persistent,
         });
     }
     let ticket = Arc::new(Ticket::default());

@@ -109,6 +109,11 @@ pub fn max_pending_nodes() -> usize {
 pub(crate) struct Retainer<'a>(&'a mut State);
 
 impl Retainer<'_> {
+    /// Marks `id` as a parameter version (its buffer comes from exact-size memory).
+    pub(crate) fn mark_persistent(&mut self, id: NodeId) {
+        self.0.graph.node_mut(id).persistent = true;
+    }
+
     /// Counts one more handle of `id`; the caller owns it (a `Tensor` made with
     /// `Tensor::from_node` releases it when dropped).
     pub(crate) fn retain(&mut self, id: NodeId) {
@@ -317,6 +322,13 @@ pub(crate) fn materialize(id: impl Fn() -> NodeId) -> Result<Buffer> {
             }
         }
     }
+}
+
+/// Marks the node a version cell names as a parameter (exact-size memory).
+pub(crate) fn mark_persistent(cell: &AtomicU32) {
+    let mut st = state();
+    let id = NodeId::new(cell.load(Ordering::Relaxed) as usize);
+    st.graph.node_mut(id).persistent = true;
 }
 
 /// Runs `f` under the engine lock (autograd reads and writes its per-version bookkeeping only

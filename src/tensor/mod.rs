@@ -135,6 +135,7 @@ impl Tensor {
         if let Err(problem) = autograd::mark_leaf(self) {
             misuse("requires_grad", problem, &[("x", self.describe())]);
         }
+        engine::mark_persistent(&self.0.node);
         self.clone()
     }
 

@@ -123,6 +123,7 @@ impl Exec<'_, '_> {
                 Step::Alloc(b) => {
                     let plan = &s.buffers[b.index()];
                     let buf = match plan.space {
+                        Space::Device if plan.persistent => self.device.alloc_persistent(plan.bytes, self.poison)?,
                         Space::Device => self.device.alloc(plan.bytes, self.poison)?,
                         Space::Host => self.device.alloc_host(plan.bytes, self.poison)?,
                     };

@@ -104,6 +104,19 @@ impl CpuDevice {
         alloc_from(&self.pool, bytes, poison)
     }
 
+    /// A buffer of exact-size memory for a parameter.
+    fn alloc_persistent(&self, bytes: usize, poison: bool) -> Result<Arc<CpuBuffer>, DeviceError> {
+        let slice = if bytes == 0 {
+            None
+        } else {
+            Some(self.pool.alloc_exact(bytes).ok_or_else(|| {
+                let s = self.pool.stats();
+                DeviceError::OutOfMemory { requested: bytes as u64, in_use: s.in_use, reserved: s.reserved }
+            })?)
+        };
+        Ok(Arc::new(CpuBuffer { slice, bytes, pool: self.pool.clone(), poison }))
+    }
+
     /// A buffer in the host pool (offload space).
     fn alloc_host(&self, bytes: usize, poison: bool) -> Result<Arc<CpuBuffer>, DeviceError> {
         alloc_from(&self.host_pool, bytes, poison)

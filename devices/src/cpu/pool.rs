@@ -6,6 +6,11 @@
 //! reuse up to a cap and returned to the system beyond it. The pool accounts truthfully:
 //! `in_use` is the bytes of live slices (after alignment), `reserved` the bytes of chunks held.
 //! It never reads or writes the memory it hands out (except to poison it when asked).
+//!
+//! Parameters (`alloc_exact`) take chunks of their exact size, never split and reused only by a
+//! request of the same size: training replaces each parameter by a new version of the same size
+//! every step, and keeping them apart keeps long-lived buffers from pinning the chunks that
+//! short-lived activations are cut from (Burn keeps parameters in such a pool).
 
 use std::alloc::{Layout, alloc, dealloc};
 use std::collections::{BTreeMap, BTreeSet};
@@ -21,17 +26,21 @@ const MIN_CHUNK: usize = 2 << 20;
 const KEEP_FREE: usize = 256 << 20;
 
 /// Memory counters of a device, in bytes: live buffers (`in_use`, after alignment), the highest
-/// `in_use` since the last reset (`peak`) and memory held from the system (`reserved`).
+/// `in_use` since the last reset (`peak`), memory held from the system (`reserved`), and the part
+/// of `in_use` that holds parameters in their exact-size chunks (`persistent`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MemoryStats {
     pub in_use: u64,
     pub peak: u64,
     pub reserved: u64,
+    pub persistent: u64,
 }
 
 struct Chunk {
     ptr: NonNull<u8>,
     size: usize,
+    /// An exact-size chunk for one parameter (never split, never in `by_size`).
+    exact: bool,
     /// Free ranges by offset (merged: no two are adjacent).
     free: BTreeMap<usize, usize>,
 }
@@ -41,7 +50,10 @@ struct State {
     chunks: Vec<Option<Chunk>>,
     /// Every free range of every chunk, keyed for best-fit search: (size, chunk, offset).
     by_size: BTreeSet<(usize, usize, usize)>,
+    /// Free exact-size chunks by size.
+    exact_free: BTreeMap<usize, Vec<usize>>,
     in_use: usize,
+    persistent: usize,
     peak: usize,
     reserved: usize,
 }
@@ -96,7 +108,7 @@ impl Pool {
                 };
                 let mut free = BTreeMap::new();
                 free.insert(0, chunk_size);
-                st.chunks[idx] = Some(Chunk { ptr, size: chunk_size, free });
+                st.chunks[idx] = Some(Chunk { ptr, size: chunk_size, exact: false, free });
                 st.by_size.insert((chunk_size, idx, 0));
                 st.reserved += chunk_size;
                 (idx, 0, chunk_size)
@@ -117,11 +129,50 @@ impl Pool {
         Some(Slice { ptr, size, chunk, offset })
     }
 
+    /// Takes `bytes` (rounded up to [`ALIGN`]) for a parameter: a free chunk of exactly that
+    /// size, or a new one. `None` when the system has no memory left.
+    pub fn alloc_exact(&self, bytes: usize) -> Option<Slice> {
+        let size = round_up(bytes);
+        let mut st = self.lock();
+        let chunk = match st.exact_free.get_mut(&size).and_then(Vec::pop) {
+            Some(idx) => {
+                st.chunks[idx].as_mut().expect("live chunk").free.clear();
+                idx
+            }
+            None => {
+                let layout = Layout::from_size_align(size, ALIGN).ok()?;
+                // SAFETY: the layout has a non-zero size.
+                let ptr = NonNull::new(unsafe { alloc(layout) })?;
+                let idx = match st.chunks.iter().position(Option::is_none) {
+                    Some(i) => i,
+                    None => {
+                        st.chunks.push(None);
+                        st.chunks.len() - 1
+                    }
+                };
+                st.chunks[idx] = Some(Chunk { ptr, size, exact: true, free: BTreeMap::new() });
+                st.reserved += size;
+                idx
+            }
+        };
+        let ptr = st.chunks[chunk].as_ref().expect("live chunk").ptr;
+        st.in_use += size;
+        st.persistent += size;
+        st.peak = st.peak.max(st.in_use);
+        Some(Slice { ptr, size, chunk, offset: 0 })
+    }
+
     /// Returns a slice; it merges with free neighbours, and a wholly free chunk may go back to
     /// the system.
     pub fn free(&self, slice: Slice) {
         let mut st = self.lock();
         st.in_use -= slice.size;
+        if st.chunks[slice.chunk].as_ref().is_some_and(|c| c.exact) {
+            st.persistent -= slice.size;
+            st.chunks[slice.chunk].as_mut().expect("live chunk").free.insert(0, slice.size);
+            st.exact_free.entry(slice.size).or_default().push(slice.chunk);
+            return;
+        }
         let (mut offset, mut size) = (slice.offset, slice.size);
         let c = st.chunks[slice.chunk].as_mut().expect("live chunk");
         let mut removed = Vec::with_capacity(2);
@@ -169,7 +220,13 @@ impl Pool {
             let idle = st.chunks[i].as_ref().is_some_and(|c| c.free.get(&0) == Some(&c.size));
             if idle {
                 let c = st.chunks[i].take().expect("checked");
-                st.by_size.remove(&(c.size, i, 0));
+                if c.exact {
+                    if let Some(list) = st.exact_free.get_mut(&c.size) {
+                        list.retain(|&j| j != i);
+                    }
+                } else {
+                    st.by_size.remove(&(c.size, i, 0));
+                }
                 st.reserved -= c.size;
                 // SAFETY: as in `free`.
                 unsafe { dealloc(c.ptr.as_ptr(), Layout::from_size_align_unchecked(c.size, ALIGN)) };
@@ -179,7 +236,12 @@ impl Pool {
 
     pub fn stats(&self) -> MemoryStats {
         let st = self.lock();
-        MemoryStats { in_use: st.in_use as u64, peak: st.peak as u64, reserved: st.reserved as u64 }
+        MemoryStats {
+            in_use: st.in_use as u64,
+            peak: st.peak as u64,
+            reserved: st.reserved as u64,
+            persistent: st.persistent as u64,
+        }
     }
 
     pub fn reset_peak(&self) {
@@ -238,6 +300,30 @@ mod tests {
         assert_eq!(big.ptr, first);
         assert_eq!(pool.stats().reserved, MIN_CHUNK as u64);
         pool.free(big);
+        pool.trim();
+        assert_eq!(pool.stats().reserved, 0);
+    }
+
+    #[test]
+    fn parameters_take_exact_size_chunks_apart_from_the_rest() {
+        let pool = Pool::default();
+        let p = pool.alloc_exact(1000).unwrap();
+        let a = pool.alloc(1000).unwrap();
+        assert_ne!(p.chunk, a.chunk, "parameters never share a chunk with other buffers");
+        let s = pool.stats();
+        assert_eq!((s.in_use, s.persistent), (2048, 1024));
+        let (p_ptr, p_chunk) = (p.ptr, p.chunk);
+        pool.free(p);
+        // A general request of the same size does not take the parameter's chunk ...
+        let b = pool.alloc(1024).unwrap();
+        assert_ne!(b.chunk, p_chunk);
+        // ... the next parameter version of that size does.
+        let q = pool.alloc_exact(1024).unwrap();
+        assert_eq!(q.ptr, p_ptr);
+        for x in [a, b, q] {
+            pool.free(x);
+        }
+        assert_eq!((pool.stats().in_use, pool.stats().persistent), (0, 0));
         pool.trim();
         assert_eq!(pool.stats().reserved, 0);
     }

@@ -44,6 +44,7 @@ impl Planner<'_> {
                 ValueRef::Node(n) => BufferSource::Value(n),
                 ValueRef::External(e) => BufferSource::CopyOf(e),
             },
+            persistent: space == Space::Device && matches!(v, ValueRef::Node(n) if self.graph.nodes[n].persistent),
         });
         id
     }

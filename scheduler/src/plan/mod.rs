@@ -204,6 +204,7 @@ impl<'a> Planner<'a> {
                 bytes: e.bytes(),
                 space: Space::Device,
                 source: BufferSource::External(i),
+                persistent: false,
             });
             live += e.bytes() as u64;
         }
@@ -287,6 +288,7 @@ impl<'a> Planner<'a> {
             bytes: node.bytes(),
             space: Space::Device,
             source: BufferSource::Value(n),
+            persistent: node.persistent,
         });
         self.steps[s].push(Step::Alloc(id));
         self.live += node.bytes() as u64;
