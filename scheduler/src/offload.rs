@@ -1,17 +1,20 @@
 //! Offload placement: which values leave device memory while idle, and when they come back.
 //!
 //! Works on a schedule planned without offloads (the baseline), in plan order (kernel `t` is
-//! the `t`-th kernel planned). From its allocations and frees it computes the bytes live during
-//! each kernel; while the highest of those is over the budget it looks at that kernel `T` and
-//! picks, among the values live there but idle (last used at `a < T`, next used at `b > T`),
-//! the largest: it is copied to host memory on the offload stream right after `a`, its device
-//! buffer is given back once that copy is done (the kernel after next waits for it, so one
-//! kernel of compute hides the copy; when the peak is the very next kernel, that one waits),
-//! and it is copied back starting at kernel `c`, early
-//! enough that the copy takes no longer than the kernels `c..b` by the device's cost model,
-//! yet after `T`. Values the user marked with `offload_hint` are offloaded over their longest
-//! idle gap whether or not a budget asks for it. When no idle value is left at the peak, the
-//! budget cannot be met: the error names the smallest peak reached and the kernel where it is.
+//! the `t`-th kernel planned). From its allocations and frees it computes the device memory
+//! live during each kernel and at the end of the flush (rounded as the device allocates); while
+//! the highest of those is over the budget it looks at that kernel `T` and picks, among the
+//! values live there but idle (last used at `a < T`, next used at `b > T`, or used at the end
+//! because they outlive the flush; a donated input also from the start of the flush to its
+//! first reader), the largest: it is copied to host memory on the offload stream right after
+//! `a`, its device buffer is given back once that copy is done (the kernel after next waits for
+//! it, so one kernel of compute hides the copy; when the peak is the very next kernel, that one
+//! waits), and it is copied back starting at kernel `c`, early enough that the copy takes no
+//! longer than the kernels `c..b` by the device's cost model, yet after `T`. Values the user
+//! marked with `offload_hint` are offloaded over their longest idle gap whether or not a budget
+//! asks for it. When no idle value is left at the peak, or the flush's inputs alone exceed the
+//! budget when it starts, the budget cannot be met: the error names the smallest peak reached
+//! and where it is.
 //!
 //! This module decides; the planner (`plan`) emits the copies, events and frees. It never
 //! touches memory.
