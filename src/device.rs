@@ -161,6 +161,12 @@ impl Device {
         self.0.backend.memory()
     }
 
+    /// The part of `memory().in_use` that holds parameters (tensors marked with
+    /// `requires_grad` and the versions optimizers write), which live in exact-size memory.
+    pub fn persistent_memory(&self) -> u64 {
+        self.0.backend.persistent_memory()
+    }
+
     pub fn reset_peak(&self) {
         self.0.backend.reset_peak()
     }

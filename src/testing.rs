@@ -13,8 +13,9 @@ pub fn set_schedule_hook(device: &Device, hook: Option<ScheduleHook>) {
     *lock(&device.0.schedule_hook) = hook;
 }
 
-/// Makes the next flush on `device` that reaches kernel `kernel` fail there, as a failing
-/// kernel would (once).
+/// Makes the next flush that executes on `device` fail when it reaches kernel `kernel`, as a
+/// failing kernel would. The injection is used up by that flush whether or not it has that
+/// many kernels.
 pub fn fail_next_flush_at(device: &Device, kernel: u32) {
     *lock(&device.0.fail_at) = Some(kernel);
 }

@@ -163,7 +163,7 @@ fn parameters_live_in_exact_size_memory() {
         opt.step(&mut params, &grads);
         drop(grads);
         dev.sync().unwrap();
-        assert_eq!(dev.memory().persistent, params_bytes, "{:?}", dev.memory());
+        assert_eq!(dev.persistent_memory(), params_bytes, "{:?}", dev.memory());
     }
     let dump: serde_json::Value = serde_json::from_str(&dev.last_schedule().unwrap().to_json()).unwrap();
     let persistent = dump["buffers"].as_array().unwrap().iter().filter(|b| b["persistent"] == true).count();

@@ -15,7 +15,9 @@ use common::Rng;
 use hashbrown::HashMap;
 
 fn random_graph(rng: &mut Rng) -> FlushGraph {
-    let shape = Shape::from([4]);
+    // 16 f32 = 64 bytes: budgets below the planned peak are then reachable (allocations are
+    // counted in 64-byte units).
+    let shape = Shape::from([16]);
     let streams = 1 + rng.below(3) as u32;
     let mut g = FlushGraph::default();
     for i in 0..1 + rng.below(3) {
@@ -311,12 +313,14 @@ fn planned_schedules_validate_and_every_planted_hazard_is_named() {
     let mut flagged_unseen = 0;
     let mut plans = 0;
     let mut offloaded = 0;
+    let mut offloaded_inputs = 0;
     let mut planted_with_offloads = 0;
     for _ in 0..1500 {
         let g = random_graph(&mut rng);
         let s = schedule_for(&g, &mut rng);
         plans += 1;
         offloaded += usize::from(!s.offloads.is_empty());
+        offloaded_inputs += s.offloads.iter().filter(|o| matches!(o.value, ValueRef::External(_))).count();
         if let Err(h) = validate(&s, &g) {
             panic!("the planner produced a schedule the validator rejects: {h:?}\n{g:#?}\n{s:#?}");
         }
@@ -363,11 +367,13 @@ fn planned_schedules_validate_and_every_planted_hazard_is_named() {
         }
     }
     assert!(
-        offloaded >= 50 && planted_with_offloads >= 100,
-        "too few plans with offloads ({offloaded}) or hazards planted in them ({planted_with_offloads})"
+        offloaded >= 50 && planted_with_offloads >= 100 && offloaded_inputs >= 10,
+        "too few plans with offloads ({offloaded}), offloads of donated inputs ({offloaded_inputs}) or hazards \
+         planted in them ({planted_with_offloads})"
     );
     println!(
-        "{plans} plans ({offloaded} with offloads, {planted_with_offloads} hazards planted in those); planted hazards caught: {planted:?}; corruptions with no effect: {harmless}; \
+        "{plans} plans ({offloaded} with offloads, {offloaded_inputs} offloads of donated inputs, \
+         {planted_with_offloads} hazards planted in those); planted hazards caught: {planted:?}; corruptions with no effect: {harmless}; \
          races found by the validator that no sampled interleaving hit: {flagged_unseen}"
     );
     for kind in [Corruption::DropWait, Corruption::DropRecord, Corruption::FreeEarly, Corruption::ReuseEarly] {

@@ -83,6 +83,10 @@ pub trait Backend: Send + Sync {
     fn kernels_launched(&self) -> u64;
     /// Returns cached free memory to the system.
     fn trim(&self);
+    /// Bytes of device memory holding parameters (exact-size memory).
+    fn persistent_memory(&self) -> u64 {
+        0
+    }
     /// How fast this device computes and copies, for placing offloads.
     fn cost_model(&self) -> braid_scheduler::CostModel {
         braid_scheduler::CostModel::CPU

@@ -19,10 +19,14 @@ use hashbrown::{HashMap, HashSet};
 use smallvec::SmallVec;
 use std::sync::Arc;
 
-/// An input of a flush that exists before it: on the device already, or host data to upload.
+/// An input of a flush that exists before it: on the device already, or host data to upload
+/// (`Taken` once the job has it).
+#[derive(Default)]
 enum ExternalData {
     Device(Buffer),
     Host(Arc<[u8]>),
+    #[default]
+    Taken,
 }
 
 /// What one flush took out of the graph.
@@ -37,11 +41,26 @@ struct Extracted {
 /// Computes the pending nodes among `targets` and everything pending they need; waits for
 /// work other threads already started. Returns once the values are ready.
 pub(crate) fn flush_nodes(targets: &[NodeId]) -> Result<()> {
+    let mut lost_target: Option<String> = None;
     loop {
         let mut st = state();
         let (order, waits, lost) = walk(&st, targets);
-        if let Some(reason) = lost {
-            return Err(Error::ValueLost(reason));
+        // Pending work that needs a lost value can never run: it is lost too (its readers get
+        // the reason); everything else still runs.
+        for (id, reason) in lost {
+            if targets.contains(&id) && lost_target.is_none() {
+                lost_target = Some(reason.clone());
+            }
+            st.graph.node_mut(id).value = Some(Value::Lost(reason));
+            st.pending -= 1;
+        }
+        for &t in targets {
+            if lost_target.is_none()
+                && st.graph.contains(t)
+                && let Some(Value::Lost(reason)) = &st.graph.node(t).value
+            {
+                lost_target = Some(reason.clone());
+            }
         }
         if !waits.is_empty() {
             drop(st);
@@ -52,7 +71,7 @@ pub(crate) fn flush_nodes(targets: &[NodeId]) -> Result<()> {
             continue;
         }
         if order.is_empty() {
-            return Ok(());
+            return lost_target.map_or(Ok(()), |r| Err(Error::ValueLost(r)));
         }
         // One device per flush: take the longest prefix of the (topological) order that runs on
         // the first node's device; a prefix has all its inputs computed or inside it. What
@@ -64,7 +83,7 @@ pub(crate) fn flush_nodes(targets: &[NodeId]) -> Result<()> {
         drop(st);
         run(extracted)?;
         if !rest {
-            return Ok(());
+            return lost_target.map_or(Ok(()), |r| Err(Error::ValueLost(r)));
         }
     }
 }
@@ -96,12 +115,15 @@ pub(crate) fn flush_device(device: Option<DeviceId>) -> Result<()> {
     result
 }
 
-/// Pending nodes needed by `targets`, inputs first, tickets of in-flight inputs, and why an
-/// input was lost if one was.
-fn walk(st: &State, targets: &[NodeId]) -> (Vec<NodeId>, Vec<Arc<Ticket>>, Option<String>) {
+/// Pending nodes needed by `targets`, inputs first; tickets of in-flight inputs; and the pending
+/// nodes that need a lost value (directly or through other pending nodes), with the reason,
+/// which are left out of the order.
+type Walked = (Vec<NodeId>, Vec<Arc<Ticket>>, Vec<(NodeId, String)>);
+
+fn walk(st: &State, targets: &[NodeId]) -> Walked {
     let mut order = Vec::new();
     let mut waits: Vec<Arc<Ticket>> = Vec::new();
-    let mut lost = None;
+    let mut lost: HashMap<NodeId, String> = HashMap::new();
     let mut visited: HashSet<NodeId> = HashSet::with_capacity(st.pending.min(1 << 16));
     let mut stack: Vec<(NodeId, bool)> = Vec::new();
     for &t in targets {
@@ -113,7 +135,18 @@ fn walk(st: &State, targets: &[NodeId]) -> (Vec<NodeId>, Vec<Arc<Ticket>>, Optio
     }
     while let Some((id, expanded)) = stack.pop() {
         if expanded {
-            order.push(id);
+            // Inputs are finished first (post-order), so their lost status is known.
+            let reason = st.graph.predecessors(id).find_map(|p| match &st.graph.node(p).value {
+                Some(Value::Lost(r)) => Some(r.clone()),
+                None => lost.get(&p).cloned(),
+                _ => None,
+            });
+            match reason {
+                Some(r) => {
+                    lost.insert(id, r);
+                }
+                None => order.push(id),
+            }
             continue;
         }
         if !visited.insert(id) {
@@ -125,14 +158,13 @@ fn walk(st: &State, targets: &[NodeId]) -> (Vec<NodeId>, Vec<Arc<Ticket>>, Optio
             match &st.graph.node(p).value {
                 None if !visited.contains(&p) => stack.push((p, false)),
                 Some(Value::InFlight(t)) if !waits.iter().any(|w| Arc::ptr_eq(w, t)) => waits.push(t.clone()),
-                Some(Value::Lost(reason)) => lost = Some(reason.clone()),
                 _ => {}
             }
         }
     }
     // Recording order: a topological order, and each stream's program order.
     order.sort_unstable_by_key(|&id| st.graph.node(id).seq);
-    (order, waits, lost)
+    (order, waits, lost.into_iter().collect())
 }
 
 /// Builds the flush graph of `order` and marks its nodes in flight.
@@ -215,19 +247,26 @@ fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
 
 /// Plans and executes an extracted flush, then installs its results. A panic inside (a bug in
 /// braid) becomes an error and the flush's nodes become pending again, so nothing waits forever.
-fn run(ex: Extracted) -> Result<()> {
+fn run(mut ex: Extracted) -> Result<()> {
     let ids: Vec<NodeId> = ex.graph.nodes.iter().map(|n| n.id).collect();
-    let donated: Vec<NodeId> = ex.graph.externals.iter().filter(|e| e.donated).map(|e| e.id).collect();
+    let donated: Vec<(usize, NodeId)> =
+        ex.graph.externals.iter().enumerate().filter(|(_, e)| e.donated).map(|(i, e)| (i, e.id)).collect();
     let ticket = ex.ticket.clone();
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_inner(ex))) {
+    // The inputs stay here until the job takes them, so that a panic before that (a bug in
+    // braid) can give donated ones back.
+    let mut inputs = std::mem::take(&mut ex.externals);
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_inner(ex, &mut inputs))) {
         Ok(result) => result,
         Err(panic) => {
             let what = braid_devices::panic_message(panic.as_ref());
             let err = Error::Internal(format!("a flush panicked (a bug in braid): {what}"));
             let mut st = state();
-            for &id in &donated {
+            for &(i, id) in &donated {
                 if st.graph.contains(id) && matches!(st.graph.node(id).value, Some(Value::Lent)) {
-                    st.graph.node_mut(id).value = Some(Value::Lost(err.to_string()));
+                    st.graph.node_mut(id).value = Some(match inputs.get_mut(i).map(std::mem::take) {
+                        Some(ExternalData::Device(buffer)) => Value::Ready(buffer),
+                        _ => Value::Lost(err.to_string()),
+                    });
                 }
             }
             for &id in &ids {
@@ -244,7 +283,7 @@ fn run(ex: Extracted) -> Result<()> {
     }
 }
 
-fn run_inner(ex: Extracted) -> Result<()> {
+fn run_inner(ex: Extracted, inputs: &mut Vec<ExternalData>) -> Result<()> {
     let _span =
         tracing::debug_span!(target: "braid::flush", "flush", n = ex.number, nodes = ex.graph.nodes.len()).entered();
     let mut graph = ex.graph;
@@ -304,14 +343,13 @@ fn run_inner(ex: Extracted) -> Result<()> {
     let donated: Vec<(usize, NodeId)> = graph
         .externals
         .iter()
-        .zip(&ex.externals)
+        .zip(inputs.iter())
         .enumerate()
         .filter(|(_, (e, data))| e.donated && matches!(data, ExternalData::Device(_)))
         .map(|(i, (e, _))| (i, e.id))
         .collect();
     let mut upload_failed = None;
-    let mut lent: Vec<Option<Buffer>> = ex
-        .externals
+    let mut lent: Vec<Option<Buffer>> = std::mem::take(inputs)
         .into_iter()
         .zip(&graph.externals)
         .map(|(data, meta)| match data {
@@ -329,6 +367,7 @@ fn run_inner(ex: Extracted) -> Result<()> {
                     None
                 }
             },
+            ExternalData::Taken => unreachable!("inputs are taken once"),
         })
         .collect();
     let result = match (checked, upload_failed) {

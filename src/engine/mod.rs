@@ -313,7 +313,8 @@ pub(crate) fn materialize(id: impl Fn() -> NodeId) -> Result<Buffer> {
                 // here and reports this thread's own error.
                 let _ = t.wait();
             }
-            Some(Value::Done | Value::Lent | Value::Lost(_)) => {
+            Some(Value::Lost(reason)) => return Err(Error::ValueLost(reason.clone())),
+            Some(Value::Done | Value::Lent) => {
                 unreachable!("tensors never name event nodes, and donated values have no tensor")
             }
             None => {

@@ -208,6 +208,10 @@ impl Backend for CpuDevice {
         self.pool.trim();
         self.host_pool.trim();
     }
+
+    fn persistent_memory(&self) -> u64 {
+        self.pool.persistent()
+    }
 }
 
 #[cfg(test)]

@@ -26,14 +26,12 @@ const MIN_CHUNK: usize = 2 << 20;
 const KEEP_FREE: usize = 256 << 20;
 
 /// Memory counters of a device, in bytes: live buffers (`in_use`, after alignment), the highest
-/// `in_use` since the last reset (`peak`), memory held from the system (`reserved`), and the part
-/// of `in_use` that holds parameters in their exact-size chunks (`persistent`).
+/// `in_use` since the last reset (`peak`) and memory held from the system (`reserved`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MemoryStats {
     pub in_use: u64,
     pub peak: u64,
     pub reserved: u64,
-    pub persistent: u64,
 }
 
 struct Chunk {
@@ -170,7 +168,15 @@ impl Pool {
         if st.chunks[slice.chunk].as_ref().is_some_and(|c| c.exact) {
             st.persistent -= slice.size;
             st.chunks[slice.chunk].as_mut().expect("live chunk").free.insert(0, slice.size);
-            st.exact_free.entry(slice.size).or_default().push(slice.chunk);
+            // Kept for the next version of this size, within the same cap as other idle chunks.
+            if idle_bytes(&st) > KEEP_FREE.max(st.in_use) {
+                let c = st.chunks[slice.chunk].take().expect("live chunk");
+                st.reserved -= c.size;
+                // SAFETY: the chunk was allocated with this layout and has no live slice.
+                unsafe { dealloc(c.ptr.as_ptr(), Layout::from_size_align_unchecked(c.size, ALIGN)) };
+            } else {
+                st.exact_free.entry(slice.size).or_default().push(slice.chunk);
+            }
             return;
         }
         let (mut offset, mut size) = (slice.offset, slice.size);
@@ -195,21 +201,12 @@ impl Pool {
             st.by_size.remove(&(s, slice.chunk, o));
         }
         st.by_size.insert((size, slice.chunk, offset));
-        if whole {
-            let idle: usize = st
-                .chunks
-                .iter()
-                .flatten()
-                .filter(|c| c.free.len() == 1 && c.free.get(&0) == Some(&c.size))
-                .map(|c| c.size)
-                .sum();
-            if idle > KEEP_FREE.max(st.in_use) {
-                let c = st.chunks[slice.chunk].take().expect("live chunk");
-                st.by_size.remove(&(c.size, slice.chunk, 0));
-                st.reserved -= c.size;
-                // SAFETY: the chunk was allocated with this layout and has no live slices.
-                unsafe { dealloc(c.ptr.as_ptr(), Layout::from_size_align_unchecked(c.size, ALIGN)) };
-            }
+        if whole && idle_bytes(&st) > KEEP_FREE.max(st.in_use) {
+            let c = st.chunks[slice.chunk].take().expect("live chunk");
+            st.by_size.remove(&(c.size, slice.chunk, 0));
+            st.reserved -= c.size;
+            // SAFETY: the chunk was allocated with this layout and has no live slices.
+            unsafe { dealloc(c.ptr.as_ptr(), Layout::from_size_align_unchecked(c.size, ALIGN)) };
         }
     }
 
@@ -236,18 +233,23 @@ impl Pool {
 
     pub fn stats(&self) -> MemoryStats {
         let st = self.lock();
-        MemoryStats {
-            in_use: st.in_use as u64,
-            peak: st.peak as u64,
-            reserved: st.reserved as u64,
-            persistent: st.persistent as u64,
-        }
+        MemoryStats { in_use: st.in_use as u64, peak: st.peak as u64, reserved: st.reserved as u64 }
+    }
+
+    /// The part of `in_use` holding parameters in their exact-size chunks.
+    pub fn persistent(&self) -> u64 {
+        self.lock().persistent as u64
     }
 
     pub fn reset_peak(&self) {
         let mut st = self.lock();
         st.peak = st.in_use;
     }
+}
+
+/// Bytes of wholly free chunks.
+fn idle_bytes(st: &State) -> usize {
+    st.chunks.iter().flatten().filter(|c| c.free.len() == 1 && c.free.get(&0) == Some(&c.size)).map(|c| c.size).sum()
 }
 
 impl Drop for Pool {
@@ -310,8 +312,7 @@ mod tests {
         let p = pool.alloc_exact(1000).unwrap();
         let a = pool.alloc(1000).unwrap();
         assert_ne!(p.chunk, a.chunk, "parameters never share a chunk with other buffers");
-        let s = pool.stats();
-        assert_eq!((s.in_use, s.persistent), (2048, 1024));
+        assert_eq!((pool.stats().in_use, pool.persistent()), (2048, 1024));
         let (p_ptr, p_chunk) = (p.ptr, p.chunk);
         pool.free(p);
         // A general request of the same size does not take the parameter's chunk ...
@@ -323,9 +324,20 @@ mod tests {
         for x in [a, b, q] {
             pool.free(x);
         }
-        assert_eq!((pool.stats().in_use, pool.stats().persistent), (0, 0));
+        assert_eq!((pool.stats().in_use, pool.persistent()), (0, 0));
         pool.trim();
         assert_eq!(pool.stats().reserved, 0);
+    }
+
+    #[test]
+    fn idle_parameter_chunks_go_back_to_the_system_beyond_the_cap() {
+        let pool = Pool::default();
+        // Parameters of many distinct sizes, about 1 MiB each, created and dropped.
+        for i in 0..300 {
+            let p = pool.alloc_exact((1 << 20) + i * ALIGN).unwrap();
+            pool.free(p);
+        }
+        assert!(pool.stats().reserved <= KEEP_FREE as u64 + (2 << 20), "{:?}", pool.stats());
     }
 
     #[test]

@@ -446,9 +446,6 @@ impl<'a> Planner<'a> {
         self.count[s] += 1;
         self.clock[s][s] = self.count[s];
         self.seg_point[si] = self.count[s];
-        if self.cross_dependents[si] || self.gates_a_free[si] {
-            self.record_here(s, None);
-        }
         // Frees: inputs whose last reader this is (unless overwritten in place or kept), and
         // donated flush inputs after their last reader.
         for (i, v) in seg.inputs.iter().enumerate() {
@@ -477,6 +474,11 @@ impl<'a> Planner<'a> {
                 let b = self.node_buffer[n].expect("planned");
                 self.free(s, b, Vec::new());
             }
+        }
+        // The event goes after the frees: whatever waits for it (a copy back that allocates)
+        // then finds the memory the planner counted as free.
+        if self.cross_dependents[si] || self.gates_a_free[si] {
+            self.record_here(s, None);
         }
     }
 
