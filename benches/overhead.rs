@@ -50,6 +50,7 @@ fn flush_graph() -> FlushGraph {
             device: DeviceId(0),
             stream: StreamId(0),
             donated: false,
+            on_host: false,
         });
     }
     for i in 0..NODES {

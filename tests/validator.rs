@@ -27,7 +27,8 @@ fn random_graph(rng: &mut Rng) -> FlushGraph {
             shape: shape.clone(),
             device: DeviceId(0),
             stream: StreamId(0),
-            donated: rng.chance(0.5),
+            donated: i % 2 == 0,
+            on_host: i == 2,
         });
     }
     let n = 4 + rng.below(16);

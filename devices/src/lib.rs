@@ -49,14 +49,23 @@ impl Buffer {
     }
 }
 
+/// An input of a flush as the device receives it.
+pub enum Input {
+    /// A value on the device.
+    Buffer(Buffer),
+    /// Host data (of a buffer marked `upload_at_first_use`) that the device uploads when the first
+    /// step using it runs.
+    Upload(Arc<[u8]>),
+}
+
 /// Everything a device needs to run one flush.
 pub struct Job<'a> {
     pub schedule: &'a Schedule,
     /// `kernels[i]` is the lowered form of `schedule.kernels[i]`.
     pub kernels: &'a [Arc<Kernel>],
-    /// Buffers of the flush's external values, in `schedule.external_buffers` order, handed to
-    /// the device: a donated one's memory returns to the pool when the schedule frees it.
-    pub externals: Vec<Buffer>,
+    /// The flush's external values, in `schedule.external_buffers` order, handed to the device:
+    /// a donated one's memory returns to the pool when the schedule frees it.
+    pub externals: Vec<Input>,
     /// Describes a kernel for logs and errors (called only when needed).
     pub label: &'a (dyn Fn(KernelId) -> String + Sync),
     /// Fill buffers with 0xFF bytes (NaN for floats) when they are freed (`BRAID_POISON=1`).

@@ -56,6 +56,8 @@ pub struct External {
     /// Nothing outside this flush reads the value any more (no tensor names it, every reader is
     /// in the flush): its buffer is handed to the flush, which frees it after its last reader.
     pub donated: bool,
+    /// Donated host data: uploaded when its first reader runs, not when the flush starts.
+    pub on_host: bool,
 }
 
 impl External {

@@ -202,7 +202,7 @@ fn back_at(earliest: usize, next_use: usize, bytes: u64, cost: &[f64], model: &C
 fn inputs_at_start(base: &Schedule, model: &CostModel) -> u64 {
     base.buffers
         .iter()
-        .filter(|b| matches!(b.source, crate::BufferSource::External(_)))
+        .filter(|b| matches!(b.source, crate::BufferSource::External(_)) && !b.upload_at_first_use)
         .map(|b| model.allocated(b.bytes))
         .sum()
 }
@@ -214,12 +214,17 @@ fn live_per_kernel(base: &Schedule, model: &CostModel) -> Vec<u64> {
     let k = base.kernels.len();
     let mut alloc_at = vec![0u64; k];
     let mut free_after = vec![0u64; k];
-    let mut start = base
-        .buffers
-        .iter()
-        .filter(|b| matches!(b.source, crate::BufferSource::External(_)))
-        .map(|b| model.allocated(b.bytes))
-        .sum::<u64>();
+    let mut start = inputs_at_start(base, model);
+    // Inputs uploaded at their first use count from their first reader.
+    let mut seen = vec![false; base.buffers.len()];
+    for (t, plan) in base.kernels.iter().enumerate() {
+        for b in &plan.inputs {
+            let buffer = &base.buffers[b.index()];
+            if buffer.upload_at_first_use && !std::mem::replace(&mut seen[b.index()], true) {
+                alloc_at[t] += model.allocated(buffer.bytes);
+            }
+        }
+    }
     for st in &base.streams {
         let mut pending = 0u64;
         let mut last: Option<usize> = None;
@@ -269,7 +274,7 @@ fn value_uses(graph: &FlushGraph, base: &Schedule, model: &CostModel) -> Vec<Use
         value: ValueRef::External(i),
         bytes: model.allocated(e.bytes()),
         kernels: Vec::new(),
-        eligible: e.donated,
+        eligible: e.donated && !e.on_host,
         hinted: false,
     });
     let mut uses: Vec<Uses> = nodes.chain(externals).collect();

@@ -60,6 +60,9 @@ pub struct BufferPlan {
     pub source: BufferSource,
     /// Holds a parameter: allocated from the device's exact-size memory.
     pub persistent: bool,
+    /// An input whose data the device uploads when its first reader runs (donated host data);
+    /// device memory from then on.
+    pub upload_at_first_use: bool,
 }
 
 #[derive(Clone, Debug)]

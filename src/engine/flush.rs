@@ -11,7 +11,7 @@ use super::{State, Ticket, Value, collect, device_error, state};
 use crate::device::{Device, lock};
 use crate::dump::{self, ScheduleDump};
 use crate::error::{Error, Result};
-use braid_devices::{Buffer, Job};
+use braid_devices::{Buffer, Input, Job};
 use braid_graph::{DeviceId, External, FlushGraph, FlushNode, NodeId, Op, ValueRef};
 use braid_lowering::{Kernel, Lowering};
 use braid_scheduler::{HazardKind, KernelId, Schedule};
@@ -206,6 +206,7 @@ fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
                             device: pn.device,
                             stream: pn.stream,
                             donated,
+                            on_host: donated && matches!(pn.value, Some(Value::Host(_))),
                         });
                     }
                     ValueRef::External(e)
@@ -349,18 +350,17 @@ fn run_inner(ex: Extracted, inputs: &mut Vec<ExternalData>) -> Result<()> {
         .map(|(i, (e, _))| (i, e.id))
         .collect();
     let mut upload_failed = None;
-    let mut lent: Vec<Option<Buffer>> = std::mem::take(inputs)
+    let mut job_inputs: Vec<Option<Input>> = std::mem::take(inputs)
         .into_iter()
         .zip(&graph.externals)
         .map(|(data, meta)| match data {
-            ExternalData::Device(b) => Some(b),
+            ExternalData::Device(b) => Some(Input::Buffer(b)),
+            // Donated host data: the device uploads it when its first reader runs.
+            ExternalData::Host(bytes) if meta.on_host => Some(Input::Upload(bytes)),
             ExternalData::Host(bytes) => match backend.upload(&bytes, poison) {
                 Ok(b) => {
-                    // A donated upload is the flush's alone (freed after its last reader).
-                    if !meta.donated {
-                        uploaded.push((meta.id, b.clone()));
-                    }
-                    Some(b)
+                    uploaded.push((meta.id, b.clone()));
+                    Some(Input::Buffer(b))
                 }
                 Err(e) => {
                     upload_failed.get_or_insert(e);
@@ -370,12 +370,28 @@ fn run_inner(ex: Extracted, inputs: &mut Vec<ExternalData>) -> Result<()> {
             ExternalData::Taken => unreachable!("inputs are taken once"),
         })
         .collect();
+    let as_lent = |inputs: Vec<Option<Input>>| -> Vec<Option<Buffer>> {
+        inputs
+            .into_iter()
+            .map(|i| match i {
+                Some(Input::Buffer(b)) => Some(b),
+                _ => None,
+            })
+            .collect()
+    };
+    let mut lent: Vec<Option<Buffer>>;
     let result = match (checked, upload_failed) {
-        (Err(e), _) => Err(e),
-        (_, Some(e)) => Err(device_error(&ex.device, e)),
+        (Err(e), _) => {
+            lent = as_lent(std::mem::take(&mut job_inputs));
+            Err(e)
+        }
+        (_, Some(e)) => {
+            lent = as_lent(std::mem::take(&mut job_inputs));
+            Err(device_error(&ex.device, e))
+        }
         (Ok(()), None) => {
             let _s = tracing::debug_span!(target: "braid::flush", "execute", kernels = kernels.len()).entered();
-            let externals = std::mem::take(&mut lent).into_iter().map(|b| b.expect("uploaded")).collect();
+            let externals = std::mem::take(&mut job_inputs).into_iter().map(|i| i.expect("uploaded")).collect();
             let fail_at = lock(&ex.device.0.fail_at).take().map(KernelId);
             let job = Job { schedule: &schedule, kernels: &kernels, externals, label: &label, poison, fail_at };
             let (result, held) = backend.execute(job);

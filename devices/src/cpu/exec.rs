@@ -10,7 +10,7 @@
 //! returned. This module runs steps exactly as planned; it never reorders them.
 
 use super::{CpuBuffer, CpuDevice, map::ArgPtr};
-use crate::{Buffer, DeviceError, Job};
+use crate::{Buffer, DeviceError, Input, Job};
 use braid_scheduler::{BufferId, Space, Step, StreamSchedule};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -86,6 +86,8 @@ struct Exec<'a, 'j> {
     job: &'a Job<'j>,
     /// Buffer of each `BufferId`; shared with the callbacks of gated frees.
     table: Arc<Vec<Mutex<Option<Buffer>>>>,
+    /// Host data of inputs uploaded when first used, by `BufferId`.
+    uploads: Vec<Mutex<Option<Arc<[u8]>>>>,
     events: Vec<CpuEvent>,
     abort: AtomicBool,
     error: Mutex<Option<DeviceError>>,
@@ -132,6 +134,7 @@ impl Exec<'_, '_> {
                 Step::Copy { from, to, .. } => self.copy(*from, *to)?,
                 Step::Free { buffer, after } if after.is_empty() => {
                     drop(lock(&self.table[buffer.index()]).take());
+                    drop(lock(&self.uploads[buffer.index()]).take());
                 }
                 Step::Free { buffer, after } => {
                     // The buffer stays in the table (readers on other streams may not have run
@@ -158,11 +161,25 @@ impl Exec<'_, '_> {
         Ok(())
     }
 
+    /// The buffer `b` holds now, uploading an input's host data the first time it is used.
+    fn buffer(&self, b: BufferId) -> Result<Option<Arc<CpuBuffer>>, DeviceError> {
+        let mut slot = lock(&self.table[b.index()]);
+        if slot.is_none()
+            && let Some(bytes) = lock(&self.uploads[b.index()]).take()
+        {
+            let buf = self.device.alloc(bytes.len(), self.poison)?;
+            // SAFETY: the fresh buffer holds bytes.len() bytes and nobody else has it yet.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf.ptr(), bytes.len()) };
+            *slot = Some(Buffer::Cpu(buf));
+        }
+        Ok(slot.as_ref().map(|Buffer::Cpu(buf)| buf.clone()))
+    }
+
     /// Copies a whole buffer into another of the same size (an offload or its way back).
     fn copy(&self, from: BufferId, to: BufferId) -> Result<(), DeviceError> {
-        let get = |b: BufferId| match &*lock(&self.table[b.index()]) {
-            Some(Buffer::Cpu(buf)) => Ok(buf.clone()),
-            None => Err(DeviceError::Internal(format!("copy {from} -> {to} uses {b}, which is not allocated"))),
+        let get = |b: BufferId| {
+            self.buffer(b)?
+                .ok_or_else(|| DeviceError::Internal(format!("copy {from} -> {to} uses {b}, which is not allocated")))
         };
         let (src, dst) = (get(from)?, get(to)?);
         if src.bytes() != dst.bytes() {
@@ -189,9 +206,8 @@ impl Exec<'_, '_> {
         let mut held: Vec<Arc<CpuBuffer>> = Vec::with_capacity(kernel.args.len());
         let mut args = Vec::with_capacity(kernel.args.len());
         for (b, a) in plan.inputs.iter().chain(&plan.outputs).zip(&kernel.args) {
-            let buf = match &*lock(&self.table[b.index()]) {
-                Some(Buffer::Cpu(buf)) => buf.clone(),
-                None => return Err(DeviceError::Internal(format!("{k} uses {b}, which is not allocated"))),
+            let Some(buf) = self.buffer(*b)? else {
+                return Err(DeviceError::Internal(format!("{k} uses {b}, which is not allocated")));
             };
             if buf.bytes() != a.len * a.dtype.size() {
                 return Err(DeviceError::Internal(format!(
@@ -230,7 +246,13 @@ pub(super) fn execute(device: &CpuDevice, mut job: Job<'_>) -> (Result<Vec<Buffe
     let s = job.schedule;
     let externals = std::mem::take(&mut job.externals);
     if externals.len() != s.external_buffers.len() {
-        let held = externals.into_iter().map(Some).collect();
+        let held = externals
+            .into_iter()
+            .map(|e| match e {
+                Input::Buffer(b) => Some(b),
+                Input::Upload(_) => None,
+            })
+            .collect();
         return (Err(DeviceError::Internal("external buffers do not match the schedule".into())), held);
     }
     let poison = job.poison;
@@ -238,6 +260,7 @@ pub(super) fn execute(device: &CpuDevice, mut job: Job<'_>) -> (Result<Vec<Buffe
         device,
         job: &job,
         table: Arc::new((0..s.buffers.len()).map(|_| Mutex::new(None)).collect()),
+        uploads: (0..s.buffers.len()).map(|_| Mutex::new(None)).collect(),
         events: (0..s.events.len()).map(|_| CpuEvent::default()).collect(),
         abort: AtomicBool::new(false),
         error: Mutex::new(None),
@@ -245,7 +268,10 @@ pub(super) fn execute(device: &CpuDevice, mut job: Job<'_>) -> (Result<Vec<Buffe
     };
     // The table owns the external buffers: a donated one is freed by the schedule.
     for (b, ext) in s.external_buffers.iter().zip(externals) {
-        *lock(&exec.table[b.index()]) = Some(ext);
+        match ext {
+            Input::Buffer(buffer) => *lock(&exec.table[b.index()]) = Some(buffer),
+            Input::Upload(bytes) => *lock(&exec.uploads[b.index()]) = Some(bytes),
+        }
     }
     match s.streams.as_slice() {
         [] => {}

@@ -45,6 +45,7 @@ impl Planner<'_> {
                 ValueRef::External(e) => BufferSource::CopyOf(e),
             },
             persistent: space == Space::Device && matches!(v, ValueRef::Node(n) if self.graph.nodes[n].persistent),
+            upload_at_first_use: false,
         });
         id
     }

@@ -105,6 +105,8 @@ struct Planner<'a> {
     ext_buffer: Vec<BufferId>,
     /// The copy that brought an offloaded external back, which its later readers wait for.
     ext_producer: Vec<Option<usize>>,
+    /// Per external uploaded at its first use: whether a reader was planned yet.
+    uploaded: Vec<bool>,
     /// Per segment: a segment on another stream depends on it.
     cross_dependents: Vec<bool>,
     /// Per segment: it is the last reader on its stream of a value freed on another stream.
@@ -205,8 +207,11 @@ impl<'a> Planner<'a> {
                 space: Space::Device,
                 source: BufferSource::External(i),
                 persistent: false,
+                upload_at_first_use: e.on_host,
             });
-            live += e.bytes() as u64;
+            if !e.on_host {
+                live += e.bytes() as u64;
+            }
         }
         Planner {
             graph,
@@ -224,6 +229,7 @@ impl<'a> Planner<'a> {
             ext_readers,
             ext_buffer: (0..graph.externals.len() as u32).map(BufferId).collect(),
             ext_producer: vec![None; graph.externals.len()],
+            uploaded: vec![false; graph.externals.len()],
             cross_dependents,
             gates_a_free,
             buffers,
@@ -289,6 +295,7 @@ impl<'a> Planner<'a> {
             space: Space::Device,
             source: BufferSource::Value(n),
             persistent: node.persistent,
+            upload_at_first_use: false,
         });
         self.steps[s].push(Step::Alloc(id));
         self.live += node.bytes() as u64;
@@ -415,6 +422,16 @@ impl<'a> Planner<'a> {
             return;
         }
         let input_buffers: Vec<BufferId> = seg.inputs.iter().map(|&v| self.buffer_of(v)).collect();
+        // Donated host data takes device memory from its first reader on (uploaded then).
+        for &v in &seg.inputs {
+            if let ValueRef::External(e) = v
+                && self.graph.externals[e].on_host
+                && !std::mem::replace(&mut self.uploaded[e], true)
+            {
+                self.live += self.graph.externals[e].bytes() as u64;
+                self.peak = self.peak.max(self.live);
+            }
+        }
         let (reuse, note) = match self.in_place_candidate(si, s) {
             Ok(i) => (Some(i), None),
             Err(note) => (None, note),
