@@ -120,40 +120,13 @@ fn c2(dev: &Device) -> (f64, String) {
     (t, line)
 }
 
-/// The micrograd example graph, forward; returns g.
-fn tiny_graph(dev: &Device) -> Tensor {
-    let s = |v: f64| Tensor::from_vec(vec![v], (), dev);
-    let a = s(-4.0);
-    let b = s(2.0);
-    let mut c = &a + &b;
-    let mut d = &a * &b + b.powf(3.0);
-    c = &c + &(&c + 1.0);
-    c = &c + &(1.0 + &c + (-&a));
-    d = &d + &(&d * 2.0 + (&b + &a).relu());
-    d = &d + &(3.0 * &d + (&b - &a).relu());
-    let e = &c - &d;
-    let f = e.powf(2.0);
-    let g = &f / 2.0;
-    &g + &(10.0 / &f)
-}
-
-fn c4(dev: &Device) -> (f64, String) {
-    let g = tiny_graph(dev).item::<f64>().unwrap();
-    assert!((g - 24.7041).abs() < 1e-4, "C4 g = {g}");
-    let t = median(200, 2001, || {
-        tiny_graph(dev).item::<f64>().unwrap();
-    });
-    let kernels = dev.last_schedule().unwrap().kernel_count();
-    let line = format!(
-        "C4 tiny_graph forward (f64 scalars, record + flush + read): {:.2} us per iteration, {kernels} kernel(s); g = {g:.4}",
-        t * 1e6
-    );
-    (t, line)
-}
-
-/// The micrograd example with gradients: leaves a, b; returns (a, b, g).
-fn tiny_graph_grad(dev: &Device) -> (Tensor, Tensor, Tensor) {
-    let s = |v: f64| Tensor::from_vec(vec![v], (), dev).requires_grad();
+/// The micrograd example graph: returns the leaves a, b (marked `requires_grad` when
+/// `with_grad`) and g.
+fn tiny_graph(dev: &Device, with_grad: bool) -> (Tensor, Tensor, Tensor) {
+    let s = |v: f64| {
+        let t = Tensor::from_vec(vec![v], (), dev);
+        if with_grad { t.requires_grad() } else { t }
+    };
     let a = s(-4.0);
     let b = s(2.0);
     let mut c = &a + &b;
@@ -168,10 +141,24 @@ fn tiny_graph_grad(dev: &Device) -> (Tensor, Tensor, Tensor) {
     (a, b, &g + &(10.0 / &f))
 }
 
+fn c4(dev: &Device) -> (f64, String) {
+    let g = tiny_graph(dev, false).2.item::<f64>().unwrap();
+    assert!((g - 24.7041).abs() < 1e-4, "C4 g = {g}");
+    let t = median(200, 2001, || {
+        tiny_graph(dev, false).2.item::<f64>().unwrap();
+    });
+    let kernels = dev.last_schedule().unwrap().kernel_count();
+    let line = format!(
+        "C4 tiny_graph forward (f64 scalars, record + flush + read): {:.2} us per iteration, {kernels} kernel(s); g = {g:.4}",
+        t * 1e6
+    );
+    (t, line)
+}
+
 /// C4 forward + backward: record both passes, run them in one flush, read g, dg/da, dg/db.
 fn c4_backward(dev: &Device) -> (f64, String) {
     let step = || {
-        let (a, b, g) = tiny_graph_grad(dev);
+        let (a, b, g) = tiny_graph(dev, true);
         let grads = g.backward().unwrap();
         let (da, db) = (grads.get(&a).unwrap(), grads.get(&b).unwrap());
         dev.sync().unwrap();
@@ -190,7 +177,7 @@ fn c4_backward(dev: &Device) -> (f64, String) {
     let (mut rec, mut flush, mut read) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..2001 {
         let t0 = Instant::now();
-        let (a, b, g) = tiny_graph_grad(dev);
+        let (a, b, g) = tiny_graph(dev, true);
         let grads = g.backward().unwrap();
         let (da, db) = (grads.get(&a).unwrap(), grads.get(&b).unwrap());
         let t1 = Instant::now();

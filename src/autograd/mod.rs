@@ -237,7 +237,9 @@ impl<'a> Tracker<'a> {
         in_place: Option<&'a Tensor>,
         out: (&Shape, DType, &Device, StreamId),
     ) -> Option<Tracker<'a>> {
-        if !IN_USE.load(Ordering::Relaxed) || inputs.is_empty() {
+        // Nothing to record: no gradients anywhere yet, a source op, or (outside an in-place
+        // update, which must still keep or drop the tensor's bookkeeping) gradients turned off.
+        if !IN_USE.load(Ordering::Relaxed) || inputs.is_empty() || (in_place.is_none() && !grad_enabled()) {
             return None;
         }
         Some(Tracker {

@@ -101,25 +101,17 @@ impl CpuDevice {
     /// A buffer of `bytes`; with `poison`, its memory is filled with 0xFF bytes (NaN for floats)
     /// when it is freed, so a read after free shows up as a wrong result.
     fn alloc(&self, bytes: usize, poison: bool) -> Result<Arc<CpuBuffer>, DeviceError> {
-        alloc_from(&self.pool, bytes, poison)
+        alloc_from(&self.pool, bytes, poison, false)
     }
 
     /// A buffer of exact-size memory for a parameter.
     fn alloc_persistent(&self, bytes: usize, poison: bool) -> Result<Arc<CpuBuffer>, DeviceError> {
-        let slice = if bytes == 0 {
-            None
-        } else {
-            Some(self.pool.alloc_exact(bytes).ok_or_else(|| {
-                let s = self.pool.stats();
-                DeviceError::OutOfMemory { requested: bytes as u64, in_use: s.in_use, reserved: s.reserved }
-            })?)
-        };
-        Ok(Arc::new(CpuBuffer { slice, bytes, pool: self.pool.clone(), poison }))
+        alloc_from(&self.pool, bytes, poison, true)
     }
 
     /// A buffer in the host pool (offload space).
     fn alloc_host(&self, bytes: usize, poison: bool) -> Result<Arc<CpuBuffer>, DeviceError> {
-        alloc_from(&self.host_pool, bytes, poison)
+        alloc_from(&self.host_pool, bytes, poison, false)
     }
 
     /// Bytes in use in the host (offload) pool, and its peak.
@@ -128,19 +120,19 @@ impl CpuDevice {
     }
 }
 
-fn alloc_from(pool: &Arc<Pool>, bytes: usize, poison: bool) -> Result<Arc<CpuBuffer>, DeviceError> {
+/// A buffer of `bytes` from `pool` (from its exact-size chunks when `exact`).
+fn alloc_from(pool: &Arc<Pool>, bytes: usize, poison: bool, exact: bool) -> Result<Arc<CpuBuffer>, DeviceError> {
     let slice = if bytes == 0 {
         None
     } else {
-        Some(pool.alloc(bytes).ok_or_else(|| {
+        let slice = if exact { pool.alloc_exact(bytes) } else { pool.alloc(bytes) };
+        Some(slice.ok_or_else(|| {
             let s = pool.stats();
             DeviceError::OutOfMemory { requested: bytes as u64, in_use: s.in_use, reserved: s.reserved }
         })?)
     };
     Ok(Arc::new(CpuBuffer { slice, bytes, pool: pool.clone(), poison }))
 }
-
-impl CpuDevice {}
 
 /// Runs one kernel over its arguments.
 pub fn run_kernel(kernel: &Kernel, args: &[ArgPtr]) -> Result<(), String> {

@@ -94,21 +94,9 @@ impl Pool {
             Some((free_size, chunk, offset)) => (chunk, offset, free_size),
             None => {
                 let chunk_size = if size < MIN_CHUNK / 4 { MIN_CHUNK } else { size };
-                let layout = Layout::from_size_align(chunk_size, ALIGN).ok()?;
-                // SAFETY: the layout has a non-zero size.
-                let ptr = NonNull::new(unsafe { alloc(layout) })?;
-                let idx = match st.chunks.iter().position(Option::is_none) {
-                    Some(i) => i,
-                    None => {
-                        st.chunks.push(None);
-                        st.chunks.len() - 1
-                    }
-                };
-                let mut free = BTreeMap::new();
-                free.insert(0, chunk_size);
-                st.chunks[idx] = Some(Chunk { ptr, size: chunk_size, exact: false, free });
+                let idx = new_chunk(&mut st, chunk_size, false)?;
+                st.chunks[idx].as_mut().expect("new chunk").free.insert(0, chunk_size);
                 st.by_size.insert((chunk_size, idx, 0));
-                st.reserved += chunk_size;
                 (idx, 0, chunk_size)
             }
         };
@@ -137,21 +125,7 @@ impl Pool {
                 st.chunks[idx].as_mut().expect("live chunk").free.clear();
                 idx
             }
-            None => {
-                let layout = Layout::from_size_align(size, ALIGN).ok()?;
-                // SAFETY: the layout has a non-zero size.
-                let ptr = NonNull::new(unsafe { alloc(layout) })?;
-                let idx = match st.chunks.iter().position(Option::is_none) {
-                    Some(i) => i,
-                    None => {
-                        st.chunks.push(None);
-                        st.chunks.len() - 1
-                    }
-                };
-                st.chunks[idx] = Some(Chunk { ptr, size, exact: true, free: BTreeMap::new() });
-                st.reserved += size;
-                idx
-            }
+            None => new_chunk(&mut st, size, true)?,
         };
         let ptr = st.chunks[chunk].as_ref().expect("live chunk").ptr;
         st.in_use += size;
@@ -245,6 +219,24 @@ impl Pool {
         let mut st = self.lock();
         st.peak = st.in_use;
     }
+}
+
+/// Takes a chunk of `size` bytes from the system (with no free range recorded yet) and returns
+/// its index. `None` when the system has no memory left.
+fn new_chunk(st: &mut State, size: usize, exact: bool) -> Option<usize> {
+    let layout = Layout::from_size_align(size, ALIGN).ok()?;
+    // SAFETY: the layout has a non-zero size.
+    let ptr = NonNull::new(unsafe { alloc(layout) })?;
+    let idx = match st.chunks.iter().position(Option::is_none) {
+        Some(i) => i,
+        None => {
+            st.chunks.push(None);
+            st.chunks.len() - 1
+        }
+    };
+    st.chunks[idx] = Some(Chunk { ptr, size, exact, free: BTreeMap::new() });
+    st.reserved += size;
+    Some(idx)
 }
 
 /// Bytes of wholly free chunks.

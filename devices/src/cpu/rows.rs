@@ -401,13 +401,7 @@ fn broadcast(row: &Reg, out: &mut Reg, c: usize, m: usize, inner: usize) {
             if inner == 1 {
                 $o[..m].fill($r[0]);
             } else {
-                let (mut t, mut j) = (0, c % inner);
-                while t < m {
-                    let run = (inner - j).min(m - t);
-                    $o[t..t + run].copy_from_slice(&$r[j..j + run]);
-                    t += run;
-                    j = 0;
-                }
+                inner_runs(c, m, inner, |t, j, run| $o[t..t + run].copy_from_slice(&$r[j..j + run]));
             }
         };
     }
@@ -419,6 +413,19 @@ fn broadcast(row: &Reg, out: &mut Reg, c: usize, m: usize, inner: usize) {
         (Reg::U8(r), Reg::U8(o)) => go!(r, o),
         (Reg::Bool(r), Reg::Bool(o)) => go!(r, o),
         _ => unreachable!("the registers of one node have one type"),
+    }
+}
+
+/// Splits flat row positions `c..c + m` into runs of consecutive inner positions: calls
+/// `each(offset in 0..m, first inner position, run length)`.
+#[inline(always)]
+fn inner_runs(c: usize, m: usize, inner: usize, mut each: impl FnMut(usize, usize, usize)) {
+    let (mut t, mut j) = (0, c % inner);
+    while t < m {
+        let run = (inner - j).min(m - t);
+        each(t, j, run);
+        t += run;
+        j = 0;
     }
 }
 
@@ -459,15 +466,11 @@ fn fold_float<T: Copy + PartialOrd + std::ops::Add<Output = T> + Default>(
         }
         ReduceOp::Sum | ReduceOp::Mean => {
             // Runs of consecutive inner positions: loops the compiler vectorises.
-            let (mut t, mut j) = (0, c % inner);
-            while t < v.len() {
-                let run = (inner - j).min(v.len() - t);
+            inner_runs(c, v.len(), inner, |t, j, run| {
                 for (a, &x) in acc[j..j + run].iter_mut().zip(&v[t..t + run]) {
                     *a = *a + x;
                 }
-                t += run;
-                j = 0;
-            }
+            });
         }
         ReduceOp::Max | ReduceOp::Min if inner == 1 => {
             // Eight running extremes (NaN-propagating), then one.
