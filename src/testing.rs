@@ -88,3 +88,13 @@ pub fn recorded_program(targets: &[&crate::Tensor]) -> crate::Result<(Vec<Record
     }
     Ok((program, roots))
 }
+
+/// The vector instruction levels CPU kernels are compiled for.
+pub use braid_devices::cpu::eval::Simd as CpuSimd;
+
+/// Runs later CPU kernels at most at `level` (never above what the CPU has), in the whole
+/// process; returns the level now in effect. Lets a test check that every level computes the
+/// same bits.
+pub fn limit_cpu_simd(level: CpuSimd) -> CpuSimd {
+    braid_devices::cpu::eval::limit_simd(level)
+}

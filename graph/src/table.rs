@@ -101,20 +101,21 @@ fn gelu_reference(x: f64) -> f64 {
     0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh())
 }
 
+/// GELU's tanh form computed as `x / (1 + e^(-2u))`, `u = sqrt(2/pi) (x + 0.044715 x^3)`: the same
+/// function (`(1 + tanh(u)) / 2 = 1 / (1 + e^(-2u))`), with one `exp` instead of a `tanh`, and
+/// without the cancellation in `1 + tanh(u)` for negative `u`.
 fn gelu_kernel(b: &mut ExprBuilder, x: ExprId) -> ExprId {
-    let c = b.constant_like(x, (2.0 / std::f64::consts::PI).sqrt());
-    let k = b.constant_like(x, 0.044715);
-    let half = b.constant_like(x, 0.5);
+    let c = -2.0 * (2.0 / std::f64::consts::PI).sqrt();
+    let outer = b.constant_like(x, c);
+    let cubic = b.constant_like(x, c * 0.044715);
     let one = b.constant_like(x, 1.0);
     let x2 = b.mul(x, x);
-    let x3 = b.mul(x2, x);
-    let kx3 = b.mul(k, x3);
-    let inner = b.add(x, kx3);
-    let arg = b.mul(c, inner);
-    let t = b.tanh(arg);
-    let onept = b.add(one, t);
-    let hx = b.mul(half, x);
-    b.mul(hx, onept)
+    let kx2 = b.mul(cubic, x2);
+    let poly = b.add(outer, kx2);
+    let minus_2u = b.mul(x, poly);
+    let e = b.exp(minus_2u);
+    let den = b.add(one, e);
+    b.div(x, den)
 }
 
 fn sigmoid_kernel(b: &mut ExprBuilder, x: ExprId) -> ExprId {

@@ -1,7 +1,7 @@
 //! Evaluation of kernel expressions on the CPU, a chunk of elements at a time.
 //!
 //! Every expression node owns a register: a typed vector holding its value for each element of
-//! the current chunk. Nodes are evaluated in order, each as one tight loop over the chunk, so
+//! the current chunk, aligned to 64 bytes. Nodes are evaluated in order, each as one tight loop over the chunk, so
 //! dispatch costs once per node per chunk, not per element, and the loops vectorise. This module
 //! computes; it never decides what to compute and never touches buffers (see `map`).
 
@@ -12,12 +12,43 @@ use half::{bf16, f16};
 
 /// The values of one expression node over a chunk. Floats stored as f16/bf16 compute in `F32`.
 pub enum Reg {
-    F32(Vec<f32>),
-    F64(Vec<f64>),
-    I32(Vec<i32>),
-    I64(Vec<i64>),
-    U8(Vec<u8>),
-    Bool(Vec<bool>),
+    F32(Lanes<f32>),
+    F64(Lanes<f64>),
+    I32(Lanes<i32>),
+    I64(Lanes<i64>),
+    U8(Lanes<u8>),
+    Bool(Lanes<bool>),
+}
+
+/// A register's storage: values starting at a 64-byte boundary, so that vector loads and
+/// stores never straddle two cache lines (which makes simple nodes nearly twice as slow).
+pub struct Lanes<T> {
+    buf: Vec<T>,
+    start: usize,
+    len: usize,
+}
+
+impl<T: Copy + Default> Lanes<T> {
+    /// `n` default values (zeros).
+    pub fn new(n: usize) -> Lanes<T> {
+        let pad = 64 / std::mem::size_of::<T>();
+        let buf = vec![T::default(); n + pad];
+        let start = buf.as_ptr().align_offset(64).min(pad);
+        Lanes { buf, start, len: n }
+    }
+}
+
+impl<T> std::ops::Deref for Lanes<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &self.buf[self.start..self.start + self.len]
+    }
+}
+
+impl<T> std::ops::DerefMut for Lanes<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut self.buf[self.start..self.start + self.len]
+    }
 }
 
 impl Reg {
@@ -53,12 +84,12 @@ impl Reg {
     /// A register for compute dtype `dtype`, with room for `n` elements.
     pub fn new(dtype: DType, n: usize) -> Reg {
         match dtype.compute() {
-            DType::F32 => Reg::F32(vec![0.0; n]),
-            DType::F64 => Reg::F64(vec![0.0; n]),
-            DType::I32 => Reg::I32(vec![0; n]),
-            DType::I64 => Reg::I64(vec![0; n]),
-            DType::U8 => Reg::U8(vec![0; n]),
-            DType::Bool => Reg::Bool(vec![false; n]),
+            DType::F32 => Reg::F32(Lanes::new(n)),
+            DType::F64 => Reg::F64(Lanes::new(n)),
+            DType::I32 => Reg::I32(Lanes::new(n)),
+            DType::I64 => Reg::I64(Lanes::new(n)),
+            DType::U8 => Reg::U8(Lanes::new(n)),
+            DType::Bool => Reg::Bool(Lanes::new(n)),
             DType::F16 | DType::BF16 => unreachable!("compute() never returns a half type"),
         }
     }
@@ -207,33 +238,91 @@ fn cast(to: DType, x: &Reg, out: &mut Reg, n: usize) {
     }
 }
 
+/// The widest vector instructions the CPU has, among those the loops are compiled for.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
+pub enum Simd {
+    Baseline,
+    Avx2,
+    /// AVX-512 F/VL/BW/DQ: twice the lanes of AVX2 (`exp` and `tanh` run about twice as fast).
+    Avx512,
+}
+
+/// The level the loops run at: the CPU's, or lower if [`limit_simd`] asked for it.
+pub fn simd() -> Simd {
+    use std::sync::atomic::Ordering;
+    let limit = match LIMIT.load(Ordering::Relaxed) {
+        0 => Simd::Baseline,
+        1 => Simd::Avx2,
+        _ => Simd::Avx512,
+    };
+    detected().min(limit)
+}
+
+/// 0, 1, 2: the highest level [`simd`] may return.
+static LIMIT: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(2);
+
+/// Runs later kernels at most at `level` (never above what the CPU has), process-wide; returns
+/// the level now in effect. For tests: every level must give the same bits.
+pub fn limit_simd(level: Simd) -> Simd {
+    LIMIT.store(level as u8, std::sync::atomic::Ordering::Relaxed);
+    simd()
+}
+
+/// The CPU's vector level (checked once).
+fn detected() -> Simd {
+    use std::sync::OnceLock;
+    static LEVEL: OnceLock<Simd> = OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx512f") && has!("avx512vl") && has!("avx512bw") && has!("avx512dq") {
+                return Simd::Avx512;
+            }
+            if has!("avx2") {
+                return Simd::Avx2;
+            }
+        }
+        Simd::Baseline
+    })
+}
+
+/// Compiles `$impl` (a function with the given arguments) once per vector level and calls the
+/// variant the CPU supports: `$impl` must be `#[inline(always)]` so each copy is vectorised for
+/// its level.
+macro_rules! dispatch_simd {
+    ($impl:ident($($arg:ident: $ty:ty),*) -> $ret:ty) => {{
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2")]
+        unsafe fn avx2($($arg: $ty),*) -> $ret {
+            $impl($($arg),*)
+        }
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx512f,avx512vl,avx512bw,avx512dq")]
+        unsafe fn avx512($($arg: $ty),*) -> $ret {
+            $impl($($arg),*)
+        }
+        match $crate::cpu::eval::simd() {
+            // SAFETY: the CPU has these features (checked at run time by `simd`).
+            #[cfg(target_arch = "x86_64")]
+            $crate::cpu::eval::Simd::Avx512 => unsafe { avx512($($arg),*) },
+            #[cfg(target_arch = "x86_64")]
+            $crate::cpu::eval::Simd::Avx2 => unsafe { avx2($($arg),*) },
+            _ => $impl($($arg),*),
+        }
+    }};
+}
+pub(super) use dispatch_simd;
+
 /// Evaluates node `node` (at position `idx`) over the first `n` elements. `regs[..idx]` hold
 /// the operands; loads have been filled by the caller. `start` is the chunk's first linear
 /// index. Errors only on an ill-typed expression, which lowering never produces.
 ///
-/// The loops are compiled twice, for the baseline x86-64 and with AVX2, and the CPU picks at
-/// run time (the code is the same, so are the results: no fused multiply-adds are used).
+/// The loops are compiled three times, for the baseline x86-64, with AVX2 and with AVX-512, and
+/// the CPU picks at run time (the code is the same, so are the results: no fused multiply-adds
+/// are used).
 pub fn eval_node(node: &ExprNode, idx: usize, regs: &mut [Reg], n: usize, start: usize) -> Result<(), String> {
-    #[cfg(target_arch = "x86_64")]
-    if avx2() {
-        // SAFETY: the CPU has AVX2 (checked once, at run time).
-        return unsafe { eval_node_avx2(node, idx, regs, n, start) };
-    }
-    eval_node_impl(node, idx, regs, n, start)
-}
-
-/// Whether the CPU has AVX2 (checked once).
-#[cfg(target_arch = "x86_64")]
-pub(super) fn avx2() -> bool {
-    use std::sync::OnceLock;
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| std::arch::is_x86_feature_detected!("avx2"))
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn eval_node_avx2(node: &ExprNode, idx: usize, regs: &mut [Reg], n: usize, start: usize) -> Result<(), String> {
-    eval_node_impl(node, idx, regs, n, start)
+    dispatch_simd!(eval_node_impl(node: &ExprNode, idx: usize, regs: &mut [Reg], n: usize, start: usize) -> Result<(), String>)
 }
 
 #[inline(always)]

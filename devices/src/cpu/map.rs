@@ -5,7 +5,7 @@
 //! against its argument's length, so the unchecked accesses below stay inside their buffers.
 //! This module never allocates device memory and never interprets ops (see `eval`).
 
-use super::eval::{Reg, eval_node};
+use super::eval::{Reg, dispatch_simd, eval_node};
 use braid_graph::DType;
 use braid_graph::expr::Expr;
 use braid_graph::expr::ExprOp;
@@ -13,8 +13,9 @@ use braid_lowering::{Load, MapLoop, Store, View};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-/// Elements evaluated per register pass (registers stay in L1/L2).
-pub(super) const CHUNK: usize = 512;
+/// Elements evaluated per register pass: the registers of a kernel of a few dozen nodes stay in
+/// L1 (32 KiB per core here).
+pub(super) const CHUNK: usize = 256;
 /// Elements per parallel task; loops smaller than two tasks run on the calling thread.
 pub(super) const TASK: usize = 32 * 1024;
 
@@ -120,20 +121,9 @@ pub(super) fn invariant_nodes(expr: &Expr) -> Vec<bool> {
     inv
 }
 
-/// Indices `start..end`, compiled with AVX2 where the CPU has it.
+/// Indices `start..end`, compiled for each vector level (see [`dispatch_simd`]).
 fn run_range(l: &MapLoop, args: Shared<'_>, start: usize, end: usize) -> Result<(), String> {
-    #[cfg(target_arch = "x86_64")]
-    if super::eval::avx2() {
-        // SAFETY: the CPU has AVX2.
-        return unsafe { run_range_avx2(l, args, start, end) };
-    }
-    run_range_impl(l, args, start, end)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn run_range_avx2(l: &MapLoop, args: Shared<'_>, start: usize, end: usize) -> Result<(), String> {
-    run_range_impl(l, args, start, end)
+    dispatch_simd!(run_range_impl(l: &MapLoop, args: Shared<'_>, start: usize, end: usize) -> Result<(), String>)
 }
 
 thread_local! {
@@ -179,6 +169,13 @@ fn run_chunks(
     let mut c = start;
     while c < end {
         let m = width.min(end - c);
+        let next = c + m;
+        if next < end {
+            for load in &l.loads {
+                // SAFETY: the view was checked against the argument's length in `run_loop`.
+                unsafe { prefetch(&load.view, args.0[load.arg as usize], next, width.min(end - next)) };
+            }
+        }
         for (i, node) in l.expr.nodes.iter().enumerate() {
             if invariant[i] {
                 continue;
@@ -199,7 +196,68 @@ fn run_chunks(
         }
         c += m;
     }
+    store_fence();
     Ok(())
+}
+
+/// Asks the CPU to bring indices `start..start + m` of a contiguous `view` into cache while the
+/// current chunk computes, so that memory latency overlaps with arithmetic (the hardware
+/// prefetcher alone leaves a compute-heavy chunk loop waiting on every new chunk's loads).
+///
+/// # Safety
+/// The view must lie within the argument (see [`check_view`]).
+#[inline(always)]
+pub(super) unsafe fn prefetch(view: &View, arg: ArgPtr, start: usize, m: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if view.is_contiguous() {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        let size = arg.dtype.size();
+        // SAFETY: within the argument, as checked by the caller.
+        let first = unsafe { arg.ptr.add((view.offset + start) * size) };
+        for line in (0..m * size).step_by(64) {
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(first.add(line) as *const i8) };
+        }
+    }
+}
+
+/// Outputs at least this large are written with non-temporal stores: they cannot stay in cache
+/// anyway, and streaming them skips reading each line before it is overwritten.
+pub(super) const STREAM_BYTES: usize = 4 << 20;
+
+/// Copies `src` to `dst` with non-temporal stores where the CPU has them. The caller must call
+/// [`store_fence`] before another thread may read what was written.
+///
+/// # Safety
+/// `dst` must be valid for `src.len()` writes.
+#[inline(always)]
+unsafe fn stream_f32(dst: *mut f32, src: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        use std::arch::x86_64::{_mm_loadu_ps, _mm_stream_ps};
+        // Plain stores up to a 16-byte boundary, then 4 floats per streaming store.
+        let head = (dst.align_offset(16)).min(src.len());
+        std::ptr::copy_nonoverlapping(src.as_ptr(), dst, head);
+        let mut i = head;
+        while i + 4 <= src.len() {
+            _mm_stream_ps(dst.add(i), _mm_loadu_ps(src.as_ptr().add(i)));
+            i += 4;
+        }
+        std::ptr::copy_nonoverlapping(src.as_ptr().add(i), dst.add(i), src.len() - i);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unsafe {
+        std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len());
+    }
+}
+
+/// Orders non-temporal stores before everything after it (they are weakly ordered otherwise).
+#[inline(always)]
+pub(super) fn store_fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: SSE is part of x86-64.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
 }
 
 /// Fills `out[..m]` with the element offsets of indices `start..start + m` of `view`.
@@ -356,6 +414,9 @@ pub(super) unsafe fn scatter(view: &View, arg: ArgPtr, start: usize, m: usize, r
     }
     unsafe {
         match (arg.dtype, reg) {
+            (DType::F32, Reg::F32(r)) if view.is_contiguous() && arg.len * 4 >= STREAM_BYTES => {
+                stream_f32((arg.ptr as *mut f32).add(view.offset + start), &r[..m])
+            }
             (DType::F32, Reg::F32(r)) => go(view, arg.ptr as *mut f32, start, &r[..m], offsets, |v| v),
             (DType::F16, Reg::F32(r)) => go(view, arg.ptr as *mut f16, start, &r[..m], offsets, f16::from_f32),
             (DType::BF16, Reg::F32(r)) => go(view, arg.ptr as *mut bf16, start, &r[..m], offsets, bf16::from_f32),

@@ -8,6 +8,7 @@ mod exec;
 pub mod map;
 pub mod matmul;
 pub mod pool;
+mod reduce;
 pub mod rows;
 pub mod vmath;
 mod workers;

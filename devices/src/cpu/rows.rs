@@ -8,10 +8,11 @@
 //! inner dimensions. A row of a softmax is read three times, from cache. Rows are split across
 //! rayon. Nothing here plans or allocates device memory.
 
-use super::eval::{Reg, eval_node};
-use super::map::{ArgPtr, CHUNK, Shared, check_io, gather, scatter};
+use super::eval::{Reg, dispatch_simd, eval_node};
+use super::map::{ArgPtr, CHUNK, Shared, check_io, gather, prefetch, scatter};
+use super::reduce::Acc;
+use braid_graph::DType;
 use braid_graph::expr::ExprOp;
-use braid_graph::{DType, ReduceOp};
 use braid_lowering::{RowKernel, Store, View};
 use rayon::prelude::*;
 use smallvec::SmallVec;
@@ -192,21 +193,30 @@ fn operands(op: &ExprOp) -> Vec<usize> {
 /// The part of `view` that row `o` covers: the axis and what follows it (`row = true`), or only
 /// what follows it at axis position 0 (`row = false`, for per-row values).
 fn row_view(view: &View, axis: Option<usize>, o: usize, outer_dims: &[usize], whole_row: bool) -> View {
+    let offset = row_offset(view, axis, o, outer_dims);
     let Some(d) = axis else {
         return if whole_row {
             view.clone()
         } else {
-            View { dims: Default::default(), strides: Default::default(), offset: view.offset }
+            View { dims: Default::default(), strides: Default::default(), offset }
         };
     };
+    let from = if whole_row { d } else { d + 1 };
+    View { dims: view.dims[from..].into(), strides: view.strides[from..].into(), offset }
+}
+
+/// The offset of [`row_view`]`(view, axis, o, ..)`: the only part of it that changes from row
+/// to row.
+#[inline(always)]
+fn row_offset(view: &View, axis: Option<usize>, o: usize, outer_dims: &[usize]) -> usize {
+    let Some(d) = axis else { return view.offset };
     let mut offset = view.offset as isize;
     let mut rest = o;
     for i in (0..d).rev() {
         offset += (rest % outer_dims[i]) as isize * view.strides[i];
         rest /= outer_dims[i];
     }
-    let from = if whole_row { d } else { d + 1 };
-    View { dims: view.dims[from..].into(), strides: view.strides[from..].into(), offset: offset as usize }
+    offset as usize
 }
 
 /// Runs a row kernel with its plan (from [`plan`]).
@@ -241,20 +251,10 @@ pub fn run_rows(k: &RowKernel, p: &Plan, args: &[ArgPtr]) -> Result<(), String> 
 /// reduction stay in registers for the next (no recomputation).
 const WHOLE_ROW: usize = 4096;
 
-/// Rows `from..to`, compiled with AVX2 where the CPU has it (the loops in here vectorise).
+/// Rows `from..to`, compiled for each vector level (the loops in here vectorise; see
+/// [`dispatch_simd`]).
 fn run_range(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: usize) -> Result<(), String> {
-    #[cfg(target_arch = "x86_64")]
-    if super::eval::avx2() {
-        // SAFETY: the CPU has AVX2.
-        return unsafe { run_range_avx2(k, p, args, from, to) };
-    }
-    run_range_impl(k, p, args, from, to)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn run_range_avx2(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: usize) -> Result<(), String> {
-    run_range_impl(k, p, args, from, to)
+    dispatch_simd!(run_range_impl(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: usize) -> Result<(), String>)
 }
 
 #[inline(always)]
@@ -269,15 +269,54 @@ fn run_range_impl(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: us
     let mut done = vec![false; nodes.len()];
     let mut fresh = vec![false; nodes.len()];
     let elem_stores: Vec<_> = k.stores.iter().zip(&p.row_stores).filter(|(_, r)| !**r).map(|(s, _)| s).collect();
+    // Per-row scratch, allocated once per task rather than once per row.
+    let mut accs: Vec<Acc> = p
+        .phases
+        .iter()
+        .map(|(r, _)| {
+            let ExprOp::Reduce(op, x) = nodes[*r].op else { unreachable!("phases are reductions") };
+            Acc::new(op, nodes[x as usize].dtype, p.inner)
+        })
+        .collect();
+    // The views of a row, per load node read per element and per per-element store: only
+    // their offsets change from row to row.
+    let mut load_views: Vec<Option<View>> = nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| match n.op {
+            ExprOp::Load(slot) if !p.per_row[i] => {
+                Some(row_view(&k.loads[slot as usize].view, k.axis, 0, &p.outer_dims, true))
+            }
+            _ => None,
+        })
+        .collect();
+    let mut store_views: Vec<View> =
+        elem_stores.iter().map(|s| row_view(&s.view, k.axis, 0, &p.outer_dims, true)).collect();
     for o in from..to {
+        for (view, n) in load_views.iter_mut().zip(nodes) {
+            if let (Some(view), ExprOp::Load(slot)) = (view, n.op) {
+                let load = &k.loads[slot as usize];
+                view.offset = row_offset(&load.view, k.axis, o, &p.outer_dims);
+                if o + 1 < to {
+                    // Bring the next row's loads into cache while this row computes.
+                    let next = View { offset: row_offset(&load.view, k.axis, o + 1, &p.outer_dims), ..view.clone() };
+                    // SAFETY: checked by `check_io`.
+                    unsafe { prefetch(&next, args.0[load.arg as usize], 0, row) };
+                }
+            }
+        }
+        for (view, s) in store_views.iter_mut().zip(&elem_stores) {
+            view.offset = row_offset(&s.view, k.axis, o, &p.outer_dims);
+        }
         done.iter_mut().for_each(|d| *d = false);
         fresh.iter_mut().for_each(|f| *f = false);
-        for (r, need) in &p.phases {
+        for ((r, need), acc) in p.phases.iter().zip(&mut accs) {
             // The per-row values this reduction's operand may use.
             eval_row_values(k, p, args, o, *r, &mut rowv, &mut done, &mut offsets)?;
-            let ExprOp::Reduce(op, x) = nodes[*r].op else { unreachable!("phases are reductions") };
-            let mut acc = Acc::new(op, nodes[x as usize].dtype, p.inner);
-            sweep(k, p, args, o, need, &mut chunk, &rowv, &mut offsets, &mut fresh, &done, |c, m, regs| {
+            let ExprOp::Reduce(_, x) = nodes[*r].op else { unreachable!("phases are reductions") };
+            acc.reset();
+            let scratch = (&mut chunk[..], &mut offsets[..], &load_views[..]);
+            sweep(k, p, args, o, need, scratch, &rowv, &mut fresh, &done, |c, m, regs| {
                 acc.add(&regs[x as usize], c, m, p.inner);
             })?;
             acc.finish(p.len, &mut rowv[*r]);
@@ -290,12 +329,13 @@ fn run_range_impl(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: us
             unsafe { scatter(&view, args.0[s.arg as usize], 0, p.inner, &rowv[s.value as usize], &mut store_offsets) };
         }
         if !elem_stores.is_empty() {
-            let views: Vec<View> =
-                elem_stores.iter().map(|s| row_view(&s.view, k.axis, o, &p.outer_dims, true)).collect();
-            sweep(k, p, args, o, &p.last_phase, &mut chunk, &rowv, &mut offsets, &mut fresh, &done, |c, m, regs| {
-                for (s, view) in elem_stores.iter().zip(&views) {
+            let scratch = (&mut chunk[..], &mut offsets[..], &load_views[..]);
+            sweep(k, p, args, o, &p.last_phase, scratch, &rowv, &mut fresh, &done, |c, m, regs| {
+                for (s, view) in elem_stores.iter().zip(&store_views) {
                     // SAFETY: as above.
-                    unsafe { scatter(view, args.0[s.arg as usize], c, m, &regs[s.value as usize], &mut store_offsets) };
+                    unsafe {
+                        scatter_simd(view, args.0[s.arg as usize], c, m, &regs[s.value as usize], &mut store_offsets)
+                    };
                 }
             })?;
         }
@@ -335,7 +375,8 @@ fn eval_row_values(
 }
 
 /// One pass over row `o`: evaluates `need` (per-element nodes) a chunk at a time, with per-row
-/// operands broadcast, and hands each chunk to `each(start, len, registers)`.
+/// operands broadcast, and hands each chunk to `each(start, len, registers)`. `views` holds
+/// row `o`'s view for each load node read per element.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn sweep(
@@ -344,9 +385,8 @@ fn sweep(
     args: Shared<'_>,
     o: usize,
     need: &[usize],
-    chunk: &mut [Reg],
+    (chunk, offsets, views): (&mut [Reg], &mut [isize], &[Option<View>]),
     rowv: &[Reg],
-    offsets: &mut [isize],
     fresh: &mut [bool],
     done: &[bool],
     mut each: impl FnMut(usize, usize, &[Reg]),
@@ -355,13 +395,6 @@ fn sweep(
     let width = chunk.first().map_or(0, Reg::len);
     // With the whole row in one chunk, a value computed by an earlier pass is still there.
     let whole = width >= row;
-    let views: Vec<Option<View>> = need
-        .iter()
-        .map(|&i| match k.expr.nodes[i].op {
-            ExprOp::Load(slot) => Some(row_view(&k.loads[slot as usize].view, k.axis, o, &p.outer_dims, true)),
-            _ => None,
-        })
-        .collect();
     let mut c = 0;
     while c < row {
         let m = width.min(row - c);
@@ -372,12 +405,12 @@ fn sweep(
                 fresh[b] = whole;
             }
         }
-        for (&i, view) in need.iter().zip(&views) {
+        for &i in need {
             if whole && fresh[i] {
                 continue;
             }
             fresh[i] = whole;
-            match (view, k.expr.nodes[i].op) {
+            match (&views[i], k.expr.nodes[i].op) {
                 (Some(view), ExprOp::Load(slot)) => {
                     let arg = args.0[k.loads[slot as usize].arg as usize];
                     // SAFETY: checked by `check_io`.
@@ -390,6 +423,20 @@ fn sweep(
         c += m;
     }
     Ok(())
+}
+
+/// [`scatter`], compiled for each vector level: it is called from a closure, and closures do
+/// not inherit their caller's target features.
+///
+/// # Safety
+/// As for [`scatter`].
+unsafe fn scatter_simd(view: &View, arg: ArgPtr, start: usize, m: usize, reg: &Reg, offsets: &mut [isize]) {
+    #[inline(always)]
+    fn go(view: &View, arg: ArgPtr, start: usize, m: usize, reg: &Reg, offsets: &mut [isize]) {
+        // SAFETY: the caller of `scatter_simd` meets `scatter`'s contract.
+        unsafe { scatter(view, arg, start, m, reg, offsets) }
+    }
+    dispatch_simd!(go(view: &View, arg: ArgPtr, start: usize, m: usize, reg: &Reg, offsets: &mut [isize]) -> ())
 }
 
 /// Fills `out[..m]` with the per-row value for flat row positions `c..c + m` (position `f` is
@@ -419,166 +466,12 @@ fn broadcast(row: &Reg, out: &mut Reg, c: usize, m: usize, inner: usize) {
 /// Splits flat row positions `c..c + m` into runs of consecutive inner positions: calls
 /// `each(offset in 0..m, first inner position, run length)`.
 #[inline(always)]
-fn inner_runs(c: usize, m: usize, inner: usize, mut each: impl FnMut(usize, usize, usize)) {
+pub(super) fn inner_runs(c: usize, m: usize, inner: usize, mut each: impl FnMut(usize, usize, usize)) {
     let (mut t, mut j) = (0, c % inner);
     while t < m {
         let run = (inner - j).min(m - t);
         each(t, j, run);
         t += run;
         j = 0;
-    }
-}
-
-/// A running reduction for every inner position of a row, in the operand's type.
-struct Acc {
-    op: ReduceOp,
-    vals: Reg,
-    /// ArgMax: the axis position of the best value so far.
-    idx: Vec<i64>,
-}
-
-/// Folds `v[..m]` (flat row positions `c..`) into float accumulators.
-#[inline(always)]
-fn fold_float<T: Copy + PartialOrd + std::ops::Add<Output = T> + Default>(
-    op: ReduceOp,
-    acc: &mut [T],
-    idx: &mut [i64],
-    v: &[T],
-    c: usize,
-    inner: usize,
-    is_nan: impl Fn(T) -> bool,
-) {
-    match op {
-        ReduceOp::Sum | ReduceOp::Mean if inner == 1 => {
-            // Eight partial sums: a loop the compiler vectorises.
-            let mut parts = [T::default(); 8];
-            let mut it = v.chunks_exact(8);
-            for ch in &mut it {
-                for (p, &x) in parts.iter_mut().zip(ch) {
-                    *p = *p + x;
-                }
-            }
-            let mut s = it.remainder().iter().fold(T::default(), |a, &x| a + x);
-            for p in parts {
-                s = s + p;
-            }
-            acc[0] = acc[0] + s;
-        }
-        ReduceOp::Sum | ReduceOp::Mean => {
-            // Runs of consecutive inner positions: loops the compiler vectorises.
-            inner_runs(c, v.len(), inner, |t, j, run| {
-                for (a, &x) in acc[j..j + run].iter_mut().zip(&v[t..t + run]) {
-                    *a = *a + x;
-                }
-            });
-        }
-        ReduceOp::Max | ReduceOp::Min if inner == 1 => {
-            // Eight running extremes (NaN-propagating), then one.
-            let pick = |a: T, x: T| {
-                let better = if op == ReduceOp::Min { x < a } else { x > a };
-                if better || is_nan(x) || is_nan(a) { if is_nan(a) { a } else { x } } else { a }
-            };
-            let mut parts = [acc[0]; 8];
-            let mut it = v.chunks_exact(8);
-            for ch in &mut it {
-                for (p, &x) in parts.iter_mut().zip(ch) {
-                    *p = pick(*p, x);
-                }
-            }
-            let mut m = it.remainder().iter().fold(acc[0], |a, &x| pick(a, x));
-            for p in parts {
-                m = pick(m, p);
-            }
-            acc[0] = m;
-        }
-        ReduceOp::Max | ReduceOp::Min | ReduceOp::ArgMax => {
-            let better = |x: T, a: T| if op == ReduceOp::Min { x < a } else { x > a };
-            for (t, &x) in v.iter().enumerate() {
-                let j = (c + t) % inner;
-                if !is_nan(acc[j]) && (better(x, acc[j]) || is_nan(x)) {
-                    acc[j] = x;
-                    idx[j] = ((c + t) / inner) as i64;
-                }
-            }
-        }
-    }
-}
-
-/// Folds `v[..m]` into integer accumulators (sums wrap).
-#[inline(always)]
-fn fold_int<T: Copy + Ord>(
-    op: ReduceOp,
-    acc: &mut [T],
-    idx: &mut [i64],
-    v: &[T],
-    c: usize,
-    inner: usize,
-    wrapping_add: impl Fn(T, T) -> T,
-) {
-    for (t, &x) in v.iter().enumerate() {
-        let j = (c + t) % inner;
-        match op {
-            ReduceOp::Sum | ReduceOp::Mean => acc[j] = wrapping_add(acc[j], x),
-            ReduceOp::Max => acc[j] = acc[j].max(x),
-            ReduceOp::Min => acc[j] = acc[j].min(x),
-            ReduceOp::ArgMax => {
-                if x > acc[j] {
-                    acc[j] = x;
-                    idx[j] = ((c + t) / inner) as i64;
-                }
-            }
-        }
-    }
-}
-
-impl Acc {
-    fn new(op: ReduceOp, operand: DType, inner: usize) -> Acc {
-        let mut vals = Reg::new(operand, inner);
-        macro_rules! init {
-            ($v:expr, $zero:expr, $lo:expr, $hi:expr) => {
-                $v.fill(match op {
-                    ReduceOp::Sum | ReduceOp::Mean => $zero,
-                    ReduceOp::Max | ReduceOp::ArgMax => $lo,
-                    ReduceOp::Min => $hi,
-                })
-            };
-        }
-        match &mut vals {
-            Reg::F32(v) => init!(v, 0.0, f32::NEG_INFINITY, f32::INFINITY),
-            Reg::F64(v) => init!(v, 0.0, f64::NEG_INFINITY, f64::INFINITY),
-            Reg::I32(v) => init!(v, 0, i32::MIN, i32::MAX),
-            Reg::I64(v) => init!(v, 0, i64::MIN, i64::MAX),
-            Reg::U8(v) => init!(v, 0, u8::MIN, u8::MAX),
-            Reg::Bool(_) => {}
-        }
-        Acc { op, vals, idx: vec![0; inner] }
-    }
-
-    #[inline(always)]
-    fn add(&mut self, v: &Reg, c: usize, m: usize, inner: usize) {
-        let (op, idx) = (self.op, &mut self.idx);
-        match (&mut self.vals, v) {
-            (Reg::F32(a), Reg::F32(v)) => fold_float(op, a, idx, &v[..m], c, inner, f32::is_nan),
-            (Reg::F64(a), Reg::F64(v)) => fold_float(op, a, idx, &v[..m], c, inner, f64::is_nan),
-            (Reg::I32(a), Reg::I32(v)) => fold_int(op, a, idx, &v[..m], c, inner, i32::wrapping_add),
-            (Reg::I64(a), Reg::I64(v)) => fold_int(op, a, idx, &v[..m], c, inner, i64::wrapping_add),
-            (Reg::U8(a), Reg::U8(v)) => fold_int(op, a, idx, &v[..m], c, inner, u8::wrapping_add),
-            _ => unreachable!("the accumulator has the operand's type"),
-        }
-    }
-
-    /// Writes the results into the reduction node's per-row register.
-    fn finish(self, len: usize, out: &mut Reg) {
-        match (self.op, self.vals, out) {
-            (ReduceOp::ArgMax, _, Reg::I64(o)) => o.copy_from_slice(&self.idx),
-            (ReduceOp::Mean, Reg::F32(v), Reg::F32(o)) => o.iter_mut().zip(v).for_each(|(o, v)| *o = v / len as f32),
-            (ReduceOp::Mean, Reg::F64(v), Reg::F64(o)) => o.iter_mut().zip(v).for_each(|(o, v)| *o = v / len as f64),
-            (_, Reg::F32(v), Reg::F32(o)) => o.copy_from_slice(&v),
-            (_, Reg::F64(v), Reg::F64(o)) => o.copy_from_slice(&v),
-            (_, Reg::I32(v), Reg::I32(o)) => o.copy_from_slice(&v),
-            (_, Reg::I64(v), Reg::I64(o)) => o.copy_from_slice(&v),
-            (_, Reg::U8(v), Reg::U8(o)) => o.copy_from_slice(&v),
-            _ => unreachable!("a reduction's register has its result type"),
-        }
     }
 }

@@ -1,0 +1,198 @@
+//! Running reductions for row kernels: one accumulator per inner position of a row, folded a
+//! chunk at a time. Sums and extremes over contiguous rows fold in many independent lanes so
+//! the loops vectorise and do not wait on one register. This module never reads buffers and
+//! never decides what to reduce (see `rows`).
+
+use super::eval::{Reg, dispatch_simd};
+use super::rows::inner_runs;
+use braid_graph::{DType, ReduceOp};
+
+/// A running reduction for every inner position of a row, in the operand's type.
+pub(super) struct Acc {
+    op: ReduceOp,
+    vals: Reg,
+    /// ArgMax: the axis position of the best value so far.
+    idx: Vec<i64>,
+}
+
+/// Folds `v` with `f` (associative and commutative, up to rounding) starting from `init` in
+/// each of many independent lanes, then folds the lanes: the loops vectorise, and several
+/// vector registers of partial results hide the latency of each step (one register would make
+/// every step wait for the previous one).
+#[inline(always)]
+fn fold_lanes<T: Copy>(v: &[T], init: T, f: impl Fn(T, T) -> T) -> T {
+    // Four accumulators of 16 lanes, kept as separate small arrays so they stay in registers.
+    const LANES: usize = 16;
+    let (mut a0, mut a1, mut a2, mut a3) = ([init; LANES], [init; LANES], [init; LANES], [init; LANES]);
+    let step = |acc: &mut [T; LANES], xs: &[T]| {
+        for (p, &x) in acc.iter_mut().zip(xs) {
+            *p = f(*p, x);
+        }
+    };
+    let mut it = v.chunks_exact(4 * LANES);
+    for ch in &mut it {
+        step(&mut a0, &ch[..LANES]);
+        step(&mut a1, &ch[LANES..2 * LANES]);
+        step(&mut a2, &ch[2 * LANES..3 * LANES]);
+        step(&mut a3, &ch[3 * LANES..]);
+    }
+    let mut it = it.remainder().chunks_exact(LANES);
+    for ch in &mut it {
+        step(&mut a0, ch);
+    }
+    step(&mut a0, &a1);
+    step(&mut a2, &a3);
+    step(&mut a0, &a2);
+    it.remainder().iter().chain(&a0).fold(init, |a, &x| f(a, x))
+}
+
+/// Folds `v[..m]` (flat row positions `c..`) into float accumulators.
+#[inline(always)]
+fn fold_float<T: Copy + PartialOrd + std::ops::Add<Output = T> + Default>(
+    op: ReduceOp,
+    acc: &mut [T],
+    idx: &mut [i64],
+    v: &[T],
+    c: usize,
+    inner: usize,
+    is_nan: impl Fn(T) -> bool,
+) {
+    match op {
+        ReduceOp::Sum | ReduceOp::Mean if inner == 1 => {
+            let s = fold_lanes(v, T::default(), |a, x| a + x);
+            acc[0] = acc[0] + s;
+        }
+        ReduceOp::Sum | ReduceOp::Mean => {
+            // Runs of consecutive inner positions: loops the compiler vectorises.
+            inner_runs(c, v.len(), inner, |t, j, run| {
+                for (a, &x) in acc[j..j + run].iter_mut().zip(&v[t..t + run]) {
+                    *a = *a + x;
+                }
+            });
+        }
+        ReduceOp::Max | ReduceOp::Min if inner == 1 => {
+            // Running extremes (NaN-propagating) in independent lanes, then one.
+            // A NaN is sticky: no comparison with it is true, so it is kept once picked.
+            let m = if op == ReduceOp::Min {
+                fold_lanes(v, acc[0], |a, x| if x < a || is_nan(x) { x } else { a })
+            } else {
+                fold_lanes(v, acc[0], |a, x| if x > a || is_nan(x) { x } else { a })
+            };
+            acc[0] = m;
+        }
+        ReduceOp::Max | ReduceOp::Min | ReduceOp::ArgMax => {
+            let better = |x: T, a: T| if op == ReduceOp::Min { x < a } else { x > a };
+            for (t, &x) in v.iter().enumerate() {
+                let j = (c + t) % inner;
+                if !is_nan(acc[j]) && (better(x, acc[j]) || is_nan(x)) {
+                    acc[j] = x;
+                    idx[j] = ((c + t) / inner) as i64;
+                }
+            }
+        }
+    }
+}
+
+/// Folds `v[..m]` into integer accumulators (sums wrap).
+#[inline(always)]
+fn fold_int<T: Copy + Ord>(
+    op: ReduceOp,
+    acc: &mut [T],
+    idx: &mut [i64],
+    v: &[T],
+    c: usize,
+    inner: usize,
+    wrapping_add: impl Fn(T, T) -> T,
+) {
+    for (t, &x) in v.iter().enumerate() {
+        let j = (c + t) % inner;
+        match op {
+            ReduceOp::Sum | ReduceOp::Mean => acc[j] = wrapping_add(acc[j], x),
+            ReduceOp::Max => acc[j] = acc[j].max(x),
+            ReduceOp::Min => acc[j] = acc[j].min(x),
+            ReduceOp::ArgMax => {
+                if x > acc[j] {
+                    acc[j] = x;
+                    idx[j] = ((c + t) / inner) as i64;
+                }
+            }
+        }
+    }
+}
+
+impl Acc {
+    pub(super) fn new(op: ReduceOp, operand: DType, inner: usize) -> Acc {
+        let mut acc = Acc { op, vals: Reg::new(operand, inner), idx: vec![0; inner] };
+        acc.reset();
+        acc
+    }
+
+    /// Back to the reduction's identity, for the next row.
+    pub(super) fn reset(&mut self) {
+        let op = self.op;
+        self.idx.fill(0);
+        macro_rules! init {
+            ($v:expr, $zero:expr, $lo:expr, $hi:expr) => {
+                $v.fill(match op {
+                    ReduceOp::Sum | ReduceOp::Mean => $zero,
+                    ReduceOp::Max | ReduceOp::ArgMax => $lo,
+                    ReduceOp::Min => $hi,
+                })
+            };
+        }
+        match &mut self.vals {
+            Reg::F32(v) => init!(v, 0.0, f32::NEG_INFINITY, f32::INFINITY),
+            Reg::F64(v) => init!(v, 0.0, f64::NEG_INFINITY, f64::INFINITY),
+            Reg::I32(v) => init!(v, 0, i32::MIN, i32::MAX),
+            Reg::I64(v) => init!(v, 0, i64::MIN, i64::MAX),
+            Reg::U8(v) => init!(v, 0, u8::MIN, u8::MAX),
+            Reg::Bool(_) => {}
+        }
+    }
+
+    /// Folds `v[..m]` (flat row positions `c..`) in, compiled for each vector level: it is
+    /// called from a closure, and closures do not inherit their caller's target features.
+    pub(super) fn add(&mut self, v: &Reg, c: usize, m: usize, inner: usize) {
+        let acc = self;
+        dispatch_simd!(acc_add(acc: &mut Acc, v: &Reg, c: usize, m: usize, inner: usize) -> ())
+    }
+}
+
+#[inline(always)]
+fn acc_add(acc: &mut Acc, v: &Reg, c: usize, m: usize, inner: usize) {
+    acc.add_impl(v, c, m, inner)
+}
+
+impl Acc {
+    #[inline(always)]
+    fn add_impl(&mut self, v: &Reg, c: usize, m: usize, inner: usize) {
+        let (op, idx) = (self.op, &mut self.idx);
+        match (&mut self.vals, v) {
+            (Reg::F32(a), Reg::F32(v)) => fold_float(op, a, idx, &v[..m], c, inner, f32::is_nan),
+            (Reg::F64(a), Reg::F64(v)) => fold_float(op, a, idx, &v[..m], c, inner, f64::is_nan),
+            (Reg::I32(a), Reg::I32(v)) => fold_int(op, a, idx, &v[..m], c, inner, i32::wrapping_add),
+            (Reg::I64(a), Reg::I64(v)) => fold_int(op, a, idx, &v[..m], c, inner, i64::wrapping_add),
+            (Reg::U8(a), Reg::U8(v)) => fold_int(op, a, idx, &v[..m], c, inner, u8::wrapping_add),
+            _ => unreachable!("the accumulator has the operand's type"),
+        }
+    }
+
+    /// Writes the results into the reduction node's per-row register.
+    pub(super) fn finish(&self, len: usize, out: &mut Reg) {
+        match (self.op, &self.vals, out) {
+            (ReduceOp::ArgMax, _, Reg::I64(o)) => o.copy_from_slice(&self.idx),
+            (ReduceOp::Mean, Reg::F32(v), Reg::F32(o)) => {
+                o.iter_mut().zip(v.iter()).for_each(|(o, v)| *o = v / len as f32)
+            }
+            (ReduceOp::Mean, Reg::F64(v), Reg::F64(o)) => {
+                o.iter_mut().zip(v.iter()).for_each(|(o, v)| *o = v / len as f64)
+            }
+            (_, Reg::F32(v), Reg::F32(o)) => o.copy_from_slice(v),
+            (_, Reg::F64(v), Reg::F64(o)) => o.copy_from_slice(v),
+            (_, Reg::I32(v), Reg::I32(o)) => o.copy_from_slice(v),
+            (_, Reg::I64(v), Reg::I64(o)) => o.copy_from_slice(v),
+            (_, Reg::U8(v), Reg::U8(o)) => o.copy_from_slice(v),
+            _ => unreachable!("a reduction's register has its result type"),
+        }
+    }
+}
