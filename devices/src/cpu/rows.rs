@@ -9,7 +9,7 @@
 //! rayon. Nothing here plans or allocates device memory.
 
 use super::eval::{Reg, dispatch_simd, eval_node};
-use super::map::{ArgPtr, CHUNK, Shared, check_io, gather, prefetch, scatter};
+use super::map::{ArgPtr, CHUNK, Shared, check_io, gather, prefetch, scatter, store_fence};
 use super::reduce::Acc;
 use braid_graph::DType;
 use braid_graph::expr::ExprOp;
@@ -340,6 +340,9 @@ fn run_range_impl(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: us
             })?;
         }
     }
+    // Streaming stores (large outputs) are weakly ordered: make them visible before the task
+    // reports done.
+    store_fence();
     Ok(())
 }
 
