@@ -96,15 +96,10 @@ fn c2(dev: &Device) -> (f64, String) {
     dev.seed(2);
     let x = Tensor::randn([r, c], DType::F32, dev);
     dev.sync().unwrap();
-    // A softmax as a user writes it: the intermediates go out of scope, so only the output is
-    // materialised (G2: "extra memory = output only").
-    let softmax = |x: &Tensor| {
-        let m = x.max_dim(1, true);
-        let e = (x - &m).exp();
-        &e / &e.sum_dim(1, true)
-    };
+    // `softmax` records the composed ops (max, sub, exp, sum, div) and lets the intermediates go
+    // out of scope, so only the output is materialised (G2: "extra memory = output only").
     let run = || {
-        let y = softmax(&x);
+        let y = x.softmax(1);
         dev.sync().unwrap();
         y
     };

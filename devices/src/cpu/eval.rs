@@ -1,9 +1,10 @@
 //! Evaluation of kernel expressions on the CPU, a chunk of elements at a time.
 //!
-//! Every expression node owns a register: a typed vector holding its value for each element of
-//! the current chunk, aligned to 64 bytes. Nodes are evaluated in order, each as one tight loop over the chunk, so
-//! dispatch costs once per node per chunk, not per element, and the loops vectorise. This module
-//! computes; it never decides what to compute and never touches buffers (see `map`).
+//! Every expression node owns a register: a typed vector, aligned to 64 bytes, holding its value
+//! for each element of the current chunk. Nodes are evaluated in order, each as one tight loop
+//! over the chunk, so dispatch costs once per node per chunk, not per element, and the loops
+//! vectorise. This module computes; it never decides what to compute and never touches buffers
+//! (see `map`).
 
 use super::vmath;
 use braid_graph::expr::{Distribution, ExprNode, ExprOp, PrimBinary, PrimCmp, PrimUnary};

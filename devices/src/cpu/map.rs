@@ -171,9 +171,8 @@ fn run_chunks(
         let m = width.min(end - c);
         let next = c + m;
         if next < end {
-            for load in &l.loads {
-                // SAFETY: the view was checked against the argument's length in `run_loop`.
-                unsafe { prefetch(&load.view, args.0[load.arg as usize], next, width.min(end - next)) };
+            for load in l.loads.iter().filter(|load| load.view.is_contiguous()) {
+                prefetch(args.0[load.arg as usize], load.view.offset + next, width.min(end - next));
             }
         }
         for (i, node) in l.expr.nodes.iter().enumerate() {
@@ -200,22 +199,20 @@ fn run_chunks(
     Ok(())
 }
 
-/// Asks the CPU to bring indices `start..start + m` of a contiguous `view` into cache while the
-/// current chunk computes, so that memory latency overlaps with arithmetic (the hardware
-/// prefetcher alone leaves a compute-heavy chunk loop waiting on every new chunk's loads).
-///
-/// # Safety
-/// The view must lie within the argument (see [`check_view`]).
+/// Asks the CPU to bring elements `first..first + n` of `arg` into cache while the current
+/// chunk computes, so that memory latency overlaps with arithmetic (the hardware prefetcher
+/// alone leaves a compute-heavy chunk loop waiting on every new chunk's loads). A hint: it
+/// never faults, whatever the addresses.
 #[inline(always)]
-pub(super) unsafe fn prefetch(view: &View, arg: ArgPtr, start: usize, m: usize) {
+pub(super) fn prefetch(arg: ArgPtr, first: usize, n: usize) {
     #[cfg(target_arch = "x86_64")]
-    if view.is_contiguous() {
+    {
         use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
         let size = arg.dtype.size();
-        // SAFETY: within the argument, as checked by the caller.
-        let first = unsafe { arg.ptr.add((view.offset + start) * size) };
-        for line in (0..m * size).step_by(64) {
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(first.add(line) as *const i8) };
+        let base = arg.ptr.wrapping_add(first * size);
+        for line in (0..n * size).step_by(64) {
+            // SAFETY: prefetching is a hint and never faults.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(line) as *const i8) };
         }
     }
 }

@@ -150,33 +150,6 @@ impl Acc {
         }
     }
 
-    /// Folds `v[..m]` (flat row positions `c..`) in, compiled for each vector level: it is
-    /// called from a closure, and closures do not inherit their caller's target features.
-    pub(super) fn add(&mut self, v: &Reg, c: usize, m: usize, inner: usize) {
-        let acc = self;
-        dispatch_simd!(acc_add(acc: &mut Acc, v: &Reg, c: usize, m: usize, inner: usize) -> ())
-    }
-}
-
-#[inline(always)]
-fn acc_add(acc: &mut Acc, v: &Reg, c: usize, m: usize, inner: usize) {
-    acc.add_impl(v, c, m, inner)
-}
-
-impl Acc {
-    #[inline(always)]
-    fn add_impl(&mut self, v: &Reg, c: usize, m: usize, inner: usize) {
-        let (op, idx) = (self.op, &mut self.idx);
-        match (&mut self.vals, v) {
-            (Reg::F32(a), Reg::F32(v)) => fold_float(op, a, idx, &v[..m], c, inner, f32::is_nan),
-            (Reg::F64(a), Reg::F64(v)) => fold_float(op, a, idx, &v[..m], c, inner, f64::is_nan),
-            (Reg::I32(a), Reg::I32(v)) => fold_int(op, a, idx, &v[..m], c, inner, i32::wrapping_add),
-            (Reg::I64(a), Reg::I64(v)) => fold_int(op, a, idx, &v[..m], c, inner, i64::wrapping_add),
-            (Reg::U8(a), Reg::U8(v)) => fold_int(op, a, idx, &v[..m], c, inner, u8::wrapping_add),
-            _ => unreachable!("the accumulator has the operand's type"),
-        }
-    }
-
     /// Writes the results into the reduction node's per-row register.
     pub(super) fn finish(&self, len: usize, out: &mut Reg) {
         match (self.op, &self.vals, out) {
@@ -194,5 +167,26 @@ impl Acc {
             (_, Reg::U8(v), Reg::U8(o)) => o.copy_from_slice(v),
             _ => unreachable!("a reduction's register has its result type"),
         }
+    }
+
+    /// Folds `v[..m]` (flat row positions `c..`) in, compiled for each vector level: it is
+    /// called from a closure, and closures do not inherit their caller's target features.
+    pub(super) fn add(&mut self, v: &Reg, c: usize, m: usize, inner: usize) {
+        let acc = self;
+        dispatch_simd!(acc_add(acc: &mut Acc, v: &Reg, c: usize, m: usize, inner: usize) -> ())
+    }
+}
+
+/// The body of [`Acc::add`].
+#[inline(always)]
+fn acc_add(acc: &mut Acc, v: &Reg, c: usize, m: usize, inner: usize) {
+    let (op, idx) = (acc.op, &mut acc.idx);
+    match (&mut acc.vals, v) {
+        (Reg::F32(a), Reg::F32(v)) => fold_float(op, a, idx, &v[..m], c, inner, f32::is_nan),
+        (Reg::F64(a), Reg::F64(v)) => fold_float(op, a, idx, &v[..m], c, inner, f64::is_nan),
+        (Reg::I32(a), Reg::I32(v)) => fold_int(op, a, idx, &v[..m], c, inner, i32::wrapping_add),
+        (Reg::I64(a), Reg::I64(v)) => fold_int(op, a, idx, &v[..m], c, inner, i64::wrapping_add),
+        (Reg::U8(a), Reg::U8(v)) => fold_int(op, a, idx, &v[..m], c, inner, u8::wrapping_add),
+        _ => unreachable!("the accumulator has the operand's type"),
     }
 }

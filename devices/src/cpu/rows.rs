@@ -297,11 +297,9 @@ fn run_range_impl(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: us
             if let (Some(view), ExprOp::Load(slot)) = (view, n.op) {
                 let load = &k.loads[slot as usize];
                 view.offset = row_offset(&load.view, k.axis, o, &p.outer_dims);
-                if o + 1 < to {
+                if o + 1 < to && view.is_contiguous() {
                     // Bring the next row's loads into cache while this row computes.
-                    let next = View { offset: row_offset(&load.view, k.axis, o + 1, &p.outer_dims), ..view.clone() };
-                    // SAFETY: checked by `check_io`.
-                    unsafe { prefetch(&next, args.0[load.arg as usize], 0, row) };
+                    prefetch(args.0[load.arg as usize], row_offset(&load.view, k.axis, o + 1, &p.outer_dims), row);
                 }
             }
         }
