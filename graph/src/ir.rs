@@ -126,18 +126,35 @@ impl<V> Graph<V> {
         self.g.node_count() == 0
     }
 
+    /// An upper bound of every node index in use (for tables indexed by node).
+    pub fn node_bound(&self) -> usize {
+        petgraph::visit::NodeIndexable::node_bound(&self.g)
+    }
+
     /// The data inputs of `id`, in slot order.
     pub fn inputs(&self, id: NodeId) -> SmallVec<[NodeId; 4]> {
-        let mut v: SmallVec<[(u16, NodeId); 4]> = self
-            .g
-            .edges_directed(id, Direction::Incoming)
-            .filter_map(|e| match *e.weight() {
-                Edge::Data(slot) => Some((slot, e.source())),
-                Edge::Control => None,
-            })
-            .collect();
-        v.sort_unstable_by_key(|&(slot, _)| slot);
-        v.into_iter().map(|(_, n)| n).collect()
+        self.in_edges(id).0
+    }
+
+    /// The data inputs of `id` in slot order, and its control predecessors, in one pass over
+    /// its incoming edges.
+    pub fn in_edges(&self, id: NodeId) -> (SmallVec<[NodeId; 4]>, SmallVec<[NodeId; 2]>) {
+        let mut data: SmallVec<[NodeId; 4]> = SmallVec::new();
+        let mut control = SmallVec::new();
+        for e in self.g.edges_directed(id, Direction::Incoming) {
+            match *e.weight() {
+                Edge::Data(slot) => {
+                    // Slots are 0..n, each once, so every placeholder is overwritten.
+                    let slot = slot as usize;
+                    if data.len() <= slot {
+                        data.resize(slot + 1, NodeId::end());
+                    }
+                    data[slot] = e.source();
+                }
+                Edge::Control => control.push(e.source()),
+            }
+        }
+        (data, control)
     }
 
     /// Nodes that must run before `id` without reading it (control predecessors).

@@ -2,22 +2,25 @@
 //! keyed by the structure of the flushed subgraph, and lowered kernels interned by their IR.
 //!
 //! The structural key covers what the plan depends on: every node's op (with its constants),
-//! dtype, shape, stream, inputs, control edges and whether it is kept or hinted for offload; the externals'
-//! dtypes, shapes, streams and whether they are donated; whether fusion is on and the device's memory budget. Data never
-//! enters the key, so the second and later iterations of a training loop skip fusion, planning,
-//! validation and lowering. (A graph with `rand`/`randn` carries fresh seeds each time and is
-//! planned anew.) The key is 128 bits from two independent hashers; entries are evicted oldest
-//! first beyond a fixed count.
+//! dtype, shape, stream, inputs, control edges and whether it is kept, hinted for offload or a
+//! parameter; the externals' dtypes, shapes, streams and whether they are donated; whether
+//! fusion is on and the device's memory budget. Data never enters the key, so the second and
+//! later iterations of a training loop skip fusion, planning, validation and lowering. (A graph
+//! with `rand`/`randn` carries fresh seeds each time and is planned anew.) The key is that
+//! structure written out as bytes and compared whole, so two different graphs never share a
+//! plan; plans are evicted oldest first beyond a count and a total key size.
 
 use braid_graph::FlushGraph;
 use braid_lowering::Kernel;
 use braid_scheduler::Schedule;
 use hashbrown::HashMap;
 use std::collections::VecDeque;
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 const MAX_PLANS: usize = 512;
+/// Total bytes of the keys kept (a 10,000-node graph has a key of about 300 KB).
+const MAX_KEY_BYTES: usize = 64 << 20;
 const MAX_KERNELS: usize = 4096;
 
 /// A validated schedule and its kernels, ready to run again.
@@ -26,13 +29,14 @@ pub(crate) struct Plan {
     pub(crate) kernels: Arc<[Arc<Kernel>]>,
 }
 
-pub(crate) type Key = (u64, u64);
+/// The structure of a flush graph, written out.
+pub(crate) type Key = Arc<[u8]>;
 
 #[derive(Default)]
 pub(crate) struct PlanCache {
-    hashers: (hashbrown::DefaultHashBuilder, hashbrown::DefaultHashBuilder),
     plans: HashMap<Key, Arc<Plan>>,
     order: VecDeque<Key>,
+    key_bytes: usize,
     kernels: HashMap<Arc<Kernel>, ()>,
     pub(crate) hits: u64,
     pub(crate) misses: u64,
@@ -40,47 +44,33 @@ pub(crate) struct PlanCache {
 
 impl PlanCache {
     /// The structural key of a flush graph.
-    pub(crate) fn key(&self, graph: &FlushGraph, fusion: bool, budget: Option<u64>) -> Key {
-        let (mut a, mut b) = (self.hashers.0.build_hasher(), self.hashers.1.build_hasher());
-        let mut both = |f: &dyn Fn(&mut dyn Hasher)| {
-            f(&mut a);
-            f(&mut b);
-        };
-        both(&|h| {
-            fusion.hash(&mut HashTo(h));
-            budget.hash(&mut HashTo(h));
-            graph.nodes.len().hash(&mut HashTo(h));
-            graph.externals.len().hash(&mut HashTo(h));
-        });
+    pub(crate) fn key(graph: &FlushGraph, fusion: bool, budget: Option<u64>) -> Key {
+        let mut w = KeyWriter(Vec::with_capacity(64 + 48 * graph.nodes.len() + 24 * graph.externals.len()));
+        fusion.hash(&mut w);
+        budget.hash(&mut w);
+        graph.nodes.len().hash(&mut w);
+        graph.externals.len().hash(&mut w);
         for n in &graph.nodes {
-            both(&|h| {
-                let mut h = HashTo(h);
-                n.op.hash(&mut h);
-                n.dtype.hash(&mut h);
-                n.shape.hash(&mut h);
-                n.device.hash(&mut h);
-                n.stream.hash(&mut h);
-                n.inputs.hash(&mut h);
-                n.after.hash(&mut h);
-                n.keep.hash(&mut h);
-                n.offload_hint.hash(&mut h);
-                n.persistent.hash(&mut h);
-            });
+            n.op.hash(&mut w);
+            n.dtype.hash(&mut w);
+            n.shape.hash(&mut w);
+            n.device.hash(&mut w);
+            n.stream.hash(&mut w);
+            n.inputs.hash(&mut w);
+            n.after.hash(&mut w);
+            (n.keep, n.offload_hint, n.persistent).hash(&mut w);
         }
         for e in &graph.externals {
-            both(&|h| {
-                let mut h = HashTo(h);
-                e.dtype.hash(&mut h);
-                e.shape.hash(&mut h);
-                e.stream.hash(&mut h);
-                e.donated.hash(&mut h);
-            });
+            e.dtype.hash(&mut w);
+            e.shape.hash(&mut w);
+            e.stream.hash(&mut w);
+            e.donated.hash(&mut w);
         }
-        (a.finish(), b.finish())
+        w.0.into()
     }
 
-    pub(crate) fn get(&mut self, key: Key) -> Option<Arc<Plan>> {
-        let hit = self.plans.get(&key).cloned();
+    pub(crate) fn get(&mut self, key: &Key) -> Option<Arc<Plan>> {
+        let hit = self.plans.get(key).cloned();
         if hit.is_some() {
             self.hits += 1
         } else {
@@ -90,11 +80,13 @@ impl PlanCache {
     }
 
     pub(crate) fn insert(&mut self, key: Key, plan: Arc<Plan>) {
-        if self.plans.insert(key, plan).is_none() {
+        if self.plans.insert(key.clone(), plan).is_none() {
+            self.key_bytes += key.len();
             self.order.push_back(key);
         }
-        while self.order.len() > MAX_PLANS {
+        while self.order.len() > MAX_PLANS || (self.key_bytes > MAX_KEY_BYTES && self.order.len() > 1) {
             if let Some(old) = self.order.pop_front() {
+                self.key_bytes -= old.len();
                 self.plans.remove(&old);
             }
         }
@@ -114,26 +106,14 @@ impl PlanCache {
     }
 }
 
-/// Lets `Hash` impls write into a `dyn Hasher`.
-struct HashTo<'a>(&'a mut dyn Hasher);
+/// Writes what `Hash` impls feed it as bytes (a structural key, not a hash).
+struct KeyWriter(Vec<u8>);
 
-impl Hasher for HashTo<'_> {
+impl Hasher for KeyWriter {
     fn finish(&self) -> u64 {
-        self.0.finish()
+        unreachable!("a key is its bytes")
     }
     fn write(&mut self, bytes: &[u8]) {
-        self.0.write(bytes)
-    }
-    fn write_u8(&mut self, i: u8) {
-        self.0.write_u8(i)
-    }
-    fn write_u32(&mut self, i: u32) {
-        self.0.write_u32(i)
-    }
-    fn write_u64(&mut self, i: u64) {
-        self.0.write_u64(i)
-    }
-    fn write_usize(&mut self, i: usize) {
-        self.0.write_usize(i)
+        self.0.extend_from_slice(bytes)
     }
 }

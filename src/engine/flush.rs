@@ -6,7 +6,7 @@
 //! released. If the device fails, the nodes become pending again (no work is lost) and the
 //! error goes to the reader.
 
-use super::cache::Plan;
+use super::cache::{Plan, PlanCache};
 use super::{State, Ticket, Value, collect, device_error, state};
 use crate::device::{Device, lock};
 use crate::dump::{self, ScheduleDump};
@@ -15,7 +15,6 @@ use braid_devices::{Buffer, Input, Job};
 use braid_graph::{DeviceId, External, FlushGraph, FlushNode, NodeId, Op, ValueRef};
 use braid_lowering::{Kernel, Lowering};
 use braid_scheduler::{HazardKind, KernelId, Schedule};
-use hashbrown::{HashMap, HashSet};
 use smallvec::SmallVec;
 use std::sync::Arc;
 
@@ -44,7 +43,7 @@ pub(crate) fn flush_nodes(targets: &[NodeId]) -> Result<()> {
     let mut lost_target: Option<String> = None;
     loop {
         let mut st = state();
-        let (order, waits, lost) = walk(&st, targets);
+        let (order, waits, lost) = walk(&mut st, targets);
         // Pending work that needs a lost value can never run: it is lost too (its readers get
         // the reason); everything else still runs.
         for (id, reason) in lost {
@@ -120,14 +119,15 @@ pub(crate) fn flush_device(device: Option<DeviceId>) -> Result<()> {
 /// which are left out of the order.
 type Walked = (Vec<NodeId>, Vec<Arc<Ticket>>, Vec<(NodeId, String)>);
 
-fn walk(st: &State, targets: &[NodeId]) -> Walked {
+fn walk(st: &mut State, targets: &[NodeId]) -> Walked {
+    let State { graph, marks, .. } = st;
+    marks.start(graph.node_bound());
     let mut order = Vec::new();
     let mut waits: Vec<Arc<Ticket>> = Vec::new();
-    let mut lost: HashMap<NodeId, String> = HashMap::new();
-    let mut visited: HashSet<NodeId> = HashSet::with_capacity(st.pending.min(1 << 16));
+    let mut lost: Vec<(NodeId, String)> = Vec::new();
     let mut stack: Vec<(NodeId, bool)> = Vec::new();
     for &t in targets {
-        match st.graph.contains(t).then(|| &st.graph.node(t).value) {
+        match graph.contains(t).then(|| &graph.node(t).value) {
             Some(None) => stack.push((t, false)),
             Some(Some(Value::InFlight(ticket))) => waits.push(ticket.clone()),
             _ => {}
@@ -136,85 +136,90 @@ fn walk(st: &State, targets: &[NodeId]) -> Walked {
     while let Some((id, expanded)) = stack.pop() {
         if expanded {
             // Inputs are finished first (post-order), so their lost status is known.
-            let reason = st.graph.predecessors(id).find_map(|p| match &st.graph.node(p).value {
+            let reason = graph.predecessors(id).find_map(|p| match &graph.node(p).value {
                 Some(Value::Lost(r)) => Some(r.clone()),
-                None => lost.get(&p).cloned(),
+                None if marks.get(p) == Some(Marks::LOST) => lost.iter().find(|(l, _)| *l == p).map(|(_, r)| r.clone()),
                 _ => None,
             });
             match reason {
                 Some(r) => {
-                    lost.insert(id, r);
+                    marks.set(id, Marks::LOST);
+                    lost.push((id, r));
                 }
                 None => order.push(id),
             }
             continue;
         }
-        if !visited.insert(id) {
+        if marks.get(id).is_some() {
             continue;
         }
+        marks.set(id, Marks::VISITED);
         stack.push((id, true));
-        for p in st.graph.predecessors(id) {
+        for p in graph.predecessors(id) {
             // Ready values and host data are inputs of the flush; pending ones join it.
-            match &st.graph.node(p).value {
-                None if !visited.contains(&p) => stack.push((p, false)),
+            match &graph.node(p).value {
+                None if marks.get(p).is_none() => stack.push((p, false)),
                 Some(Value::InFlight(t)) if !waits.iter().any(|w| Arc::ptr_eq(w, t)) => waits.push(t.clone()),
                 _ => {}
             }
         }
     }
     // Recording order: a topological order, and each stream's program order.
-    order.sort_unstable_by_key(|&id| st.graph.node(id).seq);
-    (order, waits, lost.into_iter().collect())
+    order.sort_unstable_by_key(|&id| graph.node(id).seq);
+    (order, waits, lost)
 }
 
 /// Builds the flush graph of `order` and marks its nodes in flight.
 fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
-    let index: HashMap<NodeId, usize> = order.iter().enumerate().map(|(i, &id)| (id, i)).collect();
-    let device_id = st.graph.node(order[0]).device;
+    let State { graph: recorded, marks, .. } = st;
+    // Each node's place in the flush graph (the walk's marks, same stamp); nodes the walk
+    // visited outside `order` keep a mark that is no place.
+    for (i, &id) in order.iter().enumerate() {
+        marks.set(id, i as u32);
+    }
+    let device_id = recorded.node(order[0]).device;
+    let device = Device::by_id(device_id);
+    let donate = device.memory_budget().is_some();
     let mut graph = FlushGraph { nodes: Vec::with_capacity(order.len()), externals: Vec::new() };
     let mut externals = Vec::new();
-    let mut external_index: HashMap<NodeId, usize> = HashMap::with_capacity(16);
-    let donate = Device::by_id(device_id).memory_budget().is_some();
     for &id in order {
-        let n = st.graph.node(id);
+        let n = recorded.node(id);
+        let (data, control) = recorded.in_edges(id);
         let mut inputs: SmallVec<[ValueRef; 2]> = SmallVec::new();
-        for p in st.graph.inputs(id) {
-            inputs.push(match index.get(&p) {
-                Some(&i) => ValueRef::Node(i),
-                None => {
-                    let next = external_index.len();
-                    let e = *external_index.entry(p).or_insert(next);
-                    if e == next {
-                        let pn = st.graph.node(p);
-                        externals.push(match &pn.value {
-                            Some(Value::Ready(buffer)) => ExternalData::Device(buffer.clone()),
-                            Some(Value::Host(bytes)) => ExternalData::Host(bytes.clone()),
-                            _ => unreachable!("walk waits for in-flight inputs and takes pending ones"),
-                        });
-                        // Under a budget, a value that no tensor names and that only this flush
-                        // reads is handed to the flush, which frees it after its last reader (host
-                        // data: its upload; the host copy stays in the graph).
-                        let donated = donate
-                            && pn.handles == 0
-                            && pn.device == device_id
-                            && matches!(pn.value, Some(Value::Ready(_) | Value::Host(_)))
-                            && st.graph.successors(p).all(|s| index.contains_key(&s));
-                        graph.externals.push(External {
-                            id: p,
-                            dtype: pn.dtype,
-                            shape: pn.shape.clone(),
-                            device: pn.device,
-                            stream: pn.stream,
-                            donated,
-                            on_host: donated && matches!(pn.value, Some(Value::Host(_))),
-                        });
-                    }
-                    ValueRef::External(e)
-                }
+        for p in data {
+            if let Some(place) = marks.place(p) {
+                inputs.push(place);
+                continue;
+            }
+            let e = graph.externals.len();
+            marks.set(p, Marks::EXTERNAL + e as u32);
+            let pn = recorded.node(p);
+            externals.push(match &pn.value {
+                Some(Value::Ready(buffer)) => ExternalData::Device(buffer.clone()),
+                Some(Value::Host(bytes)) => ExternalData::Host(bytes.clone()),
+                _ => unreachable!("walk waits for in-flight inputs and takes pending ones"),
             });
+            // Under a budget, a value that no tensor names and that only this flush reads is
+            // handed to the flush, which frees it after its last reader (host data: its
+            // upload; the host copy stays in the graph).
+            let donated = donate
+                && pn.handles == 0
+                && pn.device == device_id
+                && matches!(pn.value, Some(Value::Ready(_) | Value::Host(_)))
+                && recorded.successors(p).all(|s| marks.node_place(s).is_some());
+            graph.externals.push(External {
+                id: p,
+                dtype: pn.dtype,
+                shape: pn.shape.clone(),
+                device: pn.device,
+                stream: pn.stream,
+                donated,
+                on_host: donated && matches!(pn.value, Some(Value::Host(_))),
+            });
+            inputs.push(ValueRef::External(e));
         }
-        let after = st.graph.control_inputs(id).filter_map(|p| index.get(&p).copied()).collect();
-        let keep = n.handles > 0 || st.graph.successors(id).any(|s| !index.contains_key(&s));
+        let after = control.into_iter().filter_map(|p| marks.node_place(p)).collect();
+        let keep = n.handles > 0 || recorded.successors(id).any(|s| marks.node_place(s).is_none());
         graph.nodes.push(FlushNode {
             id,
             op: n.op.clone(),
@@ -231,19 +236,71 @@ fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
     }
     let ticket = Arc::new(Ticket::default());
     for &id in order {
-        st.graph.node_mut(id).value = Some(Value::InFlight(ticket.clone()));
+        recorded.node_mut(id).value = Some(Value::InFlight(ticket.clone()));
     }
     // The flush owns donated device buffers now (the graph keeps no clone, so freeing returns
     // memory).
     for e in graph.externals.iter().filter(|e| e.donated) {
-        if matches!(st.graph.node(e.id).value, Some(Value::Ready(_))) {
-            st.graph.node_mut(e.id).value = Some(Value::Lent);
+        if matches!(recorded.node(e.id).value, Some(Value::Ready(_))) {
+            recorded.node_mut(e.id).value = Some(Value::Lent);
         }
     }
     st.pending -= order.len();
     st.flushes += 1;
     debug_assert!(graph.is_topological());
-    Extracted { graph, externals, device: Device::by_id(device_id), ticket, number: st.flushes }
+    Extracted { graph, externals, device, ticket, number: st.flushes }
+}
+
+/// Per-node scratch of the flush being extracted, indexed by node index and valid while its
+/// stamp is current (so starting a walk costs nothing per node): whether the walk visited a
+/// node, and each node's place in the flush graph (a node or an external).
+#[derive(Default)]
+pub(crate) struct Marks {
+    stamp: u32,
+    entries: Vec<(u32, u32)>,
+}
+
+impl Marks {
+    /// Marks at or above this and below `LOST` are external places.
+    const EXTERNAL: u32 = 1 << 31;
+    /// The walk found this node needs a lost value.
+    const LOST: u32 = u32::MAX - 1;
+    /// The walk visited this node (its place is not known yet, or it has none).
+    const VISITED: u32 = u32::MAX;
+
+    /// Forgets every mark, for a graph whose node indices are below `bound`.
+    fn start(&mut self, bound: usize) {
+        self.stamp = self.stamp.wrapping_add(1);
+        if self.stamp == 0 {
+            self.entries.fill((0, 0));
+            self.stamp = 1;
+        }
+        if self.entries.len() < bound {
+            self.entries.resize(bound, (0, 0));
+        }
+    }
+
+    fn get(&self, id: NodeId) -> Option<u32> {
+        self.entries.get(id.index()).filter(|e| e.0 == self.stamp).map(|e| e.1)
+    }
+
+    fn set(&mut self, id: NodeId, mark: u32) {
+        self.entries[id.index()] = (self.stamp, mark);
+    }
+
+    /// The place of `id` in the flush graph, if it has one yet.
+    fn place(&self, id: NodeId) -> Option<ValueRef> {
+        match self.get(id)? {
+            m if m < Self::EXTERNAL => Some(ValueRef::Node(m as usize)),
+            m if m < Self::LOST => Some(ValueRef::External((m - Self::EXTERNAL) as usize)),
+            _ => None,
+        }
+    }
+
+    /// The index of `id` among the flush graph's nodes, if it is one of them.
+    fn node_place(&self, id: NodeId) -> Option<usize> {
+        self.get(id).filter(|&m| m < Self::EXTERNAL).map(|m| m as usize)
+    }
 }
 
 /// Plans and executes an extracted flush, then installs its results. A panic inside (a bug in
@@ -297,8 +354,8 @@ fn run_inner(ex: Extracted, inputs: &mut Vec<ExternalData>) -> Result<()> {
     let hook = lock(&ex.device.0.schedule_hook).clone();
     // A structurally identical flush reuses its validated plan (not with a test hook).
     let budget = ex.device.memory_budget();
-    let key = hook.is_none().then(|| lock(&ex.device.0.plans).key(&graph, fusion_on, budget));
-    let cached = key.and_then(|k| lock(&ex.device.0.plans).get(k));
+    let key = hook.is_none().then(|| PlanCache::key(&graph, fusion_on, budget));
+    let cached = key.as_ref().and_then(|k| lock(&ex.device.0.plans).get(k));
     let (schedule, kernels, checked) = match cached {
         Some(plan) => (plan.schedule.clone(), plan.kernels.clone(), Ok(())),
         None => {
@@ -430,7 +487,7 @@ fn run_inner(ex: Extracted, inputs: &mut Vec<ExternalData>) -> Result<()> {
                 st.graph.node_mut(n.id).value = None;
             }
             st.pending += graph.nodes.len();
-            let ids = graph.nodes.iter().map(|n| n.id).collect();
+            let ids: Vec<NodeId> = graph.nodes.iter().map(|n| n.id).collect();
             collect(&mut st, ids);
             Err(e)
         }
@@ -492,22 +549,22 @@ fn check(schedule: &Schedule, graph: &FlushGraph) -> Result<()> {
 /// Kept values become ready; every other node of the flush leaves the graph; nodes of the
 /// flush no longer need their inputs.
 fn install(st: &mut State, graph: &FlushGraph, outputs: &[(usize, braid_scheduler::BufferId)], buffers: Vec<Buffer>) {
-    let mut candidates: Vec<NodeId> = Vec::new();
-    for n in &graph.nodes {
-        candidates.extend(st.graph.detach_inputs(n.id));
-    }
     for (&(i, _), buffer) in outputs.iter().zip(buffers) {
         st.graph.node_mut(graph.nodes[i].id).value = Some(Value::Ready(buffer));
     }
+    let mut candidates: Vec<NodeId> = Vec::with_capacity(graph.nodes.len());
     for n in &graph.nodes {
-        if n.keep && n.op == Op::Event {
-            st.graph.node_mut(n.id).value = Some(Value::Done);
-        }
-        if !n.keep {
-            st.graph.remove(n.id);
-        } else {
+        if n.keep {
+            if n.op == Op::Event {
+                st.graph.node_mut(n.id).value = Some(Value::Done);
+            }
+            candidates.extend(st.graph.detach_inputs(n.id));
             // Its tensor may have been dropped while it was computed.
             candidates.push(n.id);
+        } else {
+            // Removing the node removes its edges.
+            candidates.extend(st.graph.predecessors(n.id));
+            st.graph.remove(n.id);
         }
     }
     collect(st, candidates);

@@ -73,10 +73,20 @@ pub(crate) struct State {
     seq: u64,
     /// Per stream: events that work recorded on it from now on must wait for.
     waits: HashMap<(DeviceId, StreamId), Vec<Event>>,
+    /// Scratch of the flush being walked and extracted.
+    marks: flush::Marks,
 }
 
-static STATE: LazyLock<Mutex<State>> =
-    LazyLock::new(|| Mutex::new(State { graph: Graph::new(), pending: 0, flushes: 0, seq: 0, waits: HashMap::new() }));
+static STATE: LazyLock<Mutex<State>> = LazyLock::new(|| {
+    Mutex::new(State {
+        graph: Graph::new(),
+        pending: 0,
+        flushes: 0,
+        seq: 0,
+        waits: HashMap::new(),
+        marks: flush::Marks::default(),
+    })
+});
 
 impl State {
     /// Adds a node, stamping its recording order.
@@ -157,7 +167,7 @@ pub(crate) fn record(
         // The handle `add` counted is the tensor's, moved from its old version.
         let old = NodeId::new(cell.swap(id.index() as u32, Ordering::Relaxed) as usize);
         st.graph.node_mut(old).handles -= 1;
-        collect(&mut st, vec![old]);
+        collect(&mut st, [old]);
     }
     let reached = if st.waits.is_empty() { Vec::new() } else { apply_waits(&mut st, id, device.0.id, stream) };
     let limit = MAX_PENDING.load(Ordering::Relaxed);
@@ -268,12 +278,13 @@ pub(crate) fn install_upload(st: &mut State, id: NodeId, buffer: &Buffer) {
 pub(crate) fn release(id: NodeId) {
     let mut st = state();
     st.graph.node_mut(id).handles -= 1;
-    collect(&mut st, vec![id]);
+    collect(&mut st, [id]);
 }
 
 /// Removes every node reachable from `candidates` (towards inputs) that nobody can read any
 /// more: no handle, no dependent node, not in flight. Freed buffers go back to their pool.
-pub(crate) fn collect(st: &mut State, mut candidates: Vec<NodeId>) {
+pub(crate) fn collect(st: &mut State, start: impl IntoIterator<Item = NodeId>) {
+    let mut candidates: smallvec::SmallVec<[NodeId; 16]> = start.into_iter().collect();
     while let Some(id) = candidates.pop() {
         if !st.graph.contains(id) {
             continue;
