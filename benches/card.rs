@@ -1,5 +1,5 @@
 //! The bench card (shared/BENCH.md), CPU part: C1 chain, C2 softmax, C3 mlp_step, C4 tiny_graph (forward, and
-//! forward + backward), C5 mini_gpt, and activation offloading under a memory budget (G5 at CPU
+//! forward + backward, recorded op by op and as a captured `braid::Step`), C5 mini_gpt, and activation offloading under a memory budget (G5 at CPU
 //! scale),
 //! each checked for correctness first, timed as the median of repeated runs after a warm-up, and
 //! shown next to a physical limit (a parallel copy measured in the same run) and a peer (JAX,
@@ -137,18 +137,23 @@ fn tiny_graph(dev: &Device, with_grad: bool) -> (Tensor, Tensor, Tensor) {
         let t = Tensor::from_vec(vec![v], (), dev);
         if with_grad { t.requires_grad() } else { t }
     };
-    let a = s(-4.0);
-    let b = s(2.0);
-    let mut c = &a + &b;
-    let mut d = &a * &b + b.powf(3.0);
+    let (a, b) = (s(-4.0), s(2.0));
+    let g = micrograd(&a, &b);
+    (a, b, g)
+}
+
+/// g of the micrograd example graph over leaves a and b.
+fn micrograd(a: &Tensor, b: &Tensor) -> Tensor {
+    let mut c = a + b;
+    let mut d = a * b + b.powf(3.0);
     c = &c + &(&c + 1.0);
-    c = &c + &(1.0 + &c + (-&a));
-    d = &d + &(&d * 2.0 + (&b + &a).relu());
-    d = &d + &(3.0 * &d + (&b - &a).relu());
+    c = &c + &(1.0 + &c + (-a));
+    d = &d + &(&d * 2.0 + (b + a).relu());
+    d = &d + &(3.0 * &d + (b - a).relu());
     let e = &c - &d;
     let f = e.powf(2.0);
     let g = &f / 2.0;
-    (a, b, &g + &(10.0 / &f))
+    &g + &(10.0 / &f)
 }
 
 fn c4(dev: &Device) -> (f64, String) {
@@ -161,6 +166,37 @@ fn c4(dev: &Device) -> (f64, String) {
     let line = format!(
         "C4 tiny_graph forward (f64 scalars, record + flush + read): {:.2} us per iteration, {kernels} kernel(s); g = {g:.4}",
         t * 1e6
+    );
+    (t, line)
+}
+
+/// C4 forward + backward as a captured step (`braid::Step`): each iteration makes the inputs,
+/// replays the captured plan of both passes, and reads g, dg/da, dg/db.
+fn c4_step(dev: &Device) -> (f64, String) {
+    let step = braid::Step::new(|x: &[Tensor]| {
+        let (a, b) = (x[0].detach().requires_grad(), x[1].detach().requires_grad());
+        let g = micrograd(&a, &b);
+        let grads = g.backward().unwrap();
+        vec![g, grads.get(&a).unwrap(), grads.get(&b).unwrap()]
+    });
+    let run = || {
+        let args = [Tensor::from_vec(vec![-4.0f64], (), dev), Tensor::from_vec(vec![2.0f64], (), dev)];
+        let out = step.call(&args).unwrap();
+        (out[0].item::<f64>().unwrap(), out[1].item::<f64>().unwrap(), out[2].item::<f64>().unwrap())
+    };
+    let (g, da, db) = run();
+    assert!(
+        (g - 24.7041).abs() < 1e-4 && (da - 138.8338).abs() < 1e-4 && (db - 645.5773).abs() < 1e-4,
+        "C4 step: g = {g}, dg/da = {da}, dg/db = {db}"
+    );
+    let t = median(200, 5001, || {
+        std::hint::black_box(run());
+    });
+    let kernels = dev.last_schedule().unwrap().kernel_count();
+    let line = format!(
+        "C4 tiny_graph forward+backward as a captured braid::Step (inputs made, plan replayed, 3 values read): {:.2} us per iteration, {kernels} kernel(s), {} capture(s); target <= 10 us",
+        t * 1e6,
+        step.captures()
     );
     (t, line)
 }
@@ -457,6 +493,7 @@ fn main() {
     if all || which == "c4" {
         println!("{}", c4(&dev).1);
         println!("{}", c4_backward(&dev).1);
+        println!("{}", c4_step(&dev).1);
         peers("c4").iter().for_each(|l| println!("{l}"));
     }
 }

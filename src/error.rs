@@ -44,6 +44,11 @@ pub enum Error {
     /// input cannot run again. Reads of that work report this.
     #[error("a value this read needs was lost: {0}")]
     ValueLost(String),
+    /// A [`crate::Step`] could not be captured: its function does something a replay would
+    /// not repeat (reads a value, reads a tensor that is not an argument, keeps a tensor it
+    /// does not return, records an event). Nothing is kept; the engine stays usable.
+    #[error("step capture: {0}")]
+    Capture(String),
     /// The validator found a hazard in a schedule (a bug in braid); nothing ran.
     #[error("invalid schedule (a bug in braid; nothing ran): {0}")]
     InvalidSchedule(String),

@@ -36,6 +36,7 @@ mod engine;
 mod error;
 pub mod optim;
 pub mod prelude;
+mod step;
 mod stream;
 mod tensor;
 #[doc(hidden)]
@@ -46,6 +47,7 @@ pub use device::{Device, MemoryStats};
 pub use dump::ScheduleDump;
 pub use engine::{DEFAULT_MAX_PENDING, max_pending_nodes, set_max_pending_nodes};
 pub use error::{Error, Result};
+pub use step::Step;
 pub use stream::{Event, Stream};
 pub use tensor::Tensor;
 

@@ -21,7 +21,7 @@ use std::sync::Arc;
 /// An input of a flush that exists before it: on the device already, or host data to upload
 /// (`Taken` once the job has it).
 #[derive(Default)]
-enum ExternalData {
+pub(super) enum ExternalData {
     Device(Buffer),
     Host(Arc<[u8]>),
     #[default]
@@ -29,9 +29,9 @@ enum ExternalData {
 }
 
 /// What one flush took out of the graph.
-struct Extracted {
-    graph: FlushGraph,
-    externals: Vec<ExternalData>,
+pub(super) struct Extracted {
+    pub(super) graph: FlushGraph,
+    pub(super) externals: Vec<ExternalData>,
     device: Device,
     ticket: Arc<Ticket>,
     number: u64,
@@ -40,6 +40,7 @@ struct Extracted {
 /// Computes the pending nodes among `targets` and everything pending they need; waits for
 /// work other threads already started. Returns once the values are ready.
 pub(crate) fn flush_nodes(targets: &[NodeId]) -> Result<()> {
+    super::capture::refuse_while_capturing("a flush or sync")?;
     let mut lost_target: Option<String> = None;
     loop {
         let mut st = state();
@@ -117,9 +118,9 @@ pub(crate) fn flush_device(device: Option<DeviceId>) -> Result<()> {
 /// Pending nodes needed by `targets`, inputs first; tickets of in-flight inputs; and the pending
 /// nodes that need a lost value (directly or through other pending nodes), with the reason,
 /// which are left out of the order.
-type Walked = (Vec<NodeId>, Vec<Arc<Ticket>>, Vec<(NodeId, String)>);
+pub(super) type Walked = (Vec<NodeId>, Vec<Arc<Ticket>>, Vec<(NodeId, String)>);
 
-fn walk(st: &mut State, targets: &[NodeId]) -> Walked {
+pub(super) fn walk(st: &mut State, targets: &[NodeId]) -> Walked {
     let State { graph, marks, .. } = st;
     marks.start(graph.node_bound());
     let mut order = Vec::new();
@@ -170,7 +171,7 @@ fn walk(st: &mut State, targets: &[NodeId]) -> Walked {
 }
 
 /// Builds the flush graph of `order` and marks its nodes in flight.
-fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
+pub(super) fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
     let State { graph: recorded, marks, .. } = st;
     // Each node's place in the flush graph (the walk's marks, same stamp); nodes the walk
     // visited outside `order` keep a mark that is no place.
@@ -303,9 +304,16 @@ impl Marks {
     }
 }
 
+/// What a flush ran: its graph and its plan (a captured step keeps them to run again).
+pub(crate) struct Planned {
+    pub(crate) graph: Arc<FlushGraph>,
+    pub(crate) schedule: Arc<Schedule>,
+    pub(crate) kernels: Arc<[Arc<Kernel>]>,
+}
+
 /// Plans and executes an extracted flush, then installs its results. A panic inside (a bug in
 /// braid) becomes an error and the flush's nodes become pending again, so nothing waits forever.
-fn run(mut ex: Extracted) -> Result<()> {
+pub(super) fn run(mut ex: Extracted) -> Result<Planned> {
     let ids: Vec<NodeId> = ex.graph.nodes.iter().map(|n| n.id).collect();
     let donated: Vec<(usize, NodeId)> =
         ex.graph.externals.iter().enumerate().filter(|(_, e)| e.donated).map(|(i, e)| (i, e.id)).collect();
@@ -341,7 +349,7 @@ fn run(mut ex: Extracted) -> Result<()> {
     }
 }
 
-fn run_inner(ex: Extracted, inputs: &mut Vec<ExternalData>) -> Result<()> {
+fn run_inner(ex: Extracted, inputs: &mut Vec<ExternalData>) -> Result<Planned> {
     let _span =
         tracing::debug_span!(target: "braid::flush", "flush", n = ex.number, nodes = ex.graph.nodes.len()).entered();
     let mut graph = ex.graph;
@@ -386,12 +394,7 @@ fn run_inner(ex: Extracted, inputs: &mut Vec<ExternalData>) -> Result<()> {
             (schedule, kernels, checked)
         }
     };
-    let label = |k: KernelId| {
-        let seg = &schedule.fusion.segments[schedule.kernels[k.index()].segment];
-        let ops: Vec<&str> = seg.nodes.iter().map(|&n| graph.nodes[n].op.name()).collect();
-        let nodes: Vec<String> = seg.nodes.iter().map(|&n| format!("n{}", graph.nodes[n].id.index())).collect();
-        format!("{k} {} [{}]", ops.join("+"), nodes.join(" "))
-    };
+    let label = |k: KernelId| kernel_label(&schedule, &graph, k);
     // Host data goes to the device first; those leaves then keep the device copy.
     let backend = &ex.device.0.backend;
     let poison = ex.device.poison_enabled();
@@ -456,11 +459,7 @@ fn run_inner(ex: Extracted, inputs: &mut Vec<ExternalData>) -> Result<()> {
             result.map_err(|e| device_error(&ex.device, e))
         }
     };
-    let dump = ScheduleDump::live(schedule.clone(), graph.clone(), ex.number, ex.device.name());
-    if let Some(dir) = dump::dir() {
-        dump::write_files(&dir, &dump);
-    }
-    *lock(&ex.device.0.last_schedule) = Some(dump);
+    publish_dump(&ex.device, &schedule, &graph, ex.number);
 
     let mut st = state();
     for (id, buffer) in &uploaded {
@@ -470,7 +469,7 @@ fn run_inner(ex: Extracted, inputs: &mut Vec<ExternalData>) -> Result<()> {
     let result = match result {
         Ok(outputs) => {
             install(&mut st, &graph, &schedule.outputs, outputs);
-            Ok(())
+            Ok(Planned { graph: graph.clone(), schedule: schedule.clone(), kernels: kernels.clone() })
         }
         Err(e) => {
             // Donated inputs go back, unless the flush freed them before failing.
@@ -494,8 +493,26 @@ fn run_inner(ex: Extracted, inputs: &mut Vec<ExternalData>) -> Result<()> {
     };
     drop(st);
     drop(lent);
-    ex.ticket.finish(result.clone());
+    ex.ticket.finish(result.as_ref().map(|_| ()).map_err(Error::clone));
     result
+}
+
+/// Describes kernel `k` for logs and errors: its ops and recorded nodes.
+pub(super) fn kernel_label(schedule: &Schedule, graph: &FlushGraph, k: KernelId) -> String {
+    let seg = &schedule.fusion.segments[schedule.kernels[k.index()].segment];
+    let ops: Vec<&str> = seg.nodes.iter().map(|&n| graph.nodes[n].op.name()).collect();
+    let nodes: Vec<String> = seg.nodes.iter().map(|&n| format!("n{}", graph.nodes[n].id.index())).collect();
+    format!("{k} {} [{}]", ops.join("+"), nodes.join(" "))
+}
+
+/// Makes a schedule that ran the device's last schedule, and writes its files under
+/// `BRAID_DUMP`.
+pub(super) fn publish_dump(device: &Device, schedule: &Arc<Schedule>, graph: &Arc<FlushGraph>, number: u64) {
+    let dump = ScheduleDump::live(schedule.clone(), graph.clone(), number, device.name());
+    if let Some(dir) = dump::dir() {
+        dump::write_files(&dir, &dump);
+    }
+    *lock(&device.0.last_schedule) = Some(dump);
 }
 
 /// Adds offloads to a schedule planned without them: to keep it under the device's memory

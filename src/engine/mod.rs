@@ -10,6 +10,7 @@
 //!   half-updated.
 
 pub(crate) mod cache;
+pub(crate) mod capture;
 mod flush;
 
 pub(crate) use flush::{flush_device, flush_nodes};
@@ -171,7 +172,8 @@ pub(crate) fn record(
     }
     let reached = if st.waits.is_empty() { Vec::new() } else { apply_waits(&mut st, id, device.0.id, stream) };
     let limit = MAX_PENDING.load(Ordering::Relaxed);
-    let over = limit != 0 && st.pending > limit;
+    // Not inside a capture: the step's work must stay pending until its own flush.
+    let over = limit != 0 && st.pending > limit && !capture::capturing();
     drop(st);
     drop(reached);
     if over {
@@ -189,6 +191,15 @@ pub(crate) fn record_host(dtype: DType, shape: Shape, device: &Device, bytes: Ar
     let mut node = Node::new(Op::Input, dtype, shape, device.0.id, stream);
     node.handles = 1;
     node.value = Some(Value::Host(bytes));
+    state().add(node, &[])
+}
+
+/// Records a leaf holding a computed buffer (an output of a captured step's replay).
+pub(crate) fn record_ready(dtype: DType, shape: Shape, device: &Device, buffer: Buffer) -> NodeId {
+    let stream = crate::stream::current_stream(device.0.id);
+    let mut node = Node::new(Op::Input, dtype, shape, device.0.id, stream);
+    node.handles = 1;
+    node.value = Some(Value::Ready(buffer));
     state().add(node, &[])
 }
 
@@ -303,6 +314,7 @@ pub(crate) fn collect(st: &mut State, start: impl IntoIterator<Item = NodeId>) {
 
 /// The value of `id`, computing it first if needed.
 pub(crate) fn materialize(id: impl Fn() -> NodeId) -> Result<Buffer> {
+    capture::refuse_while_capturing("a read")?;
     loop {
         let st = state();
         let node_id = id();

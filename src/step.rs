@@ -1,0 +1,144 @@
+//! [`Step`]: a function of tensors captured once and replayed as one unit, for a loop that runs
+//! the same small graph again and again (a training step on tiny tensors, a serving step).
+
+use crate::device::{Device, lock};
+use crate::engine::capture::{self, Capture};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+use braid_graph::{DType, NodeId, Shape};
+use std::sync::{Arc, Mutex};
+
+/// Signatures kept per step; beyond this the oldest capture is dropped.
+const MAX_CAPTURES: usize = 32;
+
+/// A function of tensors, recorded and planned once per argument signature and then replayed:
+/// each later call with arguments of the same shapes and dtypes binds their values to the kept
+/// plan and runs it, without recording, scheduling or looking up a plan for each op. Use it
+/// when a loop runs the same graph of many tiny ops, where the per-op cost of recording, not
+/// the arithmetic, is the time (like `jax.jit` or a CUDA graph).
+///
+/// The function must be a pure function of its arguments, as the engine sees it:
+/// - it reads only its arguments and tensors it creates itself (constants, `from_vec`);
+/// - it does not read values (`to_vec`, `item`, `sync`) while it is recorded;
+/// - it returns every tensor it makes that should outlive it (no in-place updates of tensors
+///   from outside, no tensors stored elsewhere), and records no user events.
+///
+/// A capture that breaks these rules returns [`Error::Capture`] saying which, and keeps
+/// nothing. The outputs carry no gradient history: a step that trains computes its gradients
+/// inside, with `backward`, and returns them. The plan is the one a flush of the same work
+/// would run (same kernels, same results), planned under the device's memory budget of the
+/// time; a new budget, or arguments of new shapes or dtypes, capture again. Capture a step
+/// while no other thread records work on the same device.
+///
+/// ```
+/// use braid::prelude::*;
+/// use braid::Step;
+///
+/// let cpu = Device::cpu();
+/// // d(x^2 + 3x)/dx, and the value, in one replayed plan.
+/// let step = Step::new(|args: &[Tensor]| {
+///     let x = args[0].detach().requires_grad();
+///     let y = (&x * &x + &x * 3.0).sum();
+///     let dx = y.backward().unwrap().get(&x).unwrap();
+///     vec![y, dx]
+/// });
+/// for v in [1.0f32, 2.0, 3.0] {
+///     let x = Tensor::from_vec(vec![v, -v], [2], &cpu);
+///     let out = step.call(&[x]).unwrap();
+///     assert_eq!(out[0].item::<f32>().unwrap(), 2.0 * v * v);
+///     assert_eq!(out[1].to_vec::<f32>().unwrap(), vec![2.0 * v + 3.0, 3.0 - 2.0 * v]);
+/// }
+/// assert_eq!(step.captures(), 1);
+/// ```
+pub struct Step<F> {
+    f: F,
+    captures: Mutex<Vec<(Signature, Arc<Capture>)>>,
+}
+
+/// What a capture depends on besides the function: the device and its memory budget, and each
+/// argument's dtype, shape and which earlier argument (if any) is the same value.
+#[derive(PartialEq)]
+struct Signature {
+    device: Device,
+    budget: Option<u64>,
+    args: Vec<(DType, Shape, Option<usize>)>,
+}
+
+impl Signature {
+    fn matches(&self, device: &Device, args: &[Tensor], nodes: &[NodeId]) -> bool {
+        self.device == *device
+            && self.budget == device.memory_budget()
+            && self.args.len() == args.len()
+            && self.args.iter().zip(args).enumerate().all(|(i, ((dtype, shape, alias), a))| {
+                *dtype == a.dtype() && shape == a.shape() && *alias == first_alias(nodes, i)
+            })
+    }
+
+    fn of(device: &Device, args: &[Tensor], nodes: &[NodeId]) -> Signature {
+        let args =
+            args.iter().enumerate().map(|(i, a)| (a.dtype(), a.shape().clone(), first_alias(nodes, i))).collect();
+        Signature { device: device.clone(), budget: device.memory_budget(), args }
+    }
+}
+
+/// The first argument before `i` that names the same value as argument `i`: a capture reads
+/// such arguments as one input, so a replay must see the same aliasing.
+fn first_alias(nodes: &[NodeId], i: usize) -> Option<usize> {
+    nodes[..i].iter().position(|&n| n == nodes[i])
+}
+
+impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Step<F> {
+    /// A step that runs `f`. Nothing is recorded until the first [`Step::call`].
+    pub fn new(f: F) -> Step<F> {
+        Step { f, captures: Mutex::new(Vec::new()) }
+    }
+
+    /// Runs the step on `args` (at least one; all on one device): the first call with a new
+    /// signature runs `f` and captures it, later ones replay the capture. Returns the outputs
+    /// of `f`, computed (reading them flushes nothing).
+    ///
+    /// Errors: a capture that breaks the rules above ([`Error::Capture`]), and the run-time
+    /// failures a flush of the same work could have. The engine stays usable after any of them.
+    pub fn call(&self, args: &[Tensor]) -> Result<Vec<Tensor>> {
+        let Some(device) = args.first().map(|a| a.device().clone()) else {
+            return Err(Error::Capture("a step needs at least one argument (it gives the device)".into()));
+        };
+        if let Some(a) = args.iter().find(|a| *a.device() != device) {
+            return Err(Error::Capture(format!(
+                "the arguments are on different devices ({device} and {})",
+                a.device()
+            )));
+        }
+        let nodes: Vec<NodeId> = args.iter().map(Tensor::node).collect();
+        let found = lock(&self.captures).iter().find(|(s, _)| s.matches(&device, args, &nodes)).map(|(_, c)| c.clone());
+        if let Some(c) = found {
+            return capture::replay(&c, args);
+        }
+        let signature = Signature::of(&device, args, &nodes);
+        let (c, outputs) = capture::capture(&device, args, || (self.f)(args))?;
+        let mut captures = lock(&self.captures);
+        if captures.len() >= MAX_CAPTURES {
+            captures.remove(0);
+        }
+        captures.push((signature, Arc::new(c)));
+        Ok(outputs)
+    }
+
+    /// How many signatures are captured.
+    pub fn captures(&self) -> usize {
+        lock(&self.captures).len()
+    }
+
+    /// Kernels a replay with these arguments' signature runs (`None` before it is captured).
+    pub fn kernel_count(&self, args: &[Tensor]) -> Option<usize> {
+        let device = args.first()?.device().clone();
+        let nodes: Vec<NodeId> = args.iter().map(Tensor::node).collect();
+        lock(&self.captures).iter().find(|(s, _)| s.matches(&device, args, &nodes)).map(|(_, c)| c.kernel_count())
+    }
+}
+
+impl<F> std::fmt::Debug for Step<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Step({} captured)", lock(&self.captures).len())
+    }
+}

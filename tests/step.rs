@@ -1,0 +1,308 @@
+//! `braid::Step`: a captured function replays with new arguments and gives exactly what running
+//! it eagerly gives (which is checked against the reference interpreter); captures that a
+//! replay could not honour are refused with `Error::Capture`, and the engine stays usable.
+
+mod common;
+
+use braid::prelude::*;
+use braid::{Step, Stream};
+use common::{Rng, check_recorded};
+
+/// The micrograd example graph (BENCH.md C4).
+fn micrograd(a: &Tensor, b: &Tensor) -> Tensor {
+    let mut c = a + b;
+    let mut d = a * b + b.powf(3.0);
+    c = &c + &(&c + 1.0);
+    c = &c + &(1.0 + &c + (-a));
+    d = &d + &(&d * 2.0 + (b + a).relu());
+    d = &d + &(3.0 * &d + (b - a).relu());
+    let e = &c - &d;
+    let f = e.powf(2.0);
+    let g = &f / 2.0;
+    &g + &(10.0 / &f)
+}
+
+/// Forward and backward of the micrograd graph: g, dg/da, dg/db.
+fn micrograd_step(x: &[Tensor]) -> Vec<Tensor> {
+    let (a, b) = (x[0].detach().requires_grad(), x[1].detach().requires_grad());
+    let g = micrograd(&a, &b);
+    let grads = g.backward().unwrap();
+    vec![g, grads.get(&a).unwrap(), grads.get(&b).unwrap()]
+}
+
+fn bits(t: &Tensor) -> Vec<u64> {
+    match t.dtype() {
+        DType::F64 => t.to_vec::<f64>().unwrap().iter().map(|v| v.to_bits()).collect(),
+        DType::F32 => t.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits() as u64).collect(),
+        other => panic!("unexpected dtype {other}"),
+    }
+}
+
+#[test]
+fn micrograd_forward_and_backward_replays_with_the_known_values() {
+    let dev = Device::new_cpu();
+    let step = Step::new(micrograd_step);
+    for _ in 0..3 {
+        let a = Tensor::from_vec(vec![-4.0f64], (), &dev);
+        let b = Tensor::from_vec(vec![2.0f64], (), &dev);
+        let out = step.call(&[a, b]).unwrap();
+        let v: Vec<f64> = out.iter().map(|t| t.item::<f64>().unwrap()).collect();
+        assert!((v[0] - 24.7041).abs() < 1e-4 && (v[1] - 138.8338).abs() < 1e-4 && (v[2] - 645.5773).abs() < 1e-4);
+        assert!(out.iter().all(|t| !t.needs_grad()));
+    }
+    assert_eq!(step.captures(), 1);
+    let args = [Tensor::from_vec(vec![1.0f64], (), &dev), Tensor::from_vec(vec![1.0f64], (), &dev)];
+    if dev.fusion_enabled() {
+        assert_eq!(step.kernel_count(&args), Some(1), "the whole step is one fused kernel");
+    }
+}
+
+#[test]
+fn replays_equal_eager_runs_on_random_arguments() {
+    let dev = Device::new_cpu();
+    let step = Step::new(micrograd_step);
+    let mut rng = Rng::new(7);
+    for _ in 0..20 {
+        // Away from the relu kinks and from f = 0.
+        let (a, b) = (rng.uniform(-3.0, 3.0), rng.uniform(0.5, 2.5));
+        let args = [Tensor::from_vec(vec![a], (), &dev), Tensor::from_vec(vec![b], (), &dev)];
+        let replayed = step.call(&args).unwrap();
+        let eager = micrograd_step(&args);
+        let refs: Vec<&Tensor> = eager.iter().collect();
+        check_recorded(&refs).unwrap();
+        for (r, e) in replayed.iter().zip(&eager) {
+            assert_eq!(bits(r), bits(e), "a = {a}, b = {b}");
+        }
+    }
+}
+
+/// One instruction of a random program over `[rows, cols]` f32 values.
+#[derive(Clone, Debug)]
+enum Instr {
+    Unary(usize, usize),
+    Binary(usize, usize, usize),
+    Scalar(usize, usize, f64),
+    /// Row max or sum kept as `[rows, 1]`, then combined with the input (broadcast).
+    RowReduce(usize, bool),
+    /// Times the `[cols, cols]` argument.
+    Matmul(usize),
+}
+
+fn random_program(rng: &mut Rng, len: usize) -> Vec<(Instr, bool)> {
+    let mut n = 2; // the first two values are the [rows, cols] arguments
+    (0..len)
+        .map(|_| {
+            let i = rng.below(n);
+            let instr = match rng.below(5) {
+                0 => Instr::Unary(rng.below(5), i),
+                1 => Instr::Binary(rng.below(4), i, rng.below(n)),
+                2 => Instr::Scalar(rng.below(3), i, rng.uniform(-2.0, 2.0)),
+                3 => Instr::RowReduce(i, rng.chance(0.5)),
+                _ => Instr::Matmul(i),
+            };
+            n += 1;
+            // Some work goes to a second stream.
+            (instr, rng.chance(0.3))
+        })
+        .collect()
+}
+
+fn run_program(program: &[(Instr, bool)], args: &[Tensor], side: &Stream, grad: bool) -> Vec<Tensor> {
+    let x = if grad { args[0].detach().requires_grad() } else { args[0].clone() };
+    let mut vals = vec![x.clone(), args[1].clone()];
+    for (instr, on_side) in program {
+        let apply = || match *instr {
+            Instr::Unary(k, i) => {
+                let v = &vals[i];
+                [v.tanh(), v.sigmoid(), v.relu(), v.neg(), v.sin()][k].clone()
+            }
+            Instr::Binary(k, i, j) => {
+                let (a, b) = (&vals[i], &vals[j]);
+                [a + b, a - b, a * b, a.maximum(b)][k].clone()
+            }
+            Instr::Scalar(k, i, s) => [&vals[i] * s, &vals[i] + s, s - &vals[i]][k].clone(),
+            Instr::RowReduce(i, max) => {
+                let v = &vals[i];
+                let r = if max { v.max_dim(1, true) } else { v.sum_dim(1, true) * 0.25 };
+                v - &r
+            }
+            Instr::Matmul(i) => vals[i].matmul(&args[2]).tanh(),
+        };
+        let v = if *on_side { side.scope(apply) } else { apply() };
+        vals.push(v);
+    }
+    let last = vals.last().unwrap().clone();
+    let mut outs = vec![last.clone(), vals[vals.len() / 2].clone()];
+    if grad {
+        // The loss always depends on x, whatever the program reads.
+        let loss = (&last * &last).mean() + (&x * &x).sum() * 0.01;
+        outs.push(loss.backward().unwrap().get(&x).unwrap());
+    }
+    outs
+}
+
+fn random_args(rng: &mut Rng, dev: &Device, rows: usize, cols: usize) -> Vec<Tensor> {
+    let mut t = |shape: [usize; 2]| {
+        let v: Vec<f32> = (0..shape[0] * shape[1]).map(|_| rng.uniform(-1.5, 1.5) as f32).collect();
+        Tensor::from_vec(v, shape, dev)
+    };
+    vec![t([rows, cols]), t([rows, cols]), t([cols, cols])]
+}
+
+#[test]
+fn random_programs_replay_like_eager_runs_across_streams_and_budgets() {
+    let mut offloads = 0;
+    for seed in 0..24u64 {
+        let dev = Device::new_cpu();
+        let side = dev.new_stream();
+        let mut rng = Rng::new(1000 + seed);
+        let len = 3 + rng.below(10);
+        let program = random_program(&mut rng, len);
+        let grad = rng.chance(0.5);
+        let (rows, cols) = (1 + rng.below(6), 1 + rng.below(9));
+        let step = Step::new(|args: &[Tensor]| run_program(&program, args, &side, grad));
+        for call in 0..3 {
+            // Every other program runs under a budget of 60% of its planned peak from its
+            // second call on (a new budget captures again).
+            if seed % 2 == 1 && call == 1 {
+                let peak = dev.last_schedule().unwrap().dump().planned_peak_bytes;
+                dev.set_memory_budget(Some(peak * 6 / 10));
+            }
+            let args = random_args(&mut rng, &dev, rows, cols);
+            let replayed = match step.call(&args) {
+                Ok(r) => r,
+                // A budget below what offloading can reach is reported, as a flush reports it;
+                // the lowest reachable peak it names is then the budget.
+                Err(Error::MemoryBudget { min_peak, .. }) => {
+                    dev.set_memory_budget(Some(min_peak));
+                    step.call(&args).unwrap_or_else(|e| panic!("seed {seed}: {e}\n{program:?}"))
+                }
+                Err(e) => panic!("seed {seed}: {e}\n{program:?}"),
+            };
+            offloads += dev.last_schedule().unwrap().dump().offloads.len();
+            let eager = run_program(&program, &args, &side, grad);
+            let refs: Vec<&Tensor> = eager.iter().collect();
+            check_recorded(&refs).unwrap_or_else(|e| panic!("seed {seed}: {e}\n{program:?}"));
+            for (r, e) in replayed.iter().zip(&eager) {
+                assert_eq!(bits(r), bits(e), "seed {seed}, call {call}: {program:?}");
+            }
+        }
+        assert!(step.captures() >= 1);
+    }
+    assert!(offloads > 0, "no budget made a step offload");
+}
+
+#[test]
+fn new_shapes_and_aliased_arguments_capture_again() {
+    let dev = Device::new_cpu();
+    let step = Step::new(|a: &[Tensor]| vec![&a[0] * &a[1] + 1.0]);
+    let x = Tensor::from_vec(vec![1.0f32, 2.0], [2], &dev);
+    let y = Tensor::from_vec(vec![3.0f32, 4.0], [2], &dev);
+    assert_eq!(step.call(&[x.clone(), x.clone()]).unwrap()[0].to_vec::<f32>().unwrap(), vec![2.0, 5.0]);
+    // The same shapes, but two different values: not the aliased capture.
+    assert_eq!(step.call(&[x.clone(), y.clone()]).unwrap()[0].to_vec::<f32>().unwrap(), vec![4.0, 9.0]);
+    assert_eq!(step.captures(), 2);
+    let z = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], [3], &dev);
+    assert_eq!(step.call(&[z.clone(), z]).unwrap()[0].to_vec::<f32>().unwrap(), vec![2.0, 5.0, 10.0]);
+    assert_eq!(step.captures(), 3);
+    assert_eq!(step.call(&[y, x]).unwrap()[0].to_vec::<f32>().unwrap(), vec![4.0, 9.0]);
+    assert_eq!(step.captures(), 3);
+}
+
+#[test]
+fn outputs_that_need_no_work_are_returned_as_they_are() {
+    let dev = Device::new_cpu();
+    let step = Step::new(|a: &[Tensor]| vec![a[0].clone(), Tensor::from_vec(vec![7i32], [1], a[0].device())]);
+    for v in [1.0f32, 2.0] {
+        let out = step.call(&[Tensor::from_vec(vec![v], [1], &dev)]).unwrap();
+        assert_eq!(out[0].to_vec::<f32>().unwrap(), vec![v]);
+        assert_eq!(out[1].to_vec::<i32>().unwrap(), vec![7]);
+    }
+    // Host data created inside and read by the work is uploaded at each replay.
+    let step = Step::new(|a: &[Tensor]| vec![&a[0] * &Tensor::from_vec(vec![2.0f32, 3.0], [2], a[0].device())]);
+    for v in [1.0f32, -1.0] {
+        let out = step.call(&[Tensor::from_vec(vec![v, v], [2], &dev)]).unwrap();
+        assert_eq!(out[0].to_vec::<f32>().unwrap(), vec![2.0 * v, 3.0 * v]);
+    }
+}
+
+fn capture_error(r: Result<Vec<Tensor>>) -> String {
+    match r {
+        Err(Error::Capture(why)) => why,
+        Err(e) => panic!("expected a capture error, got {e}"),
+        Ok(_) => panic!("expected a capture error, got outputs"),
+    }
+}
+
+#[test]
+fn captures_a_replay_could_not_honour_are_refused_and_the_engine_stays_usable() {
+    let dev = Device::new_cpu();
+    let x = Tensor::from_vec(vec![1.0f32, 2.0], [2], &dev);
+    let w = Tensor::from_vec(vec![3.0f32, 4.0], [2], &dev);
+
+    // Reading a value while captured (even if the function ignores the error).
+    let reads = Step::new(|a: &[Tensor]| {
+        let _ = a[0].to_vec::<f32>();
+        vec![&a[0] * 2.0]
+    });
+    assert!(capture_error(reads.call(std::slice::from_ref(&x))).contains("a read"));
+    let syncs = Step::new(|a: &[Tensor]| {
+        let _ = a[0].device().sync();
+        vec![&a[0] * 2.0]
+    });
+    assert!(capture_error(syncs.call(std::slice::from_ref(&x))).contains("sync"));
+
+    // A tensor that is not an argument (a replay would reuse its old value).
+    let closes_over = Step::new(|a: &[Tensor]| vec![&a[0] * &w]);
+    assert!(capture_error(closes_over.call(std::slice::from_ref(&x))).contains("not one of its arguments"));
+    let pending = &w + 1.0;
+    let closes_over_pending = Step::new(|a: &[Tensor]| vec![&a[0] * &pending]);
+    assert!(capture_error(closes_over_pending.call(std::slice::from_ref(&x))).contains("recorded before it"));
+
+    // An in-place update of an argument (a replay would not update it).
+    let updates = Step::new(|a: &[Tensor]| {
+        a[0].add_assign(&(&a[0] * 2.0));
+        vec![&a[0] + 1.0]
+    });
+    let u = Tensor::from_vec(vec![1.0f32, 2.0], [2], &dev);
+    assert!(capture_error(updates.call(std::slice::from_ref(&u))).contains("does not return"));
+
+    // Calls that do not name a device.
+    let empty = Step::new(|_: &[Tensor]| Vec::new());
+    assert!(capture_error(empty.call(&[])).contains("at least one argument"));
+
+    // Nothing was kept, and the engine computes as before.
+    assert_eq!(reads.captures() + closes_over.captures() + updates.captures(), 0);
+    assert_eq!((&x * &w).to_vec::<f32>().unwrap(), vec![3.0, 8.0]);
+    assert_eq!(pending.to_vec::<f32>().unwrap(), vec![4.0, 5.0]);
+    assert_eq!(u.to_vec::<f32>().unwrap(), vec![3.0, 6.0]);
+    let ok = Step::new(|a: &[Tensor]| vec![&a[0] * &a[1]]);
+    assert_eq!(ok.call(&[x, w]).unwrap()[0].to_vec::<f32>().unwrap(), vec![3.0, 8.0]);
+}
+
+#[test]
+fn a_failed_replay_is_an_error_and_the_next_one_runs() {
+    let dev = Device::new_cpu();
+    let step = Step::new(|a: &[Tensor]| vec![(&a[0] * 3.0).exp().sum()]);
+    let x = Tensor::from_vec(vec![0.0f32, 0.0], [2], &dev);
+    assert_eq!(step.call(std::slice::from_ref(&x)).unwrap()[0].item::<f32>().unwrap(), 2.0);
+    braid::testing::fail_next_flush_at(&dev, 0);
+    assert!(matches!(step.call(std::slice::from_ref(&x)), Err(Error::Device { .. })));
+    assert_eq!(step.call(std::slice::from_ref(&x)).unwrap()[0].item::<f32>().unwrap(), 2.0);
+}
+
+#[test]
+fn replays_hold_no_memory_once_their_outputs_are_dropped() {
+    let dev = Device::new_cpu();
+    let step = Step::new(|a: &[Tensor]| vec![(&a[0] * 2.0).tanh() + &a[0]]);
+    let x = Tensor::rand([64, 64], -1.0, 1.0, DType::F32, &dev);
+    drop(step.call(std::slice::from_ref(&x)).unwrap());
+    let before = dev.memory().in_use;
+    for _ in 0..10 {
+        let out = step.call(std::slice::from_ref(&x)).unwrap();
+        assert_eq!(out[0].dims(), &[64, 64]);
+    }
+    assert_eq!(dev.memory().in_use, before);
+    // The dump of a replay is the captured schedule.
+    assert_eq!(Some(dev.last_schedule().unwrap().kernel_count()), step.kernel_count(std::slice::from_ref(&x)));
+}
