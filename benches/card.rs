@@ -8,8 +8,12 @@
 //!
 //! Run: `cargo bench --bench card` (or `cargo bench --bench card -- c1` for one workload).
 
+#[path = "../examples/common/micrograd.rs"]
+mod micrograd;
 #[path = "../examples/common/mini_gpt.rs"]
 mod mini_gpt;
+
+use micrograd::micrograd;
 
 use braid::prelude::*;
 use rayon::prelude::*;
@@ -140,20 +144,6 @@ fn tiny_graph(dev: &Device, with_grad: bool) -> (Tensor, Tensor, Tensor) {
     let (a, b) = (s(-4.0), s(2.0));
     let g = micrograd(&a, &b);
     (a, b, g)
-}
-
-/// g of the micrograd example graph over leaves a and b.
-fn micrograd(a: &Tensor, b: &Tensor) -> Tensor {
-    let mut c = a + b;
-    let mut d = a * b + b.powf(3.0);
-    c = &c + &(&c + 1.0);
-    c = &c + &(1.0 + &c + (-a));
-    d = &d + &(&d * 2.0 + (b + a).relu());
-    d = &d + &(3.0 * &d + (b - a).relu());
-    let e = &c - &d;
-    let f = e.powf(2.0);
-    let g = &f / 2.0;
-    &g + &(10.0 / &f)
 }
 
 fn c4(dev: &Device) -> (f64, String) {

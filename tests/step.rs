@@ -3,24 +3,14 @@
 //! replay could not honour are refused with `Error::Capture`, and the engine stays usable.
 
 mod common;
+#[path = "../examples/common/micrograd.rs"]
+mod micrograd;
+
+use micrograd::micrograd;
 
 use braid::prelude::*;
 use braid::{Step, Stream};
 use common::{Rng, check_recorded};
-
-/// The micrograd example graph (BENCH.md C4).
-fn micrograd(a: &Tensor, b: &Tensor) -> Tensor {
-    let mut c = a + b;
-    let mut d = a * b + b.powf(3.0);
-    c = &c + &(&c + 1.0);
-    c = &c + &(1.0 + &c + (-a));
-    d = &d + &(&d * 2.0 + (b + a).relu());
-    d = &d + &(3.0 * &d + (b - a).relu());
-    let e = &c - &d;
-    let f = e.powf(2.0);
-    let g = &f / 2.0;
-    &g + &(10.0 / &f)
-}
 
 /// Forward and backward of the micrograd graph: g, dg/da, dg/db.
 fn micrograd_step(x: &[Tensor]) -> Vec<Tensor> {
