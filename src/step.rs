@@ -109,11 +109,10 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Step<F> {
                 a.device()
             )));
         }
-        let nodes: Vec<NodeId> = args.iter().map(Tensor::node).collect();
-        let found = lock(&self.captures).iter().find(|(s, _)| s.matches(&device, args, &nodes)).map(|(_, c)| c.clone());
-        if let Some(c) = found {
+        if let Some(c) = self.find(&device, args) {
             return capture::replay(&c, args);
         }
+        let nodes: Vec<NodeId> = args.iter().map(Tensor::node).collect();
         let signature = Signature::of(&device, args, &nodes);
         let (c, outputs) = capture::capture(&device, args, || (self.f)(args))?;
         let mut captures = lock(&self.captures);
@@ -131,9 +130,13 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Step<F> {
 
     /// Kernels a replay with these arguments' signature runs (`None` before it is captured).
     pub fn kernel_count(&self, args: &[Tensor]) -> Option<usize> {
-        let device = args.first()?.device().clone();
+        Some(self.find(args.first()?.device(), args)?.kernel_count())
+    }
+
+    /// The capture whose signature `args` on `device` match.
+    fn find(&self, device: &Device, args: &[Tensor]) -> Option<Arc<Capture>> {
         let nodes: Vec<NodeId> = args.iter().map(Tensor::node).collect();
-        lock(&self.captures).iter().find(|(s, _)| s.matches(&device, args, &nodes)).map(|(_, c)| c.kernel_count())
+        lock(&self.captures).iter().find(|(s, _)| s.matches(device, args, &nodes)).map(|(_, c)| c.clone())
     }
 }
 

@@ -144,7 +144,7 @@ impl<V> Graph<V> {
         for e in self.g.edges_directed(id, Direction::Incoming) {
             match *e.weight() {
                 Edge::Data(slot) => {
-                    // Slots are 0..n, each once, so every placeholder is overwritten.
+                    // Slots are 0..n, each once, so every filler `end()` is overwritten.
                     let slot = slot as usize;
                     if data.len() <= slot {
                         data.resize(slot + 1, NodeId::end());
@@ -155,11 +155,6 @@ impl<V> Graph<V> {
             }
         }
         (data, control)
-    }
-
-    /// Nodes that must run before `id` without reading it (control predecessors).
-    pub fn control_inputs(&self, id: NodeId) -> impl Iterator<Item = NodeId> + '_ {
-        self.g.edges_directed(id, Direction::Incoming).filter(|e| *e.weight() == Edge::Control).map(|e| e.source())
     }
 
     /// Every direct predecessor (data and control), possibly with repeats.

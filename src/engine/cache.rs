@@ -19,7 +19,7 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 const MAX_PLANS: usize = 512;
-/// Total bytes of the keys kept (a 10,000-node graph has a key of about 300 KB).
+/// Total bytes of the keys kept (a key takes on the order of 100 bytes per node).
 const MAX_KEY_BYTES: usize = 64 << 20;
 const MAX_KERNELS: usize = 4096;
 
@@ -45,7 +45,7 @@ pub(crate) struct PlanCache {
 impl PlanCache {
     /// The structural key of a flush graph.
     pub(crate) fn key(graph: &FlushGraph, fusion: bool, budget: Option<u64>) -> Key {
-        let mut w = KeyWriter(Vec::with_capacity(64 + 48 * graph.nodes.len() + 24 * graph.externals.len()));
+        let mut w = KeyWriter(Vec::with_capacity(64 + 112 * graph.nodes.len() + 48 * graph.externals.len()));
         fusion.hash(&mut w);
         budget.hash(&mut w);
         graph.nodes.len().hash(&mut w);
