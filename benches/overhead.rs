@@ -51,6 +51,8 @@ fn flush_graph() -> FlushGraph {
             stream: StreamId(0),
             donated: false,
             on_host: false,
+            persistent: false,
+            overwritable: false,
         });
     }
     for i in 0..NODES {

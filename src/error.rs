@@ -39,9 +39,9 @@ pub enum Error {
         "memory budget of {budget} bytes cannot be met: offloading idle values gets the peak down to {min_peak} bytes at best, reached at {at}"
     )]
     MemoryBudget { budget: u64, min_peak: u64, at: String },
-    /// Under a memory budget a flush may free an input that nothing else reads (an old
-    /// parameter version after its update); if that flush then fails, the work that needed the
-    /// input cannot run again. Reads of that work report this.
+    /// A flush may free, or write a new version over, an input that no tensor names and nothing
+    /// else reads (an old parameter version under its update); if that flush then fails, the
+    /// work that needed the input cannot run again. Reads of that work report this.
     #[error("a value this read needs was lost: {0}")]
     ValueLost(String),
     /// A [`crate::Step`] could not be captured: its function does something a replay would

@@ -169,13 +169,24 @@ fn in_place_updates_reuse_the_buffer() {
     let sub = kernels.iter().find(|k| k["ops"][0] == "sub").unwrap();
     assert_eq!(sub["in_place"].as_array().map(Vec::len), Some(1), "the old version of w is overwritten: {sub}");
     assert_eq!(dev.memory().peak, held + (4 << 16), "one buffer for exp, reused by sub");
-    // A value from before the flush is never overwritten (someone may still be reading it, and a
-    // failure later in the flush would lose it): the update gets a new buffer.
+    // A value from before the flush that no tensor names and nothing else reads (the old version
+    // of w now) is handed to the flush, which writes the update over it.
     w.sub_assign(&g);
-    w.to_vec::<f32>().unwrap();
+    assert!(w.to_vec::<f32>().unwrap().iter().all(|&v| v == 0.0));
+    let json = last_json(&dev);
+    let sub = steps_of(&json, 0).into_iter().find(|s| s["kind"] == "kernel").unwrap();
+    assert_eq!(sub["in_place"].as_array().map(Vec::len), Some(1), "{sub}");
+    // A reader recorded before the update still needs the old version: the update gets a new
+    // buffer, and the reader sees the old value.
+    let before = &w * 3.0;
+    w.sub_assign(&g);
+    assert!(w.to_vec::<f32>().unwrap().iter().all(|&v| v == -0.5));
     let json = last_json(&dev);
     let sub = steps_of(&json, 0).into_iter().find(|s| s["kind"] == "kernel").unwrap();
     assert!(sub.get("in_place").is_none(), "{sub}");
+    assert!(before.to_vec::<f32>().unwrap().iter().all(|&v| v == 0.0));
+    // So does a value a tensor names (g): it is read, never overwritten.
+    assert!(g.to_vec::<f32>().unwrap().iter().all(|&v| v == 0.5));
 }
 
 #[test]

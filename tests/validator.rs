@@ -29,6 +29,8 @@ fn random_graph(rng: &mut Rng) -> FlushGraph {
             stream: StreamId(0),
             donated: i % 2 == 0,
             on_host: i == 2,
+            persistent: false,
+            overwritable: false,
         });
     }
     let n = 4 + rng.below(16);

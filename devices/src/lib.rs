@@ -47,6 +47,20 @@ impl Buffer {
             Buffer::Cpu(b) => b.bytes(),
         }
     }
+
+    /// Whether the buffer is parameter memory (exact-size; see `Device::persistent_memory`).
+    pub fn is_persistent(&self) -> bool {
+        match self {
+            Buffer::Cpu(b) => b.is_exact(),
+        }
+    }
+
+    /// Whether another handle to this buffer exists (a download in progress holds one).
+    pub fn is_shared(&self) -> bool {
+        match self {
+            Buffer::Cpu(b) => Arc::strong_count(b) > 1,
+        }
+    }
 }
 
 /// An input of a flush as the device receives it.

@@ -58,6 +58,12 @@ pub struct External {
     pub donated: bool,
     /// Donated host data: uploaded when its first reader runs, not when the flush starts.
     pub on_host: bool,
+    /// Held in parameter (exact-size) memory: only a new version of a parameter may be written
+    /// over it in place, and nothing else.
+    pub persistent: bool,
+    /// Donated device data that a kernel may write a new version over in place. Not under a
+    /// memory budget: there the value stays free to be offloaded instead.
+    pub overwritable: bool,
 }
 
 impl External {

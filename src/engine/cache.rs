@@ -3,7 +3,7 @@
 //!
 //! The structural key covers what the plan depends on: every node's op (with its constants),
 //! dtype, shape, stream, inputs, control edges and whether it is kept, hinted for offload or a
-//! parameter; the externals' dtypes, shapes, streams and whether they are donated; whether
+//! parameter; the externals' dtypes, shapes, streams and whether they are donated or parameters; whether
 //! fusion is on and the device's memory budget. Data never enters the key, so the second and
 //! later iterations of a training loop skip fusion, planning, validation and lowering. (A graph
 //! with `rand`/`randn` carries fresh seeds each time and is planned anew.) The key is that
@@ -64,7 +64,7 @@ impl PlanCache {
             e.dtype.hash(&mut w);
             e.shape.hash(&mut w);
             e.stream.hash(&mut w);
-            e.donated.hash(&mut w);
+            (e.donated, e.persistent, e.overwritable).hash(&mut w);
         }
         w.0.into()
     }

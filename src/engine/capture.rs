@@ -148,6 +148,7 @@ pub(crate) fn capture(
         for (meta, data) in ex.graph.externals.iter_mut().zip(&ex.externals) {
             meta.donated = false;
             meta.on_host = false;
+            meta.overwritable = false;
             sources.push(match (arg_nodes.iter().position(|&a| a == meta.id), data) {
                 (Some(k), _) => Source::Arg(k),
                 (None, ExternalData::Host(bytes)) => Source::Host(bytes.clone()),

@@ -180,7 +180,7 @@ pub(super) fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
     }
     let device_id = recorded.node(order[0]).device;
     let device = Device::by_id(device_id);
-    let donate = device.memory_budget().is_some();
+    let budgeted = device.memory_budget().is_some();
     let mut graph = FlushGraph { nodes: Vec::with_capacity(order.len()), externals: Vec::new() };
     let mut externals = Vec::new();
     for &id in order {
@@ -195,19 +195,25 @@ pub(super) fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
             let e = graph.externals.len();
             marks.set(p, Marks::EXTERNAL + e as u32);
             let pn = recorded.node(p);
+            // A value that no tensor names and that only this flush reads (an old version of a
+            // parameter, above all) is handed to the flush, which frees it after its last
+            // reader or writes a new version over it in place (host data: its upload; the host
+            // copy stays in the graph). What the flush frees or overwrites is lost if the flush
+            // fails; nothing outside the flush could read it any more. (A download started
+            // before, or a view, holds the buffer too: then it is not handed over.)
+            let donated = pn.handles == 0
+                && pn.device == device_id
+                && match &pn.value {
+                    Some(Value::Ready(buffer)) => !buffer.is_shared(),
+                    Some(Value::Host(_)) => true,
+                    _ => false,
+                }
+                && recorded.successors(p).all(|s| marks.node_place(s).is_some());
             externals.push(match &pn.value {
                 Some(Value::Ready(buffer)) => ExternalData::Device(buffer.clone()),
                 Some(Value::Host(bytes)) => ExternalData::Host(bytes.clone()),
                 _ => unreachable!("walk waits for in-flight inputs and takes pending ones"),
             });
-            // Under a budget, a value that no tensor names and that only this flush reads is
-            // handed to the flush, which frees it after its last reader (host data: its
-            // upload; the host copy stays in the graph).
-            let donated = donate
-                && pn.handles == 0
-                && pn.device == device_id
-                && matches!(pn.value, Some(Value::Ready(_) | Value::Host(_)))
-                && recorded.successors(p).all(|s| marks.node_place(s).is_some());
             graph.externals.push(External {
                 id: p,
                 dtype: pn.dtype,
@@ -216,6 +222,8 @@ pub(super) fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
                 stream: pn.stream,
                 donated,
                 on_host: donated && matches!(pn.value, Some(Value::Host(_))),
+                persistent: matches!(&pn.value, Some(Value::Ready(b)) if b.is_persistent()),
+                overwritable: donated && matches!(pn.value, Some(Value::Ready(_))) && !budgeted,
             });
             inputs.push(ValueRef::External(e));
         }
@@ -440,6 +448,7 @@ fn run_inner(ex: Extracted, inputs: &mut Vec<ExternalData>) -> Result<Planned> {
             .collect()
     };
     let mut lent: Vec<Option<Buffer>>;
+    let mut ran = false;
     let result = match (checked, upload_failed) {
         (Err(e), _) => {
             lent = as_lent(std::mem::take(&mut job_inputs));
@@ -456,6 +465,7 @@ fn run_inner(ex: Extracted, inputs: &mut Vec<ExternalData>) -> Result<Planned> {
             let job = Job { schedule: &schedule, kernels: &kernels, externals, label: &label, poison, fail_at };
             let (result, held) = backend.execute(job);
             lent = held;
+            ran = true;
             result.map_err(|e| device_error(&ex.device, e))
         }
     };
@@ -472,12 +482,15 @@ fn run_inner(ex: Extracted, inputs: &mut Vec<ExternalData>) -> Result<Planned> {
             Ok(Planned { graph: graph.clone(), schedule: schedule.clone(), kernels: kernels.clone() })
         }
         Err(e) => {
-            // Donated inputs go back, unless the flush freed them before failing.
+            // Donated inputs go back, unless the flush freed them or was to write over them
+            // (it may have) before failing.
+            let overwritten = if ran { overwritten_inputs(&schedule) } else { Vec::new() };
             for &(i, id) in &donated {
-                st.graph.node_mut(id).value = Some(match lent.get_mut(i).and_then(Option::take) {
+                let buffer = lent.get_mut(i).and_then(Option::take).filter(|_| !overwritten.contains(&i));
+                st.graph.node_mut(id).value = Some(match buffer {
                     Some(buffer) => Value::Ready(buffer),
                     None => Value::Lost(format!(
-                        "flush {} freed it (under a memory budget) and then failed: {e}",
+                        "flush {} was given it (nothing else read it any more), freed or overwrote it, and then failed: {e}",
                         ex.number
                     )),
                 });
@@ -495,6 +508,20 @@ fn run_inner(ex: Extracted, inputs: &mut Vec<ExternalData>) -> Result<Planned> {
     drop(lent);
     ex.ticket.finish(result.as_ref().map(|_| ()).map_err(Error::clone));
     result
+}
+
+/// The flush inputs (external positions) that a kernel of `schedule` writes over in place.
+fn overwritten_inputs(schedule: &Schedule) -> Vec<usize> {
+    let mut inputs = Vec::new();
+    for k in &schedule.kernels {
+        let seg = &schedule.fusion.segments[k.segment];
+        for &(_, i) in &k.in_place {
+            if let ValueRef::External(e) = seg.inputs[i] {
+                inputs.push(e);
+            }
+        }
+    }
+    inputs
 }
 
 /// Describes kernel `k` for logs and errors: its ops and recorded nodes.

@@ -36,9 +36,10 @@ pub(crate) enum Value {
     /// A user event that has been reached.
     Done,
     /// A device value donated to a running flush (nothing else reads it): the flush owns the
-    /// buffer and frees it after its last reader. (Donated host data keeps `Host`.)
+    /// buffer and frees it after its last reader, or writes a new version over it in place.
+    /// (Donated host data keeps `Host`.)
     Lent,
-    /// Donated to a flush that failed after freeing it: the pending work that needed it cannot
+    /// Donated to a flush that failed after freeing or overwriting it: the pending work that needed it cannot
     /// run again (reads of it report this reason).
     Lost(String),
 }

@@ -27,6 +27,8 @@ pub struct CpuBuffer {
     bytes: usize,
     pool: Arc<Pool>,
     poison: bool,
+    /// Exact-size memory for a parameter.
+    exact: bool,
 }
 
 // SAFETY: the memory is owned by this buffer until it is dropped; concurrent access is ordered
@@ -42,6 +44,11 @@ impl CpuBuffer {
 
     pub fn bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// Whether this is exact-size memory for a parameter.
+    pub fn is_exact(&self) -> bool {
+        self.exact
     }
 
     /// The contents (a copy).
@@ -132,7 +139,7 @@ fn alloc_from(pool: &Arc<Pool>, bytes: usize, poison: bool, exact: bool) -> Resu
             DeviceError::OutOfMemory { requested: bytes as u64, in_use: s.in_use, reserved: s.reserved }
         })?)
     };
-    Ok(Arc::new(CpuBuffer { slice, bytes, pool: pool.clone(), poison }))
+    Ok(Arc::new(CpuBuffer { slice, bytes, pool: pool.clone(), poison, exact }))
 }
 
 /// Runs one kernel over its arguments.

@@ -7,8 +7,9 @@
 //! allocated right before its writer and freed right after its last reader in plan order, on that
 //! reader's stream, gated by events recorded after its readers on other streams unless the clock
 //! shows they are done. An elementwise kernel writes in place over an input of the same shape and
-//! dtype computed by the same flush when it is that value's last reader and every other reader
-//! happens-before it (never over a value from before the flush: see `in_place_candidate`).
+//! dtype when it is that value's last reader and every other reader happens-before it, and the
+//! input is computed by the same flush or donated to it (an old parameter version under its
+//! update); never over another value from before the flush (see `in_place_candidate`).
 
 mod copies;
 
@@ -206,7 +207,7 @@ impl<'a> Planner<'a> {
                 bytes: e.bytes(),
                 space: Space::Device,
                 source: BufferSource::External(i),
-                persistent: false,
+                persistent: e.persistent,
                 upload_at_first_use: e.on_host,
             });
             if !e.on_host {
@@ -323,11 +324,17 @@ impl<'a> Planner<'a> {
             if !seg.direct[i] || dtype != node.dtype || shape != &node.shape {
                 continue;
             }
-            // Only values computed by this flush: an external's buffer may still be read by
-            // someone else (a download in progress), and overwriting it would be lost if the
-            // flush failed after that kernel (a retry would read the overwritten input).
+            // Values computed by this flush, and donated inputs (an old version of a parameter
+            // under its update): nothing outside the flush reads them. Never another input: its
+            // buffer may still be read by someone else (a download in progress), and a retry
+            // after a failure would read the overwritten value. Parameter memory (exact-size)
+            // holds parameters only, and they hold nothing else.
+            let input = |n: usize| &self.graph.nodes[n];
             let readers = match v {
-                ValueRef::Node(n) if !self.graph.nodes[n].keep && !self.offloaded[n] => &self.node_readers[n],
+                ValueRef::Node(n) if !input(n).keep && !self.offloaded[n] && input(n).persistent == node.persistent => {
+                    &self.node_readers[n]
+                }
+                ValueRef::External(e) if self.overwritable_external(e, node.persistent) => &self.ext_readers[e],
                 _ => continue,
             };
             if readers.last != Some(si) {
@@ -345,6 +352,18 @@ impl<'a> Planner<'a> {
             note = Some(format!("input {i} not overwritten in place: stream {} may still read it", busy.join(", ")));
         }
         Err(note)
+    }
+
+    /// Whether input `e` may hold a new value in place: donated device data that may be
+    /// overwritten (see `External::overwritable`), in its own buffer for the whole flush (not
+    /// offloaded), and a parameter exactly when the new value is one (parameters live in
+    /// exact-size memory).
+    fn overwritable_external(&self, e: usize, persistent: bool) -> bool {
+        let ext = &self.graph.externals[e];
+        ext.overwritable
+            && ext.persistent == persistent
+            && self.ext_buffer[e] == BufferId(e as u32)
+            && !self.offloads.iter().any(|o| o.value == ValueRef::External(e))
     }
 
     fn segment(&mut self, si: usize) {
