@@ -230,15 +230,34 @@ pub(super) const STREAM_BYTES: usize = 4 << 20;
 unsafe fn stream_f32(dst: *mut f32, src: &[f32]) {
     #[cfg(target_arch = "x86_64")]
     unsafe {
+        use super::eval::{Simd, simd};
         use std::arch::x86_64::{_mm_loadu_ps, _mm_stream_ps};
-        // Plain stores up to a 16-byte boundary, then 4 floats per streaming store.
-        let head = (dst.align_offset(16)).min(src.len());
-        std::ptr::copy_nonoverlapping(src.as_ptr(), dst, head);
-        let mut i = head;
-        while i + 4 <= src.len() {
-            _mm_stream_ps(dst.add(i), _mm_loadu_ps(src.as_ptr().add(i)));
-            i += 4;
+        /// 16 floats per streaming store (one instruction per cache line).
+        #[target_feature(enable = "avx512f")]
+        unsafe fn wide(dst: *mut f32, src: *const f32, n: usize) {
+            use std::arch::x86_64::{_mm512_loadu_ps, _mm512_stream_ps};
+            let mut i = 0;
+            while i + 16 <= n {
+                unsafe { _mm512_stream_ps(dst.add(i), _mm512_loadu_ps(src.add(i))) };
+                i += 16;
+            }
         }
+        // Plain stores up to a 64-byte boundary (a 16-byte one without AVX-512), then streaming
+        // stores of whole vectors, then plain stores for the tail.
+        let lanes = if simd() == Simd::Avx512 { 16 } else { 4 };
+        let head = dst.align_offset(4 * lanes).min(src.len());
+        std::ptr::copy_nonoverlapping(src.as_ptr(), dst, head);
+        let body = (src.len() - head) / lanes * lanes;
+        if lanes == 16 {
+            wide(dst.add(head), src.as_ptr().add(head), body);
+        } else {
+            let mut i = head;
+            while i < head + body {
+                _mm_stream_ps(dst.add(i), _mm_loadu_ps(src.as_ptr().add(i)));
+                i += 4;
+            }
+        }
+        let i = head + body;
         std::ptr::copy_nonoverlapping(src.as_ptr().add(i), dst.add(i), src.len() - i);
     }
     #[cfg(not(target_arch = "x86_64"))]
