@@ -8,6 +8,16 @@ use braid::optim::Sgd;
 use braid::prelude::*;
 use serde_json::Value as Json;
 
+/// A CPU device with fusion on, whatever `BRAID_FUSION` says: the budgets here are fractions of
+/// the fused plan's peak. (Planned op by op, the MLP's peak sits at a product whose operands
+/// and result alone are 98% of it, so no budget of half of it is reachable; the random budget
+/// properties of `tests/properties.rs` cover unfused plans.)
+fn device() -> Device {
+    let dev = Device::new_cpu();
+    dev.set_fusion(true);
+    dev
+}
+
 /// An MLP whose activations (batch 2048) dwarf its weights, so offloading them matters.
 struct Mlp {
     x: Tensor,
@@ -57,7 +67,7 @@ fn copies(j: &Json) -> usize {
 
 /// The unbudgeted run: (parameters after the step, loss, planned peak, measured peak).
 fn unbudgeted() -> (Vec<Vec<f32>>, f32, u64, u64) {
-    let dev = Device::new_cpu();
+    let dev = device();
     let mut m = mlp(&dev);
     dev.reset_peak();
     let loss = step(&mut m, &dev).unwrap();
@@ -69,7 +79,7 @@ fn unbudgeted() -> (Vec<Vec<f32>>, f32, u64, u64) {
 fn half_the_peak_gives_the_same_training_step() {
     let (want, want_loss, planned, measured) = unbudgeted();
     for poison in [false, true] {
-        let dev = Device::new_cpu();
+        let dev = device();
         dev.set_poison(poison);
         let mut m = mlp(&dev);
         let budget = planned / 2;
@@ -90,7 +100,7 @@ fn half_the_peak_gives_the_same_training_step() {
 #[test]
 fn a_budget_below_reach_is_an_error_naming_the_minimum_and_the_engine_stays_usable() {
     let (want, _, planned, _) = unbudgeted();
-    let dev = Device::new_cpu();
+    let dev = device();
     let mut m = mlp(&dev);
     dev.set_memory_budget(Some(planned / 50));
     let err = step(&mut m, &dev).unwrap_err();
@@ -105,9 +115,18 @@ fn a_budget_below_reach_is_an_error_naming_the_minimum_and_the_engine_stays_usab
     assert_eq!(values(&m.params), want);
 }
 
+/// With fusion and without (where the last addition could otherwise write over the hinted
+/// value in place, which would keep it from leaving).
 #[test]
 fn offload_hint_moves_an_idle_value_without_a_budget() {
-    let dev = Device::new_cpu();
+    for fusion in [true, false] {
+        offload_hint_moves_an_idle_value(fusion);
+    }
+}
+
+fn offload_hint_moves_an_idle_value(fusion: bool) {
+    let dev = device();
+    dev.set_fusion(fusion);
     dev.seed(3);
     let x = Tensor::randn([256, 256], DType::F32, &dev);
     let saved = x.exp().offload_hint();
@@ -117,7 +136,7 @@ fn offload_hint_moves_an_idle_value_without_a_budget() {
     }
     let y = &h + &saved;
     let want: Vec<f32> = {
-        let d2 = Device::new_cpu();
+        let d2 = device();
         let x2 = Tensor::from_vec(x.to_vec::<f32>().unwrap(), [256, 256], &d2);
         let mut h2 = x2.sin();
         for _ in 0..6 {
@@ -135,7 +154,7 @@ fn offload_hint_moves_an_idle_value_without_a_budget() {
 #[test]
 fn offloads_across_streams_keep_results_and_the_budget() {
     let (want, _, planned, _) = unbudgeted();
-    let dev = Device::new_cpu();
+    let dev = device();
     let mut m = mlp(&dev);
     let side = dev.new_stream();
     dev.set_memory_budget(Some(planned / 2));
@@ -157,7 +176,7 @@ fn offloads_across_streams_keep_results_and_the_budget() {
 #[test]
 fn dumps_with_offloads_pass_the_validator() {
     let (_, _, planned, _) = unbudgeted();
-    let dev = Device::new_cpu();
+    let dev = device();
     let mut m = mlp(&dev);
     dev.set_memory_budget(Some(planned / 2));
     step(&mut m, &dev).unwrap();
@@ -181,7 +200,7 @@ fn mini_gpt_trains_the_same_under_a_budget(batch: usize) {
     let tokens = mini_gpt::tokens();
     let ctx = mini_gpt::CONTEXT;
     let run = |budget: Option<u64>| -> Result<_> {
-        let dev = Device::new_cpu();
+        let dev = device();
         let model = mini_gpt::MiniGpt::new(&dev, 1);
         let mut params = model.parameters();
         dev.sync().unwrap();
@@ -250,13 +269,13 @@ fn donated_inputs_are_freed_and_a_failure_after_that_is_reported_as_lost() {
         let grads = h.square().mean().backward().unwrap();
         Sgd::new(0.1).step(&mut m.params, &grads);
     };
-    let plain = Device::new_cpu();
+    let plain = device();
     let mut m = mlp(&plain);
     record(&mut m);
     plain.sync().unwrap();
     let kernels = plain.last_schedule().unwrap().kernel_count() as u32;
 
-    let dev = Device::new_cpu();
+    let dev = device();
     let mut m = mlp(&dev);
     record(&mut m);
     // The last kernel updates the first weight; the other old weights are freed by then.
@@ -275,7 +294,7 @@ fn donated_inputs_are_freed_and_a_failure_after_that_is_reported_as_lost() {
 /// reported lost if the flush fails after that; the engine stays usable.
 #[test]
 fn a_failure_after_an_update_in_place_reports_the_old_version_lost() {
-    let dev = Device::new_cpu();
+    let dev = device();
     dev.set_fusion(false); // the update and its reader are separate kernels
     let w = Tensor::from_vec((0..64).map(|i| i as f32 * 0.25).collect(), [64], &dev).exp();
     let g = Tensor::from_vec(vec![0.5f32; 64], [64], &dev);
@@ -298,11 +317,11 @@ fn a_failure_after_an_update_in_place_reports_the_old_version_lost() {
 /// kernel of its own), with or without a budget; `x`, which the test names, is not.
 #[test]
 fn old_parameter_versions_are_freed_by_the_training_step() {
-    let plain = Device::new_cpu();
+    let plain = device();
     let mut m = mlp(&plain);
     step(&mut m, &plain).unwrap();
     let without = plain.last_schedule().unwrap().to_json();
-    let dev = Device::new_cpu();
+    let dev = device();
     let mut m = mlp(&dev);
     dev.set_memory_budget(Some(u64::MAX / 2));
     step(&mut m, &dev).unwrap();
@@ -337,7 +356,7 @@ fn old_parameter_versions_are_freed_by_the_training_step() {
 /// donated inputs back.
 #[test]
 fn a_lost_value_fails_only_the_work_that_needs_it() {
-    let dev = Device::new_cpu();
+    let dev = device();
     dev.set_memory_budget(Some(u64::MAX / 2));
     dev.set_fusion(false);
     let p = Tensor::from_vec(vec![1.0f32; 256], [256], &dev);
@@ -361,7 +380,7 @@ fn a_lost_value_fails_only_the_work_that_needs_it() {
 
 #[test]
 fn a_panic_before_anything_ran_gives_donated_inputs_back() {
-    let dev = Device::new_cpu();
+    let dev = device();
     dev.set_memory_budget(Some(u64::MAX / 2));
     let p = Tensor::from_vec(vec![1.0f32; 64], [64], &dev);
     p.to_vec::<f32>().unwrap();
@@ -377,7 +396,7 @@ fn a_panic_before_anything_ran_gives_donated_inputs_back() {
 #[test]
 fn the_measured_peak_stays_within_the_budget_on_one_stream() {
     for _ in 0..20 {
-        let dev = Device::new_cpu();
+        let dev = device();
         dev.seed(5);
         let dims = [32, 128, 16, 128, 32];
         let x = Tensor::randn([256, 32], DType::F32, &dev);

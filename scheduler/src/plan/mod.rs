@@ -328,12 +328,14 @@ impl<'a> Planner<'a> {
             // under its update): nothing outside the flush reads them. Never another input: its
             // buffer may still be read by someone else (a download in progress), and a retry
             // after a failure would read the overwritten value. Parameter memory (exact-size)
-            // holds parameters only, and they hold nothing else.
+            // holds parameters only, and they hold nothing else. A value hinted for offload
+            // keeps its own buffer, so that it can leave.
             let input = |n: usize| &self.graph.nodes[n];
+            let overwritable = |n: usize| {
+                !input(n).keep && !self.offloaded[n] && !input(n).offload_hint && input(n).persistent == node.persistent
+            };
             let readers = match v {
-                ValueRef::Node(n) if !input(n).keep && !self.offloaded[n] && input(n).persistent == node.persistent => {
-                    &self.node_readers[n]
-                }
+                ValueRef::Node(n) if overwritable(n) => &self.node_readers[n],
                 ValueRef::External(e) if self.overwritable_external(e, node.persistent) => &self.ext_readers[e],
                 _ => continue,
             };
