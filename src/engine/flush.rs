@@ -7,6 +7,7 @@
 //! error goes to the reader.
 
 use super::cache::{Plan, PlanCache};
+use super::marks::Marks;
 use super::{State, Ticket, Value, collect, device_error, state};
 use crate::device::{Device, lock};
 use crate::dump::{self, ScheduleDump};
@@ -258,58 +259,6 @@ pub(super) fn extract(st: &mut State, order: &[NodeId]) -> Extracted {
     st.flushes += 1;
     debug_assert!(graph.is_topological());
     Extracted { graph, externals, device, ticket, number: st.flushes }
-}
-
-/// Per-node scratch of the flush being extracted, indexed by node index and valid while its
-/// stamp is current (so starting a walk costs nothing per node): whether the walk visited a
-/// node, and each node's place in the flush graph (a node or an external).
-#[derive(Default)]
-pub(crate) struct Marks {
-    stamp: u32,
-    entries: Vec<(u32, u32)>,
-}
-
-impl Marks {
-    /// Marks at or above this and below `LOST` are external places.
-    const EXTERNAL: u32 = 1 << 31;
-    /// The walk found this node needs a lost value.
-    const LOST: u32 = u32::MAX - 1;
-    /// The walk visited this node (its place is not known yet, or it has none).
-    const VISITED: u32 = u32::MAX;
-
-    /// Forgets every mark, for a graph whose node indices are below `bound`.
-    fn start(&mut self, bound: usize) {
-        self.stamp = self.stamp.wrapping_add(1);
-        if self.stamp == 0 {
-            self.entries.fill((0, 0));
-            self.stamp = 1;
-        }
-        if self.entries.len() < bound {
-            self.entries.resize(bound, (0, 0));
-        }
-    }
-
-    fn get(&self, id: NodeId) -> Option<u32> {
-        self.entries.get(id.index()).filter(|e| e.0 == self.stamp).map(|e| e.1)
-    }
-
-    fn set(&mut self, id: NodeId, mark: u32) {
-        self.entries[id.index()] = (self.stamp, mark);
-    }
-
-    /// The place of `id` in the flush graph, if it has one yet.
-    fn place(&self, id: NodeId) -> Option<ValueRef> {
-        match self.get(id)? {
-            m if m < Self::EXTERNAL => Some(ValueRef::Node(m as usize)),
-            m if m < Self::LOST => Some(ValueRef::External((m - Self::EXTERNAL) as usize)),
-            _ => None,
-        }
-    }
-
-    /// The index of `id` among the flush graph's nodes, if it is one of them.
-    fn node_place(&self, id: NodeId) -> Option<usize> {
-        self.get(id).filter(|&m| m < Self::EXTERNAL).map(|m| m as usize)
-    }
 }
 
 /// What a flush ran: its graph and its plan (a captured step keeps them to run again).

@@ -12,6 +12,7 @@
 pub(crate) mod cache;
 pub(crate) mod capture;
 mod flush;
+mod marks;
 
 pub(crate) use flush::{flush_device, flush_nodes};
 
@@ -76,7 +77,7 @@ pub(crate) struct State {
     /// Per stream: events that work recorded on it from now on must wait for.
     waits: HashMap<(DeviceId, StreamId), Vec<Event>>,
     /// Scratch of the flush being walked and extracted.
-    marks: flush::Marks,
+    marks: marks::Marks,
 }
 
 static STATE: LazyLock<Mutex<State>> = LazyLock::new(|| {
@@ -86,7 +87,7 @@ static STATE: LazyLock<Mutex<State>> = LazyLock::new(|| {
         flushes: 0,
         seq: 0,
         waits: HashMap::new(),
-        marks: flush::Marks::default(),
+        marks: marks::Marks::default(),
     })
 });
 
