@@ -3,9 +3,11 @@
 //! Turns each segment chosen by fusion into a [`Kernel`] of the target-independent kernel IR
 //! ([`kernel`]): strided loads, an expression DAG whose primitives come from the op table,
 //! stores, reductions and matrix products. Every backend consumes this IR: the CPU device
-//! interprets it; CUDA C and WGSL printers (their own issues) print it. Lowering never touches
-//! buffers, streams or devices.
+//! interprets it; [`cuda`] prints it as CUDA C (checked by `tests/cuda_printer.rs`, which
+//! compiles the printed kernels on the host and compares them with the CPU); a WGSL printer is
+//! the wgpu issue's. Lowering never touches buffers, streams or devices.
 
+pub mod cuda;
 pub mod kernel;
 pub mod lower;
 

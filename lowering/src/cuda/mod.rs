@@ -1,0 +1,227 @@
+//! CUDA C printing of the kernel IR: [`print`] turns a [`Kernel`] into source text for NVRTC.
+//!
+//! Each map loop and the row kernel becomes one `extern "C" __global__` function; the caller
+//! launches them in the order of [`CudaSource::entries`], each with the shape its [`Launch`]
+//! names. A map loop runs one thread per index (a grid-stride loop, so any grid covers it). A
+//! row kernel runs one block per row, a row being every index that differs only along the axis
+//! (the whole space without one): the threads stride over the row folding their elements, a tree
+//! in shared memory combines them, phase after phase as the CPU's `rows` module does
+//! (reductions in order, per-row values, per-row stores by one thread, per-element stores in a
+//! last sweep). A matrix product is cuBLAS's job: only its epilogue is printed (no entry at all
+//! when there is none), and the caller must have written the product before launching it.
+//!
+//! The printed code computes what the CPU evaluator computes, bit for bit where IEEE arithmetic
+//! allows: integers wrap, integer division by zero gives 0, float `max`/`min` propagate NaN from
+//! either side, float-to-int casts truncate and saturate (NaN gives 0), argmax takes the first
+//! maximum, random numbers are the counter-based ones of `braid_graph::rng`. Where it cannot:
+//! `expf`, `tanhf` and the other math functions are CUDA's (a few ulps from the CPU's), float
+//! sums add in another order, and casts to f16/bf16 round once (the CPU's round twice from f64
+//! in rare cases). Nodes that no store reads are not printed.
+//!
+//! Compile with [`NVRTC_OPTIONS`] (no contraction of `a * b + c` into a fused multiply-add,
+//! which the CPU never does implicitly); a source that uses f16 or bf16 includes `cuda_fp16.h`
+//! or `cuda_bf16.h`, which NVRTC finds only with the CUDA include directory on its `-I` path.
+//!
+//! The printer only prints: it decides nothing about scheduling (streams, grids beyond the
+//! suggested shape) or memory (allocation, reuse, aliasing). Arguments are declared without
+//! `__restrict__` because the planner may write an output in place over an input.
+
+mod expr;
+mod loops;
+#[cfg(test)]
+mod tests;
+
+pub use expr::storage_ctype;
+use expr::*;
+use loops::*;
+
+use crate::kernel::{Body, Kernel, Load, MapLoop, RowKernel, Store, View};
+use braid_graph::expr::{Distribution, Expr, ExprOp, PrimBinary, PrimCmp, PrimUnary};
+use braid_graph::{DType, ReduceOp, Shape};
+use std::fmt::Write;
+
+/// Options every printed source is meant to be compiled with.
+pub const NVRTC_OPTIONS: &[&str] = &["--std=c++17", "--fmad=false"];
+/// Threads per block suggested for map loops.
+pub const MAP_BLOCK: u32 = 256;
+/// Most threads per block of a row kernel (its shared arrays are sized for its `threads`).
+pub const MAX_ROW_THREADS: u32 = 256;
+
+/// A printed kernel: its source and its entry points, in launch order.
+#[derive(Clone, Debug)]
+pub struct CudaSource {
+    pub source: String,
+    pub entries: Vec<Entry>,
+    /// The parameters of every entry point, in order: the kernel's arguments (`a0`, `a1`, ...),
+    /// then, for a matrix product without an argument for it, the scratch buffer holding the
+    /// product (read by the epilogue).
+    pub params: Vec<DType>,
+}
+
+/// One `extern "C" __global__` function.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub name: String,
+    pub launch: Launch,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Launch {
+    /// `numel` indices, one per thread, `block` threads per block suggested; the loop strides
+    /// over the grid, so a smaller grid is fine. Nothing to launch when `numel` is 0.
+    Map { numel: usize, block: u32 },
+    /// One block per row (`rows` blocks) of `threads` threads (or fewer, a power of two).
+    /// Nothing to launch when `rows` is 0.
+    Rows { rows: usize, threads: u32 },
+}
+
+/// A parameter of the printed entry points.
+struct Param {
+    dtype: DType,
+    len: usize,
+    writable: bool,
+}
+
+/// Prints `kernel` as CUDA C; entry points are named after `name` (a C identifier). Errors on
+/// IR the CPU would reject too (ill-typed expressions, views outside their arguments) and on
+/// views whose dims differ from their loop's.
+pub fn print(kernel: &Kernel, name: &str) -> Result<CudaSource, String> {
+    let ident = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if !ident {
+        return Err(format!("kernel name {name:?} is not a C identifier"));
+    }
+    let mut params: Vec<Param> = (kernel.args.iter().enumerate())
+        .map(|(i, a)| Param { dtype: a.dtype, len: a.len, writable: i >= kernel.inputs })
+        .collect();
+    let mut body = String::new();
+    let mut entries = Vec::new();
+    let exprs: Vec<&Expr> = match &kernel.body {
+        Body::Map(loops) => loops.iter().map(|l| &l.expr).collect(),
+        Body::Rows(r) => vec![&r.expr],
+        Body::Matmul(m) => m.epilogue.iter().map(|l| &l.expr).collect(),
+    };
+    match &kernel.body {
+        Body::Map(loops) => {
+            for (k, l) in loops.iter().enumerate() {
+                let e = print_map(&mut body, l, &format!("{name}_loop{k}"), &params)?;
+                entries.push(e);
+            }
+        }
+        Body::Rows(r) => entries.push(print_rows(&mut body, r, &format!("{name}_rows"), &params)?),
+        Body::Matmul(m) => {
+            if m.product as usize == params.len() {
+                let len = m.lhs.batch_offsets.len() * m.m * m.n;
+                params.push(Param { dtype: m.dtype, len, writable: false });
+            } else if m.product as usize > params.len() {
+                return Err(format!("matmul product in argument {} of {}", m.product, params.len()));
+            }
+            if let Some(e) = &m.epilogue {
+                entries.push(print_map(&mut body, e, &format!("{name}_epilogue"), &params)?);
+            }
+        }
+    }
+    let mut source = format!("// braid kernel `{name}`: CUDA C for NVRTC ({}).\n", NVRTC_OPTIONS.join(" "));
+    let cast_to = |d| exprs.iter().any(|e| e.nodes.iter().any(|n| matches!(n.op, ExprOp::Cast(t, _) if t == d)));
+    for (d, header) in [(DType::F16, "cuda_fp16.h"), (DType::BF16, "cuda_bf16.h")] {
+        if params.iter().any(|p| p.dtype == d) || cast_to(d) {
+            let _ = writeln!(source, "#include <{header}>");
+        }
+    }
+    source.push_str(&prelude());
+    source.push_str(&body);
+    Ok(CudaSource { source, entries, params: params.iter().map(|p| p.dtype).collect() })
+}
+
+/// Helpers every source starts with: conversions as braid defines them, and the counter-based
+/// random numbers of `braid_graph::rng`, ported to 64-bit integer math.
+fn prelude() -> String {
+    let tau32 = float_literal(std::f32::consts::TAU as f64, DType::F32);
+    let tau64 = float_literal(std::f64::consts::TAU, DType::F64);
+    format!(
+        r#"
+// Float to integer: truncate towards zero, saturate at the type's range, NaN gives 0.
+__device__ __forceinline__ int braid_f2i32(double x) {{
+  return isnan(x) ? 0 : x <= -0x1p31 ? (-2147483647 - 1) : x >= 0x1p31 ? 2147483647 : (int)x;
+}}
+__device__ __forceinline__ long long braid_f2i64(double x) {{
+  return isnan(x) ? 0 : x <= -0x1p63 ? (-9223372036854775807LL - 1) : x >= 0x1p63 ? 9223372036854775807LL : (long long)x;
+}}
+__device__ __forceinline__ unsigned char braid_f2u8(double x) {{
+  return isnan(x) || x <= 0.0 ? 0 : x >= 255.0 ? 255 : (unsigned char)(int)x;
+}}
+// Counter-based random numbers (braid_graph::rng): SplitMix64's finaliser.
+__device__ __forceinline__ unsigned long long braid_mix64(unsigned long long z) {{
+  z += 0x9E3779B97F4A7C15ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}}
+__device__ __forceinline__ unsigned long long braid_bits(unsigned long long seed, unsigned long long i) {{
+  return braid_mix64(seed ^ braid_mix64(i));
+}}
+// Uniform on [0, 1) with 24 or 53 random bits: exact in float, resp. double.
+__device__ __forceinline__ double braid_uniform24(unsigned long long seed, unsigned long long i) {{
+  return (double)(braid_bits(seed, i) >> 40) * 0x1p-24;
+}}
+__device__ __forceinline__ double braid_uniform53(unsigned long long seed, unsigned long long i) {{
+  return (double)(braid_bits(seed, i) >> 11) * 0x1p-53;
+}}
+// Box-Muller on uniforms 2i (u1 in (0, 1]) and 2i + 1, in the variate's precision.
+__device__ __forceinline__ float braid_normal_f32(unsigned long long seed, unsigned long long i) {{
+  const float u1 = (float)(1.0 - braid_uniform24(seed, i * 2));
+  const float u2 = (float)braid_uniform24(seed, i * 2 + 1);
+  return sqrtf(-2.0f * logf(u1)) * cosf({tau32} * u2);
+}}
+__device__ __forceinline__ double braid_normal_f64(unsigned long long seed, unsigned long long i) {{
+  const double u1 = 1.0 - braid_uniform53(seed, i * 2);
+  const double u2 = braid_uniform53(seed, i * 2 + 1);
+  return sqrt(-2.0 * log(u1)) * cos({tau64} * u2);
+}}
+"#
+    )
+}
+
+/// Checks what the CPU's `check_io` checks, and that the expression is in topological order.
+fn check_io(loads: &[Load], stores: &[Store], expr: &Expr, dims: &[usize], params: &[Param]) -> Result<(), String> {
+    let access = |arg: u16, dtype: DType, view: &View, store: bool| -> Result<(), String> {
+        let p = params.get(arg as usize).ok_or(format!("argument {arg} of {}", params.len()))?;
+        if p.dtype != dtype || (store && !p.writable) {
+            return Err(format!("{} of {dtype} to argument {arg} ({})", if store { "store" } else { "load" }, p.dtype));
+        }
+        if view.dims.as_slice() != dims || view.strides.len() != dims.len() {
+            return Err(format!("view {view:?} over a loop of dims {dims:?}"));
+        }
+        let (mut lo, mut hi) = (view.offset as isize, view.offset as isize);
+        for (&e, &s) in view.dims.iter().zip(&view.strides) {
+            let span = (e as isize - 1) * s;
+            if span < 0 { lo += span } else { hi += span }
+        }
+        if !dims.contains(&0) && (lo < 0 || hi >= p.len as isize) {
+            return Err(format!("view {view:?} reaches {lo}..={hi} of argument {arg} of {} elements", p.len));
+        }
+        Ok(())
+    };
+    loads.iter().try_for_each(|l| access(l.arg, l.dtype, &l.view, false))?;
+    stores.iter().try_for_each(|s| access(s.arg, s.dtype, &s.view, true))?;
+    for (i, n) in expr.nodes.iter().enumerate() {
+        if operands(&n.op).iter().any(|&o| o >= i) || matches!(n.op, ExprOp::Load(s) if s as usize >= loads.len()) {
+            return Err(format!("node {i} ({:?}) reads a node or load slot that does not precede it", n.op));
+        }
+    }
+    for s in stores {
+        match expr.nodes.get(s.value as usize) {
+            Some(n) if n.dtype == s.dtype.compute() => {}
+            _ => return Err(format!("store of node {} to a {} argument", s.value, s.dtype)),
+        }
+    }
+    Ok(())
+}
+
+/// The parameter list shared by all entry points.
+fn signature(name: &str, params: &[Param]) -> String {
+    let list: Vec<String> = (params.iter().enumerate())
+        .map(|(i, p)| format!("{}{}* a{i}", if p.writable { "" } else { "const " }, storage_ctype(p.dtype)))
+        .collect();
+    format!("extern \"C\" __global__ void {name}({})", list.join(", "))
+}

@@ -1,0 +1,325 @@
+//! Unit tests of the CUDA C printer: the text a reader wants to see for typical kernels.
+
+use super::expr::*;
+use super::*;
+use crate::kernel::{Arg, MatmulKernel, MatmulOperand};
+use braid_graph::expr::{ExprBuilder, ExprId};
+
+fn view(dims: &[usize], strides: &[isize], offset: usize) -> View {
+    View { dims: dims.into(), strides: strides.into(), offset }
+}
+
+fn contiguous(dims: &[usize]) -> View {
+    View::contiguous(&Shape::new(dims))
+}
+
+fn args(a: &[(DType, usize)]) -> Vec<Arg> {
+    a.iter().map(|&(dtype, len)| Arg { dtype, len }).collect()
+}
+
+/// A kernel of one loop over `dims`.
+fn map(
+    a: &[(DType, usize)],
+    inputs: usize,
+    dims: &[usize],
+    loads: Vec<Load>,
+    b: ExprBuilder,
+    stores: Vec<Store>,
+) -> Kernel {
+    let l = MapLoop { dims: dims.into(), loads, expr: b.finish(), stores };
+    Kernel { args: args(a), inputs, body: Body::Map(vec![l]) }
+}
+
+fn load(arg: u16, dtype: DType, view: View) -> Load {
+    Load { arg, dtype, view }
+}
+
+fn store(arg: u16, dtype: DType, view: View, value: ExprId) -> Store {
+    Store { arg, dtype, view, value }
+}
+
+/// Asserts that `text` contains each of `parts`, in this order.
+fn in_order(text: &str, parts: &[&str]) {
+    let mut at = 0;
+    for p in parts {
+        match text[at..].find(p) {
+            Some(i) => at += i + p.len(),
+            None => panic!("{p:?} missing (or out of order) in:\n{text}"),
+        }
+    }
+}
+
+#[test]
+fn a_contiguous_map_is_one_thread_per_element() {
+    // y = x * 2 + 1
+    let mut b = ExprBuilder::new();
+    let x = b.load(0, DType::F32);
+    let two = b.constant(2.0, DType::F32);
+    let m = b.mul(x, two);
+    let one = b.constant(1.0, DType::F32);
+    let y = b.add(m, one);
+    let (x, out) = (load(0, DType::F32, contiguous(&[4])), store(1, DType::F32, contiguous(&[4]), y));
+    let k = map(&[(DType::F32, 4), (DType::F32, 4)], 1, &[4], vec![x], b, vec![out]);
+    let p = print(&k, "axpb").unwrap();
+    assert_eq!(p.entries, vec![Entry { name: "axpb_loop0".into(), launch: Launch::Map { numel: 4, block: 256 } }]);
+    assert_eq!(p.params, vec![DType::F32, DType::F32]);
+    assert!(!p.source.contains("#include"), "no half types, no headers");
+    in_order(
+        &p.source,
+        &[
+            "extern \"C\" __global__ void axpb_loop0(const float* a0, float* a1) {",
+            "for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < 4LL; i += (long long)gridDim.x * blockDim.x) {",
+            "const float v0 = a0[i];",
+            "const float v1 = 2.0f;",
+            "const float v2 = v0 * v1;",
+            "const float v4 = v2 + v3;",
+            "a1[i] = v4;",
+        ],
+    );
+}
+
+#[test]
+fn views_fold_their_strides_into_the_offsets() {
+    // [2, 3]: a row broadcast down (stride 0), a transposed [3, 2] buffer, rows reversed
+    // from an offset (a negative stride).
+    let mut b = ExprBuilder::new();
+    let (r, t, v) = (b.load(0, DType::F32), b.load(1, DType::F32), b.load(2, DType::F32));
+    let s = b.add(r, t);
+    let y = b.add(s, v);
+    let loads = vec![
+        load(0, DType::F32, view(&[2, 3], &[0, 1], 0)),
+        load(1, DType::F32, view(&[2, 3], &[1, 2], 0)),
+        load(2, DType::F32, view(&[2, 3], &[-3, 1], 4)),
+    ];
+    let a = [(DType::F32, 3), (DType::F32, 6), (DType::F32, 7), (DType::F32, 6)];
+    let k = map(&a, 3, &[2, 3], loads, b, vec![store(3, DType::F32, contiguous(&[2, 3]), y)]);
+    let src = print(&k, "views").unwrap().source;
+    in_order(
+        &src,
+        &[
+            "const long long d0 = i / 3;",
+            "const long long d1 = i % 3;",
+            "const float v0 = a0[d1];",
+            "const float v1 = a1[d0 + d1 * 2];",
+            "const float v2 = a2[4 - d0 * 3 + d1];",
+            "a3[i] = v4;",
+        ],
+    );
+}
+
+#[test]
+fn compare_select_and_max_keep_the_cpu_semantics() {
+    let mut b = ExprBuilder::new();
+    let (x, y) = (b.load(0, DType::F64), b.load(1, DType::F64));
+    let lt = b.cmp(PrimCmp::Lt, x, y);
+    let sel = b.select(lt, x, y);
+    let max = b.max(x, y);
+    let dead = b.neg(x);
+    let out = |arg, dtype, value| store(arg, dtype, contiguous(&[5]), value);
+    let stores = vec![out(2, DType::Bool, lt), out(3, DType::F64, sel), out(4, DType::F64, max)];
+    let a = [(DType::F64, 5), (DType::F64, 5), (DType::Bool, 5), (DType::F64, 5), (DType::F64, 5)];
+    let (l0, l1) = (load(0, DType::F64, contiguous(&[5])), load(1, DType::F64, contiguous(&[5])));
+    let src = print(&map(&a, 2, &[5], vec![l0, l1], b, stores), "k").unwrap().source;
+    in_order(
+        &src,
+        &[
+            "(const double* a0, const double* a1, unsigned char* a2, double* a3, double* a4)",
+            "const bool v2 = v0 < v1;",
+            "const double v3 = v2 ? v0 : v1;",
+            // NaN from either side: a NaN `v0` is kept, a NaN `v1` wins every comparison.
+            "const double v4 = (v0 > v1 || isnan(v0)) ? v0 : v1;",
+            "a2[i] = (unsigned char)v2;",
+        ],
+    );
+    assert!(!src.contains(&format!("v{dead} =")), "no store reads it");
+}
+
+#[test]
+fn casts_and_integer_division_follow_the_cpu() {
+    let mut b = ExprBuilder::new();
+    let (x, w, n, d) = (b.load(0, DType::F32), b.load(1, DType::I64), b.load(2, DType::I32), b.load(3, DType::I32));
+    let u8 = b.cast(DType::U8, x);
+    let f = b.cast(DType::F32, w);
+    let h = b.cast(DType::F16, x);
+    let q = b.div(n, d);
+    let stores = vec![
+        store(4, DType::U8, contiguous(&[3]), u8),
+        store(5, DType::F32, contiguous(&[3]), f),
+        store(6, DType::F16, contiguous(&[3]), h),
+        store(7, DType::I32, contiguous(&[3]), q),
+    ];
+    let dt = [DType::F32, DType::I64, DType::I32, DType::I32, DType::U8, DType::F32, DType::F16, DType::I32];
+    let loads = (0..4).map(|i| load(i, dt[i as usize], contiguous(&[3]))).collect();
+    let a: Vec<(DType, usize)> = dt.iter().map(|&d| (d, 3)).collect();
+    let src = print(&map(&a, 4, &[3], loads, b, stores), "casts").unwrap().source;
+    in_order(
+        &src,
+        &[
+            "#include <cuda_fp16.h>",
+            "unsigned char* a4, float* a5, __half* a6, int* a7",
+            // Truncates and saturates, NaN gives 0.
+            "const unsigned char v4 = braid_f2u8(v0);",
+            // The CPU goes through f64: an i64 rounds twice.
+            "const float v5 = (float)(double)v1;",
+            "const float v6 = __half2float(__float2half_rn(v0));",
+            // x / 0 == 0; MIN / -1 wraps (C would trap).
+            "const int v7 = v3 == 0 ? 0 : v3 == -1 ? (int)((unsigned)0 - (unsigned)v2) : v2 / v3;",
+            "a6[i] = __float2half_rn(v6);",
+        ],
+    );
+}
+
+#[test]
+fn a_softmax_row_kernel_runs_the_cpu_phases() {
+    // [3, 5] along 1: max, exp(x - max), sum, divide; the sum is also stored per row.
+    let mut b = ExprBuilder::new();
+    let x = b.load(0, DType::F32);
+    let m = b.reduce(ReduceOp::Max, x);
+    let s = b.sub(x, m);
+    let e = b.exp(s);
+    let sum = b.reduce(ReduceOp::Sum, e);
+    let y = b.div(e, sum);
+    let stores =
+        vec![store(1, DType::F16, contiguous(&[3, 5]), y), store(2, DType::F32, view(&[3, 5], &[1, 0], 0), sum)];
+    let loads = vec![load(0, DType::F32, contiguous(&[3, 5]))];
+    let r = RowKernel { dims: [3, 5].as_slice().into(), axis: Some(1), loads, expr: b.finish(), stores };
+    let k =
+        Kernel { args: args(&[(DType::F32, 15), (DType::F16, 15), (DType::F32, 3)]), inputs: 1, body: Body::Rows(r) };
+    let p = print(&k, "softmax").unwrap();
+    assert_eq!(p.entries, vec![Entry { name: "softmax_rows".into(), launch: Launch::Rows { rows: 3, threads: 32 } }]);
+    in_order(
+        &p.source,
+        &[
+            "void softmax_rows(const float* a0, __half* a1, float* a2) {",
+            "const long long d0 = row;",
+            // Phase 1: the max, each thread striding over the row, then a tree in shared memory.
+            "__shared__ float red1[32];",
+            "for (long long t = threadIdx.x; t < 5LL; t += blockDim.x) {",
+            "const float v0 = a0[d0 * 5 + d1];",
+            "if (!isnan(acc1) && (v0 > acc1 || isnan(v0))) { acc1 = v0; }",
+            "__syncthreads();",
+            "for (unsigned s = blockDim.x / 2; s > 0; s /= 2) {",
+            "const float v1 = red1[0];",
+            // Phase 2: the sum of exp(x - max).
+            "const float v3 = expf(v2);",
+            "acc4 = acc4 + v3;",
+            "red4[threadIdx.x] = red4[threadIdx.x] + red4[threadIdx.x + s];",
+            "const float v4 = red4[0];",
+            // Per-row stores by one thread, then per-element ones in a last sweep.
+            "if (threadIdx.x == 0) {",
+            "a2[d0] = v4;",
+            "const float v5 = v3 / v4;",
+            "a1[d0 * 5 + d1] = __float2half_rn(v5);",
+        ],
+    );
+    assert_eq!(p.source.matches("expf(v2)").count(), 2, "recomputed in the last sweep, as on the CPU");
+}
+
+#[test]
+fn whole_space_reductions_use_one_row() {
+    // Mean over everything (f64) and the first maximum of an i32 ([2, 3], axis None).
+    let mut b = ExprBuilder::new();
+    let (x, n) = (b.load(0, DType::F64), b.load(1, DType::I32));
+    let mean = b.reduce(ReduceOp::Mean, x);
+    let arg = b.reduce(ReduceOp::ArgMax, n);
+    let row = view(&[2, 3], &[0, 0], 0);
+    let stores = vec![store(2, DType::F64, row.clone(), mean), store(3, DType::I64, row, arg)];
+    let loads = vec![load(0, DType::F64, contiguous(&[2, 3])), load(1, DType::I32, view(&[2, 3], &[1, 2], 0))];
+    let r = RowKernel { dims: [2, 3].as_slice().into(), axis: None, loads, expr: b.finish(), stores };
+    let a = args(&[(DType::F64, 6), (DType::I32, 6), (DType::F64, 1), (DType::I64, 1)]);
+    let p = print(&Kernel { args: a, inputs: 2, body: Body::Rows(r) }, "all").unwrap();
+    assert_eq!(p.entries[0].launch, Launch::Rows { rows: 1, threads: 32 });
+    in_order(
+        &p.source,
+        &[
+            "for (long long t = threadIdx.x; t < 6LL; t += blockDim.x) {",
+            "const long long d0 = t / 3;",
+            "const long long d1 = t % 3;",
+            "const double v2 = red2[0] / 6.0;",
+            "long long arg3 = 0;",
+            "const int v1 = a1[d0 + d1 * 2];",
+            // The first of equal maxima wins, whatever order the tree combines in.
+            "if (v1 > acc3 || (v1 == acc3 && t < arg3)) { acc3 = v1; arg3 = t; }",
+            "const long long v3 = idx3[0];",
+            "a2[0] = v2;",
+            "a3[0] = v3;",
+        ],
+    );
+}
+
+#[test]
+fn constants_round_trip() {
+    assert_eq!(float_literal(2.0, DType::F32), "2.0f");
+    assert_eq!(float_literal(-0.0, DType::F64), "-0.0");
+    assert_eq!(float_literal(1e15, DType::F64), "1000000000000000.0");
+    assert_eq!(float_literal(0.1, DType::F32), "0x1.99999ap-4f");
+    assert_eq!(float_literal(0.1, DType::F64), "0x1.999999999999ap-4");
+    assert_eq!(float_literal(f64::NAN, DType::F32), "__int_as_float(0x7fc00000)");
+    assert_eq!(float_literal(f64::NEG_INFINITY, DType::F64), "-__longlong_as_double(0x7ff0000000000000LL)");
+    assert_eq!(float_literal(f64::from_bits(1), DType::F64), "0x0.0000000000001p-1022");
+    assert_eq!(int_literal(i64::MIN, DType::I64), "(-9223372036854775807LL - 1)");
+    assert_eq!(int_literal(-1, DType::U8), "255");
+    // Hexadecimal digits scaled by a power of two give the value back exactly.
+    for v in [0.1, -1.0 / 3.0, 6.02e23, 1e-300, f32::MAX as f64, 1.5] {
+        let h = hex_float(v);
+        let (m, e) = h.trim_start_matches('-').trim_start_matches("0x").split_once('p').unwrap();
+        let (lead, frac) = m.split_once('.').unwrap_or((m, ""));
+        let digits = u64::from_str_radix(&format!("{lead}{frac}"), 16).unwrap() as f64;
+        let e: i32 = e.parse().unwrap();
+        let back = digits * 2f64.powi(-4 * frac.len() as i32) * 2f64.powi(e);
+        assert_eq!(back, v.abs(), "{v} printed as {h}");
+    }
+}
+
+#[test]
+fn a_matmul_prints_only_its_epilogue() {
+    let mm = |epilogue| MatmulKernel {
+        dtype: DType::F32,
+        lhs: MatmulOperand { arg: 0, batch_offsets: vec![0], rs: 2, cs: 1 },
+        rhs: MatmulOperand { arg: 1, batch_offsets: vec![0], rs: 2, cs: 1 },
+        product: 3,
+        m: 2,
+        n: 2,
+        k: 2,
+        epilogue,
+    };
+    let a = args(&[(DType::F32, 4), (DType::F32, 4), (DType::F32, 2)]);
+    let bare = Kernel { args: a.clone(), inputs: 2, body: Body::Matmul(MatmulKernel { product: 2, ..mm(None) }) };
+    let p = print(&bare, "mm").unwrap();
+    assert!(p.entries.is_empty() && !p.source.contains("extern \"C\""), "nothing to launch after cuBLAS");
+    // The product in scratch memory (argument 3 of 3): a fourth, read-only parameter.
+    let mut b = ExprBuilder::new();
+    let (prod, bias) = (b.load(0, DType::F32), b.load(1, DType::F32));
+    let y = b.add(prod, bias);
+    let loads = vec![load(3, DType::F32, contiguous(&[2, 2])), load(0, DType::F32, view(&[2, 2], &[0, 1], 0))];
+    let e = MapLoop {
+        dims: [2, 2].as_slice().into(),
+        loads,
+        expr: b.finish(),
+        stores: vec![store(2, DType::F32, contiguous(&[2, 2]), y)],
+    };
+    let a = args(&[(DType::F32, 4), (DType::F32, 4), (DType::F32, 4)]);
+    let p = print(&Kernel { args: a, inputs: 2, body: Body::Matmul(mm(Some(e))) }, "mm").unwrap();
+    assert_eq!(p.params, vec![DType::F32; 4]);
+    assert_eq!(p.entries[0].name, "mm_epilogue");
+    assert!(p.source.contains("void mm_epilogue(const float* a0, const float* a1, float* a2, const float* a3)"));
+}
+
+#[test]
+fn rejects_what_the_cpu_rejects() {
+    let k = |op: &dyn Fn(&mut ExprBuilder, ExprId) -> ExprId, dt: DType, len: usize, out: u16| {
+        let mut b = ExprBuilder::new();
+        let x = b.load(0, dt);
+        let y = op(&mut b, x);
+        let stores = vec![store(out, b.dtype(y), contiguous(&[4]), y)];
+        map(&[(dt, 4), (b.dtype(y), len)], 1, &[4], vec![load(0, dt, contiguous(&[4]))], b, stores)
+    };
+    let id = |_: &mut ExprBuilder, x| x;
+    assert!(print(&k(&id, DType::F32, 4, 1), "2d").unwrap_err().contains("not a C identifier"));
+    assert!(print(&k(&id, DType::F32, 3, 1), "k").unwrap_err().contains("reaches 0..=3"));
+    assert!(print(&k(&id, DType::F32, 4, 0), "k").unwrap_err().contains("store of f32 to argument 0"));
+    let pow = |b: &mut ExprBuilder, x| b.binary(PrimBinary::Pow, x, x);
+    assert!(print(&k(&pow, DType::I32, 4, 1), "k").unwrap_err().contains("pow has no integer form"));
+    let sum = |b: &mut ExprBuilder, x| b.reduce(ReduceOp::Sum, x);
+    assert!(print(&k(&sum, DType::F32, 4, 1), "k").unwrap_err().contains("only run in row kernels"));
+}

@@ -1,0 +1,316 @@
+//! The CUDA C printer against the CPU runner, with no GPU: random kernels are printed, compiled
+//! on the host by g++ through a small header that emulates the CUDA built-ins they use, run on
+//! random inputs, and compared with `braid_devices::cpu::run_kernel` on the same inputs.
+//!
+//! All kernels go into one C++ file and one g++ run (about 7 s on 2 cores). Map loops run with 8
+//! threads per block and at most 3 blocks, so the grid-stride loop wraps; row kernels run with
+//! ONE thread per block, so the shared-memory tree does nothing: this checks the index math, the
+//! expressions and the phases of a row kernel, not the parallel reduction (a GPU must).
+//!
+//! Comparison: integers and bools exactly, floats bit for bit (NaN equals NaN) unless they
+//! derive from f32 `exp`/`tanh` (the CPU's own polynomials, a few ulps from libm's) or from a
+//! float sum (another summation order): those within 1e-5 relative or 4 ulps of their storage
+//! type, whichever is looser (row kernels: relative to at least 1, for `x - mean`). So that an
+//! ulp stays an ulp, random DAGs never feed such values to comparisons, casts to integers or
+//! half types, division, subtraction, logs and the like, and the row kernels' templates divide
+//! only by sums of positive values. Random DAGs also cast to f16 only from f32 or
+//! from values of at most 20 significant bits, and to bf16 only from the latter: the CPU's
+//! f64-to-half conversions (the `half` crate's) round twice (f16, through f32) or drop the low
+//! 32 bits of the f64 first (bf16), where the printed code (and CUDA) rounds once.
+
+#[path = "cuda_printer/cases.rs"]
+mod cases;
+mod common;
+
+use cases::*;
+
+use braid_devices::cpu::{map::ArgPtr, run_kernel};
+use braid_graph::DType;
+use braid_lowering::cuda::{self, Launch};
+use braid_lowering::{Body, Kernel, MapLoop, RowKernel};
+use common::Rng;
+use std::fmt::Write;
+use std::process::Command;
+
+/// What the printed kernels need from CUDA, for g++: qualifiers, thread coordinates as host
+/// globals, bit casts, and correctly rounded f16/bf16 conversions.
+const HEADER: &str = r#"#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+using std::isnan;
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+#define __shared__ static
+struct braid_dim3 { unsigned x, y, z; };
+static braid_dim3 blockIdx, threadIdx, blockDim, gridDim;
+static inline void __syncthreads() {}
+static inline float __int_as_float(int b) { float f; std::memcpy(&f, &b, 4); return f; }
+static inline double __longlong_as_double(long long b) { double f; std::memcpy(&f, &b, 8); return f; }
+// x rounded to nearest-even with p significant bits and smallest normal exponent emin.
+static inline double braid_round(double x, int p, int emin) {
+  if (!std::isfinite(x) || x == 0) return x;
+  int e;
+  std::frexp(x, &e);
+  int q = (e - 1 > emin ? e - 1 : emin) - (p - 1);
+  return std::ldexp(std::nearbyint(std::ldexp(x, -q)), q);
+}
+struct __half { unsigned short x; };
+struct __nv_bfloat16 { unsigned short x; };
+static inline __half __double2half(double x) {
+  double r = braid_round(x, 11, -14), a = std::fabs(r);
+  unsigned short s = std::signbit(r) ? 0x8000 : 0;
+  if (std::isnan(r)) return {0x7e00};
+  if (a > 65504.0) return {(unsigned short)(s | 0x7c00)};
+  if (a < 0x1p-14) return {(unsigned short)(s | (unsigned short)(a * 0x1p24))};
+  int e;
+  double m = std::frexp(a, &e);
+  return {(unsigned short)(s | (e + 14) << 10 | (unsigned short)((m * 2 - 1) * 1024))};
+}
+static inline __half __float2half_rn(float x) { return __double2half(x); }
+static inline float __half2float(__half h) {
+  int e = h.x >> 10 & 31, m = h.x & 1023;
+  double v = e == 0 ? std::ldexp(m, -24) : e == 31 ? (m ? NAN : INFINITY) : std::ldexp(m + 1024, e - 25);
+  return (float)(h.x & 0x8000 ? -v : v);
+}
+static inline __nv_bfloat16 __double2bfloat16(double x) {
+  if (std::isnan(x)) return {0x7fc0};
+  float f = (float)braid_round(x, 8, -126);
+  unsigned int b;
+  std::memcpy(&b, &f, 4);
+  return {(unsigned short)(b >> 16)};
+}
+static inline __nv_bfloat16 __float2bfloat16_rn(float x) { return __double2bfloat16(x); }
+static inline float __bfloat162float(__nv_bfloat16 h) {
+  unsigned int b = (unsigned int)h.x << 16;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+static std::vector<unsigned long long> braid_read(const std::string& path, size_t bytes) {
+  std::vector<unsigned long long> mem(bytes / 8 + 1);
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f || std::fread(mem.data(), 1, bytes, f) != bytes) { std::fprintf(stderr, "cannot read %s\n", path.c_str()); std::exit(2); }
+  std::fclose(f);
+  return mem;
+}
+static void braid_write(const std::string& path, const std::vector<unsigned long long>& mem, size_t bytes) {
+  FILE* f = std::fopen(path.c_str(), "wb");
+  if (!f || std::fwrite(mem.data(), 1, bytes, f) != bytes) { std::fprintf(stderr, "cannot write %s\n", path.c_str()); std::exit(2); }
+  std::fclose(f);
+}
+// Runs f as every thread of every block, one after another.
+template <class F> static void braid_launch(unsigned grid, unsigned block, F f) {
+  gridDim = {grid, 1, 1};
+  blockDim = {block, 1, 1};
+  for (unsigned b = 0; b < grid; ++b)
+    for (unsigned t = 0; t < block; ++t) {
+      blockIdx = {b, 0, 0};
+      threadIdx = {t, 0, 0};
+      f();
+    }
+}
+"#;
+
+/// Runs `k` on the CPU over copies of `init`; returns every argument's bytes after.
+fn run_cpu(k: &Kernel, init: &[Vec<u8>]) -> Result<Vec<Vec<u8>>, String> {
+    let mut bufs: Vec<Vec<u64>> = init.iter().map(|b| vec![0u64; b.len().div_ceil(8).max(1)]).collect();
+    let bytes = |v: &mut Vec<u64>, n: usize| -> &mut [u8] {
+        // SAFETY: `v` holds at least `n` bytes, and any byte pattern is a valid u64.
+        unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, n) }
+    };
+    for (b, i) in bufs.iter_mut().zip(init) {
+        bytes(b, i.len()).copy_from_slice(i);
+    }
+    let args: Vec<ArgPtr> = (k.args.iter().zip(&mut bufs))
+        .map(|(a, b)| ArgPtr { ptr: b.as_mut_ptr() as *mut u8, len: a.len, dtype: a.dtype })
+        .collect();
+    run_kernel(k, &args)?;
+    Ok(bufs.iter_mut().zip(init).map(|(b, i)| bytes(b, i.len()).to_vec()).collect())
+}
+
+/// Byte offsets of each argument in a case's file (each aligned to 8), and the total.
+fn layout(init: &[Vec<u8>]) -> (Vec<usize>, usize) {
+    let mut at = 0;
+    let mut offsets = vec![];
+    for b in init {
+        offsets.push(at);
+        at += b.len().div_ceil(8) * 8;
+    }
+    (offsets, at)
+}
+
+/// Whether the printed kernel's `got` passes for the CPU's `want`.
+fn close(want: f64, got: f64, storage: DType, approx: bool, floor: f64) -> bool {
+    if want.to_bits() == got.to_bits() || (want.is_nan() && got.is_nan()) {
+        return true;
+    }
+    let tol = 1e-5f64.max(8.0 * storage.epsilon()); // epsilon() is half an ulp
+    approx && (want - got).abs() <= tol * want.abs().max(got.abs()).max(floor)
+}
+
+/// The first element where the printed kernel's arguments after the run (`got`, the case's
+/// file) differ from the CPU's (`cpu`), if any.
+fn compare(case: &Case, cpu: &[Vec<u8>], got: &[u8]) -> Option<String> {
+    let (offsets, _) = layout(&case.init);
+    let (loops, rows): (Vec<&MapLoop>, Option<&RowKernel>) = match &case.kernel.body {
+        Body::Map(l) => (l.iter().collect(), None),
+        Body::Rows(r) => (vec![], Some(r)),
+        Body::Matmul(m) => (m.epilogue.iter().collect(), None),
+    };
+    let mut approx = vec![false; case.kernel.args.len()];
+    for (expr, stores) in loops.iter().map(|l| (&l.expr, &l.stores)).chain(rows.map(|r| (&r.expr, &r.stores))) {
+        let t = approximate(expr);
+        stores.iter().for_each(|s| approx[s.arg as usize] |= t[s.value as usize]);
+    }
+    for a in case.kernel.inputs..case.kernel.args.len() {
+        let d = case.kernel.args[a].dtype;
+        let got = &got[offsets[a]..offsets[a] + case.init[a].len()];
+        for e in 0..case.kernel.args[a].len {
+            let (w, g) = (element(d, &cpu[a], e), element(d, got, e));
+            let ok = match (w, g) {
+                (Ok(w), Ok(g)) => close(w, g, d, approx[a], if rows.is_some() { 1.0 } else { 0.0 }),
+                (w, g) => w == g,
+            };
+            if !ok {
+                return Some(format!("{}: argument a{a} ({d}) element {e}: cpu {w:?}, printed {g:?}", case.label));
+            }
+        }
+    }
+    None
+}
+
+/// The C++ function that runs case `n` (printed as `src`) over the contents of its file
+/// (`total` bytes, argument `a` at `offsets[a]`) and writes them back.
+fn cpp_runner(n: usize, src: &cuda::CudaSource, offsets: &[usize], total: usize) -> String {
+    let mut f = format!("namespace case{n} {{\n{}}}\n", src.source);
+    let _ = writeln!(f, "static void run_case{n}(const std::string& dir) {{\n  std::fputs(\"case{n}\\n\", stderr);");
+    let _ = writeln!(
+        f,
+        "  auto mem = braid_read(dir + \"/case{n}.bin\", {total});\n  auto p = (unsigned char*)mem.data();"
+    );
+    for (a, d) in src.params.iter().enumerate() {
+        let _ = writeln!(f, "  auto a{a} = ({}*)(p + {});", cuda::storage_ctype(*d), offsets[a]);
+    }
+    let params: Vec<String> = (0..src.params.len()).map(|a| format!("a{a}")).collect();
+    for e in &src.entries {
+        let (grid, block) = match e.launch {
+            Launch::Map { numel, .. } => (numel.div_ceil(8).min(3), 8),
+            Launch::Rows { rows, .. } => (rows, 1),
+        };
+        let (name, params) = (&e.name, params.join(", "));
+        let _ = writeln!(f, "  braid_launch({grid}, {block}, [&] {{ case{n}::{name}({params}); }});");
+    }
+    let _ = writeln!(f, "  braid_write(dir + \"/case{n}.out\", mem, {total});\n}}");
+    f
+}
+
+#[test]
+fn printed_kernels_compute_what_the_cpu_computes() {
+    if Command::new("g++").arg("--version").output().is_err() {
+        eprintln!("cuda_printer: SKIPPED, no g++ on PATH to compile the printed kernels with");
+        return;
+    }
+    let start = std::time::Instant::now();
+    let mut rng = Rng::new(0xC0DA);
+    let mut cases = vec![edges_case()];
+    cases.extend((0..300).map(|n| map_case(&mut rng, n)));
+    cases.extend((0..150).map(|n| rows_case(&mut rng, n)));
+    cases.extend((0..6).map(|n| concat_case(&mut rng, n)));
+    cases.extend((0..4).map(|n| matmul_case(&mut rng, n)));
+    let dir = std::env::temp_dir().join(format!("braid_cuda_printer_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for h in ["cuda_fp16.h", "cuda_bf16.h"] {
+        std::fs::write(dir.join(h), "// the emulation header defines the half types\n").unwrap();
+    }
+    let mut main = format!("{HEADER}\n");
+    let mut runs = String::new();
+    let mut cpu = vec![];
+    let mut printed = vec![];
+    for (n, case) in cases.iter().enumerate() {
+        let after =
+            run_cpu(&case.kernel, &case.init).unwrap_or_else(|e| panic!("{}: the CPU rejects it: {e}", case.label));
+        let src = cuda::print(&case.kernel, &format!("case{n}")).unwrap_or_else(|e| panic!("{}: {e}", case.label));
+        let mut init = case.init.clone();
+        case.from_cpu.iter().for_each(|&a| init[a] = after[a].clone());
+        let (offsets, total) = layout(&init);
+        let mut file = vec![0u8; total];
+        for (o, b) in offsets.iter().zip(&init) {
+            file[*o..*o + b.len()].copy_from_slice(b);
+        }
+        std::fs::write(dir.join(format!("case{n}.bin")), file).unwrap();
+        main.push_str(&cpp_runner(n, &src, &offsets, total));
+        let _ = writeln!(runs, "  run_case{n}(dir);");
+        cpu.push(after);
+        printed.push(src);
+    }
+    let _ = writeln!(
+        main,
+        "int main(int argc, char** argv) {{\n  if (argc < 2) return 2;\n  std::string dir = argv[1];\n{runs}  return 0;\n}}"
+    );
+    std::fs::write(dir.join("main.cpp"), &main).unwrap();
+    let generated = start.elapsed();
+    let exe = dir.join("emulated");
+    let out = Command::new("g++")
+        .args(["-O1", "-std=c++17", "-fno-builtin", "-ffp-contract=off", "-w", "-I"])
+        .arg(&dir)
+        // Opt-in: also catch out-of-bounds accesses and undefined behaviour such as signed
+        // overflow in the printed code (makes g++ about three times slower).
+        .args(std::env::var_os("BRAID_CUDA_TEST_SANITIZE").map(|_| "-fsanitize=address,undefined"))
+        .args(std::env::var_os("BRAID_CUDA_TEST_SANITIZE").map(|_| "-fno-sanitize-recover=all"))
+        .arg("-o")
+        .arg(&exe)
+        .arg(dir.join("main.cpp"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "g++ failed on {}:\n{}", dir.display(), String::from_utf8_lossy(&out.stderr));
+    let compiled = start.elapsed();
+    let out = Command::new(&exe).arg(&dir).output().unwrap();
+    if !out.status.success() {
+        // Each case names itself on stderr before it runs.
+        let err = String::from_utf8_lossy(&out.stderr);
+        let last = err.lines().rfind(|l| l.starts_with("case")).and_then(|l| l[4..].parse::<usize>().ok());
+        if let Some(n) = last {
+            eprintln!("--- {}\n{:#?}\n{}", cases[n].label, cases[n].kernel, printed[n].source);
+        }
+        panic!(
+            "the emulated kernels failed ({}), in {}:\n{}",
+            out.status,
+            dir.display(),
+            err.lines().last().unwrap_or("")
+        );
+    }
+    let mut failures = vec![];
+    for (n, case) in cases.iter().enumerate() {
+        let got = std::fs::read(dir.join(format!("case{n}.out"))).unwrap();
+        if let Some(f) = compare(case, &cpu[n], &got) {
+            if failures.len() < 3 {
+                eprintln!("--- {}\n{:#?}\n{}", case.label, case.kernel, printed[n].source);
+            }
+            failures.push(f);
+        }
+    }
+    eprintln!(
+        "cuda_printer: {} kernels; generated in {:.2?}, g++ {:.2?}, run and compared {:.2?}",
+        cases.len(),
+        generated,
+        compiled - generated,
+        start.elapsed() - compiled
+    );
+    assert!(
+        failures.is_empty(),
+        "{} of {} kernels differ (files in {}):\n{}",
+        failures.len(),
+        cases.len(),
+        dir.display(),
+        failures.join("\n")
+    );
+    match std::env::var_os("BRAID_CUDA_TEST_KEEP") {
+        Some(_) => eprintln!("cuda_printer: kept {}", dir.display()),
+        None => drop(std::fs::remove_dir_all(&dir)),
+    }
+}

@@ -1,0 +1,565 @@
+//! The kernels the CUDA printer test prints: random map loops over every dtype and view kind,
+//! row kernels for every reduction along each axis, concatenations, matrix product epilogues and
+//! edge cases, each with random inputs (never all zeros).
+
+use super::common::Rng;
+use braid_graph::expr::{Distribution, Expr, ExprBuilder, ExprId, ExprOp, PrimBinary, PrimCmp, PrimUnary};
+use braid_graph::{DType, ReduceOp};
+use braid_lowering::{Arg, Body, Kernel, Load, MapLoop, MatmulKernel, MatmulOperand, RowKernel, Store, View};
+use half::{bf16, f16};
+
+pub(crate) struct Case {
+    pub(crate) label: String,
+    pub(crate) kernel: Kernel,
+    /// Per argument: its bytes before the kernel runs.
+    pub(crate) init: Vec<Vec<u8>>,
+    /// Arguments the printed kernel starts from the CPU's results for (a matmul's product,
+    /// which cuBLAS would write).
+    pub(crate) from_cpu: Vec<usize>,
+}
+
+pub(crate) fn encode(d: DType, vals: &[f64]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(vals.len() * d.size());
+    for &v in vals {
+        match d {
+            DType::F32 => out.extend((v as f32).to_le_bytes()),
+            DType::F64 => out.extend(v.to_le_bytes()),
+            DType::F16 => out.extend(f16::from_f64(v).to_le_bytes()),
+            DType::BF16 => out.extend(bf16::from_f64(v).to_le_bytes()),
+            DType::I32 => out.extend((v as i32).to_le_bytes()),
+            DType::I64 => out.extend((v as i64).to_le_bytes()),
+            DType::U8 | DType::Bool => out.push(v as u8),
+        }
+    }
+    out
+}
+
+/// Element `i` of a buffer: a float (as f64) or an integer.
+pub(crate) fn element(d: DType, b: &[u8], i: usize) -> Result<f64, i64> {
+    let s = &b[i * d.size()..(i + 1) * d.size()];
+    match d {
+        DType::F32 => Ok(f32::from_le_bytes(s.try_into().unwrap()) as f64),
+        DType::F64 => Ok(f64::from_le_bytes(s.try_into().unwrap())),
+        DType::F16 => Ok(f16::from_le_bytes(s.try_into().unwrap()).to_f64()),
+        DType::BF16 => Ok(bf16::from_le_bytes(s.try_into().unwrap()).to_f64()),
+        DType::I32 => Err(i32::from_le_bytes(s.try_into().unwrap()) as i64),
+        DType::I64 => Err(i64::from_le_bytes(s.try_into().unwrap())),
+        DType::U8 | DType::Bool => Err(s[0] as i64),
+    }
+}
+
+/// Random contents for an argument, never all zeros (bools also hold bytes other than 0 and 1;
+/// floats a few NaNs, infinities, -0 and values that overflow f16).
+pub(crate) fn random_values(rng: &mut Rng, d: DType, n: usize, positive: bool) -> Vec<f64> {
+    let mut v: Vec<f64> = (0..n)
+        .map(|_| match d {
+            DType::Bool if rng.chance(0.1) => (2 + rng.below(254)) as f64,
+            DType::Bool => rng.below(2) as f64,
+            DType::U8 => rng.below(256) as f64,
+            DType::I32 | DType::I64 => rng.below(101) as f64 - 50.0,
+            _ if positive => rng.uniform(0.25, 3.0),
+            _ if rng.chance(0.05) => *rng.pick(&[f64::NAN, f64::INFINITY, f64::NEG_INFINITY, -0.0, 1e10, 70000.0]),
+            _ => rng.uniform(-3.0, 3.0),
+        })
+        .collect();
+    if v.iter().all(|&x| x == 0.0) {
+        v[0] = 1.0;
+    }
+    v
+}
+
+/// A view over `dims` into a buffer laid out in a random order (a transpose), with random
+/// padding (a narrow), offset and reversed dimensions, broadcast (stride 0) dimensions if
+/// `broadcast`; with the buffer length it needs.
+pub(crate) fn random_view(rng: &mut Rng, dims: &[usize], broadcast: bool) -> (View, usize) {
+    let rank = dims.len();
+    let mut order: Vec<usize> = (0..rank).collect();
+    if rng.chance(0.4) {
+        for i in (1..rank).rev() {
+            order.swap(i, rng.below(i + 1));
+        }
+    }
+    let mut strides = vec![0isize; rank];
+    let mut acc = 1;
+    for &d in order.iter().rev() {
+        if broadcast && rng.chance(0.25) {
+            continue;
+        }
+        strides[d] = acc as isize;
+        acc *= dims[d] + if rng.chance(0.2) { 1 + rng.below(2) } else { 0 };
+    }
+    let mut offset = if rng.chance(0.3) { 1 + rng.below(3) } else { 0 };
+    for d in 0..rank {
+        if strides[d] != 0 && rng.chance(0.15) {
+            offset += (dims[d] - 1) * strides[d] as usize;
+            strides[d] = -strides[d];
+        }
+    }
+    let reach: usize = (0..rank).filter(|&d| strides[d] > 0).map(|d| (dims[d] - 1) * strides[d] as usize).sum();
+    (View { dims: dims.into(), strides: strides.into(), offset }, offset + reach + 1 + rng.below(2))
+}
+
+pub(crate) fn operands(op: &ExprOp) -> Vec<usize> {
+    match *op {
+        ExprOp::Load(_) | ExprOp::Const(_) | ExprOp::ConstInt(_) | ExprOp::Index => vec![],
+        ExprOp::Random { operand, .. } => vec![operand as usize],
+        ExprOp::Unary(_, a) | ExprOp::Cast(_, a) | ExprOp::Reduce(_, a) => vec![a as usize],
+        ExprOp::Binary(_, a, b) | ExprOp::Cmp(_, a, b) => vec![a as usize, b as usize],
+        ExprOp::Select(c, a, b) => vec![c as usize, a as usize, b as usize],
+    }
+}
+
+/// Per node: whether its value may differ from the CPU's by a few ulps (see the module docs).
+pub(crate) fn approximate(expr: &Expr) -> Vec<bool> {
+    let mut t = vec![false; expr.nodes.len()];
+    for (i, n) in expr.nodes.iter().enumerate() {
+        t[i] = match n.op {
+            ExprOp::Unary(PrimUnary::Exp | PrimUnary::Tanh, _) if n.dtype == DType::F32 => true,
+            ExprOp::Reduce(ReduceOp::Sum | ReduceOp::Mean, _) if n.dtype.is_float() => true,
+            op => operands(&op).iter().any(|&o| t[o]),
+        };
+    }
+    t
+}
+
+/// A random expression DAG, tracking per node whether it is approximate (`taint`) and whether
+/// it has at most 20 significant bits (`short`: the CPU's casts to f16/bf16 round it once).
+struct Dag {
+    b: ExprBuilder,
+    taint: Vec<bool>,
+    short: Vec<bool>,
+}
+
+impl Dag {
+    fn add(&mut self, id: ExprId, taint: bool, short: bool) -> ExprId {
+        assert_eq!(id as usize, self.taint.len());
+        self.taint.push(taint);
+        self.short.push(short);
+        id
+    }
+
+    fn pick(&self, rng: &mut Rng, ok: impl Fn(ExprId) -> bool) -> Option<ExprId> {
+        let c: Vec<ExprId> = (0..self.taint.len() as ExprId).filter(|&i| ok(i)).collect();
+        (!c.is_empty()).then(|| c[rng.below(c.len())])
+    }
+
+    fn constant(&mut self, rng: &mut Rng, d: DType) -> ExprId {
+        let (id, short) = if d.is_float() {
+            let specials = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, -0.0, 1e-40, 1e300, 3e9, 65520.0];
+            let v = if rng.chance(0.3) { *rng.pick(&specials) } else { *rng.pick(&[2.0, 0.5, -1.5, 0.1, 1.0 / 3.0]) };
+            let held = if d == DType::F32 { v as f32 as f64 } else { v };
+            let short = !held.is_finite() || (held == held as f32 as f64 && held.to_bits() & 0xffff_ffff == 0);
+            (self.b.constant(v, d), short)
+        } else {
+            let v = *rng.pick(&match d {
+                DType::I32 => [0, 1, -1, 7, -3, 100_000, i32::MAX as i64, i32::MIN as i64],
+                DType::I64 => [0, 1, -1, 7, -5, 1 << 40, i64::MAX, i64::MIN],
+                DType::U8 => [0, 1, 3, 200, 255, 0, 1, 2],
+                _ => [0, 1, 0, 1, 0, 1, 0, 1],
+            });
+            (self.b.int_constant(v, d), v.unsigned_abs() < 1 << 20)
+        };
+        self.add(id, false, short)
+    }
+
+    fn grow(&mut self, rng: &mut Rng) {
+        use DType::*;
+        match rng.below(9) {
+            0 | 1 => {
+                let Some(x) = self.pick(rng, |i| self.b.dtype(i) != Bool) else { return };
+                let (d, tx, sx) = (self.b.dtype(x), self.taint[x as usize], self.short[x as usize]);
+                use PrimUnary::*;
+                let ops: &[PrimUnary] = match (d.is_float(), tx) {
+                    (false, _) => &[Neg, Abs],
+                    (true, true) => &[Neg, Abs, Exp, Tanh],
+                    (true, false) => &[Neg, Exp, Log, Sqrt, Abs, Sin, Cos, Tanh],
+                };
+                let op = *rng.pick(ops);
+                let id = self.b.unary(op, x);
+                self.add(id, tx || (d == F32 && matches!(op, Exp | Tanh)), sx && matches!(op, Neg | Abs));
+            }
+            2..=4 => {
+                let Some(x) = self.pick(rng, |i| self.b.dtype(i) != Bool) else { return };
+                let d = self.b.dtype(x);
+                let y = match rng.chance(0.3) {
+                    true => self.constant(rng, d),
+                    false => self.pick(rng, |i| self.b.dtype(i) == d).unwrap_or(x),
+                };
+                let t = self.taint[x as usize] || self.taint[y as usize];
+                use PrimBinary::*;
+                let ops: &[PrimBinary] = match (d.is_float(), t) {
+                    (false, _) => &[Add, Sub, Mul, Div, Max, Min],
+                    (true, true) => &[Mul, Max, Min],
+                    (true, false) => &[Add, Sub, Mul, Div, Pow, Max, Min],
+                };
+                let op = *rng.pick(ops);
+                let short = matches!(op, Max | Min) && self.short[x as usize] && self.short[y as usize];
+                let id = self.b.binary(op, x, y);
+                self.add(id, t, short);
+            }
+            5 => {
+                let Some(x) = self.pick(rng, |i| !self.taint[i as usize]) else { return };
+                let d = self.b.dtype(x);
+                let y = match rng.chance(0.3) {
+                    true => self.constant(rng, d),
+                    false => self.pick(rng, |i| self.b.dtype(i) == d && !self.taint[i as usize]).unwrap_or(x),
+                };
+                use PrimCmp::*;
+                let id = self.b.cmp(*rng.pick(&[Eq, Ne, Lt, Le, Gt, Ge]), x, y);
+                self.add(id, false, true);
+            }
+            6 => {
+                let Some(c) = self.pick(rng, |i| self.b.dtype(i) == Bool) else { return };
+                let Some(a) = self.pick(rng, |_| true) else { return };
+                let d = self.b.dtype(a);
+                let b = match rng.chance(0.3) {
+                    true => self.constant(rng, d),
+                    false => self.pick(rng, |i| self.b.dtype(i) == d).unwrap_or(a),
+                };
+                let (ta, tb) = (self.taint[a as usize], self.taint[b as usize]);
+                let short = self.short[a as usize] && self.short[b as usize];
+                let id = self.b.select(c, a, b);
+                self.add(id, ta || tb, short);
+            }
+            7 => {
+                let Some(x) = self.pick(rng, |_| true) else { return };
+                let (from, tx, sx) = (self.b.dtype(x), self.taint[x as usize], self.short[x as usize]);
+                let to: Vec<DType> = DType::ALL
+                    .into_iter()
+                    .filter(|&to| match to {
+                        _ if tx => matches!(to, F32 | F64),
+                        F16 => from == F32 || sx,
+                        BF16 => sx,
+                        _ => true,
+                    })
+                    .collect();
+                let to = *rng.pick(&to);
+                let short = match to {
+                    F16 | BF16 | Bool | U8 => true,
+                    F32 | F64 => sx,
+                    I32 | I64 => sx && !from.is_float(),
+                };
+                let id = self.b.cast(to, x);
+                self.add(id, tx, short);
+            }
+            _ => match rng.below(3) {
+                0 => {
+                    let d = *rng.pick(&[F32, F64, I32, I64, U8, Bool]);
+                    self.constant(rng, d);
+                }
+                1 => {
+                    let id = self.b.index();
+                    self.add(id, false, true);
+                }
+                _ => {
+                    let operand = match self.pick(rng, |i| self.b.dtype(i) == I64) {
+                        Some(i) => i,
+                        None => {
+                            let id = self.b.index();
+                            self.add(id, false, true)
+                        }
+                    };
+                    let dist = *rng.pick(&[Distribution::Uniform, Distribution::Normal]);
+                    let id = self.b.random(rng.next(), dist, operand, *rng.pick(&[F32, F64]));
+                    self.add(id, false, false);
+                }
+            },
+        }
+    }
+}
+
+/// An output argument for a store of a `value` of compute dtype `d` through a random view
+/// (f32 values are stored as f32, f16 or bf16).
+pub(crate) fn output(
+    rng: &mut Rng,
+    d: DType,
+    view: View,
+    len: usize,
+    value: ExprId,
+    arg: usize,
+    c: &mut Case,
+) -> Store {
+    let storage = if d == DType::F32 { *rng.pick(&[DType::F32, DType::F16, DType::BF16]) } else { d };
+    c.kernel.args.push(Arg { dtype: storage, len });
+    c.init.push(encode(storage, &random_values(rng, storage, len, false)));
+    Store { arg: arg as u16, dtype: storage, view, value }
+}
+
+pub(crate) fn new_case(label: String, inputs: usize, body: Body) -> Case {
+    Case { label, kernel: Kernel { args: vec![], inputs, body }, init: vec![], from_cpu: vec![] }
+}
+
+/// A random map loop over 1-3 dimensions: 1-3 inputs of any dtype read through 1-2 random views
+/// each, a random DAG, its sinks stored through random views (at most 4, the last node always).
+pub(crate) fn map_case(rng: &mut Rng, n: usize) -> Case {
+    let dims: Vec<usize> = (0..1 + rng.below(3)).map(|_| 1 + rng.below(5)).collect();
+    let inputs = 1 + rng.below(3);
+    let mut c = new_case(format!("map {n}"), inputs, Body::Map(vec![]));
+    let mut loads = vec![];
+    for a in 0..inputs {
+        let d = *rng.pick(&DType::ALL);
+        let mut len = 0;
+        for _ in 0..1 + rng.below(2) {
+            let (view, l) = random_view(rng, &dims, true);
+            loads.push(Load { arg: a as u16, dtype: d, view });
+            len = len.max(l);
+        }
+        c.kernel.args.push(Arg { dtype: d, len });
+        c.init.push(encode(d, &random_values(rng, d, len, false)));
+    }
+    let mut dag = Dag { b: ExprBuilder::new(), taint: vec![], short: vec![] };
+    for (slot, l) in loads.iter().enumerate() {
+        let id = dag.b.load(slot as u16, l.dtype);
+        dag.add(id, false, !matches!(l.dtype, DType::F32 | DType::F64));
+    }
+    for _ in 0..3 + rng.below(12) {
+        dag.grow(rng);
+    }
+    // Store the sinks (the nodes nothing reads), so that every node reaches a store.
+    let expr = dag.b.finish();
+    let mut read = vec![false; expr.nodes.len()];
+    expr.nodes.iter().for_each(|n| operands(&n.op).into_iter().for_each(|o| read[o] = true));
+    let mut sinks: Vec<usize> = (0..read.len()).filter(|&i| !read[i]).collect();
+    while sinks.len() > 4 {
+        sinks.remove(rng.below(sinks.len() - 1));
+    }
+    let mut stores = vec![];
+    for v in sinks {
+        let (view, len) = random_view(rng, &dims, false);
+        let arg = c.kernel.args.len();
+        stores.push(output(rng, expr.nodes[v].dtype, view, len, v as ExprId, arg, &mut c));
+    }
+    c.kernel.body = Body::Map(vec![MapLoop { dims: dims.into(), loads, expr, stores }]);
+    c
+}
+
+/// A row kernel along a random axis (or none): one reduction of each op with a prologue and an
+/// epilogue, a softmax, a layer norm, or an argmax with a one-hot and random numbers. Reads
+/// `x`, and `c`, constant along the row; stores per-row and per-element values.
+pub(crate) fn rows_case(rng: &mut Rng, n: usize) -> Case {
+    use DType::*;
+    let rank = 1 + rng.below(3);
+    let dims: Vec<usize> = (0..rank).map(|_| *rng.pick(&[1, 2, 3, 4, 6])).collect();
+    let axis = if rng.chance(0.25) { None } else { Some(rng.below(rank)) };
+    let on_row = |d: usize| axis.is_none_or(|a| a == d);
+    let float = rng.chance(0.6);
+    let xd = if float { *rng.pick(&[F32, F32, F64, F16, BF16]) } else { *rng.pick(&[I32, I64, U8]) };
+    let template = if float { rng.below(4) } else { 3 * rng.below(2) };
+    // Means are of floats only (the op table's rule).
+    let all = [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::ArgMax, ReduceOp::Mean];
+    let ops = if float { &all[..] } else { &all[..4] };
+    let op = *rng.pick(ops);
+    let mut c = new_case(format!("rows {n} (template {template}, {op:?})"), 2, Body::Map(vec![]));
+    let (xv, xlen) = random_view(rng, &dims, true);
+    let (mut cv, clen) = random_view(rng, &dims, true);
+    (0..rank).filter(|&d| on_row(d)).for_each(|d| cv.strides[d] = 0);
+    let positive = template == 0 && matches!(op, ReduceOp::Sum | ReduceOp::Mean);
+    for len in [xlen, clen] {
+        c.kernel.args.push(Arg { dtype: xd, len });
+        c.init.push(encode(xd, &random_values(rng, xd, len, positive)));
+    }
+    let loads = vec![Load { arg: 0, dtype: xd, view: xv }, Load { arg: 1, dtype: xd, view: cv }];
+    let mut b = ExprBuilder::new();
+    let (x, cn) = (b.load(0, xd), b.load(1, xd));
+    // (value, per row)
+    let mut values: Vec<(ExprId, bool)> = vec![];
+    let prologue = |b: &mut ExprBuilder, rng: &mut Rng, exp: bool| match rng.below(if exp { 6 } else { 5 }) {
+        0 => x,
+        1 => b.mul(x, x),
+        2 => b.unary(PrimUnary::Abs, x),
+        3 => b.add(x, cn),
+        4 => b.max(x, cn),
+        _ => b.exp(x),
+    };
+    // The position along the row, from the flat index.
+    let position = |b: &mut ExprBuilder| {
+        let i = b.index();
+        let Some(a) = axis else { return i };
+        let inner: usize = dims[a + 1..].iter().product();
+        let (inner, len) = (b.int_constant(inner as i64, I64), b.int_constant(dims[a] as i64, I64));
+        let q = b.div(i, inner);
+        let r = b.div(q, len);
+        let r = b.mul(r, len);
+        b.sub(q, r)
+    };
+    match template {
+        0 => {
+            let p = prologue(&mut b, rng, float && !(op == ReduceOp::ArgMax && xd.compute() == F32));
+            let r = b.reduce(op, p);
+            values.push((r, true));
+            let e = match (op, rng.below(5)) {
+                (ReduceOp::ArgMax, _) => {
+                    let pos = position(&mut b);
+                    b.cmp(PrimCmp::Eq, pos, r)
+                }
+                (_, 0) => r,
+                (_, 1) => b.sub(x, r),
+                (_, 2) => b.mul(x, r),
+                (_, 3) if float => b.div(x, r),
+                (_, _) if float => {
+                    let s = b.sub(x, r);
+                    b.exp(s)
+                }
+                _ => b.max(x, r),
+            };
+            values.push((e, false));
+        }
+        1 => {
+            let m = b.reduce(ReduceOp::Max, x);
+            let s = b.sub(x, m);
+            let e = b.exp(s);
+            let sum = b.reduce(ReduceOp::Sum, e);
+            let y = b.div(e, sum);
+            values.extend([(y, false), (sum, true), (m, true)]);
+        }
+        2 => {
+            let mu = b.reduce(ReduceOp::Mean, x);
+            let d = b.sub(x, mu);
+            let d2 = b.mul(d, d);
+            let var = b.reduce(ReduceOp::Mean, d2);
+            let eps = b.constant(1e-5, xd);
+            let v = b.add(var, eps);
+            let sd = b.sqrt(v);
+            let y = b.div(d, sd);
+            values.extend([(y, false), (mu, true), (var, true)]);
+        }
+        _ => {
+            let p = prologue(&mut b, rng, false);
+            let a = b.reduce(ReduceOp::ArgMax, p);
+            let pos = position(&mut b);
+            let hot = b.cmp(PrimCmp::Eq, pos, a);
+            let i = b.index();
+            let dist = *rng.pick(&[Distribution::Uniform, Distribution::Normal]);
+            let u = b.random(rng.next(), dist, i, if float { xd } else { F32 });
+            let u = if float { b.add(u, x) } else { u };
+            values.extend([(a, true), (hot, false), (u, false)]);
+        }
+    }
+    let row_dims: Vec<usize> = (0..rank).map(|d| if on_row(d) { 1 } else { dims[d] }).collect();
+    let mut stores = vec![];
+    for (v, per_row) in values {
+        let (mut view, len) = random_view(rng, if per_row { &row_dims } else { &dims }, false);
+        view.dims = dims.as_slice().into();
+        (0..rank).filter(|&d| per_row && on_row(d)).for_each(|d| view.strides[d] = 0);
+        let arg = c.kernel.args.len();
+        stores.push(output(rng, b.dtype(v), view, len, v, arg, &mut c));
+    }
+    c.kernel.body = Body::Rows(RowKernel { dims: dims.into(), axis, loads, expr: b.finish(), stores });
+    c
+}
+
+/// A concatenation along dimension 0 or 1 of 2-3 parts: one loop per part (as lowering does).
+pub(crate) fn concat_case(rng: &mut Rng, n: usize) -> Case {
+    let d = *rng.pick(&DType::ALL);
+    let (dim, other) = (rng.below(2), 1 + rng.below(3));
+    let parts: Vec<usize> = (0..2 + rng.below(2)).map(|_| 1 + rng.below(3)).collect();
+    let total: usize = parts.iter().sum();
+    let out = if dim == 0 { [total, other] } else { [other, total] };
+    let mut c = new_case(format!("concat {n}"), parts.len(), Body::Map(vec![]));
+    let (mut loops, mut start) = (vec![], 0);
+    for (a, &p) in parts.iter().enumerate() {
+        let dims = if dim == 0 { [p, other] } else { [other, p] };
+        let (view, len) = random_view(rng, &dims, false);
+        c.kernel.args.push(Arg { dtype: d, len });
+        c.init.push(encode(d, &random_values(rng, d, len, false)));
+        let mut b = ExprBuilder::new();
+        let v = b.load(0, d);
+        let offset = if dim == 0 { start * other } else { start };
+        let store = View { dims: dims.as_slice().into(), strides: [out[1] as isize, 1].as_slice().into(), offset };
+        let stores = vec![Store { arg: parts.len() as u16, dtype: d, view: store, value: v }];
+        loops.push(MapLoop {
+            dims: dims.as_slice().into(),
+            loads: vec![Load { arg: a as u16, dtype: d, view }],
+            expr: b.finish(),
+            stores,
+        });
+        start += p;
+    }
+    c.kernel.args.push(Arg { dtype: d, len: total * other });
+    c.init.push(encode(d, &random_values(rng, d, total * other, false)));
+    c.kernel.body = Body::Map(loops);
+    c
+}
+
+/// `relu(a @ b + bias)`: the printed epilogue reads the product the CPU wrote.
+pub(crate) fn matmul_case(rng: &mut Rng, n: usize) -> Case {
+    let (m, k, nn) = (1 + rng.below(4), 1 + rng.below(4), 1 + rng.below(4));
+    let mut c = new_case(format!("matmul {n}"), 3, Body::Map(vec![]));
+    for len in [m * k, k * nn, nn, m * nn] {
+        c.kernel.args.push(Arg { dtype: DType::F32, len });
+        c.init.push(encode(DType::F32, &random_values(rng, DType::F32, len, false)));
+    }
+    let transposed = rng.chance(0.5);
+    let rhs = if transposed { (1, k as isize) } else { (nn as isize, 1) };
+    let mut b = ExprBuilder::new();
+    let (p, bias) = (b.load(0, DType::F32), b.load(1, DType::F32));
+    let s = b.add(p, bias);
+    let zero = b.constant(0.0, DType::F32);
+    let y = b.max(s, zero);
+    let view =
+        |strides: [isize; 2]| View { dims: [m, nn].as_slice().into(), strides: strides.as_slice().into(), offset: 0 };
+    let loads = vec![
+        Load { arg: 3, dtype: DType::F32, view: view([nn as isize, 1]) },
+        Load { arg: 2, dtype: DType::F32, view: view([0, 1]) },
+    ];
+    let store = output(rng, DType::F32, view([nn as isize, 1]), m * nn, y, 4, &mut c);
+    let epilogue = MapLoop { dims: [m, nn].as_slice().into(), loads, expr: b.finish(), stores: vec![store] };
+    c.kernel.body = Body::Matmul(MatmulKernel {
+        dtype: DType::F32,
+        lhs: MatmulOperand { arg: 0, batch_offsets: vec![0], rs: k as isize, cs: 1 },
+        rhs: MatmulOperand { arg: 1, batch_offsets: vec![0], rs: rhs.0, cs: rhs.1 },
+        product: 3,
+        m,
+        n: nn,
+        k,
+        epilogue: Some(epilogue),
+    });
+    c.from_cpu = vec![3];
+    c
+}
+
+/// The corners of the semantics, every one of them: float-to-int casts of NaN, infinities and
+/// out-of-range values, integer division by zero and `MIN / -1`, wrapping negation, NaN in
+/// `max`/`min` from either side (the second operand reads the buffer backwards), an i64 that
+/// the CPU rounds twice on its way to f32 (through f64: 2^60 + 2^36 + 1 becomes 2^60, where one
+/// rounding gives 2^60 + 2^37).
+pub(crate) fn edges_case() -> Case {
+    use DType::*;
+    let f = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 1e10, -1e10, 2147483647.5, -2147483648.9, 300.7];
+    let f: Vec<f64> = f.into_iter().chain([-0.5, 255.9, 65519.9, 65520.0, 1e-8, -0.0, 3.5, 2.5]).collect();
+    let i = [i32::MIN, i32::MIN, -1, 7, 0, i32::MAX, -7, 5, 100, -100, 3, 1, i32::MIN, 2, -2, 9];
+    let j = [-1, 0, 0, 2, 0, -1, 2, -3, 7, 0, 1, -1, 1, 0, 5, -4];
+    let l = [(1 << 60) + (1 << 36) + 1, i64::MIN, i64::MAX, -1, 1 << 53, (1 << 53) + 1, -(1 << 40) - 3, 0];
+    let l: Vec<i64> = l.into_iter().chain([i64::MIN + 1, 255, 256, -255, 70000, 1 << 31, -(1 << 31) - 1, 5]).collect();
+    let mut c = new_case("edges".into(), 4, Body::Map(vec![]));
+    c.kernel.args = [F64, I32, I32, I64].map(|dtype| Arg { dtype, len: 16 }).to_vec();
+    c.init = vec![encode(F64, &f), encode(I32, &i.map(|v| v as f64)), encode(I32, &j.map(|v| v as f64))];
+    c.init.push(l.iter().flat_map(|v| v.to_le_bytes()).collect());
+    let view = |s: isize, o: usize| View { dims: [16].as_slice().into(), strides: [s].as_slice().into(), offset: o };
+    let loads = vec![
+        Load { arg: 0, dtype: F64, view: view(1, 0) },
+        Load { arg: 1, dtype: I32, view: view(1, 0) },
+        Load { arg: 2, dtype: I32, view: view(1, 0) },
+        Load { arg: 0, dtype: F64, view: view(-1, 15) },
+        Load { arg: 3, dtype: I64, view: view(1, 0) },
+    ];
+    let mut b = ExprBuilder::new();
+    let (x, a, d, rev, w) = (b.load(0, F64), b.load(1, I32), b.load(2, I32), b.load(3, F64), b.load(4, I64));
+    let mut values = vec![b.cast(I32, x), b.cast(I64, x), b.cast(U8, x), b.cast(Bool, x), b.cast(F32, x)];
+    let x32 = values[4];
+    values.push(b.cast(F16, x32));
+    values.extend([b.div(a, d), b.neg(a), b.unary(PrimUnary::Abs, a), b.max(x, rev), b.min(x, rev)]);
+    let au8 = b.cast(U8, a);
+    let k = b.int_constant(200, U8);
+    values.push(b.mul(au8, k));
+    let minus_one = b.int_constant(-1, I64);
+    values.extend([b.cast(F32, w), b.cast(F64, w), b.cast(I32, w), b.cast(U8, w), b.neg(w), b.div(w, minus_one)]);
+    let mut rng = Rng::new(1);
+    let stores: Vec<Store> = values
+        .iter()
+        .enumerate()
+        .map(|(n, &v)| output(&mut rng, b.dtype(v), view(1, 0), 16, v, 4 + n, &mut c))
+        .collect();
+    c.kernel.body = Body::Map(vec![MapLoop { dims: [16].as_slice().into(), loads, expr: b.finish(), stores }]);
+    c
+}
