@@ -42,8 +42,8 @@ fn leaf_of(p: &Tensor, optimizer: &str) -> u64 {
 fn host_scalar(v: f64, dtype: DType, device: &Device) -> Tensor {
     match dtype {
         DType::F64 => Tensor::from_vec(vec![v], (), device),
-        DType::F16 => Tensor::from_vec(vec![half::f16::from_f64(v)], (), device),
-        DType::BF16 => Tensor::from_vec(vec![half::bf16::from_f64(v)], (), device),
+        DType::F16 => Tensor::from_vec(vec![braid_graph::dtype::f16_from_f64(v)], (), device),
+        DType::BF16 => Tensor::from_vec(vec![braid_graph::dtype::bf16_from_f64(v)], (), device),
         _ => Tensor::from_vec(vec![v as f32], (), device),
     }
 }

@@ -13,10 +13,9 @@
 //! type, whichever is looser (row kernels: relative to at least 1, for `x - mean`). So that an
 //! ulp stays an ulp, random DAGs never feed such values to comparisons, casts to integers or
 //! half types, division, subtraction, logs and the like, and the row kernels' templates divide
-//! only by sums of positive values. Random DAGs also cast to f16 only from f32 or
-//! from values of at most 20 significant bits, and to bf16 only from the latter: the CPU's
-//! f64-to-half conversions (the `half` crate's) round twice (f16, through f32) or drop the low
-//! 32 bits of the f64 first (bf16), where the printed code (and CUDA) rounds once.
+//! only by sums of positive values. Casts to f16 and bf16 round once on both sides (this test
+//! found that the CPU's, through the `half` crate's f64 conversions, could round twice; they
+//! now go through `braid_graph::dtype::{f16_from_f64, bf16_from_f64}`).
 
 #[path = "cuda_printer/cases.rs"]
 mod cases;

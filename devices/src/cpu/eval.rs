@@ -7,9 +7,9 @@
 //! (see `map`).
 
 use super::vmath;
+use braid_graph::dtype::{bf16_from_f64, f16_from_f64};
 use braid_graph::expr::{Distribution, ExprNode, ExprOp, PrimBinary, PrimCmp, PrimUnary};
 use braid_graph::{DType, rng};
-use half::{bf16, f16};
 
 /// The values of one expression node over a chunk. Floats stored as f16/bf16 compute in `F32`.
 pub enum Reg {
@@ -206,8 +206,8 @@ fn cast(to: DType, x: &Reg, out: &mut Reg, n: usize) {
     };
     match out {
         Reg::F32(o) => match to {
-            DType::F16 => from_any!(&mut o[..n], |a: f64, _| f16::from_f64(a).to_f32()),
-            DType::BF16 => from_any!(&mut o[..n], |a: f64, _| bf16::from_f64(a).to_f32()),
+            DType::F16 => from_any!(&mut o[..n], |a: f64, _| f16_from_f64(a).to_f32()),
+            DType::BF16 => from_any!(&mut o[..n], |a: f64, _| bf16_from_f64(a).to_f32()),
             _ => from_any!(&mut o[..n], |a: f64, _| a as f32),
         },
         Reg::F64(o) => match x {

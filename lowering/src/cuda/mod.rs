@@ -15,8 +15,7 @@
 //! either side, float-to-int casts truncate and saturate (NaN gives 0), argmax takes the first
 //! maximum, random numbers are the counter-based ones of `braid_graph::rng`. Where it cannot:
 //! `expf`, `tanhf` and the other math functions are CUDA's (a few ulps from the CPU's), float
-//! sums add in another order, and casts to f16/bf16 round once (the CPU's round twice from f64
-//! in rare cases). Nodes that no store reads are not printed.
+//! sums add in another order. Nodes that no store reads are not printed.
 //!
 //! Compile with [`NVRTC_OPTIONS`] (no contraction of `a * b + c` into a fused multiply-add,
 //! which the CPU never does implicitly); a source that uses f16 or bf16 includes `cuda_fp16.h`
