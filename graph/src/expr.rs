@@ -86,6 +86,19 @@ pub enum ExprOp {
     Reduce(ReduceOp, ExprId),
 }
 
+impl ExprOp {
+    /// The nodes this node reads, in order (for dependency walks).
+    pub fn operands(&self) -> Vec<usize> {
+        match *self {
+            ExprOp::Load(_) | ExprOp::Const(_) | ExprOp::ConstInt(_) | ExprOp::Index => vec![],
+            ExprOp::Random { operand, .. } => vec![operand as usize],
+            ExprOp::Unary(_, a) | ExprOp::Cast(_, a) | ExprOp::Reduce(_, a) => vec![a as usize],
+            ExprOp::Binary(_, a, b) | ExprOp::Cmp(_, a, b) => vec![a as usize, b as usize],
+            ExprOp::Select(c, a, b) => vec![c as usize, a as usize, b as usize],
+        }
+    }
+}
+
 /// One node: an operation and the compute dtype of its result (never F16/BF16).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
 pub struct ExprNode {

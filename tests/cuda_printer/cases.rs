@@ -100,16 +100,6 @@ pub(crate) fn random_view(rng: &mut Rng, dims: &[usize], broadcast: bool) -> (Vi
     (View { dims: dims.into(), strides: strides.into(), offset }, offset + reach + 1 + rng.below(2))
 }
 
-pub(crate) fn operands(op: &ExprOp) -> Vec<usize> {
-    match *op {
-        ExprOp::Load(_) | ExprOp::Const(_) | ExprOp::ConstInt(_) | ExprOp::Index => vec![],
-        ExprOp::Random { operand, .. } => vec![operand as usize],
-        ExprOp::Unary(_, a) | ExprOp::Cast(_, a) | ExprOp::Reduce(_, a) => vec![a as usize],
-        ExprOp::Binary(_, a, b) | ExprOp::Cmp(_, a, b) => vec![a as usize, b as usize],
-        ExprOp::Select(c, a, b) => vec![c as usize, a as usize, b as usize],
-    }
-}
-
 /// Per node: whether its value may differ from the CPU's by a few ulps (see the module docs).
 pub(crate) fn approximate(expr: &Expr) -> Vec<bool> {
     let mut t = vec![false; expr.nodes.len()];
@@ -117,7 +107,7 @@ pub(crate) fn approximate(expr: &Expr) -> Vec<bool> {
         t[i] = match n.op {
             ExprOp::Unary(PrimUnary::Exp | PrimUnary::Tanh, _) if n.dtype == DType::F32 => true,
             ExprOp::Reduce(ReduceOp::Sum | ReduceOp::Mean, _) if n.dtype.is_float() => true,
-            op => operands(&op).iter().any(|&o| t[o]),
+            op => op.operands().iter().any(|&o| t[o]),
         };
     }
     t
@@ -318,7 +308,7 @@ pub(crate) fn map_case(rng: &mut Rng, n: usize) -> Case {
     // Store the sinks (the nodes nothing reads), so that every node reaches a store.
     let expr = dag.b.finish();
     let mut read = vec![false; expr.nodes.len()];
-    expr.nodes.iter().for_each(|n| operands(&n.op).into_iter().for_each(|o| read[o] = true));
+    expr.nodes.iter().for_each(|n| n.op.operands().into_iter().for_each(|o| read[o] = true));
     let mut sinks: Vec<usize> = (0..read.len()).filter(|&i| !read[i]).collect();
     while sinks.len() > 4 {
         sinks.remove(rng.below(sinks.len() - 1));

@@ -70,7 +70,7 @@ fn plan_for(k: &RowKernel) -> Plan {
             if std::mem::replace(&mut need[i], true) {
                 continue;
             }
-            for o in operands(&nodes[i].op) {
+            for o in nodes[i].op.operands() {
                 if !per_row[o] {
                     stack.push(o);
                 }
@@ -107,7 +107,7 @@ fn plan_for(k: &RowKernel) -> Plan {
         if !reads_rows {
             continue;
         }
-        for o in operands(&n.op) {
+        for o in n.op.operands() {
             if per_row[o] && !broadcast.contains(&o) {
                 broadcast.push(o);
             }
@@ -178,16 +178,6 @@ fn retile(k: &RowKernel) -> Option<RowKernel> {
     tiled.loads.iter_mut().for_each(|l| l.view = split(&l.view));
     tiled.stores.iter_mut().for_each(|s| s.view = split(&s.view));
     Some(tiled)
-}
-
-fn operands(op: &ExprOp) -> Vec<usize> {
-    match *op {
-        ExprOp::Load(_) | ExprOp::Const(_) | ExprOp::ConstInt(_) | ExprOp::Index => vec![],
-        ExprOp::Random { operand, .. } => vec![operand as usize],
-        ExprOp::Unary(_, a) | ExprOp::Cast(_, a) | ExprOp::Reduce(_, a) => vec![a as usize],
-        ExprOp::Binary(_, a, b) | ExprOp::Cmp(_, a, b) => vec![a as usize, b as usize],
-        ExprOp::Select(c, a, b) => vec![c as usize, a as usize, b as usize],
-    }
 }
 
 /// The part of `view` that row `o` covers: the axis and what follows it (`row = true`), or only

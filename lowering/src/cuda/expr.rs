@@ -131,17 +131,6 @@ pub(super) fn cast(to: DType, from: DType, x: &str) -> String {
     }
 }
 
-/// Operands of a node, for dependency walks.
-pub(super) fn operands(op: &ExprOp) -> Vec<usize> {
-    match *op {
-        ExprOp::Load(_) | ExprOp::Const(_) | ExprOp::ConstInt(_) | ExprOp::Index => vec![],
-        ExprOp::Random { operand, .. } => vec![operand as usize],
-        ExprOp::Unary(_, a) | ExprOp::Cast(_, a) | ExprOp::Reduce(_, a) => vec![a as usize],
-        ExprOp::Binary(_, a, b) | ExprOp::Cmp(_, a, b) => vec![a as usize, b as usize],
-        ExprOp::Select(c, a, b) => vec![c as usize, a as usize, b as usize],
-    }
-}
-
 /// The C expression of node `i` (not a reduction). `offset` prints a view's element offset and
 /// `index` is the flat element index.
 pub(super) fn node_expr(
@@ -265,7 +254,7 @@ pub(super) fn live<'a>(expr: &Expr, loads: &'a [Load], stores: &'a [Store]) -> (
     stores.iter().for_each(|s| live[s.value as usize] = true);
     for i in (0..live.len()).rev() {
         if live[i] {
-            operands(&expr.nodes[i].op).into_iter().for_each(|o| live[o] = true);
+            expr.nodes[i].op.operands().into_iter().for_each(|o| live[o] = true);
         }
     }
     let read = |slot: usize| expr.nodes.iter().zip(&live).any(|(n, &l)| l && n.op == ExprOp::Load(slot as u16));

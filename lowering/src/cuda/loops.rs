@@ -97,7 +97,7 @@ pub(super) fn print_rows(out: &mut String, r: &RowKernel, name: &str, params: &[
             ExprOp::Load(slot) => along(&r.loads[slot as usize].view),
             ExprOp::Const(_) | ExprOp::ConstInt(_) | ExprOp::Reduce(..) => true,
             ExprOp::Index => false,
-            op => operands(&op).iter().all(|&o| per_row[o]),
+            op => op.operands().iter().all(|&o| per_row[o]),
         };
     }
     let needed = |roots: &[usize]| -> Vec<usize> {
@@ -105,7 +105,7 @@ pub(super) fn print_rows(out: &mut String, r: &RowKernel, name: &str, params: &[
         let mut stack: Vec<usize> = roots.iter().copied().filter(|&x| !per_row[x]).collect();
         while let Some(i) = stack.pop() {
             if !std::mem::replace(&mut need[i], true) {
-                stack.extend(operands(&nodes[i].op).into_iter().filter(|&o| !per_row[o]));
+                stack.extend(nodes[i].op.operands().into_iter().filter(|&o| !per_row[o]));
             }
         }
         (0..nodes.len()).filter(|&i| need[i]).collect()

@@ -204,7 +204,7 @@ fn check_io(loads: &[Load], stores: &[Store], expr: &Expr, dims: &[usize], param
     loads.iter().try_for_each(|l| access(l.arg, l.dtype, &l.view, false))?;
     stores.iter().try_for_each(|s| access(s.arg, s.dtype, &s.view, true))?;
     for (i, n) in expr.nodes.iter().enumerate() {
-        if operands(&n.op).iter().any(|&o| o >= i) || matches!(n.op, ExprOp::Load(s) if s as usize >= loads.len()) {
+        if n.op.operands().iter().any(|&o| o >= i) || matches!(n.op, ExprOp::Load(s) if s as usize >= loads.len()) {
             return Err(format!("node {i} ({:?}) reads a node or load slot that does not precede it", n.op));
         }
     }
