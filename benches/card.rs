@@ -413,6 +413,7 @@ fn offload(dev_plain: &Device) -> (f64, String) {
         }
         let grads = h.square().mean().backward().unwrap();
         braid::optim::Sgd::new(0.01).step(ws, &grads);
+        drop(grads);
         dev.sync().unwrap();
     };
     let run = |dev: &Device, budget: Option<u64>| {
