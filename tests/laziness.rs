@@ -253,3 +253,38 @@ fn concurrent_updates_and_reads_see_whole_versions() {
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     writer.join().unwrap();
 }
+
+/// A download in progress holds the version it reads: an update that could otherwise write the
+/// new version over the old one in place (no tensor names the old version any more, and the
+/// update is a kernel of its own) gets a new buffer, so the reader never sees a torn value.
+#[test]
+fn a_download_in_progress_is_never_overwritten_by_an_update() {
+    let dev = unfused();
+    let n = 1 << 18;
+    let x = Tensor::from_vec(vec![1.0f32; n], [n], &dev);
+    let one = Tensor::ones([n], DType::F32, &dev);
+    dev.sync().unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (xb, ob, sb, db) = (x.clone(), one.clone(), stop.clone(), dev.clone());
+    let writer = std::thread::spawn(move || {
+        let mut updates = 0;
+        while !sb.load(std::sync::atomic::Ordering::Relaxed) {
+            xb.add_assign(&ob);
+            db.sync().unwrap();
+            updates += 1;
+        }
+        updates
+    });
+    for _ in 0..400 {
+        let v = x.to_vec::<f32>().unwrap();
+        let first = v[0];
+        assert!(v.iter().all(|&e| e == first), "a torn read: {first} and {:?}", v.iter().find(|&&e| e != first));
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let updates = writer.join().unwrap();
+    assert!(updates > 0);
+    // The updates did run in place when nobody was reading.
+    x.add_assign(&one);
+    dev.sync().unwrap();
+    assert!(dev.last_schedule().unwrap().to_text().contains("in place"));
+}
