@@ -332,6 +332,11 @@ fn numpy_semantics_pinned_by_hand() {
     let f = Tensor::from_vec(vec![300.7f32, -2.9, f32::NAN, -1e20], [4], &dev);
     assert_eq!(f.to_dtype(DType::U8).to_vec::<u8>().unwrap(), vec![255, 0, 0, 0]);
     assert_eq!(f.to_dtype(DType::I32).to_vec::<i32>().unwrap(), vec![300, -2, 0, i32::MIN]);
+    // Casts to floats round once: through f64, 2^60 + 2^36 + 1 would become 2^60 as an f32.
+    let big = Tensor::from_vec(vec![(1i64 << 60) + (1 << 36) + 1], [1], &dev);
+    assert_eq!(big.to_dtype(DType::F32).to_vec::<f32>().unwrap(), vec![((1u64 << 60) + (1 << 37)) as f32]);
+    let x = Tensor::from_vec(vec![f32::from_bits(0x3F80_8001) as f64], [1], &dev);
+    assert_eq!(x.to_dtype(DType::BF16).to_vec::<half::bf16>().unwrap()[0].to_bits(), 0x3F81);
     // Transpose and matmul.
     let m2 = Tensor::from_vec(vec![1.0f64, 2.0, 3.0, 4.0, 5.0, 6.0], [2, 3], &dev);
     assert_eq!(m2.t().to_vec::<f64>().unwrap(), vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0]);

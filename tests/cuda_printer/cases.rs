@@ -511,8 +511,8 @@ pub(crate) fn matmul_case(rng: &mut Rng, n: usize) -> Case {
 /// The corners of the semantics, every one of them: float-to-int casts of NaN, infinities and
 /// out-of-range values, integer division by zero and `MIN / -1`, wrapping negation, NaN in
 /// `max`/`min` from either side (the second operand reads the buffer backwards), an i64 that
-/// the CPU rounds twice on its way to f32 (through f64: 2^60 + 2^36 + 1 becomes 2^60, where one
-/// rounding gives 2^60 + 2^37).
+/// rounds to f32 differently in one step and in two through f64 (2^60 + 2^36 + 1: one rounding
+/// gives 2^60 + 2^37, as braid's cast does; two would give 2^60).
 pub(crate) fn edges_case() -> Case {
     use DType::*;
     let f = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 1e10, -1e10, 2147483647.5, -2147483648.9, 300.7];

@@ -208,7 +208,11 @@ fn cast(to: DType, x: &Reg, out: &mut Reg, n: usize) {
         Reg::F32(o) => match to {
             DType::F16 => from_any!(&mut o[..n], |a: f64, _| f16_from_f64(a).to_f32()),
             DType::BF16 => from_any!(&mut o[..n], |a: f64, _| bf16_from_f64(a).to_f32()),
-            _ => from_any!(&mut o[..n], |a: f64, _| a as f32),
+            // An i64 beyond 2^53 would round twice through f64.
+            _ => match x {
+                Reg::I64(v) => map1(&v[..n], &mut o[..n], |a| a as f32),
+                _ => from_any!(&mut o[..n], |a: f64, _| a as f32),
+            },
         },
         Reg::F64(o) => match x {
             Reg::I64(v) => map1(&v[..n], &mut o[..n], |a| a as f64),

@@ -115,8 +115,8 @@ pub(super) fn cast(to: DType, from: DType, x: &str) -> String {
     let float_src = matches!(from, DType::F32 | DType::F64);
     match to {
         _ if to == from => x.to_string(),
-        // The CPU widens every source to f64 first: an i64 rounds twice, like this.
-        DType::F32 => format!("(float)(double){x}"),
+        // One rounding from any source, as the CPU's.
+        DType::F32 => format!("(float){x}"),
         DType::F64 => format!("(double){x}"),
         DType::F16 if from == DType::F32 => format!("__half2float(__float2half_rn({x}))"),
         DType::BF16 if from == DType::F32 => format!("__bfloat162float(__float2bfloat16_rn({x}))"),
