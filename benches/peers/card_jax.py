@@ -4,7 +4,8 @@ Usage: python3 card_jax.py c1|c2|c3|c4|c5. Prints one line: the workload, jax.ji
 Exits 1 with a message on stderr when JAX is not installed.
 """
 import sys
-import time
+
+from timing import median
 
 try:
     import jax
@@ -14,18 +15,6 @@ except ImportError:
     sys.exit(1)
 
 jax.config.update("jax_enable_x64", True)
-
-
-def median(f, warm=2, runs=9):
-    for _ in range(warm):
-        f()
-    ts = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t)
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 def c1():

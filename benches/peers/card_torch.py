@@ -13,7 +13,8 @@ live buffers, parameters included), not the process's resident size.
 Exits 1 with a message on stderr when PyTorch is not installed.
 """
 import sys
-import time
+
+from timing import median
 
 try:
     import torch
@@ -24,18 +25,6 @@ except ImportError:
 
 torch.set_num_threads(2)
 torch.manual_seed(0)
-
-
-def median(f, warm=2, runs=9):
-    for _ in range(warm):
-        f()
-    ts = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t)
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 def compiled(f):

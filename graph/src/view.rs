@@ -124,6 +124,20 @@ impl View {
         true
     }
 
+    /// The smallest and largest buffer offsets the view touches (`None` when it has no
+    /// elements).
+    pub fn extent(&self) -> Option<(isize, isize)> {
+        if self.dims.contains(&0) {
+            return None;
+        }
+        let (mut lo, mut hi) = (self.offset as isize, self.offset as isize);
+        for (&d, &s) in self.dims.iter().zip(&self.strides) {
+            let span = (d as isize - 1) * s;
+            if span < 0 { lo += span } else { hi += span }
+        }
+        Some((lo, hi))
+    }
+
     /// The buffer offset of multi-index `idx`.
     pub fn offset_of(&self, idx: &[usize]) -> isize {
         self.offset as isize + idx.iter().zip(&self.strides).map(|(&i, &s)| i as isize * s).sum::<isize>()

@@ -9,7 +9,7 @@
 
 use braid_graph::DType;
 pub use braid_graph::View;
-use braid_graph::expr::Expr;
+use braid_graph::expr::{Expr, ExprOp};
 use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
 
@@ -159,4 +159,46 @@ impl Kernel {
     pub fn bytes_moved(&self) -> usize {
         self.args.iter().map(|a| a.len * a.dtype.size()).sum()
     }
+}
+
+/// Checks one loop's loads, stores and expression against its kernel's arguments, as every
+/// target must before touching memory: each load and store names an existing argument of its
+/// dtype through a view that lies within it, each load slot the expression reads exists with
+/// the dtype the expression expects, and each stored node has the dtype its store converts.
+/// `arg(i)` gives argument `i`'s dtype and length in elements.
+pub fn check_access(
+    loads: &[Load],
+    stores: &[Store],
+    expr: &Expr,
+    arg: impl Fn(u16) -> Option<(DType, usize)>,
+) -> Result<(), String> {
+    let access = |what: &str, a: u16, dtype: DType, view: &View| -> Result<(), String> {
+        let (have, len) = arg(a).ok_or_else(|| format!("{what} of argument {a}, which does not exist"))?;
+        if have != dtype {
+            return Err(format!("{what} of {dtype} through argument {a} of {have}"));
+        }
+        match view.extent() {
+            Some((lo, hi)) if lo < 0 || hi >= len as isize => {
+                Err(format!("{what} view {view:?} reaches elements {lo}..={hi} of argument {a} of {len} elements"))
+            }
+            _ => Ok(()),
+        }
+    };
+    loads.iter().try_for_each(|l| access("load", l.arg, l.dtype, &l.view))?;
+    stores.iter().try_for_each(|s| access("store", s.arg, s.dtype, &s.view))?;
+    for node in &expr.nodes {
+        if let ExprOp::Load(slot) = node.op {
+            let load = loads.get(slot as usize).ok_or("expression reads a missing load slot")?;
+            if node.dtype != load.dtype.compute() {
+                return Err(format!("load slot {slot} holds {} but the expression reads {}", load.dtype, node.dtype));
+            }
+        }
+    }
+    for store in stores {
+        let node = expr.nodes.get(store.value as usize).ok_or("store of a missing expression node")?;
+        if node.dtype != store.dtype.compute() {
+            return Err(format!("store of a {} value to a {} argument", node.dtype, store.dtype));
+        }
+    }
+    Ok(())
 }

@@ -11,5 +11,5 @@ pub mod cuda;
 pub mod kernel;
 pub mod lower;
 
-pub use kernel::{Arg, Body, Kernel, Load, MapLoop, MatmulKernel, MatmulOperand, RowKernel, Store, View};
+pub use kernel::{Arg, Body, Kernel, Load, MapLoop, MatmulKernel, MatmulOperand, RowKernel, Store, View, check_access};
 pub use lower::Lowering;

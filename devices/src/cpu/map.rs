@@ -9,7 +9,7 @@ use super::eval::{Reg, dispatch_simd, eval_node};
 use braid_graph::DType;
 use braid_graph::expr::Expr;
 use braid_graph::expr::ExprOp;
-use braid_lowering::{Load, MapLoop, Store, View};
+use braid_lowering::{Load, MapLoop, Store, View, check_access};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
@@ -35,28 +35,6 @@ pub(super) struct Shared<'a>(pub(super) &'a [ArgPtr]);
 unsafe impl Send for Shared<'_> {}
 unsafe impl Sync for Shared<'_> {}
 
-/// Smallest and largest element offset `view` touches (`None` for an empty view).
-fn extent(view: &View) -> Option<(isize, isize)> {
-    if view.dims.contains(&0) {
-        return None;
-    }
-    let (mut lo, mut hi) = (view.offset as isize, view.offset as isize);
-    for (&d, &s) in view.dims.iter().zip(&view.strides) {
-        let span = (d as isize - 1) * s;
-        if span < 0 { lo += span } else { hi += span }
-    }
-    Some((lo, hi))
-}
-
-pub fn check_view(view: &View, arg: &ArgPtr, what: &str) -> Result<(), String> {
-    match extent(view) {
-        Some((lo, hi)) if lo < 0 || hi >= arg.len as isize => {
-            Err(format!("{what} view {view:?} reaches element {lo}..={hi} of an argument of {} elements", arg.len))
-        }
-        _ => Ok(()),
-    }
-}
-
 /// Runs one loop. `args` must match the kernel's argument list.
 pub fn run_loop(l: &MapLoop, args: &[ArgPtr]) -> Result<(), String> {
     check_io(&l.loads, &l.stores, &l.expr, args)?;
@@ -74,35 +52,7 @@ pub fn run_loop(l: &MapLoop, args: &[ArgPtr]) -> Result<(), String> {
 /// Checks loads, stores and the expression against the arguments before any unchecked access:
 /// dtypes agree, every view lies within its argument, every register has the right type.
 pub(super) fn check_io(loads: &[Load], stores: &[Store], expr: &Expr, args: &[ArgPtr]) -> Result<(), String> {
-    for load in loads {
-        let arg = args.get(load.arg as usize).ok_or("load of a missing argument")?;
-        if arg.dtype != load.dtype {
-            return Err(format!("load of {} from a {} argument", load.dtype, arg.dtype));
-        }
-        check_view(&load.view, arg, "load")?;
-    }
-    for store in stores {
-        let arg = args.get(store.arg as usize).ok_or("store to a missing argument")?;
-        if arg.dtype != store.dtype {
-            return Err(format!("store of {} to a {} argument", store.dtype, arg.dtype));
-        }
-        check_view(&store.view, arg, "store")?;
-    }
-    for node in &expr.nodes {
-        if let ExprOp::Load(slot) = node.op {
-            let load = loads.get(slot as usize).ok_or("expression reads a missing load slot")?;
-            if node.dtype != load.dtype.compute() {
-                return Err(format!("load slot {slot} holds {} but the expression reads {}", load.dtype, node.dtype));
-            }
-        }
-    }
-    for store in stores {
-        let node = expr.nodes.get(store.value as usize).ok_or("store of a missing expression node")?;
-        if node.dtype != store.dtype.compute() {
-            return Err(format!("store of a {} value to a {} argument", node.dtype, store.dtype));
-        }
-    }
-    Ok(())
+    check_access(loads, stores, expr, |a| args.get(a as usize).map(|p| (p.dtype, p.len)))
 }
 
 /// Which expression nodes have the same value for every element (constants, and operations on
@@ -341,7 +291,7 @@ fn contiguous_runs(view: &View) -> bool {
 /// compute type.
 ///
 /// # Safety
-/// The view must lie within the argument (see [`check_view`]).
+/// The view must lie within the argument (see [`check_io`]).
 #[inline(always)]
 pub(super) unsafe fn gather(view: &View, arg: ArgPtr, start: usize, m: usize, out: &mut Reg, offsets: &mut [isize]) {
     unsafe fn go<S: Copy, C: Copy>(

@@ -34,7 +34,7 @@ pub use expr::storage_ctype;
 use expr::*;
 use loops::*;
 
-use crate::kernel::{Body, Kernel, Load, MapLoop, RowKernel, Store, View};
+use crate::kernel::{Body, Kernel, Load, MapLoop, RowKernel, Store, View, check_access};
 use braid_graph::expr::{Distribution, Expr, ExprOp, PrimBinary, PrimCmp, PrimUnary};
 use braid_graph::{DType, ReduceOp, Shape};
 use std::fmt::Write;
@@ -181,37 +181,22 @@ __device__ __forceinline__ double braid_normal_f64(unsigned long long seed, unsi
     )
 }
 
-/// Checks what the CPU's `check_io` checks, and that the expression is in topological order.
+/// Checks what every target checks ([`check_access`]), and what printing needs on top: stores
+/// go to output arguments, every view walks the loop's dims, and the expression is in
+/// topological order.
 fn check_io(loads: &[Load], stores: &[Store], expr: &Expr, dims: &[usize], params: &[Param]) -> Result<(), String> {
-    let access = |arg: u16, dtype: DType, view: &View, store: bool| -> Result<(), String> {
-        let p = params.get(arg as usize).ok_or(format!("argument {arg} of {}", params.len()))?;
-        if p.dtype != dtype || (store && !p.writable) {
-            return Err(format!("{} of {dtype} to argument {arg} ({})", if store { "store" } else { "load" }, p.dtype));
-        }
+    check_access(loads, stores, expr, |a| params.get(a as usize).map(|p| (p.dtype, p.len)))?;
+    if let Some(s) = stores.iter().find(|s| !params[s.arg as usize].writable) {
+        return Err(format!("store of {} to argument {}, an input", s.dtype, s.arg));
+    }
+    for view in loads.iter().map(|l| &l.view).chain(stores.iter().map(|s| &s.view)) {
         if view.dims.as_slice() != dims || view.strides.len() != dims.len() {
             return Err(format!("view {view:?} over a loop of dims {dims:?}"));
         }
-        let (mut lo, mut hi) = (view.offset as isize, view.offset as isize);
-        for (&e, &s) in view.dims.iter().zip(&view.strides) {
-            let span = (e as isize - 1) * s;
-            if span < 0 { lo += span } else { hi += span }
-        }
-        if !dims.contains(&0) && (lo < 0 || hi >= p.len as isize) {
-            return Err(format!("view {view:?} reaches {lo}..={hi} of argument {arg} of {} elements", p.len));
-        }
-        Ok(())
-    };
-    loads.iter().try_for_each(|l| access(l.arg, l.dtype, &l.view, false))?;
-    stores.iter().try_for_each(|s| access(s.arg, s.dtype, &s.view, true))?;
-    for (i, n) in expr.nodes.iter().enumerate() {
-        if n.op.operands().iter().any(|&o| o >= i) || matches!(n.op, ExprOp::Load(s) if s as usize >= loads.len()) {
-            return Err(format!("node {i} ({:?}) reads a node or load slot that does not precede it", n.op));
-        }
     }
-    for s in stores {
-        match expr.nodes.get(s.value as usize) {
-            Some(n) if n.dtype == s.dtype.compute() => {}
-            _ => return Err(format!("store of node {} to a {} argument", s.value, s.dtype)),
+    for (i, n) in expr.nodes.iter().enumerate() {
+        if n.op.operands().iter().any(|&o| o >= i) {
+            return Err(format!("node {i} ({:?}) reads a node that does not precede it", n.op));
         }
     }
     Ok(())

@@ -316,7 +316,7 @@ fn rejects_what_the_cpu_rejects() {
     };
     let id = |_: &mut ExprBuilder, x| x;
     assert!(print(&k(&id, DType::F32, 4, 1), "2d").unwrap_err().contains("not a C identifier"));
-    assert!(print(&k(&id, DType::F32, 3, 1), "k").unwrap_err().contains("reaches 0..=3"));
+    assert!(print(&k(&id, DType::F32, 3, 1), "k").unwrap_err().contains("reaches elements 0..=3"));
     assert!(print(&k(&id, DType::F32, 4, 0), "k").unwrap_err().contains("store of f32 to argument 0"));
     let pow = |b: &mut ExprBuilder, x| b.binary(PrimBinary::Pow, x, x);
     assert!(print(&k(&pow, DType::I32, 4, 1), "k").unwrap_err().contains("pow has no integer form"));
