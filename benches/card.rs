@@ -68,32 +68,48 @@ fn c1(dev: &Device) -> (f64, String) {
         dev.sync().unwrap();
         y
     };
-    // Correctness on sampled elements, in f64.
-    let (xs, ws, ys) = (x.to_vec::<f32>().unwrap(), w.to_vec::<f32>().unwrap(), run().to_vec::<f32>().unwrap());
-    let mut worst = 0.0f64;
-    for i in (0..N).step_by(997) {
-        let (xv, wv) = (xs[i] as f64, ws[i] as f64);
-        let want = gelu(xv * wv + 1.0) * (1.0 / (1.0 + (-xv).exp()));
-        worst = worst.max((ys[i] as f64 - want).abs() / (1.0 + want.abs()));
+    let (xs, ws) = (x.to_vec::<f32>().unwrap(), w.to_vec::<f32>().unwrap());
+    // The kernel interpreted, then compiled (the same bits either way).
+    let mut results = vec![];
+    for mode in [CompileMode::Off, CompileMode::Blocking] {
+        dev.set_compile_mode(mode);
+        let compiled_before = dev.compiled_kernels_launched();
+        let ys = run().to_vec::<f32>().unwrap();
+        let compiled = dev.compiled_kernels_launched() > compiled_before;
+        // Correctness on sampled elements, in f64.
+        let mut worst = 0.0f64;
+        for i in (0..N).step_by(997) {
+            let (xv, wv) = (xs[i] as f64, ws[i] as f64);
+            let want = gelu(xv * wv + 1.0) * (1.0 / (1.0 + (-xv).exp()));
+            worst = worst.max((ys[i] as f64 - want).abs() / (1.0 + want.abs()));
+        }
+        assert!(worst < 1e-5, "C1 relative error {worst}");
+        let kernels = dev.last_schedule().unwrap().kernel_count();
+        let t = median(2, 9, || drop(run()));
+        results.push((mode, compiled, t, kernels, worst, ys));
     }
-    assert!(worst < 1e-5, "C1 relative error {worst}");
-    let kernels = {
-        run();
-        dev.last_schedule().unwrap().kernel_count()
-    };
-    let t = median(2, 9, || drop(run()));
-    let bw = 3.0 * 4.0 * N as f64 / t / 1e9;
+    assert!(results[0].5 == results[1].5, "C1: the compiled kernel's bits differ from the interpreter's");
     let (memcpy, parallel) = (copy_bandwidth(4 * N, false), copy_bandwidth(4 * N, true));
-    let line = format!(
-        "C1 chain (16Mi f32): {:.2} ms, {kernels} kernel(s), {:.1} GB/s = {:.0}% of one memcpy ({:.1} GB/s), {:.0}% of a copy on all threads ({:.1} GB/s); max rel. error {worst:.1e}; target >= 80% of the copy",
-        t * 1e3,
-        bw,
-        100.0 * bw / memcpy,
-        memcpy,
-        100.0 * bw / parallel,
-        parallel
-    );
-    (t, line)
+    let mut lines = vec![];
+    for (mode, compiled, t, kernels, worst, _) in &results {
+        let how = match (mode, compiled) {
+            (CompileMode::Off, _) => "interpreted",
+            (_, true) => "compiled",
+            (_, false) => "compiled: NO C COMPILER, interpreted",
+        };
+        let bw = 3.0 * 4.0 * N as f64 / t / 1e9;
+        lines.push(format!(
+            "C1 chain (16Mi f32, {how}): {:.2} ms, {kernels} kernel(s), {:.1} GB/s = {:.0}% of one memcpy ({:.1} GB/s), {:.0}% of a copy on all threads ({:.1} GB/s); max rel. error {worst:.1e}; target >= 80% of the copy",
+            t * 1e3,
+            bw,
+            100.0 * bw / memcpy,
+            memcpy,
+            100.0 * bw / parallel,
+            parallel
+        ));
+    }
+    dev.set_compile_mode(CompileMode::Blocking);
+    (results[1].2, lines.join("\n"))
 }
 
 fn c2(dev: &Device) -> (f64, String) {
@@ -481,6 +497,8 @@ fn peers(which: &str) -> Vec<String> {
 fn main() {
     let which = std::env::args().skip(1).find(|a| !a.starts_with('-')).unwrap_or_else(|| "all".into());
     let dev = Device::cpu();
+    // Kernels are compiled before their first run, so warm-ups never time the interpreter.
+    dev.set_compile_mode(CompileMode::Blocking);
     println!("braid bench card (CPU, {} threads)", rayon::current_num_threads());
     let all = which == "all";
     if all || which == "c1" {
@@ -500,7 +518,9 @@ fn main() {
         peers("c5").iter().for_each(|l| println!("{l}"));
     }
     if all || which == "offload" {
-        println!("{}", offload(&Device::new_cpu()).1);
+        let dev = Device::new_cpu();
+        dev.set_compile_mode(CompileMode::Blocking);
+        println!("{}", offload(&dev).1);
     }
     if all || which == "c4" {
         println!("{}", c4(&dev).1);

@@ -11,7 +11,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 
-pub use braid_devices::MemoryStats;
+pub use braid_devices::{CompileMode, MemoryStats};
 
 /// A device that tensors live on and work runs on. Cheap to clone; clones are the same device.
 #[derive(Clone)]
@@ -174,6 +174,33 @@ impl Device {
     /// Kernels this device has run since the program started (each fused segment counts once).
     pub fn kernels_launched(&self) -> u64 {
         self.0.backend.kernels_launched()
+    }
+
+    /// Sets when this device compiles kernels to machine code; `BRAID_CPU_COMPILE` sets it
+    /// when the device is created (`background` by default). The CPU device compiles kernels of
+    /// fused elementwise work producing at least 65,536 elements with the system's C compiler
+    /// (`cc`, or `BRAID_CC`), keeping the libraries in a disk cache (`BRAID_KERNEL_CACHE`, else
+    /// `~/.cache/braid/kernels`); without a compiler, every kernel is interpreted. Compiled or
+    /// interpreted, a kernel computes the same bits, so the mode changes speed, never results.
+    ///
+    /// ```
+    /// use braid::prelude::*;
+    /// let dev = Device::new_cpu();
+    /// // Wait for the compiler before a kernel's first run (for benchmarks).
+    /// dev.set_compile_mode(CompileMode::Blocking);
+    /// let x = Tensor::randn([1 << 16], DType::F32, &dev);
+    /// let y = (x.exp() * 2.0).to_vec::<f32>().unwrap();
+    /// assert_eq!(y.len(), 1 << 16);
+    /// // 1 when a C compiler was found, 0 when the kernel was interpreted.
+    /// assert!(dev.compiled_kernels_launched() <= 1);
+    /// ```
+    pub fn set_compile_mode(&self, mode: CompileMode) {
+        self.0.backend.set_compile_mode(mode)
+    }
+
+    /// Kernels this device has run as compiled code (see [`Device::set_compile_mode`]).
+    pub fn compiled_kernels_launched(&self) -> u64 {
+        self.0.backend.compiled_kernels_launched()
     }
 
     /// The schedule of the most recent flush on this device.

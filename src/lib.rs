@@ -43,7 +43,7 @@ mod tensor;
 pub mod testing;
 
 pub use autograd::{Grads, grad_enabled, no_grad};
-pub use device::{Device, MemoryStats};
+pub use device::{CompileMode, Device, MemoryStats};
 pub use dump::ScheduleDump;
 pub use engine::{DEFAULT_MAX_PENDING, max_pending_nodes, set_max_pending_nodes};
 pub use error::{Error, Result};

@@ -2,7 +2,7 @@
 //! `t.neg()` is always the tensor method).
 
 pub use crate::autograd::Grads;
-pub use crate::device::{Device, MemoryStats};
+pub use crate::device::{CompileMode, Device, MemoryStats};
 pub use crate::error::{Error, Result};
 pub use crate::stream::{Event, Stream};
 pub use crate::tensor::Tensor;

@@ -89,6 +89,31 @@ pub struct Job<'a> {
     pub fail_at: Option<KernelId>,
 }
 
+/// When a device compiles kernels to machine code (today the CPU device, through the system's C
+/// compiler; see `cpu::native`). Compiled or interpreted, a kernel computes the same bits.
+/// `BRAID_CPU_COMPILE=off|background|blocking` sets it when a device is created.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CompileMode {
+    /// Never: every kernel is interpreted.
+    Off,
+    /// In the background (the default): a kernel's first runs are interpreted while it
+    /// compiles; later runs use the compiled code once it is ready.
+    Background,
+    /// Before a kernel's first run, which waits for the compiler (for benchmarks and tests).
+    Blocking,
+}
+
+impl CompileMode {
+    /// The mode `BRAID_CPU_COMPILE` asks for (unset or unknown values give `Background`).
+    pub fn from_env() -> CompileMode {
+        match std::env::var("BRAID_CPU_COMPILE").map(|v| v.trim().to_ascii_lowercase()).as_deref() {
+            Ok("0" | "off" | "false") => CompileMode::Off,
+            Ok("blocking") => CompileMode::Blocking,
+            _ => CompileMode::Background,
+        }
+    }
+}
+
 /// A device runtime.
 pub trait Backend: Send + Sync {
     fn name(&self) -> String;
@@ -108,6 +133,12 @@ pub trait Backend: Send + Sync {
     fn trim(&self);
     /// Bytes of device memory holding parameters (exact-size memory).
     fn persistent_memory(&self) -> u64 {
+        0
+    }
+    /// Sets when kernels are compiled (devices that only interpret ignore it).
+    fn set_compile_mode(&self, _mode: CompileMode) {}
+    /// Kernels run as compiled code since the device was created.
+    fn compiled_kernels_launched(&self) -> u64 {
         0
     }
     /// How fast this device computes and copies, for placing offloads.

@@ -7,9 +7,12 @@
 //! compiles the printed kernels on the host and compares them with the CPU); a WGSL printer is
 //! the wgpu issue's. Lowering never touches buffers, streams or devices.
 
+mod cexpr;
 pub mod cuda;
+pub mod host_c;
 pub mod kernel;
 pub mod lower;
+pub mod vmath;
 
 pub use kernel::{Arg, Body, Kernel, Load, MapLoop, MatmulKernel, MatmulOperand, RowKernel, Store, View, check_access};
 pub use lower::Lowering;

@@ -283,6 +283,11 @@ pub(crate) fn new_case(label: String, inputs: usize, body: Body) -> Case {
 /// each, a random DAG, its sinks stored through random views (at most 4, the last node always).
 pub(crate) fn map_case(rng: &mut Rng, n: usize) -> Case {
     let dims: Vec<usize> = (0..1 + rng.below(3)).map(|_| 1 + rng.below(5)).collect();
+    map_case_over(rng, n, &dims)
+}
+
+/// A random map loop (as [`map_case`]) over `dims`.
+pub(crate) fn map_case_over(rng: &mut Rng, n: usize, dims: &[usize]) -> Case {
     let inputs = 1 + rng.below(3);
     let mut c = new_case(format!("map {n}"), inputs, Body::Map(vec![]));
     let mut loads = vec![];
@@ -290,7 +295,7 @@ pub(crate) fn map_case(rng: &mut Rng, n: usize) -> Case {
         let d = *rng.pick(&DType::ALL);
         let mut len = 0;
         for _ in 0..1 + rng.below(2) {
-            let (view, l) = random_view(rng, &dims, true);
+            let (view, l) = random_view(rng, dims, true);
             loads.push(Load { arg: a as u16, dtype: d, view });
             len = len.max(l);
         }
@@ -315,7 +320,7 @@ pub(crate) fn map_case(rng: &mut Rng, n: usize) -> Case {
     }
     let mut stores = vec![];
     for v in sinks {
-        let (view, len) = random_view(rng, &dims, false);
+        let (view, len) = random_view(rng, dims, false);
         let arg = c.kernel.args.len();
         stores.push(output(rng, expr.nodes[v].dtype, view, len, v as ExprId, arg, &mut c));
     }

@@ -1,5 +1,7 @@
 //! The CPU device: a memory pool, and an executor (`exec`) that runs schedules with one worker
-//! per stream; kernels use data parallelism (rayon) and `gemm` for matrix products.
+//! per stream; kernels use data parallelism (rayon) and `gemm` for matrix products. Kernels of
+//! map loops are interpreted (`map`, `eval`) or, once compiled by the system's C compiler, run
+//! as machine code (`native`), with the same results.
 //!
 //! It executes exactly what the schedule says; it never reorders steps or decides lifetimes.
 
@@ -7,13 +9,16 @@ pub mod eval;
 mod exec;
 pub mod map;
 pub mod matmul;
+pub mod native;
 pub mod pool;
 mod reduce;
 pub mod rows;
-pub mod vmath;
 mod workers;
 
-use crate::{Backend, Buffer, DeviceError, Job, MemoryStats};
+/// braid's f32 `exp` and `tanh` (defined next to the kernel IR, whose host C printer prints them).
+pub use braid_lowering::vmath;
+
+use crate::{Backend, Buffer, CompileMode, DeviceError, Job, MemoryStats};
 use braid_lowering::{Body, Kernel};
 use map::ArgPtr;
 use pool::{Pool, Slice};
@@ -85,6 +90,7 @@ pub struct CpuDevice {
     host_pool: Arc<Pool>,
     kernels: AtomicU64,
     prepared: std::sync::Mutex<Prepared>,
+    native: native::Native,
 }
 
 impl CpuDevice {
@@ -94,6 +100,9 @@ impl CpuDevice {
 
     /// Runs `kernel`, preparing it once per distinct (interned) kernel.
     fn run(&self, kernel: &Arc<Kernel>, args: &[ArgPtr]) -> Result<(), String> {
+        if let Some(lib) = self.native.library(kernel) {
+            return lib.run(kernel, args);
+        }
         let Body::Rows(r) = &kernel.body else { return run_prepared(kernel, None, args) };
         let key = Arc::as_ptr(kernel) as usize;
         let plan = {
@@ -211,6 +220,14 @@ impl Backend for CpuDevice {
 
     fn persistent_memory(&self) -> u64 {
         self.pool.persistent()
+    }
+
+    fn set_compile_mode(&self, mode: CompileMode) {
+        self.native.set_mode(mode)
+    }
+
+    fn compiled_kernels_launched(&self) -> u64 {
+        self.native.launches()
     }
 }
 

@@ -29,7 +29,7 @@ pub(super) fn print_map(out: &mut String, l: &MapLoop, name: &str, params: &[Par
     decompose(out, "    ", "i", &l.dims, &(0..l.dims.len()).collect::<Vec<_>>(), &used);
     for (i, n) in l.expr.nodes.iter().enumerate() {
         // Checked even when dead: the CPU evaluates every node.
-        let e = node_expr(&l.expr, &l.loads, i, &offset, "i")?;
+        let e = node_expr(Dialect::Cuda, &l.expr, &l.loads, i, &offset, "i")?;
         if live[i] {
             let _ = writeln!(out, "    const {} v{i} = {e};", ctype(n.dtype));
         }
@@ -128,7 +128,7 @@ pub(super) fn print_rows(out: &mut String, r: &RowKernel, name: &str, params: &[
         let _ = writeln!(out, "  for (long long t = threadIdx.x; t < {len}LL; t += blockDim.x) {{");
         decompose(out, "    ", "t", &r.dims, &row_dims, &used_dims(&r.dims, &views, flat));
         for &i in need {
-            let e = node_expr(&r.expr, &r.loads, i, &offset_expr, &index)?;
+            let e = node_expr(Dialect::Cuda, &r.expr, &r.loads, i, &offset_expr, &index)?;
             let _ = writeln!(out, "    const {} v{i} = {e};", ctype(nodes[i].dtype));
         }
         let _ = writeln!(out, "{body}  }}");
@@ -148,7 +148,7 @@ pub(super) fn print_rows(out: &mut String, r: &RowKernel, name: &str, params: &[
         let ExprOp::Reduce(op, x) = n.op else {
             if per_row[i] {
                 // Checked even when dead: the CPU evaluates every per-row node.
-                let e = node_expr(&r.expr, &r.loads, i, &offset_expr, &index)?;
+                let e = node_expr(Dialect::Cuda, &r.expr, &r.loads, i, &offset_expr, &index)?;
                 if live[i] {
                     let _ = writeln!(out, "  const {} v{i} = {e};", ctype(n.dtype));
                 }

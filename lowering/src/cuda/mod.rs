@@ -25,17 +25,16 @@
 //! suggested shape) or memory (allocation, reuse, aliasing). Arguments are declared without
 //! `__restrict__` because the planner may write an output in place over an input.
 
-mod expr;
 mod loops;
 #[cfg(test)]
 mod tests;
 
-pub use expr::storage_ctype;
-use expr::*;
+pub use crate::cexpr::storage_ctype;
+use crate::cexpr::*;
 use loops::*;
 
 use crate::kernel::{Body, Kernel, Load, MapLoop, RowKernel, Store, View, check_access};
-use braid_graph::expr::{Distribution, Expr, ExprOp, PrimBinary, PrimCmp, PrimUnary};
+use braid_graph::expr::{Expr, ExprOp, PrimBinary};
 use braid_graph::{DType, ReduceOp, Shape};
 use std::fmt::Write;
 
@@ -127,58 +126,9 @@ pub fn print(kernel: &Kernel, name: &str) -> Result<CudaSource, String> {
             let _ = writeln!(source, "#include <{header}>");
         }
     }
-    source.push_str(&prelude());
+    source.push_str(&helpers("__device__ __forceinline__"));
     source.push_str(&body);
     Ok(CudaSource { source, entries, params: params.iter().map(|p| p.dtype).collect() })
-}
-
-/// Helpers every source starts with: conversions as braid defines them, and the counter-based
-/// random numbers of `braid_graph::rng`, ported to 64-bit integer math.
-fn prelude() -> String {
-    let tau32 = float_literal(std::f32::consts::TAU as f64, DType::F32);
-    let tau64 = float_literal(std::f64::consts::TAU, DType::F64);
-    format!(
-        r#"
-// Float to integer: truncate towards zero, saturate at the type's range, NaN gives 0.
-__device__ __forceinline__ int braid_f2i32(double x) {{
-  return isnan(x) ? 0 : x <= -0x1p31 ? (-2147483647 - 1) : x >= 0x1p31 ? 2147483647 : (int)x;
-}}
-__device__ __forceinline__ long long braid_f2i64(double x) {{
-  return isnan(x) ? 0 : x <= -0x1p63 ? (-9223372036854775807LL - 1) : x >= 0x1p63 ? 9223372036854775807LL : (long long)x;
-}}
-__device__ __forceinline__ unsigned char braid_f2u8(double x) {{
-  return isnan(x) || x <= 0.0 ? 0 : x >= 255.0 ? 255 : (unsigned char)(int)x;
-}}
-// Counter-based random numbers (braid_graph::rng): SplitMix64's finaliser.
-__device__ __forceinline__ unsigned long long braid_mix64(unsigned long long z) {{
-  z += 0x9E3779B97F4A7C15ULL;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  return z ^ (z >> 31);
-}}
-__device__ __forceinline__ unsigned long long braid_bits(unsigned long long seed, unsigned long long i) {{
-  return braid_mix64(seed ^ braid_mix64(i));
-}}
-// Uniform on [0, 1) with 24 or 53 random bits: exact in float, resp. double.
-__device__ __forceinline__ double braid_uniform24(unsigned long long seed, unsigned long long i) {{
-  return (double)(braid_bits(seed, i) >> 40) * 0x1p-24;
-}}
-__device__ __forceinline__ double braid_uniform53(unsigned long long seed, unsigned long long i) {{
-  return (double)(braid_bits(seed, i) >> 11) * 0x1p-53;
-}}
-// Box-Muller on uniforms 2i (u1 in (0, 1]) and 2i + 1, in the variate's precision.
-__device__ __forceinline__ float braid_normal_f32(unsigned long long seed, unsigned long long i) {{
-  const float u1 = (float)(1.0 - braid_uniform24(seed, i * 2));
-  const float u2 = (float)braid_uniform24(seed, i * 2 + 1);
-  return sqrtf(-2.0f * logf(u1)) * cosf({tau32} * u2);
-}}
-__device__ __forceinline__ double braid_normal_f64(unsigned long long seed, unsigned long long i) {{
-  const double u1 = 1.0 - braid_uniform53(seed, i * 2);
-  const double u2 = braid_uniform53(seed, i * 2 + 1);
-  return sqrt(-2.0 * log(u1)) * cos({tau64} * u2);
-}}
-"#
-    )
 }
 
 /// Checks what every target checks ([`check_access`]), and what printing needs on top: stores

@@ -1,9 +1,9 @@
 //! Unit tests of the CUDA C printer: the text a reader wants to see for typical kernels.
 
-use super::expr::*;
 use super::*;
+use crate::cexpr::*;
 use crate::kernel::{Arg, MatmulKernel, MatmulOperand};
-use braid_graph::expr::{ExprBuilder, ExprId};
+use braid_graph::expr::{ExprBuilder, ExprId, PrimCmp};
 
 fn view(dims: &[usize], strides: &[isize], offset: usize) -> View {
     View { dims: dims.into(), strides: strides.into(), offset }

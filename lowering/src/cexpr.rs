@@ -1,9 +1,27 @@
-//! Printing of expressions, constants, casts and view offsets as C (see the module above).
+//! Printing of expressions, constants, casts and view offsets as C, shared by the CUDA C
+//! printer ([`crate::cuda`]) and the host C printer ([`crate::host_c`]). Both print the same
+//! semantics (the CPU evaluator's, see their module docs); [`Dialect`] names the few functions
+//! that differ. This module prints expressions only; entry points, loops and launches are each
+//! printer's own.
 
-use super::*;
+use crate::kernel::{Load, Store, View};
+use braid_graph::DType;
+use braid_graph::expr::{Distribution, Expr, ExprOp, PrimBinary, PrimCmp, PrimUnary};
+use std::fmt::Write;
+
+/// Which C the expressions are printed for.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Dialect {
+    /// CUDA C for NVRTC: CUDA's math functions.
+    Cuda,
+    /// C99 for the host's compiler: f32 `exp` and `tanh` are braid's own polynomials
+    /// (`braid_expf`, `braid_tanhf`, as the CPU evaluator computes them), square roots and
+    /// absolute values are compiler built-ins (one instruction), the rest libm calls.
+    Host,
+}
 
 /// The C type of a register (compute dtype).
-pub(super) fn ctype(d: DType) -> &'static str {
+pub(crate) fn ctype(d: DType) -> &'static str {
     match d {
         DType::F32 | DType::F16 | DType::BF16 => "float",
         DType::F64 => "double",
@@ -26,7 +44,7 @@ pub fn storage_ctype(d: DType) -> &'static str {
 
 /// A float constant of compute dtype `d` (F32 or F64) that parses back to the same bits: plain
 /// decimals for integers (exact), hexadecimal floats otherwise, bit casts for NaN and infinity.
-pub(super) fn float_literal(v: f64, d: DType) -> String {
+pub(crate) fn float_literal(v: f64, d: DType) -> String {
     let sign = if v.is_sign_negative() { "-" } else { "" };
     if d == DType::F64 {
         if !v.is_finite() {
@@ -47,7 +65,7 @@ pub(super) fn float_literal(v: f64, d: DType) -> String {
 }
 
 /// `v` (finite) as a C99/C++17 hexadecimal floating literal.
-pub(super) fn hex_float(v: f64) -> String {
+pub(crate) fn hex_float(v: f64) -> String {
     let bits = v.to_bits();
     let sign = if v.is_sign_negative() { "-" } else { "" };
     let exp = ((bits >> 52) & 0x7ff) as i64;
@@ -64,7 +82,7 @@ pub(super) fn hex_float(v: f64) -> String {
 }
 
 /// An integer constant as a register of dtype `d` holds it (wrapped as the CPU does).
-pub(super) fn int_literal(v: i64, d: DType) -> String {
+pub(crate) fn int_literal(v: i64, d: DType) -> String {
     match d {
         DType::I32 if v as i32 == i32::MIN => "(-2147483647 - 1)".into(),
         DType::I32 => (v as i32).to_string(),
@@ -76,7 +94,7 @@ pub(super) fn int_literal(v: i64, d: DType) -> String {
 }
 
 /// `a op b` in dtype `d`, with the CPU's semantics (integers wrap; `x / 0 == 0`).
-pub(super) fn binary(op: PrimBinary, d: DType, a: &str, b: &str) -> Result<String, String> {
+pub(crate) fn binary(op: PrimBinary, d: DType, a: &str, b: &str) -> Result<String, String> {
     let f = if d == DType::F32 { "f" } else { "" };
     let (t, u) = match d {
         DType::F32 | DType::F64 => {
@@ -111,7 +129,7 @@ pub(super) fn binary(op: PrimBinary, d: DType, a: &str, b: &str) -> Result<Strin
 }
 
 /// `x` (a register of dtype `from`) cast to `to` with braid's cast semantics.
-pub(super) fn cast(to: DType, from: DType, x: &str) -> String {
+pub(crate) fn cast(to: DType, from: DType, x: &str) -> String {
     let float_src = matches!(from, DType::F32 | DType::F64);
     match to {
         _ if to == from => x.to_string(),
@@ -133,7 +151,8 @@ pub(super) fn cast(to: DType, from: DType, x: &str) -> String {
 
 /// The C expression of node `i` (not a reduction). `offset` prints a view's element offset and
 /// `index` is the flat element index.
-pub(super) fn node_expr(
+pub(crate) fn node_expr(
+    dialect: Dialect,
     expr: &Expr,
     loads: &[Load],
     i: usize,
@@ -172,8 +191,13 @@ pub(super) fn node_expr(
             format!("{call}(0x{seed:x}ULL, (unsigned long long)v{operand})")
         }
         ExprOp::Unary(op, a) if ty(a) == d && d.is_float() => {
+            let host = dialect == Dialect::Host;
             let name = match op {
                 PrimUnary::Neg => return Ok(format!("-v{a}")),
+                PrimUnary::Exp if host && d == DType::F32 => return Ok(format!("braid_expf(v{a})")),
+                PrimUnary::Tanh if host && d == DType::F32 => return Ok(format!("braid_tanhf(v{a})")),
+                PrimUnary::Sqrt if host => "__builtin_sqrt",
+                PrimUnary::Abs if host => "__builtin_fabs",
                 PrimUnary::Exp => "exp",
                 PrimUnary::Log => "log",
                 PrimUnary::Sqrt => "sqrt",
@@ -210,7 +234,7 @@ pub(super) fn node_expr(
 
 /// The element offset of `view` in terms of the index variables `d0, d1, ...` (dimensions of
 /// extent 1 and stride 0 do not appear).
-pub(super) fn offset_expr(view: &View) -> String {
+pub(crate) fn offset_expr(view: &View) -> String {
     let mut s = if view.offset != 0 { view.offset.to_string() } else { String::new() };
     for (d, (&e, &st)) in view.dims.iter().zip(&view.strides).enumerate() {
         if e == 1 || st == 0 {
@@ -228,7 +252,7 @@ pub(super) fn offset_expr(view: &View) -> String {
 
 /// Declares `d{k}` for each dimension `k` in `which` (used ones of extent > 1) from the flat
 /// row-major index `var` over those dimensions of `dims`.
-pub(super) fn decompose(out: &mut String, indent: &str, var: &str, dims: &[usize], which: &[usize], used: &[bool]) {
+pub(crate) fn decompose(out: &mut String, indent: &str, var: &str, dims: &[usize], which: &[usize], used: &[bool]) {
     for (pos, &k) in which.iter().enumerate() {
         if !used[k] {
             continue;
@@ -243,13 +267,13 @@ pub(super) fn decompose(out: &mut String, indent: &str, var: &str, dims: &[usize
 
 /// Which dimensions need an index variable: those of extent > 1 that some view walks (all of
 /// them when the flat index is computed from them).
-pub(super) fn used_dims(dims: &[usize], views: &[&View], all: bool) -> Vec<bool> {
+pub(crate) fn used_dims(dims: &[usize], views: &[&View], all: bool) -> Vec<bool> {
     (0..dims.len()).map(|k| dims[k] > 1 && (all || views.iter().any(|v| v.strides[k] != 0))).collect()
 }
 
 /// Per node, whether a store depends on it (the others cannot change an output and are not
 /// printed), and the views that live loads and the stores read through.
-pub(super) fn live<'a>(expr: &Expr, loads: &'a [Load], stores: &'a [Store]) -> (Vec<bool>, Vec<&'a View>) {
+pub(crate) fn live<'a>(expr: &Expr, loads: &'a [Load], stores: &'a [Store]) -> (Vec<bool>, Vec<&'a View>) {
     let mut live = vec![false; expr.nodes.len()];
     stores.iter().for_each(|s| live[s.value as usize] = true);
     for i in (0..live.len()).rev() {
@@ -263,7 +287,7 @@ pub(super) fn live<'a>(expr: &Expr, loads: &'a [Load], stores: &'a [Store]) -> (
     (live, views)
 }
 
-pub(super) fn store_stmt(s: &Store, offset: &str) -> String {
+pub(crate) fn store_stmt(s: &Store, offset: &str) -> String {
     let v = format!("v{}", s.value);
     let v = match s.dtype {
         DType::F16 => format!("__float2half_rn({v})"),
@@ -272,4 +296,54 @@ pub(super) fn store_stmt(s: &Store, offset: &str) -> String {
         _ => v,
     };
     format!("a{}[{offset}] = {v};", s.arg)
+}
+
+/// Helpers every printed source starts with, each function declared with `qual`: conversions
+/// as braid defines them, and the counter-based random numbers of `braid_graph::rng`, ported to
+/// 64-bit integer math.
+pub(crate) fn helpers(qual: &str) -> String {
+    let tau32 = float_literal(std::f32::consts::TAU as f64, DType::F32);
+    let tau64 = float_literal(std::f64::consts::TAU, DType::F64);
+    format!(
+        r#"
+// Float to integer: truncate towards zero, saturate at the type's range, NaN gives 0.
+{qual} int braid_f2i32(double x) {{
+  return isnan(x) ? 0 : x <= -0x1p31 ? (-2147483647 - 1) : x >= 0x1p31 ? 2147483647 : (int)x;
+}}
+{qual} long long braid_f2i64(double x) {{
+  return isnan(x) ? 0 : x <= -0x1p63 ? (-9223372036854775807LL - 1) : x >= 0x1p63 ? 9223372036854775807LL : (long long)x;
+}}
+{qual} unsigned char braid_f2u8(double x) {{
+  return isnan(x) || x <= 0.0 ? 0 : x >= 255.0 ? 255 : (unsigned char)(int)x;
+}}
+// Counter-based random numbers (braid_graph::rng): SplitMix64's finaliser.
+{qual} unsigned long long braid_mix64(unsigned long long z) {{
+  z += 0x9E3779B97F4A7C15ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}}
+{qual} unsigned long long braid_bits(unsigned long long seed, unsigned long long i) {{
+  return braid_mix64(seed ^ braid_mix64(i));
+}}
+// Uniform on [0, 1) with 24 or 53 random bits: exact in float, resp. double.
+{qual} double braid_uniform24(unsigned long long seed, unsigned long long i) {{
+  return (double)(braid_bits(seed, i) >> 40) * 0x1p-24;
+}}
+{qual} double braid_uniform53(unsigned long long seed, unsigned long long i) {{
+  return (double)(braid_bits(seed, i) >> 11) * 0x1p-53;
+}}
+// Box-Muller on uniforms 2i (u1 in (0, 1]) and 2i + 1, in the variate's precision.
+{qual} float braid_normal_f32(unsigned long long seed, unsigned long long i) {{
+  const float u1 = (float)(1.0 - braid_uniform24(seed, i * 2));
+  const float u2 = (float)braid_uniform24(seed, i * 2 + 1);
+  return sqrtf(-2.0f * logf(u1)) * cosf({tau32} * u2);
+}}
+{qual} double braid_normal_f64(unsigned long long seed, unsigned long long i) {{
+  const double u1 = 1.0 - braid_uniform53(seed, i * 2);
+  const double u2 = braid_uniform53(seed, i * 2 + 1);
+  return sqrt(-2.0 * log(u1)) * cos({tau64} * u2);
+}}
+"#
+    )
 }

@@ -1,6 +1,8 @@
-//! Vectorisable f32 `exp` and `tanh`: branch-free polynomial approximations written so the
-//! compiler turns a loop over a slice into SIMD (AVX2 or AVX-512 where the CPU has it), instead of one
-//! `libm` call per element.
+//! braid's f32 `exp` and `tanh`, as every CPU kernel computes them: the interpreter calls these
+//! functions, and the host C printer ([`crate::host_c`]) prints the same steps with the same
+//! constants. Branch-free polynomial approximations, written so that the compiler turns a loop
+//! over a slice into SIMD (AVX2 or AVX-512 where the CPU has it), instead of one `libm` call per
+//! element.
 //!
 //! `exp`: Cody-Waite range reduction `x = n ln 2 + r`, a degree-6 polynomial for `e^r` (the
 //! Cephes coefficients), and `2^n` built from exponent bits in two steps so subnormal results
@@ -13,26 +15,33 @@
 // The polynomial coefficients are written as published (Cephes); each rounds to the f32 used.
 #![allow(clippy::excessive_precision)]
 
+/// `exp`'s input range: below it the result underflows to 0, above it overflows to infinity.
+pub const EXP_CLAMP: [f32; 2] = [-104.0, 88.8];
+/// `ln 2` split in two for the range reduction: `LN2_HI` has few enough bits that `n * LN2_HI`
+/// is exact.
+pub const LN2_HI: f32 = 0.693_359_4;
+pub const LN2_LO: f32 = -2.121_944_4e-4;
+/// 1.5 * 2^23: adding and subtracting it rounds to an integer.
+pub const ROUND: f32 = 12_582_912.0;
+/// `e^r ~ 1 + r + r^2 (c0 r^5 + c1 r^4 + ... + c5)`, Horner from `c0`.
+pub const EXP_POLY: [f32; 6] =
+    [1.987_569_2e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1];
+/// `tanh(x) ~ x + x^3 (c0 z^4 + ... + c4)` with `z = x^2`, below [`TANH_SMALL`] in magnitude.
+pub const TANH_POLY: [f32; 5] = [-5.704_988_7e-3, 2.063_908_9e-2, -5.373_971_6e-2, 1.333_144_2e-1, -3.333_328_2e-1];
+pub const TANH_SMALL: f32 = 0.625;
+
 /// `e^x` for f32, about 1 ulp; NaN stays NaN, overflow gives infinity, underflow 0.
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding and subtracting rounds to an integer
-    let x = x.clamp(-104.0, 88.8);
-    let t = x.mul_add(LOG2E, ROUND);
+    let x = x.clamp(EXP_CLAMP[0], EXP_CLAMP[1]);
+    let t = x.mul_add(std::f32::consts::LOG2_E, ROUND);
     let n = t - ROUND;
     // The integer n read off t's bits (t = 1.5 * 2^23 + n), which vectorises where `as i32`
     // (saturating) would not.
     let ni = (t.to_bits() as i32).wrapping_sub(0x4B40_0000);
     let r = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, x));
-    let mut p = 1.987_569_2e-4f32;
-    p = p.mul_add(r, 1.398_199_9e-3);
-    p = p.mul_add(r, 8.333_452e-3);
-    p = p.mul_add(r, 4.166_579_6e-2);
-    p = p.mul_add(r, 1.666_666_5e-1);
-    p = p.mul_add(r, 5.000_000_1e-1);
+    let c = EXP_POLY;
+    let p = c[0].mul_add(r, c[1]).mul_add(r, c[2]).mul_add(r, c[3]).mul_add(r, c[4]).mul_add(r, c[5]);
     let e = p * (r * r) + r + 1.0;
     // 2^n as two factors, each a normal number for n in [-150, 128].
     let n1 = ni >> 1;
@@ -47,15 +56,12 @@ pub fn exp(x: f32) -> f32 {
 pub fn tanh(x: f32) -> f32 {
     let a = x.abs();
     let z = x * x;
-    let mut p = -5.704_988_7e-3f32;
-    p = p.mul_add(z, 2.063_908_9e-2);
-    p = p.mul_add(z, -5.373_971_6e-2);
-    p = p.mul_add(z, 1.333_144_2e-1);
-    p = p.mul_add(z, -3.333_328_2e-1);
+    let c = TANH_POLY;
+    let p = c[0].mul_add(z, c[1]).mul_add(z, c[2]).mul_add(z, c[3]).mul_add(z, c[4]);
     let small = (x * z).mul_add(p, x);
     let e = exp(2.0 * a);
     let large = (1.0 - 2.0 / (e + 1.0)).copysign(x);
-    if a < 0.625 { small } else { large }
+    if a < TANH_SMALL { small } else { large }
 }
 
 #[cfg(test)]

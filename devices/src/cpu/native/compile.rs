@@ -1,0 +1,131 @@
+//! Building printed host C into a shared library and loading it: the compiler, its flags for
+//! the CPU's vector level, the on-disk cache, `dlopen` (through `libloading`).
+//!
+//! The cache directory (`BRAID_KERNEL_CACHE`, else `$XDG_CACHE_HOME/braid/kernels`, else
+//! `~/.cache/braid/kernels`, else one under the temporary directory) holds `KEY.c` and `KEY.so`
+//! per kernel, `KEY` a 128-bit hash of the source, the compiler's identity and the flags. A
+//! library is loaded from the cache only when its `.c` holds exactly the source asked for (so a
+//! hash collision cannot load the wrong code), and files are written under temporary names and
+//! renamed, the `.c` last, so that another process never sees a half-written library.
+//!
+//! This module compiles what it is given; it never decides which kernels to compile.
+
+use crate::cpu::eval::{Simd, simd};
+use braid_lowering::host_c::CC_OPTIONS;
+use libloading::Library;
+use std::ffi::OsString;
+use std::hash::{Hash, Hasher};
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// The C compiler: `BRAID_CC`, else `cc`, and the first line of its `--version`.
+struct Toolchain {
+    cc: OsString,
+    id: String,
+}
+
+/// The compiler, looked for once per process; `Err` says why there is none.
+fn toolchain() -> Result<&'static Toolchain, String> {
+    static TOOLCHAIN: OnceLock<Result<Toolchain, String>> = OnceLock::new();
+    TOOLCHAIN
+        .get_or_init(|| {
+            let cc = std::env::var_os("BRAID_CC").unwrap_or_else(|| "cc".into());
+            let out = Command::new(&cc)
+                .arg("--version")
+                .output()
+                .map_err(|e| format!("no C compiler `{}` ({e})", cc.to_string_lossy()))?;
+            if !out.status.success() {
+                return Err(format!("`{} --version` failed", cc.to_string_lossy()));
+            }
+            let id = String::from_utf8_lossy(&out.stdout).lines().next().unwrap_or("").to_string();
+            Ok(Toolchain { cc, id })
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+/// Whether a C compiler is available (looked for once per process).
+pub fn available() -> Result<(), String> {
+    toolchain().map(|_| ())
+}
+
+/// Instruction-set flags for the vector level the evaluator runs at now, so compiled code uses
+/// what the interpreted code would (every level gives the same bits).
+fn target_flags() -> &'static [&'static str] {
+    if !cfg!(target_arch = "x86_64") {
+        return &[];
+    }
+    match simd() {
+        Simd::Avx512 => {
+            &["-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mprefer-vector-width=512"]
+        }
+        Simd::Avx2 => &["-mavx2", "-mfma"],
+        Simd::Baseline => &[],
+    }
+}
+
+/// Where compiled kernels are kept.
+fn cache_dir() -> PathBuf {
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    var("BRAID_KERNEL_CACHE")
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("braid/kernels")))
+        .or_else(|| var("HOME").map(|d| d.join(".cache/braid/kernels")))
+        .unwrap_or_else(|| std::env::temp_dir().join("braid-kernels"))
+}
+
+/// A 128-bit hex key of everything that determines the library.
+fn key(source: &str, cc: &Toolchain, flags: &[&str]) -> String {
+    let half = |salt: u64| {
+        let mut h = std::hash::DefaultHasher::new();
+        (salt, source, &cc.id, &cc.cc, flags, CC_OPTIONS).hash(&mut h);
+        h.finish()
+    };
+    format!("{:016x}{:016x}", half(1), half(2))
+}
+
+/// The library of `source`, from the cache or compiled now (a fraction of a second to a few
+/// seconds). Errors when there is no compiler, when it rejects the source, or when the
+/// library cannot be loaded.
+pub fn build(source: &str) -> Result<Library, String> {
+    let cc = toolchain()?;
+    let flags = target_flags();
+    let dir = cache_dir();
+    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create the kernel cache {}: {e}", dir.display()))?;
+    let key = key(source, cc, flags);
+    let (c_path, so_path) = (dir.join(format!("{key}.c")), dir.join(format!("{key}.so")));
+    if std::fs::read(&c_path).is_ok_and(|c| c == source.as_bytes()) && so_path.exists() {
+        // SAFETY: the library was built by `build` from this very source; loading it runs no
+        // initialisers (the printed C has none).
+        if let Ok(lib) = unsafe { Library::new(&so_path) } {
+            return Ok(lib);
+        }
+    }
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let tmp = format!("{key}.tmp{}.{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed));
+    let (tmp_c, tmp_so) = (dir.join(format!("{tmp}.c")), dir.join(format!("{tmp}.so")));
+    std::fs::write(&tmp_c, source).map_err(|e| format!("cannot write {}: {e}", tmp_c.display()))?;
+    let out = Command::new(&cc.cc)
+        .args(CC_OPTIONS)
+        .args(flags)
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&tmp_so)
+        .arg(&tmp_c)
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", cc.cc.to_string_lossy()))?;
+    if !out.status.success() {
+        let _ = std::fs::remove_file(&tmp_so);
+        return Err(format!(
+            "{} failed on {} ({}):\n{}",
+            cc.cc.to_string_lossy(),
+            tmp_c.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    std::fs::rename(&tmp_so, &so_path).map_err(|e| format!("cannot move {}: {e}", tmp_so.display()))?;
+    std::fs::rename(&tmp_c, &c_path).map_err(|e| format!("cannot move {}: {e}", tmp_c.display()))?;
+    // SAFETY: as above, a library just built from the printed source.
+    unsafe { Library::new(&so_path) }.map_err(|e| format!("cannot load {}: {e}", so_path.display()))
+}

@@ -1,0 +1,236 @@
+//! Compiled CPU kernels: a kernel of map loops printed as host C
+//! ([`braid_lowering::host_c`]), built by the system's C compiler into a shared library, loaded,
+//! and run over rayon tasks like the interpreter's loops. They compute the same bits as the
+//! interpreter (checked by `tests/native_kernels.rs`), so a kernel may run interpreted until its
+//! library is ready and compiled after, without a result ever depending on which.
+//!
+//! [`Native`] decides which kernels to compile and when ([`CompileMode`]): by default in the
+//! background, one at a time on a thread of its own, while the interpreter runs the kernel; only
+//! kernels that produce at least [`MIN_ELEMENTS`] elements (below that, per-kernel overheads
+//! dominate and interpretation costs little); never kernels the printer does not print (row
+//! kernels, matrix products, half types). Libraries are shared by every device of the process
+//! (keyed by their source) and kept on disk across processes (see `compile`). A kernel whose
+//! compilation fails is interpreted, and the failure logged once.
+//!
+//! This module never changes what a kernel computes and never touches the schedule.
+
+mod compile;
+
+use super::map::{ArgPtr, TASK, check_io};
+use crate::CompileMode;
+use braid_lowering::{Body, Kernel, host_c};
+use hashbrown::HashMap;
+use libloading::Library;
+use rayon::prelude::*;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, mpsc};
+
+pub use compile::available as compiler_available;
+
+/// Kernels producing fewer elements than this are always interpreted.
+pub const MIN_ELEMENTS: usize = 1 << 16;
+
+type LoopFn = unsafe extern "C" fn(*const *mut u8, i64, i64);
+
+/// A loaded library and its entry points, one per map loop of the kernel it was printed from.
+pub struct NativeKernel {
+    loops: Vec<LoopFn>,
+    /// Keeps the code of `loops` mapped.
+    _lib: Library,
+}
+
+/// Non-temporal stores for f32 outputs of at least this many bytes, as the interpreter's.
+const STREAM_BYTES: usize = super::map::STREAM_BYTES;
+
+impl NativeKernel {
+    /// Prints `kernel`, compiles it (or finds it in the disk cache) and loads it, on the calling
+    /// thread.
+    pub fn build(kernel: &Kernel) -> Result<NativeKernel, String> {
+        let src = host_c::print(kernel, "braid_kernel", STREAM_BYTES)?;
+        Self::load(&src)
+    }
+
+    fn load(src: &host_c::HostSource) -> Result<NativeKernel, String> {
+        let lib = compile::build(&src.source)?;
+        let loops = (src.entries.iter())
+            .map(|e| {
+                // SAFETY: the printer declared this entry with exactly the `LoopFn` signature.
+                let f = unsafe { lib.get::<LoopFn>(e.as_bytes()) };
+                f.map(|f| *f).map_err(|err| format!("entry {e} not found: {err}"))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(NativeKernel { loops, _lib: lib })
+    }
+
+    /// Runs `kernel`, the kernel this library was printed from, over `args`.
+    pub fn run(&self, kernel: &Kernel, args: &[ArgPtr]) -> Result<(), String> {
+        let Body::Map(loops) = &kernel.body else { return Err("a compiled kernel of map loops only".into()) };
+        if loops.len() != self.loops.len() || args.len() != kernel.args.len() {
+            return Err("a compiled kernel run with another kernel's loops or arguments".into());
+        }
+        let ptrs: Vec<*mut u8> = args.iter().map(|a| a.ptr).collect();
+        let ptrs = Ptrs(&ptrs);
+        for (l, &f) in loops.iter().zip(&self.loops) {
+            // Every view within its argument, with the dtypes the printed code assumes.
+            check_io(&l.loads, &l.stores, &l.expr, args)?;
+            let n = l.numel();
+            // SAFETY: the code was printed from `l`, whose accesses were just checked; tasks
+            // cover disjoint index ranges, and different indices never write the same element.
+            let call = |a: usize, b: usize| unsafe { f(ptrs.base(), a as i64, b as i64) };
+            if n < 2 * TASK {
+                if n > 0 {
+                    call(0, n);
+                }
+            } else {
+                (0..n.div_ceil(TASK)).into_par_iter().for_each(|t| call(t * TASK, ((t + 1) * TASK).min(n)));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Argument pointers shared with rayon tasks (see `map::Shared` for why that is sound).
+#[derive(Clone, Copy)]
+struct Ptrs<'a>(&'a [*mut u8]);
+unsafe impl Send for Ptrs<'_> {}
+unsafe impl Sync for Ptrs<'_> {}
+
+impl Ptrs<'_> {
+    fn base(self) -> *const *mut u8 {
+        self.0.as_ptr()
+    }
+}
+
+/// One library being built or built, shared by every kernel printed to the same source.
+struct Slot {
+    source: host_c::HostSource,
+    built: OnceLock<Result<Arc<NativeKernel>, String>>,
+    queued: AtomicBool,
+}
+
+impl Slot {
+    fn build(&self) -> &Result<Arc<NativeKernel>, String> {
+        self.built.get_or_init(|| {
+            let r = NativeKernel::load(&self.source).map(Arc::new);
+            if let Err(e) = &r {
+                tracing::warn!("a kernel could not be compiled and stays interpreted: {e}");
+            }
+            r
+        })
+    }
+}
+
+/// The process's libraries, by source.
+fn slots() -> &'static Mutex<HashMap<String, Arc<Slot>>> {
+    static SLOTS: OnceLock<Mutex<HashMap<String, Arc<Slot>>>> = OnceLock::new();
+    SLOTS.get_or_init(Default::default)
+}
+
+/// Hands `slot` to the background compiler thread (started on first use).
+fn enqueue(slot: Arc<Slot>) {
+    static QUEUE: OnceLock<Mutex<mpsc::Sender<Arc<Slot>>>> = OnceLock::new();
+    let queue = QUEUE.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<Arc<Slot>>();
+        let spawned = std::thread::Builder::new().name("braid-cc".into()).spawn(move || {
+            for slot in rx {
+                slot.build();
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::warn!("no background compiler thread ({e}): kernels stay interpreted");
+        }
+        Mutex::new(tx)
+    });
+    // If the thread could not start, the slot stays empty and the kernel interpreted.
+    let _ = queue.lock().unwrap_or_else(|p| p.into_inner()).send(slot);
+}
+
+/// A device's view of compiled kernels: its mode, which of its kernels have a library, and how
+/// many kernels it ran compiled.
+pub struct Native {
+    mode: AtomicU8,
+    /// By the address of an interned kernel.
+    kernels: Mutex<HashMap<usize, KernelEntry>>,
+    launches: AtomicU64,
+}
+
+/// An interned kernel (held so its address stays its own) and its library's slot, if compiled.
+type KernelEntry = (Arc<Kernel>, Option<Arc<Slot>>);
+
+/// Entries kept per device before the table is cleared (as the row-kernel plans are).
+const MAX_KERNELS: usize = 4096;
+
+impl Default for Native {
+    fn default() -> Native {
+        Native {
+            mode: AtomicU8::new(CompileMode::from_env() as u8),
+            kernels: Default::default(),
+            launches: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Native {
+    pub fn mode(&self) -> CompileMode {
+        match self.mode.load(Ordering::Relaxed) {
+            0 => CompileMode::Off,
+            1 => CompileMode::Background,
+            _ => CompileMode::Blocking,
+        }
+    }
+
+    pub fn set_mode(&self, mode: CompileMode) {
+        self.mode.store(mode as u8, Ordering::Relaxed);
+    }
+
+    /// Kernels run compiled so far.
+    pub fn launches(&self) -> u64 {
+        self.launches.load(Ordering::Relaxed)
+    }
+
+    /// The library to run `kernel` with, if it is compiled (and ready); in `Blocking` mode
+    /// this compiles it first, in `Background` mode it queues it.
+    pub fn library(&self, kernel: &Arc<Kernel>) -> Option<Arc<NativeKernel>> {
+        let mode = self.mode();
+        if mode == CompileMode::Off || !matches!(kernel.body, Body::Map(_)) || kernel.output_elements() < MIN_ELEMENTS {
+            return None;
+        }
+        let slot = {
+            let mut kernels = self.kernels.lock().unwrap_or_else(|p| p.into_inner());
+            if kernels.len() >= MAX_KERNELS {
+                kernels.clear();
+            }
+            let key = Arc::as_ptr(kernel) as usize;
+            let entry = kernels.entry(key).or_insert_with(|| (kernel.clone(), slot_for(kernel)));
+            entry.1.clone()?
+        };
+        let built = match mode {
+            CompileMode::Blocking => slot.build(),
+            _ => {
+                if slot.built.get().is_none() && !slot.queued.swap(true, Ordering::Relaxed) {
+                    enqueue(slot.clone());
+                }
+                slot.built.get()?
+            }
+        };
+        let lib = built.as_ref().ok()?.clone();
+        self.launches.fetch_add(1, Ordering::Relaxed);
+        Some(lib)
+    }
+}
+
+/// The slot of `kernel`'s source, or `None` when it is not printed for the host or there is no
+/// compiler.
+fn slot_for(kernel: &Kernel) -> Option<Arc<Slot>> {
+    compile::available().ok()?;
+    let source = host_c::print(kernel, "braid_kernel", STREAM_BYTES).ok()?;
+    let mut slots = slots().lock().unwrap_or_else(|p| p.into_inner());
+    if slots.len() >= MAX_KERNELS {
+        // Forget the oldest libraries' slots; kernels holding them keep them loaded.
+        slots.clear();
+    }
+    let slot = slots
+        .entry(source.source.clone())
+        .or_insert_with(|| Arc::new(Slot { source, built: OnceLock::new(), queued: AtomicBool::new(false) }));
+    Some(slot.clone())
+}

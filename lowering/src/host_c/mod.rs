@@ -1,0 +1,263 @@
+//! Host C printing of the kernel IR: [`print`] turns a kernel of map loops into C99 (with GNU
+//! attributes) for the system's C compiler, one entry point per loop, so that the CPU device can
+//! run fused elementwise work as compiled, vectorised machine code instead of interpreting it.
+//!
+//! An entry point `void NAME_loopK(unsigned char *const *args, long long start, long long end)`
+//! computes indices `start..end` of loop `K` (`args[i]` is the start of argument `i`), so the
+//! caller splits a loop into parallel tasks as it likes. The loop walks the index space in runs
+//! along its last dimension; within a run, blocks of [`BLOCK`] elements are computed into local
+//! arrays by one loop the compiler vectorises (loads straight from the arguments, the whole
+//! expression per element, in registers), then written out: large contiguous f32 outputs with
+//! non-temporal stores, which skip reading each line before overwriting it. As the CPU
+//! evaluator does a chunk at a time, every load of a block happens before its stores, so an
+//! output written in place over an input reads the input's old values.
+//!
+//! The printed code computes what the CPU evaluator computes, **bit for bit**, so that a kernel
+//! gives the same result whether it runs interpreted or compiled: f32 `exp` and `tanh` are
+//! braid's own polynomials printed from [`crate::vmath`]'s constants with the same fused
+//! multiply-adds (`__builtin_fmaf`), other math functions are the same libm calls the
+//! evaluator makes, and [`CC_OPTIONS`] forbid the compiler to contract `a * b + c`, to assume
+//! no NaNs, or to evaluate math functions itself. `tests/native_kernels.rs` compiles hundreds of
+//! random kernels and compares every output bit with the evaluator's.
+//!
+//! Not printed (an `Err`, and the CPU interprets the kernel): row kernels, matrix products,
+//! and kernels touching f16 or bf16. The printer only prints: compiling, caching and loading
+//! are the device's (`braid_devices::cpu::native`).
+
+#[cfg(test)]
+mod tests;
+
+use crate::cexpr::*;
+use crate::kernel::{Body, Kernel, MapLoop, View, check_access};
+use crate::vmath;
+use braid_graph::DType;
+use braid_graph::expr::ExprOp;
+use std::fmt::Write;
+
+/// Compiler options the printed source needs (with `-shared -fPIC` to build a library, and the
+/// target's instruction-set flags): no contraction of `a * b + c` into a fused multiply-add
+/// (which the evaluator never does implicitly), no built-in evaluation of math functions (gcc
+/// would fold or replace some, such as `pow(x, 2)`, with results that can differ in the last
+/// bit from libm's), no `errno` from square roots (so they are one instruction, as the
+/// evaluator's are). None of them changes a result.
+pub const CC_OPTIONS: &[&str] =
+    &["-std=gnu11", "-O3", "-ffp-contract=off", "-fno-builtin", "-fno-math-errno", "-fno-trapping-math", "-w"];
+
+/// Elements computed per block into the local arrays (they stay in L1).
+pub const BLOCK: usize = 256;
+
+/// A printed kernel: its source and its entry points, one per map loop, in order.
+#[derive(Clone, Debug)]
+pub struct HostSource {
+    pub source: String,
+    pub entries: Vec<String>,
+}
+
+/// Prints `kernel` (a kernel of map loops) as host C; entry points are named after `name` (a C
+/// identifier). f32 outputs of at least `stream_bytes` written contiguously are written with
+/// non-temporal stores. Errors on what is not printed (see the module docs) and on IR the CPU
+/// would reject too.
+pub fn print(kernel: &Kernel, name: &str, stream_bytes: usize) -> Result<HostSource, String> {
+    let ident = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if !ident {
+        return Err(format!("kernel name {name:?} is not a C identifier"));
+    }
+    let Body::Map(loops) = &kernel.body else {
+        return Err("only kernels of map loops are printed for the host".into());
+    };
+    let half = |d: DType| matches!(d, DType::F16 | DType::BF16);
+    if let Some(a) = kernel.args.iter().find(|a| half(a.dtype)) {
+        return Err(format!("an argument of {} (half types are not printed for the host)", a.dtype));
+    }
+    let mut body = String::new();
+    let mut entries = vec![];
+    for (k, l) in loops.iter().enumerate() {
+        if l.expr.nodes.iter().any(|n| matches!(n.op, ExprOp::Cast(to, _) if half(to))) {
+            return Err("a cast to a half type (not printed for the host)".into());
+        }
+        let entry = format!("{name}_loop{k}");
+        print_loop(&mut body, l, &entry, kernel, stream_bytes)?;
+        entries.push(entry);
+    }
+    let mut source = format!("// braid kernel `{name}`: host C ({}).\n", CC_OPTIONS.join(" "));
+    source.push_str(&prelude());
+    source.push_str(&body);
+    Ok(HostSource { source, entries })
+}
+
+/// Headers, bit casts, braid's conversions and random numbers, `exp` and `tanh`, and the
+/// streaming copy.
+fn prelude() -> String {
+    let f = |v: f32| float_literal(v as f64, DType::F32);
+    let [lo, hi] = vmath::EXP_CLAMP.map(f);
+    let (log2e, round) = (f(std::f32::consts::LOG2_E), f(vmath::ROUND));
+    let (ln2_hi, ln2_lo) = (f(vmath::LN2_HI), f(vmath::LN2_LO));
+    let horner = |coeffs: &[f32], var: &str| {
+        let mut p = f(coeffs[0]);
+        for &c in &coeffs[1..] {
+            p = format!("__builtin_fmaf({p}, {var}, {})", f(c));
+        }
+        p
+    };
+    let (exp_poly, tanh_poly) = (horner(&vmath::EXP_POLY, "r"), horner(&vmath::TANH_POLY, "z"));
+    let small = f(vmath::TANH_SMALL);
+    format!(
+        r#"#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#if defined(__SSE__)
+#include <immintrin.h>
+#endif
+static inline float __int_as_float(int b) {{ float f; __builtin_memcpy(&f, &b, 4); return f; }}
+static inline double __longlong_as_double(long long b) {{ double f; __builtin_memcpy(&f, &b, 8); return f; }}
+{helpers}
+// braid's f32 exp and tanh (braid_lowering::vmath), step for step.
+static inline float braid_expf(float x) {{
+  x = x < {lo} ? {lo} : x;
+  x = x > {hi} ? {hi} : x;
+  const float t = __builtin_fmaf(x, {log2e}, {round});
+  const float n = t - {round};
+  int32_t tb;
+  __builtin_memcpy(&tb, &t, 4);
+  const int32_t ni = (int32_t)((uint32_t)tb - 0x4B400000u);
+  const float r = __builtin_fmaf(-n, {ln2_lo}, __builtin_fmaf(-n, {ln2_hi}, x));
+  const float p = {exp_poly};
+  const float e = p * (r * r) + r + 1.0f;
+  const int32_t n1 = ni >> 1, n2 = ni - n1;
+  const uint32_t b1 = (uint32_t)(n1 + 127) << 23, b2 = (uint32_t)(n2 + 127) << 23;
+  float p1, p2;
+  __builtin_memcpy(&p1, &b1, 4);
+  __builtin_memcpy(&p2, &b2, 4);
+  return e * p1 * p2;
+}}
+static inline float braid_tanhf(float x) {{
+  const float a = __builtin_fabsf(x), z = x * x;
+  const float p = {tanh_poly};
+  const float small = __builtin_fmaf(x * z, p, x);
+  const float e = braid_expf(2.0f * a);
+  const float large = __builtin_copysignf(1.0f - 2.0f / (e + 1.0f), x);
+  return a < {small} ? small : large;
+}}
+// dst[0..n] = src[0..n] with non-temporal stores of whole vectors where dst is aligned.
+static inline void braid_stream_f32(float *dst, const float *src, int n) {{
+  int i = 0;
+#if defined(__AVX512F__)
+  for (; i < n && ((uintptr_t)(dst + i) & 63); i++) dst[i] = src[i];
+  for (; i + 16 <= n; i += 16) _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
+#elif defined(__SSE__)
+  for (; i < n && ((uintptr_t)(dst + i) & 15); i++) dst[i] = src[i];
+  for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
+#endif
+  for (; i < n; i++) dst[i] = src[i];
+}}
+"#,
+        helpers = helpers("static inline")
+    )
+}
+
+/// `base + k * stride`: element `k` of a run starting at `base`.
+fn along(base: &str, k: &str, stride: isize) -> String {
+    match stride {
+        0 => base.to_string(),
+        1 => format!("{base} + {k}"),
+        -1 => format!("{base} - {k}"),
+        s if s < 0 => format!("{base} - {k} * {}", s.unsigned_abs()),
+        s => format!("{base} + {k} * {s}"),
+    }
+}
+
+fn print_loop(out: &mut String, l: &MapLoop, name: &str, kernel: &Kernel, stream_bytes: usize) -> Result<(), String> {
+    let arg = |a: u16| kernel.args.get(a as usize).map(|p| (p.dtype, p.len));
+    check_access(&l.loads, &l.stores, &l.expr, arg)?;
+    if let Some(s) = l.stores.iter().find(|s| (s.arg as usize) < kernel.inputs) {
+        return Err(format!("store of {} to argument {}, an input", s.dtype, s.arg));
+    }
+    let views = l.loads.iter().map(|x| &x.view).chain(l.stores.iter().map(|s| &s.view));
+    if let Some(v) = views.clone().find(|v| v.dims != l.dims || v.strides.len() != l.dims.len()) {
+        return Err(format!("view {v:?} over a loop of dims {:?}", l.dims.as_slice()));
+    }
+    for (i, n) in l.expr.nodes.iter().enumerate() {
+        if n.op.operands().iter().any(|&o| o >= i) {
+            return Err(format!("node {i} ({:?}) reads a node that does not precede it", n.op));
+        }
+    }
+    // A loop of rank 0 (one element) is walked as one run of length 1.
+    let rank = l.dims.len().max(1);
+    let dim = |d: usize| l.dims.get(d).copied().unwrap_or(1);
+    let inner_stride = |v: &View| v.strides.get(rank - 1).copied().unwrap_or(0);
+    let (live, _) = live(&l.expr, &l.loads, &l.stores);
+    let _ = writeln!(out, "\n// {} indices over dims {:?}.", l.numel(), l.dims.as_slice());
+    let _ = writeln!(out, "void {name}(unsigned char *const *args, long long start, long long end) {{");
+    for (i, a) in kernel.args.iter().enumerate() {
+        let c = if i < kernel.inputs { "const " } else { "" };
+        let t = storage_ctype(a.dtype);
+        let _ = writeln!(out, "  {c}{t} *const a{i} = ({c}{t} *)args[{i}];");
+    }
+    let _ = writeln!(out, "  long long i = start;\n  while (i < end) {{");
+    // The index of `i` along each dimension, the innermost last.
+    let inner = dim(rank - 1);
+    let _ = writeln!(out, "    const long long d{} = i % {inner}LL;", rank - 1);
+    if rank > 1 {
+        let _ = writeln!(out, "    long long rest = i / {inner}LL;");
+        for d in (0..rank - 1).rev() {
+            if d == 0 {
+                let _ = writeln!(out, "    const long long d0 = rest;");
+            } else {
+                let _ = writeln!(out, "    const long long d{d} = rest % {}LL;\n    rest /= {}LL;", dim(d), dim(d));
+            }
+        }
+    }
+    let _ =
+        writeln!(out, "    const long long run = {inner}LL - d{0} < end - i ? {inner}LL - d{0} : end - i;", rank - 1);
+    for (slot, load) in l.loads.iter().enumerate() {
+        let _ = writeln!(out, "    const long long o{slot} = {};", offset_expr(&load.view));
+    }
+    for (s, store) in l.stores.iter().enumerate() {
+        let _ = writeln!(out, "    const long long w{s} = {};", offset_expr(&store.view));
+    }
+    let _ = writeln!(
+        out,
+        "    for (long long jb = 0; jb < run; jb += {BLOCK}) {{\n      const int n = run - jb < {BLOCK} ? (int)(run - jb) : {BLOCK};"
+    );
+    for (s, store) in l.stores.iter().enumerate() {
+        let t = ctype(l.expr.nodes[store.value as usize].dtype);
+        let _ = writeln!(out, "      {t} t{s}[{BLOCK}] __attribute__((aligned(64)));");
+    }
+    let _ = writeln!(out, "      for (int jj = 0; jj < n; jj++) {{\n        const long long k = jb + jj;");
+    let offset = |v: &View| {
+        let slot = l.loads.iter().position(|x| &x.view == v).expect("a load's own view");
+        along(&format!("o{slot}"), "k", inner_stride(v))
+    };
+    for (i, n) in l.expr.nodes.iter().enumerate() {
+        // Checked even when dead: the CPU evaluates every node.
+        let e = node_expr(Dialect::Host, &l.expr, &l.loads, i, &offset, "(i + k)")?;
+        if live[i] {
+            let _ = writeln!(out, "        const {} v{i} = {e};", ctype(n.dtype));
+        }
+    }
+    for (s, store) in l.stores.iter().enumerate() {
+        let _ = writeln!(out, "        t{s}[jj] = v{};", store.value);
+    }
+    out.push_str("      }\n");
+    let mut streams = false;
+    for (s, store) in l.stores.iter().enumerate() {
+        let a = store.arg;
+        let big = kernel.args[a as usize].len * 4 >= stream_bytes;
+        if store.dtype == DType::F32 && store.view.is_contiguous() && big {
+            streams = true;
+            let _ = writeln!(out, "      braid_stream_f32(a{a} + w{s} + jb, t{s}, n);");
+        } else {
+            let conv = if store.dtype == DType::Bool { "(unsigned char)" } else { "" };
+            let at = along(&format!("w{s}"), "(jb + jj)", inner_stride(&store.view));
+            let _ = writeln!(out, "      for (int jj = 0; jj < n; jj++) a{a}[{at}] = {conv}t{s}[jj];");
+        }
+    }
+    out.push_str("    }\n    i += run;\n  }\n");
+    if streams {
+        // Non-temporal stores are weakly ordered: fence them before the caller reports done.
+        out.push_str("#if defined(__SSE__)\n  _mm_sfence();\n#endif\n");
+    }
+    out.push_str("}\n");
+    Ok(())
+}

@@ -1,0 +1,55 @@
+//! Unit tests on the printed text; `tests/native_kernels.rs` compiles and runs printed kernels.
+
+use super::*;
+use crate::kernel::{Arg, Load, Store};
+use braid_graph::expr::{ExprBuilder, PrimUnary};
+use smallvec::smallvec;
+
+fn contiguous(n: usize) -> View {
+    View { dims: smallvec![n], strides: smallvec![1], offset: 0 }
+}
+
+/// `y = exp(x) * 2` over `n` f32s.
+fn exp_kernel(n: usize) -> Kernel {
+    let mut b = ExprBuilder::default();
+    let x = b.load(0, DType::F32);
+    let e = b.unary(PrimUnary::Exp, x);
+    let two = b.constant(2.0, DType::F32);
+    let y = b.binary(braid_graph::expr::PrimBinary::Mul, e, two);
+    let l = MapLoop {
+        dims: smallvec![n],
+        loads: vec![Load { arg: 0, dtype: DType::F32, view: contiguous(n) }],
+        expr: b.finish(),
+        stores: vec![Store { arg: 1, dtype: DType::F32, view: contiguous(n), value: y }],
+    };
+    let args = vec![Arg { dtype: DType::F32, len: n }; 2];
+    Kernel { args, inputs: 1, body: Body::Map(vec![l]) }
+}
+
+#[test]
+fn one_entry_per_loop_with_braids_exp_and_streaming_stores_when_large() {
+    let src = print(&exp_kernel(1 << 20), "k7", 4 << 20).unwrap();
+    assert_eq!(src.entries, ["k7_loop0"]);
+    let s = &src.source;
+    assert!(s.contains("void k7_loop0(unsigned char *const *args, long long start, long long end)"), "{s}");
+    assert!(s.contains("braid_expf(v0)"), "{s}");
+    assert!(s.contains("braid_stream_f32(a1 + w0 + jb, t0, n);"), "{s}");
+    assert!(s.contains("_mm_sfence()"), "{s}");
+    // The polynomial's constants are vmath's, as hexadecimal floats.
+    assert!(s.contains(&float_literal(vmath::EXP_POLY[0] as f64, DType::F32)), "{s}");
+    // Below the threshold: plain stores, no fence.
+    let small = print(&exp_kernel(1000), "k", 4 << 20).unwrap().source;
+    assert!(small.contains("a1[w0 + (jb + jj)] = t0[jj];") && !small.contains("_mm_sfence();\n#endif\n}"), "{small}");
+}
+
+#[test]
+fn what_is_not_printed_is_an_error() {
+    let mut k = exp_kernel(16);
+    k.args[0].dtype = DType::F16;
+    assert!(print(&k, "k", 1 << 20).unwrap_err().contains("half types"));
+    assert!(print(&exp_kernel(16), "9k", 1 << 20).unwrap_err().contains("identifier"));
+    let mut k = exp_kernel(16);
+    let Body::Map(loops) = &mut k.body else { unreachable!() };
+    loops[0].loads[0].view.offset = 1; // one past the end
+    assert!(print(&k, "k", 1 << 20).unwrap_err().contains("reaches elements"));
+}

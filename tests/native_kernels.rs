@@ -1,0 +1,177 @@
+//! Compiled CPU kernels against the interpreter, **bit for bit**: random kernels of map loops
+//! (every dtype the host C printer prints, every view kind: transposed, padded, offset,
+//! reversed, broadcast; random expression DAGs over every primitive; NaN, infinities and -0 in
+//! the inputs) are printed, compiled by the system's C compiler and loaded as the CPU device
+//! does (`braid_devices::cpu::native`), then run next to the interpreter on the same random
+//! inputs. Every byte of every argument must agree (a NaN may differ from another NaN only in
+//! its payload). Large cases split into parallel tasks that start and end in the middle of runs.
+//! Through the engine: a device compiling before the first run, and one compiling in the
+//! background, give the interpreter's bits.
+//!
+//! Skipped, with a message, when there is no C compiler.
+
+// The printer test's generators; this test uses the map-loop ones.
+#[allow(dead_code)]
+#[path = "cuda_printer/cases.rs"]
+mod cases;
+mod common;
+
+use braid::prelude::*;
+use braid_devices::cpu::map::ArgPtr;
+use braid_devices::cpu::native::{NativeKernel, compiler_available};
+use braid_devices::cpu::run_kernel;
+use braid_graph::expr::ExprOp;
+use braid_lowering::{Body, Kernel};
+use cases::*;
+use common::Rng;
+use rayon::prelude::*;
+
+fn skip() -> bool {
+    match compiler_available() {
+        Ok(()) => false,
+        Err(e) => {
+            eprintln!("native_kernels: SKIPPED, no C compiler to compile kernels with: {e}");
+            true
+        }
+    }
+}
+
+/// The case with its f16/bf16 arguments widened to f32 and its casts to them made casts to f32
+/// (the host printer does not print half types).
+fn without_half(mut c: Case) -> Case {
+    let half = |d: DType| matches!(d, DType::F16 | DType::BF16);
+    let Body::Map(loops) = &mut c.kernel.body else { return c };
+    for n in loops.iter_mut().flat_map(|l| l.expr.nodes.iter_mut()) {
+        if let ExprOp::Cast(to, a) = n.op
+            && half(to)
+        {
+            n.op = ExprOp::Cast(DType::F32, a);
+        }
+    }
+    for (a, arg) in c.kernel.args.iter_mut().enumerate() {
+        if half(arg.dtype) {
+            let vals: Vec<f64> = (0..arg.len).map(|i| element(arg.dtype, &c.init[a], i).unwrap()).collect();
+            c.init[a] = encode(DType::F32, &vals);
+            arg.dtype = DType::F32;
+        }
+    }
+    for l in loops.iter_mut() {
+        l.loads.iter_mut().filter(|x| half(x.dtype)).for_each(|x| x.dtype = DType::F32);
+        l.stores.iter_mut().filter(|s| half(s.dtype)).for_each(|s| s.dtype = DType::F32);
+    }
+    c
+}
+
+/// Runs `run` over copies of `init`; returns every argument's bytes after.
+fn after(k: &Kernel, init: &[Vec<u8>], run: impl FnOnce(&[ArgPtr]) -> Result<(), String>) -> Vec<Vec<u8>> {
+    let mut bufs: Vec<Vec<u64>> = init.iter().map(|b| vec![0u64; b.len().div_ceil(8).max(1)]).collect();
+    let bytes = |v: &mut Vec<u64>, n: usize| -> &mut [u8] {
+        // SAFETY: `v` holds at least `n` bytes, and any byte pattern is a valid u64.
+        unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, n) }
+    };
+    for (b, i) in bufs.iter_mut().zip(init) {
+        bytes(b, i.len()).copy_from_slice(i);
+    }
+    let args: Vec<ArgPtr> = (k.args.iter().zip(&mut bufs))
+        .map(|(a, b)| ArgPtr { ptr: b.as_mut_ptr() as *mut u8, len: a.len, dtype: a.dtype })
+        .collect();
+    run(&args).unwrap();
+    bufs.iter_mut().zip(init).map(|(b, i)| bytes(b, i.len()).to_vec()).collect()
+}
+
+/// The first element where the compiled kernel's arguments differ from the interpreter's.
+fn first_difference(case: &Case, want: &[Vec<u8>], got: &[Vec<u8>]) -> Option<String> {
+    for (a, arg) in case.kernel.args.iter().enumerate() {
+        for e in 0..arg.len {
+            let (w, g) = (element(arg.dtype, &want[a], e), element(arg.dtype, &got[a], e));
+            let same = match (w, g) {
+                (Ok(w), Ok(g)) => w.to_bits() == g.to_bits() || (w.is_nan() && g.is_nan()),
+                (w, g) => w == g,
+            };
+            if !same {
+                return Some(format!(
+                    "{}: a{a} ({}) element {e}: interpreted {w:?}, compiled {g:?}",
+                    case.label, arg.dtype
+                ));
+            }
+        }
+    }
+    None
+}
+
+#[test]
+fn compiled_kernels_compute_the_interpreters_bits() {
+    if skip() {
+        return;
+    }
+    let start = std::time::Instant::now();
+    let mut rng = Rng::new(0x5EED_C0DE);
+    let mut cases = vec![edges_case()];
+    cases.extend((0..140).map(|n| map_case(&mut rng, n)));
+    // Large loops (tasks of 32Ki indices in parallel), some with a short last dimension.
+    for n in 0..6 {
+        let dims: Vec<usize> = match n % 3 {
+            0 => vec![70_000 + rng.below(70_000)],
+            1 => vec![300 + rng.below(200), 250 + rng.below(200)],
+            _ => vec![20_000 + rng.below(9_000), 1 + rng.below(5), 2],
+        };
+        cases.push(map_case_over(&mut rng, 1000 + n, &dims));
+    }
+    cases.extend((0..6).map(|n| concat_case(&mut rng, n)));
+    let cases: Vec<Case> = cases.into_iter().map(without_half).collect();
+    let failures: Vec<String> = cases
+        .par_iter()
+        .filter_map(|case| {
+            let k = &case.kernel;
+            let native = NativeKernel::build(k).unwrap_or_else(|e| panic!("{}: {e}\n{k:#?}", case.label));
+            let want = after(k, &case.init, |args| run_kernel(k, args));
+            let got = after(k, &case.init, |args| native.run(k, args));
+            first_difference(case, &want, &got)
+        })
+        .collect();
+    eprintln!("native_kernels: {} kernels compiled and compared in {:.2?}", cases.len(), start.elapsed());
+    assert!(failures.is_empty(), "{} of {} kernels differ:\n{}", failures.len(), cases.len(), failures.join("\n"));
+}
+
+/// `gelu(x * w + b) * sigmoid(x)` with `b` broadcast along rows, and a tanh: C1's chain on a
+/// 2-D shape.
+fn chain(dev: &Device, seed: u64) -> Vec<f32> {
+    dev.seed(seed);
+    let x = Tensor::randn([384, 512], DType::F32, dev);
+    let w = Tensor::randn([384, 512], DType::F32, dev);
+    let b = Tensor::randn([512], DType::F32, dev);
+    let y = (&x * &w + &b).gelu() * x.sigmoid() + x.tanh();
+    y.to_vec::<f32>().unwrap()
+}
+
+#[test]
+fn a_device_gives_the_same_bits_compiled_and_interpreted() {
+    if skip() {
+        return;
+    }
+    let dev = Device::new_cpu();
+    dev.set_compile_mode(CompileMode::Off);
+    let interpreted = chain(&dev, 7);
+    assert_eq!(dev.compiled_kernels_launched(), 0);
+    dev.set_compile_mode(CompileMode::Blocking);
+    let compiled = chain(&dev, 7);
+    assert_eq!(dev.compiled_kernels_launched(), 1, "the fused chain ran compiled");
+    assert!(interpreted.iter().zip(&compiled).all(|(a, b)| a.to_bits() == b.to_bits()));
+
+    // In the background: interpreted until the library is ready, compiled after, and the same
+    // bits throughout.
+    let dev = Device::new_cpu();
+    dev.set_compile_mode(CompileMode::Background);
+    let waited = std::time::Instant::now();
+    while dev.compiled_kernels_launched() == 0 {
+        let y = chain(&dev, 7);
+        assert!(interpreted.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert!(waited.elapsed().as_secs() < 120, "the background compile never finished");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // Small kernels are interpreted (compiling them would cost more than it saves).
+    let before = dev.compiled_kernels_launched();
+    let s = (Tensor::randn([1000], DType::F32, &dev).exp() * 2.0).to_vec::<f32>().unwrap();
+    assert_eq!(s.len(), 1000);
+    assert_eq!(dev.compiled_kernels_launched(), before);
+}
