@@ -181,7 +181,8 @@ impl Device {
     /// fused elementwise work producing at least 65,536 elements with the system's C compiler
     /// (`cc`, or `BRAID_CC`), keeping the libraries in a disk cache (`BRAID_KERNEL_CACHE`, else
     /// `~/.cache/braid/kernels`); without a compiler, every kernel is interpreted. Compiled or
-    /// interpreted, a kernel computes the same bits, so the mode changes speed, never results.
+    /// interpreted, a kernel computes the same bits (but for the payload of a NaN), so the mode
+    /// changes speed, never results.
     ///
     /// ```
     /// use braid::prelude::*;

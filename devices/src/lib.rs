@@ -90,7 +90,8 @@ pub struct Job<'a> {
 }
 
 /// When a device compiles kernels to machine code (today the CPU device, through the system's C
-/// compiler; see `cpu::native`). Compiled or interpreted, a kernel computes the same bits.
+/// compiler; see `cpu::native`). Compiled or interpreted, a kernel computes the same bits (but
+/// for the payload of a NaN).
 /// `BRAID_CPU_COMPILE=off|background|blocking` sets it when a device is created.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CompileMode {

@@ -125,15 +125,23 @@ impl View {
     }
 
     /// The smallest and largest buffer offsets the view touches (`None` when it has no
-    /// elements).
+    /// elements). A view whose offsets do not fit in an `isize` gives `(isize::MIN, isize::MAX)`,
+    /// which lies within no buffer.
     pub fn extent(&self) -> Option<(isize, isize)> {
         if self.dims.contains(&0) {
             return None;
         }
-        let (mut lo, mut hi) = (self.offset as isize, self.offset as isize);
+        let unbounded = Some((isize::MIN, isize::MAX));
+        let Ok(mut lo) = isize::try_from(self.offset) else { return unbounded };
+        let mut hi = lo;
         for (&d, &s) in self.dims.iter().zip(&self.strides) {
-            let span = (d as isize - 1) * s;
-            if span < 0 { lo += span } else { hi += span }
+            let span = isize::try_from(d - 1).ok().and_then(|d| d.checked_mul(s));
+            let moved = span.and_then(|span| {
+                if span < 0 { lo.checked_add(span).map(|l| lo = l) } else { hi.checked_add(span).map(|h| hi = h) }
+            });
+            if moved.is_none() {
+                return unbounded;
+            }
         }
         Some((lo, hi))
     }
@@ -147,6 +155,14 @@ impl View {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_extent_that_overflows_lies_within_no_buffer() {
+        let v = View { dims: [3, 4].as_slice().into(), strides: [isize::MAX / 2, 1].as_slice().into(), offset: 0 };
+        assert_eq!(v.extent(), Some((isize::MIN, isize::MAX)));
+        let v = View { dims: [3].as_slice().into(), strides: [-2].as_slice().into(), offset: 4 };
+        assert_eq!(v.extent(), Some((0, 4)));
+    }
 
     /// Every element of `v` as a buffer offset, row-major.
     fn offsets(v: &View) -> Vec<isize> {

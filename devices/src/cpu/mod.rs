@@ -101,7 +101,8 @@ impl CpuDevice {
     /// Runs `kernel`, preparing it once per distinct (interned) kernel.
     fn run(&self, kernel: &Arc<Kernel>, args: &[ArgPtr]) -> Result<(), String> {
         if let Some(lib) = self.native.library(kernel) {
-            return lib.run(kernel, args);
+            // SAFETY: `library` gives the library printed from this very kernel.
+            return unsafe { lib.run(kernel, args) };
         }
         let Body::Rows(r) = &kernel.body else { return run_prepared(kernel, None, args) };
         let key = Arc::as_ptr(kernel) as usize;

@@ -2,11 +2,19 @@
 //! the CPU's vector level, the on-disk cache, `dlopen` (through `libloading`).
 //!
 //! The cache directory (`BRAID_KERNEL_CACHE`, else `$XDG_CACHE_HOME/braid/kernels`, else
-//! `~/.cache/braid/kernels`, else one under the temporary directory) holds `KEY.c` and `KEY.so`
-//! per kernel, `KEY` a 128-bit hash of the source, the compiler's identity and the flags. A
-//! library is loaded from the cache only when its `.c` holds exactly the source asked for (so a
-//! hash collision cannot load the wrong code), and files are written under temporary names and
-//! renamed, the `.c` last, so that another process never sees a half-written library.
+//! `~/.cache/braid/kernels`, else `braid-kernels-UID` under the temporary directory) holds
+//! `KEY.c` and `KEY.so` per kernel, `KEY` a 128-bit hash of the source, the compiler's identity
+//! and the flags. It is created private (0700) and used only if it belongs to this user and no
+//! one else may write to it (a library from it runs in this process). A library is loaded from
+//! the cache only when its `.c` holds exactly the source asked for (so a hash collision cannot
+//! load the wrong code), and files are written under temporary names and renamed, the `.c`
+//! last, so that another process never sees a half-written library. The cache is never pruned:
+//! deleting it is always safe.
+//!
+//! Compiled code is built only for 64-bit x86 and ARM Unix hosts (where floats are computed in
+//! SSE/NEON registers, as the interpreter computes them; 32-bit x86 would use x87 extended
+//! precision). After three compile failures in a row (a broken toolchain), nothing more is
+//! compiled in this process.
 //!
 //! This module compiles what it is given; it never decides which kernels to compile.
 
@@ -18,7 +26,7 @@ use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 /// The C compiler: `BRAID_CC`, else `cc`, and the first line of its `--version`.
 struct Toolchain {
@@ -31,6 +39,9 @@ fn toolchain() -> Result<&'static Toolchain, String> {
     static TOOLCHAIN: OnceLock<Result<Toolchain, String>> = OnceLock::new();
     TOOLCHAIN
         .get_or_init(|| {
+            if !(cfg!(unix) && cfg!(any(target_arch = "x86_64", target_arch = "aarch64"))) {
+                return Err("compiled kernels are built on 64-bit x86 and ARM Unix hosts only".into());
+            }
             let cc = std::env::var_os("BRAID_CC").unwrap_or_else(|| "cc".into());
             let out = Command::new(&cc)
                 .arg("--version")
@@ -66,36 +77,70 @@ fn target_flags() -> &'static [&'static str] {
     }
 }
 
-/// Where compiled kernels are kept.
-fn cache_dir() -> PathBuf {
+/// Where compiled kernels are kept: created if missing, and checked to be private.
+fn cache_dir() -> Result<PathBuf, String> {
     let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
-    var("BRAID_KERNEL_CACHE")
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    let dir = var("BRAID_KERNEL_CACHE")
         .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("braid/kernels")))
         .or_else(|| var("HOME").map(|d| d.join(".cache/braid/kernels")))
-        .unwrap_or_else(|| std::env::temp_dir().join("braid-kernels"))
+        .unwrap_or_else(|| std::env::temp_dir().join(format!("braid-kernels-{uid}")));
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+        let _ = std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir);
+        let meta = std::fs::metadata(&dir).map_err(|e| format!("no kernel cache {}: {e}", dir.display()))?;
+        if !meta.is_dir() || meta.uid() != uid || meta.mode() & 0o022 != 0 {
+            return Err(format!(
+                "the kernel cache {} is not a directory of this user that only it may write to; not used",
+                dir.display()
+            ));
+        }
+    }
+    Ok(dir)
 }
+
+/// A shared library, linked against libm (`-lm`, after the source) and bound when loaded, so
+/// that a missing symbol is a load error rather than a crash at the first call.
+const LINK_OPTIONS: &[&str] = &["-shared", "-fPIC", "-Wl,-z,now"];
 
 /// A 128-bit hex key of everything that determines the library.
 fn key(source: &str, cc: &Toolchain, flags: &[&str]) -> String {
     let half = |salt: u64| {
         let mut h = std::hash::DefaultHasher::new();
-        (salt, source, &cc.id, &cc.cc, flags, CC_OPTIONS).hash(&mut h);
+        (salt, source, &cc.id, &cc.cc, flags, CC_OPTIONS, LINK_OPTIONS).hash(&mut h);
         h.finish()
     };
     format!("{:016x}{:016x}", half(1), half(2))
 }
 
-/// The library of `source`, from the cache or compiled now (a fraction of a second to a few
-/// seconds). Errors when there is no compiler, when it rejects the source, or when the
-/// library cannot be loaded.
-pub fn build(source: &str) -> Result<Library, String> {
+/// Compile failures in a row; at [`MAX_FAILURES`] nothing more is compiled.
+static FAILURES: AtomicU32 = AtomicU32::new(0);
+const MAX_FAILURES: u32 = 3;
+
+/// The library of `source`, from the cache (unless `fresh`) or compiled now (a fraction of a
+/// second to a few seconds). Errors when there is no compiler, when it rejects the source, or
+/// when the library cannot be loaded.
+pub fn build(source: &str, fresh: bool) -> Result<Library, String> {
     let cc = toolchain()?;
+    if FAILURES.load(Ordering::Relaxed) >= MAX_FAILURES {
+        return Err(format!("{MAX_FAILURES} compile failures in a row: compiling is off in this process"));
+    }
+    let r = build_with(cc, source, fresh);
+    match &r {
+        Ok(_) => FAILURES.store(0, Ordering::Relaxed),
+        Err(_) => drop(FAILURES.fetch_add(1, Ordering::Relaxed)),
+    }
+    r
+}
+
+fn build_with(cc: &Toolchain, source: &str, fresh: bool) -> Result<Library, String> {
     let flags = target_flags();
-    let dir = cache_dir();
-    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create the kernel cache {}: {e}", dir.display()))?;
+    let dir = cache_dir()?;
     let key = key(source, cc, flags);
     let (c_path, so_path) = (dir.join(format!("{key}.c")), dir.join(format!("{key}.so")));
-    if std::fs::read(&c_path).is_ok_and(|c| c == source.as_bytes()) && so_path.exists() {
+    if !fresh && std::fs::read(&c_path).is_ok_and(|c| c == source.as_bytes()) && so_path.exists() {
         // SAFETY: the library was built by `build` from this very source; loading it runs no
         // initialisers (the printed C has none).
         if let Ok(lib) = unsafe { Library::new(&so_path) } {
@@ -109,20 +154,19 @@ pub fn build(source: &str) -> Result<Library, String> {
     let out = Command::new(&cc.cc)
         .args(CC_OPTIONS)
         .args(flags)
-        .args(["-shared", "-fPIC", "-o"])
+        .args(LINK_OPTIONS)
+        .arg("-o")
         .arg(&tmp_so)
         .arg(&tmp_c)
-        .output()
-        .map_err(|e| format!("cannot run {}: {e}", cc.cc.to_string_lossy()))?;
-    if !out.status.success() {
-        let _ = std::fs::remove_file(&tmp_so);
-        return Err(format!(
-            "{} failed on {} ({}):\n{}",
-            cc.cc.to_string_lossy(),
-            tmp_c.display(),
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        ));
+        .arg("-lm")
+        .output();
+    if !out.as_ref().is_ok_and(|o| o.status.success()) {
+        let _ = (std::fs::remove_file(&tmp_so), std::fs::remove_file(&tmp_c));
+        let cc = cc.cc.to_string_lossy();
+        return Err(match out {
+            Ok(o) => format!("{cc} failed ({}):\n{}", o.status, String::from_utf8_lossy(&o.stderr)),
+            Err(e) => format!("cannot run {cc}: {e}"),
+        });
     }
     std::fs::rename(&tmp_so, &so_path).map_err(|e| format!("cannot move {}: {e}", tmp_so.display()))?;
     std::fs::rename(&tmp_c, &c_path).map_err(|e| format!("cannot move {}: {e}", tmp_c.display()))?;

@@ -1,14 +1,16 @@
 //! Compiled CPU kernels: a kernel of map loops printed as host C
 //! ([`braid_lowering::host_c`]), built by the system's C compiler into a shared library, loaded,
-//! and run over rayon tasks like the interpreter's loops. They compute the same bits as the
-//! interpreter (checked by `tests/native_kernels.rs`), so a kernel may run interpreted until its
-//! library is ready and compiled after, without a result ever depending on which.
+//! and run over rayon tasks like the interpreter's loops. They compute the same values as the
+//! interpreter, bit for bit except for the payload of a NaN (checked by
+//! `tests/native_kernels.rs`), so a kernel may run interpreted until its library is ready and
+//! compiled after, without a result ever depending on which.
 //!
 //! [`Native`] decides which kernels to compile and when ([`CompileMode`]): by default in the
-//! background, one at a time on a thread of its own, while the interpreter runs the kernel; only
-//! kernels that produce at least [`MIN_ELEMENTS`] elements (below that, per-kernel overheads
-//! dominate and interpretation costs little); never kernels the printer does not print (row
-//! kernels, matrix products, half types). Libraries are shared by every device of the process
+//! background, one at a time on a thread of its own, from a kernel's second run (a kernel that
+//! runs once is not worth a compile) while the interpreter runs it; only kernels that produce at
+//! least [`MIN_ELEMENTS`] elements (below that, per-kernel overheads dominate and
+//! interpretation costs little) in loops whose last dimension is at least [`MIN_RUN`] long;
+//! never kernels the printer does not print (row kernels, matrix products, half types). Libraries are shared by every device of the process
 //! (keyed by their source) and kept on disk across processes (see `compile`). A kernel whose
 //! compilation fails is interpreted, and the failure logged once.
 //!
@@ -29,6 +31,9 @@ pub use compile::available as compiler_available;
 
 /// Kernels producing fewer elements than this are always interpreted.
 pub const MIN_ELEMENTS: usize = 1 << 16;
+/// Loops whose last dimension (after merging contiguous ones) is shorter than this are
+/// interpreted: the compiled code pays index arithmetic per run of the last dimension.
+pub const MIN_RUN: usize = 64;
 
 type LoopFn = unsafe extern "C" fn(*const *mut u8, i64, i64);
 
@@ -50,20 +55,29 @@ impl NativeKernel {
         Self::load(&src)
     }
 
+    /// The library of `src`, from the disk cache or compiled (again, if a cached library lacks
+    /// an entry point).
     fn load(src: &host_c::HostSource) -> Result<NativeKernel, String> {
-        let lib = compile::build(&src.source)?;
-        let loops = (src.entries.iter())
-            .map(|e| {
-                // SAFETY: the printer declared this entry with exactly the `LoopFn` signature.
-                let f = unsafe { lib.get::<LoopFn>(e.as_bytes()) };
-                f.map(|f| *f).map_err(|err| format!("entry {e} not found: {err}"))
-            })
-            .collect::<Result<_, _>>()?;
-        Ok(NativeKernel { loops, _lib: lib })
+        let entries = |lib: Library| {
+            let loops = (src.entries.iter())
+                .map(|e| {
+                    // SAFETY: the printer declared this entry with exactly the `LoopFn` signature.
+                    let f = unsafe { lib.get::<LoopFn>(e.as_bytes()) };
+                    f.map(|f| *f).map_err(|err| format!("entry {e} not found: {err}"))
+                })
+                .collect::<Result<_, _>>()?;
+            Ok(NativeKernel { loops, _lib: lib })
+        };
+        entries(compile::build(&src.source, false)?).or_else(|_: String| entries(compile::build(&src.source, true)?))
     }
 
-    /// Runs `kernel`, the kernel this library was printed from, over `args`.
-    pub fn run(&self, kernel: &Kernel, args: &[ArgPtr]) -> Result<(), String> {
+    /// Runs `kernel` over `args`.
+    ///
+    /// # Safety
+    /// `kernel` must print to the source this library was built from (the kernel it was built
+    /// from, or one differing only in argument lengths): the compiled code accesses memory
+    /// through that kernel's views, and only `kernel`'s are checked against `args`.
+    pub unsafe fn run(&self, kernel: &Kernel, args: &[ArgPtr]) -> Result<(), String> {
         let Body::Map(loops) = &kernel.body else { return Err("a compiled kernel of map loops only".into()) };
         if loops.len() != self.loops.len() || args.len() != kernel.args.len() {
             return Err("a compiled kernel run with another kernel's loops or arguments".into());
@@ -154,8 +168,13 @@ pub struct Native {
     launches: AtomicU64,
 }
 
-/// An interned kernel (held so its address stays its own) and its library's slot, if compiled.
-type KernelEntry = (Arc<Kernel>, Option<Arc<Slot>>);
+/// An interned kernel (held so its address stays its own), its library's slot if it is
+/// compiled, and how often it was asked for.
+struct KernelEntry {
+    _kernel: Arc<Kernel>,
+    slot: Option<Arc<Slot>>,
+    runs: u64,
+}
 
 /// Entries kept per device before the table is cleared (as the row-kernel plans are).
 const MAX_KERNELS: usize = 4096;
@@ -192,22 +211,29 @@ impl Native {
     /// this compiles it first, in `Background` mode it queues it.
     pub fn library(&self, kernel: &Arc<Kernel>) -> Option<Arc<NativeKernel>> {
         let mode = self.mode();
-        if mode == CompileMode::Off || !matches!(kernel.body, Body::Map(_)) || kernel.output_elements() < MIN_ELEMENTS {
+        let Body::Map(loops) = &kernel.body else { return None };
+        let long_runs = loops.iter().all(|l| l.dims.last().is_none_or(|&d| d >= MIN_RUN));
+        if mode == CompileMode::Off || kernel.output_elements() < MIN_ELEMENTS || !long_runs {
             return None;
         }
-        let slot = {
+        let (slot, runs) = {
             let mut kernels = self.kernels.lock().unwrap_or_else(|p| p.into_inner());
             if kernels.len() >= MAX_KERNELS {
                 kernels.clear();
             }
             let key = Arc::as_ptr(kernel) as usize;
-            let entry = kernels.entry(key).or_insert_with(|| (kernel.clone(), slot_for(kernel)));
-            entry.1.clone()?
+            let entry = kernels.entry(key).or_insert_with(|| KernelEntry {
+                _kernel: kernel.clone(),
+                slot: slot_for(kernel),
+                runs: 0,
+            });
+            entry.runs += 1;
+            (entry.slot.clone()?, entry.runs)
         };
         let built = match mode {
             CompileMode::Blocking => slot.build(),
             _ => {
-                if slot.built.get().is_none() && !slot.queued.swap(true, Ordering::Relaxed) {
+                if runs >= 2 && slot.built.get().is_none() && !slot.queued.swap(true, Ordering::Relaxed) {
                     enqueue(slot.clone());
                 }
                 slot.built.get()?
@@ -233,4 +259,35 @@ fn slot_for(kernel: &Kernel) -> Option<Arc<Slot>> {
         .entry(source.source.clone())
         .or_insert_with(|| Arc::new(Slot { source, built: OnceLock::new(), queued: AtomicBool::new(false) }));
     Some(slot.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_source_the_compiler_rejects_is_an_error_naming_it() {
+        if let Err(e) = compile::available() {
+            eprintln!("native: SKIPPED, no C compiler: {e}");
+            return;
+        }
+        let source = host_c::HostSource { source: "this is not C;\n".into(), entries: vec!["f".into()] };
+        let err = NativeKernel::load(&source).err().expect("a compile error");
+        assert!(err.contains("failed") && err.contains("error"), "{err}");
+        // A slot whose compile failed stays failed (and its kernel interpreted), without retrying.
+        let slot = Slot { source, built: OnceLock::new(), queued: AtomicBool::new(false) };
+        assert!(slot.build().is_err());
+        assert!(slot.build().is_err());
+    }
+
+    #[test]
+    fn a_library_without_the_entry_point_is_an_error() {
+        if compile::available().is_err() {
+            eprintln!("native: SKIPPED, no C compiler");
+            return;
+        }
+        let source = host_c::HostSource { source: "void g(void) {}\n".into(), entries: vec!["f".into()] };
+        let err = NativeKernel::load(&source).err().expect("a missing entry point");
+        assert!(err.contains("entry f not found"), "{err}");
+    }
 }
