@@ -120,6 +120,8 @@ struct Slot {
     source: host_c::HostSource,
     built: OnceLock<Result<Arc<NativeKernel>, String>>,
     queued: AtomicBool,
+    /// Runs asked for so far: compiling starts at the second.
+    runs: AtomicU64,
 }
 
 impl Slot {
@@ -168,12 +170,11 @@ pub struct Native {
     launches: AtomicU64,
 }
 
-/// An interned kernel (held so its address stays its own), its library's slot if it is
-/// compiled, and how often it was asked for.
+/// An interned kernel (held so its address stays its own) and its library's slot if it is
+/// compiled.
 struct KernelEntry {
     _kernel: Arc<Kernel>,
     slot: Option<Arc<Slot>>,
-    runs: u64,
 }
 
 /// Entries kept per device before the table is cleared (as the row-kernel plans are).
@@ -216,20 +217,18 @@ impl Native {
         if mode == CompileMode::Off || kernel.output_elements() < MIN_ELEMENTS || !long_runs {
             return None;
         }
-        let (slot, runs) = {
+        let slot = {
             let mut kernels = self.kernels.lock().unwrap_or_else(|p| p.into_inner());
             if kernels.len() >= MAX_KERNELS {
                 kernels.clear();
             }
             let key = Arc::as_ptr(kernel) as usize;
-            let entry = kernels.entry(key).or_insert_with(|| KernelEntry {
-                _kernel: kernel.clone(),
-                slot: slot_for(kernel),
-                runs: 0,
-            });
-            entry.runs += 1;
-            (entry.slot.clone()?, entry.runs)
+            let entry =
+                kernels.entry(key).or_insert_with(|| KernelEntry { _kernel: kernel.clone(), slot: slot_for(kernel) });
+            entry.slot.clone()?
         };
+        // Runs of this source, by any kernel of any device.
+        let runs = slot.runs.fetch_add(1, Ordering::Relaxed) + 1;
         let built = match mode {
             CompileMode::Blocking => slot.build(),
             _ => {
@@ -252,12 +251,12 @@ fn slot_for(kernel: &Kernel) -> Option<Arc<Slot>> {
     let source = host_c::print(kernel, "braid_kernel", STREAM_BYTES).ok()?;
     let mut slots = slots().lock().unwrap_or_else(|p| p.into_inner());
     if slots.len() >= MAX_KERNELS {
-        // Forget the oldest libraries' slots; kernels holding them keep them loaded.
+        // Forget every slot; kernels holding one keep its library loaded.
         slots.clear();
     }
-    let slot = slots
-        .entry(source.source.clone())
-        .or_insert_with(|| Arc::new(Slot { source, built: OnceLock::new(), queued: AtomicBool::new(false) }));
+    let slot = slots.entry(source.source.clone()).or_insert_with(|| {
+        Arc::new(Slot { source, built: OnceLock::new(), queued: AtomicBool::new(false), runs: AtomicU64::new(0) })
+    });
     Some(slot.clone())
 }
 
@@ -275,7 +274,7 @@ mod tests {
         let err = NativeKernel::load(&source).err().expect("a compile error");
         assert!(err.contains("failed") && err.contains("error"), "{err}");
         // A slot whose compile failed stays failed (and its kernel interpreted), without retrying.
-        let slot = Slot { source, built: OnceLock::new(), queued: AtomicBool::new(false) };
+        let slot = Slot { source, built: OnceLock::new(), queued: AtomicBool::new(false), runs: AtomicU64::new(0) };
         assert!(slot.build().is_err());
         assert!(slot.build().is_err());
     }
