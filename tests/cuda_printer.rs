@@ -23,7 +23,7 @@ mod common;
 
 use cases::*;
 
-use braid_devices::cpu::{map::ArgPtr, run_kernel};
+use braid_devices::cpu::run_kernel;
 use braid_graph::DType;
 use braid_lowering::cuda::{self, Launch};
 use braid_lowering::{Body, Kernel, MapLoop, RowKernel};
@@ -117,19 +117,7 @@ template <class F> static void braid_launch(unsigned grid, unsigned block, F f) 
 
 /// Runs `k` on the CPU over copies of `init`; returns every argument's bytes after.
 fn run_cpu(k: &Kernel, init: &[Vec<u8>]) -> Result<Vec<Vec<u8>>, String> {
-    let mut bufs: Vec<Vec<u64>> = init.iter().map(|b| vec![0u64; b.len().div_ceil(8).max(1)]).collect();
-    let bytes = |v: &mut Vec<u64>, n: usize| -> &mut [u8] {
-        // SAFETY: `v` holds at least `n` bytes, and any byte pattern is a valid u64.
-        unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, n) }
-    };
-    for (b, i) in bufs.iter_mut().zip(init) {
-        bytes(b, i.len()).copy_from_slice(i);
-    }
-    let args: Vec<ArgPtr> = (k.args.iter().zip(&mut bufs))
-        .map(|(a, b)| ArgPtr { ptr: b.as_mut_ptr() as *mut u8, len: a.len, dtype: a.dtype })
-        .collect();
-    run_kernel(k, &args)?;
-    Ok(bufs.iter_mut().zip(init).map(|(b, i)| bytes(b, i.len()).to_vec()).collect())
+    run_on_copies(k, init, |args| run_kernel(k, args))
 }
 
 /// Byte offsets of each argument in a case's file (each aligned to 8), and the total.

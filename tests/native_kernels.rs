@@ -62,23 +62,6 @@ fn without_half(mut c: Case) -> Case {
     c
 }
 
-/// Runs `run` over copies of `init`; returns every argument's bytes after.
-fn after(k: &Kernel, init: &[Vec<u8>], run: impl FnOnce(&[ArgPtr]) -> Result<(), String>) -> Vec<Vec<u8>> {
-    let mut bufs: Vec<Vec<u64>> = init.iter().map(|b| vec![0u64; b.len().div_ceil(8).max(1)]).collect();
-    let bytes = |v: &mut Vec<u64>, n: usize| -> &mut [u8] {
-        // SAFETY: `v` holds at least `n` bytes, and any byte pattern is a valid u64.
-        unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, n) }
-    };
-    for (b, i) in bufs.iter_mut().zip(init) {
-        bytes(b, i.len()).copy_from_slice(i);
-    }
-    let args: Vec<ArgPtr> = (k.args.iter().zip(&mut bufs))
-        .map(|(a, b)| ArgPtr { ptr: b.as_mut_ptr() as *mut u8, len: a.len, dtype: a.dtype })
-        .collect();
-    run(&args).unwrap();
-    bufs.iter_mut().zip(init).map(|(b, i)| bytes(b, i.len()).to_vec()).collect()
-}
-
 /// The first element where the compiled kernel's arguments differ from the interpreter's.
 fn first_difference(case: &Case, want: &[Vec<u8>], got: &[Vec<u8>]) -> Option<String> {
     for (a, arg) in case.kernel.args.iter().enumerate() {
@@ -124,9 +107,9 @@ fn compiled_kernels_compute_the_interpreters_bits() {
         .filter_map(|case| {
             let k = &case.kernel;
             let native = NativeKernel::build(k).unwrap_or_else(|e| panic!("{}: {e}\n{k:#?}", case.label));
-            let want = after(k, &case.init, |args| run_kernel(k, args));
+            let want = run_on_copies(k, &case.init, |args| run_kernel(k, args)).unwrap();
             // SAFETY: `native` was built from `k`.
-            let got = after(k, &case.init, |args| unsafe { native.run(k, args) });
+            let got = run_on_copies(k, &case.init, |args| unsafe { native.run(k, args) }).unwrap();
             first_difference(case, &want, &got)
         })
         .collect();

@@ -3,6 +3,7 @@
 //! edge cases, each with random inputs (never all zeros).
 
 use super::common::Rng;
+use braid_devices::cpu::map::ArgPtr;
 use braid_graph::dtype::{bf16_from_f64, f16_from_f64};
 use braid_graph::expr::{Distribution, Expr, ExprBuilder, ExprId, ExprOp, PrimBinary, PrimCmp, PrimUnary};
 use braid_graph::{DType, ReduceOp};
@@ -17,6 +18,28 @@ pub(crate) struct Case {
     /// Arguments the printed kernel starts from the CPU's results for (a matmul's product,
     /// which cuBLAS would write).
     pub(crate) from_cpu: Vec<usize>,
+}
+
+/// Runs `run` over copies of `init` (one 8-byte-aligned buffer per argument of `k`); returns
+/// every argument's bytes after.
+pub(crate) fn run_on_copies(
+    k: &Kernel,
+    init: &[Vec<u8>],
+    run: impl FnOnce(&[ArgPtr]) -> Result<(), String>,
+) -> Result<Vec<Vec<u8>>, String> {
+    let mut bufs: Vec<Vec<u64>> = init.iter().map(|b| vec![0u64; b.len().div_ceil(8).max(1)]).collect();
+    let bytes = |v: &mut Vec<u64>, n: usize| -> &mut [u8] {
+        // SAFETY: `v` holds at least `n` bytes, and any byte pattern is a valid u64.
+        unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, n) }
+    };
+    for (b, i) in bufs.iter_mut().zip(init) {
+        bytes(b, i.len()).copy_from_slice(i);
+    }
+    let args: Vec<ArgPtr> = (k.args.iter().zip(&mut bufs))
+        .map(|(a, b)| ArgPtr { ptr: b.as_mut_ptr() as *mut u8, len: a.len, dtype: a.dtype })
+        .collect();
+    run(&args)?;
+    Ok(bufs.iter_mut().zip(init).map(|(b, i)| bytes(b, i.len()).to_vec()).collect())
 }
 
 pub(crate) fn encode(d: DType, vals: &[f64]) -> Vec<u8> {
