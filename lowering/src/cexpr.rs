@@ -4,7 +4,7 @@
 //! that differ. This module prints expressions only; entry points, loops and launches are each
 //! printer's own.
 
-use crate::kernel::{Load, Store, View};
+use crate::kernel::{Load, Store, View, check_access};
 use braid_graph::DType;
 use braid_graph::expr::{Distribution, Expr, ExprOp, PrimBinary, PrimCmp, PrimUnary};
 use std::fmt::Write;
@@ -18,6 +18,34 @@ pub enum Dialect {
     /// (`braid_expf`, `braid_tanhf`, as the CPU evaluator computes them), square roots and
     /// absolute values are compiler built-ins (one instruction), the rest libm calls.
     Host,
+}
+
+/// Checks what every target checks ([`check_access`]), and what printing needs on top: stores
+/// go to output arguments, every view walks the loop's dims, and the expression is in
+/// topological order. `arg(i)` gives argument `i`'s dtype, length in elements, and whether it
+/// may be written.
+pub(crate) fn check_printable(
+    loads: &[Load],
+    stores: &[Store],
+    expr: &Expr,
+    dims: &[usize],
+    arg: impl Fn(u16) -> Option<(DType, usize, bool)>,
+) -> Result<(), String> {
+    check_access(loads, stores, expr, |a| arg(a).map(|(d, len, _)| (d, len)))?;
+    if let Some(s) = stores.iter().find(|s| arg(s.arg).is_some_and(|(_, _, writable)| !writable)) {
+        return Err(format!("store of {} to argument {}, an input", s.dtype, s.arg));
+    }
+    for view in loads.iter().map(|l| &l.view).chain(stores.iter().map(|s| &s.view)) {
+        if view.dims.as_slice() != dims || view.strides.len() != dims.len() {
+            return Err(format!("view {view:?} over a loop of dims {dims:?}"));
+        }
+    }
+    for (i, n) in expr.nodes.iter().enumerate() {
+        if n.op.operands().iter().any(|&o| o >= i) {
+            return Err(format!("node {i} ({:?}) reads a node that does not precede it", n.op));
+        }
+    }
+    Ok(())
 }
 
 /// The C type of a register (compute dtype).

@@ -1,4 +1,4 @@
-//! CUDA C printing of the kernel IR: [`print`] turns a [`Kernel`] into source text for NVRTC.
+//! CUDA C printing of the kernel IR: [`print()`] turns a [`Kernel`] into source text for NVRTC.
 //!
 //! Each map loop and the row kernel becomes one `extern "C" __global__` function; the caller
 //! launches them in the order of [`CudaSource::entries`], each with the shape its [`Launch`]
@@ -33,7 +33,7 @@ pub use crate::cexpr::storage_ctype;
 use crate::cexpr::*;
 use loops::*;
 
-use crate::kernel::{Body, Kernel, Load, MapLoop, RowKernel, Store, View, check_access};
+use crate::kernel::{Body, Kernel, Load, MapLoop, RowKernel, Store, View};
 use braid_graph::expr::{Expr, ExprOp, PrimBinary};
 use braid_graph::{DType, ReduceOp, Shape};
 use std::fmt::Write;
@@ -131,25 +131,9 @@ pub fn print(kernel: &Kernel, name: &str) -> Result<CudaSource, String> {
     Ok(CudaSource { source, entries, params: params.iter().map(|p| p.dtype).collect() })
 }
 
-/// Checks what every target checks ([`check_access`]), and what printing needs on top: stores
-/// go to output arguments, every view walks the loop's dims, and the expression is in
-/// topological order.
+/// [`check_printable`] against the entry points' parameters.
 fn check_io(loads: &[Load], stores: &[Store], expr: &Expr, dims: &[usize], params: &[Param]) -> Result<(), String> {
-    check_access(loads, stores, expr, |a| params.get(a as usize).map(|p| (p.dtype, p.len)))?;
-    if let Some(s) = stores.iter().find(|s| !params[s.arg as usize].writable) {
-        return Err(format!("store of {} to argument {}, an input", s.dtype, s.arg));
-    }
-    for view in loads.iter().map(|l| &l.view).chain(stores.iter().map(|s| &s.view)) {
-        if view.dims.as_slice() != dims || view.strides.len() != dims.len() {
-            return Err(format!("view {view:?} over a loop of dims {dims:?}"));
-        }
-    }
-    for (i, n) in expr.nodes.iter().enumerate() {
-        if n.op.operands().iter().any(|&o| o >= i) {
-            return Err(format!("node {i} ({:?}) reads a node that does not precede it", n.op));
-        }
-    }
-    Ok(())
+    check_printable(loads, stores, expr, dims, |a| params.get(a as usize).map(|p| (p.dtype, p.len, p.writable)))
 }
 
 /// The parameter list shared by all entry points.

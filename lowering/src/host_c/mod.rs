@@ -1,4 +1,4 @@
-//! Host C printing of the kernel IR: [`print`] turns a kernel of map loops into C99 (with GNU
+//! Host C printing of the kernel IR: [`print()`] turns a kernel of map loops into C99 (with GNU
 //! attributes) for the system's C compiler, one entry point per loop, so that the CPU device can
 //! run fused elementwise work as compiled, vectorised machine code instead of interpreting it.
 //!
@@ -30,7 +30,7 @@
 mod tests;
 
 use crate::cexpr::*;
-use crate::kernel::{Body, Kernel, MapLoop, View, check_access};
+use crate::kernel::{Body, Kernel, MapLoop, View};
 use crate::vmath;
 use braid_graph::DType;
 use braid_graph::expr::ExprOp;
@@ -170,11 +170,8 @@ fn along(base: &str, k: &str, stride: isize) -> String {
 }
 
 fn print_loop(out: &mut String, l: &MapLoop, name: &str, kernel: &Kernel, stream_bytes: usize) -> Result<(), String> {
-    let arg = |a: u16| kernel.args.get(a as usize).map(|p| (p.dtype, p.len));
-    check_access(&l.loads, &l.stores, &l.expr, arg)?;
-    if let Some(s) = l.stores.iter().find(|s| (s.arg as usize) < kernel.inputs) {
-        return Err(format!("store of {} to argument {}, an input", s.dtype, s.arg));
-    }
+    let arg = |a: u16| kernel.args.get(a as usize).map(|p| (p.dtype, p.len, a as usize >= kernel.inputs));
+    check_printable(&l.loads, &l.stores, &l.expr, &l.dims, arg)?;
     // Lowering never produces these; both would make results depend on how indices are split
     // into blocks and tasks.
     if let Some(x) = l.loads.iter().find(|x| x.arg as usize >= kernel.inputs) {
@@ -183,15 +180,6 @@ fn print_loop(out: &mut String, l: &MapLoop, name: &str, kernel: &Kernel, stream
     let repeats = |v: &View| v.dims.iter().zip(&v.strides).any(|(&d, &s)| d > 1 && s == 0);
     if let Some(s) = l.stores.iter().find(|s| repeats(&s.view)) {
         return Err(format!("store through {:?}, which writes one element from several indices", s.view));
-    }
-    let views = l.loads.iter().map(|x| &x.view).chain(l.stores.iter().map(|s| &s.view));
-    if let Some(v) = views.clone().find(|v| v.dims != l.dims || v.strides.len() != l.dims.len()) {
-        return Err(format!("view {v:?} over a loop of dims {:?}", l.dims.as_slice()));
-    }
-    for (i, n) in l.expr.nodes.iter().enumerate() {
-        if n.op.operands().iter().any(|&o| o >= i) {
-            return Err(format!("node {i} ({:?}) reads a node that does not precede it", n.op));
-        }
     }
     // A loop of rank 0 (one element) is walked as one run of length 1.
     let rank = l.dims.len().max(1);
@@ -236,6 +224,7 @@ fn print_loop(out: &mut String, l: &MapLoop, name: &str, kernel: &Kernel, stream
         let _ = writeln!(out, "      {t} t{s}[{BLOCK}] __attribute__((aligned(64)));");
     }
     let _ = writeln!(out, "      for (int jj = 0; jj < n; jj++) {{\n        const long long k = jb + jj;");
+    // Loads through equal views share one base offset, whatever their arguments.
     let offset = |v: &View| {
         let slot = l.loads.iter().position(|x| &x.view == v).expect("a load's own view");
         along(&format!("o{slot}"), "k", inner_stride(v))
