@@ -43,10 +43,17 @@ pub fn run_loop(l: &MapLoop, args: &[ArgPtr]) -> Result<(), String> {
         return Ok(());
     }
     let shared = Shared(args);
+    in_tasks(n, |start, end| run_range(l, shared, start, end))
+}
+
+/// Runs `f(start, end)` over indices `0..n` split into tasks of [`TASK`] indices, in parallel
+/// on rayon; on the calling thread when `n` is under two tasks. Interpreted and compiled loops
+/// split alike.
+pub(super) fn in_tasks(n: usize, f: impl Fn(usize, usize) -> Result<(), String> + Sync) -> Result<(), String> {
     if n < 2 * TASK {
-        return run_range(l, shared, 0, n);
+        return f(0, n);
     }
-    (0..n.div_ceil(TASK)).into_par_iter().try_for_each(|t| run_range(l, shared, t * TASK, ((t + 1) * TASK).min(n)))
+    (0..n.div_ceil(TASK)).into_par_iter().try_for_each(|t| f(t * TASK, ((t + 1) * TASK).min(n)))
 }
 
 /// Checks loads, stores and the expression against the arguments before any unchecked access:

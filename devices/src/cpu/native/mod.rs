@@ -18,12 +18,11 @@
 
 mod compile;
 
-use super::map::{ArgPtr, TASK, check_io};
+use super::map::{ArgPtr, check_io, in_tasks};
 use crate::CompileMode;
 use braid_lowering::{Body, Kernel, host_c};
 use hashbrown::HashMap;
 use libloading::Library;
-use rayon::prelude::*;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, mpsc};
 
@@ -87,16 +86,15 @@ impl NativeKernel {
         for (l, &f) in loops.iter().zip(&self.loops) {
             // Every view within its argument, with the dtypes the printed code assumes.
             check_io(&l.loads, &l.stores, &l.expr, args)?;
-            let n = l.numel();
-            // SAFETY: the code was printed from `l`, whose accesses were just checked; tasks
-            // cover disjoint index ranges, and different indices never write the same element.
-            let call = |a: usize, b: usize| unsafe { f(ptrs.base(), a as i64, b as i64) };
-            if n < 2 * TASK {
-                if n > 0 {
-                    call(0, n);
-                }
-            } else {
-                (0..n.div_ceil(TASK)).into_par_iter().for_each(|t| call(t * TASK, ((t + 1) * TASK).min(n)));
+            // SAFETY: the code was printed from `l` (the caller's promise), whose accesses were
+            // just checked; tasks cover disjoint index ranges, and different indices never write
+            // the same element.
+            let call = |a: usize, b: usize| {
+                unsafe { f(ptrs.base(), a as i64, b as i64) };
+                Ok(())
+            };
+            if l.numel() > 0 {
+                in_tasks(l.numel(), call)?;
             }
         }
         Ok(())
