@@ -53,6 +53,7 @@ fn flush_graph() -> FlushGraph {
             on_host: false,
             persistent: false,
             overwritable: false,
+            remote: false,
         });
     }
     for i in 0..NODES {

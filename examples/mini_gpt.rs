@@ -3,6 +3,8 @@
 //!
 //! Run: `cargo run --release --example mini_gpt [steps]`
 
+#[path = "common/logging.rs"]
+mod logging;
 #[path = "common/mini_gpt.rs"]
 mod mini_gpt;
 
@@ -11,6 +13,7 @@ use braid::prelude::*;
 use mini_gpt::{CONTEXT, MiniGpt};
 
 fn main() -> Result<()> {
+    logging::init();
     let steps: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(600);
     let device = Device::from_env()?;
     let model = MiniGpt::new(&device, 0);

@@ -3,9 +3,13 @@
 //! Run with `cargo run --release --example quickstart` (add `RUST_LOG=braid=debug` to see
 //! one line per kernel).
 
+#[path = "common/logging.rs"]
+mod logging;
+
 use braid::prelude::*;
 
 fn main() -> Result<()> {
+    logging::init();
     let cpu = Device::cpu();
 
     // Recording: nothing runs yet.

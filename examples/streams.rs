@@ -4,9 +4,13 @@
 //! Run with `cargo run --release --example streams` (add `BRAID_DUMP=dumps` to write the
 //! schedules, then `cargo run --release -- inspect dumps/flush-000002.json`).
 
+#[path = "common/logging.rs"]
+mod logging;
+
 use braid::prelude::*;
 
 fn main() -> Result<()> {
+    logging::init();
     let cpu = Device::cpu();
     cpu.seed(7);
     let (s1, s2) = (cpu.new_stream(), cpu.new_stream());

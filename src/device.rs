@@ -1,42 +1,29 @@
 //! Devices as users see them: a cheap shared handle over a runtime from `braid-devices`, with
 //! its random-number state and the schedule of its latest flush.
 
-use crate::dump::ScheduleDump;
-use crate::engine;
+use crate::engine::Engine;
+use crate::engine::dump::ScheduleDump;
 use crate::error::{Error, Result};
+use crate::lock;
 use crate::stream::Stream;
 use braid_devices::{Backend, cpu::CpuDevice};
-use braid_graph::{DeviceId, StreamId, rng};
+use braid_graph::{DeviceId, StreamId, Target, rng};
 use std::fmt;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, LazyLock, Mutex};
 
-pub use braid_devices::{CompileMode, MemoryStats};
+pub use braid_devices::MemoryStats;
+pub use braid_devices::cpu::CompileMode;
 
 /// A device that tensors live on and work runs on. Cheap to clone; clones are the same device.
 #[derive(Clone)]
 pub struct Device(pub(crate) Arc<DeviceInner>);
 
 pub(crate) struct DeviceInner {
-    pub(crate) id: DeviceId,
-    pub(crate) backend: Arc<dyn Backend>,
+    /// The device's engine: its recorded graph, flushes and runtime.
+    pub(crate) engine: Arc<Engine>,
     rng: Mutex<RngState>,
-    pub(crate) last_schedule: Mutex<Option<ScheduleDump>>,
     next_stream: AtomicU32,
-    /// Streams that default-stream work is spread over (`set_auto_streams`); empty when off.
-    auto_streams: Mutex<Vec<StreamId>>,
-    /// `set_poison`'s choice; `None` follows `BRAID_POISON`.
-    poison: Mutex<Option<bool>>,
-    /// `set_fusion`'s choice; `None` follows `BRAID_FUSION`.
-    fusion: Mutex<Option<bool>>,
-    /// `set_memory_budget`'s cap on planned device memory; `u64::MAX` when none.
-    budget: AtomicU64,
-    /// Plans of earlier flushes, reused for structurally identical ones.
-    pub(crate) plans: Mutex<crate::engine::cache::PlanCache>,
-    /// Test-only: rewrites each planned schedule (see `braid::testing`).
-    pub(crate) schedule_hook: Mutex<Option<crate::testing::ScheduleHook>>,
-    /// Test-only: the next flush fails at this kernel (see `braid::testing`).
-    pub(crate) fail_at: Mutex<Option<u32>>,
 }
 
 struct RngState {
@@ -44,43 +31,29 @@ struct RngState {
     calls: u64,
 }
 
-/// Every device ever created, indexed by `DeviceId` (devices live for the whole program).
-static REGISTRY: Mutex<Vec<Device>> = Mutex::new(Vec::new());
-
-static CPU: LazyLock<Device> = LazyLock::new(|| {
-    crate::init_logging_from_env();
-    Device::register(Arc::new(CpuDevice::new()))
-});
-
-/// Locks a mutex whose data stays consistent even if a holder panicked (braid never panics
-/// while holding one in the middle of an update).
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+static CPU: LazyLock<Device> = LazyLock::new(|| Device::register(Arc::new(CpuDevice::new())));
 
 impl Device {
-    fn register(backend: Arc<dyn Backend>) -> Device {
-        let mut reg = lock(&REGISTRY);
-        let device = Device(Arc::new(DeviceInner {
-            id: DeviceId(reg.len() as u32),
-            backend,
-            rng: Mutex::new(RngState { seed: 0, calls: 0 }),
-            last_schedule: Mutex::new(None),
-            next_stream: AtomicU32::new(1),
-            auto_streams: Mutex::new(Vec::new()),
-            poison: Mutex::new(None),
-            fusion: Mutex::new(None),
-            budget: AtomicU64::new(u64::MAX),
-            plans: Mutex::new(Default::default()),
-            schedule_hook: Mutex::new(None),
-            fail_at: Mutex::new(None),
-        }));
-        reg.push(device.clone());
-        device
+    /// A device over `backend` (test backends come in through `braid::testing`).
+    pub(crate) fn with_backend(backend: Arc<dyn Backend>) -> Device {
+        Device::register(backend)
     }
 
-    pub(crate) fn by_id(id: DeviceId) -> Device {
-        lock(&REGISTRY)[id.0 as usize].clone()
+    fn register(backend: Arc<dyn Backend>) -> Device {
+        Device(Arc::new(DeviceInner {
+            engine: Engine::create(backend),
+            rng: Mutex::new(RngState { seed: 0, calls: 0 }),
+            next_stream: AtomicU32::new(1),
+        }))
+    }
+
+    /// The engine of this device.
+    pub(crate) fn engine(&self) -> &Arc<Engine> {
+        &self.0.engine
+    }
+
+    pub(crate) fn id(&self) -> DeviceId {
+        self.0.engine.id
     }
 
     /// The CPU: always available, and the same device on every call.
@@ -92,7 +65,6 @@ impl Device {
     /// Tensors move between CPU devices with `to_device`; operands of one op must share a
     /// device. Useful to isolate memory accounting (a data loader, a test).
     pub fn new_cpu() -> Device {
-        crate::init_logging_from_env();
         Device::register(Arc::new(CpuDevice::new()))
     }
 
@@ -133,7 +105,7 @@ impl Device {
 
     /// The device's name (`cpu`, ...).
     pub fn name(&self) -> String {
-        self.0.backend.name()
+        self.0.engine.name()
     }
 
     /// Seeds `rand`/`randn` on this device: the same seed and the same sequence of calls give
@@ -152,28 +124,28 @@ impl Device {
 
     /// Flushes everything recorded for this device and waits for it.
     pub fn sync(&self) -> Result<()> {
-        engine::flush_device(Some(self.0.id))
+        self.0.engine.flush_all()
     }
 
     /// Memory of this device's pool: bytes in live buffers, the peak since the last reset, and
     /// bytes reserved from the system.
     pub fn memory(&self) -> MemoryStats {
-        self.0.backend.memory()
+        self.0.engine.backend.memory()
     }
 
     /// The part of `memory().in_use` that holds parameters (tensors marked with
     /// `requires_grad` and the versions optimizers write), which live in exact-size memory.
     pub fn persistent_memory(&self) -> u64 {
-        self.0.backend.persistent_memory()
+        self.0.engine.backend.persistent_memory()
     }
 
     pub fn reset_peak(&self) {
-        self.0.backend.reset_peak()
+        self.0.engine.backend.reset_peak()
     }
 
     /// Kernels this device has run since the program started (each fused segment counts once).
     pub fn kernels_launched(&self) -> u64 {
-        self.0.backend.kernels_launched()
+        self.0.engine.backend.kernels_launched()
     }
 
     /// Sets when this device compiles kernels to machine code; `BRAID_CPU_COMPILE` sets it
@@ -196,17 +168,19 @@ impl Device {
     /// assert!(dev.compiled_kernels_launched() <= 1);
     /// ```
     pub fn set_compile_mode(&self, mode: CompileMode) {
-        self.0.backend.set_compile_mode(mode)
+        if let Some(cpu) = self.cpu_backend() {
+            cpu.set_compile_mode(mode)
+        }
     }
 
     /// Kernels this device has run as compiled code (see [`Device::set_compile_mode`]).
     pub fn compiled_kernels_launched(&self) -> u64 {
-        self.0.backend.compiled_kernels_launched()
+        self.cpu_backend().map_or(0, CpuDevice::compiled_kernels_launched)
     }
 
     /// The schedule of the most recent flush on this device.
     pub fn last_schedule(&self) -> Option<ScheduleDump> {
-        lock(&self.0.last_schedule).clone()
+        lock(&self.0.engine.last_schedule).clone()
     }
 
     /// The stream work goes to unless a [`Stream::scope`] says otherwise.
@@ -224,7 +198,7 @@ impl Device {
     /// stream and `n - 1` new ones); `n <= 1` turns it off (the default). Results do not change;
     /// only how work overlaps.
     pub fn set_auto_streams(&self, n: usize) {
-        let mut streams = lock(&self.0.auto_streams);
+        let mut streams = lock(&self.0.engine.settings.auto_streams);
         streams.clear();
         if n > 1 {
             streams.push(StreamId(0));
@@ -236,23 +210,23 @@ impl Device {
     /// pool reuses them, so a use after free shows up as a wrong result. Overrides
     /// `BRAID_POISON=1` (which is read at every flush when this is not called).
     pub fn set_poison(&self, on: bool) {
-        *lock(&self.0.poison) = Some(on);
+        *lock(&self.0.engine.settings.poison) = Some(on);
     }
 
     /// Whether flushes starting now poison freed buffers.
     pub fn poison_enabled(&self) -> bool {
-        lock(&self.0.poison).unwrap_or_else(|| std::env::var("BRAID_POISON").is_ok_and(|v| v == "1"))
+        self.0.engine.poison_enabled()
     }
 
     /// Turns fusion on or off for this device (overrides `BRAID_FUSION`, which is read at every
     /// flush when this is not called). Off, every op is its own kernel; results do not change.
     pub fn set_fusion(&self, on: bool) {
-        *lock(&self.0.fusion) = Some(on);
+        *lock(&self.0.engine.settings.fusion) = Some(on);
     }
 
     /// Whether flushes starting now fuse (`BRAID_FUSION=0` turns fusion off by default).
     pub fn fusion_enabled(&self) -> bool {
-        lock(&self.0.fusion).unwrap_or_else(|| !std::env::var("BRAID_FUSION").is_ok_and(|v| v.trim() == "0"))
+        self.0.engine.fusion_enabled()
     }
 
     /// Caps the device memory a flush may plan for: when the planned peak (the flush's inputs
@@ -269,33 +243,39 @@ impl Device {
     /// assert_eq!(dev.memory_budget(), Some(1 << 30));
     /// ```
     pub fn set_memory_budget(&self, bytes: Option<u64>) {
-        self.0.budget.store(bytes.unwrap_or(u64::MAX), Ordering::Relaxed);
+        self.0.engine.settings.budget.store(bytes.unwrap_or(u64::MAX), Ordering::Relaxed);
     }
 
     pub fn memory_budget(&self) -> Option<u64> {
-        let b = self.0.budget.load(Ordering::Relaxed);
-        (b != u64::MAX).then_some(b)
-    }
-
-    pub(crate) fn auto_stream_ids(&self) -> Vec<StreamId> {
-        lock(&self.0.auto_streams).clone()
+        self.0.engine.memory_budget()
     }
 
     /// How many flushes reused a cached plan, and how many were planned anew.
     pub fn plan_cache_stats(&self) -> (u64, u64) {
-        let c = lock(&self.0.plans);
+        let c = lock(&self.0.engine.plans);
         (c.hits, c.misses)
+    }
+
+    /// The CPU backend's own options, when this is a CPU device.
+    fn cpu_backend(&self) -> Option<&CpuDevice> {
+        self.0.engine.backend.as_any().downcast_ref::<CpuDevice>()
+    }
+
+    /// What this device is like, as fusion, scheduling and lowering see it (kernel limits,
+    /// cost model, memory, element types).
+    pub fn target(&self) -> &Target {
+        self.0.engine.backend.target()
     }
 
     /// Returns cached free memory to the system (the pool keeps freed chunks for reuse).
     pub fn trim_memory(&self) {
-        self.0.backend.trim()
+        self.0.engine.backend.trim()
     }
 }
 
 impl PartialEq for Device {
     fn eq(&self, other: &Device) -> bool {
-        self.0.id == other.0.id
+        self.id() == other.id()
     }
 }
 impl Eq for Device {}
@@ -310,4 +290,10 @@ impl fmt::Display for Device {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.name())
     }
+}
+
+/// Every device's recorded graph (pending and materialised nodes that are still alive) as
+/// Graphviz DOT, one after another.
+pub(crate) fn recorded_graph_dot() -> String {
+    crate::engine::engines().iter().map(|e| e.recorded_graph_dot()).collect::<Vec<_>>().join("\n")
 }

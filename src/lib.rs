@@ -26,16 +26,17 @@
 //! - Integer arithmetic wraps; integer division truncates and `x / 0 == 0`; float-only ops
 //!   (`exp`, `mean`, ...) reject integer tensors (convert with `to_dtype`).
 //!
-//! Logging: with `RUST_LOG=braid=debug` (and no subscriber installed by the program), braid
-//! prints one line per executed kernel with its time and bandwidth.
+//! Logging: braid emits `tracing` events and never installs a subscriber; with one installed
+//! by the program (as the examples and the `braid` binary do, filtered by `RUST_LOG`),
+//! `RUST_LOG=braid=debug` shows one line per executed kernel with its time and bandwidth.
 
 pub(crate) mod autograd;
 mod device;
-pub mod dump;
 mod engine;
 mod error;
 pub mod optim;
 pub mod prelude;
+mod recorder;
 mod step;
 mod stream;
 mod tensor;
@@ -44,33 +45,43 @@ pub mod testing;
 
 pub use autograd::{Grads, grad_enabled, no_grad};
 pub use device::{CompileMode, Device, MemoryStats};
-pub use dump::ScheduleDump;
+pub use engine::dump::ScheduleDump;
 pub use engine::{DEFAULT_MAX_PENDING, max_pending_nodes, set_max_pending_nodes};
 pub use error::{Error, Result};
 pub use step::Step;
 pub use stream::{Event, Stream};
 pub use tensor::Tensor;
 
-pub use braid_graph::{DType, Element, Shape};
+pub use braid_graph::{DType, Element, Shape, Target};
 
-/// Flushes everything pending on every device. (On the CPU the work runs on the calling
-/// thread; with several streams it will be handed to the stream workers.)
-pub fn flush() -> Result<()> {
-    engine::flush_device(None)
+/// Inspecting scheduled graphs: [`ScheduleDump`] (what `device.last_schedule()` returns), dump
+/// files (`BRAID_DUMP=DIR` or [`dump::set_dir`]) and the recorded graph as DOT.
+pub mod dump {
+    pub use crate::engine::dump::{ScheduleDump, set_dir};
+
+    /// Every device's recorded graph (pending and materialised nodes that are still alive) as
+    /// Graphviz DOT.
+    pub fn recorded_graph_dot() -> String {
+        crate::device::recorded_graph_dot()
+    }
 }
 
-/// Installs a `tracing` subscriber that prints to stderr, filtered by `RUST_LOG`, if the
-/// variable is set and the program has not installed a subscriber itself. Called when the first
-/// device is created.
-pub(crate) fn init_logging_from_env() {
-    if std::env::var_os("RUST_LOG").is_some() {
-        use std::io::IsTerminal;
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-            .with_writer(std::io::stderr)
-            .with_ansi(std::io::stderr().is_terminal())
-            .try_init();
+/// Flushes everything pending on every device: the work is handed to the devices (the CPU runs
+/// it on the calling thread and its stream workers before this returns).
+pub fn flush() -> Result<()> {
+    let mut first_error = None;
+    for engine in engine::engines() {
+        if let Err(e) = engine.flush_all() {
+            first_error.get_or_insert(e);
+        }
     }
+    first_error.map_or(Ok(()), Err)
+}
+
+/// Locks a mutex whose data stays consistent even if a holder panicked (braid never panics
+/// while holding one in the middle of an update).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The README's code blocks are compiled and run as doctests.

@@ -1,10 +1,13 @@
 //! [`Step`]: a function of tensors captured once and replayed as one unit, for a loop that runs
 //! the same small graph again and again (a training step on tiny tensors, a serving step).
 
-use crate::device::{Device, lock};
-use crate::engine::capture::{self, Capture};
+use crate::device::Device;
+use crate::engine::capture::{self, Capture, Produced};
 use crate::error::{Error, Result};
+use crate::lock;
+use crate::recorder;
 use crate::tensor::Tensor;
+use braid_devices::Buffer;
 use braid_graph::{DType, NodeId, Shape};
 use std::sync::{Arc, Mutex};
 
@@ -110,11 +113,11 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Step<F> {
             )));
         }
         if let Some(c) = self.find(&device, args) {
-            return capture::replay(&c, args);
+            return replay(&device, &c, args);
         }
         let nodes: Vec<NodeId> = args.iter().map(Tensor::node).collect();
         let signature = Signature::of(&device, args, &nodes);
-        let (c, outputs) = capture::capture(&device, args, || (self.f)(args))?;
+        let (c, outputs) = capture(&device, args, || (self.f)(args))?;
         let mut captures = lock(&self.captures);
         if captures.len() >= MAX_CAPTURES {
             captures.remove(0);
@@ -138,6 +141,54 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Step<F> {
         let nodes: Vec<NodeId> = args.iter().map(Tensor::node).collect();
         lock(&self.captures).iter().find(|(s, _)| s.matches(device, args, &nodes)).map(|(_, c)| c.clone())
     }
+}
+
+/// Runs `f` (the step's function applied to `args`) and captures it; returns the capture and
+/// this first run's outputs (computed, without gradient history).
+fn capture(device: &Device, args: &[Tensor], f: impl FnOnce() -> Vec<Tensor>) -> Result<(Capture, Vec<Tensor>)> {
+    capture::refuse_while_capturing("capturing another step")?;
+    let engine = device.engine();
+    // Arguments are computed first, so that the step's flush starts from their values.
+    for a in args {
+        a.materialize()?;
+    }
+    let arg_nodes: Vec<NodeId> = args.iter().map(Tensor::node).collect();
+    let start = engine.next_seq();
+    let outs = capture::during(f)?;
+    if let Some(t) = outs.iter().find(|t| t.device() != device) {
+        return Err(Error::Capture(format!("an output is on {}, the arguments on {device}", t.device())));
+    }
+    // Outputs carry no gradient history (a replay records none): dropping the originals
+    // releases what autograd kept for a backward pass the function did not run.
+    let detached: Vec<Tensor> = outs.iter().map(Tensor::detach).collect();
+    drop(outs);
+    let out_ids: Vec<NodeId> = detached.iter().map(Tensor::node).collect();
+    let c = engine.capture(start, &arg_nodes, &out_ids)?;
+    Ok((c, detached))
+}
+
+/// Runs a captured step on `args` (matching its signature) and wraps its outputs as tensors.
+fn replay(device: &Device, c: &Capture, args: &[Tensor]) -> Result<Vec<Tensor>> {
+    capture::refuse_while_capturing("running a step")?;
+    let engine = device.engine();
+    let buffers: Vec<Buffer> =
+        if c.runs() { args.iter().map(Tensor::materialize).collect::<Result<_>>()? } else { Vec::new() };
+    let produced = engine.replay(c, &buffers)?;
+    drop(buffers);
+    Ok(produced
+        .into_iter()
+        .map(|p| match p {
+            Produced::Computed { buffer, dtype, shape } => {
+                let id = recorder::record_ready(engine, dtype, shape.clone(), buffer);
+                Tensor::from_node(id, shape.clone(), dtype, device.clone())
+            }
+            Produced::Arg(k) => args[k].detach(),
+            Produced::Host { bytes, dtype, shape } => {
+                let id = recorder::record_host(engine, dtype, shape.clone(), bytes.clone());
+                Tensor::from_node(id, shape.clone(), dtype, device.clone())
+            }
+        })
+        .collect())
 }
 
 impl<F> std::fmt::Debug for Step<F> {

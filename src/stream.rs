@@ -7,22 +7,11 @@
 //! stream wait for it, ordering what data does not.
 
 use crate::device::Device;
-use crate::engine;
 use crate::error::Result;
-use braid_graph::{DeviceId, NodeId, StreamId};
-use std::cell::RefCell;
+use crate::recorder;
+use braid_graph::{NodeId, StreamId};
 use std::fmt;
 use std::sync::Arc;
-
-thread_local! {
-    /// The streams made current by `scope` on this thread, innermost last.
-    static SCOPES: RefCell<Vec<(DeviceId, StreamId)>> = const { RefCell::new(Vec::new()) };
-}
-
-/// The stream work recorded now on this thread goes to, on `device`.
-pub(crate) fn current_stream(device: DeviceId) -> StreamId {
-    SCOPES.with(|s| s.borrow().iter().rev().find(|(d, _)| *d == device).map_or(StreamId(0), |&(_, st)| st))
-}
 
 /// An execution queue of a device (a CPU worker, a CUDA stream, ...). Cheap to clone.
 #[derive(Clone)]
@@ -39,34 +28,27 @@ impl Stream {
     /// The stream current on this thread for `device` (its default stream outside any
     /// [`Stream::scope`]).
     pub fn current(device: &Device) -> Stream {
-        Stream::new(device.clone(), current_stream(device.0.id))
+        Stream::new(device.clone(), recorder::current_stream(device.id()))
     }
 
     /// Runs `f` with this stream current (on this thread, for this stream's device): everything
     /// recorded in `f` goes to it. Scopes nest; the previous stream is current again afterwards,
     /// even if `f` panics.
     pub fn scope<R>(&self, f: impl FnOnce() -> R) -> R {
-        struct Pop;
-        impl Drop for Pop {
-            fn drop(&mut self) {
-                SCOPES.with(|s| s.borrow_mut().pop());
-            }
-        }
-        SCOPES.with(|s| s.borrow_mut().push((self.device.0.id, self.id)));
-        let _pop = Pop;
-        f()
+        recorder::with_stream(self.device.id(), self.id, f)
     }
 
     /// Marks the current point of this stream: the event is reached once everything recorded on
     /// the stream so far has run.
     pub fn record_event(&self) -> Event {
-        let node = engine::record_event(self.device.0.id, self.id);
+        let node = self.device.engine().record_event(self.id);
         Event(Arc::new(EventInner { node, stream: self.clone() }))
     }
 
     /// Work recorded on this stream from now on runs only after `event` is reached.
     pub fn wait_event(&self, event: &Event) {
-        engine::wait_event(self.device.0.id, self.id, event);
+        let source = event.0.stream.device.engine();
+        self.device.engine().wait_event(self.id, source, event.0.node);
     }
 
     /// Flushes everything pending on this stream and waits for it.
@@ -109,14 +91,14 @@ pub(crate) struct EventInner {
 
 impl Drop for EventInner {
     fn drop(&mut self) {
-        engine::release(self.node);
+        self.stream.device.engine().release(self.node);
     }
 }
 
 impl Event {
     /// Flushes what the event depends on and blocks until it is reached.
     pub fn synchronize(&self) -> Result<()> {
-        engine::complete(self.0.node)
+        self.0.stream.device.engine().complete(self.0.node)
     }
 
     /// The stream the event was recorded on.

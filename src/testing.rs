@@ -1,7 +1,10 @@
 //! Test-only hooks (hidden from the docs): they let tests corrupt what the planner produced and
-//! watch the engine refuse to run it. Never used by the engine itself.
+//! watch the engine refuse to run it, inject failures, run devices over test backends, and
+//! export what was recorded for the reference interpreter. Nothing in braid imports this
+//! module; the engine only offers the fault-injection slots it fills.
 
-use crate::device::{Device, lock};
+use crate::device::Device;
+use crate::lock;
 use braid_scheduler::Schedule;
 use std::sync::Arc;
 
@@ -10,14 +13,25 @@ pub type ScheduleHook = Arc<dyn Fn(&mut Schedule) + Send + Sync>;
 
 /// Installs (or with `None` removes) a hook that rewrites every schedule planned for `device`.
 pub fn set_schedule_hook(device: &Device, hook: Option<ScheduleHook>) {
-    *lock(&device.0.schedule_hook) = hook;
+    lock(&device.engine().faults).rewrite = hook;
 }
 
 /// Makes the next flush that executes on `device` fail when it reaches kernel `kernel`, as a
 /// failing kernel would. The injection is used up by that flush whether or not it has that
 /// many kernels.
 pub fn fail_next_flush_at(device: &Device, kernel: u32) {
-    *lock(&device.0.fail_at) = Some(kernel);
+    lock(&device.engine().faults).fail_at = Some(kernel);
+}
+
+/// A device running on `backend` (a test backend: a recording queue, a fault injector).
+pub fn device_with_backend(backend: Arc<dyn braid_devices::Backend>) -> Device {
+    Device::with_backend(backend)
+}
+
+/// Runs `f` while `device`'s engine lock is held by this thread: work on other devices must go
+/// on meanwhile (their engines share no lock with this one).
+pub fn hold_engine_lock<R>(device: &Device, f: impl FnOnce() -> R) -> R {
+    device.engine().with_state(|_| f())
 }
 
 /// One node of a recorded program, in the form the reference interpreter takes.
@@ -34,10 +48,15 @@ pub enum RecordedNode {
 /// of each target. Lets tests evaluate exactly what braid recorded (a backward pass included)
 /// with the reference interpreter. Values already computed come back as data.
 pub fn recorded_program(targets: &[&crate::Tensor]) -> crate::Result<(Vec<RecordedNode>, Vec<usize>)> {
-    use crate::engine::{Value, state};
+    use crate::engine::Value;
     use braid_graph::NodeId;
     use hashbrown::HashMap;
-    let st = state();
+    let Some(device) = targets.first().map(|t| t.device().clone()) else { return Ok((Vec::new(), Vec::new())) };
+    if targets.iter().any(|t| *t.device() != device) {
+        return Err(crate::Error::Internal("recorded_program: the targets are on different devices".into()));
+    }
+    let engine = device.engine();
+    let st = engine.state();
     let mut index: HashMap<NodeId, usize> = HashMap::new();
     let mut program = Vec::new();
     let mut downloads = Vec::new();
@@ -66,8 +85,11 @@ pub fn recorded_program(targets: &[&crate::Tensor]) -> crate::Result<(Vec<Record
                     RecordedNode::Data { dtype: node.dtype, shape: node.shape.clone(), bytes: bytes.to_vec() }
                 }
                 Some(Value::Ready(buffer)) => {
-                    downloads.push((program.len(), buffer.clone(), node.device));
+                    downloads.push((program.len(), buffer.clone()));
                     RecordedNode::Data { dtype: node.dtype, shape: node.shape.clone(), bytes: Vec::new() }
+                }
+                Some(Value::Remote(_)) => {
+                    return Err(crate::Error::Internal("recorded_program: the program reads another device".into()));
                 }
                 Some(Value::InFlight(_) | Value::Done | Value::Lent | Value::Lost(_)) => {
                     return Err(crate::Error::Internal("recorded_program: a value is being computed".into()));
@@ -79,9 +101,8 @@ pub fn recorded_program(targets: &[&crate::Tensor]) -> crate::Result<(Vec<Record
         roots.push(index[&t.node()]);
     }
     drop(st);
-    for (i, buffer, device) in downloads {
-        let device = Device::by_id(device);
-        let bytes = device.0.backend.download(&buffer).map_err(|e| crate::engine::device_error(&device, e))?;
+    for (i, buffer) in downloads {
+        let bytes = engine.backend.download(&buffer).map_err(|e| engine.device_error(e))?;
         if let RecordedNode::Data { bytes: b, .. } = &mut program[i] {
             *b = bytes;
         }

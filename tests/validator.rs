@@ -31,6 +31,23 @@ fn random_graph(rng: &mut Rng) -> FlushGraph {
             on_host: i == 2,
             persistent: false,
             overwritable: false,
+            remote: false,
+        });
+    }
+    // Sometimes a value of another device, which only transfers read (copy steps).
+    let locals = g.externals.len();
+    if rng.chance(0.5) {
+        g.externals.push(External {
+            id: NodeId::new(2000),
+            dtype: DType::F32,
+            shape: shape.clone(),
+            device: DeviceId(1),
+            stream: StreamId(0),
+            donated: false,
+            on_host: false,
+            persistent: false,
+            overwritable: false,
+            remote: true,
         });
     }
     let n = 4 + rng.below(16);
@@ -39,7 +56,7 @@ fn random_graph(rng: &mut Rng) -> FlushGraph {
         let values: Vec<usize> = (0..i).filter(|&j| g.nodes[j].op != Op::Event).collect();
         let pick = |rng: &mut Rng| {
             if values.is_empty() || rng.chance(0.25) {
-                ValueRef::External(rng.below(g.externals.len()))
+                ValueRef::External(rng.below(locals))
             } else {
                 ValueRef::Node(*rng.pick(&values))
             }
@@ -51,6 +68,9 @@ fn random_graph(rng: &mut Rng) -> FlushGraph {
                 after.push(j);
             }
             (Op::Event, vec![])
+        } else if g.externals.len() > locals && rng.chance(0.15) {
+            // A transfer, on its stream or on the copy stream.
+            (Op::ToDevice, vec![ValueRef::External(locals)])
         } else if rng.chance(0.4) {
             (Op::Unary(UnaryOp::Exp), vec![pick(rng)])
         } else {
@@ -64,6 +84,7 @@ fn random_graph(rng: &mut Rng) -> FlushGraph {
         }
         let (dtype, shape) =
             if op == Op::Event { (DType::Bool, Shape::from([0])) } else { (DType::F32, shape.clone()) };
+        let stream = if op == Op::ToDevice && rng.chance(0.5) { braid_scheduler::COPY_STREAM } else { stream };
         g.nodes.push(FlushNode {
             id: NodeId::new(i),
             op,
@@ -193,7 +214,12 @@ fn oracle(s: &Schedule, g: &FlushGraph, rng: &mut Rng) -> Option<String> {
                 Step::Wait(_) => {}
                 Step::Copy { from, to, value } => {
                     let v = value_of(*value);
-                    if state[from.index()] != B::Holds(v) {
+                    // A transfer reads the other device's value; an offload the value it moves.
+                    let read = match s.buffers[from.index()].source {
+                        BufferSource::External(e) if g.externals[e].remote => 1_000_000 + e,
+                        _ => v,
+                    };
+                    if state[from.index()] != B::Holds(read) {
                         return Some(format!(
                             "copy reads {from} in state {:?}, wanting {value:?}",
                             state[from.index()]
@@ -214,7 +240,6 @@ fn oracle(s: &Schedule, g: &FlushGraph, rng: &mut Rng) -> Option<String> {
                 !due
             });
         }
-        let _ = g;
     }
     None
 }

@@ -11,16 +11,18 @@ use braid_graph::{FlushGraph, Op, Shape, StreamId, ValueRef, View};
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
-/// Reductions per row kernel: each one re-reads (and recomputes) its row, so beyond a few it is
-/// cheaper to store values than to recompute them.
-const MAX_REDUCTIONS: usize = 4;
-
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Class {
     Elementwise,
     Reduce,
     Matmul,
     Other,
+}
+
+/// Whether node `i` moves a value from memory this device's kernels cannot read: a copy step.
+fn is_transfer(graph: &FlushGraph, i: usize) -> bool {
+    let node = &graph.nodes[i];
+    node.op == Op::ToDevice && matches!(node.inputs[0], ValueRef::External(e) if graph.externals[e].remote)
 }
 
 fn class(op: &Op) -> Class {
@@ -123,6 +125,8 @@ fn fold(graph: &FlushGraph, control_pred: &[bool], readers: &[Vec<usize>]) -> Ve
                 folded[i] =
                     readers[i].iter().all(|&r| matches!(class(&graph.nodes[r].op), Class::Elementwise | Class::Reduce));
             }
+            // A transfer from memory this device cannot read is a copy, never a view.
+            Op::ToDevice if is_transfer(graph, i) => {}
             Op::Reshape | Op::Permute(_) | Op::Expand | Op::Narrow { .. } | Op::Contiguous | Op::ToDevice => {
                 let input = node.inputs[0];
                 let base = match input {
@@ -351,7 +355,7 @@ impl Grouper<'_> {
                 let Op::Reduce { dim, .. } = node.op else { unreachable!() };
                 let reductions =
                     grp.nodes.iter().filter(|&&j| matches!(self.graph.nodes[j].op, Op::Reduce { .. })).count();
-                if reductions >= MAX_REDUCTIONS {
+                if reductions >= self.options.max_reductions {
                     return Err(format!(
                         "a row kernel with {reductions} reductions already re-reads its rows that often; a new kernel for n{nid} costs less"
                     ));
@@ -440,6 +444,7 @@ impl Grouper<'_> {
             .map(|g| {
                 let grp = &self.groups[g];
                 let kind = match &grp.kind {
+                    Kind::Single if is_transfer(graph, grp.nodes[0]) => SegmentKind::Transfer,
                     Kind::Single => SegmentKind::Single,
                     Kind::Map(_) => SegmentKind::Map,
                     Kind::Rows(full, axis) => SegmentKind::Rows { full: full.clone(), axis: *axis },

@@ -8,7 +8,9 @@
 //!   shape) and after them (over the reduced shape), so a composed softmax or layer norm is one
 //!   kernel that keeps a row in cache;
 //! - **Matmul**: a matrix product with an elementwise epilogue (bias, activation);
-//! - **Single**: anything else (concatenation, a materialised movement, a user event).
+//! - **Single**: anything else (concatenation, a materialised movement, a user event);
+//! - **Transfer**: a `to_device` of a value held where this device's kernels cannot read it
+//!   (another device's own memory): not a kernel but a copy step.
 //!
 //! Movement ops (permute, expand, narrow, reshape where no copy is needed) whose readers all
 //! load through views are not kernels at all: they are *folded* into those loads.
@@ -19,7 +21,7 @@
 
 mod group;
 
-use braid_graph::{FlushGraph, Shape, ValueRef};
+use braid_graph::{FlushGraph, Shape, Target, ValueRef};
 
 /// What kind of kernel a segment becomes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -33,6 +35,10 @@ pub enum SegmentKind {
     Rows { full: Shape, axis: Option<usize> },
     /// A matrix product (the first node) and elementwise nodes on its result.
     Matmul,
+    /// One `to_device` whose input is another device's value that this device cannot read in
+    /// place ([`External::remote`](braid_graph::External::remote)): the scheduler copies it
+    /// instead of running a kernel.
+    Transfer,
 }
 
 /// A group of flush nodes that runs as one kernel.
@@ -83,11 +89,21 @@ pub struct Options {
     pub enabled: bool,
     /// The target's limit on distinct input buffers of one kernel.
     pub max_inputs: usize,
+    /// The target's limit on reductions in one row kernel.
+    pub max_reductions: usize,
+}
+
+impl Options {
+    /// The limits of `target`, fusing when `enabled`.
+    pub fn for_target(target: &Target, enabled: bool) -> Options {
+        Options { enabled, max_inputs: target.max_kernel_inputs, max_reductions: target.max_row_reductions }
+    }
 }
 
 impl Default for Options {
+    /// The CPU's limits, fusing.
     fn default() -> Options {
-        Options { enabled: true, max_inputs: 16 }
+        Options::for_target(&Target::CPU, true)
     }
 }
 

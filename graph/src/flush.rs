@@ -64,6 +64,10 @@ pub struct External {
     /// Donated device data that a kernel may write a new version over in place. Not under a
     /// memory budget: there the value stays free to be offloaded instead.
     pub overwritable: bool,
+    /// Held by another device whose memory this device's kernels cannot read in place (a GPU's
+    /// value read by the CPU, or host memory read by a GPU): only a `to_device` reads it, by a
+    /// copy step, and it takes none of this device's memory.
+    pub remote: bool,
 }
 
 impl External {

@@ -4,7 +4,7 @@
 //! broadcasting ([`Shape`]), operations ([`Op`]) and the op table they come from
 //! ([`table`]), the scalar expression language kernels are written in ([`expr`]), shape and
 //! dtype inference ([`infer`]), the recorded graph on petgraph ([`Graph`]) and the extracted
-//! subgraph of one flush ([`FlushGraph`]).
+//! subgraph of one flush ([`FlushGraph`]), and what a backend is like ([`Target`]).
 //!
 //! This crate never executes anything and never decides what runs where; fusion, scheduling,
 //! lowering and devices build on it. With the `reference` feature it also holds the f64
@@ -22,6 +22,7 @@ pub mod reference;
 pub mod rng;
 pub mod shape;
 pub mod table;
+pub mod target;
 pub mod view;
 
 pub use dtype::{DType, DTypeClass, Element};
@@ -30,4 +31,5 @@ pub use ir::{DeviceId, Edge, Graph, Node, NodeId, StreamId};
 pub use op::{Op, ReduceOp, Scalar};
 pub use shape::Shape;
 pub use table::{BinaryOp, CompareOp, DTypeRule, Sensitivity, UnaryOp};
+pub use target::{CostModel, DTypes, MemoryKind, Target};
 pub use view::View;

@@ -106,7 +106,8 @@ impl<'a> Lowering<'a> {
             SegmentKind::Map => Body::Map(vec![self.map(seg)]),
             SegmentKind::Rows { full, axis } => Body::Rows(self.rows(seg, full, *axis)),
             SegmentKind::Matmul => Body::Matmul(self.matmul(seg, args.len())),
-            SegmentKind::Single => self.single(seg),
+            // A transfer is a copy step, not a kernel; as a kernel it would be this same copy.
+            SegmentKind::Single | SegmentKind::Transfer => self.single(seg),
         };
         Kernel { args, inputs: seg.inputs.len(), body }
     }

@@ -44,3 +44,19 @@ pub fn spread_default_stream(graph: &mut FlushGraph, streams: &[StreamId]) {
         graph.nodes[i].stream = chosen;
     }
 }
+
+/// The stream transfers from other devices run on when the target has a copy engine.
+pub const COPY_STREAM: StreamId = StreamId(u32::MAX - 1);
+
+/// Moves every transfer of another device's value that this device cannot read in place (a
+/// `to_device` of a remote input) to [`COPY_STREAM`], so that copies overlap compute; its
+/// readers wait for it by events, like any cross-stream read.
+pub fn transfers_to_copy_stream(graph: &mut FlushGraph) {
+    for i in 0..graph.nodes.len() {
+        let n = &graph.nodes[i];
+        let remote = matches!(n.inputs.first(), Some(&ValueRef::External(e)) if graph.externals[e].remote);
+        if n.op == Op::ToDevice && remote {
+            graph.nodes[i].stream = COPY_STREAM;
+        }
+    }
+}

@@ -176,9 +176,11 @@ impl Dump {
                         Step::Copy { from, to, value } => DumpStep::Copy {
                             from: from.to_string(),
                             to: to.to_string(),
-                            direction: match schedule.buffers[to.index()].space {
-                                Space::Host => "d2h",
-                                Space::Device => "h2d",
+                            direction: match (schedule.buffers[from.index()].space, schedule.buffers[to.index()].space)
+                            {
+                                (Space::Remote, _) => "transfer",
+                                (_, Space::Host) => "d2h",
+                                _ => "h2d",
                             }
                             .to_string(),
                             node: Some(value_id(*value)),
@@ -206,6 +208,7 @@ impl Dump {
                     space: match b.space {
                         Space::Device => "device",
                         Space::Host => "host",
+                        Space::Remote => "remote",
                     }
                     .to_string(),
                     dtype: b.dtype.name().to_string(),

@@ -13,7 +13,7 @@ pub mod plan;
 pub mod schedule;
 pub mod validate;
 
-pub use assign::spread_default_stream;
+pub use assign::{COPY_STREAM, spread_default_stream, transfers_to_copy_stream};
 pub use dump::Dump;
 pub use offload::{CostModel, Decision, PeakAt, Unreachable};
 pub use plan::{plan, plan_with_offloads};

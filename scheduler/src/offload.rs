@@ -23,35 +23,7 @@ use crate::schedule::{KernelId, Schedule, Step};
 use braid_fusion::SegmentKind;
 use braid_graph::{FlushGraph, ValueRef};
 
-/// How fast a device computes and copies, for hiding copies behind compute, and how it
-/// allocates.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct CostModel {
-    /// Offload copy bandwidth (device to host and back), bytes per second.
-    pub copy_bytes_per_sec: f64,
-    /// Bandwidth of elementwise and reduction kernels, bytes per second.
-    pub kernel_bytes_per_sec: f64,
-    /// Matrix product throughput, flop per second.
-    pub flops_per_sec: f64,
-    /// Allocations take a multiple of this many bytes (what a budget is compared with).
-    pub allocation_granularity: u64,
-}
-
-impl CostModel {
-    /// A two-core CPU copying between two pools in the same memory (64-byte aligned slices).
-    pub const CPU: CostModel = CostModel {
-        copy_bytes_per_sec: 8e9,
-        kernel_bytes_per_sec: 10e9,
-        flops_per_sec: 60e9,
-        allocation_granularity: 64,
-    };
-
-    /// The device memory a buffer of `bytes` takes.
-    pub fn allocated(&self, bytes: usize) -> u64 {
-        let g = self.allocation_granularity.max(1);
-        if bytes == 0 { 0 } else { (bytes as u64).div_ceil(g) * g }
-    }
-}
+pub use braid_graph::CostModel;
 
 /// One offload: `value` (a flush node, or a donated input) leaves after kernel `last_use` (`None`:
 /// a donated input idle from the start of the flush leaves at once), is out of device
@@ -202,7 +174,11 @@ fn back_at(earliest: usize, next_use: usize, bytes: u64, cost: &[f64], model: &C
 fn inputs_at_start(base: &Schedule, model: &CostModel) -> u64 {
     base.buffers
         .iter()
-        .filter(|b| matches!(b.source, crate::BufferSource::External(_)) && !b.upload_at_first_use)
+        .filter(|b| {
+            matches!(b.source, crate::BufferSource::External(_))
+                && !b.upload_at_first_use
+                && b.space != crate::Space::Remote
+        })
         .map(|b| model.allocated(b.bytes))
         .sum()
 }

@@ -36,6 +36,9 @@ pub enum Space {
     Device,
     /// Host memory used for offloads.
     Host,
+    /// Another device's memory: an input of the flush that a transfer copies from (it takes
+    /// none of this device's memory).
+    Remote,
 }
 
 /// What a buffer holds when the flush starts or when it is first written.
@@ -104,8 +107,10 @@ pub enum Step {
     Record(EventId),
     /// Wait until an event (of another stream) is reached.
     Wait(EventId),
-    /// Copy a value (of this flush, or a donated input) between spaces: to host memory (an
-    /// offload) or back to the device.
+    /// Copy a whole buffer into another: a value (of this flush, or a donated input) to host
+    /// memory and back (an offload), or another device's value into this device's memory (a
+    /// transfer, `to_device`). `value` is what `to` holds afterwards; `from` holds the value
+    /// its buffer plan names (the same one for offloads, the transferred input for transfers).
     Copy { from: BufferId, to: BufferId, value: braid_graph::ValueRef },
 }
 

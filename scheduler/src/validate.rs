@@ -136,15 +136,20 @@ impl Program {
                                 node_streams: seg.nodes.iter().map(|&n| graph.nodes[n].stream.0).collect(),
                             }
                         }
-                        Step::Copy { from, to, value } => {
-                            let v = value_of(graph, *value);
-                            PStep::Kernel {
-                                label: format!("copy {from} -> {to}"),
-                                reads: vec![(from.0, v)],
-                                writes: vec![(to.0, v)],
-                                node_streams: Vec::new(),
-                            }
-                        }
+                        Step::Copy { from, to, value: written } => PStep::Kernel {
+                            label: format!("copy {from} -> {to}"),
+                            // A transfer reads another device's value; an offload copies the
+                            // value it moves.
+                            reads: vec![(
+                                from.0,
+                                match &schedule.buffers[from.index()] {
+                                    b if b.space == crate::Space::Remote => value(b),
+                                    _ => value_of(graph, *written),
+                                },
+                            )],
+                            writes: vec![(to.0, value_of(graph, *written))],
+                            node_streams: Vec::new(),
+                        },
                         Step::Alloc(b) => PStep::Alloc(b.0),
                         Step::Free { buffer, after } => {
                             PStep::Free { buffer: buffer.0, after: after.iter().map(|e| e.0).collect() }
@@ -200,9 +205,14 @@ impl Program {
                     DumpStep::Wait { event } => PStep::Wait(num(event, 'e')?),
                     DumpStep::Copy { from, to, node, .. } => {
                         let v = node.ok_or_else(|| format!("copy {from} -> {to} does not name the value it copies"))?;
+                        // A transfer's source holds the other device's value its buffer names.
+                        let read = match dump.buffers.iter().find(|b| &b.id == from) {
+                            Some(b) if b.space == "remote" => b.node.unwrap_or(v),
+                            _ => v,
+                        };
                         PStep::Kernel {
                             label: format!("copy {from} -> {to}"),
-                            reads: vec![(num(from, 'b')?, v as u64)],
+                            reads: vec![(num(from, 'b')?, read as u64)],
                             writes: vec![(num(to, 'b')?, v as u64)],
                             node_streams: Vec::new(),
                         }
@@ -393,38 +403,78 @@ enum Access {
 pub fn check(p: &Program) -> Result<(), Vec<Hazard>> {
     let lanes = Lanes::new(p);
     let order = order(p, &lanes).map_err(|h| vec![h])?;
-    // Vector clocks over lanes: clock[s][i][l] = steps of lane l that happen-before-or-are
-    // step (s, i).
-    let mut clock: Vec<Vec<Vec<u32>>> = p.streams.iter().map(|(_, st)| vec![Vec::new(); st.len()]).collect();
-    let mut record_pos: HashMap<u32, Pos> = HashMap::new();
-    for (s, (_, steps)) in p.streams.iter().enumerate() {
-        for (i, st) in steps.iter().enumerate() {
-            if let PStep::Record(e) = st {
-                record_pos.insert(*e, (s, i));
-            }
+    let hb = HappensBefore::new(p, &lanes, &order);
+    let (mut accesses, mut hazards) = accesses(p);
+    let initial: HashMap<u32, u64> = p.initial.iter().copied().collect();
+    let mut buffers: Vec<u32> = accesses.keys().copied().collect();
+    buffers.sort_unstable();
+    for b in buffers {
+        let mut acc = accesses.remove(&b).expect("key");
+        // 1. Conflicting accesses must be ordered; 2. replayed in that order, every access
+        // finds the buffer in the right state.
+        let raced = races(p, &hb, b, &acc);
+        if raced.is_empty() {
+            hazards.extend(replay(p, &hb, b, &mut acc, initial.get(&b).copied()));
+        } else {
+            hazards.extend(raced);
         }
     }
-    let mut rank: Vec<Vec<usize>> = p.streams.iter().map(|(_, st)| vec![0; st.len()]).collect();
-    for (r, &(s, i)) in order.iter().enumerate() {
-        rank[s][i] = r;
-        let mut c = match lanes.chain[s][i] {
-            Some(j) => clock[s][j].clone(),
-            None => vec![0; lanes.count],
-        };
-        for e in &lanes.events[s][i] {
-            let (rs, ri) = record_pos[e];
-            for (mine, &theirs) in c.iter_mut().zip(&clock[rs][ri]) {
-                *mine = (*mine).max(theirs);
-            }
-        }
-        c[lanes.lane[s][i]] = lanes.slot[s][i] + 1;
-        clock[s][i] = c;
-    }
-    let hb = |a: Pos, b: Pos| a != b && clock[b.0][b.1][lanes.lane[a.0][a.1]] > lanes.slot[a.0][a.1];
-    let step_ref = |(s, i): Pos| StepRef { stream: p.streams[s].0, index: i, label: label(&p.streams[s].1[i]) };
+    if hazards.is_empty() { Ok(()) } else { Err(hazards) }
+}
 
+/// The happens-before order of a program: vector clocks over lanes, and each step's rank in
+/// one valid execution order.
+struct HappensBefore<'a> {
+    lanes: &'a Lanes,
+    /// `clock[s][i][l]`: steps of lane `l` that happen-before-or-are step `(s, i)`.
+    clock: Vec<Vec<Vec<u32>>>,
+    rank: Vec<Vec<usize>>,
+}
+
+impl<'a> HappensBefore<'a> {
+    fn new(p: &Program, lanes: &'a Lanes, order: &[Pos]) -> HappensBefore<'a> {
+        let mut clock: Vec<Vec<Vec<u32>>> = p.streams.iter().map(|(_, st)| vec![Vec::new(); st.len()]).collect();
+        let mut record_pos: HashMap<u32, Pos> = HashMap::new();
+        for (s, (_, steps)) in p.streams.iter().enumerate() {
+            for (i, st) in steps.iter().enumerate() {
+                if let PStep::Record(e) = st {
+                    record_pos.insert(*e, (s, i));
+                }
+            }
+        }
+        let mut rank: Vec<Vec<usize>> = p.streams.iter().map(|(_, st)| vec![0; st.len()]).collect();
+        for (r, &(s, i)) in order.iter().enumerate() {
+            rank[s][i] = r;
+            let mut c = match lanes.chain[s][i] {
+                Some(j) => clock[s][j].clone(),
+                None => vec![0; lanes.count],
+            };
+            for e in &lanes.events[s][i] {
+                let (rs, ri) = record_pos[e];
+                for (mine, &theirs) in c.iter_mut().zip(&clock[rs][ri]) {
+                    *mine = (*mine).max(theirs);
+                }
+            }
+            c[lanes.lane[s][i]] = lanes.slot[s][i] + 1;
+            clock[s][i] = c;
+        }
+        HappensBefore { lanes, clock, rank }
+    }
+
+    /// Whether step `a` happens before step `b`.
+    fn before(&self, a: Pos, b: Pos) -> bool {
+        a != b && self.clock[b.0][b.1][self.lanes.lane[a.0][a.1]] > self.lanes.slot[a.0][a.1]
+    }
+}
+
+fn step_ref(p: &Program, (s, i): Pos) -> StepRef {
+    StepRef { stream: p.streams[s].0, index: i, label: label(&p.streams[s].1[i]) }
+}
+
+/// Every buffer's accesses, and the kernels that hold nodes of another stream.
+#[allow(clippy::type_complexity)]
+fn accesses(p: &Program) -> (HashMap<u32, Vec<(Pos, Access)>>, Vec<Hazard>) {
     let mut hazards = Vec::new();
-    // Accesses per buffer.
     let mut accesses: HashMap<u32, Vec<(Pos, Access)>> = HashMap::new();
     for (s, (sid, steps)) in p.streams.iter().enumerate() {
         for (i, st) in steps.iter().enumerate() {
@@ -440,7 +490,7 @@ pub fn check(p: &Program) -> Result<(), Vec<Hazard>> {
                         hazards.push(Hazard {
                             kind: HazardKind::CrossStreamFusion,
                             buffer: None,
-                            steps: vec![step_ref((s, i))],
+                            steps: vec![step_ref(p, (s, i))],
                             message: format!("{} on stream {sid} holds a node of stream {other}", label(st)),
                         });
                     }
@@ -451,122 +501,103 @@ pub fn check(p: &Program) -> Result<(), Vec<Hazard>> {
             }
         }
     }
-    let initial: HashMap<u32, u64> = p.initial.iter().copied().collect();
-    let mut buffers: Vec<u32> = accesses.keys().copied().collect();
-    buffers.sort_unstable();
-    for b in buffers {
-        let mut acc = accesses.remove(&b).expect("key");
-        // 1. Conflicting accesses must be ordered.
-        let mut raced = false;
-        for x in 0..acc.len() {
-            for y in x + 1..acc.len() {
-                let ((pa, a), (pb, bb)) = (acc[x], acc[y]);
-                let conflict = !matches!((a, bb), (Access::Read(_), Access::Read(_)));
-                if !conflict || pa == pb || hb(pa, pb) || hb(pb, pa) {
-                    continue;
-                }
-                raced = true;
-                let kind = match (a, bb) {
-                    (Access::Free, _) | (_, Access::Free) => HazardKind::UseAfterFree,
-                    (Access::Write(_), Access::Write(_)) => HazardKind::WriteAfterWrite,
-                    (Access::Write(_) | Access::Alloc, Access::Read(_)) => HazardKind::ReadAfterWrite,
-                    _ => HazardKind::WriteAfterRead,
-                };
-                hazards.push(Hazard {
-                    kind,
-                    buffer: Some(format!("b{b}")),
-                    steps: vec![step_ref(pa), step_ref(pb)],
-                    message: format!(
-                        "b{b} is used by {} and by {} with no event ordering them",
-                        step_ref(pa),
-                        step_ref(pb)
-                    ),
-                });
+    (accesses, hazards)
+}
+
+/// Pairs of conflicting accesses to buffer `b` (not both reads) that no event orders.
+fn races(p: &Program, hb: &HappensBefore, b: u32, acc: &[(Pos, Access)]) -> Vec<Hazard> {
+    let mut hazards = Vec::new();
+    for x in 0..acc.len() {
+        for y in x + 1..acc.len() {
+            let ((pa, a), (pb, bb)) = (acc[x], acc[y]);
+            let conflict = !matches!((a, bb), (Access::Read(_), Access::Read(_)));
+            if !conflict || pa == pb || hb.before(pa, pb) || hb.before(pb, pa) {
+                continue;
             }
-        }
-        if raced {
-            continue;
-        }
-        // 2. Replayed in that order, every access finds the buffer in the right state. Reads of
-        // a step come before its writes (an in-place kernel reads, then overwrites).
-        acc.sort_by_key(|&((s, i), a)| (rank[s][i], !matches!(a, Access::Read(_))));
-        #[derive(Clone, Copy, PartialEq)]
-        enum State {
-            Unallocated,
-            Allocated,
-            Holds(u64, Pos),
-            Freed(Pos),
-        }
-        let mut state = match initial.get(&b) {
-            Some(&v) => State::Holds(v, (usize::MAX, 0)),
-            None => State::Unallocated,
-        };
-        let who =
-            |pos: Pos| if pos.0 == usize::MAX { "before the flush".to_string() } else { step_ref(pos).to_string() };
-        // The allocation (or first write) of the buffer: what a too-early access should follow.
-        let setup = acc
-            .iter()
-            .find(|(_, a)| matches!(a, Access::Alloc))
-            .or_else(|| acc.iter().find(|(_, a)| matches!(a, Access::Write(_))))
-            .map(|&(p, _)| p);
-        let mut allocated_at: Option<Pos> = None;
-        for &(pos, a) in &acc {
-            let problem = match (state, a) {
-                (State::Freed(f), _) => {
-                    Some((HazardKind::UseAfterFree, format!("b{b} was freed by {}", who(f)), Some(f)))
-                }
-                (State::Unallocated, Access::Alloc) | (State::Allocated | State::Holds(..), Access::Write(_)) => None,
-                (State::Unallocated, _) => Some((
-                    HazardKind::ReadAfterWrite,
-                    format!(
-                        "b{b} is not allocated yet{}",
-                        setup
-                            .filter(|&p| p != pos)
-                            .map_or(String::new(), |p| format!(" ({} allocates it later)", who(p)))
-                    ),
-                    setup.filter(|&p| p != pos),
-                )),
-                (State::Allocated | State::Holds(..), Access::Alloc) => Some((
-                    HazardKind::WriteAfterWrite,
-                    format!("b{b} is allocated while it is still live"),
-                    allocated_at,
-                )),
-                (State::Allocated, Access::Read(_)) => Some((
-                    HazardKind::ReadAfterWrite,
-                    format!("b{b} is read before anything is written to it"),
-                    allocated_at,
-                )),
-                (State::Holds(have, w), Access::Read(want)) if have != want => Some((
-                    HazardKind::WriteAfterRead,
-                    format!(
-                        "b{b} should hold n{want} but {} overwrote it with n{have} first (reused too early)",
-                        who(w)
-                    ),
-                    (w.0 != usize::MAX).then_some(w),
-                )),
-                _ => None,
+            let kind = match (a, bb) {
+                (Access::Free, _) | (_, Access::Free) => HazardKind::UseAfterFree,
+                (Access::Write(_), Access::Write(_)) => HazardKind::WriteAfterWrite,
+                (Access::Write(_) | Access::Alloc, Access::Read(_)) => HazardKind::ReadAfterWrite,
+                _ => HazardKind::WriteAfterRead,
             };
-            if let Some((kind, why, other)) = problem {
-                let mut steps: Vec<StepRef> = other.map(step_ref).into_iter().collect();
-                steps.push(step_ref(pos));
-                hazards.push(Hazard {
-                    kind,
-                    buffer: Some(format!("b{b}")),
-                    message: format!("{}: {why}", step_ref(pos)),
-                    steps,
-                });
-                break;
-            }
-            state = match a {
-                Access::Alloc => {
-                    allocated_at = Some(pos);
-                    State::Allocated
-                }
-                Access::Write(v) => State::Holds(v, pos),
-                Access::Read(_) => state,
-                Access::Free => State::Freed(pos),
-            };
+            let (ra, rb) = (step_ref(p, pa), step_ref(p, pb));
+            let message = format!("b{b} is used by {ra} and by {rb} with no event ordering them");
+            hazards.push(Hazard { kind, buffer: Some(format!("b{b}")), steps: vec![ra, rb], message });
         }
     }
-    if hazards.is_empty() { Ok(()) } else { Err(hazards) }
+    hazards
+}
+
+/// The state of a buffer while its accesses are replayed.
+#[derive(Clone, Copy, PartialEq)]
+enum State {
+    Unallocated,
+    Allocated,
+    Holds(u64, Pos),
+    Freed(Pos),
+}
+
+/// Replays the (ordered) accesses to buffer `b` from its state before the flush (`initial`:
+/// the value it holds, if any) and returns the first access that finds it in the wrong state.
+/// Reads of a step come before its writes (an in-place kernel reads, then overwrites).
+fn replay(p: &Program, hb: &HappensBefore, b: u32, acc: &mut [(Pos, Access)], initial: Option<u64>) -> Option<Hazard> {
+    acc.sort_by_key(|&((s, i), a)| (hb.rank[s][i], !matches!(a, Access::Read(_))));
+    let mut state = initial.map_or(State::Unallocated, |v| State::Holds(v, (usize::MAX, 0)));
+    let who =
+        |pos: Pos| if pos.0 == usize::MAX { "before the flush".to_string() } else { step_ref(p, pos).to_string() };
+    // The allocation (or first write) of the buffer: what a too-early access should follow.
+    let setup = acc
+        .iter()
+        .find(|(_, a)| matches!(a, Access::Alloc))
+        .or_else(|| acc.iter().find(|(_, a)| matches!(a, Access::Write(_))))
+        .map(|&(p, _)| p);
+    let mut allocated_at: Option<Pos> = None;
+    for &(pos, a) in acc.iter() {
+        let problem = match (state, a) {
+            (State::Freed(f), _) => Some((HazardKind::UseAfterFree, format!("b{b} was freed by {}", who(f)), Some(f))),
+            (State::Unallocated, Access::Alloc) | (State::Allocated | State::Holds(..), Access::Write(_)) => None,
+            (State::Unallocated, _) => Some((
+                HazardKind::ReadAfterWrite,
+                format!(
+                    "b{b} is not allocated yet{}",
+                    setup.filter(|&p| p != pos).map_or(String::new(), |p| format!(" ({} allocates it later)", who(p)))
+                ),
+                setup.filter(|&p| p != pos),
+            )),
+            (State::Allocated | State::Holds(..), Access::Alloc) => {
+                Some((HazardKind::WriteAfterWrite, format!("b{b} is allocated while it is still live"), allocated_at))
+            }
+            (State::Allocated, Access::Read(_)) => Some((
+                HazardKind::ReadAfterWrite,
+                format!("b{b} is read before anything is written to it"),
+                allocated_at,
+            )),
+            (State::Holds(have, w), Access::Read(want)) if have != want => Some((
+                HazardKind::WriteAfterRead,
+                format!("b{b} should hold n{want} but {} overwrote it with n{have} first (reused too early)", who(w)),
+                (w.0 != usize::MAX).then_some(w),
+            )),
+            _ => None,
+        };
+        if let Some((kind, why, other)) = problem {
+            let mut steps: Vec<StepRef> = other.map(|o| step_ref(p, o)).into_iter().collect();
+            steps.push(step_ref(p, pos));
+            return Some(Hazard {
+                kind,
+                buffer: Some(format!("b{b}")),
+                message: format!("{}: {why}", step_ref(p, pos)),
+                steps,
+            });
+        }
+        state = match a {
+            Access::Alloc => {
+                allocated_at = Some(pos);
+                State::Allocated
+            }
+            Access::Write(v) => State::Holds(v, pos),
+            Access::Read(_) => state,
+            Access::Free => State::Freed(pos),
+        };
+    }
+    None
 }

@@ -141,7 +141,7 @@ impl Tensor {
             let mut pending: HashMap<*const GradNode, Val> = HashMap::new();
             let seed_at = (self.shape(), self.dtype(), self.device());
             route(&root, Val::S(1.0), seed_at, &mut pending, grads);
-            let current = crate::stream::current_stream(self.device().0.id);
+            let current = crate::recorder::current_stream(self.device().id());
             for (node, saved) in nodes.iter().zip(&saved) {
                 let Some(g) = pending.remove(&Arc::as_ptr(node)) else { continue };
                 let mut differentiate = || {

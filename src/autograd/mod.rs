@@ -21,16 +21,37 @@ mod rules;
 pub use backward::Grads;
 
 use crate::device::Device;
-use crate::engine::Retainer;
+use crate::recorder::Retainer;
 use crate::tensor::Tensor;
 use braid_graph::{DType, NodeId, Op, ReduceOp, Shape, StreamId};
 use smallvec::SmallVec;
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// Set once any tensor is marked with `requires_grad`; until then recording skips autograd.
-static IN_USE: AtomicBool = AtomicBool::new(false);
+/// Tensors whose current version has gradient bookkeeping (a marked leaf, or the result of ops
+/// on one). While there are none, no op can need tracking and recording skips autograd.
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+
+/// Whether any tensor has gradient bookkeeping now.
+fn in_use() -> bool {
+    LIVE.load(Ordering::Relaxed) > 0
+}
+
+/// Replaces a tensor's bookkeeping with `new`, keeping [`LIVE`] in step; returns the old one
+/// (to be dropped outside the engine lock).
+pub(crate) fn replace_meta(meta: &mut Option<GradSource>, new: Option<GradSource>) -> Option<GradSource> {
+    match (meta.is_some(), new.is_some()) {
+        (false, true) => {
+            LIVE.fetch_add(1, Ordering::Relaxed);
+        }
+        (true, false) => {
+            LIVE.fetch_sub(1, Ordering::Relaxed);
+        }
+        _ => {}
+    }
+    std::mem::replace(meta, new)
+}
 /// Recording order of `GradNode`s (a node is always created after its inputs').
 static NEXT_SEQ: AtomicU64 = AtomicU64::new(0);
 /// Identities of leaves (stable across in-place updates of the leaf).
@@ -137,8 +158,7 @@ pub(crate) fn mark_leaf(t: &Tensor) -> Result<(), &'static str> {
     if !t.dtype().is_float() {
         return Err("only floating-point tensors can require gradients");
     }
-    IN_USE.store(true, Ordering::Relaxed);
-    crate::engine::locked(|| {
+    t.device().engine().with_state(|_| {
         let mut meta = t.grad_meta().lock().unwrap_or_else(|p| p.into_inner());
         match &*meta {
             Some(GradSource::Leaf(_)) => Ok(()),
@@ -146,7 +166,7 @@ pub(crate) fn mark_leaf(t: &Tensor) -> Result<(), &'static str> {
                 Err("the tensor is the result of recorded ops; only leaves can be marked (use detach() first)")
             }
             None => {
-                *meta = Some(GradSource::Leaf(NEXT_LEAF.fetch_add(1, Ordering::Relaxed)));
+                replace_meta(&mut meta, Some(GradSource::Leaf(NEXT_LEAF.fetch_add(1, Ordering::Relaxed))));
                 Ok(())
             }
         }
@@ -155,10 +175,10 @@ pub(crate) fn mark_leaf(t: &Tensor) -> Result<(), &'static str> {
 
 /// The gradient bookkeeping of `t`'s current version.
 pub(crate) fn source_of(t: &Tensor) -> Option<GradSource> {
-    if !IN_USE.load(Ordering::Relaxed) {
+    if !in_use() {
         return None;
     }
-    crate::engine::locked(|| t.grad_meta().lock().unwrap_or_else(|p| p.into_inner()).clone())
+    t.device().engine().with_state(|_| t.grad_meta().lock().unwrap_or_else(|p| p.into_inner()).clone())
 }
 
 /// Misuse of an in-place update of `t` (checked by the caller before recording): a leaf that
@@ -239,7 +259,7 @@ impl<'a> Tracker<'a> {
     ) -> Option<Tracker<'a>> {
         // Nothing to record: no gradients anywhere yet, a source op, or (outside an in-place
         // update, which must still keep or drop the tensor's bookkeeping) gradients turned off.
-        if !IN_USE.load(Ordering::Relaxed) || inputs.is_empty() || (in_place.is_none() && !grad_enabled()) {
+        if !in_use() || inputs.is_empty() || (in_place.is_none() && !grad_enabled()) {
             return None;
         }
         Some(Tracker {
@@ -321,7 +341,7 @@ impl<'a> Tracker<'a> {
                 let keep_leaf = !tracked && matches!(&*meta, Some(GradSource::Leaf(_)));
                 if keep_leaf {
                     retainer.mark_persistent(out);
-                } else if let Some(old) = std::mem::replace(&mut *meta, new) {
+                } else if let Some(old) = replace_meta(&mut meta, new) {
                     self.graveyard.push(old);
                 }
             }

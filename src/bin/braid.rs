@@ -28,6 +28,13 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // braid emits `tracing` events; the binary shows them on stderr when `RUST_LOG` asks.
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
     match Cli::parse().command {
         Command::Inspect { file, steps } => match inspect(&file, steps) {
             Ok(()) => ExitCode::SUCCESS,

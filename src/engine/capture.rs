@@ -1,22 +1,21 @@
 //! Captured steps ([`crate::Step`]): a function of tensors recorded and planned once, then
 //! replayed with new arguments without recording, walking or planning anything again.
 //!
-//! A capture runs the function on the arguments as usual and flushes what its outputs need in
-//! one flush. It keeps that flush's graph and plan, where each input of the flush comes from
-//! (an argument, or host data the function created), and where each output comes from. A replay
-//! binds the arguments' buffers to those inputs, runs the plan, and wraps the outputs as new
-//! computed tensors.
+//! A capture runs the function on the arguments as usual (refusing reads and flushes inside,
+//! see [`during`]) and flushes what its outputs need in one flush. It keeps that flush's graph
+//! and plan, where each input of the flush comes from (an argument, or host data the function
+//! created), and where each output comes from. A replay binds the arguments' buffers to those
+//! inputs, runs the plan on the runtime, and returns the outputs for the API to wrap.
 //!
 //! This module must never keep a plan whose replay could differ from running the function
 //! again. A capture fails with [`Error::Capture`] (and nothing is kept) when the function reads
 //! a value while it is recorded, needs a tensor that is not an argument, keeps a tensor it does
 //! not return, or records an event.
 
-use super::flush::{self, ExternalData, Planned};
-use super::{State, Value, device_error, materialize, state};
-use crate::device::{Device, lock};
+use super::flush::ExternalData;
+use super::run::{Planned, kernel_label};
+use super::{Engine, State, Value};
 use crate::error::{Error, Result};
-use crate::tensor::Tensor;
 use braid_devices::{Buffer, Input, Job};
 use braid_graph::{DType, Node, NodeId, Op, Shape};
 use braid_scheduler::KernelId;
@@ -50,6 +49,27 @@ pub(crate) fn refuse_while_capturing(what: &str) -> Result<()> {
     Ok(())
 }
 
+/// Runs the step's function `f` as a capture on this thread: reads, syncs and flushes inside
+/// are refused, and the first refusal fails the capture even if `f` ignored the `Err`.
+pub(crate) fn during<R>(f: impl FnOnce() -> R) -> Result<R> {
+    struct Restore;
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            CAPTURING.with(|c| c.set(c.get() - 1));
+        }
+    }
+    CAPTURING.with(|c| c.set(c.get() + 1));
+    REFUSED.with(|r| r.borrow_mut().take());
+    let out = {
+        let _restore = Restore;
+        f()
+    };
+    match REFUSED.with(|r| r.borrow_mut().take()) {
+        Some(refused) => Err(Error::Capture(refused)),
+        None => Ok(out),
+    }
+}
+
 /// Where an input of the captured flush comes from at a replay.
 enum Source {
     Arg(usize),
@@ -58,7 +78,7 @@ enum Source {
 }
 
 /// Where an output comes from at a replay.
-enum Output {
+pub(crate) enum Output {
     /// `schedule.outputs[pos]`.
     Computed { pos: usize, dtype: DType, shape: Shape },
     /// An argument returned as it is.
@@ -67,9 +87,15 @@ enum Output {
     Host { bytes: Arc<[u8]>, dtype: DType, shape: Shape },
 }
 
+/// What a replay produced, for the API to wrap as tensors.
+pub(crate) enum Produced<'c> {
+    Computed { buffer: Buffer, dtype: DType, shape: &'c Shape },
+    Arg(usize),
+    Host { bytes: &'c Arc<[u8]>, dtype: DType, shape: &'c Shape },
+}
+
 /// One captured signature of a step.
 pub(crate) struct Capture {
-    device: Device,
     /// `None` when no output needs work (every output is an argument or host data).
     planned: Option<Planned>,
     sources: Vec<Source>,
@@ -77,112 +103,149 @@ pub(crate) struct Capture {
 }
 
 impl Capture {
+    /// Whether a replay runs a plan (otherwise every output is an argument or host data).
+    pub(crate) fn runs(&self) -> bool {
+        self.planned.is_some()
+    }
+
     /// Kernels one replay runs.
     pub(crate) fn kernel_count(&self) -> usize {
         self.planned.as_ref().map_or(0, |p| p.schedule.kernels.len())
     }
 }
 
-/// Runs `f` (the step's function applied to `args`) and captures it; returns the capture and
-/// this first run's outputs (computed, without gradient history).
-pub(crate) fn capture(
-    device: &Device,
-    args: &[Tensor],
-    f: impl FnOnce() -> Vec<Tensor>,
-) -> Result<(Capture, Vec<Tensor>)> {
-    refuse_while_capturing("capturing another step")?;
-    // Arguments are computed first, so that the step's flush starts from their values.
-    for a in args {
-        materialize(|| a.node())?;
+impl Engine {
+    /// The recording order the next node gets (a capture's work is what is recorded from here).
+    pub(crate) fn next_seq(&self) -> u64 {
+        self.state().seq
     }
-    let arg_nodes: Vec<NodeId> = args.iter().map(Tensor::node).collect();
-    let start = state().seq;
-    let outs = {
-        struct Restore;
-        impl Drop for Restore {
-            fn drop(&mut self) {
-                CAPTURING.with(|c| c.set(c.get() - 1));
+
+    /// Flushes what the captured function's outputs (`out_ids`, recorded since `start`, from
+    /// arguments `arg_nodes`) need, in one flush, and keeps it as a capture.
+    pub(crate) fn capture(&self, start: u64, arg_nodes: &[NodeId], out_ids: &[NodeId]) -> Result<Capture> {
+        loop {
+            let mut st = self.state();
+            let walked = super::flush::walk(&mut st, out_ids);
+            if let Some((_, reason)) = walked.lost.into_iter().next() {
+                return Err(Error::ValueLost(reason));
             }
-        }
-        CAPTURING.with(|c| c.set(c.get() + 1));
-        REFUSED.with(|r| r.borrow_mut().take());
-        let _restore = Restore;
-        f()
-    };
-    if let Some(refused) = REFUSED.with(|r| r.borrow_mut().take()) {
-        return Err(Error::Capture(refused));
-    }
-    if let Some(t) = outs.iter().find(|t| t.device() != device) {
-        return Err(Error::Capture(format!("an output is on {}, the arguments on {device}", t.device())));
-    }
-    // Outputs carry no gradient history (a replay records none): dropping the originals
-    // releases what autograd kept for a backward pass the function did not run.
-    let detached: Vec<Tensor> = outs.iter().map(Tensor::detach).collect();
-    drop(outs);
-    let out_ids: Vec<NodeId> = detached.iter().map(Tensor::node).collect();
-    loop {
-        let mut st = state();
-        let (order, waits, lost) = flush::walk(&mut st, &out_ids);
-        if let Some((_, reason)) = lost.into_iter().next() {
-            return Err(Error::ValueLost(reason));
-        }
-        if !waits.is_empty() {
-            drop(st);
-            for t in waits {
-                let _ = t.wait();
+            if !walked.remotes.is_empty() {
+                return Err(Error::Capture("the step reads a value of another device; pass it as an argument".into()));
             }
-            continue;
-        }
-        check_leaks(&st, start, &out_ids, device)?;
-        check_work(&st, &order, start, &arg_nodes, device)?;
-        let outputs = classify_outputs(&st, &out_ids, start, &arg_nodes)?;
-        if order.is_empty() {
-            drop(st);
-            let outputs = outputs.into_iter().map(|o| o.expect("no work, so nothing is computed")).collect();
-            return Ok((Capture { device: device.clone(), planned: None, sources: Vec::new(), outputs }, detached));
-        }
-        let mut ex = flush::extract(&mut st, &order);
-        drop(st);
-        // Inputs stay with the step: nothing of them is handed to the flush to free.
-        let mut sources = Vec::with_capacity(ex.graph.externals.len());
-        for (meta, data) in ex.graph.externals.iter_mut().zip(&ex.externals) {
-            meta.donated = false;
-            meta.on_host = false;
-            meta.overwritable = false;
-            sources.push(match (arg_nodes.iter().position(|&a| a == meta.id), data) {
-                (Some(k), _) => Source::Arg(k),
-                (None, ExternalData::Host(bytes)) => Source::Host(bytes.clone()),
-                (None, _) => unreachable!("check_work admits only arguments and host data"),
-            });
-        }
-        let planned = flush::run(ex)?;
-        let outputs = outputs
-            .into_iter()
-            .zip(&out_ids)
-            .map(|(o, &id)| match o {
-                Some(o) => Ok(o),
-                None => {
-                    let i = planned.graph.nodes.iter().position(|n| n.id == id);
-                    let pos = i.and_then(|i| planned.schedule.outputs.iter().position(|&(n, _)| n == i));
-                    let node = i.map(|i| &planned.graph.nodes[i]);
-                    match (pos, node) {
-                        (Some(pos), Some(n)) => Ok(Output::Computed { pos, dtype: n.dtype, shape: n.shape.clone() }),
-                        _ => Err(Error::Internal("a captured output is not among the flush's outputs".into())),
-                    }
+            if !walked.waits.is_empty() {
+                drop(st);
+                for t in walked.waits {
+                    let _ = t.wait();
                 }
+                continue;
+            }
+            check_leaks(&st, start, out_ids)?;
+            check_work(&st, &walked.order, start, arg_nodes)?;
+            let outputs = classify_outputs(&st, out_ids, start, arg_nodes)?;
+            if walked.order.is_empty() {
+                drop(st);
+                let outputs = outputs.into_iter().map(|o| o.expect("no work, so nothing is computed")).collect();
+                return Ok(Capture { planned: None, sources: Vec::new(), outputs });
+            }
+            let mut ex = self.extract(&mut st, &walked.order);
+            drop(st);
+            // Inputs stay with the step: nothing of them is handed to the flush to free.
+            let mut sources = Vec::with_capacity(ex.graph.externals.len());
+            for (meta, data) in ex.graph.externals.iter_mut().zip(&ex.externals) {
+                meta.donated = false;
+                meta.on_host = false;
+                meta.overwritable = false;
+                sources.push(match (arg_nodes.iter().position(|&a| a == meta.id), data) {
+                    (Some(k), _) => Source::Arg(k),
+                    (None, ExternalData::Host(bytes)) => Source::Host(bytes.clone()),
+                    (None, _) => unreachable!("check_work admits only arguments and host data"),
+                });
+            }
+            let planned = self.run(ex)?;
+            let outputs = outputs
+                .into_iter()
+                .zip(out_ids)
+                .map(|(o, &id)| match o {
+                    Some(o) => Ok(o),
+                    None => {
+                        let i = planned.graph.nodes.iter().position(|n| n.id == id);
+                        let pos = i.and_then(|i| planned.schedule.outputs.iter().position(|&(n, _)| n == i));
+                        let node = i.map(|i| &planned.graph.nodes[i]);
+                        match (pos, node) {
+                            (Some(pos), Some(n)) => {
+                                Ok(Output::Computed { pos, dtype: n.dtype, shape: n.shape.clone() })
+                            }
+                            _ => Err(Error::Internal("a captured output is not among the flush's outputs".into())),
+                        }
+                    }
+                })
+                .collect::<Result<Vec<Output>>>()?;
+            return Ok(Capture { planned: Some(planned), sources, outputs });
+        }
+    }
+
+    /// Runs a captured step on the buffers of its arguments: one execution of the kept plan.
+    pub(crate) fn replay<'c>(&self, c: &'c Capture, args: &[Buffer]) -> Result<Vec<Produced<'c>>> {
+        refuse_while_capturing("running a step")?;
+        let mut computed: Vec<Buffer> = Vec::new();
+        if let Some(planned) = &c.planned {
+            let poison = self.poison_enabled();
+            let externals = c
+                .sources
+                .iter()
+                .map(|s| match s {
+                    Source::Arg(k) => Ok(Input::Buffer(args[*k].clone())),
+                    Source::Host(bytes) => {
+                        self.backend.upload(bytes, poison).map(Input::Buffer).map_err(|e| self.device_error(e))
+                    }
+                })
+                .collect::<Result<Vec<Input>>>()?;
+            let fail_at = crate::lock(&self.faults).fail_at.take().map(KernelId);
+            let label = |k: KernelId| kernel_label(&planned.schedule, &planned.graph, k);
+            let job = Job {
+                schedule: &planned.schedule,
+                kernels: &planned.kernels,
+                externals,
+                label: &label,
+                poison,
+                fail_at,
+            };
+            let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                braid_devices::runtime::execute(self.backend.as_ref(), job).0
+            }));
+            computed = match run {
+                Ok(result) => result.map_err(|e| self.device_error(e))?,
+                Err(panic) => {
+                    let what = braid_devices::panic_message(panic.as_ref());
+                    return Err(Error::Internal(format!("a step's replay panicked (a bug in braid): {what}")));
+                }
+            };
+            let number = {
+                let mut st = self.state();
+                st.flushes += 1;
+                st.flushes
+            };
+            self.publish_dump(&planned.schedule, &planned.graph, number);
+        }
+        Ok(c.outputs
+            .iter()
+            .map(|o| match o {
+                Output::Computed { pos, dtype, shape } => {
+                    Produced::Computed { buffer: computed[*pos].clone(), dtype: *dtype, shape }
+                }
+                Output::Arg(k) => Produced::Arg(*k),
+                Output::Host { bytes, dtype, shape } => Produced::Host { bytes, dtype: *dtype, shape },
             })
-            .collect::<Result<Vec<Output>>>()?;
-        let capture = Capture { device: device.clone(), planned: Some(planned), sources, outputs };
-        return Ok((capture, detached));
+            .collect())
     }
 }
 
 /// A tensor the function recorded and kept without returning it (stored outside, or an
 /// in-place update of an argument or another tensor) would not be updated by a replay.
-fn check_leaks(st: &State, start: u64, out_ids: &[NodeId], device: &Device) -> Result<()> {
+fn check_leaks(st: &State, start: u64, out_ids: &[NodeId]) -> Result<()> {
     for id in st.graph.node_ids() {
         let n = st.graph.node(id);
-        if n.seq >= start && n.device == device.0.id && n.value.is_none() && n.handles > 0 && !out_ids.contains(&id) {
+        if n.seq >= start && n.value.is_none() && n.handles > 0 && !out_ids.contains(&id) {
             return Err(Error::Capture(format!(
                 "the step keeps a tensor it does not return ({} {} {}: stored outside the function, or an \
                  in-place update); a replay would not update it, so return it as an output",
@@ -195,9 +258,9 @@ fn check_leaks(st: &State, start: u64, out_ids: &[NodeId], device: &Device) -> R
     Ok(())
 }
 
-/// The work of the step's flush must all be recorded by the function, on `device`, without
-/// events, and read only the arguments and host data the function created.
-fn check_work(st: &State, order: &[NodeId], start: u64, arg_nodes: &[NodeId], device: &Device) -> Result<()> {
+/// The work of the step's flush must all be recorded by the function, without events, and
+/// read only the arguments and host data the function created.
+fn check_work(st: &State, order: &[NodeId], start: u64, arg_nodes: &[NodeId]) -> Result<()> {
     let describe = |n: &Node<Value>| format!("{} {} {}", n.op.name(), n.shape, n.dtype);
     for &id in order {
         let n = st.graph.node(id);
@@ -206,9 +269,6 @@ fn check_work(st: &State, order: &[NodeId], start: u64, arg_nodes: &[NodeId], de
                 "the step needs pending work recorded before it ({}); pass that tensor as an argument",
                 describe(n)
             )));
-        }
-        if n.device != device.0.id {
-            return Err(Error::Capture(format!("the step records work on another device ({})", describe(n))));
         }
         if n.op == Op::Event {
             return Err(Error::Capture("a step cannot record user events".into()));
@@ -251,58 +311,4 @@ fn classify_outputs(st: &State, out_ids: &[NodeId], start: u64, arg_nodes: &[Nod
             }
         })
         .collect()
-}
-
-/// Runs a captured step on `args` (matching its signature): one execution of the kept plan.
-pub(crate) fn replay(c: &Capture, args: &[Tensor]) -> Result<Vec<Tensor>> {
-    refuse_while_capturing("running a step")?;
-    let mut computed: Vec<Buffer> = Vec::new();
-    if let Some(planned) = &c.planned {
-        let buffers = args.iter().map(|a| materialize(|| a.node())).collect::<Result<Vec<Buffer>>>()?;
-        let backend = &c.device.0.backend;
-        let poison = c.device.poison_enabled();
-        let externals = c
-            .sources
-            .iter()
-            .map(|s| match s {
-                Source::Arg(k) => Ok(Input::Buffer(buffers[*k].clone())),
-                Source::Host(bytes) => {
-                    backend.upload(bytes, poison).map(Input::Buffer).map_err(|e| device_error(&c.device, e))
-                }
-            })
-            .collect::<Result<Vec<Input>>>()?;
-        drop(buffers);
-        let fail_at = lock(&c.device.0.fail_at).take().map(KernelId);
-        let label = |k: KernelId| flush::kernel_label(&planned.schedule, &planned.graph, k);
-        let job =
-            Job { schedule: &planned.schedule, kernels: &planned.kernels, externals, label: &label, poison, fail_at };
-        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| backend.execute(job).0));
-        computed = match run {
-            Ok(result) => result.map_err(|e| device_error(&c.device, e))?,
-            Err(panic) => {
-                let what = braid_devices::panic_message(panic.as_ref());
-                return Err(Error::Internal(format!("a step's replay panicked (a bug in braid): {what}")));
-            }
-        };
-        let number = {
-            let mut st = state();
-            st.flushes += 1;
-            st.flushes
-        };
-        flush::publish_dump(&c.device, &planned.schedule, &planned.graph, number);
-    }
-    Ok(c.outputs
-        .iter()
-        .map(|o| match o {
-            Output::Computed { pos, dtype, shape } => {
-                let id = super::record_ready(*dtype, shape.clone(), &c.device, computed[*pos].clone());
-                Tensor::from_node(id, shape.clone(), *dtype, c.device.clone())
-            }
-            Output::Arg(k) => args[*k].detach(),
-            Output::Host { bytes, dtype, shape } => {
-                let id = super::record_host(*dtype, shape.clone(), &c.device, bytes.clone());
-                Tensor::from_node(id, shape.clone(), *dtype, c.device.clone())
-            }
-        })
-        .collect())
 }

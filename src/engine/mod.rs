@@ -1,5 +1,12 @@
-//! The engine: the one recorded graph shared by every thread, recording into it, releasing
-//! what nobody can read any more, and flushing what a read needs (`flush`).
+//! The engine: one per device. It holds the graph recorded for its device, records into it,
+//! releases what nobody can read any more, and flushes what a read needs (`flush`, `run`) on
+//! the device's runtime (`braid_devices::runtime`).
+//!
+//! Engines of different devices share nothing: each has its own lock, graph, plan cache and
+//! settings, so work on independent devices never waits on one another. A value crosses to
+//! another device only through a `to_device`, recorded in the destination's graph as a
+//! *remote* leaf (a handle on the source's node) that the destination's flush fetches from the
+//! source engine when it needs it; a wait for another device's event is a remote leaf too.
 //!
 //! Invariants kept here:
 //! - A node leaves the graph only when no tensor names it, nothing pending depends on it and
@@ -7,23 +14,27 @@
 //! - A flushed value is kept (never recomputed) while a tensor or pending work needs it.
 //! - The lock is never held while a device runs, and misuse is checked before it is taken, so
 //!   recording never waits for device work and a caught panic cannot leave the graph
-//!   half-updated.
+//!   half-updated. An engine holds another engine's lock only while recording a transfer, and
+//!   then takes both in the order of their device ids, so locks never deadlock.
+//!
+//! The engine knows nothing of the API's handles (tensors, devices, streams): it deals in node
+//! ids, version cells and its runtime.
 
 pub(crate) mod cache;
 pub(crate) mod capture;
+pub(crate) mod dump;
 mod flush;
 mod marks;
+mod run;
 
-pub(crate) use flush::{flush_device, flush_nodes};
-
-use crate::device::{Device, lock};
 use crate::error::{Error, Result};
-use crate::stream::Event;
-use braid_devices::Buffer;
+use crate::lock;
+use braid_devices::{Backend, Buffer};
 use braid_graph::{DType, DeviceId, Graph, Node, NodeId, Op, Shape, StreamId};
+use dump::ScheduleDump;
 use hashbrown::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, LazyLock, Mutex};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// The value state of a node (`None` in the graph means pending).
 pub(crate) enum Value {
@@ -43,6 +54,29 @@ pub(crate) enum Value {
     /// Donated to a flush that failed after freeing or overwriting it: the pending work that needed it cannot
     /// run again (reads of it report this reason).
     Lost(String),
+    /// A value or event of another device (see [`Remote`]).
+    Remote(Remote),
+}
+
+/// A leaf standing for a node of another engine: the input of a `to_device`, or an event of
+/// another device that a stream of this one waits for. Until it is resolved (its buffer
+/// fetched, its event reached) it holds one handle on the source node, released through the
+/// engine's deferred releases, never under this engine's lock.
+pub(crate) struct Remote {
+    pub(crate) source: Arc<Engine>,
+    pub(crate) node: NodeId,
+    /// The source's buffer once fetched (`None` for an event, or before).
+    pub(crate) fetched: Option<Buffer>,
+    /// For an event: whether it was reached.
+    pub(crate) reached: bool,
+    pub(crate) event: bool,
+}
+
+impl Remote {
+    /// Whether the flush can go ahead without asking the source engine again.
+    fn resolved(&self) -> bool {
+        self.fetched.is_some() || self.reached
+    }
 }
 
 /// Completion of one flush: readers of its values wait here.
@@ -67,6 +101,7 @@ impl Ticket {
     }
 }
 
+/// One device's recorded graph and its bookkeeping.
 pub(crate) struct State {
     pub(crate) graph: Graph<Value>,
     /// Nodes whose value is neither computed nor being computed.
@@ -74,48 +109,98 @@ pub(crate) struct State {
     pub(crate) flushes: u64,
     /// Recording order of the next node.
     seq: u64,
-    /// Per stream: events that work recorded on it from now on must wait for.
-    waits: HashMap<(DeviceId, StreamId), Vec<Event>>,
+    /// Per stream: nodes of events (each with a handle counted for this list) that work
+    /// recorded on it from now on must wait for.
+    waits: HashMap<StreamId, Vec<NodeId>>,
     /// Scratch of the flush being walked and extracted.
     marks: marks::Marks,
+    /// Handles on other engines' nodes to release once this lock is let go.
+    deferred: Vec<(Arc<Engine>, NodeId)>,
 }
 
-static STATE: LazyLock<Mutex<State>> = LazyLock::new(|| {
-    Mutex::new(State {
-        graph: Graph::new(),
-        pending: 0,
-        flushes: 0,
-        seq: 0,
-        waits: HashMap::new(),
-        marks: marks::Marks::default(),
-    })
-});
+/// The engine's state under its lock. Handles on other engines' nodes that were dropped
+/// meanwhile are released when the guard goes, after the lock is let go.
+pub(crate) struct Locked<'a>(Option<MutexGuard<'a, State>>);
 
-impl State {
-    /// Adds a node, stamping its recording order.
-    fn add(&mut self, mut node: Node<Value>, inputs: &[NodeId]) -> NodeId {
-        node.seq = self.seq;
-        self.seq += 1;
-        self.graph.add(node, inputs)
+impl std::ops::Deref for Locked<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        self.0.as_ref().expect("held until dropped")
     }
 }
+
+impl std::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        self.0.as_mut().expect("held until dropped")
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        let Some(mut guard) = self.0.take() else { return };
+        let deferred = std::mem::take(&mut guard.deferred);
+        drop(guard);
+        for (engine, node) in deferred {
+            engine.release(node);
+        }
+    }
+}
+
+/// Per-device choices that flushes read when they start.
+#[derive(Default)]
+pub(crate) struct Settings {
+    /// `set_poison`'s choice; `None` follows `BRAID_POISON`.
+    pub(crate) poison: Mutex<Option<bool>>,
+    /// `set_fusion`'s choice; `None` follows `BRAID_FUSION`.
+    pub(crate) fusion: Mutex<Option<bool>>,
+    /// `set_memory_budget`'s cap on planned device memory; `u64::MAX` when none.
+    pub(crate) budget: AtomicU64,
+    /// Streams that default-stream work is spread over (`set_auto_streams`); empty when off.
+    pub(crate) auto_streams: Mutex<Vec<StreamId>>,
+}
+
+/// A function applied to every schedule planned by an engine, before validation.
+pub(crate) type ScheduleRewrite = Arc<dyn Fn(&mut braid_scheduler::Schedule) + Send + Sync>;
+
+/// Fault injection, installed only by `braid::testing`: plans rewritten before validation, and
+/// a failure at a given kernel of the next flush.
+#[derive(Default)]
+pub(crate) struct Faults {
+    pub(crate) rewrite: Option<ScheduleRewrite>,
+    pub(crate) fail_at: Option<u32>,
+}
+
+/// One device's engine.
+pub(crate) struct Engine {
+    pub(crate) id: DeviceId,
+    pub(crate) backend: Arc<dyn Backend>,
+    state: Mutex<State>,
+    pub(crate) plans: Mutex<cache::PlanCache>,
+    pub(crate) last_schedule: Mutex<Option<ScheduleDump>>,
+    pub(crate) settings: Settings,
+    pub(crate) faults: Mutex<Faults>,
+}
+
+/// Every engine ever created, by `DeviceId` (devices live for the whole program).
+static ENGINES: Mutex<Vec<Arc<Engine>>> = Mutex::new(Vec::new());
 
 /// Default for [`max_pending_nodes`].
 pub const DEFAULT_MAX_PENDING: usize = 32_768;
 static MAX_PENDING: AtomicUsize = AtomicUsize::new(DEFAULT_MAX_PENDING);
 
-pub(crate) fn state() -> std::sync::MutexGuard<'static, State> {
-    lock(&STATE)
-}
-
-/// Sets how many pending nodes may accumulate before recording flushes them without being
-/// asked (default [`DEFAULT_MAX_PENDING`]). `0` means no limit.
+/// Sets how many pending nodes may accumulate on a device before recording flushes them
+/// without being asked (default [`DEFAULT_MAX_PENDING`]). `0` means no limit.
 pub fn set_max_pending_nodes(n: usize) {
     MAX_PENDING.store(n, Ordering::Relaxed);
 }
 
 pub fn max_pending_nodes() -> usize {
     MAX_PENDING.load(Ordering::Relaxed)
+}
+
+/// Every engine, in creation order.
+pub(crate) fn engines() -> Vec<Arc<Engine>> {
+    lock(&ENGINES).clone()
 }
 
 /// Extra handles taken while recording (autograd keeps the values a derivative reads).
@@ -127,8 +212,8 @@ impl Retainer<'_> {
         self.0.graph.node_mut(id).persistent = true;
     }
 
-    /// Counts one more handle of `id`; the caller owns it (a `Tensor` made with
-    /// `Tensor::from_node` releases it when dropped).
+    /// Counts one more handle of `id`; the caller owns it (a tensor made with it releases it
+    /// when dropped).
     pub(crate) fn retain(&mut self, id: NodeId) {
         self.0.graph.node_mut(id).handles += 1;
     }
@@ -136,166 +221,395 @@ impl Retainer<'_> {
 
 /// Runs under the engine lock after a node is recorded, with the input versions that were read
 /// and the new node, so that autograd's bookkeeping agrees with the versions. It must not drop
-/// a `Tensor` (that takes the lock): return such things to be dropped afterwards.
+/// a tensor (that takes the lock): return such things to be dropped afterwards.
 pub(crate) type Track<'a> = &'a mut dyn FnMut(&mut Retainer<'_>, &[NodeId], NodeId);
 
-/// Records a node and returns it with one handle counted. `inputs` are current versions.
-///
-/// `inputs` are the tensors' version cells, read under the lock (another thread may be moving a
-/// tensor to a new version). With `version_of`, the new node becomes that tensor's current
-/// version in the same critical section, and the old version loses the handle.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn record(
-    op: Op,
-    dtype: DType,
-    shape: Shape,
-    device: &Device,
-    stream: StreamId,
-    inputs: &[&AtomicU32],
-    version_of: Option<&AtomicU32>,
-    track: Option<Track<'_>>,
-) -> NodeId {
-    let _span = tracing::trace_span!(target: "braid::record", "record", op = op.name()).entered();
-    let mut st = state();
-    let nodes: smallvec::SmallVec<[NodeId; 3]> =
-        inputs.iter().map(|cell| NodeId::new(cell.load(Ordering::Relaxed) as usize)).collect();
-    let mut node = Node::new(op, dtype, shape, device.0.id, stream);
-    node.handles = 1;
-    let id = st.add(node, &nodes);
-    st.pending += 1;
-    if let Some(track) = track {
-        track(&mut Retainer(&mut st), &nodes, id);
+/// What to record: an op, its result's type and stream.
+pub(crate) struct NewNode {
+    pub(crate) op: Op,
+    pub(crate) dtype: DType,
+    pub(crate) shape: Shape,
+    pub(crate) stream: StreamId,
+}
+
+impl State {
+    /// Adds a node, stamping its recording order.
+    fn add(&mut self, mut node: Node<Value>, inputs: &[NodeId]) -> NodeId {
+        node.seq = self.seq;
+        self.seq += 1;
+        self.graph.add(node, inputs)
     }
-    if let Some(cell) = version_of {
-        // The handle `add` counted is the tensor's, moved from its old version.
-        let old = NodeId::new(cell.swap(id.index() as u32, Ordering::Relaxed) as usize);
-        st.graph.node_mut(old).handles -= 1;
-        collect(&mut st, [old]);
-    }
-    let reached = if st.waits.is_empty() { Vec::new() } else { apply_waits(&mut st, id, device.0.id, stream) };
-    let limit = MAX_PENDING.load(Ordering::Relaxed);
-    // Not inside a capture: the step's work must stay pending until its own flush.
-    let over = limit != 0 && st.pending > limit && !capture::capturing();
-    drop(st);
-    drop(reached);
-    if over {
-        // The new node has its handle counted, so the flush keeps it.
-        if let Err(e) = flush_device(None) {
-            tracing::warn!(target: "braid::flush", "automatic flush failed (the read will report it): {e}");
+
+    /// Orders node `id` (just recorded on `stream`) after the events its stream waits for.
+    /// Events already reached are forgotten.
+    fn apply_waits(&mut self, id: NodeId, stream: StreamId) {
+        let Some(events) = self.waits.remove(&stream) else { return };
+        let reached = |st: &State, e: NodeId| match &st.graph.node(e).value {
+            Some(Value::Done) => true,
+            Some(Value::Remote(r)) => r.reached,
+            _ => false,
+        };
+        let (done, waiting): (Vec<NodeId>, Vec<NodeId>) = events.into_iter().partition(|&e| reached(self, e));
+        for &e in &waiting {
+            self.graph.add_control(e, id);
+        }
+        if !waiting.is_empty() {
+            self.waits.insert(stream, waiting);
+        }
+        for e in done {
+            self.drop_handle(e);
         }
     }
-    id
-}
 
-/// Records a leaf holding host data (`from_vec`).
-pub(crate) fn record_host(dtype: DType, shape: Shape, device: &Device, bytes: Arc<[u8]>) -> NodeId {
-    let stream = crate::stream::current_stream(device.0.id);
-    let mut node = Node::new(Op::Input, dtype, shape, device.0.id, stream);
-    node.handles = 1;
-    node.value = Some(Value::Host(bytes));
-    state().add(node, &[])
-}
-
-/// Records a leaf holding a computed buffer (an output of a captured step's replay).
-pub(crate) fn record_ready(dtype: DType, shape: Shape, device: &Device, buffer: Buffer) -> NodeId {
-    let stream = crate::stream::current_stream(device.0.id);
-    let mut node = Node::new(Op::Input, dtype, shape, device.0.id, stream);
-    node.handles = 1;
-    node.value = Some(Value::Ready(buffer));
-    state().add(node, &[])
-}
-
-/// Orders node `id` (just recorded on `stream`) after the events its stream waits for. Events
-/// already reached are forgotten: they are returned, to be dropped once the lock is released
-/// (dropping an event takes the lock).
-#[must_use]
-fn apply_waits(st: &mut State, id: NodeId, device: DeviceId, stream: StreamId) -> Vec<Event> {
-    let Some(events) = st.waits.remove(&(device, stream)) else { return Vec::new() };
-    let (reached, waiting): (Vec<Event>, Vec<Event>) =
-        events.into_iter().partition(|e| matches!(st.graph.node(e.0.node).value, Some(Value::Done)));
-    for e in &waiting {
-        st.graph.add_control(e.0.node, id);
-    }
-    if !waiting.is_empty() {
-        st.waits.insert((device, stream), waiting);
-    }
-    reached
-}
-
-/// Records a user event on `stream`: a node ordered after every pending or running node
-/// recorded on the stream so far (after those of them that no later node of the stream
-/// depends on, which implies the rest).
-pub(crate) fn record_event(device: DeviceId, stream: StreamId) -> NodeId {
-    let mut st = state();
-    let on_stream = |st: &State, n: NodeId| {
-        let node = st.graph.node(n);
-        node.device == device && node.stream == stream && matches!(node.value, None | Some(Value::InFlight(_)))
-    };
-    let tail: Vec<NodeId> = st
-        .graph
-        .node_ids()
-        .filter(|&n| on_stream(&st, n) && !st.graph.successors(n).any(|s| on_stream(&st, s)))
-        .collect();
-    let mut node = Node::new(Op::Event, DType::Bool, Shape::from([0]), device, stream);
-    node.handles = 1;
-    let id = st.add(node, &[]);
-    st.pending += 1;
-    for t in tail {
-        st.graph.add_control(t, id);
-    }
-    let reached = if st.waits.is_empty() { Vec::new() } else { apply_waits(&mut st, id, device, stream) };
-    drop(st);
-    drop(reached);
-    id
-}
-
-/// Makes work recorded on `stream` from now on wait for `event`.
-pub(crate) fn wait_event(device: DeviceId, stream: StreamId, event: &Event) {
-    let mut st = state();
-    if matches!(st.graph.node(event.0.node).value, Some(Value::Done)) {
-        return;
-    }
-    let list = st.waits.entry((device, stream)).or_default();
-    if !list.contains(event) {
-        list.push(event.clone());
+    /// Drops one handle of `id` and releases whatever that makes unreachable.
+    fn drop_handle(&mut self, id: NodeId) {
+        self.graph.node_mut(id).handles -= 1;
+        collect(self, [id]);
     }
 }
 
-/// Runs what a user event depends on and waits until it is reached.
-pub(crate) fn complete(id: NodeId) -> Result<()> {
-    loop {
-        let st = state();
-        match &st.graph.node(id).value {
-            Some(Value::Done) => return Ok(()),
-            Some(Value::InFlight(t)) => {
-                let t = t.clone();
-                drop(st);
-                let _ = t.wait();
-            }
-            _ => {
-                drop(st);
-                flush_nodes(&[id])?;
+impl Engine {
+    /// A new engine over `backend`, registered under the next device id.
+    pub(crate) fn create(backend: Arc<dyn Backend>) -> Arc<Engine> {
+        let mut engines = lock(&ENGINES);
+        let engine = Arc::new(Engine {
+            id: DeviceId(engines.len() as u32),
+            backend,
+            state: Mutex::new(State {
+                graph: Graph::new(),
+                pending: 0,
+                flushes: 0,
+                seq: 0,
+                waits: HashMap::new(),
+                marks: marks::Marks::default(),
+                deferred: Vec::new(),
+            }),
+            plans: Mutex::new(Default::default()),
+            last_schedule: Mutex::new(None),
+            settings: Settings { budget: AtomicU64::new(u64::MAX), ..Default::default() },
+            faults: Mutex::new(Faults::default()),
+        });
+        engines.push(engine.clone());
+        engine
+    }
+
+    pub(crate) fn state(&self) -> Locked<'_> {
+        Locked(Some(lock(&self.state)))
+    }
+
+    /// The device's name, for messages.
+    pub(crate) fn name(&self) -> String {
+        self.backend.name()
+    }
+
+    /// Converts a device failure into the public error.
+    pub(crate) fn device_error(&self, e: braid_devices::DeviceError) -> Error {
+        Error::Device { device: self.name(), source: e }
+    }
+
+    pub(crate) fn poison_enabled(&self) -> bool {
+        lock(&self.settings.poison).unwrap_or_else(|| std::env::var("BRAID_POISON").is_ok_and(|v| v == "1"))
+    }
+
+    pub(crate) fn fusion_enabled(&self) -> bool {
+        lock(&self.settings.fusion).unwrap_or_else(|| !std::env::var("BRAID_FUSION").is_ok_and(|v| v.trim() == "0"))
+    }
+
+    pub(crate) fn memory_budget(&self) -> Option<u64> {
+        let b = self.settings.budget.load(Ordering::Relaxed);
+        (b != u64::MAX).then_some(b)
+    }
+
+    /// Records a node over the current versions named by `inputs` and returns it with one
+    /// handle counted.
+    ///
+    /// `inputs` are the tensors' version cells, read under the lock (another thread may be moving a
+    /// tensor to a new version). With `version_of`, the new node becomes that tensor's current
+    /// version in the same critical section, and the old version loses the handle.
+    pub(crate) fn record(
+        &self,
+        new: NewNode,
+        inputs: &[&AtomicU32],
+        version_of: Option<&AtomicU32>,
+        track: Option<Track<'_>>,
+    ) -> NodeId {
+        let _span = tracing::trace_span!(target: "braid::record", "record", op = new.op.name()).entered();
+        let mut st = self.state();
+        let nodes: smallvec::SmallVec<[NodeId; 3]> =
+            inputs.iter().map(|cell| NodeId::new(cell.load(Ordering::Relaxed) as usize)).collect();
+        let id = self.add_recorded(&mut st, new, &nodes, version_of, track);
+        self.finish_record(st);
+        id
+    }
+
+    /// The part of recording done under the lock.
+    fn add_recorded(
+        &self,
+        st: &mut State,
+        new: NewNode,
+        nodes: &[NodeId],
+        version_of: Option<&AtomicU32>,
+        track: Option<Track<'_>>,
+    ) -> NodeId {
+        let stream = new.stream;
+        let mut node = Node::new(new.op, new.dtype, new.shape, self.id, stream);
+        node.handles = 1;
+        let id = st.add(node, nodes);
+        st.pending += 1;
+        if let Some(track) = track {
+            track(&mut Retainer(st), nodes, id);
+        }
+        if let Some(cell) = version_of {
+            // The handle `add` counted is the tensor's, moved from its old version.
+            let old = NodeId::new(cell.swap(id.index() as u32, Ordering::Relaxed) as usize);
+            st.drop_handle(old);
+        }
+        if !st.waits.is_empty() {
+            st.apply_waits(id, stream);
+        }
+        id
+    }
+
+    /// Lets the lock go and, past the bound on pending nodes, flushes (not inside a capture:
+    /// the step's work must stay pending until its own flush).
+    fn finish_record(&self, st: Locked<'_>) {
+        let limit = MAX_PENDING.load(Ordering::Relaxed);
+        let over = limit != 0 && st.pending > limit && !capture::capturing();
+        drop(st);
+        if over {
+            // The new node has its handle counted, so the flush keeps it.
+            if let Err(e) = self.flush_all() {
+                tracing::warn!(target: "braid::flush", "automatic flush failed (the read will report it): {e}");
             }
         }
     }
-}
 
-/// Marks an uploaded leaf as ready (unless it is gone or was uploaded meanwhile).
-pub(crate) fn install_upload(st: &mut State, id: NodeId, buffer: &Buffer) {
-    if st.graph.contains(id) && matches!(st.graph.node(id).value, Some(Value::Host(_))) {
-        st.graph.node_mut(id).value = Some(Value::Ready(buffer.clone()));
+    /// Records `to_device` of the version `source_cell` names on `source` (another engine)
+    /// into this engine: a remote leaf holding a handle on that version, and the transfer
+    /// over it. Both locks are held (in device-id order), so the version and its gradient
+    /// bookkeeping are read together.
+    pub(crate) fn record_transfer(
+        self: &Arc<Engine>,
+        source: &Arc<Engine>,
+        source_cell: &AtomicU32,
+        new: NewNode,
+        track: Option<Track<'_>>,
+    ) -> NodeId {
+        let (mut mine, mut theirs) = if self.id < source.id {
+            let mine = self.state();
+            (mine, source.state())
+        } else {
+            let theirs = source.state();
+            (self.state(), theirs)
+        };
+        let src = NodeId::new(source_cell.load(Ordering::Relaxed) as usize);
+        theirs.graph.node_mut(src).handles += 1;
+        let (dtype, shape) = (theirs.graph.node(src).dtype, theirs.graph.node(src).shape.clone());
+        let mut leaf = Node::new(Op::Input, dtype, shape, self.id, new.stream);
+        leaf.value = Some(Value::Remote(Remote {
+            source: source.clone(),
+            node: src,
+            fetched: None,
+            reached: false,
+            event: false,
+        }));
+        let leaf = mine.add(leaf, &[]);
+        let id = self.add_recorded(&mut mine, new, &[leaf], None, track);
+        drop(theirs);
+        self.finish_record(mine);
+        id
+    }
+
+    /// Records a leaf holding host data (`from_vec`).
+    pub(crate) fn record_host(&self, dtype: DType, shape: Shape, stream: StreamId, bytes: Arc<[u8]>) -> NodeId {
+        let mut node = Node::new(Op::Input, dtype, shape, self.id, stream);
+        node.handles = 1;
+        node.value = Some(Value::Host(bytes));
+        self.state().add(node, &[])
+    }
+
+    /// Records a leaf holding a computed buffer (an output of a captured step's replay).
+    pub(crate) fn record_ready(&self, dtype: DType, shape: Shape, stream: StreamId, buffer: Buffer) -> NodeId {
+        let mut node = Node::new(Op::Input, dtype, shape, self.id, stream);
+        node.handles = 1;
+        node.value = Some(Value::Ready(buffer));
+        self.state().add(node, &[])
+    }
+
+    /// Records a user event on `stream`: a node ordered after every pending or running node
+    /// recorded on the stream so far (after those of them that no later node of the stream
+    /// depends on, which implies the rest). Returned with one handle counted.
+    pub(crate) fn record_event(&self, stream: StreamId) -> NodeId {
+        let mut st = self.state();
+        let on_stream = |st: &State, n: NodeId| {
+            let node = st.graph.node(n);
+            node.stream == stream && matches!(node.value, None | Some(Value::InFlight(_)))
+        };
+        let tail: Vec<NodeId> = st
+            .graph
+            .node_ids()
+            .filter(|&n| on_stream(&st, n) && !st.graph.successors(n).any(|s| on_stream(&st, s)))
+            .collect();
+        let mut node = Node::new(Op::Event, DType::Bool, Shape::from([0]), self.id, stream);
+        node.handles = 1;
+        let id = st.add(node, &[]);
+        st.pending += 1;
+        for t in tail {
+            st.graph.add_control(t, id);
+        }
+        if !st.waits.is_empty() {
+            st.apply_waits(id, stream);
+        }
+        id
+    }
+
+    /// Makes work recorded on `stream` from now on wait for the event node `event` of
+    /// `source` (this engine or another one).
+    pub(crate) fn wait_event(self: &Arc<Engine>, stream: StreamId, source: &Arc<Engine>, event: NodeId) {
+        if Arc::ptr_eq(self, source) {
+            let mut st = self.state();
+            if matches!(st.graph.node(event).value, Some(Value::Done)) {
+                return;
+            }
+            let list = st.waits.entry(stream).or_default();
+            if !list.contains(&event) {
+                list.push(event);
+                st.graph.node_mut(event).handles += 1;
+            }
+            return;
+        }
+        // Another device's event: a remote leaf here, which a flush waits for on the host.
+        let src = {
+            let mut theirs = source.state();
+            if matches!(theirs.graph.node(event).value, Some(Value::Done)) {
+                return;
+            }
+            theirs.graph.node_mut(event).handles += 1;
+            event
+        };
+        let mut st = self.state();
+        let mut leaf = Node::new(Op::Event, DType::Bool, Shape::from([0]), self.id, stream);
+        leaf.handles = 1; // the wait list's
+        leaf.value = Some(Value::Remote(Remote {
+            source: source.clone(),
+            node: src,
+            fetched: None,
+            reached: false,
+            event: true,
+        }));
+        let leaf = st.add(leaf, &[]);
+        st.waits.entry(stream).or_default().push(leaf);
+    }
+
+    /// Runs what a user event depends on and waits until it is reached.
+    pub(crate) fn complete(&self, id: NodeId) -> Result<()> {
+        loop {
+            let st = self.state();
+            match &st.graph.node(id).value {
+                Some(Value::Done) => return Ok(()),
+                Some(Value::InFlight(t)) => {
+                    let t = t.clone();
+                    drop(st);
+                    let _ = t.wait();
+                }
+                _ => {
+                    drop(st);
+                    self.flush_nodes(&[id])?;
+                }
+            }
+        }
+    }
+
+    /// Marks an uploaded leaf as ready (unless it is gone or was uploaded meanwhile).
+    pub(crate) fn install_upload(st: &mut State, id: NodeId, buffer: &Buffer) {
+        if st.graph.contains(id) && matches!(st.graph.node(id).value, Some(Value::Host(_))) {
+            st.graph.node_mut(id).value = Some(Value::Ready(buffer.clone()));
+        }
+    }
+
+    /// Drops one handle of `id` and releases whatever that makes unreachable.
+    pub(crate) fn release(&self, id: NodeId) {
+        self.state().drop_handle(id);
+    }
+
+    /// The value of `id`, computing it first if needed.
+    pub(crate) fn materialize(&self, id: impl Fn() -> NodeId) -> Result<Buffer> {
+        capture::refuse_while_capturing("a read")?;
+        loop {
+            let st = self.state();
+            let node_id = id();
+            match &st.graph.node(node_id).value {
+                Some(Value::Ready(b)) => return Ok(b.clone()),
+                Some(Value::Host(bytes)) => {
+                    let bytes = bytes.clone();
+                    drop(st);
+                    let buffer =
+                        self.backend.upload(&bytes, self.poison_enabled()).map_err(|e| self.device_error(e))?;
+                    Engine::install_upload(&mut self.state(), node_id, &buffer);
+                    return Ok(buffer);
+                }
+                Some(Value::InFlight(t)) => {
+                    let t = t.clone();
+                    drop(st);
+                    // A failed flush reverts its nodes to pending; the loop then computes them
+                    // here and reports this thread's own error.
+                    let _ = t.wait();
+                }
+                Some(Value::Lost(reason)) => return Err(Error::ValueLost(reason.clone())),
+                Some(Value::Done | Value::Lent | Value::Remote(_)) => {
+                    return Err(Error::Internal("a read of an event, a donated value or a remote leaf".into()));
+                }
+                None => {
+                    drop(st);
+                    self.flush_nodes(&[node_id])?;
+                }
+            }
+        }
+    }
+
+    /// Runs `f` on the state under the lock.
+    pub(crate) fn with_state<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
+        f(&mut self.state())
+    }
+
+    /// Marks the node a version cell names as a parameter (exact-size memory).
+    pub(crate) fn mark_persistent(&self, cell: &AtomicU32) {
+        self.with_state(|st| st.graph.node_mut(current(cell)).persistent = true)
+    }
+
+    /// A second handle of the node a version cell names now (a snapshot that in-place updates
+    /// of the tensor do not move).
+    pub(crate) fn retain_current(&self, cell: &AtomicU32) -> NodeId {
+        self.with_state(|st| {
+            let id = current(cell);
+            st.graph.node_mut(id).handles += 1;
+            id
+        })
+    }
+
+    /// Marks the node a version cell names for offloading while idle.
+    pub(crate) fn hint_offload(&self, cell: &AtomicU32) {
+        self.with_state(|st| st.graph.node_mut(current(cell)).offload_hint = true)
+    }
+
+    /// The stream of the node a version cell names (read under the lock).
+    pub(crate) fn stream_of(&self, cell: &AtomicU32) -> StreamId {
+        self.with_state(|st| st.graph.node(current(cell)).stream)
+    }
+
+    pub(crate) fn recorded_graph_dot(&self) -> String {
+        self.state().graph.to_dot(None)
     }
 }
 
-/// Drops one handle of `id` and releases whatever that makes unreachable.
-pub(crate) fn release(id: NodeId) {
-    let mut st = state();
-    st.graph.node_mut(id).handles -= 1;
-    collect(&mut st, [id]);
+/// The node a version cell names now.
+fn current(cell: &AtomicU32) -> NodeId {
+    NodeId::new(cell.load(Ordering::Relaxed) as usize)
 }
 
-/// Removes every node reachable from `candidates` (towards inputs) that nobody can read any
-/// more: no handle, no dependent node, not in flight. Freed buffers go back to their pool.
+/// Removes every node reachable from `start` (towards inputs) that nobody can read any more:
+/// no handle, no dependent node, not in flight. Freed buffers go back to their pool; handles
+/// on other engines' nodes are released once the lock is let go.
 pub(crate) fn collect(st: &mut State, start: impl IntoIterator<Item = NodeId>) {
     let mut candidates: smallvec::SmallVec<[NodeId; 16]> = start.into_iter().collect();
     while let Some(id) = candidates.pop() {
@@ -308,89 +622,10 @@ pub(crate) fn collect(st: &mut State, start: impl IntoIterator<Item = NodeId>) {
         }
         candidates.extend(st.graph.predecessors(id));
         let node = st.graph.remove(id).expect("checked");
-        if node.value.is_none() {
-            st.pending -= 1;
+        match node.value {
+            None => st.pending -= 1,
+            Some(Value::Remote(r)) if !r.resolved() => st.deferred.push((r.source, r.node)),
+            _ => {}
         }
     }
-}
-
-/// The value of `id`, computing it first if needed.
-pub(crate) fn materialize(id: impl Fn() -> NodeId) -> Result<Buffer> {
-    capture::refuse_while_capturing("a read")?;
-    loop {
-        let st = state();
-        let node_id = id();
-        match &st.graph.node(node_id).value {
-            Some(Value::Ready(b)) => return Ok(b.clone()),
-            Some(Value::Host(bytes)) => {
-                let bytes = bytes.clone();
-                let device = Device::by_id(st.graph.node(node_id).device);
-                drop(st);
-                let buffer =
-                    device.0.backend.upload(&bytes, device.poison_enabled()).map_err(|e| device_error(&device, e))?;
-                install_upload(&mut state(), node_id, &buffer);
-                return Ok(buffer);
-            }
-            Some(Value::InFlight(t)) => {
-                let t = t.clone();
-                drop(st);
-                // A failed flush reverts its nodes to pending; the loop then computes them
-                // here and reports this thread's own error.
-                let _ = t.wait();
-            }
-            Some(Value::Lost(reason)) => return Err(Error::ValueLost(reason.clone())),
-            Some(Value::Done | Value::Lent) => {
-                unreachable!("tensors never name event nodes, and donated values have no tensor")
-            }
-            None => {
-                drop(st);
-                flush_nodes(&[node_id])?;
-            }
-        }
-    }
-}
-
-/// Marks the node a version cell names as a parameter (exact-size memory).
-pub(crate) fn mark_persistent(cell: &AtomicU32) {
-    let mut st = state();
-    let id = NodeId::new(cell.load(Ordering::Relaxed) as usize);
-    st.graph.node_mut(id).persistent = true;
-}
-
-/// Runs `f` under the engine lock (autograd reads and writes its per-version bookkeeping only
-/// there). `f` must not drop a `Tensor`.
-pub(crate) fn locked<R>(f: impl FnOnce() -> R) -> R {
-    let _st = state();
-    f()
-}
-
-/// A second handle of the node a version cell names now (a snapshot that in-place updates
-/// of the tensor do not move).
-pub(crate) fn retain_current(cell: &AtomicU32) -> NodeId {
-    let mut st = state();
-    let id = NodeId::new(cell.load(Ordering::Relaxed) as usize);
-    st.graph.node_mut(id).handles += 1;
-    id
-}
-
-/// Marks the node a version cell names for offloading while idle.
-pub(crate) fn hint_offload(cell: &AtomicU32) {
-    let mut st = state();
-    let id = NodeId::new(cell.load(Ordering::Relaxed) as usize);
-    st.graph.node_mut(id).offload_hint = true;
-}
-
-/// The stream of the node a version cell names (read under the lock).
-pub(crate) fn stream_of(cell: &AtomicU32) -> StreamId {
-    let st = state();
-    st.graph.node(NodeId::new(cell.load(Ordering::Relaxed) as usize)).stream
-}
-
-pub(crate) fn recorded_graph_dot() -> String {
-    state().graph.to_dot(None)
-}
-
-/// Converts a device failure into the public error.
-pub(crate) fn device_error(device: &Device, e: braid_devices::DeviceError) -> Error {
-    Error::Device { device: device.name(), source: e }
 }

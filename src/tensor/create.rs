@@ -2,7 +2,7 @@
 
 use super::{Tensor, misuse};
 use crate::device::Device;
-use crate::engine;
+use crate::recorder;
 use braid_graph::{DType, Element, Op, Scalar, Shape};
 
 impl Tensor {
@@ -32,7 +32,8 @@ impl Tensor {
         }
         let mut bytes = Vec::new();
         T::write_bytes(data, &mut bytes);
-        let id = engine::record_host(T::DTYPE, shape.clone(), device, bytes.into());
+        super::supported("from_vec", T::DTYPE, device);
+        let id = recorder::record_host(device.engine(), T::DTYPE, shape.clone(), bytes.into());
         Tensor::from_node(id, shape, T::DTYPE, device.clone())
     }
 

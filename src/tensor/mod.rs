@@ -13,8 +13,8 @@ mod reduce;
 
 use crate::autograd::{self, GradSource, Tracker};
 use crate::device::Device;
-use crate::engine::{self, Retainer, Track};
-use crate::stream::{Stream, current_stream};
+use crate::recorder::{self, Retainer, Track, current_stream};
+use crate::stream::Stream;
 use braid_graph::{DType, NodeId, Op, Shape};
 use std::fmt;
 use std::panic::Location;
@@ -41,7 +41,9 @@ struct TensorInner {
 
 impl Drop for TensorInner {
     fn drop(&mut self) {
-        engine::release(NodeId::new(self.node.load(Ordering::Relaxed) as usize));
+        self.device.engine().release(NodeId::new(self.node.load(Ordering::Relaxed) as usize));
+        // The bookkeeping goes with the tensor (autograd counts the tensors that have some).
+        autograd::replace_meta(self.grad.get_mut().unwrap_or_else(|p| p.into_inner()), None);
     }
 }
 
@@ -78,24 +80,31 @@ impl Tensor {
         if !addressable {
             misuse(op.name(), &format!("a result of shape {shape} and dtype {dtype} is too large to address"), &[]);
         }
-        let cells: smallvec::SmallVec<[&AtomicU32; 3]> = inputs.iter().map(|t| &t.0.node).collect();
-        let stream = current_stream(device.0.id);
+        supported(op.name(), dtype, device);
+        let stream = current_stream(device.id());
         let mut tracker = Tracker::new(&op, inputs, None, (&shape, dtype, device, stream));
         let mut track =
             tracker.as_mut().map(|t| move |r: &mut Retainer<'_>, ids: &[NodeId], out: NodeId| t.run(r, ids, out));
-        let id = engine::record(
-            op,
-            dtype,
-            shape.clone(),
-            device,
-            stream,
-            &cells,
-            None,
-            track.as_mut().map(|c| c as Track<'_>),
-        );
+        let track = track.as_mut().map(|c| c as Track<'_>);
+        let id = match (&op, inputs) {
+            // Another device's value arrives through a remote leaf of this device's graph.
+            (Op::ToDevice, [src]) if src.device() != device => recorder::record_transfer(
+                device.engine(),
+                src.device().engine(),
+                &src.0.node,
+                dtype,
+                shape.clone(),
+                track,
+            ),
+            _ => {
+                let cells: smallvec::SmallVec<[&AtomicU32; 3]> = inputs.iter().map(|t| &t.0.node).collect();
+                recorder::record(device.engine(), op, dtype, shape.clone(), &cells, None, track)
+            }
+        };
         let t = Tensor::from_node(id, shape, dtype, device.clone());
         if let Some(tracker) = tracker {
-            *t.0.grad.lock().unwrap_or_else(|p| p.into_inner()) = tracker.into_result();
+            let mut meta = t.0.grad.lock().unwrap_or_else(|p| p.into_inner());
+            autograd::replace_meta(&mut meta, tracker.into_result());
         }
         t
     }
@@ -109,13 +118,13 @@ impl Tensor {
         }
         let cells: smallvec::SmallVec<[&AtomicU32; 3]> = inputs.iter().map(|t| &t.0.node).collect();
         let device = &self.0.device;
-        let stream = current_stream(device.0.id);
+        let stream = current_stream(device.id());
         let (shape, dtype) = (&self.0.shape, self.0.dtype);
         let mut tracker = Tracker::new(&op, inputs, Some(self), (shape, dtype, device, stream));
         let mut track =
             tracker.as_mut().map(|t| move |r: &mut Retainer<'_>, ids: &[NodeId], out: NodeId| t.run(r, ids, out));
         let track = track.as_mut().map(|c| c as Track<'_>);
-        engine::record(op, dtype, shape.clone(), device, stream, &cells, Some(&self.0.node), track);
+        recorder::record(device.engine(), op, dtype, shape.clone(), &cells, Some(&self.0.node), track);
     }
 
     /// Marks this tensor as a leaf whose gradient `backward` computes, and returns it (the
@@ -135,7 +144,7 @@ impl Tensor {
         if let Err(problem) = autograd::mark_leaf(self) {
             misuse("requires_grad", problem, &[("x", self.describe())]);
         }
-        engine::mark_persistent(&self.0.node);
+        self.0.device.engine().mark_persistent(&self.0.node);
         self.clone()
     }
 
@@ -149,14 +158,14 @@ impl Tensor {
     /// idle within a flush, and to bring it back in time for its next use, with or without a
     /// memory budget. Typical for activations saved for the backward pass. Returns the tensor.
     pub fn offload_hint(&self) -> Tensor {
-        engine::hint_offload(&self.0.node);
+        self.0.device.engine().hint_offload(&self.0.node);
         self.clone()
     }
 
     /// A new tensor naming the current value without gradient history (later in-place
     /// updates of either do not reach the other).
     pub fn detach(&self) -> Tensor {
-        let id = engine::retain_current(&self.0.node);
+        let id = self.0.device.engine().retain_current(&self.0.node);
         Tensor::from_node(id, self.0.shape.clone(), self.0.dtype, self.0.device.clone())
     }
 
@@ -187,7 +196,7 @@ impl Tensor {
 
     /// The stream that produces the current version.
     pub fn stream(&self) -> Stream {
-        Stream::new(self.0.device.clone(), engine::stream_of(&self.0.node))
+        Stream::new(self.0.device.clone(), self.0.device.engine().stream_of(&self.0.node))
     }
 
     /// `[2, 3] f32 on cpu`, as misuse messages print an operand.
@@ -217,6 +226,14 @@ pub(crate) fn misuse(op: &str, problem: &str, operands: &[(&str, String)]) -> ! 
         at.column(),
         operands.join(", ")
     );
+}
+
+/// Misuse unless `device` computes with `dtype` (a GPU may lack f64, say).
+#[track_caller]
+pub(crate) fn supported(op: &str, dtype: DType, device: &Device) {
+    if let Err(problem) = device.target().check_dtype(dtype) {
+        misuse(op, &format!("{problem}: {device} cannot hold this result"), &[]);
+    }
 }
 
 /// Checks that every tensor is on `first`'s device.

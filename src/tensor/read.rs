@@ -1,7 +1,6 @@
 //! Reading values (which flushes what they need) and in-place updates (new versions).
 
 use super::{Tensor, inferred, misuse, same_device};
-use crate::engine;
 use crate::error::{Error, Result};
 use braid_devices::Buffer;
 use braid_graph::table::BinaryOp;
@@ -23,7 +22,8 @@ impl Tensor {
             return Err(Error::DTypeMismatch { tensor: self.dtype(), requested: T::DTYPE });
         }
         let buffer = self.materialize()?;
-        let bytes = self.device().0.backend.download(&buffer).map_err(|e| engine::device_error(self.device(), e))?;
+        let engine = self.device().engine();
+        let bytes = engine.backend.download(&buffer).map_err(|e| engine.device_error(e))?;
         Ok(T::read_bytes(&bytes))
     }
 
@@ -37,7 +37,7 @@ impl Tensor {
 
     /// Computes the current version (if needed) and returns its buffer.
     pub(crate) fn materialize(&self) -> Result<Buffer> {
-        engine::materialize(|| self.node())
+        self.device().engine().materialize(|| self.node())
     }
 
     /// Replaces the value with `src` (broadcast to this shape); earlier readers keep the old

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod program;
+pub mod recording;
 
 use braid::prelude::*;
 use braid_graph::reference::{CheckStats, ProgNode, RefValue};

@@ -16,8 +16,9 @@ use rayon::prelude::*;
 /// Elements evaluated per register pass: the registers of a kernel of a few dozen nodes stay in
 /// L1 (32 KiB per core here).
 pub(super) const CHUNK: usize = 256;
-/// Elements per parallel task; loops smaller than two tasks run on the calling thread.
-pub(super) const TASK: usize = 32 * 1024;
+/// Elements per parallel task (the CPU target's work
+/// granularity); loops smaller than two tasks run on the calling thread.
+pub(super) const TASK: usize = braid_graph::Target::CPU.work_granularity;
 
 /// A kernel argument as the CPU sees it.
 #[derive(Clone, Copy, Debug)]

@@ -89,17 +89,18 @@ fn check_operand(op: &MatmulOperand, arg: &ArgPtr, rows: usize, cols: usize, dty
     Ok(())
 }
 
+/// Runs a matrix-product kernel: checks its operands, computes every batch's product into
+/// the product argument (or scratch memory), then runs the epilogue.
 pub fn run_matmul(k: &MatmulKernel, args: &[ArgPtr]) -> Result<(), String> {
     let get = |i: u16| args.get(i as usize).copied().ok_or_else(|| format!("matmul argument {i} missing"));
     let (lhs, rhs) = (get(k.lhs.arg)?, get(k.rhs.arg)?);
-    let batches = k.lhs.batch_offsets.len();
-    if k.rhs.batch_offsets.len() != batches {
+    if k.rhs.batch_offsets.len() != k.lhs.batch_offsets.len() {
         return Err("matmul operands have different batch counts".into());
     }
     check_operand(&k.lhs, &lhs, k.m, k.k, k.dtype)?;
     check_operand(&k.rhs, &rhs, k.k, k.n, k.dtype)?;
     // The product goes to an argument, or to scratch memory when no output can hold it.
-    let total = batches * k.m * k.n;
+    let total = k.lhs.batch_offsets.len() * k.m * k.n;
     let mut scratch: Vec<u64> = Vec::new();
     let mut all: Vec<ArgPtr> = args.to_vec();
     let product = if (k.product as usize) < args.len() {
@@ -116,103 +117,192 @@ pub fn run_matmul(k: &MatmulKernel, args: &[ArgPtr]) -> Result<(), String> {
             k.dtype, product.len, product.dtype
         ));
     }
-    let (m, n, kk) = (k.m, k.n, k.k);
-    let flops = m * n * kk;
-    let inner_par = if flops >= PAR_FLOPS { Parallelism::Rayon(0) } else { Parallelism::None };
-    let spread = batches > 1 && flops < PAR_FLOPS && batches * flops >= PAR_FLOPS / 4;
-    let (lp, rp, op) = (lhs.ptr as usize, rhs.ptr as usize, product.ptr as usize);
-    let (ls, rs) = ((k.lhs.rs, k.lhs.cs), (k.rhs.rs, k.rhs.cs));
-    let for_batches = |f: &(dyn Fn(usize) + Sync)| {
-        if spread { (0..batches).into_par_iter().for_each(f) } else { (0..batches).for_each(f) }
-    };
-    let (lo, ro) = (&k.lhs.batch_offsets, &k.rhs.batch_offsets);
-    // SAFETY (all three macros): operands were checked against their arguments above, the
-    // product is `batches * m * n` elements, and each batch writes its own `m * n` block.
-    macro_rules! float {
-        ($t:ty) => {
-            for_batches(&|b| unsafe {
-                let dst = (op as *mut $t).add(b * m * n);
-                if kk == 0 {
-                    std::slice::from_raw_parts_mut(dst, m * n).fill(0.0);
-                } else {
-                    gemm_into::<$t>(
-                        m,
-                        n,
-                        kk,
-                        dst,
-                        (lp as *const $t).add(lo[b]),
-                        ls,
-                        (rp as *const $t).add(ro[b]),
-                        rs,
-                        inner_par,
-                    );
-                }
-            })
-        };
-    }
-    macro_rules! half {
-        ($t:ty) => {
-            for_batches(&|b| unsafe {
-                let widen = |p: usize, off: usize, rows: usize, cols: usize, (sr, sc): (isize, isize)| -> Vec<f32> {
-                    let base = (p as *const $t).add(off);
-                    (0..rows * cols)
-                        .map(|i| (*base.offset((i / cols) as isize * sr + (i % cols) as isize * sc)).to_f32())
-                        .collect()
-                };
-                let a = widen(lp, lo[b], m, kk, ls);
-                let bm = widen(rp, ro[b], kk, n, rs);
-                let mut c = vec![0f32; m * n];
-                if kk > 0 {
-                    gemm_into::<f32>(
-                        m,
-                        n,
-                        kk,
-                        c.as_mut_ptr(),
-                        a.as_ptr(),
-                        (kk as isize, 1),
-                        bm.as_ptr(),
-                        (n as isize, 1),
-                        inner_par,
-                    );
-                }
-                let dst = std::slice::from_raw_parts_mut((op as *mut $t).add(b * m * n), m * n);
-                for (d, &v) in dst.iter_mut().zip(&c) {
-                    *d = <$t>::from_f32(v);
-                }
-            })
-        };
-    }
-    macro_rules! int {
-        ($t:ty) => {
-            for_batches(&|b| unsafe {
-                let a = (lp as *const $t).add(lo[b]);
-                let r = (rp as *const $t).add(ro[b]);
-                let c = std::slice::from_raw_parts_mut((op as *mut $t).add(b * m * n), m * n);
-                c.fill(0);
-                for i in 0..m {
-                    for p in 0..kk {
-                        let x = *a.offset(i as isize * ls.0 + p as isize * ls.1);
-                        for (j, cv) in c[i * n..(i + 1) * n].iter_mut().enumerate() {
-                            *cv = cv.wrapping_add(x.wrapping_mul(*r.offset(p as isize * rs.0 + j as isize * rs.1)));
-                        }
-                    }
-                }
-            })
-        };
-    }
-    match k.dtype {
-        DType::F32 => float!(f32),
-        DType::F64 => float!(f64),
-        DType::F16 => half!(f16),
-        DType::BF16 => half!(bf16),
-        DType::I32 => int!(i32),
-        DType::I64 => int!(i64),
-        DType::U8 => int!(u8),
-        DType::Bool => return Err("matmul of bool is rejected when recorded".into()),
+    let batches = Batches::new(k, lhs, rhs, product);
+    // SAFETY: the operands were checked against their arguments above, and the product holds
+    // `batches * m * n` elements of the kernel's dtype.
+    unsafe {
+        match k.dtype {
+            DType::F32 => batches.float::<f32>(),
+            DType::F64 => batches.float::<f64>(),
+            DType::F16 => batches.half::<f16>(),
+            DType::BF16 => batches.half::<bf16>(),
+            DType::I32 => batches.int::<i32>(),
+            DType::I64 => batches.int::<i64>(),
+            DType::U8 => batches.int::<u8>(),
+            DType::Bool => return Err("matmul of bool is rejected when recorded".into()),
+        }
     }
     if let Some(epilogue) = &k.epilogue {
         run_loop(epilogue, &all)?;
     }
     drop(scratch);
     Ok(())
+}
+
+/// The batches of one product: shapes, operand addresses and strides, per-batch offsets, and
+/// how the work is spread (over batches, or inside each product).
+struct Batches<'k> {
+    m: usize,
+    n: usize,
+    k: usize,
+    lhs: usize,
+    rhs: usize,
+    out: usize,
+    lhs_strides: (isize, isize),
+    rhs_strides: (isize, isize),
+    lhs_offsets: &'k [usize],
+    rhs_offsets: &'k [usize],
+    /// Many small products: run batches in parallel.
+    spread: bool,
+    /// One large product: let gemm parallelise inside it.
+    inner: Parallelism,
+}
+
+/// Element types the integer loop handles (arithmetic wraps, as everywhere in braid).
+trait WrappingInt: Copy + Send + Sync + 'static {
+    const ZERO: Self;
+    fn mul_add(self, a: Self, b: Self) -> Self;
+}
+
+macro_rules! wrapping_int {
+    ($($t:ty),*) => {$(
+        impl WrappingInt for $t {
+            const ZERO: Self = 0;
+            fn mul_add(self, a: Self, b: Self) -> Self {
+                self.wrapping_add(a.wrapping_mul(b))
+            }
+        }
+    )*};
+}
+wrapping_int!(i32, i64, u8);
+
+/// Half-precision types, computed in f32.
+trait HalfFloat: Copy + Send + Sync + 'static {
+    fn widen(self) -> f32;
+    fn narrow(x: f32) -> Self;
+}
+
+impl HalfFloat for f16 {
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+    fn narrow(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+}
+
+impl HalfFloat for bf16 {
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+    fn narrow(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+}
+
+impl<'k> Batches<'k> {
+    fn new(k: &'k MatmulKernel, lhs: ArgPtr, rhs: ArgPtr, out: ArgPtr) -> Batches<'k> {
+        let batches = k.lhs.batch_offsets.len();
+        let flops = k.m * k.n * k.k;
+        Batches {
+            m: k.m,
+            n: k.n,
+            k: k.k,
+            lhs: lhs.ptr as usize,
+            rhs: rhs.ptr as usize,
+            out: out.ptr as usize,
+            lhs_strides: (k.lhs.rs, k.lhs.cs),
+            rhs_strides: (k.rhs.rs, k.rhs.cs),
+            lhs_offsets: &k.lhs.batch_offsets,
+            rhs_offsets: &k.rhs.batch_offsets,
+            spread: batches > 1 && flops < PAR_FLOPS && batches * flops >= PAR_FLOPS / 4,
+            inner: if flops >= PAR_FLOPS { Parallelism::Rayon(0) } else { Parallelism::None },
+        }
+    }
+
+    /// Runs `f` for every batch, in parallel when there are many small ones.
+    fn each(&self, f: impl Fn(usize) + Sync + Send) {
+        let count = self.lhs_offsets.len();
+        if self.spread { (0..count).into_par_iter().for_each(f) } else { (0..count).for_each(f) }
+    }
+
+    /// The batch's `m x n` block of the product.
+    ///
+    /// # Safety
+    /// The product holds every batch's block of `T`s; each batch writes only its own.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn block<T>(&self, b: usize) -> &mut [T] {
+        unsafe { std::slice::from_raw_parts_mut((self.out as *mut T).add(b * self.m * self.n), self.m * self.n) }
+    }
+
+    /// # Safety
+    /// As [`run_matmul`] checked: operands inside their arguments, product of `T`s.
+    unsafe fn float<T: GemmScalar + Send + Sync>(&self) {
+        self.each(|b| unsafe {
+            let dst = self.block::<T>(b);
+            if self.k == 0 {
+                dst.fill(T::ZERO);
+            } else {
+                gemm_into::<T>(
+                    self.m,
+                    self.n,
+                    self.k,
+                    dst.as_mut_ptr(),
+                    (self.lhs as *const T).add(self.lhs_offsets[b]),
+                    self.lhs_strides,
+                    (self.rhs as *const T).add(self.rhs_offsets[b]),
+                    self.rhs_strides,
+                    self.inner,
+                );
+            }
+        })
+    }
+
+    /// Widens both operands to contiguous f32, multiplies, rounds back.
+    ///
+    /// # Safety
+    /// As for [`Batches::float`].
+    unsafe fn half<T: HalfFloat>(&self) {
+        let (m, n, kk) = (self.m, self.n, self.k);
+        self.each(|b| unsafe {
+            let widen = |p: usize, off: usize, rows: usize, cols: usize, (sr, sc): (isize, isize)| -> Vec<f32> {
+                let base = (p as *const T).add(off);
+                (0..rows * cols)
+                    .map(|i| (*base.offset((i / cols) as isize * sr + (i % cols) as isize * sc)).widen())
+                    .collect()
+            };
+            let a = widen(self.lhs, self.lhs_offsets[b], m, kk, self.lhs_strides);
+            let bm = widen(self.rhs, self.rhs_offsets[b], kk, n, self.rhs_strides);
+            let mut c = vec![0f32; m * n];
+            if kk > 0 {
+                let (a_strides, b_strides) = ((kk as isize, 1), (n as isize, 1));
+                gemm_into::<f32>(m, n, kk, c.as_mut_ptr(), a.as_ptr(), a_strides, bm.as_ptr(), b_strides, self.inner);
+            }
+            for (d, &v) in self.block::<T>(b).iter_mut().zip(&c) {
+                *d = T::narrow(v);
+            }
+        })
+    }
+
+    /// A plain wrapping loop.
+    ///
+    /// # Safety
+    /// As for [`Batches::float`].
+    unsafe fn int<T: WrappingInt>(&self) {
+        let (ls, rs) = (self.lhs_strides, self.rhs_strides);
+        self.each(|b| unsafe {
+            let a = (self.lhs as *const T).add(self.lhs_offsets[b]);
+            let r = (self.rhs as *const T).add(self.rhs_offsets[b]);
+            let c = self.block::<T>(b);
+            c.fill(T::ZERO);
+            for i in 0..self.m {
+                for p in 0..self.k {
+                    let x = *a.offset(i as isize * ls.0 + p as isize * ls.1);
+                    for (j, cv) in c[i * self.n..(i + 1) * self.n].iter_mut().enumerate() {
+                        *cv = cv.mul_add(x, *r.offset(p as isize * rs.0 + j as isize * rs.1));
+                    }
+                }
+            }
+        })
+    }
 }

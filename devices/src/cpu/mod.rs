@@ -1,30 +1,56 @@
-//! The CPU device: a memory pool, and an executor (`exec`) that runs schedules with one worker
-//! per stream; kernels use data parallelism (rayon) and `gemm` for matrix products. Kernels of
-//! map loops are interpreted (`map`, `eval`) or, once compiled by the system's C compiler, run
-//! as machine code (`native`), with the same results.
+//! The CPU device: a memory pool, and queues (`queue`) that run each step as the runtime
+//! issues it, one stream per thread; kernels use data parallelism (rayon) and `gemm` for matrix
+//! products. Kernels of map loops are interpreted (`map`, `eval`) or, once compiled by the
+//! system's C compiler, run as machine code (`native`), with the same results.
 //!
-//! It executes exactly what the schedule says; it never reorders steps or decides lifetimes.
+//! It executes exactly what the runtime issues; it never reorders steps or decides lifetimes.
 
 pub mod eval;
-mod exec;
 pub mod map;
 pub mod matmul;
 pub mod native;
-pub mod pool;
+mod queue;
 mod reduce;
 pub mod rows;
-mod workers;
 
 /// braid's f32 `exp` and `tanh` (defined next to the kernel IR, whose host C printer prints them).
 pub use braid_lowering::vmath;
 
-use crate::{Backend, Buffer, CompileMode, DeviceError, Job, MemoryStats};
+use crate::runtime::pool::{HostMemory, Pool, Slice};
+use crate::runtime::{Backend, Driver, Flush};
+use crate::{Buffer, DeviceError, MemoryStats};
+use braid_graph::Target;
 use braid_lowering::{Body, Kernel};
+use braid_scheduler::{BufferPlan, Schedule, Space};
 use map::ArgPtr;
-use pool::{Pool, Slice};
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+
+/// When the CPU compiles kernels to machine code (through the system's C compiler; see
+/// [`native`]). Compiled or interpreted, a kernel computes the same bits (but for the payload of
+/// a NaN). `BRAID_CPU_COMPILE=off|background|blocking` sets it when a device is created.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CompileMode {
+    /// Never: every kernel is interpreted.
+    Off,
+    /// In the background (the default): a kernel's first runs are interpreted while it
+    /// compiles; later runs use the compiled code once it is ready.
+    Background,
+    /// Before a kernel's first run, which waits for the compiler (for benchmarks and tests).
+    Blocking,
+}
+
+impl CompileMode {
+    /// The mode `BRAID_CPU_COMPILE` asks for (unset or unknown values give `Background`).
+    pub fn from_env() -> CompileMode {
+        match std::env::var("BRAID_CPU_COMPILE").map(|v| v.trim().to_ascii_lowercase()).as_deref() {
+            Ok("0" | "off" | "false") => CompileMode::Off,
+            Ok("blocking") => CompileMode::Blocking,
+            _ => CompileMode::Background,
+        }
+    }
+}
 
 /// A buffer of CPU memory taken from the pool; returned to it when dropped.
 pub struct CpuBuffer {
@@ -44,7 +70,7 @@ unsafe impl Sync for CpuBuffer {}
 impl CpuBuffer {
     /// Start of the buffer (dangling but aligned when it holds zero bytes).
     pub fn ptr(&self) -> *mut u8 {
-        self.slice.as_ref().map_or(NonNull::<u64>::dangling().as_ptr() as *mut u8, |s| s.ptr.as_ptr())
+        self.slice.as_ref().map_or(NonNull::<u64>::dangling().as_ptr() as *mut u8, |s| s.addr as *mut u8)
     }
 
     pub fn bytes(&self) -> usize {
@@ -69,7 +95,7 @@ impl Drop for CpuBuffer {
         if let Some(s) = self.slice.take() {
             if self.poison {
                 // SAFETY: the slice is ours until it goes back to the pool below.
-                unsafe { std::ptr::write_bytes(s.ptr.as_ptr(), 0xFF, s.size) };
+                unsafe { std::ptr::write_bytes(s.addr as *mut u8, 0xFF, s.size) };
             }
             self.pool.free(s);
         }
@@ -84,7 +110,6 @@ impl std::fmt::Debug for CpuBuffer {
 
 /// The CPU device runtime. Its pool is the device memory that `memory()` reports and budgets
 /// cap; offloaded values go to a separate host pool.
-#[derive(Default)]
 pub struct CpuDevice {
     pool: Arc<Pool>,
     host_pool: Arc<Pool>,
@@ -93,9 +118,31 @@ pub struct CpuDevice {
     native: native::Native,
 }
 
+impl Default for CpuDevice {
+    fn default() -> CpuDevice {
+        CpuDevice {
+            pool: Arc::new(Pool::new(HostMemory)),
+            host_pool: Arc::new(Pool::new(HostMemory)),
+            kernels: AtomicU64::new(0),
+            prepared: Default::default(),
+            native: Default::default(),
+        }
+    }
+}
+
 impl CpuDevice {
     pub fn new() -> CpuDevice {
         CpuDevice::default()
+    }
+
+    /// Sets when kernels are compiled to machine code (see [`CompileMode`]).
+    pub fn set_compile_mode(&self, mode: CompileMode) {
+        self.native.set_mode(mode)
+    }
+
+    /// Kernels run as compiled code since the device was created.
+    pub fn compiled_kernels_launched(&self) -> u64 {
+        self.native.launches()
     }
 
     /// Runs `kernel`, preparing it once per distinct (interned) kernel.
@@ -130,6 +177,27 @@ impl CpuDevice {
     /// A buffer in the host pool (offload space).
     fn alloc_host(&self, bytes: usize, poison: bool) -> Result<Arc<CpuBuffer>, DeviceError> {
         alloc_from(&self.host_pool, bytes, poison, false)
+    }
+
+    /// A buffer for `plan`: device memory (exact-size for a parameter) or offload space.
+    pub fn alloc_planned(&self, plan: &BufferPlan, poison: bool) -> Result<Buffer, DeviceError> {
+        let buffer = match plan.space {
+            Space::Device if plan.persistent => self.alloc_persistent(plan.bytes, poison)?,
+            Space::Device => self.alloc(plan.bytes, poison)?,
+            Space::Host => self.alloc_host(plan.bytes, poison)?,
+            Space::Remote => {
+                return Err(DeviceError::Internal("another device's buffer is never allocated here".into()));
+            }
+        };
+        Ok(Buffer::Cpu(buffer))
+    }
+
+    /// A device buffer holding a copy of `bytes`.
+    fn upload_bytes(&self, bytes: &[u8], poison: bool) -> Result<Arc<CpuBuffer>, DeviceError> {
+        let buf = self.alloc(bytes.len(), poison)?;
+        // SAFETY: the fresh buffer holds bytes.len() bytes and nobody else has it yet.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf.ptr(), bytes.len()) };
+        Ok(buf)
     }
 
     /// Bytes in use in the host (offload) pool, and its peak.
@@ -185,21 +253,26 @@ impl Backend for CpuDevice {
         "cpu".into()
     }
 
+    fn target(&self) -> &Target {
+        &Target::CPU
+    }
+
+    fn driver(&self) -> Driver {
+        Driver::Threads
+    }
+
+    fn begin<'a>(&'a self, schedule: &'a Schedule, poison: bool) -> Result<Box<dyn Flush + 'a>, DeviceError> {
+        Ok(Box::new(queue::CpuFlush::new(self, schedule, poison)))
+    }
+
     fn upload(&self, bytes: &[u8], poison: bool) -> Result<Buffer, DeviceError> {
-        let buf = self.alloc(bytes.len(), poison)?;
-        // SAFETY: the fresh buffer holds bytes.len() bytes and nobody else has it yet.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf.ptr(), bytes.len()) };
-        Ok(Buffer::Cpu(buf))
+        self.upload_bytes(bytes, poison).map(Buffer::Cpu)
     }
 
     fn download(&self, buffer: &Buffer) -> Result<Vec<u8>, DeviceError> {
         match buffer {
             Buffer::Cpu(b) => Ok(b.read()),
         }
-    }
-
-    fn execute(&self, job: Job<'_>) -> (Result<Vec<Buffer>, DeviceError>, Vec<Option<Buffer>>) {
-        exec::execute(self, job)
     }
 
     fn memory(&self) -> MemoryStats {
@@ -223,12 +296,8 @@ impl Backend for CpuDevice {
         self.pool.persistent()
     }
 
-    fn set_compile_mode(&self, mode: CompileMode) {
-        self.native.set_mode(mode)
-    }
-
-    fn compiled_kernels_launched(&self) -> u64 {
-        self.native.launches()
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 

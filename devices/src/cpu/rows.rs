@@ -17,8 +17,9 @@ use braid_lowering::{RowKernel, Store, View};
 use rayon::prelude::*;
 use smallvec::SmallVec;
 
-/// Row elements per parallel task (rows are grouped until a task has about this much work).
-const TASK: usize = 32 * 1024;
+/// Row elements per parallel task (rows are grouped until a task has about this much work: the CPU target's
+/// work granularity).
+const TASK: usize = braid_graph::Target::CPU.work_granularity;
 
 /// What a kernel's expression looks like from a row's point of view (computed once per kernel
 /// and kept by the device).

@@ -205,12 +205,12 @@ impl<'a> Planner<'a> {
                 dtype: e.dtype,
                 len: e.shape.numel(),
                 bytes: e.bytes(),
-                space: Space::Device,
+                space: if e.remote { Space::Remote } else { Space::Device },
                 source: BufferSource::External(i),
                 persistent: e.persistent,
                 upload_at_first_use: e.on_host,
             });
-            if !e.on_host {
+            if !e.on_host && !e.remote {
                 live += e.bytes() as u64;
             }
         }
@@ -470,17 +470,23 @@ impl<'a> Planner<'a> {
             self.node_buffer[n] = Some(b);
             outputs.push(b);
         }
-        let kid = KernelId(self.kernels.len() as u32);
-        self.kernels.push(KernelPlan {
-            id: kid,
-            stream: self.streams[s],
-            segment: si,
-            inputs: input_buffers.clone(),
-            outputs,
-            in_place: in_place.clone(),
-            note,
-        });
-        self.steps[s].push(Step::Kernel(kid));
+        if seg.kind == SegmentKind::Transfer {
+            // Another device's value, copied into this device's memory: a step, not a kernel.
+            let value = ValueRef::Node(seg.nodes[0]);
+            self.steps[s].push(Step::Copy { from: input_buffers[0], to: outputs[0], value });
+        } else {
+            let kid = KernelId(self.kernels.len() as u32);
+            self.kernels.push(KernelPlan {
+                id: kid,
+                stream: self.streams[s],
+                segment: si,
+                inputs: input_buffers.clone(),
+                outputs,
+                in_place: in_place.clone(),
+                note,
+            });
+            self.steps[s].push(Step::Kernel(kid));
+        }
         self.count[s] += 1;
         self.clock[s][s] = self.count[s];
         self.seg_point[si] = self.count[s];

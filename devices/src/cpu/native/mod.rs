@@ -18,8 +18,8 @@
 
 mod compile;
 
+use super::CompileMode;
 use super::map::{ArgPtr, check_io, in_tasks};
-use crate::CompileMode;
 use braid_lowering::{Body, Kernel, host_c};
 use hashbrown::HashMap;
 use libloading::Library;

@@ -1,11 +1,13 @@
-//! The CPU memory pool: buffers are slices of large chunks, reused after they are freed.
+//! The memory pool every backend allocates from: buffers are slices of large chunks, reused
+//! after they are freed. Chunks come from a [`ChunkAllocator`] (host memory for the CPU, a
+//! GPU's memory for GPU backends); the pool deals in addresses and never touches the memory.
 //!
 //! Allocation takes an exact-size free slice first, then the smallest free slice that is large
 //! enough (splitting off the rest), and only then asks the system for a new chunk (as
 //! Burn-Compute does). Freed slices merge with free neighbours. Wholly free chunks are kept for
 //! reuse up to a cap and returned to the system beyond it. The pool accounts truthfully:
 //! `in_use` is the bytes of live slices (after alignment), `reserved` the bytes of chunks held.
-//! It never reads or writes the memory it hands out (except to poison it when asked).
+//! It never reads or writes the memory it hands out (poisoning freed memory is the buffer's job).
 //!
 //! Parameters (`alloc_exact`) take chunks of their exact size, never split and reused only by a
 //! request of the same size: training replaces each parameter by a new version of the same size
@@ -14,10 +16,9 @@
 
 use std::alloc::{Layout, alloc, dealloc};
 use std::collections::{BTreeMap, BTreeSet};
-use std::ptr::NonNull;
 use std::sync::{Mutex, MutexGuard};
 
-/// Alignment of every slice (a cache line; enough for any SIMD load).
+/// Alignment of every slice (a cache line; enough for any SIMD load, and for GPU loads).
 pub const ALIGN: usize = 64;
 /// Chunks for small requests are at least this large, so many small buffers share one.
 const MIN_CHUNK: usize = 2 << 20;
@@ -34,8 +35,38 @@ pub struct MemoryStats {
     pub reserved: u64,
 }
 
+/// Where a pool's chunks come from: host memory, a GPU's memory, pinned host memory.
+pub trait ChunkAllocator: Send + Sync {
+    /// Reserves `bytes` (a multiple of [`ALIGN`]), aligned to [`ALIGN`]; its address, or `None`
+    /// when no memory is left.
+    fn alloc_chunk(&self, bytes: usize) -> Option<u64>;
+    /// Gives back a chunk that `alloc_chunk` returned, with its size.
+    ///
+    /// # Safety
+    /// No slice of the chunk is in use any more.
+    unsafe fn free_chunk(&self, addr: u64, bytes: usize);
+}
+
+/// Host memory from the global allocator (the CPU device's memory and its offload space).
+#[derive(Default)]
+pub struct HostMemory;
+
+impl ChunkAllocator for HostMemory {
+    fn alloc_chunk(&self, bytes: usize) -> Option<u64> {
+        let layout = Layout::from_size_align(bytes, ALIGN).ok()?;
+        // SAFETY: the layout has a non-zero size (the pool never asks for zero bytes).
+        let ptr = unsafe { alloc(layout) };
+        (!ptr.is_null()).then_some(ptr as u64)
+    }
+
+    unsafe fn free_chunk(&self, addr: u64, bytes: usize) {
+        // SAFETY: allocated above with this layout.
+        unsafe { dealloc(addr as *mut u8, Layout::from_size_align_unchecked(bytes, ALIGN)) }
+    }
+}
+
 struct Chunk {
-    ptr: NonNull<u8>,
+    addr: u64,
     size: usize,
     /// An exact-size chunk for one parameter (never split, never in `by_size`).
     exact: bool,
@@ -56,13 +87,10 @@ struct State {
     reserved: usize,
 }
 
-// SAFETY: the raw chunk pointers are owned by the pool and only handed out as disjoint slices.
-unsafe impl Send for State {}
-
 /// A slice handed out by the pool.
 #[derive(Debug)]
 pub struct Slice {
-    pub ptr: NonNull<u8>,
+    pub addr: u64,
     pub size: usize,
     chunk: usize,
     offset: usize,
@@ -71,7 +99,8 @@ pub struct Slice {
 /// The pool. Thread-safe; lock poisoning is ignored because no operation leaves the state
 /// half-updated before a point that can panic.
 #[derive(Default)]
-pub struct Pool {
+pub struct Pool<A: ChunkAllocator = HostMemory> {
+    chunks: A,
     state: Mutex<State>,
 }
 
@@ -79,7 +108,12 @@ pub fn round_up(bytes: usize) -> usize {
     bytes.div_ceil(ALIGN).max(1) * ALIGN
 }
 
-impl Pool {
+impl<A: ChunkAllocator> Pool<A> {
+    /// A pool taking its chunks from `chunks`.
+    pub fn new(chunks: A) -> Pool<A> {
+        Pool { chunks, state: Mutex::new(State::default()) }
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -94,7 +128,7 @@ impl Pool {
             Some((free_size, chunk, offset)) => (chunk, offset, free_size),
             None => {
                 let chunk_size = if size < MIN_CHUNK / 4 { MIN_CHUNK } else { size };
-                let idx = new_chunk(&mut st, chunk_size, false)?;
+                let idx = new_chunk(&self.chunks, &mut st, chunk_size, false)?;
                 st.chunks[idx].as_mut().expect("new chunk").free.insert(0, chunk_size);
                 st.by_size.insert((chunk_size, idx, 0));
                 (idx, 0, chunk_size)
@@ -107,12 +141,10 @@ impl Pool {
             c.free.insert(offset + size, free_size - size);
             st.by_size.insert((free_size - size, chunk, offset + size));
         }
-        let c = st.chunks[chunk].as_ref().expect("live chunk");
-        // SAFETY: offset + size lies within the chunk.
-        let ptr = unsafe { NonNull::new_unchecked(c.ptr.as_ptr().add(offset)) };
+        let addr = st.chunks[chunk].as_ref().expect("live chunk").addr + offset as u64;
         st.in_use += size;
         st.peak = st.peak.max(st.in_use);
-        Some(Slice { ptr, size, chunk, offset })
+        Some(Slice { addr, size, chunk, offset })
     }
 
     /// Takes `bytes` (rounded up to [`ALIGN`]) for a parameter: a free chunk of exactly that
@@ -125,13 +157,13 @@ impl Pool {
                 st.chunks[idx].as_mut().expect("live chunk").free.clear();
                 idx
             }
-            None => new_chunk(&mut st, size, true)?,
+            None => new_chunk(&self.chunks, &mut st, size, true)?,
         };
-        let ptr = st.chunks[chunk].as_ref().expect("live chunk").ptr;
+        let addr = st.chunks[chunk].as_ref().expect("live chunk").addr;
         st.in_use += size;
         st.persistent += size;
         st.peak = st.peak.max(st.in_use);
-        Some(Slice { ptr, size, chunk, offset: 0 })
+        Some(Slice { addr, size, chunk, offset: 0 })
     }
 
     /// Returns a slice; it merges with free neighbours, and a wholly free chunk may go back to
@@ -146,8 +178,8 @@ impl Pool {
             if idle_bytes(&st) > KEEP_FREE.max(st.in_use) {
                 let c = st.chunks[slice.chunk].take().expect("live chunk");
                 st.reserved -= c.size;
-                // SAFETY: the chunk was allocated with this layout and has no live slice.
-                unsafe { dealloc(c.ptr.as_ptr(), Layout::from_size_align_unchecked(c.size, ALIGN)) };
+                // SAFETY: the chunk has no live slice.
+                unsafe { self.chunks.free_chunk(c.addr, c.size) };
             } else {
                 st.exact_free.entry(slice.size).or_default().push(slice.chunk);
             }
@@ -179,8 +211,8 @@ impl Pool {
             let c = st.chunks[slice.chunk].take().expect("live chunk");
             st.by_size.remove(&(c.size, slice.chunk, 0));
             st.reserved -= c.size;
-            // SAFETY: the chunk was allocated with this layout and has no live slices.
-            unsafe { dealloc(c.ptr.as_ptr(), Layout::from_size_align_unchecked(c.size, ALIGN)) };
+            // SAFETY: the chunk has no live slices.
+            unsafe { self.chunks.free_chunk(c.addr, c.size) };
         }
     }
 
@@ -200,7 +232,7 @@ impl Pool {
                 }
                 st.reserved -= c.size;
                 // SAFETY: as in `free`.
-                unsafe { dealloc(c.ptr.as_ptr(), Layout::from_size_align_unchecked(c.size, ALIGN)) };
+                unsafe { self.chunks.free_chunk(c.addr, c.size) };
             }
         }
     }
@@ -221,12 +253,10 @@ impl Pool {
     }
 }
 
-/// Takes a chunk of `size` bytes from the system (with no free range recorded yet) and returns
-/// its index. `None` when the system has no memory left.
-fn new_chunk(st: &mut State, size: usize, exact: bool) -> Option<usize> {
-    let layout = Layout::from_size_align(size, ALIGN).ok()?;
-    // SAFETY: the layout has a non-zero size.
-    let ptr = NonNull::new(unsafe { alloc(layout) })?;
+/// Takes a chunk of `size` bytes from `chunks` (with no free range recorded yet) and returns
+/// its index. `None` when no memory is left.
+fn new_chunk(chunks: &impl ChunkAllocator, st: &mut State, size: usize, exact: bool) -> Option<usize> {
+    let addr = chunks.alloc_chunk(size)?;
     let idx = match st.chunks.iter().position(Option::is_none) {
         Some(i) => i,
         None => {
@@ -234,7 +264,7 @@ fn new_chunk(st: &mut State, size: usize, exact: bool) -> Option<usize> {
             st.chunks.len() - 1
         }
     };
-    st.chunks[idx] = Some(Chunk { ptr, size, exact, free: BTreeMap::new() });
+    st.chunks[idx] = Some(Chunk { addr, size, exact, free: BTreeMap::new() });
     st.reserved += size;
     Some(idx)
 }
@@ -244,13 +274,12 @@ fn idle_bytes(st: &State) -> usize {
     st.chunks.iter().flatten().filter(|c| c.free.len() == 1 && c.free.get(&0) == Some(&c.size)).map(|c| c.size).sum()
 }
 
-impl Drop for Pool {
+impl<A: ChunkAllocator> Drop for Pool<A> {
     fn drop(&mut self) {
         let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
         for c in st.chunks.drain(..).flatten() {
-            // SAFETY: allocated with this layout; the pool outlives every slice (buffers hold
-            // an `Arc` of it).
-            unsafe { dealloc(c.ptr.as_ptr(), Layout::from_size_align_unchecked(c.size, ALIGN)) };
+            // SAFETY: the pool outlives every slice (buffers hold an `Arc` of it).
+            unsafe { self.chunks.free_chunk(c.addr, c.size) };
         }
     }
 }
@@ -261,16 +290,16 @@ mod tests {
 
     #[test]
     fn exact_size_slices_are_reused_and_stats_are_truthful() {
-        let pool = Pool::default();
+        let pool: Pool = Pool::default();
         let a = pool.alloc(1000).unwrap();
         assert_eq!(a.size, 1024);
         let b = pool.alloc(4096).unwrap();
         assert_eq!(pool.stats().in_use, 1024 + 4096);
         assert_eq!(pool.stats().reserved, MIN_CHUNK as u64);
-        let a_ptr = a.ptr;
+        let a_ptr = a.addr;
         pool.free(a);
         let c = pool.alloc(1024).unwrap();
-        assert_eq!(c.ptr, a_ptr, "the exact-size free slice is taken first");
+        assert_eq!(c.addr, a_ptr, "the exact-size free slice is taken first");
         pool.free(b);
         pool.free(c);
         let s = pool.stats();
@@ -282,16 +311,16 @@ mod tests {
 
     #[test]
     fn freed_neighbours_merge_into_one_range() {
-        let pool = Pool::default();
+        let pool: Pool = Pool::default();
         let xs: Vec<_> = (0..4).map(|_| pool.alloc(64).unwrap()).collect();
-        let first = xs[0].ptr;
+        let first = xs[0].addr;
         for x in xs {
             pool.free(x);
         }
         // The whole chunk is one free range again, so a chunk-sized request fits without a new
         // chunk.
         let big = pool.alloc(MIN_CHUNK).unwrap();
-        assert_eq!(big.ptr, first);
+        assert_eq!(big.addr, first);
         assert_eq!(pool.stats().reserved, MIN_CHUNK as u64);
         pool.free(big);
         pool.trim();
@@ -300,19 +329,19 @@ mod tests {
 
     #[test]
     fn parameters_take_exact_size_chunks_apart_from_the_rest() {
-        let pool = Pool::default();
+        let pool: Pool = Pool::default();
         let p = pool.alloc_exact(1000).unwrap();
         let a = pool.alloc(1000).unwrap();
         assert_ne!(p.chunk, a.chunk, "parameters never share a chunk with other buffers");
         assert_eq!((pool.stats().in_use, pool.persistent()), (2048, 1024));
-        let (p_ptr, p_chunk) = (p.ptr, p.chunk);
+        let (p_ptr, p_chunk) = (p.addr, p.chunk);
         pool.free(p);
         // A general request of the same size does not take the parameter's chunk ...
         let b = pool.alloc(1024).unwrap();
         assert_ne!(b.chunk, p_chunk);
         // ... the next parameter version of that size does.
         let q = pool.alloc_exact(1024).unwrap();
-        assert_eq!(q.ptr, p_ptr);
+        assert_eq!(q.addr, p_ptr);
         for x in [a, b, q] {
             pool.free(x);
         }
@@ -323,7 +352,7 @@ mod tests {
 
     #[test]
     fn idle_parameter_chunks_go_back_to_the_system_beyond_the_cap() {
-        let pool = Pool::default();
+        let pool: Pool = Pool::default();
         // Parameters of many distinct sizes, about 1 MiB each, created and dropped.
         for i in 0..300 {
             let p = pool.alloc_exact((1 << 20) + i * ALIGN).unwrap();
@@ -334,7 +363,7 @@ mod tests {
 
     #[test]
     fn impossible_requests_fail_cleanly() {
-        let pool = Pool::default();
+        let pool: Pool = Pool::default();
         assert!(pool.alloc(1 << 62).is_none());
         assert_eq!(pool.stats().in_use, 0);
     }

@@ -1,10 +1,10 @@
-//! Inspecting scheduled graphs: [`ScheduleDump`] (what `device.last_schedule()` returns),
-//! dump files (`BRAID_DUMP=DIR` or [`set_dir`]) and the recorded graph as DOT.
+//! Inspecting scheduled graphs: [`ScheduleDump`] (what `device.last_schedule()` returns) and
+//! dump files (`BRAID_DUMP=DIR` or [`set_dir`]), which every flush writes.
 //!
 //! Building the text of a dump costs time, so a flush only keeps what it planned; the JSON,
 //! text and DOT are produced when first asked for.
 
-use crate::device::lock;
+use crate::lock;
 use braid_graph::FlushGraph;
 use braid_scheduler::{Dump, Schedule};
 use std::path::PathBuf;
@@ -108,10 +108,4 @@ pub(crate) fn write_files(dir: &std::path::Path, dump: &ScheduleDump) {
     if let Err(e) = result {
         tracing::warn!(target: "braid::dump", "could not write {}: {e}", stem.display());
     }
-}
-
-/// The whole recorded graph (pending and materialised nodes that are still alive) as Graphviz
-/// DOT.
-pub fn recorded_graph_dot() -> String {
-    crate::engine::recorded_graph_dot()
 }

@@ -1,0 +1,161 @@
+//! The CPU's queues: each runs a step the moment the runtime issues it, on the stream's own
+//! thread ([`Driver::Threads`](crate::runtime::Driver::Threads)), so an event is recorded once
+//! the work before it is done and a wait blocks until the event is recorded (or the flush
+//! fails). Memory a gated free releases goes back to the pool at once: by then every gating
+//! event was recorded, so the readers it names have finished.
+//!
+//! A queue never decides what runs; it only does what it is handed.
+
+use super::{CpuBuffer, CpuDevice, map::ArgPtr};
+use crate::runtime::{Call, Flush, Queue};
+use crate::{Buffer, DeviceError};
+use braid_scheduler::{BufferPlan, EventId, Schedule};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A CPU event: set once by the stream that records it, or failed with the flush.
+#[derive(Default)]
+struct CpuEvent {
+    /// (reached, failed)
+    state: Mutex<(bool, bool)>,
+    cv: Condvar,
+}
+
+impl CpuEvent {
+    fn set(&self, failed: bool) {
+        let mut st = lock(&self.state);
+        if failed {
+            st.1 = true
+        } else {
+            st.0 = true
+        }
+        self.cv.notify_all();
+    }
+
+    /// Blocks until the event is set; `false` if the flush failed instead.
+    fn wait(&self) -> bool {
+        let mut st = lock(&self.state);
+        while !st.0 && !st.1 {
+            st = self.cv.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        st.0
+    }
+}
+
+/// One flush on the CPU: its events.
+pub(super) struct CpuFlush<'a> {
+    device: &'a CpuDevice,
+    events: Vec<CpuEvent>,
+    poison: bool,
+}
+
+impl<'a> CpuFlush<'a> {
+    pub(super) fn new(device: &'a CpuDevice, schedule: &Schedule, poison: bool) -> CpuFlush<'a> {
+        CpuFlush { device, events: (0..schedule.events.len()).map(|_| CpuEvent::default()).collect(), poison }
+    }
+}
+
+impl Flush for CpuFlush<'_> {
+    fn queue(&self, _stream: usize) -> Box<dyn Queue + '_> {
+        Box::new(CpuQueue { flush: self })
+    }
+
+    fn free_after(&self, buffer: Buffer, _stream: usize, _after: &[EventId]) {
+        // Every gating event was recorded, and on the CPU a record means the work before it
+        // is done: the memory may go back to the pool now (poisoned if asked).
+        drop(buffer);
+    }
+
+    fn fail(&self) {
+        self.events.iter().for_each(|e| e.set(true));
+    }
+
+    fn finish(&self, _failed: bool) -> Result<(), DeviceError> {
+        Ok(()) // every step ran before it returned
+    }
+}
+
+/// One stream of a CPU flush.
+struct CpuQueue<'f, 'a> {
+    flush: &'f CpuFlush<'a>,
+}
+
+fn cpu(buffer: &Buffer) -> &Arc<CpuBuffer> {
+    match buffer {
+        Buffer::Cpu(b) => b,
+    }
+}
+
+impl CpuQueue<'_, '_> {
+    /// Runs a kernel (interpreted, compiled, or a matrix product through `gemm`) and logs it.
+    fn run(&self, call: &Call<'_>) -> Result<(), DeviceError> {
+        let device = self.flush.device;
+        let args: Vec<ArgPtr> = call
+            .args
+            .iter()
+            .zip(&call.kernel.args)
+            .map(|(b, a)| ArgPtr { ptr: cpu(b).ptr(), len: a.len, dtype: a.dtype })
+            .collect();
+        let timed = tracing::enabled!(target: "braid::kernel", tracing::Level::DEBUG);
+        let t0 = timed.then(Instant::now);
+        device.run(call.kernel, &args).map_err(|e| DeviceError::Kernel(format!("{}: {e}", call.describe())))?;
+        device.kernels.fetch_add(1, Ordering::Relaxed);
+        if let Some(t0) = t0 {
+            let secs = t0.elapsed().as_secs_f64();
+            tracing::debug!(
+                target: "braid::kernel",
+                "{} s{} {} elems {:.1} us {:.2} GB/s",
+                call.describe(),
+                call.stream,
+                call.kernel.output_elements(),
+                secs * 1e6,
+                call.kernel.bytes_moved() as f64 / secs.max(1e-9) / 1e9
+            );
+        }
+        Ok(())
+    }
+}
+
+impl Queue for CpuQueue<'_, '_> {
+    fn alloc(&mut self, plan: &BufferPlan) -> Result<Buffer, DeviceError> {
+        self.flush.device.alloc_planned(plan, self.flush.poison)
+    }
+
+    fn upload(&mut self, bytes: &[u8]) -> Result<Buffer, DeviceError> {
+        self.flush.device.upload_bytes(bytes, self.flush.poison).map(Buffer::Cpu)
+    }
+
+    fn free(&mut self, buffer: Buffer) {
+        drop(buffer);
+    }
+
+    fn record(&mut self, event: EventId) {
+        self.flush.events[event.index()].set(false);
+    }
+
+    fn wait(&mut self, event: EventId) -> bool {
+        self.flush.events[event.index()].wait()
+    }
+
+    fn copy(&mut self, from: &Buffer, to: &Buffer) -> Result<(), DeviceError> {
+        let (src, dst) = (cpu(from), cpu(to));
+        // SAFETY: both buffers are held for the copy and hold the same number of bytes (the
+        // walker checks); the validated schedule orders every other access to them around this
+        // step.
+        unsafe { std::ptr::copy_nonoverlapping(src.ptr(), dst.ptr(), src.bytes()) };
+        Ok(())
+    }
+
+    fn launch(&mut self, call: &Call<'_>) -> Result<(), DeviceError> {
+        self.run(call)
+    }
+
+    fn library(&mut self, call: &Call<'_>) -> Result<(), DeviceError> {
+        self.run(call)
+    }
+}

@@ -1,0 +1,162 @@
+//! The device runtime every backend shares: one walker over a [`Schedule`] that handles
+//! buffers, uploads of host data, donated inputs, gated frees and failures, over a small
+//! [`Queue`] per stream that each backend implements.
+//!
+//! A backend writes three things: a [`Backend`] (its memory, uploads and downloads, and what it
+//! is like: its [`Target`]), a [`Flush`] (the events of one flush) and a [`Queue`] (one stream of
+//! one flush: allocate, free, free after events, record, wait, copy, launch a kernel, run a
+//! library call). It says how its queues are driven ([`Driver`]): the CPU runs each stream on a
+//! thread and its queues do the work before returning; GPU backends have one thread issue every
+//! stream's steps, in an order where each event's record precedes its waits, and their queues
+//! only enqueue. Everything else (which buffer is where, when host data is uploaded, when a
+//! gated free may go ahead, what happens when a step fails) is the walker's ([`execute`]), so it
+//! is written once and tested once, with a recording queue, for every backend.
+//!
+//! The runtime runs what the schedule says, in its order; it never plans, fuses or reorders.
+
+pub mod pool;
+mod walk;
+mod workers;
+
+pub use walk::execute;
+
+use crate::{Buffer, DeviceError, MemoryStats};
+use braid_graph::Target;
+use braid_lowering::Kernel;
+use braid_scheduler::{BufferPlan, EventId, KernelId, Schedule};
+use std::sync::Arc;
+
+/// How the walker drives the streams of a flush.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Driver {
+    /// Each stream's steps are issued on a thread of their own (the first stream's on the
+    /// calling thread), and a queue does its work before returning: a wait blocks until the
+    /// event is recorded, and an event is recorded once the work before it is done. The CPU.
+    Threads,
+    /// One thread issues every stream's steps, in an order where each event's record is issued
+    /// before any wait for it; queues enqueue work and return at once (CUDA streams, wgpu
+    /// submissions). A wait is issued only after its record.
+    Interleaved,
+}
+
+/// A device runtime: its memory, host transfers, and one [`Flush`] per executed schedule.
+pub trait Backend: Send + Sync {
+    /// The device's name in messages and dumps (`cpu`, `cuda:0`, ...).
+    fn name(&self) -> String;
+    /// What the device is like, for fusion, scheduling and lowering.
+    fn target(&self) -> &Target;
+    /// How the walker drives this backend's queues.
+    fn driver(&self) -> Driver;
+    /// Starts executing `schedule`: its events and one queue per stream. With `poison`, memory
+    /// freed by the flush is filled with 0xFF bytes (NaN for floats) before it is reused.
+    fn begin<'a>(&'a self, schedule: &'a Schedule, poison: bool) -> Result<Box<dyn Flush + 'a>, DeviceError>;
+    /// Copies host bytes into a new device buffer (poisoned when freed if `poison`).
+    fn upload(&self, bytes: &[u8], poison: bool) -> Result<Buffer, DeviceError>;
+    /// Copies a buffer's bytes to the host, once the work that writes it is done.
+    fn download(&self, buffer: &Buffer) -> Result<Vec<u8>, DeviceError>;
+    /// Device memory: bytes in live buffers, the peak since the last reset, bytes reserved.
+    fn memory(&self) -> MemoryStats;
+    fn reset_peak(&self);
+    /// Kernels run since the device was created.
+    fn kernels_launched(&self) -> u64;
+    /// Returns cached free memory to the system.
+    fn trim(&self);
+    /// Bytes of device memory holding parameters (exact-size memory).
+    fn persistent_memory(&self) -> u64 {
+        0
+    }
+    /// The backend as `Any`, for options only one backend has (the CPU's compile mode).
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// One execution of a schedule on a device: its events, and a queue per stream. Shared by the
+/// threads of a [`Driver::Threads`] backend.
+pub trait Flush: Sync {
+    /// The queue of `schedule.streams[stream]`. Called once per stream.
+    fn queue(&self, stream: usize) -> Box<dyn Queue + '_>;
+    /// Makes buffer `buffer` (freed by a step of stream `stream`) reusable once every event of
+    /// `after` is reached on the device *and* `stream` has reached the point where this call
+    /// finds it (its own earlier work may still be using the buffer: a GPU backend records an
+    /// event there). The walker calls it only once each of those events' records was issued,
+    /// and after the free step was issued on `stream`, so a backend can order the reuse after
+    /// all of them.
+    fn free_after(&self, buffer: Buffer, stream: usize, after: &[EventId]);
+    /// A step failed: every wait from now on returns `false` (so no stream waits forever).
+    fn fail(&self);
+    /// Called once every stream's steps were issued (and, for [`Driver::Threads`], have run).
+    /// Submits whatever is still held back. After a failure (`failed`), returns only once the
+    /// device has stopped using the flush's buffers, so the walker may drop them.
+    fn finish(&self, failed: bool) -> Result<(), DeviceError>;
+}
+
+/// One stream of one flush. Calls come in the stream's program order.
+pub trait Queue: Send {
+    /// A buffer for `plan` (its space: device or offload memory; exact-size for parameters).
+    fn alloc(&mut self, plan: &BufferPlan) -> Result<Buffer, DeviceError>;
+    /// A device buffer holding `bytes` (host data uploaded at its first use).
+    fn upload(&mut self, bytes: &[u8]) -> Result<Buffer, DeviceError>;
+    /// Gives `buffer` back; nothing on this stream after this point uses it.
+    fn free(&mut self, buffer: Buffer);
+    /// Records `event`: it is reached once this stream's work so far is done.
+    fn record(&mut self, event: EventId);
+    /// Makes this stream's later work wait for `event`; `false` if the flush failed instead.
+    fn wait(&mut self, event: EventId) -> bool;
+    /// Copies `from` into `to` (the same number of bytes): an offload or its way back, or a
+    /// transfer from another device's buffer.
+    fn copy(&mut self, from: &Buffer, to: &Buffer) -> Result<(), DeviceError>;
+    /// Runs a kernel of map loops or a row kernel over `args` (inputs first, then outputs).
+    fn launch(&mut self, call: &Call<'_>) -> Result<(), DeviceError>;
+    /// Runs a matrix product (a library call on every backend: `gemm`, cuBLAS) and its
+    /// epilogue over `args`.
+    fn library(&mut self, call: &Call<'_>) -> Result<(), DeviceError>;
+}
+
+/// One kernel to run: the kernel, its argument buffers (sizes checked by the walker), and how
+/// to name it in logs and errors.
+pub struct Call<'a> {
+    pub id: KernelId,
+    pub kernel: &'a Arc<Kernel>,
+    pub args: &'a [Buffer],
+    /// Describes the kernel (`k3 mul+exp [n12 n13]`), called only when needed.
+    pub label: &'a (dyn Fn(KernelId) -> String + Sync),
+    /// The stream's id, for logs.
+    pub stream: u32,
+}
+
+impl Call<'_> {
+    /// The kernel's label.
+    pub fn describe(&self) -> String {
+        (self.label)(self.id)
+    }
+}
+
+/// An input of a flush as the runtime receives it.
+pub enum Input {
+    /// A value on the device (or, for a transfer, on another device).
+    Buffer(Buffer),
+    /// Host data (of a buffer marked `upload_at_first_use`) that the device uploads when the first
+    /// step using it runs.
+    Upload(Arc<[u8]>),
+}
+
+/// Everything the runtime needs to run one flush.
+pub struct Job<'a> {
+    pub schedule: &'a Schedule,
+    /// `kernels[i]` is the lowered form of `schedule.kernels[i]`.
+    pub kernels: &'a [Arc<Kernel>],
+    /// The flush's external values, in `schedule.external_buffers` order, handed to the device:
+    /// a donated one's memory returns to the pool when the schedule frees it.
+    pub externals: Vec<Input>,
+    /// Describes a kernel for logs and errors (called only when needed).
+    pub label: &'a (dyn Fn(KernelId) -> String + Sync),
+    /// Fill buffers with 0xFF bytes (NaN for floats) when they are freed (`BRAID_POISON=1`).
+    pub poison: bool,
+    /// Fault injection for tests of recovery: fail when this kernel is reached, as a failing
+    /// kernel would.
+    pub fail_at: Option<KernelId>,
+}
+
+/// What a flush leaves: the buffers of `schedule.outputs` in order (or the error), and the
+/// external buffers still held at the end (by position; `None` once the schedule freed one), from
+/// which the engine gives donated values back after a failure.
+pub type Outcome = (Result<Vec<Buffer>, DeviceError>, Vec<Option<Buffer>>);

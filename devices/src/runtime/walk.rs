@@ -1,0 +1,312 @@
+//! The schedule walker: runs one flush's steps on a backend's queues.
+//!
+//! It keeps the buffer of every `BufferId` in a table (the flush's inputs first), allocates,
+//! uploads host data at its first use, checks each kernel's arguments against its buffers,
+//! hands ungated frees to the stream's queue at once and gated ones to the flush once every
+//! gating event has been recorded, and turns any failure (an `Err`, or a panic, which would be a
+//! bug in braid) into one error for the flush while failing every event, so no stream waits
+//! forever. Streams are driven as the backend asks ([`Driver`]): on threads of their own, or
+//! interleaved on this thread so that every record is issued before its waits.
+//!
+//! It executes exactly the schedule's steps in each stream's order; it never reorders a stream.
+
+use super::{Backend, Call, Driver, Flush, Input, Job, Outcome, Queue};
+use crate::{Buffer, DeviceError};
+use braid_scheduler::{BufferId, EventId, Step, StreamSchedule};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A gated free waiting for its events' records.
+struct PendingFree {
+    buffer: BufferId,
+    stream: usize,
+    after: Vec<EventId>,
+    left: usize,
+}
+
+/// Which events were recorded, and the frees waiting for them.
+#[derive(Default)]
+struct Gates {
+    recorded: Vec<bool>,
+    pending: Vec<PendingFree>,
+}
+
+/// State shared by the streams of one flush.
+struct Walker<'a, 'j> {
+    job: &'a Job<'j>,
+    flush: &'a dyn Flush,
+    /// Buffer of each `BufferId`.
+    table: Vec<Mutex<Option<Buffer>>>,
+    /// Host data of inputs uploaded when first used, by `BufferId`.
+    uploads: Vec<Mutex<Option<std::sync::Arc<[u8]>>>>,
+    gates: Mutex<Gates>,
+    abort: AtomicBool,
+    error: Mutex<Option<DeviceError>>,
+}
+
+impl Walker<'_, '_> {
+    fn fail(&self, e: DeviceError) {
+        lock(&self.error).get_or_insert(e);
+        self.abort.store(true, Ordering::SeqCst);
+        self.flush.fail();
+    }
+
+    fn failed(&self) -> bool {
+        self.abort.load(Ordering::Relaxed)
+    }
+
+    /// Runs one step, turning a panic (a bug in braid) into an error.
+    fn step(&self, stream: &StreamSchedule, index: usize, step: &Step, queue: &mut dyn Queue) -> Result<(), ()> {
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_step(index, step, queue)));
+        let error = match run {
+            Ok(Ok(true)) => return Ok(()),
+            Ok(Ok(false)) => return Err(()), // a wait saw another stream fail: its error is reported
+            Ok(Err(e)) => e,
+            Err(panic) => {
+                let what = crate::panic_message(panic.as_ref());
+                DeviceError::Internal(format!("stream {} panicked: {what}", stream.stream.0))
+            }
+        };
+        self.fail(error);
+        Err(())
+    }
+
+    /// Runs `step` of stream `s` on its queue; `Ok(false)` when a wait learns that the flush
+    /// failed.
+    fn run_step(&self, s: usize, step: &Step, queue: &mut dyn Queue) -> Result<bool, DeviceError> {
+        let schedule = self.job.schedule;
+        match step {
+            Step::Alloc(b) => {
+                let buffer = queue.alloc(&schedule.buffers[b.index()])?;
+                *lock(&self.table[b.index()]) = Some(buffer);
+            }
+            Step::Free { buffer, after } if after.is_empty() => {
+                drop(lock(&self.uploads[buffer.index()]).take());
+                if let Some(b) = lock(&self.table[buffer.index()]).take() {
+                    queue.free(b);
+                }
+            }
+            Step::Free { buffer, after } => self.free_after(*buffer, s, after),
+            Step::Record(e) => {
+                queue.record(*e);
+                self.recorded(*e);
+            }
+            Step::Wait(e) => return Ok(queue.wait(*e)),
+            Step::Copy { from, to, .. } => {
+                let (src, dst) = (self.buffer(*from, queue)?, self.buffer(*to, queue)?);
+                if src.bytes() != dst.bytes() {
+                    return Err(DeviceError::Internal(format!(
+                        "copy {from} -> {to}: {} and {} bytes",
+                        src.bytes(),
+                        dst.bytes()
+                    )));
+                }
+                queue.copy(&src, &dst)?;
+            }
+            Step::Kernel(k) => self.kernel(*k, s, queue)?,
+        }
+        Ok(true)
+    }
+
+    /// The buffer `b` holds now, uploading an input's host data the first time it is used.
+    fn buffer(&self, b: BufferId, queue: &mut dyn Queue) -> Result<Buffer, DeviceError> {
+        let mut slot = lock(&self.table[b.index()]);
+        if slot.is_none()
+            && let Some(bytes) = lock(&self.uploads[b.index()]).take()
+        {
+            *slot = Some(queue.upload(&bytes)?);
+        }
+        slot.clone().ok_or_else(|| DeviceError::Internal(format!("{b} is used but not allocated")))
+    }
+
+    /// A free gated on `after`: goes to the flush once every one of them is recorded.
+    fn free_after(&self, buffer: BufferId, stream: usize, after: &[EventId]) {
+        let mut gates = lock(&self.gates);
+        let left = after.iter().filter(|e| !gates.recorded[e.index()]).count();
+        if left == 0 {
+            drop(gates);
+            self.release(buffer, stream, after);
+        } else {
+            gates.pending.push(PendingFree { buffer, stream, after: after.to_vec(), left });
+        }
+    }
+
+    /// Event `e` was recorded: frees waiting only for it go ahead.
+    fn recorded(&self, e: EventId) {
+        let ready: Vec<PendingFree> = {
+            let mut gates = lock(&self.gates);
+            gates.recorded[e.index()] = true;
+            let mut ready = Vec::new();
+            let mut i = 0;
+            while i < gates.pending.len() {
+                let p = &mut gates.pending[i];
+                if p.after.contains(&e) {
+                    p.left -= 1;
+                    if p.left == 0 {
+                        ready.push(gates.pending.swap_remove(i));
+                        continue;
+                    }
+                }
+                i += 1;
+            }
+            ready
+        };
+        for p in ready {
+            self.release(p.buffer, p.stream, &p.after);
+        }
+    }
+
+    fn release(&self, buffer: BufferId, stream: usize, after: &[EventId]) {
+        drop(lock(&self.uploads[buffer.index()]).take());
+        if let Some(b) = lock(&self.table[buffer.index()]).take() {
+            self.flush.free_after(b, stream, after);
+        }
+    }
+
+    fn kernel(&self, k: braid_scheduler::KernelId, s: usize, queue: &mut dyn Queue) -> Result<(), DeviceError> {
+        let job = self.job;
+        if job.fail_at == Some(k) {
+            return Err(DeviceError::Kernel(format!("{}: failure injected by a test", (job.label)(k))));
+        }
+        let plan = &job.schedule.kernels[k.index()];
+        let kernel = &job.kernels[k.index()];
+        // The argument buffers are held for the call, so a faulty plan can never return memory
+        // that a kernel still uses to the pool.
+        let mut args: Vec<Buffer> = Vec::with_capacity(kernel.args.len());
+        for (b, a) in plan.inputs.iter().chain(&plan.outputs).zip(&kernel.args) {
+            let buffer = self.buffer(*b, queue)?;
+            if buffer.bytes() != a.len * a.dtype.size() {
+                return Err(DeviceError::Internal(format!(
+                    "{b} holds {} bytes but {k} expects {} {} elements",
+                    buffer.bytes(),
+                    a.len,
+                    a.dtype
+                )));
+            }
+            args.push(buffer);
+        }
+        let stream = job.schedule.streams[s].stream.0;
+        let call = Call { id: k, kernel, args: &args, label: job.label, stream };
+        match kernel.body {
+            braid_lowering::Body::Matmul(_) => queue.library(&call),
+            _ => queue.launch(&call),
+        }
+    }
+
+    /// Runs one stream's steps to the end, or until the flush fails.
+    fn run_stream(&self, s: usize, queue: &mut dyn Queue) {
+        let stream = &self.job.schedule.streams[s];
+        for step in &stream.steps {
+            if self.failed() || self.step(stream, s, step, queue).is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Issues every stream's steps on this thread: each stream runs until it reaches a wait
+    /// whose record was not issued yet, then the next stream takes over.
+    fn interleave(&self, queues: &mut [Box<dyn Queue + '_>]) {
+        let streams = &self.job.schedule.streams;
+        let mut next = vec![0usize; streams.len()];
+        loop {
+            let mut progress = false;
+            for (s, stream) in streams.iter().enumerate() {
+                while let Some(step) = stream.steps.get(next[s]) {
+                    if let Step::Wait(e) = step
+                        && !lock(&self.gates).recorded[e.index()]
+                    {
+                        break;
+                    }
+                    if self.step(stream, s, step, queues[s].as_mut()).is_err() {
+                        return;
+                    }
+                    next[s] += 1;
+                    progress = true;
+                }
+            }
+            if next.iter().zip(streams).all(|(&n, st)| n == st.steps.len()) {
+                return;
+            }
+            if !progress {
+                // Schedules are checked before they run, so this is a bug in braid.
+                self.fail(DeviceError::Internal("the streams wait for events that are never recorded".into()));
+                return;
+            }
+        }
+    }
+}
+
+/// Runs `job` on `backend`: returns the buffers of `schedule.outputs` and the external buffers
+/// still held at the end.
+pub fn execute(backend: &dyn Backend, mut job: Job<'_>) -> Outcome {
+    let schedule = job.schedule;
+    let externals = std::mem::take(&mut job.externals);
+    let held_inputs = |externals: Vec<Input>| {
+        externals
+            .into_iter()
+            .map(|e| match e {
+                Input::Buffer(b) => Some(b),
+                Input::Upload(_) => None,
+            })
+            .collect()
+    };
+    if externals.len() != schedule.external_buffers.len() {
+        let error = DeviceError::Internal("external buffers do not match the schedule".into());
+        return (Err(error), held_inputs(externals));
+    }
+    let flush = match backend.begin(schedule, job.poison) {
+        Ok(flush) => flush,
+        Err(e) => return (Err(e), held_inputs(externals)),
+    };
+    let walker = Walker {
+        job: &job,
+        flush: flush.as_ref(),
+        table: (0..schedule.buffers.len()).map(|_| Mutex::new(None)).collect(),
+        uploads: (0..schedule.buffers.len()).map(|_| Mutex::new(None)).collect(),
+        gates: Mutex::new(Gates { recorded: vec![false; schedule.events.len()], pending: Vec::new() }),
+        abort: AtomicBool::new(false),
+        error: Mutex::new(None),
+    };
+    // The table owns the external buffers: a donated one is freed by the schedule.
+    for (b, ext) in schedule.external_buffers.iter().zip(externals) {
+        match ext {
+            Input::Buffer(buffer) => *lock(&walker.table[b.index()]) = Some(buffer),
+            Input::Upload(bytes) => *lock(&walker.uploads[b.index()]) = Some(bytes),
+        }
+    }
+    let streams = schedule.streams.len();
+    let (walker, flush) = (&walker, flush.as_ref());
+    match backend.driver() {
+        Driver::Interleaved => {
+            let mut queues: Vec<Box<dyn Queue + '_>> = (0..streams).map(|s| flush.queue(s)).collect();
+            walker.interleave(&mut queues);
+        }
+        Driver::Threads if streams == 1 => walker.run_stream(0, flush.queue(0).as_mut()),
+        Driver::Threads => {
+            let bodies: Vec<Box<dyn Fn() + Sync + '_>> =
+                (0..streams).map(|s| Box::new(move || walker.run_stream(s, flush.queue(s).as_mut())) as _).collect();
+            let no_thread = || walker.fail(DeviceError::Unavailable("no thread could be started for a stream".into()));
+            super::workers::run_all(&bodies, &no_thread);
+        }
+    }
+    let failed = walker.failed();
+    if let Err(e) = flush.finish(failed) {
+        walker.fail(e);
+    }
+    let held = schedule.external_buffers.iter().map(|b| lock(&walker.table[b.index()]).clone()).collect();
+    if let Some(e) = lock(&walker.error).take() {
+        return (Err(e), held);
+    }
+    let outputs = schedule
+        .outputs
+        .iter()
+        .map(|(_, b)| {
+            lock(&walker.table[b.index()]).clone().ok_or_else(|| DeviceError::Internal(format!("output {b} was freed")))
+        })
+        .collect();
+    (outputs, held)
+}

@@ -1,0 +1,149 @@
+//! What a device is like, as fusion, scheduling and lowering need to know it: one [`Target`]
+//! per backend, handed to each stage instead of constants written for the CPU.
+//!
+//! A target says how much one kernel may take on (inputs, reductions), how fast the device
+//! computes and copies (the [`CostModel`] the offload placement uses), how it splits work, where
+//! its memory is (which decides whether a transfer from another device needs a copy step), and
+//! which element types it has. It is plain data: this module decides nothing itself.
+
+use crate::DType;
+
+/// How fast a device computes and copies, for hiding copies behind compute, and how it
+/// allocates.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CostModel {
+    /// Offload copy bandwidth (device to host and back), bytes per second.
+    pub copy_bytes_per_sec: f64,
+    /// Bandwidth of elementwise and reduction kernels, bytes per second.
+    pub kernel_bytes_per_sec: f64,
+    /// Matrix product throughput, flop per second.
+    pub flops_per_sec: f64,
+    /// Allocations take a multiple of this many bytes (what a budget is compared with).
+    pub allocation_granularity: u64,
+}
+
+impl CostModel {
+    /// A two-core CPU copying between two pools in the same memory (64-byte aligned slices).
+    pub const CPU: CostModel = CostModel {
+        copy_bytes_per_sec: 8e9,
+        kernel_bytes_per_sec: 10e9,
+        flops_per_sec: 60e9,
+        allocation_granularity: 64,
+    };
+
+    /// The device memory a buffer of `bytes` takes.
+    pub fn allocated(&self, bytes: usize) -> u64 {
+        let g = self.allocation_granularity.max(1);
+        if bytes == 0 { 0 } else { (bytes as u64).div_ceil(g) * g }
+    }
+}
+
+/// Where a device's buffers live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MemoryKind {
+    /// Host memory that the host (and every other host-memory device) addresses directly: a
+    /// value moves between two such devices without a copy (its readers load it where it is).
+    Host,
+    /// Memory of its own (a GPU's): a value from another device arrives by a copy step.
+    Device,
+}
+
+/// A set of element types.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DTypes(u16);
+
+impl DTypes {
+    pub const ALL: DTypes = DTypes::of(&DType::ALL);
+
+    pub const fn of(dtypes: &[DType]) -> DTypes {
+        let mut bits = 0u16;
+        let mut i = 0;
+        while i < dtypes.len() {
+            bits |= 1 << dtypes[i] as u16;
+            i += 1;
+        }
+        DTypes(bits)
+    }
+
+    pub const fn contains(self, dtype: DType) -> bool {
+        self.0 & (1 << dtype as u16) != 0
+    }
+}
+
+/// The description of one backend that the pipeline's stages plan for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Target {
+    /// The backend's name (`cpu`, `cuda`, ...), for messages.
+    pub name: &'static str,
+    /// The most distinct input buffers one kernel may read (fusion stops growing a kernel there).
+    pub max_kernel_inputs: usize,
+    /// The most reductions one row kernel may hold: each one re-reads (and recomputes) its
+    /// row, so beyond a few it is cheaper to store values than to recompute them.
+    pub max_row_reductions: usize,
+    /// Speeds and allocation granularity, for offload placement and memory accounting.
+    pub cost: CostModel,
+    /// Elements per unit of parallel work (a CPU task, a GPU block's share): loops are split
+    /// into pieces of this many indices.
+    pub work_granularity: usize,
+    /// Where the device's buffers live.
+    pub memory: MemoryKind,
+    /// Whether the device has a copy engine: transfers from other devices then run on a copy
+    /// stream of their own, overlapping compute, instead of on the reading stream.
+    pub copy_stream: bool,
+    /// Element types its kernels compute with; others are refused where they are recorded.
+    pub dtypes: DTypes,
+}
+
+impl Target {
+    /// The CPU device: these values reproduce the decisions braid made before targets existed.
+    pub const CPU: Target = Target {
+        name: "cpu",
+        max_kernel_inputs: 16,
+        max_row_reductions: 4,
+        cost: CostModel::CPU,
+        work_granularity: 32 * 1024,
+        memory: MemoryKind::Host,
+        copy_stream: false,
+        dtypes: DTypes::ALL,
+    };
+
+    /// Whether this device's kernels read a value held by a device of `source` memory where
+    /// it is (otherwise a transfer copies it first).
+    pub fn reads_in_place(&self, source: MemoryKind) -> bool {
+        self.memory == MemoryKind::Host && source == MemoryKind::Host
+    }
+
+    /// `Ok` when kernels of this target compute with `dtype`; otherwise why not.
+    pub fn check_dtype(&self, dtype: DType) -> Result<(), String> {
+        if self.dtypes.contains(dtype) {
+            Ok(())
+        } else {
+            Err(format!("{} kernels have no {dtype} (convert with to_dtype first)", self.name))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dtype_sets_hold_exactly_their_members() {
+        let set = DTypes::of(&[DType::F32, DType::I32]);
+        for d in DType::ALL {
+            assert_eq!(set.contains(d), matches!(d, DType::F32 | DType::I32), "{d}");
+            assert!(DTypes::ALL.contains(d));
+        }
+        let gpu = Target { dtypes: set, ..Target::CPU };
+        assert!(gpu.check_dtype(DType::F32).is_ok());
+        assert!(gpu.check_dtype(DType::F64).unwrap_err().contains("f64"));
+    }
+
+    #[test]
+    fn only_host_memory_is_read_in_place_across_devices() {
+        let gpu = Target { memory: MemoryKind::Device, ..Target::CPU };
+        assert!(Target::CPU.reads_in_place(MemoryKind::Host));
+        assert!(!Target::CPU.reads_in_place(MemoryKind::Device));
+        assert!(!gpu.reads_in_place(MemoryKind::Host));
+    }
+}
