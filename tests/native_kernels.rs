@@ -90,7 +90,7 @@ fn compiled_kernels_compute_the_interpreters_bits() {
     let start = std::time::Instant::now();
     let mut rng = Rng::new(0x5EED_C0DE);
     let mut cases = vec![edges_case()];
-    cases.extend((0..140).map(|n| map_case(&mut rng, n)));
+    cases.extend((0..140).map(|n| map_case(&mut rng, n, MathLib::Host)));
     // Large loops (tasks of 32Ki indices in parallel), some with a short last dimension.
     for n in 0..6 {
         let dims: Vec<usize> = match n % 3 {
