@@ -652,7 +652,8 @@ pub(crate) fn matmul_case_over(rng: &mut Rng, n: usize, s: MatmulSpec) -> Case {
         let zero = if d.is_float() { b.constant(0.0, d.compute()) } else { b.int_constant(0, d) };
         let y = b.max(sum, zero);
         let dims = [s.batches * s.m, s.n];
-        let view = |strides: [isize; 2]| View { dims: dims.as_slice().into(), strides: strides.as_slice().into(), offset: 0 };
+        let view =
+            |strides: [isize; 2]| View { dims: dims.as_slice().into(), strides: strides.as_slice().into(), offset: 0 };
         let loads = vec![
             Load { arg: product, dtype: d, view: view([s.n as isize, 1]) },
             Load { arg: 2, dtype: d, view: view([0, 1]) },

@@ -159,7 +159,10 @@ impl Blas {
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         };
-        r.map_err(|e| status(e.0, &format!("cublasGemmStridedBatchedEx ({dtype}, {m} x {n} x {k}, {batches} batches)")).unwrap_err())
+        r.map_err(|e| {
+            status(e.0, &format!("cublasGemmStridedBatchedEx ({dtype}, {m} x {n} x {k}, {batches} batches)"))
+                .unwrap_err()
+        })
     }
 
     /// The data type and compute type of a product in `dtype`.

@@ -40,7 +40,10 @@ unsafe impl Sync for Module {}
 impl Module {
     /// The entry point `name` (an `extern "C" __global__` function of the source).
     pub fn function(&self, name: &str) -> Result<CUfunction, DeviceError> {
-        self.functions.get(name).copied().ok_or_else(|| DeviceError::Internal(format!("no entry `{name}` in the module")))
+        self.functions
+            .get(name)
+            .copied()
+            .ok_or_else(|| DeviceError::Internal(format!("no entry `{name}` in the module")))
     }
 
     pub fn gpu(&self) -> &Arc<Gpu> {
@@ -69,7 +72,8 @@ fn load(gpu: &Arc<Gpu>, image: &[u8], entries: &[&str]) -> Result<Module, Device
     for &name in entries {
         let c = CString::new(name).map_err(|_| DeviceError::Internal(format!("entry name {name:?}")))?;
         // SAFETY: the module is loaded; `c` is a valid C string.
-        let f = unsafe { cu::module::get_function(module.raw, c) }.or_device(&format!("entry `{name}` (cuModuleGetFunction)"))?;
+        let f = unsafe { cu::module::get_function(module.raw, c) }
+            .or_device(&format!("entry `{name}` (cuModuleGetFunction)"))?;
         module.functions.insert(name.to_string(), f);
     }
     Ok(module)

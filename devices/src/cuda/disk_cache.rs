@@ -145,7 +145,9 @@ impl DiskCache {
         }
         match rkyv::deserialize::<EntryKey, RkyvError>(&entry.key) {
             Ok(stored) if &stored == key => {}
-            Ok(_) => return Lookup::Rejected(format!("{} holds another kernel's entry (its key differs)", path.display())),
+            Ok(_) => {
+                return Lookup::Rejected(format!("{} holds another kernel's entry (its key differs)", path.display()));
+            }
             Err(e) => return Lookup::Rejected(format!("{} has an unreadable key ({e})", path.display())),
         }
         let image = entry.image.as_slice().to_vec();
@@ -158,7 +160,12 @@ impl DiskCache {
 
     /// Stores `image` for `key`, atomically replacing any entry there.
     pub fn store(&self, key: &EntryKey, image: &[u8]) -> Result<(), String> {
-        let entry = Entry { format: FORMAT, key: key.clone(), checksum: hash128(0xC4EC, &image.to_vec()), image: image.to_vec() };
+        let entry = Entry {
+            format: FORMAT,
+            key: key.clone(),
+            checksum: hash128(0xC4EC, &image.to_vec()),
+            image: image.to_vec(),
+        };
         let bytes = rkyv::to_bytes::<RkyvError>(&entry).map_err(|e| format!("cannot archive an entry: {e}"))?;
         let path = self.path(key);
         static COUNTER: AtomicU64 = AtomicU64::new(0);

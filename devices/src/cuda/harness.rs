@@ -80,11 +80,20 @@ pub fn run_compiled_on_gpu(
 ) -> Result<(), DeviceError> {
     let kernel = compiled.kernel();
     if args.len() != kernel.args.len() {
-        return Err(DeviceError::Internal(format!("{} buffers for a kernel of {} arguments", args.len(), kernel.args.len())));
+        return Err(DeviceError::Internal(format!(
+            "{} buffers for a kernel of {} arguments",
+            args.len(),
+            kernel.args.len()
+        )));
     }
     for (i, (a, bytes)) in kernel.args.iter().zip(args.iter()).enumerate() {
         if bytes.len() < a.len * a.dtype.size() {
-            return Err(DeviceError::Internal(format!("argument {i}: {} bytes for {} {}", bytes.len(), a.len, a.dtype)));
+            return Err(DeviceError::Internal(format!(
+                "argument {i}: {} bytes for {} {}",
+                bytes.len(),
+                a.len,
+                a.dtype
+            )));
         }
     }
     // One chunk for every argument and the scratch memory, each part aligned to 256 bytes.

@@ -96,7 +96,8 @@ pub struct CudaKernel {
 impl CudaKernel {
     /// Prints and compiles `kernel` (through `compiler`'s caches).
     pub fn new(compiler: &Compiler, kernel: &Kernel) -> Result<CudaKernel, DeviceError> {
-        let source = cuda::print(kernel, KERNEL_NAME).map_err(|e| DeviceError::Internal(format!("printing CUDA C: {e}")))?;
+        let source =
+            cuda::print(kernel, KERNEL_NAME).map_err(|e| DeviceError::Internal(format!("printing CUDA C: {e}")))?;
         let names: Vec<&str> = source.entries.iter().map(|e| e.name.as_str()).collect();
         let module =
             if names.is_empty() { None } else { Some(compiler.module(&source.source, KERNEL_NAME, &names)?) };
@@ -150,7 +151,11 @@ impl CudaKernel {
         options: LaunchOptions,
     ) -> Result<(), DeviceError> {
         if args.len() != self.kernel.args.len() {
-            return Err(DeviceError::Internal(format!("{} addresses for a kernel of {}", args.len(), self.kernel.args.len())));
+            return Err(DeviceError::Internal(format!(
+                "{} addresses for a kernel of {}",
+                args.len(),
+                self.kernel.args.len()
+            )));
         }
         let mut params = args.to_vec();
         if self.source.params.len() == args.len() + 1 {

@@ -95,7 +95,11 @@ fn copy_kernel(o: &MatmulOperand, arg: Arg, rows: usize, cols: usize) -> Kernel 
         let out = View { dims: dims.into(), strides: Shape::new(dims).contiguous_strides(), offset: out_offset };
         MapLoop {
             dims: dims.into(),
-            loads: vec![Load { arg: 0, dtype: arg.dtype, view: View { dims: dims.into(), strides: strides.into(), offset } }],
+            loads: vec![Load {
+                arg: 0,
+                dtype: arg.dtype,
+                view: View { dims: dims.into(), strides: strides.into(), offset },
+            }],
             expr: b.finish(),
             stores: vec![Store { arg: 1, dtype: arg.dtype, view: out, value: x }],
         }
@@ -147,7 +151,10 @@ impl MatmulPlan {
             std::cmp::Ordering::Less => {
                 let a = kernel.args[mm.product as usize];
                 if a.dtype != mm.dtype || a.len != total {
-                    return Err(bad(format!("product of {total} {} into an argument of {} {}", mm.dtype, a.len, a.dtype)));
+                    return Err(bad(format!(
+                        "product of {total} {} into an argument of {} {}",
+                        mm.dtype, a.len, a.dtype
+                    )));
                 }
                 Some(mm.product)
             }
@@ -173,12 +180,28 @@ impl MatmulPlan {
         let empty = mm.m == 0 || mm.n == 0 || mm.k == 0 || batches == 0;
         let (lhs, rhs) = if empty {
             // Nothing is read: no copies, no calls (a `k == 0` product is zeros).
-            let none = |o: &MatmulOperand| OperandPlan { arg: o.arg, copy: None, op: Op::N, ld: 1, batches: Batches::Each(vec![]) };
+            let none = |o: &MatmulOperand| OperandPlan {
+                arg: o.arg,
+                copy: None,
+                op: Op::N,
+                ld: 1,
+                batches: Batches::Each(vec![]),
+            };
             (none(&mm.lhs), none(&mm.rhs))
         } else {
             (plan_operand(&mm.lhs, mm.m, mm.k)?, plan_operand(&mm.rhs, mm.k, mm.n)?)
         };
-        Ok(MatmulPlan { dtype: mm.dtype, batches, m: mm.m, n: mm.n, k: mm.k, product, lhs, rhs, scratch_bytes: scratch })
+        Ok(MatmulPlan {
+            dtype: mm.dtype,
+            batches,
+            m: mm.m,
+            n: mm.n,
+            k: mm.k,
+            product,
+            lhs,
+            rhs,
+            scratch_bytes: scratch,
+        })
     }
 
     pub fn scratch_bytes(&self) -> usize {
@@ -226,22 +249,40 @@ impl MatmulPlan {
         };
         let dims = (self.n as i32, self.m as i32, self.k as i32);
         let (ldc, c_stride) = (self.n as i32, (self.m * self.n) as i64);
-        let strided = matches!(
-            (&self.lhs.batches, &self.rhs.batches),
-            (Batches::Strided { .. }, Batches::Strided { .. })
-        );
+        let strided =
+            matches!((&self.lhs.batches, &self.rhs.batches), (Batches::Strided { .. }, Batches::Strided { .. }));
         // C^T = B^T A^T: cuBLAS's first operand is braid's right-hand side.
         let (a, b) = ((&self.rhs, base[1]), (&self.lhs, base[0]));
         if strided {
             // SAFETY: the caller's contract; layouts checked by `layout` when planned.
             return unsafe {
-                blas.gemm_strided(self.dtype, dims, operand(a.0, a.1, 0), operand(b.0, b.1, 0), product, ldc, c_stride, self.batches as i32)
+                blas.gemm_strided(
+                    self.dtype,
+                    dims,
+                    operand(a.0, a.1, 0),
+                    operand(b.0, b.1, 0),
+                    product,
+                    ldc,
+                    c_stride,
+                    self.batches as i32,
+                )
             };
         }
         for batch in 0..self.batches {
             let c = product + (batch * self.m * self.n * size) as u64;
             // SAFETY: as above, one batch at a time.
-            unsafe { blas.gemm_strided(self.dtype, dims, operand(a.0, a.1, batch), operand(b.0, b.1, batch), c, ldc, c_stride, 1)? };
+            unsafe {
+                blas.gemm_strided(
+                    self.dtype,
+                    dims,
+                    operand(a.0, a.1, batch),
+                    operand(b.0, b.1, batch),
+                    c,
+                    ldc,
+                    c_stride,
+                    1,
+                )?
+            };
         }
         Ok(())
     }

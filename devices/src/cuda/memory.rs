@@ -89,7 +89,12 @@ pub unsafe fn free_host_chunk(gpu: &Gpu, ptr: *mut u8) -> Result<(), DeviceError
 /// # Safety
 /// The GPU's context is current; `src` is readable and `dst` writable for `bytes` until the
 /// stream reaches the copy; `stream` is alive.
-pub unsafe fn copy_host_to_device(dst: CUdeviceptr, src: *const u8, bytes: usize, stream: CUstream) -> Result<(), DeviceError> {
+pub unsafe fn copy_host_to_device(
+    dst: CUdeviceptr,
+    src: *const u8,
+    bytes: usize,
+    stream: CUstream,
+) -> Result<(), DeviceError> {
     if bytes == 0 {
         return Ok(());
     }
@@ -105,7 +110,12 @@ pub unsafe fn copy_host_to_device(dst: CUdeviceptr, src: *const u8, bytes: usize
 ///
 /// # Safety
 /// As [`copy_host_to_device`], with `dst` writable host memory.
-pub unsafe fn copy_device_to_host(dst: *mut u8, src: CUdeviceptr, bytes: usize, stream: CUstream) -> Result<(), DeviceError> {
+pub unsafe fn copy_device_to_host(
+    dst: *mut u8,
+    src: CUdeviceptr,
+    bytes: usize,
+    stream: CUstream,
+) -> Result<(), DeviceError> {
     if bytes == 0 {
         return Ok(());
     }
@@ -119,7 +129,12 @@ pub unsafe fn copy_device_to_host(dst: *mut u8, src: CUdeviceptr, bytes: usize, 
 ///
 /// # Safety
 /// As [`copy_host_to_device`], both addresses on the device, the ranges not overlapping.
-pub unsafe fn copy_device_to_device(dst: CUdeviceptr, src: CUdeviceptr, bytes: usize, stream: CUstream) -> Result<(), DeviceError> {
+pub unsafe fn copy_device_to_device(
+    dst: CUdeviceptr,
+    src: CUdeviceptr,
+    bytes: usize,
+    stream: CUstream,
+) -> Result<(), DeviceError> {
     if bytes == 0 {
         return Ok(());
     }

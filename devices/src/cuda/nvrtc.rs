@@ -118,7 +118,9 @@ pub fn compile(source: &str, name: &str, target: &Target) -> Result<Vec<u8>, Dev
     let mut raw: nvrtcProgram = std::ptr::null_mut();
     // SAFETY: valid C strings that outlive the program; no headers are passed in memory.
     check(
-        unsafe { sys::nvrtcCreateProgram(&mut raw, src.as_ptr(), file.as_ptr(), 0, std::ptr::null(), std::ptr::null()) },
+        unsafe {
+            sys::nvrtcCreateProgram(&mut raw, src.as_ptr(), file.as_ptr(), 0, std::ptr::null(), std::ptr::null())
+        },
         "nvrtcCreateProgram",
     )?;
     let program = Program(raw);

@@ -44,7 +44,12 @@ fn batch_offset(out: &mut String, op: &MatmulOperand, table: &str) -> String {
 }
 
 /// Prints the product of `m` (an integer dtype) into parameter `m.product` as entry `name`.
-pub(super) fn print_int_product(out: &mut String, m: &MatmulKernel, name: &str, params: &[Param]) -> Result<Entry, String> {
+pub(super) fn print_int_product(
+    out: &mut String,
+    m: &MatmulKernel,
+    name: &str,
+    params: &[Param],
+) -> Result<Entry, String> {
     let (unsigned, ty) = match m.dtype {
         DType::I32 => ("unsigned", "int"),
         DType::I64 => ("unsigned long long", "long long"),
@@ -62,9 +67,15 @@ pub(super) fn print_int_product(out: &mut String, m: &MatmulKernel, name: &str, 
     let total = batches * m.m * m.n;
     match params.get(m.product as usize) {
         Some(p) if p.writable && p.dtype == m.dtype && p.len == total => {}
-        _ => return Err(format!("matmul product of {total} {} into argument {} that cannot hold it", m.dtype, m.product)),
+        _ => {
+            return Err(format!(
+                "matmul product of {total} {} into argument {} that cannot hold it",
+                m.dtype, m.product
+            ));
+        }
     }
-    let _ = writeln!(out, "\n// Integer matrix product: {batches} x [{}, {}] x [{}, {}], wrapping.", m.m, m.k, m.k, m.n);
+    let _ =
+        writeln!(out, "\n// Integer matrix product: {batches} x [{}, {}] x [{}, {}], wrapping.", m.m, m.k, m.k, m.n);
     let lo = batch_offset(out, &m.lhs, &format!("{name}_lhs_offsets"));
     let ro = batch_offset(out, &m.rhs, &format!("{name}_rhs_offsets"));
     let _ = writeln!(out, "{} {{", signature(name, params));
