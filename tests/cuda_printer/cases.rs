@@ -136,6 +136,7 @@ pub(crate) fn random_view(rng: &mut Rng, dims: &[usize], broadcast: bool) -> (Vi
 
 /// Whose math functions the printed code runs with.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[allow(dead_code)] // each test binary uses one of them
 pub(crate) enum MathLib {
     /// The host's libm (g++): only f32 `exp` and `tanh` differ from the CPU (braid's own
     /// polynomials there).
