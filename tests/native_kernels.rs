@@ -90,7 +90,7 @@ fn compiled_kernels_compute_the_interpreters_bits() {
     let start = std::time::Instant::now();
     let mut rng = Rng::new(0x5EED_C0DE);
     let mut cases = vec![edges_case()];
-    cases.extend((0..140).map(|n| map_case(&mut rng, n)));
+    cases.extend((0..140).map(|n| map_case(&mut rng, n, MathLib::Host)));
     // Large loops (tasks of 32Ki indices in parallel), some with a short last dimension.
     for n in 0..6 {
         let dims: Vec<usize> = match n % 3 {
@@ -98,7 +98,7 @@ fn compiled_kernels_compute_the_interpreters_bits() {
             1 => vec![300 + rng.below(200), 250 + rng.below(200)],
             _ => vec![20_000 + rng.below(9_000), 1 + rng.below(5), 2],
         };
-        cases.push(map_case_over(&mut rng, 1000 + n, &dims));
+        cases.push(map_case_over(&mut rng, 1000 + n, &dims, MathLib::Host));
     }
     cases.extend((0..6).map(|n| concat_case(&mut rng, n)));
     let cases: Vec<Case> = cases.into_iter().map(without_half).collect();

@@ -7,6 +7,8 @@
 //! plans, fuses or reorders.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod runtime;
 
 pub use runtime::pool::MemoryStats;

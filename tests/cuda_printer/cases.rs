@@ -1,6 +1,9 @@
-//! The kernels the CUDA printer test prints: random map loops over every dtype and view kind,
-//! row kernels for every reduction along each axis, concatenations, matrix product epilogues and
-//! edge cases, each with random inputs (never all zeros).
+//! The kernels the CUDA printer tests print: random map loops over every dtype and view kind,
+//! row kernels for every reduction along each axis, concatenations, matrix products with their
+//! epilogues and edge cases, each with random inputs (never all zeros). Shared by
+//! `tests/cuda_printer.rs` (printed kernels compiled by g++ on the host) and
+//! `tests/cuda_kernels.rs` (compiled by NVRTC and run on a GPU); [`MathLib`] says whose math
+//! functions the printed code calls, which decides what may differ from the CPU by a few ulps.
 
 use super::common::Rng;
 use braid_devices::cpu::map::ArgPtr;
@@ -75,6 +78,12 @@ pub(crate) fn element(d: DType, b: &[u8], i: usize) -> Result<f64, i64> {
 /// Random contents for an argument, never all zeros (bools also hold bytes other than 0 and 1;
 /// floats a few NaNs, infinities, -0 and values that overflow f16).
 pub(crate) fn random_values(rng: &mut Rng, d: DType, n: usize, positive: bool) -> Vec<f64> {
+    random_values_with(rng, d, n, positive, true)
+}
+
+/// As [`random_values`]; floats without the special values unless `specials` (in long rows
+/// they would make every result NaN; matrix products are compared relative to their terms).
+pub(crate) fn random_values_with(rng: &mut Rng, d: DType, n: usize, positive: bool, specials: bool) -> Vec<f64> {
     let mut v: Vec<f64> = (0..n)
         .map(|_| match d {
             DType::Bool if rng.chance(0.1) => (2 + rng.below(254)) as f64,
@@ -82,7 +91,9 @@ pub(crate) fn random_values(rng: &mut Rng, d: DType, n: usize, positive: bool) -
             DType::U8 => rng.below(256) as f64,
             DType::I32 | DType::I64 => rng.below(101) as f64 - 50.0,
             _ if positive => rng.uniform(0.25, 3.0),
-            _ if rng.chance(0.05) => *rng.pick(&[f64::NAN, f64::INFINITY, f64::NEG_INFINITY, -0.0, 1e10, 70000.0]),
+            _ if specials && rng.chance(0.05) => {
+                *rng.pick(&[f64::NAN, f64::INFINITY, f64::NEG_INFINITY, -0.0, 1e10, 70000.0])
+            }
             _ => rng.uniform(-3.0, 3.0),
         })
         .collect();
@@ -123,15 +134,39 @@ pub(crate) fn random_view(rng: &mut Rng, dims: &[usize], broadcast: bool) -> (Vi
     (View { dims: dims.into(), strides: strides.into(), offset }, offset + reach + 1 + rng.below(2))
 }
 
+/// Whose math functions the printed code runs with.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[allow(dead_code)] // each test binary uses one of them
+pub(crate) enum MathLib {
+    /// The host's libm (g++): only f32 `exp` and `tanh` differ from the CPU (braid's own
+    /// polynomials there).
+    Host,
+    /// CUDA's: every transcendental function (`exp`, `log`, `sin`, `cos`, `tanh`, `pow`, in f32
+    /// and f64, and so normal random variates, which call `log` and `cos`) is within a few ulps
+    /// of the CPU's, not equal. Square roots and divisions are correctly rounded on both.
+    Cuda,
+}
+
+impl MathLib {
+    /// Whether node op `op` of dtype `d` may differ from the CPU's by a few ulps by itself.
+    fn approximates(self, op: ExprOp, d: DType) -> bool {
+        use PrimUnary::*;
+        match (self, op) {
+            (_, ExprOp::Reduce(ReduceOp::Sum | ReduceOp::Mean, _)) => d.is_float(),
+            (MathLib::Host, ExprOp::Unary(Exp | Tanh, _)) => d == DType::F32,
+            (MathLib::Cuda, ExprOp::Unary(Exp | Tanh | Log | Sin | Cos, _)) => true,
+            (MathLib::Cuda, ExprOp::Binary(PrimBinary::Pow, ..)) => true,
+            (MathLib::Cuda, ExprOp::Random { dist: Distribution::Normal, .. }) => true,
+            _ => false,
+        }
+    }
+}
+
 /// Per node: whether its value may differ from the CPU's by a few ulps (see the module docs).
-pub(crate) fn approximate(expr: &Expr) -> Vec<bool> {
+pub(crate) fn approximate(expr: &Expr, lib: MathLib) -> Vec<bool> {
     let mut t = vec![false; expr.nodes.len()];
     for (i, n) in expr.nodes.iter().enumerate() {
-        t[i] = match n.op {
-            ExprOp::Unary(PrimUnary::Exp | PrimUnary::Tanh, _) if n.dtype == DType::F32 => true,
-            ExprOp::Reduce(ReduceOp::Sum | ReduceOp::Mean, _) if n.dtype.is_float() => true,
-            op => op.operands().iter().any(|&o| t[o]),
-        };
+        t[i] = lib.approximates(n.op, n.dtype) || n.op.operands().iter().any(|&o| t[o]);
     }
     t
 }
@@ -143,6 +178,7 @@ struct Dag {
     b: ExprBuilder,
     taint: Vec<bool>,
     short: Vec<bool>,
+    lib: MathLib,
 }
 
 impl Dag {
@@ -191,7 +227,8 @@ impl Dag {
                 };
                 let op = *rng.pick(ops);
                 let id = self.b.unary(op, x);
-                self.add(id, tx || (d == F32 && matches!(op, Exp | Tanh)), sx && matches!(op, Neg | Abs));
+                let t = tx || self.lib.approximates(ExprOp::Unary(op, x), d);
+                self.add(id, t, sx && matches!(op, Neg | Abs));
             }
             2..=4 => {
                 let Some(x) = self.pick(rng, |i| self.b.dtype(i) != Bool) else { return };
@@ -210,6 +247,7 @@ impl Dag {
                 let op = *rng.pick(ops);
                 let short = matches!(op, Max | Min) && self.short[x as usize] && self.short[y as usize];
                 let id = self.b.binary(op, x, y);
+                let t = t || self.lib.approximates(ExprOp::Binary(op, x, y), d);
                 self.add(id, t, short);
             }
             5 => {
@@ -273,8 +311,11 @@ impl Dag {
                         }
                     };
                     let dist = *rng.pick(&[Distribution::Uniform, Distribution::Normal]);
-                    let id = self.b.random(rng.next(), dist, operand, *rng.pick(&[F32, F64]));
-                    self.add(id, false, false);
+                    let seed = rng.next();
+                    let d = *rng.pick(&[F32, F64]);
+                    let id = self.b.random(seed, dist, operand, d);
+                    let t = self.lib.approximates(ExprOp::Random { seed, dist, operand }, d);
+                    self.add(id, t, false);
                 }
             },
         }
@@ -304,13 +345,13 @@ pub(crate) fn new_case(label: String, inputs: usize, body: Body) -> Case {
 
 /// A random map loop over 1-3 dimensions: 1-3 inputs of any dtype read through 1-2 random views
 /// each, a random DAG, its sinks stored through random views (at most 4, the last node always).
-pub(crate) fn map_case(rng: &mut Rng, n: usize) -> Case {
+pub(crate) fn map_case(rng: &mut Rng, n: usize, lib: MathLib) -> Case {
     let dims: Vec<usize> = (0..1 + rng.below(3)).map(|_| 1 + rng.below(5)).collect();
-    map_case_over(rng, n, &dims)
+    map_case_over(rng, n, &dims, lib)
 }
 
 /// A random map loop (as [`map_case`]) over `dims`.
-pub(crate) fn map_case_over(rng: &mut Rng, n: usize, dims: &[usize]) -> Case {
+pub(crate) fn map_case_over(rng: &mut Rng, n: usize, dims: &[usize], lib: MathLib) -> Case {
     let inputs = 1 + rng.below(3);
     let mut c = new_case(format!("map {n}"), inputs, Body::Map(vec![]));
     let mut loads = vec![];
@@ -325,7 +366,7 @@ pub(crate) fn map_case_over(rng: &mut Rng, n: usize, dims: &[usize]) -> Case {
         c.kernel.args.push(Arg { dtype: d, len });
         c.init.push(encode(d, &random_values(rng, d, len, false)));
     }
-    let mut dag = Dag { b: ExprBuilder::new(), taint: vec![], short: vec![] };
+    let mut dag = Dag { b: ExprBuilder::new(), taint: vec![], short: vec![], lib };
     for (slot, l) in loads.iter().enumerate() {
         let id = dag.b.load(slot as u16, l.dtype);
         dag.add(id, false, !matches!(l.dtype, DType::F32 | DType::F64));
@@ -354,11 +395,25 @@ pub(crate) fn map_case_over(rng: &mut Rng, n: usize, dims: &[usize]) -> Case {
 /// A row kernel along a random axis (or none): one reduction of each op with a prologue and an
 /// epilogue, a softmax, a layer norm, or an argmax with a one-hot and random numbers. Reads
 /// `x`, and `c`, constant along the row; stores per-row and per-element values.
-pub(crate) fn rows_case(rng: &mut Rng, n: usize) -> Case {
-    use DType::*;
+pub(crate) fn rows_case(rng: &mut Rng, n: usize, lib: MathLib) -> Case {
     let rank = 1 + rng.below(3);
     let dims: Vec<usize> = (0..rank).map(|_| *rng.pick(&[1, 2, 3, 4, 6])).collect();
     let axis = if rng.chance(0.25) { None } else { Some(rng.below(rank)) };
+    rows_case_over(rng, n, &dims, axis, lib, true)
+}
+
+/// A random row kernel (as [`rows_case`]) over `dims` along `axis`; float inputs hold special
+/// values only if `specials`.
+pub(crate) fn rows_case_over(
+    rng: &mut Rng,
+    n: usize,
+    dims: &[usize],
+    axis: Option<usize>,
+    lib: MathLib,
+    specials: bool,
+) -> Case {
+    use DType::*;
+    let rank = dims.len();
     let on_row = |d: usize| axis.is_none_or(|a| a == d);
     let float = rng.chance(0.6);
     let xd = if float { *rng.pick(&[F32, F32, F64, F16, BF16]) } else { *rng.pick(&[I32, I64, U8]) };
@@ -367,14 +422,15 @@ pub(crate) fn rows_case(rng: &mut Rng, n: usize) -> Case {
     let all = [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::ArgMax, ReduceOp::Mean];
     let ops = if float { &all[..] } else { &all[..4] };
     let op = *rng.pick(ops);
-    let mut c = new_case(format!("rows {n} (template {template}, {op:?})"), 2, Body::Map(vec![]));
-    let (xv, xlen) = random_view(rng, &dims, true);
-    let (mut cv, clen) = random_view(rng, &dims, true);
+    let label = format!("rows {n} (template {template}, {op:?}, {xd}, dims {dims:?}, axis {axis:?})");
+    let mut c = new_case(label, 2, Body::Map(vec![]));
+    let (xv, xlen) = random_view(rng, dims, true);
+    let (mut cv, clen) = random_view(rng, dims, true);
     (0..rank).filter(|&d| on_row(d)).for_each(|d| cv.strides[d] = 0);
     let positive = template == 0 && matches!(op, ReduceOp::Sum | ReduceOp::Mean);
     for len in [xlen, clen] {
         c.kernel.args.push(Arg { dtype: xd, len });
-        c.init.push(encode(xd, &random_values(rng, xd, len, positive)));
+        c.init.push(encode(xd, &random_values_with(rng, xd, len, positive, specials)));
     }
     let loads = vec![Load { arg: 0, dtype: xd, view: xv }, Load { arg: 1, dtype: xd, view: cv }];
     let mut b = ExprBuilder::new();
@@ -402,7 +458,9 @@ pub(crate) fn rows_case(rng: &mut Rng, n: usize) -> Case {
     };
     match template {
         0 => {
-            let p = prologue(&mut b, rng, float && !(op == ReduceOp::ArgMax && xd.compute() == F32));
+            // No argmax of approximate values: a different ulp may pick another position.
+            let exact_exp = lib == MathLib::Host && xd.compute() != F32;
+            let p = prologue(&mut b, rng, float && (op != ReduceOp::ArgMax || exact_exp));
             let r = b.reduce(op, p);
             values.push((r, true));
             let e = match (op, rng.below(5)) {
@@ -456,8 +514,8 @@ pub(crate) fn rows_case(rng: &mut Rng, n: usize) -> Case {
     let row_dims: Vec<usize> = (0..rank).map(|d| if on_row(d) { 1 } else { dims[d] }).collect();
     let mut stores = vec![];
     for (v, per_row) in values {
-        let (mut view, len) = random_view(rng, if per_row { &row_dims } else { &dims }, false);
-        view.dims = dims.as_slice().into();
+        let (mut view, len) = random_view(rng, if per_row { &row_dims } else { dims }, false);
+        view.dims = dims.into();
         (0..rank).filter(|&d| per_row && on_row(d)).for_each(|d| view.strides[d] = 0);
         let arg = c.kernel.args.len();
         stores.push(output(rng, b.dtype(v), view, len, v, arg, &mut c));
@@ -499,40 +557,113 @@ pub(crate) fn concat_case(rng: &mut Rng, n: usize) -> Case {
     c
 }
 
-/// `relu(a @ b + bias)`: the printed epilogue reads the product the CPU wrote.
+/// The shape of a random matrix product for [`matmul_case_over`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct MatmulSpec {
+    pub(crate) dtype: DType,
+    pub(crate) batches: usize,
+    pub(crate) m: usize,
+    pub(crate) k: usize,
+    pub(crate) n: usize,
+    /// The product in scratch memory the target provides (needs an epilogue) rather than in an
+    /// output argument.
+    pub(crate) scratch: bool,
+    /// `max(product + bias, 0)` after the product, stored as another output.
+    pub(crate) epilogue: bool,
+}
+
+/// A small random matrix product (a float one takes its product from the CPU: the printer only
+/// prints its epilogue; an integer one prints its product too).
 pub(crate) fn matmul_case(rng: &mut Rng, n: usize) -> Case {
+    let dtype = *rng.pick(&[DType::F32, DType::F32, DType::I32, DType::I64, DType::U8]);
     let (m, k, nn) = (1 + rng.below(4), 1 + rng.below(4), 1 + rng.below(4));
-    let mut c = new_case(format!("matmul {n}"), 3, Body::Map(vec![]));
-    for len in [m * k, k * nn, nn, m * nn] {
-        c.kernel.args.push(Arg { dtype: DType::F32, len });
-        c.init.push(encode(DType::F32, &random_values(rng, DType::F32, len, false)));
+    let spec = MatmulSpec { dtype, batches: 1 + rng.below(3), m, k, n: nn, scratch: false, epilogue: true };
+    let mut c = matmul_case_over(rng, n, spec);
+    if dtype.is_float() {
+        c.from_cpu = vec![3];
     }
-    let transposed = rng.chance(0.5);
-    let rhs = if transposed { (1, k as isize) } else { (nn as isize, 1) };
-    let mut b = ExprBuilder::new();
-    let (p, bias) = (b.load(0, DType::F32), b.load(1, DType::F32));
-    let s = b.add(p, bias);
-    let zero = b.constant(0.0, DType::F32);
-    let y = b.max(s, zero);
-    let view =
-        |strides: [isize; 2]| View { dims: [m, nn].as_slice().into(), strides: strides.as_slice().into(), offset: 0 };
-    let loads = vec![
-        Load { arg: 3, dtype: DType::F32, view: view([nn as isize, 1]) },
-        Load { arg: 2, dtype: DType::F32, view: view([0, 1]) },
-    ];
-    let store = output(rng, DType::F32, view([nn as isize, 1]), m * nn, y, 4, &mut c);
-    let epilogue = MapLoop { dims: [m, nn].as_slice().into(), loads, expr: b.finish(), stores: vec![store] };
-    c.kernel.body = Body::Matmul(MatmulKernel {
-        dtype: DType::F32,
-        lhs: MatmulOperand { arg: 0, batch_offsets: vec![0], rs: k as isize, cs: 1 },
-        rhs: MatmulOperand { arg: 1, batch_offsets: vec![0], rs: rhs.0, cs: rhs.1 },
-        product: 3,
-        m,
-        n: nn,
-        k,
-        epilogue: Some(epilogue),
+    c
+}
+
+/// One operand (`rows x cols` per batch, argument `arg` of dtype `d`) in a random layout:
+/// row-major or column-major, padded or not, neither dimension of unit stride, rows reversed
+/// (a negative stride) or broadcast (stride 0); batches one after another, all the same
+/// matrix (batch stride 0), or in a shuffled order (offsets no progression describes).
+fn operand(rng: &mut Rng, arg: u16, rows: usize, cols: usize, batches: usize, d: DType, c: &mut Case) -> MatmulOperand {
+    let pad = 1 + rng.below(3);
+    let (rs, cs): (isize, isize) = match rng.below(7) {
+        0 | 1 => (cols as isize, 1),
+        2 => (1, rows as isize),
+        3 => ((cols + pad) as isize, 1),
+        4 => (1, (rows + pad) as isize),
+        5 => ((2 * cols) as isize, 2),
+        6 if rng.chance(0.5) => (-(cols as isize), 1),
+        _ => (0, 1),
+    };
+    // Where element (0, 0) sits in a matrix's footprint, and the footprint's size.
+    let base = if rs < 0 { rows.saturating_sub(1) * rs.unsigned_abs() } else { 0 };
+    let footprint = rows.saturating_sub(1) * rs.unsigned_abs() + cols.saturating_sub(1) * cs.unsigned_abs() + 1;
+    let pre = rng.below(3);
+    let mut slots: Vec<usize> = (0..batches).collect();
+    match rng.below(4) {
+        0 => slots.iter_mut().for_each(|s| *s = 0),
+        1 => {
+            for i in (1..batches).rev() {
+                slots.swap(i, rng.below(i + 1));
+            }
+        }
+        _ => {}
+    }
+    let batch_offsets = slots.iter().map(|s| pre + s * footprint + base).collect();
+    let len = pre + batches * footprint + rng.below(2);
+    c.kernel.args.push(Arg { dtype: d, len });
+    c.init.push(encode(d, &random_values_with(rng, d, len, false, false)));
+    MatmulOperand { arg, batch_offsets, rs, cs }
+}
+
+/// A batched matrix product of shape `s` with random operand layouts (see [`operand`]), the
+/// product in an output argument or scratch memory, and optionally the epilogue
+/// `max(product + bias, 0)`. Arguments: `0` lhs, `1` rhs, `2` bias, then the product (unless
+/// in scratch) and the epilogue's output.
+pub(crate) fn matmul_case_over(rng: &mut Rng, n: usize, s: MatmulSpec) -> Case {
+    let d = s.dtype;
+    let label = format!("matmul {n} ({d}, {} x [{}, {}] x [{}, {}], {s:?})", s.batches, s.m, s.k, s.k, s.n);
+    let inputs = if s.epilogue { 3 } else { 2 };
+    let mut c = new_case(label, inputs, Body::Map(vec![]));
+    let lhs = operand(rng, 0, s.m, s.k, s.batches, d, &mut c);
+    let rhs = operand(rng, 1, s.k, s.n, s.batches, d, &mut c);
+    let total = s.batches * s.m * s.n;
+    if s.epilogue {
+        c.kernel.args.push(Arg { dtype: d, len: s.n });
+        c.init.push(encode(d, &random_values_with(rng, d, s.n, false, false)));
+    }
+    let product = if s.scratch {
+        assert!(s.epilogue, "a product in scratch memory is read by an epilogue");
+        // One past the last argument, once the epilogue's output is added below.
+        inputs as u16 + 1
+    } else {
+        c.kernel.args.push(Arg { dtype: d, len: total });
+        c.init.push(encode(d, &random_values(rng, d, total, false)));
+        inputs as u16
+    };
+    let epilogue = s.epilogue.then(|| {
+        let mut b = ExprBuilder::new();
+        let (p, bias) = (b.load(0, d), b.load(1, d));
+        let sum = b.add(p, bias);
+        let zero = if d.is_float() { b.constant(0.0, d.compute()) } else { b.int_constant(0, d) };
+        let y = b.max(sum, zero);
+        let dims = [s.batches * s.m, s.n];
+        let view =
+            |strides: [isize; 2]| View { dims: dims.as_slice().into(), strides: strides.as_slice().into(), offset: 0 };
+        let loads = vec![
+            Load { arg: product, dtype: d, view: view([s.n as isize, 1]) },
+            Load { arg: 2, dtype: d, view: view([0, 1]) },
+        ];
+        let arg = c.kernel.args.len();
+        let store = output(rng, b.dtype(y), view([s.n as isize, 1]), total, y, arg, &mut c);
+        MapLoop { dims: dims.as_slice().into(), loads, expr: b.finish(), stores: vec![store] }
     });
-    c.from_cpu = vec![3];
+    c.kernel.body = Body::Matmul(MatmulKernel { dtype: d, lhs, rhs, product, m: s.m, n: s.n, k: s.k, epilogue });
     c
 }
 

@@ -205,7 +205,18 @@ pub(super) fn reduction(
         let _ = writeln!(out, "  __shared__ long long idx{i}[{threads}];\n  long long arg{i} = 0;");
     }
     let (acc, v, at) = (format!("acc{i}"), format!("v{x}"), format!("arg{i}"));
+    // Float sums are compensated (Kahan): a thread may fold a million elements of a long row,
+    // and a plain running sum would lose about sqrt(n) ulps. The compensation `cmp` is what the
+    // last addition lost (negated); it stays 0 once the sum is infinite or NaN.
+    let kahan = matches!(op, ReduceOp::Sum | ReduceOp::Mean) && d.is_float();
+    if kahan {
+        let _ = writeln!(out, "  {ty} cmp{i} = {};", identity(op, d));
+    }
     let fold = match op {
+        ReduceOp::Sum | ReduceOp::Mean if kahan => format!(
+            "    {{ const {ty} y = {v} - cmp{i}; const {ty} s = {acc} + y; cmp{i} = isfinite(s) ? (s - {acc}) - y : {zero}; {acc} = s; }}\n",
+            zero = identity(op, d)
+        ),
         ReduceOp::Sum | ReduceOp::Mean => format!("    {acc} = {};\n", binary(PrimBinary::Add, d, &acc, &v)?),
         ReduceOp::ArgMax => {
             format!("    if ({}) {{ {acc} = {v}; {at} = t; }}\n", wins(op, d, [&acc, &v, &at, "t"]))
@@ -215,7 +226,8 @@ pub(super) fn reduction(
     sweep(out, &fold)?;
     let _ = writeln!(
         out,
-        "  red{i}[threadIdx.x] = acc{i};{}\n  __syncthreads();",
+        "  red{i}[threadIdx.x] = acc{i}{};{}\n  __syncthreads();",
+        if kahan { format!(" - cmp{i}") } else { String::new() },
         if arg { format!(" idx{i}[threadIdx.x] = arg{i};") } else { String::new() }
     );
     let _ = writeln!(out, "  for (unsigned s = blockDim.x / 2; s > 0; s /= 2) {{\n    if (threadIdx.x < s) {{");

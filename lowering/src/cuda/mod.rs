@@ -4,11 +4,14 @@
 //! launches them in the order of [`CudaSource::entries`], each with the shape its [`Launch`]
 //! names. A map loop runs one thread per index (a grid-stride loop, so any grid covers it). A
 //! row kernel runs one block per row, a row being every index that differs only along the axis
-//! (the whole space without one): the threads stride over the row folding their elements, a tree
-//! in shared memory combines them, phase after phase as the CPU's `rows` module does
+//! (the whole space without one): the threads stride over the row folding their elements (float
+//! sums compensated, so that a thread folding a long row stays within a few ulps), a tree in
+//! shared memory combines them, phase after phase as the CPU's `rows` module does
 //! (reductions in order, per-row values, per-row stores by one thread, per-element stores in a
-//! last sweep). A matrix product is cuBLAS's job: only its epilogue is printed (no entry at all
-//! when there is none), and the caller must have written the product before launching it.
+//! last sweep). A float matrix product is cuBLAS's job: only its epilogue is printed (no entry at
+//! all when there is none), and the caller must have written the product before launching it
+//! ([`CudaSource::library_product`]). An integer product, which cuBLAS cannot wrap as the CPU
+//! does, is printed as a first entry (`product`).
 //!
 //! The printed code computes what the CPU evaluator computes, bit for bit where IEEE arithmetic
 //! allows: integers wrap, integer division by zero gives 0, float `max`/`min` propagate NaN from
@@ -26,12 +29,14 @@
 //! `__restrict__` because the planner may write an output in place over an input.
 
 mod loops;
+mod product;
 #[cfg(test)]
 mod tests;
 
 pub use crate::cexpr::storage_ctype;
 use crate::cexpr::*;
 use loops::*;
+use product::print_int_product;
 
 use crate::kernel::{Body, Kernel, Load, MapLoop, RowKernel, Store, View};
 use braid_graph::expr::{Expr, ExprOp, PrimBinary};
@@ -54,6 +59,10 @@ pub struct CudaSource {
     /// then, for a matrix product without an argument for it, the scratch buffer holding the
     /// product (read by the epilogue).
     pub params: Vec<DType>,
+    /// Whether the caller computes the kernel's matrix product (a float product, through a
+    /// library such as cuBLAS) into its `product` parameter before launching the entries.
+    /// False for every other kernel, integer products included (their first entry computes it).
+    pub library_product: bool,
 }
 
 /// One `extern "C" __global__` function.
@@ -94,6 +103,7 @@ pub fn print(kernel: &Kernel, name: &str) -> Result<CudaSource, String> {
         .collect();
     let mut body = String::new();
     let mut entries = Vec::new();
+    let mut library_product = false;
     let exprs: Vec<&Expr> = match &kernel.body {
         Body::Map(loops) => loops.iter().map(|l| &l.expr).collect(),
         Body::Rows(r) => vec![&r.expr],
@@ -108,11 +118,16 @@ pub fn print(kernel: &Kernel, name: &str) -> Result<CudaSource, String> {
         }
         Body::Rows(r) => entries.push(print_rows(&mut body, r, &format!("{name}_rows"), &params)?),
         Body::Matmul(m) => {
+            library_product = m.dtype.is_float();
             if m.product as usize == params.len() {
                 let len = m.lhs.batch_offsets.len() * m.m * m.n;
-                params.push(Param { dtype: m.dtype, len, writable: false });
+                // Scratch memory: written by a printed product, else only read.
+                params.push(Param { dtype: m.dtype, len, writable: !library_product });
             } else if m.product as usize > params.len() {
                 return Err(format!("matmul product in argument {} of {}", m.product, params.len()));
+            }
+            if !library_product {
+                entries.push(print_int_product(&mut body, m, &format!("{name}_product"), &params)?);
             }
             if let Some(e) = &m.epilogue {
                 entries.push(print_map(&mut body, e, &format!("{name}_epilogue"), &params)?);
@@ -128,7 +143,7 @@ pub fn print(kernel: &Kernel, name: &str) -> Result<CudaSource, String> {
     }
     source.push_str(&helpers("__device__ __forceinline__"));
     source.push_str(&body);
-    Ok(CudaSource { source, entries, params: params.iter().map(|p| p.dtype).collect() })
+    Ok(CudaSource { source, entries, params: params.iter().map(|p| p.dtype).collect(), library_product })
 }
 
 /// [`check_printable`] against the entry points' parameters.

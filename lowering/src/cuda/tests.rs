@@ -200,9 +200,12 @@ fn a_softmax_row_kernel_runs_the_cpu_phases() {
             "__syncthreads();",
             "for (unsigned s = blockDim.x / 2; s > 0; s /= 2) {",
             "const float v1 = red1[0];",
-            // Phase 2: the sum of exp(x - max).
+            // Phase 2: the sum of exp(x - max), compensated (Kahan) per thread, the
+            // compensation left out once the sum is infinite.
+            "float cmp4 = 0.0f;",
             "const float v3 = expf(v2);",
-            "acc4 = acc4 + v3;",
+            "{ const float y = v3 - cmp4; const float s = acc4 + y; cmp4 = isfinite(s) ? (s - acc4) - y : 0.0f; acc4 = s; }",
+            "red4[threadIdx.x] = acc4 - cmp4;",
             "red4[threadIdx.x] = red4[threadIdx.x] + red4[threadIdx.x + s];",
             "const float v4 = red4[0];",
             // Per-row stores by one thread, then per-element ones in a last sweep.

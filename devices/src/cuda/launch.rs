@@ -1,0 +1,181 @@
+//! Launching a compiled kernel on a stream: a printed [`CudaSource`]'s entries in order, each
+//! with the grid and block its [`Launch`] asks for, over raw device addresses; a float matrix
+//! product through cuBLAS first ([`super::matmul`]).
+//!
+//! Grids: a map entry (a grid-stride loop) gets one thread per index in blocks of the printed
+//! size, at most 32 blocks per multiprocessor (the loop covers the rest); a row entry gets one
+//! block per row and the printed number of threads, or fewer ([`LaunchOptions::row_threads`],
+//! a power of two: the printed reduction trees are correct for any, which tests check).
+//!
+//! Must never: allocate or free memory (scratch memory comes from the caller), synchronise,
+//! or launch with more threads than the printed shared-memory arrays hold.
+
+use super::blas::Blas;
+use super::compile::{Compiler, Module};
+use super::matmul::MatmulPlan;
+use super::{DriverResult, TRACE_TARGET};
+use crate::DeviceError;
+use braid_lowering::cuda::{self, CudaSource, Launch};
+use braid_lowering::{Body, Kernel};
+use cudarc::driver::result as cu;
+use cudarc::driver::sys::{CUdeviceptr, CUstream};
+use std::ffi::c_void;
+use std::sync::Arc;
+
+/// Name of every printed kernel's entry points (the same kernel prints the same source, so
+/// equal kernels share one compiled module whatever plan they came from).
+const KERNEL_NAME: &str = "braid";
+
+/// Choices a caller may make about a launch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LaunchOptions {
+    /// Threads per block of row kernels: `None` for the printed number; otherwise a power of
+    /// two no larger than it.
+    pub row_threads: Option<u32>,
+}
+
+/// Launches the entries of `src` from `module` on `stream`, in order, over `params` (one device
+/// address per `src.params`).
+///
+/// # Safety
+/// The module's GPU context is current; each address points to live device memory of at least
+/// the length (in elements of its dtype) the kernel declares for that parameter, until the
+/// stream has run the launches; `stream` is alive.
+pub unsafe fn launch_entries(
+    module: &Module,
+    src: &CudaSource,
+    params: &[CUdeviceptr],
+    stream: CUstream,
+    options: LaunchOptions,
+) -> Result<(), DeviceError> {
+    if params.len() != src.params.len() {
+        return Err(DeviceError::Internal(format!("{} addresses for {} parameters", params.len(), src.params.len())));
+    }
+    let max_map_blocks = module.gpu().multiprocessors as usize * 32;
+    // The driver reads each parameter through a pointer to its value.
+    let mut values: Vec<CUdeviceptr> = params.to_vec();
+    let mut pointers: Vec<*mut c_void> = values.iter_mut().map(|v| v as *mut CUdeviceptr as *mut c_void).collect();
+    for entry in &src.entries {
+        let (grid, block) = match entry.launch {
+            Launch::Map { numel: 0, .. } | Launch::Rows { rows: 0, .. } => continue,
+            Launch::Map { numel, block } => (numel.div_ceil(block as usize).min(max_map_blocks), block),
+            Launch::Rows { rows, threads } => {
+                let block = match options.row_threads {
+                    None => threads,
+                    Some(t) if t.is_power_of_two() && t <= threads => t,
+                    Some(t) => {
+                        return Err(DeviceError::Internal(format!(
+                            "{t} threads for a row kernel printed for at most {threads} (a power of two)"
+                        )));
+                    }
+                };
+                (rows, block)
+            }
+        };
+        let grid = u32::try_from(grid)
+            .ok()
+            .filter(|&g| g <= i32::MAX as u32)
+            .ok_or_else(|| DeviceError::Kernel(format!("{grid} blocks: more than one launch has")))?;
+        let function = module.function(&entry.name)?;
+        // SAFETY: the caller's contract; `pointers` point into `values`, alive for the call.
+        unsafe { cu::launch_kernel(function, (grid, 1, 1), (block, 1, 1), 0, stream, &mut pointers) }
+            .or_device(&format!("launching `{}` ({grid} x {block})", entry.name))?;
+    }
+    Ok(())
+}
+
+/// A kernel of the kernel IR compiled for one GPU: its printed source, its module, and for a
+/// float matrix product the plan of its cuBLAS calls.
+pub struct CudaKernel {
+    kernel: Kernel,
+    source: CudaSource,
+    module: Option<Arc<Module>>,
+    matmul: Option<MatmulPlan>,
+}
+
+impl CudaKernel {
+    /// Prints and compiles `kernel` (through `compiler`'s caches).
+    pub fn new(compiler: &Compiler, kernel: &Kernel) -> Result<CudaKernel, DeviceError> {
+        let source =
+            cuda::print(kernel, KERNEL_NAME).map_err(|e| DeviceError::Internal(format!("printing CUDA C: {e}")))?;
+        let names: Vec<&str> = source.entries.iter().map(|e| e.name.as_str()).collect();
+        let module =
+            if names.is_empty() { None } else { Some(compiler.module(&source.source, KERNEL_NAME, &names)?) };
+        let matmul = match &kernel.body {
+            Body::Matmul(m) if source.library_product => Some(MatmulPlan::new(compiler, kernel, m)?),
+            _ => None,
+        };
+        Ok(CudaKernel { kernel: kernel.clone(), source, module, matmul })
+    }
+
+    pub fn kernel(&self) -> &Kernel {
+        &self.kernel
+    }
+
+    pub fn source(&self) -> &CudaSource {
+        &self.source
+    }
+
+    /// Whether a launch needs a cuBLAS handle (a float matrix product).
+    pub fn needs_blas(&self) -> bool {
+        self.matmul.is_some()
+    }
+
+    /// Bytes of scratch device memory a launch needs (a product no argument holds, operands
+    /// copied to a layout cuBLAS takes); 0 for most kernels.
+    pub fn scratch_bytes(&self) -> usize {
+        match (&self.matmul, &self.kernel.body) {
+            (Some(plan), _) => plan.scratch_bytes(),
+            // An integer product in scratch memory, written by the printed product entry.
+            (None, Body::Matmul(m)) if m.product as usize == self.kernel.args.len() => {
+                m.lhs.batch_offsets.len() * m.m * m.n * m.dtype.size()
+            }
+            _ => 0,
+        }
+    }
+
+    /// Queues the kernel on `stream` over `args` (one device address per kernel argument),
+    /// with `scratch` holding [`CudaKernel::scratch_bytes`] bytes (any value when 0) and `blas`
+    /// a handle bound to the same stream when [`CudaKernel::needs_blas`].
+    ///
+    /// # Safety
+    /// The GPU's context is current; every address points to live device memory of at least
+    /// the argument's length, and `scratch` to the bytes asked for, until the stream has run
+    /// the kernel; no other stream writes them meanwhile (the schedule's events say so).
+    pub unsafe fn launch(
+        &self,
+        stream: CUstream,
+        blas: Option<&Blas>,
+        args: &[CUdeviceptr],
+        scratch: CUdeviceptr,
+        options: LaunchOptions,
+    ) -> Result<(), DeviceError> {
+        if args.len() != self.kernel.args.len() {
+            return Err(DeviceError::Internal(format!(
+                "{} addresses for a kernel of {}",
+                args.len(),
+                self.kernel.args.len()
+            )));
+        }
+        let mut params = args.to_vec();
+        if self.source.params.len() == args.len() + 1 {
+            // The product in scratch memory is the last parameter of the printed entries; a
+            // float plan places it at the start of the scratch memory.
+            params.push(scratch);
+        }
+        if let Some(plan) = &self.matmul {
+            let blas = blas.ok_or_else(|| DeviceError::Internal("a matrix product launched without cuBLAS".into()))?;
+            if blas.stream() != stream {
+                return Err(DeviceError::Internal("a cuBLAS handle of another stream".into()));
+            }
+            // SAFETY: the caller's contract.
+            unsafe { plan.run(blas, args, scratch)? };
+        }
+        if let Some(module) = &self.module {
+            tracing::trace!(target: TRACE_TARGET, entries = self.source.entries.len(), "launch");
+            // SAFETY: the caller's contract.
+            unsafe { launch_entries(module, &self.source, &params, stream, options)? };
+        }
+        Ok(())
+    }
+}

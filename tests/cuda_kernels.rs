@@ -1,0 +1,416 @@
+//! Printed CUDA kernels on a real GPU against the CPU runner: random kernels from the printer
+//! test's generators (`cuda_printer/cases.rs`) are compiled by NVRTC, run through
+//! `braid_devices::cuda::run_kernel_on_gpu_with` (cuBLAS for float matrix products), and compared
+//! with `braid_devices::cpu::run_kernel` on the same random inputs (never all zeros). Row
+//! kernels run at every block size from 1 thread to the printed one (long rows, of a million
+//! elements and more, at every block size the printer emits: 32 to 256; their float inputs in
+//! f64, see `long_rows_...`), so the shared-memory trees are exercised for real.
+//!
+//! Tolerances (those of `tests/cuda_printer.rs`): integers and bools exactly, floats bit for bit
+//! (NaN equals NaN) unless derived from a transcendental function (CUDA's `exp`, `log`, `sin`,
+//! `cos`, `tanh`, `pow` and the normal variates that use them are within a few ulps of the
+//! CPU's), a float sum (another order) or a float matrix product (cuBLAS's order): those within
+//! 1e-5 relative or 4 ulps of their storage type, whichever is looser; relative to at least 1
+//! for row kernels (for `x - mean`) and, for matrix products, to at least `k` times the largest
+//! operand magnitudes (the scale of the dot product's terms, against cancellation).
+//!
+//! The disk cache of compiled kernels is tested twice: its validation (truncated, corrupt and
+//! foreign entries) on any machine, and compile/hit/recompile on a GPU.
+//!
+//! Without a GPU, NVRTC or cuBLAS, the GPU tests print `skipped: <reason>` and pass.
+//! `BRAID_CUDA_TEST_QUICK=1` runs fewer and smaller cases (for compute-sanitizer runs).
+
+// The printer test's generators (its small float products start from the CPU's product).
+#[allow(dead_code)]
+#[path = "cuda_printer/cases.rs"]
+mod cases;
+mod common;
+
+use braid_devices::DeviceError;
+use braid_devices::cpu::run_kernel;
+use braid_devices::cuda::disk_cache::{DiskCache, EntryKey, Lookup};
+use braid_devices::cuda::{Compiler, Harness, LaunchOptions, run_compiled_on_gpu, run_kernel_on_gpu_with};
+use braid_graph::DType;
+use braid_graph::expr::{Expr, ExprOp};
+use braid_lowering::cuda::{self, Launch};
+use braid_lowering::{Body, Kernel, Store};
+use cases::*;
+use common::Rng;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+/// The GPU harness, or `None` after printing why the test is skipped.
+fn gpu(test: &str) -> Option<Harness> {
+    match Harness::new(0, None) {
+        Ok(h) => Some(h),
+        Err(DeviceError::Unavailable(why)) => {
+            eprintln!("skipped: {test}: {why}");
+            None
+        }
+        Err(e) => panic!("{test}: the GPU is there but unusable: {e}"),
+    }
+}
+
+fn quick() -> bool {
+    std::env::var_os("BRAID_CUDA_TEST_QUICK").is_some()
+}
+
+/// Runs `k` on the CPU over copies of `init`; returns every argument's bytes after.
+fn run_cpu(k: &Kernel, init: &[Vec<u8>]) -> Vec<Vec<u8>> {
+    run_on_copies(k, init, |args| run_kernel(k, args)).unwrap_or_else(|e| panic!("the CPU rejects a kernel: {e}"))
+}
+
+/// Per argument: whether its values may differ from the CPU's by rounding, and the magnitude
+/// below which differences are measured absolutely (see the module docs).
+fn tolerance(case: &Case) -> (Vec<bool>, f64) {
+    let k = &case.kernel;
+    let mut approx = vec![false; k.args.len() + 1];
+    // Marks the arguments whose stores depend on an approximate node (or a `tainted` one).
+    fn mark(approx: &mut [bool], expr: &Expr, stores: &[Store], tainted: &dyn Fn(usize) -> bool) {
+        let mut t = approximate(expr, MathLib::Cuda);
+        for (i, n) in expr.nodes.iter().enumerate() {
+            t[i] |= tainted(i) || n.op.operands().iter().any(|&o| t[o]);
+        }
+        stores.iter().for_each(|s| approx[s.arg as usize] |= t[s.value as usize]);
+    }
+    match &k.body {
+        Body::Map(loops) => loops.iter().for_each(|l| mark(&mut approx, &l.expr, &l.stores, &|_| false)),
+        Body::Rows(r) => {
+            mark(&mut approx, &r.expr, &r.stores, &|_| false);
+            return (approx, 1.0);
+        }
+        Body::Matmul(m) => {
+            if !m.dtype.is_float() {
+                return (approx, 0.0);
+            }
+            approx[m.product as usize] = true;
+            if let Some(e) = &m.epilogue {
+                let reads_product =
+                    |i: usize| matches!(e.expr.nodes[i].op, ExprOp::Load(s) if e.loads[s as usize].arg == m.product);
+                mark(&mut approx, &e.expr, &e.stores, &reads_product);
+            }
+            let largest = |a: u16| {
+                let (d, b) = (k.args[a as usize].dtype, &case.init[a as usize]);
+                (0..b.len() / d.size()).filter_map(|i| element(d, b, i).ok()).fold(0f64, |acc, v| acc.max(v.abs()))
+            };
+            return (approx, m.k as f64 * largest(m.lhs.arg) * largest(m.rhs.arg));
+        }
+    }
+    (approx, 0.0)
+}
+
+/// The first difference between the GPU's arguments after the run and the CPU's, if any.
+fn compare(case: &Case, cpu: &[Vec<u8>], gpu: &[Vec<u8>]) -> Option<String> {
+    let (approx, floor) = tolerance(case);
+    for a in case.kernel.inputs..case.kernel.args.len() {
+        let d = case.kernel.args[a].dtype;
+        for e in 0..case.kernel.args[a].len {
+            let (w, g) = (element(d, &cpu[a], e), element(d, &gpu[a], e));
+            let ok = match (w, g) {
+                (Ok(w), Ok(g)) if w.to_bits() == g.to_bits() || (w.is_nan() && g.is_nan()) => true,
+                (Ok(w), Ok(g)) => {
+                    let tol = 1e-5f64.max(8.0 * d.epsilon());
+                    approx[a] && (w - g).abs() <= tol * w.abs().max(g.abs()).max(floor)
+                }
+                (w, g) => w == g,
+            };
+            if !ok {
+                return Some(format!("{}: argument a{a} ({d}) element {e}: cpu {w:?}, gpu {g:?}", case.label));
+            }
+        }
+    }
+    None
+}
+
+/// Runs every case on the GPU (row kernels at each block size `blocks` allows, from the
+/// printed one down) and compares it with the CPU; panics naming the differences.
+fn check_cases(h: &Harness, what: &str, cases: &[Case], blocks: impl Fn(&Case, u32) -> Vec<u32>) {
+    let start = std::time::Instant::now();
+    let (mut failures, mut runs) = (vec![], 0);
+    for case in cases {
+        let mut init = case.init.clone();
+        let cpu = run_cpu(&case.kernel, &init);
+        case.from_cpu.iter().for_each(|&a| init[a] = cpu[a].clone());
+        let printed = cuda::print(&case.kernel, "k").unwrap_or_else(|e| panic!("{}: {e}", case.label));
+        let threads = printed.entries.iter().find_map(|e| match e.launch {
+            Launch::Rows { threads, .. } => Some(threads),
+            Launch::Map { .. } => None,
+        });
+        let sizes: Vec<Option<u32>> = match threads {
+            Some(t) => blocks(case, t).into_iter().map(Some).collect(),
+            None => vec![None],
+        };
+        for row_threads in sizes {
+            let mut args = init.clone();
+            runs += 1;
+            let r = run_kernel_on_gpu_with(h, &case.kernel, &mut args, LaunchOptions { row_threads });
+            let failure = match r {
+                Err(e) => Some(format!("{} ({row_threads:?} threads): {e}", case.label)),
+                Ok(()) => compare(case, &cpu, &args).map(|f| format!("{f} ({row_threads:?} threads per row)")),
+            };
+            if let Some(f) = failure {
+                if failures.len() < 3 {
+                    eprintln!("--- {}\n{:#?}\n{}", case.label, case.kernel, printed.source);
+                }
+                failures.push(f);
+                break;
+            }
+        }
+    }
+    eprintln!("{what}: {} kernels, {runs} GPU runs in {:.2?}", cases.len(), start.elapsed());
+    assert!(
+        failures.is_empty(),
+        "{what}: {} of {} kernels differ:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+}
+
+/// Every power of two from `lo` to `threads`.
+fn powers(lo: u32, threads: u32) -> Vec<u32> {
+    (0..=8).map(|p| 1 << p).filter(|&t| t >= lo && t <= threads).collect()
+}
+
+#[test]
+fn opening_a_missing_gpu_is_an_error_not_a_panic() {
+    let e = braid_devices::cuda::Gpu::open(1 << 20).unwrap_err();
+    let DeviceError::Unavailable(why) = e else { panic!("not Unavailable: {e}") };
+    assert!(why.contains("libcuda") || why.contains("no CUDA GPU 1048576"), "{why}");
+    if let Ok(n) = braid_devices::cuda::device_count() {
+        assert!(why.contains(&format!("{n} GPU")) || n == 0, "{why}");
+    }
+}
+
+#[test]
+fn map_loops_concatenations_and_edges_match_the_cpu() {
+    let Some(h) = gpu("map loops") else { return };
+    let mut rng = Rng::new(0x6A9);
+    let mut cases = vec![edges_case()];
+    let n = if quick() { 40 } else { 300 };
+    cases.extend((0..n).map(|i| map_case(&mut rng, i, MathLib::Cuda)));
+    cases.extend((0..12).map(|i| concat_case(&mut rng, i)));
+    let big: &[&[usize]] =
+        if quick() { &[&[70_001]] } else { &[&[1000, 37], &[1 << 20], &[7, 300, 5], &[3, 1, 65_537]] };
+    for (i, dims) in big.iter().enumerate() {
+        cases.extend((0..3).map(|j| map_case_over(&mut rng, 1000 + 3 * i + j, dims, MathLib::Cuda)));
+    }
+    check_cases(&h, "map loops", &cases, |_, _| vec![]);
+}
+
+#[test]
+fn row_kernels_match_the_cpu_at_every_block_size() {
+    let Some(h) = gpu("row kernels") else { return };
+    let mut rng = Rng::new(0x20_55);
+    let n = if quick() { 40 } else { 150 };
+    let mut cases: Vec<Case> = (0..n).map(|i| rows_case(&mut rng, i, MathLib::Cuda)).collect();
+    let lengths: &[usize] =
+        if quick() { &[1, 33, 257, 4097] } else { &[1, 2, 31, 32, 33, 100, 255, 256, 257, 1000, 4097, 70_001] };
+    for &len in lengths {
+        let shapes: [(Vec<usize>, Option<usize>); 4] =
+            [(vec![3, len], Some(1)), (vec![len, 3], Some(0)), (vec![2, len, 2], Some(1)), (vec![len], None)];
+        for (dims, axis) in shapes {
+            let specials = len <= 256;
+            cases.push(rows_case_over(&mut rng, cases.len(), &dims, axis, MathLib::Cuda, specials));
+        }
+    }
+    check_cases(&h, "row kernels", &cases, |_, threads| powers(1, threads));
+}
+
+#[test]
+fn long_rows_and_whole_tensor_reductions_match_the_cpu() {
+    let Some(h) = gpu("long rows") else { return };
+    let mut rng = Rng::new(0x10_0000);
+    let shapes: Vec<(Vec<usize>, Option<usize>)> = if quick() {
+        vec![(vec![1 << 20], None)]
+    } else {
+        vec![
+            (vec![1 << 20], None),
+            (vec![1024, 1025], None),
+            (vec![3, 2, 200_000], None),
+            (vec![1 << 20, 2], Some(0)),
+            (vec![2, 3, 400_000], Some(2)),
+            (vec![1100, 1000], Some(1)),
+            (vec![1000, 1100], Some(0)),
+        ]
+    };
+    // Float inputs in f64 only: the CPU's f32 sums of a million elements are off by up to
+    // about 1e-3 (summed one by one, a running sum of similar values rounds the same way each
+    // time; the GPU's compensated sums are exact to a few ulps, which the first run on an H100
+    // showed: a mean of 2^20 copies of -2.39453125 is -2.39998 on the CPU), so in f32 the
+    // reference, not the kernel, would miss the tolerance.
+    let mut cases = vec![];
+    for (dims, axis) in &shapes {
+        while cases.len() % 3 != 0
+            || cases.iter().filter(|c: &&Case| c.label.contains(&format!("{dims:?}"))).count() < 3
+        {
+            let case = rows_case_over(&mut rng, cases.len(), dims, *axis, MathLib::Cuda, false);
+            if case.kernel.args[0].dtype.compute() != DType::F32 {
+                cases.push(case);
+            }
+        }
+    }
+    check_cases(&h, "long rows", &cases, |_, threads| powers(32, threads));
+}
+
+#[test]
+fn matrix_products_match_the_cpu() {
+    let Some(h) = gpu("matrix products") else { return };
+    let mut rng = Rng::new(0x3A7);
+    let mut cases = vec![];
+    let dtypes = [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64, DType::U8];
+    let n = if quick() { 20 } else { 120 };
+    for i in 0..n {
+        let dtype = dtypes[i % dtypes.len()];
+        let dim = |rng: &mut Rng| 1 + rng.below(17);
+        let (m, k, nn) = (dim(&mut rng), if i % 29 == 0 { 0 } else { dim(&mut rng) }, dim(&mut rng));
+        let epilogue = rng.chance(0.7);
+        let scratch = epilogue && rng.chance(0.5);
+        let spec = MatmulSpec { dtype, batches: 1 + rng.below(4), m, k, n: nn, scratch, epilogue };
+        cases.push(matmul_case_over(&mut rng, i, spec));
+    }
+    if !quick() {
+        for (i, &dtype) in dtypes.iter().enumerate() {
+            let spec = MatmulSpec { dtype, batches: 3, m: 64, k: 300, n: 48, scratch: i % 2 == 0, epilogue: true };
+            cases.push(matmul_case_over(&mut rng, 1000 + i, spec));
+        }
+    }
+    check_cases(&h, "matrix products", &cases, |_, _| vec![]);
+}
+
+/// Collects formatted tracing events (the library installs no subscriber; a test may).
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+/// Runs `f` with this thread's tracing events (debug and up) written into the returned text.
+fn capture<T>(f: impl FnOnce() -> T) -> (T, String) {
+    let out = Captured::default();
+    let sink = out.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::DEBUG)
+        .with_ansi(false)
+        .with_writer(move || sink.clone())
+        .finish();
+    let r = tracing::subscriber::with_default(subscriber, f);
+    (r, out.text())
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("braid_cuda_cache_{name}_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn key(source: &str) -> EntryKey {
+    EntryKey {
+        source: source.into(),
+        arch: "sm_90".into(),
+        options: vec!["--fmad=false".into()],
+        nvrtc_version: [13, 0],
+        driver_version: 13000,
+        braid_version: "0.1.0".into(),
+    }
+}
+
+#[test]
+fn the_disk_cache_trusts_only_valid_entries_of_their_own_key() {
+    let cache = DiskCache::open(temp_dir("validation")).unwrap();
+    let (a, b) = (key("kernel a"), key("kernel b"));
+    let image: Vec<u8> = (0..5000u32).map(|i| (i * 7 % 251) as u8).collect();
+    assert!(matches!(cache.load(&a), Lookup::Miss));
+    cache.store(&a, &image).unwrap();
+    assert!(matches!(cache.load(&a), Lookup::Hit(i) if i == image));
+    // Another key's file copied over: bytecheck passes, the key does not.
+    std::fs::copy(cache.path(&a), cache.path(&b)).unwrap();
+    assert!(matches!(cache.load(&b), Lookup::Rejected(why) if why.contains("another kernel")));
+    // A driver update is another key too.
+    let newer = EntryKey { driver_version: 13010, ..a.clone() };
+    std::fs::copy(cache.path(&a), cache.path(&newer)).unwrap();
+    assert!(matches!(cache.load(&newer), Lookup::Rejected(_)));
+    // Truncated at every length that matters: never trusted.
+    let whole = std::fs::read(cache.path(&a)).unwrap();
+    for len in [0, 1, 8, whole.len() / 2, whole.len() - 1] {
+        std::fs::write(cache.path(&a), &whole[..len]).unwrap();
+        assert!(matches!(cache.load(&a), Lookup::Rejected(_)), "truncated to {len} of {} bytes", whole.len());
+    }
+    // One flipped byte in the image: the checksum catches it.
+    let mut flipped = whole.clone();
+    let at = whole.windows(16).position(|w| w == &image[1000..1016]).unwrap();
+    flipped[at] ^= 0x40;
+    std::fs::write(cache.path(&a), &flipped).unwrap();
+    assert!(matches!(cache.load(&a), Lookup::Rejected(why) if why.contains("checksum")));
+    // Rewritten, it is trusted again; no temporary files are left behind.
+    cache.store(&a, &image).unwrap();
+    assert!(matches!(cache.load(&a), Lookup::Hit(i) if i == image));
+    let names: Vec<String> = std::fs::read_dir(cache.dir())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(names.iter().all(|n| n.ends_with(".rkyv")), "{names:?}");
+    let _ = std::fs::remove_dir_all(cache.dir());
+}
+
+#[test]
+fn compiled_kernels_come_back_from_disk_and_bad_entries_are_recompiled() {
+    let Some(h) = gpu("disk cache") else { return };
+    let dir = temp_dir("gpu");
+    let mut rng = Rng::new(0xD15C);
+    let (ka, kb) = (map_case(&mut rng, 0, MathLib::Cuda), rows_case(&mut rng, 1, MathLib::Cuda));
+    let fresh = || Compiler::with_cache(&h.gpu, Some(DiskCache::open(&dir).unwrap())).unwrap();
+    let first = fresh();
+    first.kernel(&ka.kernel).unwrap();
+    first.kernel(&kb.kernel).unwrap();
+    assert_eq!((first.stats().compiled, first.stats().disk_hits), (2, 0));
+    // A new process (a new compiler): both from disk, nothing compiled, the hit logged.
+    let second = fresh();
+    let (r, log) = capture(|| second.kernel(&ka.kernel));
+    let compiled = r.unwrap();
+    assert_eq!((second.stats().compiled, second.stats().disk_hits), (0, 1), "{log}");
+    assert!(log.contains("disk cache hit") && log.contains("braid::cuda"), "{log}");
+    // The image from disk computes what the CPU computes.
+    let mut args = ka.init.clone();
+    run_compiled_on_gpu(&h, &compiled, &mut args, LaunchOptions::default()).unwrap();
+    assert_eq!(compare(&ka, &run_cpu(&ka.kernel, &ka.init), &args), None);
+    // Truncated: recompiled, with a warning, and the entry repaired.
+    let source_a = cuda::print(&ka.kernel, "braid").unwrap().source;
+    let path_a = first.disk_cache().unwrap().path(&first.key(&source_a));
+    let bytes = std::fs::read(&path_a).unwrap();
+    std::fs::write(&path_a, &bytes[..bytes.len() / 2]).unwrap();
+    let third = fresh();
+    let (r, log) = capture(|| third.kernel(&ka.kernel));
+    r.unwrap();
+    assert_eq!((third.stats().compiled, third.stats().rejected), (1, 1), "{log}");
+    assert!(log.contains("WARN") && log.contains("not trusted"), "{log}");
+    let fifth = fresh();
+    fifth.kernel(&ka.kernel).unwrap();
+    assert_eq!((fifth.stats().compiled, fifth.stats().disk_hits), (0, 1), "the entry was rewritten");
+    // A foreign entry (another kernel's file under this kernel's name): not trusted.
+    let source_b = cuda::print(&kb.kernel, "braid").unwrap().source;
+    let path_b = first.disk_cache().unwrap().path(&first.key(&source_b));
+    std::fs::copy(&path_a, &path_b).unwrap();
+    let fourth = fresh();
+    let (r, log) = capture(|| fourth.kernel(&kb.kernel));
+    let compiled = r.unwrap();
+    assert_eq!((fourth.stats().compiled, fourth.stats().rejected, fourth.stats().disk_hits), (1, 1, 0), "{log}");
+    assert!(log.contains("another kernel"), "{log}");
+    let mut args = kb.init.clone();
+    run_compiled_on_gpu(&h, &compiled, &mut args, LaunchOptions::default()).unwrap();
+    assert_eq!(compare(&kb, &run_cpu(&kb.kernel, &kb.init), &args), None);
+    let _ = std::fs::remove_dir_all(&dir);
+}
