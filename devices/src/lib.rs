@@ -6,6 +6,8 @@
 //! runs what the schedule says; it never plans, fuses or reorders.
 
 pub mod cpu;
+#[cfg(feature = "wgpu")]
+pub mod wgpu;
 
 use braid_lowering::Kernel;
 use braid_scheduler::{KernelId, Schedule};
