@@ -25,11 +25,13 @@
 //! storage type; integer products exactly.
 
 #[path = "cuda_printer/cases.rs"]
+#[allow(dead_code)] // the CUDA-only generators
 mod cases;
 mod common;
 #[path = "wgsl_kernels/cases.rs"]
 mod wgsl_cases;
 
+use braid_devices::DeviceError;
 use braid_devices::cpu::run_kernel;
 use braid_devices::wgpu::{WgpuContext, run_kernel_on_wgpu, run_printed_on_wgpu};
 use braid_graph::{DType, ReduceOp};
@@ -165,7 +167,9 @@ fn kernels() -> Vec<(Case, Option<Bound>)> {
             };
             let xd = *rng.pick(&[F32, F32, F16, BF16, I32, U8]);
             let template = if xd.is_float() { n % 3 } else { [0, 2][n % 2] };
-            let op = *rng.pick(if xd.is_float() { &ops[..] } else { &ops[..] }.iter().filter(|o| xd.is_float() || **o != ReduceOp::Mean).copied().collect::<Vec<_>>().as_slice());
+            // Means are of floats only (the op table's rule).
+            let allowed: Vec<ReduceOp> = ops.into_iter().filter(|o| xd.is_float() || *o != ReduceOp::Mean).collect();
+            let op = *rng.pick(&allowed);
             let label = format!("rows {n}: {dims:?} along {axis:?}, {xd}, template {template}, {op:?}");
             out.push((rows_over(&mut rng, label, &dims, axis, xd, template, op), None));
             n += 1;
@@ -174,9 +178,10 @@ fn kernels() -> Vec<(Case, Option<Bound>)> {
     // 128 rows of 300: one workgroup per row; and wide rows of many positions.
     out.push((rows_over(&mut rng, "rows: 128 x 300".into(), &[128, 300], Some(1), F32, 1, ReduceOp::Sum), None));
     // Whole tensors of 2^20 elements and more, in two passes.
-    for (k, (template, op)) in [(0, ReduceOp::Sum), (0, ReduceOp::Max), (0, ReduceOp::ArgMax), (1, ReduceOp::Sum), (0, ReduceOp::Mean)]
-        .into_iter()
-        .enumerate()
+    for (k, (template, op)) in
+        [(0, ReduceOp::Sum), (0, ReduceOp::Max), (0, ReduceOp::ArgMax), (1, ReduceOp::Sum), (0, ReduceOp::Mean)]
+            .into_iter()
+            .enumerate()
     {
         let dims = if k % 2 == 0 { vec![(1 << 20) + 37] } else { vec![1024, 1031] };
         let label = format!("whole tensor {dims:?}, template {template}, {op:?}");
@@ -186,7 +191,8 @@ fn kernels() -> Vec<(Case, Option<Bound>)> {
     for d in [F32, F16, BF16, I32, U8] {
         for _ in 0..4 {
             let size = |rng: &mut Rng| *rng.pick(&[1, 3, 16, 17, 40]);
-            let shape = [1 + rng.below(3), size(&mut rng), if rng.chance(0.1) { 0 } else { size(&mut rng) }, size(&mut rng)];
+            let shape =
+                [1 + rng.below(3), size(&mut rng), if rng.chance(0.1) { 0 } else { size(&mut rng) }, size(&mut rng)];
             let (c, b) = matmul_case(&mut rng, m, d, shape);
             out.push((c, Some(b)));
             m += 1;
@@ -216,7 +222,10 @@ fn printed_kernels_compute_what_the_cpu_computes_on_wgpu() {
     }
     // More than 65,535 workgroups of 256 threads in one dimension.
     let wide = wide_case(&mut Rng::new(7), 65_536 * 256 + 5);
-    assert!(wgsl::print(&wide.kernel, &ctx.features).unwrap().entries[0].workgroups[1] > 1, "the wide case must spread");
+    assert!(
+        wgsl::print(&wide.kernel, &ctx.features).unwrap().entries[0].workgroups[1] > 1,
+        "the wide case must spread"
+    );
     failures.extend(check(&ctx, &wide, None, None));
     eprintln!(
         "wgsl_kernels: {} kernels compared, {spread} more printed for 3 workgroups per dimension (up to 27), 1 of {} workgroups; \
@@ -228,4 +237,48 @@ fn printed_kernels_compute_what_the_cpu_computes_on_wgpu() {
         start.elapsed()
     );
     assert!(failures.is_empty(), "{} kernels differ:\n{}", failures.len(), failures.join("\n"));
+}
+
+/// Run-time failures are `Err`s that leave the device usable: dtypes WGSL lacks, a buffer over
+/// the adapter's limit, a kernel whose views leave their arguments, wrong buffers for a
+/// kernel; and a kernel printed twice compiles once.
+#[test]
+fn failures_are_errors_and_pipelines_are_cached() {
+    let Some(ctx) = context() else { return };
+    for d in [DType::F64, DType::I64] {
+        let e = wgsl::supports(d, &ctx.features).unwrap_err();
+        assert!(e.contains(d.name()) && e.contains("not supported on wgpu"), "{e}");
+    }
+    let mut rng = Rng::new(3);
+    let case = map_case(&mut rng, 0, &[4, 5]);
+    let mut f64_kernel = case.kernel.clone();
+    f64_kernel.args[0].dtype = DType::F64;
+    assert!(wgsl::print(&f64_kernel, &ctx.features).unwrap_err().contains("f64 is not supported"));
+    let too_big = ctx.limits.max_buffer_size + 4;
+    match ctx.create_buffer(too_big) {
+        Err(e @ (DeviceError::Kernel(_) | DeviceError::OutOfMemory { .. })) => eprintln!("wgsl_kernels: {e}"),
+        other => panic!("a buffer over max_buffer_size gave {:?}", other.map(|b| b.size())),
+    }
+    let mut outside = case.kernel.clone();
+    if let Body::Map(loops) = &mut outside.body {
+        loops[0].loads[0].view.offset += 1000;
+    }
+    let mut args = case.init.clone();
+    assert!(run_kernel_on_wgpu(&ctx, &outside, &mut args).is_err(), "a view outside its argument must be refused");
+    let compiled = ctx.kernel(&case.kernel).unwrap();
+    let mut encoder = ctx.encoder();
+    assert!(ctx.encode(&mut encoder, &compiled, &[]).is_err(), "missing buffers must be refused");
+    let small = ctx.create_buffer(4).unwrap();
+    let refs: Vec<_> = compiled.source.bindings.iter().filter(|b| **b != wgsl::Binding::Zero).map(|_| &small).collect();
+    if compiled.source.bindings.iter().any(|b| b.bytes() > 4 && *b != wgsl::Binding::Zero) {
+        assert!(
+            ctx.encode(&mut encoder, &compiled, &refs).is_err(),
+            "buffers smaller than their bindings must be refused"
+        );
+    }
+    // Still usable, and the same kernel compiles once.
+    let before = ctx.cached_kernels();
+    let again = ctx.kernel(&case.kernel).unwrap();
+    assert!(std::sync::Arc::ptr_eq(&compiled, &again) && ctx.cached_kernels() == before);
+    assert!(check(&ctx, &case, None, None).is_none());
 }

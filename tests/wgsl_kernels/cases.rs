@@ -25,7 +25,9 @@ pub fn approximate(expr: &Expr) -> Vec<bool> {
     let mut t = vec![false; expr.nodes.len()];
     for (i, n) in expr.nodes.iter().enumerate() {
         t[i] = match n.op {
-            ExprOp::Unary(PrimUnary::Exp | PrimUnary::Tanh | PrimUnary::Log | PrimUnary::Sin | PrimUnary::Cos, _) => true,
+            ExprOp::Unary(PrimUnary::Exp | PrimUnary::Tanh | PrimUnary::Log | PrimUnary::Sin | PrimUnary::Cos, _) => {
+                true
+            }
             ExprOp::Binary(PrimBinary::Pow, ..) => true,
             ExprOp::Random { dist: Distribution::Normal, .. } => true,
             ExprOp::Reduce(ReduceOp::Sum | ReduceOp::Mean, _) if n.dtype.is_float() => true,
@@ -227,7 +229,15 @@ pub fn map_case(rng: &mut Rng, n: usize, dims: &[usize]) -> Case {
 /// the row): template 0 one reduction `op` of `x` with per-row and per-element outputs, 1 a
 /// softmax, 2 an argmax with a one-hot and random numbers. Sums read positive values (so that
 /// another summation order stays within a relative tolerance).
-pub fn rows_over(rng: &mut Rng, label: String, dims: &[usize], axis: Option<usize>, xd: DType, template: usize, op: ReduceOp) -> Case {
+pub fn rows_over(
+    rng: &mut Rng,
+    label: String,
+    dims: &[usize],
+    axis: Option<usize>,
+    xd: DType,
+    template: usize,
+    op: ReduceOp,
+) -> Case {
     use DType::*;
     let rank = dims.len();
     let on_row = |d: usize| axis.is_none_or(|a| a == d);
@@ -315,7 +325,9 @@ pub fn matmul_case(rng: &mut Rng, n: usize, d: DType, [batches, m, k, nn]: [usiz
     let values = |rng: &mut Rng, len: usize| -> Vec<f64> {
         (0..len).map(|_| if d.is_float() { rng.uniform(-3.0, 3.0) } else { rng.below(41) as f64 - 20.0 }).collect()
     };
-    let values = |rng: &mut Rng, len: usize| if d == DType::U8 { (0..len).map(|_| rng.below(256) as f64).collect() } else { values(rng, len) };
+    let values = |rng: &mut Rng, len: usize| {
+        if d == DType::U8 { (0..len).map(|_| rng.below(256) as f64).collect() } else { values(rng, len) }
+    };
     // An operand: its matrices one after another (with padding), rows or columns first.
     let operand = |rng: &mut Rng, rows: usize, cols: usize, shared: bool| -> (MatmulOperand, Vec<f64>) {
         let pad = rng.below(3);
@@ -359,7 +371,11 @@ pub fn matmul_case(rng: &mut Rng, n: usize, d: DType, [batches, m, k, nn]: [usiz
     } else {
         4
     };
-    let view = |strides: [isize; 2]| View { dims: [batches * m, nn].as_slice().into(), strides: strides.as_slice().into(), offset: 0 };
+    let view = |strides: [isize; 2]| View {
+        dims: [batches * m, nn].as_slice().into(),
+        strides: strides.as_slice().into(),
+        offset: 0,
+    };
     let mut eb = ExprBuilder::new();
     let (p, bias_v) = (eb.load(0, d), eb.load(1, d));
     let s = eb.add(p, bias_v);

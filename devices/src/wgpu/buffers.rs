@@ -31,7 +31,12 @@ impl WgpuContext {
         }
         let fail = |e: String| DeviceError::Kernel(format!("creating a buffer of {size} bytes: {e}"));
         self.scoped(size, fail, || {
-            self.device.create_buffer(&wgpu::BufferDescriptor { label: Some(label), size, usage, mapped_at_creation: false })
+            self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size,
+                usage,
+                mapped_at_creation: false,
+            })
         })
     }
 

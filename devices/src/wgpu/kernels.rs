@@ -112,13 +112,20 @@ impl WgpuContext {
     ) -> Result<(), DeviceError> {
         let bindings: Vec<Binding> = kernel.source.bindings.iter().copied().filter(|b| *b != Binding::Zero).collect();
         if buffers.len() != bindings.len() {
-            return Err(DeviceError::Kernel(format!("{} buffers for a kernel of {} bindings", buffers.len(), bindings.len())));
+            return Err(DeviceError::Kernel(format!(
+                "{} buffers for a kernel of {} bindings",
+                buffers.len(),
+                bindings.len()
+            )));
         }
         let mut entries = Vec::with_capacity(bindings.len());
         for (b, (buffer, binding)) in buffers.iter().zip(&bindings).enumerate() {
             let bytes = binding.bytes();
             if buffer.size() < bytes {
-                return Err(DeviceError::Kernel(format!("binding {b} needs {bytes} bytes, its buffer has {}", buffer.size())));
+                return Err(DeviceError::Kernel(format!(
+                    "binding {b} needs {bytes} bytes, its buffer has {}",
+                    buffer.size()
+                )));
             }
             entries.push(wgpu::BindGroupEntry {
                 binding: b as u32,
@@ -140,10 +147,8 @@ impl WgpuContext {
         })?;
         // One pass per entry: each entry reads what the previous one wrote.
         for (entry, pipeline) in kernel.source.entries.iter().zip(&kernel.pipelines) {
-            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: Some(&entry.name),
-                timestamp_writes: None,
-            });
+            let mut pass = encoder
+                .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some(&entry.name), timestamp_writes: None });
             pass.set_pipeline(pipeline);
             pass.set_bind_group(0, &bind_group, &[]);
             let [x, y, z] = entry.workgroups;

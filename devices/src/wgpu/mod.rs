@@ -40,9 +40,12 @@ pub struct WgpuContext {
     _instance: wgpu::Instance,
 }
 
+/// Reads one limit.
+type LimitOf = fn(&wgpu::Limits) -> u64;
+
 /// The least the printed kernels need (WebGPU's default limits): an adapter below one of these
 /// is refused with the limit's name.
-const MINIMUM: [(&str, fn(&wgpu::Limits) -> u64, u64); 6] = [
+const MINIMUM: [(&str, LimitOf, u64); 6] = [
     ("max_storage_buffers_per_shader_stage", |l| l.max_storage_buffers_per_shader_stage as u64, 8),
     ("max_storage_buffer_binding_size", |l| l.max_storage_buffer_binding_size, 128 << 20),
     ("max_compute_workgroups_per_dimension", |l| l.max_compute_workgroups_per_dimension as u64, 65_535),
@@ -182,7 +185,12 @@ impl WgpuContext {
     /// Runs `f` inside error scopes for out-of-memory and validation errors: their first error
     /// is returned as `Err` (out of memory as `OutOfMemory` of `requested` bytes, anything
     /// else through `fail`).
-    pub fn scoped<T>(&self, requested: u64, fail: impl Fn(String) -> DeviceError, f: impl FnOnce() -> T) -> Result<T, DeviceError> {
+    pub fn scoped<T>(
+        &self,
+        requested: u64,
+        fail: impl Fn(String) -> DeviceError,
+        f: impl FnOnce() -> T,
+    ) -> Result<T, DeviceError> {
         self.check_alive()?;
         let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let validation = self.device.push_error_scope(wgpu::ErrorFilter::Validation);

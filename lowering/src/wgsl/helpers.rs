@@ -21,16 +21,16 @@ fn braid_launder(x: f32) -> f32 { return bitcast<f32>(bitcast<u32>(x) ^ braid_ze
         "// The identity, as a call: naga never constant-folds through it.
 fn braid_opaque(x: u32) -> u32 { return x; }",
     ),
-    (
-        "braid_isnan",
-        "fn braid_isnan(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }",
-    ),
+    ("braid_isnan", "fn braid_isnan(x: f32) -> bool { return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u; }"),
     (
         "braid_fmax",
         "// NaN-propagating maximum and minimum (NumPy's), whichever operand is NaN.
 fn braid_fmax(a: f32, b: f32) -> f32 { return select(b, a, braid_isnan(a) || (!braid_isnan(b) && a > b)); }",
     ),
-    ("braid_fmin", "fn braid_fmin(a: f32, b: f32) -> f32 { return select(b, a, braid_isnan(a) || (!braid_isnan(b) && a < b)); }"),
+    (
+        "braid_fmin",
+        "fn braid_fmin(a: f32, b: f32) -> f32 { return select(b, a, braid_isnan(a) || (!braid_isnan(b) && a < b)); }",
+    ),
     (
         "braid_tanh",
         "// tanh saturates to +-1 from |x| = 10 on (where it rounds to 1 in f32): some tanh
@@ -317,9 +317,8 @@ fn braid_get_byte(word: u32, e: u32) -> u32 { return (word >> ((e & 3u) * 8u)) &
 /// The helpers `body` calls, with the helpers they call, in definition order.
 pub(super) fn used(body: &str) -> String {
     let mut need = vec![false; HELPERS.len()];
-    let calls = |text: &str, name: &str| {
-        text.match_indices(name).any(|(at, _)| text[at + name.len()..].starts_with('('))
-    };
+    let calls =
+        |text: &str, name: &str| text.match_indices(name).any(|(at, _)| text[at + name.len()..].starts_with('('));
     for (i, (name, _)) in HELPERS.iter().enumerate() {
         need[i] = calls(body, name);
     }

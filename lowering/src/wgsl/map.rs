@@ -14,17 +14,22 @@ pub(super) fn print_loop(m: &mut Module<'_>, l: &crate::kernel::MapLoop, name: &
         return Err(format!("a loop of {numel} indices: wgpu kernels index with u32"));
     }
     let groups = (numel as u64).div_ceil(MAP_THREADS as u64);
-    m.begin_entry(name, groups, MAP_THREADS, &format!("{numel} indices over dims {:?}, one per thread.", l.dims.as_slice()))?;
+    m.begin_entry(
+        name,
+        groups,
+        MAP_THREADS,
+        &format!("{numel} indices over dims {:?}, one per thread.", l.dims.as_slice()),
+    )?;
     let out = &mut m.body;
     let _ = writeln!(out, "  let i = wg * {MAP_THREADS}u + lid;\n  if (i >= {numel}u) {{ return; }}");
     let all: Vec<usize> = (0..l.dims.len()).collect();
     memory::decompose(out, "  ", "i", &l.dims, &all);
     let live = live(&l.expr, &l.stores);
     let written: Vec<bool> = m.params.iter().map(|p| p.writable).collect();
-    for i in 0..l.expr.nodes.len() {
+    for (i, &is_live) in live.iter().enumerate() {
         // Checked even when dead: the CPU evaluates every node.
         check_node(&l.expr, i)?;
-        if live[i] {
+        if is_live {
             let_node(out, "  ", &l.expr, &l.loads, &written, i, "i")?;
         }
     }

@@ -15,7 +15,10 @@ const TILE: usize = 16;
 
 /// Checks that every matrix of an operand lies inside its argument (as the CPU does).
 fn check_operand(op: &MatmulOperand, m: &Module<'_>, rows: usize, cols: usize, dtype: DType) -> Result<(), String> {
-    let p = m.params.get(op.arg as usize).ok_or_else(|| format!("matmul operand of argument {}, which does not exist", op.arg))?;
+    let p = m
+        .params
+        .get(op.arg as usize)
+        .ok_or_else(|| format!("matmul operand of argument {}, which does not exist", op.arg))?;
     if p.dtype != dtype {
         return Err(format!("matmul operand of {} where {dtype} was expected", p.dtype));
     }
@@ -48,7 +51,13 @@ fn batch_offset(decls: &mut String, name: &str, offsets: &[usize]) -> String {
         }
     } else {
         let list: Vec<String> = offsets.iter().map(|o| format!("{o}u")).collect();
-        let _ = writeln!(decls, "var<private> {name}: array<u32, {}> = array<u32, {}>({});", offsets.len(), offsets.len(), list.join(", "));
+        let _ = writeln!(
+            decls,
+            "var<private> {name}: array<u32, {}> = array<u32, {}>({});",
+            offsets.len(),
+            offsets.len(),
+            list.join(", ")
+        );
         format!("{name}[b]")
     }
 }
@@ -106,7 +115,12 @@ fn print_product(m: &mut Module<'_>, mm: &MatmulKernel, batches: usize) -> Resul
     let mut decls = String::new();
     let lbase = batch_offset(&mut decls, "lhs_batch", &mm.lhs.batch_offsets);
     let rbase = batch_offset(&mut decls, "rhs_batch", &mm.rhs.batch_offsets);
-    let _ = writeln!(decls, "var<workgroup> tile_a: array<{reg}, {}>;\nvar<workgroup> tile_b: array<{reg}, {}>;", TILE * TILE, TILE * TILE);
+    let _ = writeln!(
+        decls,
+        "var<workgroup> tile_a: array<{reg}, {}>;\nvar<workgroup> tile_b: array<{reg}, {}>;",
+        TILE * TILE,
+        TILE * TILE
+    );
     let zero = match mm.dtype {
         DType::I32 => "0i",
         DType::U8 => "0u",
@@ -118,7 +132,8 @@ fn print_product(m: &mut Module<'_>, mm: &MatmulKernel, batches: usize) -> Resul
     );
     m.begin_entry("product", groups, (TILE * TILE) as u32, &comment)?;
     let out = &mut m.body;
-    let _ = writeln!(out, "  let b = wg / {}u;\n  let tile_m = (wg / {tn}u) % {tm}u;\n  let tile_n = wg % {tn}u;", tm * tn);
+    let _ =
+        writeln!(out, "  let b = wg / {}u;\n  let tile_m = (wg / {tn}u) % {tm}u;\n  let tile_n = wg % {tn}u;", tm * tn);
     let _ = writeln!(out, "  let ty = lid / {TILE}u;\n  let tx = lid % {TILE}u;");
     let _ = writeln!(out, "  let row = tile_m * {TILE}u + ty;\n  let col = tile_n * {TILE}u + tx;");
     let _ = writeln!(out, "  let lhs_base = {lbase};\n  let rhs_base = {rbase};\n  var acc: {reg} = {zero};");
@@ -129,14 +144,19 @@ fn print_product(m: &mut Module<'_>, mm: &MatmulKernel, batches: usize) -> Resul
     let a = memory::load(mm.lhs.arg, mm.dtype, written[mm.lhs.arg as usize], &a_off)?;
     let b = memory::load(mm.rhs.arg, mm.dtype, written[mm.rhs.arg as usize], &b_off)?;
     let _ = writeln!(out, "    var a: {reg} = {zero};\n    if (row < {}u && k0 + tx < {}u) {{ a = {a}; }}", mm.m, mm.k);
-    let _ = writeln!(out, "    var bv: {reg} = {zero};\n    if (k0 + ty < {}u && col < {}u) {{ bv = {b}; }}", mm.k, mm.n);
+    let _ =
+        writeln!(out, "    var bv: {reg} = {zero};\n    if (k0 + ty < {}u && col < {}u) {{ bv = {b}; }}", mm.k, mm.n);
     let _ = writeln!(out, "    tile_a[lid] = a;\n    tile_b[lid] = bv;\n    workgroupBarrier();");
     let step = match mm.dtype {
         DType::U8 => format!("acc = (acc + tile_a[ty * {TILE}u + kk] * tile_b[kk * {TILE}u + tx]) & 0xffu;"),
         _ => format!("acc = acc + tile_a[ty * {TILE}u + kk] * tile_b[kk * {TILE}u + tx];"),
     };
     // Only k < K: a padded 0 * inf would be NaN, and adding +0 would change a -0 sum.
-    let _ = writeln!(out, "    let kn = min({TILE}u, {}u - k0);\n    for (var kk = 0u; kk < kn; kk = kk + 1u) {{\n      {step}\n    }}", mm.k);
+    let _ = writeln!(
+        out,
+        "    let kn = min({TILE}u, {}u - k0);\n    for (var kk = 0u; kk < kn; kk = kk + 1u) {{\n      {step}\n    }}",
+        mm.k
+    );
     let _ = writeln!(out, "    workgroupBarrier();\n  }}");
     let off = format!("b * {}u + row * {}u + col", mm.m * mm.n, mm.n);
     let store = memory::store(mm.product, mm.dtype, &off, "acc")?;

@@ -172,7 +172,9 @@ impl Module<'_> {
 
     /// [`check_printable`] against the parameters.
     pub fn check(&self, loads: &[Load], stores: &[Store], expr: &Expr, dims: &[usize]) -> Result<(), String> {
-        check_printable(loads, stores, expr, dims, |a| self.params.get(a as usize).map(|p| (p.dtype, p.len, p.writable)))?;
+        check_printable(loads, stores, expr, dims, |a| {
+            self.params.get(a as usize).map(|p| (p.dtype, p.len, p.writable))
+        })?;
         // Values WGSL cannot hold are refused wherever they appear.
         if let Some(n) = expr.nodes.iter().find(|n| n.dtype == DType::F64) {
             return Err(format!("{:?}: {}", n.op, refusal(DType::F64)));

@@ -86,15 +86,21 @@ impl RowPlan<'_> {
 
     /// Prints the live per-row nodes before node `upto` that are not printed yet (reductions
     /// excluded: their values come from `reduced`).
-    pub fn per_row_values(&self, out: &mut String, written: &[bool], upto: usize, printed: &mut [bool]) -> Result<(), String> {
+    pub fn per_row_values(
+        &self,
+        out: &mut String,
+        written: &[bool],
+        upto: usize,
+        printed: &mut [bool],
+    ) -> Result<(), String> {
         let index = memory::flat_index(&self.r.dims);
-        for i in 0..upto {
+        for (i, done) in printed.iter_mut().enumerate().take(upto) {
             let n = &self.r.expr.nodes[i];
-            if printed[i] || !self.per_row[i] || !self.live[i] || matches!(n.op, ExprOp::Reduce(..)) {
+            if *done || !self.per_row[i] || !self.live[i] || matches!(n.op, ExprOp::Reduce(..)) {
                 continue;
             }
             let_node(out, "  ", &self.r.expr, &self.r.loads, written, i, &index)?;
-            printed[i] = true;
+            *done = true;
         }
         Ok(())
     }
@@ -221,7 +227,13 @@ pub(super) fn stores(
 }
 
 /// Declares the workgroup arrays of reduction `i` (its values, and positions for argmax).
-pub(super) fn declare_shared(shared: &mut String, i: usize, op: ReduceOp, d: DType, threads: u32) -> Result<(), String> {
+pub(super) fn declare_shared(
+    shared: &mut String,
+    i: usize,
+    op: ReduceOp,
+    d: DType,
+    threads: u32,
+) -> Result<(), String> {
     let _ = writeln!(shared, "var<workgroup> red{i}: array<{}, {threads}>;", scalar::reg_type(d)?);
     if op == ReduceOp::ArgMax {
         let _ = writeln!(shared, "var<workgroup> ridx{i}: array<u32, {threads}>;");
@@ -231,10 +243,7 @@ pub(super) fn declare_shared(shared: &mut String, i: usize, op: ReduceOp, d: DTy
 
 /// Errs when the declared workgroup arrays exceed the adapter's workgroup storage.
 pub(super) fn check_shared(m: &Module<'_>, shared: &str, threads: u32) -> Result<(), String> {
-    let per_entry: u64 = shared
-        .lines()
-        .map(|l| if l.contains("vec2<u32>") { 8 } else { 4 } * threads as u64)
-        .sum();
+    let per_entry: u64 = shared.lines().map(|l| if l.contains("vec2<u32>") { 8 } else { 4 } * threads as u64).sum();
     if per_entry > m.features.max_workgroup_storage_size as u64 {
         return Err(format!(
             "{per_entry} bytes of workgroup memory exceed the adapter's max_compute_workgroup_storage_size ({})",
@@ -266,7 +275,9 @@ pub(super) fn fold(
     let (acc, v) = (format!("acc{i}"), format!("v{x}"));
     let body = match op {
         ReduceOp::Sum | ReduceOp::Mean => format!("    {acc} = {};\n", scalar::binary(PrimBinary::Add, d, &acc, &v)?),
-        ReduceOp::ArgMax => format!("    if ({}) {{ {acc} = {v}; arg{i} = t; }}\n", wins(op, d, [&acc, &v, &format!("arg{i}"), "t"])),
+        ReduceOp::ArgMax => {
+            format!("    if ({}) {{ {acc} = {v}; arg{i} = t; }}\n", wins(op, d, [&acc, &v, &format!("arg{i}"), "t"]))
+        }
         _ => format!("    if ({}) {{ {acc} = {v}; }}\n", wins(op, d, [&acc, &v, "0u", "0u"])),
     };
     p.sweep(out, written, range, threads, &p.needed(&[x]), &body)
@@ -276,7 +287,11 @@ pub(super) fn fold(
 /// in a tree: the result is in element 0.
 pub(super) fn tree(out: &mut String, i: usize, op: ReduceOp, d: DType, threads: u32) -> Result<(), String> {
     let arg = op == ReduceOp::ArgMax;
-    let _ = writeln!(out, "  red{i}[lid] = acc{i};{}", if arg { format!(" ridx{i}[lid] = arg{i};") } else { String::new() });
+    let _ = writeln!(
+        out,
+        "  red{i}[lid] = acc{i};{}",
+        if arg { format!(" ridx{i}[lid] = arg{i};") } else { String::new() }
+    );
     let _ = writeln!(out, "  workgroupBarrier();");
     let _ = writeln!(out, "  for (var s = {}u; s > 0u; s = s >> 1u) {{\n    if (lid < s) {{", threads / 2);
     let (a, b) = (format!("red{i}[lid]"), format!("red{i}[lid + s]"));

@@ -115,7 +115,8 @@ pub(super) fn print_split(m: &mut Module<'_>, p: &RowPlan<'_>) -> Result<(), Str
         entry(m, &mut bodies, &name, groups, threads, &comment, &out)?;
         // The row's result from its partials.
         let mut out = String::new();
-        let _ = writeln!(out, "  let row = wg;\n  var acc{i}: {} = {};", scalar::reg_type(d)?, scalar::identity(s.op, d)?);
+        let _ =
+            writeln!(out, "  let row = wg;\n  var acc{i}: {} = {};", scalar::reg_type(d)?, scalar::identity(s.op, d)?);
         if s.op == ReduceOp::ArgMax {
             let _ = writeln!(out, "  var arg{i}: u32 = 0u;");
         }
@@ -129,7 +130,11 @@ pub(super) fn print_split(m: &mut Module<'_>, p: &RowPlan<'_>) -> Result<(), Str
             }
             ReduceOp::ArgMax => {
                 let _ = writeln!(out, "    let at = a{scratch}[{}u + row * {segments}u + k];", s.positions);
-                let _ = writeln!(out, "    if ({}) {{ {acc} = v; {arg} = at; }}", rows::wins(s.op, d, [&acc, "v", &arg, "at"]));
+                let _ = writeln!(
+                    out,
+                    "    if ({}) {{ {acc} = v; {arg} = at; }}",
+                    rows::wins(s.op, d, [&acc, "v", &arg, "at"])
+                );
             }
             _ => {
                 let _ = writeln!(out, "    if ({}) {{ {acc} = v; }}", rows::wins(s.op, d, [&acc, "v", "0u", "0u"]));
@@ -144,7 +149,11 @@ pub(super) fn print_split(m: &mut Module<'_>, p: &RowPlan<'_>) -> Result<(), Str
             }
             op => {
                 let mean = op == ReduceOp::Mean && d == DType::F32;
-                let v = if mean { format!("red{i}[0] / {}", scalar::f32_const(p.len as f64)) } else { format!("red{i}[0]") };
+                let v = if mean {
+                    format!("red{i}[0] / {}", scalar::f32_const(p.len as f64))
+                } else {
+                    format!("red{i}[0]")
+                };
                 for (k, w) in to_words(d, &v).iter().enumerate() {
                     let _ = writeln!(out, "    a{scratch}[{}u + row * {}u + {k}u] = {w};", s.results, width(d));
                 }
@@ -171,7 +180,15 @@ pub(super) fn print_split(m: &mut Module<'_>, p: &RowPlan<'_>) -> Result<(), Str
 
 /// Adds entry `name` with body `out` (after the header `begin_entry` prints) to `bodies`.
 #[allow(clippy::too_many_arguments)]
-fn entry(m: &mut Module<'_>, bodies: &mut String, name: &str, groups: u64, threads: u32, comment: &str, out: &str) -> Result<(), String> {
+fn entry(
+    m: &mut Module<'_>,
+    bodies: &mut String,
+    name: &str,
+    groups: u64,
+    threads: u32,
+    comment: &str,
+    out: &str,
+) -> Result<(), String> {
     let before = std::mem::take(&mut m.body);
     m.begin_entry(name, groups, threads, comment)?;
     bodies.push_str(&m.body);
