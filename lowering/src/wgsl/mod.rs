@@ -27,9 +27,12 @@
 //! integer math on u32 pairs), constants have the exact bits of the CPU's. Where agreement is
 //! impossible: `exp`, `log`, `sin`, `cos`, `tanh` and `pow` are the platform's (WGSL only
 //! bounds their error: `sin`/`cos` to 2^-11 absolute on [-pi, pi], the others to a few ulps,
-//! and normal random numbers use `log` and `cos`); float sums and means add in another order;
-//! the GPU may flush subnormal f32 values to zero, fuse `a * b + c` into one rounding, and
-//! give NaNs other payloads. Nodes that no store reads are not printed.
+//! and normal random numbers use `log` and `cos`); float sums, means and matrix products add
+//! in another order (a product's `acc + a * b` may also be fused into one rounding); the GPU
+//! may flush subnormal f32 values to zero and give NaNs other payloads. Shader compilers
+//! otherwise simplify float algebra as if NaN, infinities and signed zeros did not exist
+//! (Mesa rewrites `exp(log(x))` to `x`), so every f32 value passes through an identity they
+//! cannot see through (see `LAUNDER`). Nodes that no store reads are not printed.
 //!
 //! Dtypes: f32, i32, u8, bool, f16 and bf16 (stored packed in u32 words and converted exactly
 //! in integer arithmetic, so they need no `shader-f16`); i64 values exist inside kernels
