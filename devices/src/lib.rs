@@ -10,6 +10,8 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod runtime;
+#[cfg(feature = "wgpu")]
+pub mod wgpu;
 
 pub use runtime::pool::MemoryStats;
 pub use runtime::{Backend, Driver, Input, Job};

@@ -4,8 +4,8 @@
 //! ([`kernel`]): strided loads, an expression DAG whose primitives come from the op table,
 //! stores, reductions and matrix products. Every backend consumes this IR: the CPU device
 //! interprets it; [`cuda`] prints it as CUDA C (checked by `tests/cuda_printer.rs`, which
-//! compiles the printed kernels on the host and compares them with the CPU); a WGSL printer is
-//! the wgpu issue's. Lowering never touches buffers, streams or devices.
+//! compiles the printed kernels on the host and compares them with the CPU); [`wgsl`] prints it as
+//! WGSL for the wgpu device (checked on a Vulkan adapter by `tests/wgsl_kernels.rs`). Lowering never touches buffers, streams or devices.
 
 mod cexpr;
 pub mod cuda;
@@ -13,6 +13,7 @@ pub mod host_c;
 pub mod kernel;
 pub mod lower;
 pub mod vmath;
+pub mod wgsl;
 
 pub use kernel::{Arg, Body, Kernel, Load, MapLoop, MatmulKernel, MatmulOperand, RowKernel, Store, View, check_access};
 pub use lower::Lowering;

@@ -1,0 +1,83 @@
+//! What the printer promises without a GPU: dispatch shapes, refusals with reasons, limits
+//! named in errors, the bindings it asks for. `tests/wgsl_kernels.rs` runs the printed
+//! kernels on an adapter and compares them with the CPU.
+
+use super::*;
+use crate::kernel::{Arg, MapLoop, View};
+use braid_graph::expr::ExprBuilder;
+
+fn view(dims: &[usize]) -> View {
+    View::contiguous(&braid_graph::Shape::new(dims))
+}
+
+/// `out = in * 2` (a copy for bool) over `dims`, of `d`.
+fn double(d: DType, dims: &[usize]) -> Kernel {
+    let n = dims.iter().product();
+    let mut b = ExprBuilder::new();
+    let x = b.load(0, d);
+    let y = match d {
+        DType::Bool => x,
+        _ => {
+            let two = b.constant(2.0, d);
+            b.mul(x, two)
+        }
+    };
+    let l = MapLoop {
+        dims: dims.into(),
+        loads: vec![Load { arg: 0, dtype: d, view: view(dims) }],
+        expr: b.finish(),
+        stores: vec![Store { arg: 1, dtype: d, view: view(dims), value: y }],
+    };
+    Kernel { args: vec![Arg { dtype: d, len: n }; 2], inputs: 1, body: Body::Map(vec![l]) }
+}
+
+#[test]
+fn dispatches_spread_over_dimensions_and_cover_every_workgroup() {
+    for (groups, max) in [(1u64, 65_535u32), (65_535, 65_535), (65_536, 65_535), (1 << 31, 65_535), (27, 3), (5, 5)] {
+        let [x, y, z] = split_workgroups(groups, max).unwrap();
+        assert!(x <= max && y <= max && z <= max, "{groups} over {max}: {x} {y} {z}");
+        let covered = x as u64 * y as u64 * z as u64;
+        assert!(covered >= groups && covered - groups < (x as u64) * (y as u64), "{groups}: {x} {y} {z}");
+    }
+    assert!(split_workgroups(28, 3).unwrap_err().contains("3 per dimension"));
+}
+
+#[test]
+fn dtypes_wgsl_lacks_are_refused_with_a_reason() {
+    let f = Features::default();
+    for d in [DType::F32, DType::F16, DType::BF16, DType::I32, DType::U8, DType::Bool] {
+        assert!(supports(d, &f).is_ok());
+        assert!(print(&double(d, &[3, 5]), &f).is_ok(), "{d}");
+    }
+    for d in [DType::F64, DType::I64] {
+        let e = supports(d, &f).unwrap_err();
+        assert!(e.starts_with(&format!("{d} is not supported on wgpu")) && e.contains("WGSL has no 64-bit"), "{e}");
+        assert!(print(&double(d, &[3]), &f).unwrap_err().contains("not supported on wgpu"));
+    }
+}
+
+#[test]
+fn limits_are_named_when_a_kernel_exceeds_them() {
+    let k = double(DType::F32, &[1000]);
+    let f = Features { max_storage_buffers_per_stage: 1, ..Features::default() };
+    assert!(print(&k, &f).unwrap_err().contains("max_storage_buffers_per_stage (1)"));
+    let f = Features { max_storage_buffer_binding_size: 1024, ..Features::default() };
+    assert!(print(&k, &f).unwrap_err().contains("max_storage_buffer_binding_size (1024)"));
+    let f = Features { max_workgroups_per_dimension: 1, ..Features::default() };
+    assert!(print(&k, &f).unwrap_err().contains("1 per dimension"));
+}
+
+#[test]
+fn bindings_are_the_arguments_then_scratch_then_zero() {
+    let src = print(&double(DType::U8, &[7]), &Features::default()).unwrap();
+    assert_eq!(src.bindings, vec![Binding::Arg { arg: 0, bytes: 8 }, Binding::Arg { arg: 1, bytes: 8 }, Binding::Zero]);
+    // Written sub-word elements are atomics; constants reach the shader as opaque bits.
+    assert!(src.source.contains("var<storage, read_write> a1: array<atomic<u32>>"));
+    assert!(src.source.contains("atomicOr(&a1["));
+    assert_eq!(src.entries, vec![Entry { name: "loop0".into(), workgroups: [1, 1, 1], threads: MAP_THREADS }]);
+    let f = print(&double(DType::F32, &[7]), &Features::default()).unwrap();
+    assert!(f.source.contains("bitcast<f32>(braid_opaque(0x40000000u))"), "{}", f.source);
+    assert!(f.source.contains("braid_zero = braid_zero_uniform.x;"));
+    // An empty loop has nothing to dispatch.
+    assert!(print(&double(DType::F32, &[0]), &Features::default()).unwrap().entries.is_empty());
+}
