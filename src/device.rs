@@ -68,38 +68,42 @@ impl Device {
         Device::register(Arc::new(CpuDevice::new()))
     }
 
-    /// A CUDA GPU. This build of braid has no CUDA backend yet, so this is always an `Err`
-    /// (never a panic).
+    /// CUDA GPU `ordinal`: the same device on every call for that ordinal. An `Err` (never a
+    /// panic) when this build has no CUDA backend, the CUDA libraries are missing, or there is
+    /// no such GPU; the message says what was looked for.
     pub fn cuda(ordinal: usize) -> Result<Device> {
-        Err(Error::Unavailable(format!(
-            "cuda:{ordinal} is unavailable: this build of braid has no CUDA backend (use Device::cpu())"
-        )))
+        shared(Kind::Cuda(ordinal))
     }
 
-    /// The first wgpu adapter. This build of braid has no wgpu backend yet, so this is always
-    /// an `Err`.
+    /// A new, independent device on CUDA GPU `ordinal`: its own engine, memory pools and
+    /// statistics (like [`Device::new_cpu`]).
+    pub fn new_cuda(ordinal: usize) -> Result<Device> {
+        Ok(Device::register(crate::backends::cuda(ordinal)?))
+    }
+
+    /// The first wgpu adapter (Vulkan, Metal, DX12; lavapipe in CI): the same device on every
+    /// call. An `Err` naming what was tried when there is none.
     pub fn wgpu() -> Result<Device> {
-        Err(Error::Unavailable(
-            "wgpu is unavailable: this build of braid has no wgpu backend (use Device::cpu())".into(),
-        ))
+        shared(Kind::Wgpu)
+    }
+
+    /// A new, independent device on the first wgpu adapter.
+    pub fn new_wgpu() -> Result<Device> {
+        Ok(Device::register(crate::backends::wgpu()?))
     }
 
     /// The device named by `BRAID_DEVICE` (`cpu`, `cuda`, `cuda:N`, `wgpu`); `cpu` when unset.
     pub fn from_env() -> Result<Device> {
-        let value = std::env::var("BRAID_DEVICE").unwrap_or_default();
-        let v = value.trim().to_ascii_lowercase();
-        match v.as_str() {
-            "" | "cpu" => Ok(Device::cpu()),
-            "cuda" => Device::cuda(0),
-            "wgpu" => Device::wgpu(),
-            _ => match v.strip_prefix("cuda:").map(str::parse::<usize>) {
-                Some(Ok(n)) => Device::cuda(n),
-                _ => Err(Error::Environment {
-                    name: "BRAID_DEVICE",
-                    value,
-                    reason: "expected cpu, cuda, cuda:N or wgpu".into(),
-                }),
-            },
+        shared(Kind::from_env()?)
+    }
+
+    /// A new, independent device of the kind `BRAID_DEVICE` names (`cpu` when unset): what test
+    /// suites run on, so that one suite runs on every device.
+    pub fn new_from_env() -> Result<Device> {
+        match Kind::from_env()? {
+            Kind::Cpu => Ok(Device::new_cpu()),
+            Kind::Cuda(n) => Device::new_cuda(n),
+            Kind::Wgpu => Device::new_wgpu(),
         }
     }
 
@@ -296,4 +300,52 @@ impl fmt::Display for Device {
 /// Graphviz DOT, one after another.
 pub(crate) fn recorded_graph_dot() -> String {
     crate::engine::engines().iter().map(|e| e.recorded_graph_dot()).collect::<Vec<_>>().join("\n")
+}
+
+/// A kind of device, as `BRAID_DEVICE` names it.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+enum Kind {
+    Cpu,
+    Cuda(usize),
+    Wgpu,
+}
+
+impl Kind {
+    fn from_env() -> Result<Kind> {
+        let value = std::env::var("BRAID_DEVICE").unwrap_or_default();
+        let v = value.trim().to_ascii_lowercase();
+        match v.as_str() {
+            "" | "cpu" => Ok(Kind::Cpu),
+            "cuda" => Ok(Kind::Cuda(0)),
+            "wgpu" => Ok(Kind::Wgpu),
+            _ => match v.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(n)) => Ok(Kind::Cuda(n)),
+                _ => Err(Error::Environment {
+                    name: "BRAID_DEVICE",
+                    value,
+                    reason: "expected cpu, cuda, cuda:N or wgpu".into(),
+                }),
+            },
+        }
+    }
+}
+
+/// The shared device of each kind, created on first use (a failure is not kept: a later call
+/// tries again).
+fn shared(kind: Kind) -> Result<Device> {
+    static SHARED: Mutex<Vec<(Kind, Device)>> = Mutex::new(Vec::new());
+    if kind == Kind::Cpu {
+        return Ok(Device::cpu());
+    }
+    let mut devices = lock(&SHARED);
+    if let Some((_, d)) = devices.iter().find(|(k, _)| *k == kind) {
+        return Ok(d.clone());
+    }
+    let device = match kind {
+        Kind::Cuda(n) => Device::new_cuda(n)?,
+        Kind::Wgpu => Device::new_wgpu()?,
+        Kind::Cpu => unreachable!("handled above"),
+    };
+    devices.push((kind, device.clone()));
+    Ok(device)
 }

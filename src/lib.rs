@@ -31,6 +31,7 @@
 //! `RUST_LOG=braid=debug` shows one line per executed kernel with its time and bandwidth.
 
 pub(crate) mod autograd;
+mod backends;
 mod device;
 mod engine;
 mod error;

@@ -23,6 +23,13 @@ pub fn fail_next_flush_at(device: &Device, kernel: u32) {
     lock(&device.engine().faults).fail_at = Some(kernel);
 }
 
+/// A new device of the kind `BRAID_DEVICE` names (the CPU when unset): the device a suite
+/// runs on, so that the same suites check every backend. Panics, naming the reason, when that
+/// device is unavailable (the variable asked for it).
+pub fn test_device() -> Device {
+    Device::new_from_env().unwrap_or_else(|e| panic!("BRAID_DEVICE asks for a device that is unavailable: {e}"))
+}
+
 /// A device running on `backend` (a test backend: a recording queue, a fault injector).
 pub fn device_with_backend(backend: Arc<dyn braid_devices::Backend>) -> Device {
     Device::with_backend(backend)

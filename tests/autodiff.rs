@@ -9,8 +9,10 @@ use braid::prelude::*;
 use braid_graph::table::{BinaryOp, UnaryOp};
 use common::{Rng, check_recorded};
 
+/// The device under test, one for the whole binary (tests mix tensors made by separate calls).
 fn cpu() -> Device {
-    Device::cpu()
+    static DEVICE: std::sync::OnceLock<Device> = std::sync::OnceLock::new();
+    DEVICE.get_or_init(braid::testing::test_device).clone()
 }
 
 /// Random values in `[-2, 2]` at least 0.2 away from zero (kinks of relu/abs), or positive.
@@ -232,7 +234,7 @@ fn micrograd_example_gives_the_published_values() {
 #[test]
 fn backward_follows_the_forward_streams() {
     // Its own device: the dump read below must be this test's last flush.
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let side = dev.new_stream();
     let mut rng = Rng::new(11);
     let inputs = [(vec![3, 4], values(&mut rng, 12, false)), (vec![4, 2], values(&mut rng, 8, false))];
@@ -332,7 +334,7 @@ fn misuse_is_reported_at_the_call() {
 #[test]
 fn mlp_gradients_equal_the_reference() {
     for (poison, budget) in [(false, false), (true, false), (true, true)] {
-        let dev = Device::new_cpu();
+        let dev = braid::testing::test_device();
         dev.set_poison(poison);
         if budget {
             // Out of reach: the read raises it to the lowest reachable peak, which offloads.
@@ -365,7 +367,7 @@ fn transformer_block_gradients_equal_the_reference() {
 }
 
 fn transformer_block(budget: bool) {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     if budget {
         dev.set_poison(true);
         dev.set_memory_budget(Some(1));

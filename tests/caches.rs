@@ -11,7 +11,7 @@ fn step(dev: &Device, w: &Tensor, x: &[f32]) -> f32 {
 
 #[test]
 fn repeated_flushes_reuse_their_plan_and_stay_correct() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let w = Tensor::from_vec((0..64).map(|i| (i as f32 * 0.1).sin()).collect::<Vec<_>>(), [8, 8], &dev);
     w.to_vec::<f32>().unwrap();
     let inputs: Vec<Vec<f32>> = (0..5).map(|k| (0..32).map(|i| ((i + 7 * k) as f32 * 0.37).cos()).collect()).collect();
@@ -22,7 +22,7 @@ fn repeated_flushes_reuse_their_plan_and_stay_correct() {
     assert!(m1 - m0 <= 2, "only the first iteration plans ({} misses)", m1 - m0);
     // The same computations on a device without history give the same numbers.
     for (x, got) in inputs.iter().zip(&cached) {
-        let fresh = Device::new_cpu();
+        let fresh = braid::testing::test_device();
         let wf = Tensor::from_vec(w.to_vec::<f32>().unwrap(), [8, 8], &fresh);
         assert_eq!(step(&fresh, &wf, x), *got);
     }
@@ -30,7 +30,7 @@ fn repeated_flushes_reuse_their_plan_and_stay_correct() {
 
 #[test]
 fn a_different_structure_or_constant_is_planned_anew() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let x = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], [3], &dev);
     x.to_vec::<f32>().unwrap();
     assert_eq!((&x * 2.0).to_vec::<f32>().unwrap(), vec![2.0, 4.0, 6.0]);

@@ -36,7 +36,7 @@ fn two_stream_flush(dev: &Device) -> Tensor {
 #[test]
 fn dumps_show_streams_events_and_gated_frees_and_inspect_validates_them() {
     let dir = tmp_dir("dump");
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     braid::dump::set_dir(Some(dir.clone()));
     let y = two_stream_flush(&dev);
     y.to_vec::<f32>().unwrap();

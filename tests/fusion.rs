@@ -23,7 +23,7 @@ fn refusals(j: &Json) -> Vec<String> {
 
 #[test]
 fn a_chain_of_six_elementwise_ops_is_one_kernel() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let x = data(&dev, &[64, 64]);
     let y = x.exp().sin().neg().sigmoid().square().relu();
     y.to_vec::<f32>().unwrap();
@@ -37,7 +37,7 @@ fn a_chain_of_six_elementwise_ops_is_one_kernel() {
 
 #[test]
 fn a_chain_with_its_middle_on_another_stream_is_split_and_says_why() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let s1 = dev.new_stream();
     let x = data(&dev, &[64, 64]);
     let a = x.exp().sin();
@@ -56,7 +56,7 @@ fn a_chain_with_its_middle_on_another_stream_is_split_and_says_why() {
 
 #[test]
 fn a_chain_cut_by_a_user_wait_is_two_kernels() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let s1 = dev.new_stream();
     let x = data(&dev, &[64, 64]);
     let a = x.exp().sin().neg();
@@ -81,7 +81,7 @@ fn a_chain_cut_by_a_user_wait_is_two_kernels() {
 
 #[test]
 fn composed_softmax_and_layer_norm_are_one_kernel_each() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let x = data(&dev, &[32, 100]);
     let m = x.max_dim(1, true);
     let e = (&x - &m).exp();
@@ -100,7 +100,7 @@ fn composed_softmax_and_layer_norm_are_one_kernel_each() {
 
 #[test]
 fn matmul_epilogues_and_transposed_operands_fuse() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let x = data(&dev, &[16, 32]);
     let w = data(&dev, &[24, 32]);
     let b = data(&dev, &[24]);
@@ -111,7 +111,7 @@ fn matmul_epilogues_and_transposed_operands_fuse() {
     assert_eq!(kernels(&j), 1, "{}", dev.last_schedule().unwrap().to_text());
     assert_eq!(j["fusion"]["fused_ops"], 3, "matmul, add, relu (the transpose is folded)");
     // Against the same computed without fusion.
-    let plain = Device::new_cpu();
+    let plain = braid::testing::test_device();
     plain.set_fusion(false);
     let (x2, w2, b2) = (data(&plain, &[16, 32]), data(&plain, &[24, 32]), data(&plain, &[24]));
     let want = (x2.matmul(&w2.t()) + &b2).relu().to_vec::<f32>().unwrap();
@@ -123,7 +123,7 @@ fn matmul_epilogues_and_transposed_operands_fuse() {
 
 #[test]
 fn the_kernel_input_limit_splits_kernels() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let xs: Vec<Tensor> = (0..24).map(|i| data(&dev, &[8]) * (i as f64)).collect();
     dev.sync().unwrap();
     let mut total = xs[0].clone();
@@ -138,7 +138,7 @@ fn the_kernel_input_limit_splits_kernels() {
 
 #[test]
 fn fusion_off_runs_every_op_as_its_own_kernel() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     dev.set_fusion(false);
     let x = data(&dev, &[64]);
     x.exp().sin().neg().to_vec::<f32>().unwrap();
@@ -149,7 +149,7 @@ fn fusion_off_runs_every_op_as_its_own_kernel() {
 
 #[test]
 fn many_reductions_of_one_input_split_into_several_row_kernels() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let x = Tensor::from_vec((0..32).map(|i| i as f32).collect::<Vec<_>>(), [4, 8], &dev);
     let stats = x.sum_dim(1, false)
         + x.max_dim(1, false)

@@ -2,7 +2,7 @@
 //! kept, the pending graph is bounded, run-time failures are `Err` and lose no work, memory is
 //! accounted truthfully, and recording is safe from many threads.
 //!
-//! Each test counts kernels on its own CPU device (`Device::new_cpu()`), so counts are exact
+//! Each test counts kernels on its own CPU device (`braid::testing::test_device()`), so counts are exact
 //! even with tests running in parallel; fusion is off where a test counts ops one kernel each.
 //! Tests that change the global pending-node limit take turns through `LIMIT`.
 
@@ -17,7 +17,7 @@ fn turn() -> std::sync::MutexGuard<'static, ()> {
 
 /// A fresh CPU device that runs one kernel per op, so kernel counts are op counts.
 fn unfused() -> Device {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     dev.set_fusion(false);
     dev
 }
@@ -29,7 +29,7 @@ fn data(dev: &Device, n: usize) -> Tensor {
 #[test]
 fn tensors_dropped_unread_are_never_computed() {
     let _t = turn();
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let x = data(&dev, 1000);
     let y = x.exp().sin() * 3.0;
     let z = y.reshape([1000, 1]).matmul(&y.reshape([1, 1000]));
@@ -104,7 +104,7 @@ fn the_pending_graph_is_bounded() {
 #[test]
 fn in_place_updates_are_new_versions() {
     let _t = turn();
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let x = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], [3], &dev);
     let alias = x.clone();
     let before = &x * 10.0; // recorded before the update: sees the old value
@@ -122,7 +122,7 @@ fn in_place_updates_are_new_versions() {
 #[test]
 fn out_of_memory_is_an_err_and_the_engine_stays_usable() {
     let _t = turn();
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let small = data(&dev, 8);
     let huge = Tensor::zeros([1usize << 44], DType::F32, &dev); // 64 TiB
     let pending = &huge + 1.0;
@@ -141,7 +141,7 @@ fn out_of_memory_is_an_err_and_the_engine_stays_usable() {
 #[test]
 fn memory_statistics_are_truthful() {
     let _t = turn();
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let x = data(&dev, 1 << 16); // 256 KiB
     let y = x.exp();
     y.to_vec::<f32>().unwrap();
@@ -161,7 +161,7 @@ fn memory_statistics_are_truthful() {
 #[test]
 fn recording_and_reading_from_many_threads() {
     let _t = turn();
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let shared = data(&dev, 256);
     let threads: Vec<_> = (0..8)
         .map(|t| {
@@ -211,7 +211,7 @@ fn schedules_and_the_recorded_graph_can_be_inspected() {
     let s = dev.last_schedule().unwrap();
     let json: serde_json::Value = serde_json::from_str(&s.to_json()).unwrap();
     assert_eq!(json["schema"], 1);
-    assert_eq!(json["device"], "cpu");
+    assert_eq!(json["device"], dev.name());
     assert_eq!(json["fusion"]["kernels"], 2);
     assert!(s.to_text().contains("exp"), "{}", s.to_text());
     assert!(s.to_dot().contains("cluster_s0"));
@@ -220,7 +220,7 @@ fn schedules_and_the_recorded_graph_can_be_inspected() {
 #[test]
 fn a_failed_flush_leaves_its_inputs_intact() {
     let _t = turn();
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     // y's input has no handle of its own; the flush below fails (out of memory) after computing
     // y, and y must come out right when it is retried.
     let y = Tensor::from_vec(vec![1.0f32; 4], [4], &dev) + 1.0;
@@ -234,7 +234,7 @@ fn a_failed_flush_leaves_its_inputs_intact() {
 #[test]
 fn concurrent_updates_and_reads_see_whole_versions() {
     let _t = turn();
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let x = Tensor::from_vec(vec![0.0f32; 4], [4], &dev);
     let one = Tensor::ones([4], DType::F32, &dev);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));

@@ -7,6 +7,12 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+/// The device under test (`BRAID_DEVICE`), one for the whole binary.
+fn dev() -> Device {
+    static DEVICE: std::sync::OnceLock<Device> = std::sync::OnceLock::new();
+    DEVICE.get_or_init(braid::testing::test_device).clone()
+}
+
 /// Runs `f`, which must panic, and returns the panic message.
 fn panic_message(f: impl FnOnce()) -> String {
     let err = catch_unwind(AssertUnwindSafe(f)).expect_err("expected a misuse panic");
@@ -24,12 +30,12 @@ fn assert_mentions(msg: &str, parts: &[&str]) {
 
 #[test]
 fn shape_mismatch_names_both_shapes_and_the_callers_line() {
-    let cpu = Device::cpu();
+    let cpu = dev();
     let a = Tensor::zeros([2, 3], DType::F32, &cpu);
     let b = Tensor::zeros([4], DType::F32, &cpu);
     let line = line!() + 1;
     let msg = panic_message(|| drop(&a + &b));
-    assert_mentions(&msg, &["add", "[2, 3]", "[4]", "f32", "cpu", &format!("{}:{line}:", file!())]);
+    assert_mentions(&msg, &["add", "[2, 3]", "[4]", "f32", &cpu.name(), &format!("{}:{line}:", file!())]);
 
     let line = line!() + 1;
     let msg = panic_message(|| drop(a.matmul(&b.reshape([4, 1]))));
@@ -38,7 +44,7 @@ fn shape_mismatch_names_both_shapes_and_the_callers_line() {
 
 #[test]
 fn dtype_mismatch_names_both_dtypes_and_the_callers_line() {
-    let cpu = Device::cpu();
+    let cpu = dev();
     let a = Tensor::ones([3], DType::F32, &cpu);
     let b = Tensor::ones([3], DType::I32, &cpu);
     let line = line!() + 1;
@@ -52,12 +58,14 @@ fn dtype_mismatch_names_both_dtypes_and_the_callers_line() {
 
 #[test]
 fn device_mismatch_names_both_devices_and_the_callers_line() {
-    let a = Tensor::ones([3], DType::F32, &Device::cpu());
+    let dev = dev();
+    let a = Tensor::ones([3], DType::F32, &dev);
     let other = Device::new_cpu();
     let b = Tensor::ones([3], DType::F32, &other);
     let line = line!() + 1;
     let msg = panic_message(|| drop(&a - &b));
-    assert_mentions(&msg, &["sub", "different devices", "[3] f32 on cpu", &format!("{}:{line}:", file!())]);
+    let on_dev = format!("[3] f32 on {}", dev.name());
+    assert_mentions(&msg, &["sub", "different devices", &on_dev, "[3] f32 on cpu", &format!("{}:{line}:", file!())]);
     // Moving one operand makes it valid.
     let sum = (&a + &b.to_device(a.device())).to_vec::<f32>().unwrap();
     assert_eq!(sum, vec![2.0; 3]);
@@ -65,7 +73,7 @@ fn device_mismatch_names_both_devices_and_the_callers_line() {
 
 #[test]
 fn bad_dimensions_and_arguments_are_reported_at_the_call() {
-    let cpu = Device::cpu();
+    let cpu = dev();
     let x = Tensor::zeros([2, 3], DType::F32, &cpu);
     type Case<'a> = (u32, Box<dyn FnOnce() + 'a>, &'static str);
     let cases: Vec<Case> = vec![
@@ -75,10 +83,10 @@ fn bad_dimensions_and_arguments_are_reported_at_the_call() {
         (line!(), Box::new(|| drop(x.narrow(1, 2, 2))), "narrow"),
         (line!(), Box::new(|| drop(x.permute(&[0, 0]))), "permute"),
         (line!(), Box::new(|| drop(x.expand([3, 3]))), "expand"),
-        (line!(), Box::new(|| drop(Tensor::from_vec(vec![1.0f32; 5], [2, 3], &Device::cpu()))), "from_vec"),
+        (line!(), Box::new(|| drop(Tensor::from_vec(vec![1.0f32; 5], [2, 3], &dev()))), "from_vec"),
         (line!(), Box::new(|| drop(x.clamp(1.0, 0.0))), "clamp"),
-        (line!(), Box::new(|| x.add_assign(&Tensor::zeros([4, 2, 3], DType::F32, &Device::cpu()))), "add_assign"),
-        (line!(), Box::new(|| drop(&Tensor::zeros([2, 3], DType::U8, &Device::cpu()) * -1.0)), "mul"),
+        (line!(), Box::new(|| x.add_assign(&Tensor::zeros([4, 2, 3], DType::F32, &dev()))), "add_assign"),
+        (line!(), Box::new(|| drop(&Tensor::zeros([2, 3], DType::U8, &dev()) * -1.0)), "mul"),
     ];
     for (line, f, op) in cases {
         let msg = panic_message(f);
@@ -88,7 +96,7 @@ fn bad_dimensions_and_arguments_are_reported_at_the_call() {
 
 #[test]
 fn the_engine_keeps_working_after_caught_misuse_on_every_thread() {
-    let cpu = Device::cpu();
+    let cpu = dev();
     let stop = Arc::new(AtomicBool::new(false));
     // Other threads compute while this one panics repeatedly.
     let workers: Vec<_> = (0..4)
@@ -123,7 +131,7 @@ fn the_engine_keeps_working_after_caught_misuse_on_every_thread() {
 
 #[test]
 fn read_errors_are_errs_not_panics() {
-    let cpu = Device::cpu();
+    let cpu = dev();
     let x = Tensor::from_vec(vec![1.0f32, 2.0], [2], &cpu);
     match x.to_vec::<f64>() {
         Err(Error::DTypeMismatch { tensor: DType::F32, requested: DType::F64 }) => {}
@@ -134,13 +142,19 @@ fn read_errors_are_errs_not_panics() {
         other => panic!("expected NotAScalar, got {other:?}"),
     }
     assert_eq!(x.sum().item::<f32>().unwrap(), 3.0);
-    assert!(Device::cuda(0).is_err());
-    assert!(Device::wgpu().is_err());
+    // A GPU is a device or a clear error, never a panic; a GPU that does not exist is an error.
+    for gpu in [Device::cuda(0), Device::wgpu()] {
+        match gpu {
+            Ok(d) => assert!(d.name() != "cpu"),
+            Err(e) => assert!(!e.to_string().is_empty()),
+        }
+    }
+    assert!(Device::cuda(4096).is_err());
 }
 
 #[test]
 fn impossible_shapes_are_misuse_not_overflow() {
-    let cpu = Device::cpu();
+    let cpu = dev();
     let line = line!() + 1;
     let msg = panic_message(|| drop(Tensor::zeros([1usize << 40, 1 << 40], DType::F32, &cpu)));
     assert_mentions(&msg, &["too large", &format!("{}:{line}:", file!())]);

@@ -13,7 +13,7 @@ use serde_json::Value as Json;
 /// and result alone are 98% of it, so no budget of half of it is reachable; the random budget
 /// properties of `tests/properties.rs` cover unfused plans.)
 fn device() -> Device {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     dev.set_fusion(true);
     dev
 }

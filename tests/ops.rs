@@ -38,7 +38,7 @@ fn assert_misuse(what: &str, f: impl FnOnce()) {
 
 #[test]
 fn unary_ops_on_every_dtype() {
-    let dev = Device::cpu();
+    let dev = braid::testing::test_device();
     let mut rng = Rng::new(1);
     for &op in UnaryOp::ALL {
         for d in DType::ALL {
@@ -64,7 +64,7 @@ fn unary_ops_on_every_dtype() {
 
 #[test]
 fn binary_ops_broadcast_on_every_dtype() {
-    let dev = Device::cpu();
+    let dev = braid::testing::test_device();
     let mut rng = Rng::new(2);
     let shapes =
         [(vec![2, 3, 4], vec![3, 1]), (vec![4], vec![2, 1]), (vec![], vec![2, 2]), (vec![3, 1, 2], vec![1, 4, 2])];
@@ -107,7 +107,7 @@ fn binary_ops_broadcast_on_every_dtype() {
 
 #[test]
 fn scalar_operands_on_either_side() {
-    let dev = Device::cpu();
+    let dev = braid::testing::test_device();
     let mut rng = Rng::new(3);
     for &op in BinaryOp::ALL {
         for d in DType::ALL {
@@ -135,7 +135,7 @@ fn scalar_operands_on_either_side() {
 
 #[test]
 fn comparisons_select_clamp_and_casts() {
-    let dev = Device::cpu();
+    let dev = braid::testing::test_device();
     let mut rng = Rng::new(4);
     for d in DType::ALL {
         let mut h = Harness::new(&dev);
@@ -165,7 +165,7 @@ fn comparisons_select_clamp_and_casts() {
 
 #[test]
 fn reductions_along_every_dimension() {
-    let dev = Device::cpu();
+    let dev = braid::testing::test_device();
     let mut rng = Rng::new(5);
     let shape = Shape::from([3, 4, 5]);
     for d in DType::ALL {
@@ -201,7 +201,7 @@ fn reductions_along_every_dimension() {
 
 #[test]
 fn matmul_with_broadcast_batches_on_every_numeric_dtype() {
-    let dev = Device::cpu();
+    let dev = braid::testing::test_device();
     let mut rng = Rng::new(6);
     let cases = [
         (vec![3, 4], vec![4, 5]),
@@ -231,7 +231,7 @@ fn matmul_with_broadcast_batches_on_every_numeric_dtype() {
 
 #[test]
 fn movement_on_every_dtype() {
-    let dev = Device::cpu();
+    let dev = braid::testing::test_device();
     let mut rng = Rng::new(7);
     for d in DType::ALL {
         let mut h = Harness::new(&dev);
@@ -257,7 +257,7 @@ fn movement_on_every_dtype() {
 #[test]
 fn sources_and_random_numbers() {
     let _turn = DEVICE_RNG.lock().unwrap_or_else(|p| p.into_inner());
-    let dev = Device::cpu();
+    let dev = braid::testing::test_device();
     let mut seeds = SeedMirror::reseed(&dev, 42);
     for d in DType::ALL {
         let mut h = Harness::new(&dev);
@@ -288,7 +288,7 @@ fn sources_and_random_numbers() {
 
 #[test]
 fn composites_match_the_formulas() {
-    let dev = Device::cpu();
+    let dev = braid::testing::test_device();
     let x = Tensor::from_vec(vec![1.0f64, 2.0, 3.0, -1.0, 0.0, 1.0], [2, 3], &dev);
     let sm = x.softmax(1).to_vec::<f64>().unwrap();
     let lsm = x.log_softmax(1).to_vec::<f64>().unwrap();
@@ -309,7 +309,7 @@ fn composites_match_the_formulas() {
 
 #[test]
 fn numpy_semantics_pinned_by_hand() {
-    let dev = Device::cpu();
+    let dev = braid::testing::test_device();
     let i = |v: Vec<i32>, s: &[usize]| Tensor::from_vec(v, s, &dev);
     // Integer division truncates towards zero; x / 0 is 0.
     let q = i(vec![7, -7, 7, 5], &[4]) / i(vec![2, 2, -2, 0], &[4]);
@@ -362,7 +362,7 @@ fn numpy_semantics_pinned_by_hand() {
 /// with elementwise work before and after, several reductions, argmax and odd widths.
 #[test]
 fn reductions_over_few_wide_rows_equal_the_reference() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     dev.seed(21);
     for dims in [vec![256, 512], vec![3, 40, 128], vec![5, 72], vec![2, 7, 24, 40], vec![300, 100]] {
         let x = Tensor::randn(dims.clone(), DType::F32, &dev);

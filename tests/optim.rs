@@ -18,7 +18,7 @@ fn grad_host(p: &[f64], c: &[f64], d: &[f64]) -> Vec<f64> {
 
 /// Runs `steps` braid steps and returns the parameter values after each.
 fn run(mut step: impl FnMut(&mut [Tensor], &Grads), p0: &[f64], c: &[f64], d: &[f64], steps: usize) -> Vec<Vec<f64>> {
-    let dev = Device::cpu();
+    let dev = braid::testing::test_device();
     let n = p0.len();
     let p = Tensor::from_vec(p0.to_vec(), [n], &dev).requires_grad();
     let (ct, dt) = (Tensor::from_vec(c.to_vec(), [n], &dev), Tensor::from_vec(d.to_vec(), [n], &dev));
@@ -113,7 +113,7 @@ fn adam_and_adamw_match_the_published_rules() {
 
 #[test]
 fn training_steps_replay_the_cached_schedule() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let p = Tensor::randn([64], DType::F32, &dev).requires_grad();
     let c = Tensor::rand([64], 0.5, 1.5, DType::F32, &dev);
     let mut opt = Adam::new(0.01);
@@ -132,7 +132,7 @@ fn training_steps_replay_the_cached_schedule() {
 
 #[test]
 fn a_parameter_that_is_not_a_leaf_is_misuse() {
-    let dev = Device::cpu();
+    let dev = braid::testing::test_device();
     let w = Tensor::from_vec(vec![1.0f32], [1], &dev).requires_grad();
     let derived = &w * 2.0;
     let grads = derived.sum().backward().unwrap();
@@ -147,7 +147,7 @@ fn a_parameter_that_is_not_a_leaf_is_misuse() {
 /// and nothing else does.
 #[test]
 fn parameters_live_in_exact_size_memory() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     dev.seed(4);
     let x = Tensor::randn([32, 24], DType::F32, &dev);
     let w1 = (Tensor::randn([24, 40], DType::F32, &dev) * 0.2).detach().requires_grad();

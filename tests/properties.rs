@@ -6,7 +6,6 @@
 
 mod common;
 
-use braid::prelude::*;
 use common::program::{self, Config};
 use proptest::prelude::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -20,7 +19,7 @@ fn cases() -> u32 {
 fn run_suite(cases: u32, config: &Config, fusion: bool) {
     // Each suite has its own device (programs predict the seeds `rand` draws from it), with
     // poison mode on: a buffer freed or reused too early shows up as a wrong result.
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     dev.set_poison(true);
     dev.set_fusion(fusion);
     // `BRAID_PROPTEST_SEED=N` replays one program (the seed a failure reports).

@@ -30,7 +30,7 @@ fn bits(t: &Tensor) -> Vec<u64> {
 
 #[test]
 fn micrograd_forward_and_backward_replays_with_the_known_values() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let step = Step::new(micrograd_step);
     for _ in 0..3 {
         let a = Tensor::from_vec(vec![-4.0f64], (), &dev);
@@ -49,7 +49,7 @@ fn micrograd_forward_and_backward_replays_with_the_known_values() {
 
 #[test]
 fn replays_equal_eager_runs_on_random_arguments() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let step = Step::new(micrograd_step);
     let mut rng = Rng::new(7);
     for _ in 0..20 {
@@ -143,7 +143,7 @@ fn random_args(rng: &mut Rng, dev: &Device, rows: usize, cols: usize) -> Vec<Ten
 fn random_programs_replay_like_eager_runs_across_streams_and_budgets() {
     let mut offloads = 0;
     for seed in 0..24u64 {
-        let dev = Device::new_cpu();
+        let dev = braid::testing::test_device();
         let side = dev.new_stream();
         let mut rng = Rng::new(1000 + seed);
         let len = 3 + rng.below(10);
@@ -184,7 +184,7 @@ fn random_programs_replay_like_eager_runs_across_streams_and_budgets() {
 
 #[test]
 fn new_shapes_and_aliased_arguments_capture_again() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let step = Step::new(|a: &[Tensor]| vec![&a[0] * &a[1] + 1.0]);
     let x = Tensor::from_vec(vec![1.0f32, 2.0], [2], &dev);
     let y = Tensor::from_vec(vec![3.0f32, 4.0], [2], &dev);
@@ -201,7 +201,7 @@ fn new_shapes_and_aliased_arguments_capture_again() {
 
 #[test]
 fn outputs_that_need_no_work_are_returned_as_they_are() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let step = Step::new(|a: &[Tensor]| vec![a[0].clone(), Tensor::from_vec(vec![7i32], [1], a[0].device())]);
     for v in [1.0f32, 2.0] {
         let out = step.call(&[Tensor::from_vec(vec![v], [1], &dev)]).unwrap();
@@ -226,7 +226,7 @@ fn capture_error(r: Result<Vec<Tensor>>) -> String {
 
 #[test]
 fn captures_a_replay_could_not_honour_are_refused_and_the_engine_stays_usable() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let x = Tensor::from_vec(vec![1.0f32, 2.0], [2], &dev);
     let w = Tensor::from_vec(vec![3.0f32, 4.0], [2], &dev);
 
@@ -272,7 +272,7 @@ fn captures_a_replay_could_not_honour_are_refused_and_the_engine_stays_usable() 
 
 #[test]
 fn a_failed_replay_is_an_error_and_the_next_one_runs() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let step = Step::new(|a: &[Tensor]| vec![(&a[0] * 3.0).exp().sum()]);
     let x = Tensor::from_vec(vec![0.0f32, 0.0], [2], &dev);
     assert_eq!(step.call(std::slice::from_ref(&x)).unwrap()[0].item::<f32>().unwrap(), 2.0);
@@ -283,7 +283,7 @@ fn a_failed_replay_is_an_error_and_the_next_one_runs() {
 
 #[test]
 fn replays_hold_no_memory_once_their_outputs_are_dropped() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let step = Step::new(|a: &[Tensor]| vec![(&a[0] * 2.0).tanh() + &a[0]]);
     let x = Tensor::rand([64, 64], -1.0, 1.0, DType::F32, &dev);
     drop(step.call(std::slice::from_ref(&x)).unwrap());

@@ -31,7 +31,7 @@ fn kinds(steps: &[Json]) -> Vec<String> {
 
 #[test]
 fn streams_scopes_and_handles() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let s0 = dev.default_stream();
     let s1 = dev.new_stream();
     let s2 = dev.new_stream();
@@ -54,12 +54,12 @@ fn streams_scopes_and_handles() {
     fn handle<T: Clone + PartialEq + std::fmt::Debug + Send + Sync + 'static>() {}
     handle::<Stream>();
     handle::<Event>();
-    assert_eq!(format!("{s1:?}"), format!("Stream(cpu:{})", s1.id()));
+    assert_eq!(format!("{s1:?}"), format!("Stream({}:{})", dev.name(), s1.id()));
 }
 
 #[test]
 fn cross_stream_reads_get_automatic_events_and_redundant_waits_are_removed() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let (s1, s2) = (dev.new_stream(), dev.new_stream());
     let x = data(&dev, 64, 1.0);
     let (p, q) = s1.scope(|| (x.exp(), x.sin()));
@@ -80,7 +80,7 @@ fn cross_stream_reads_get_automatic_events_and_redundant_waits_are_removed() {
 
 #[test]
 fn user_events_order_work_that_data_does_not() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let (s1, s2) = (dev.new_stream(), dev.new_stream());
     let x = data(&dev, 32, 1.0);
     let a = s1.scope(|| x.exp());
@@ -111,7 +111,7 @@ fn user_events_order_work_that_data_does_not() {
 
 #[test]
 fn a_buffer_read_on_two_streams_is_freed_after_both() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     dev.set_poison(true);
     let (s1, s2) = (dev.new_stream(), dev.new_stream());
     let x = data(&dev, 4096, 1.0);
@@ -153,7 +153,7 @@ fn a_buffer_read_on_two_streams_is_freed_after_both() {
 fn in_place_updates_reuse_the_buffer() {
     // Unfused, so the update is its own kernel: `sub` overwrites exp's buffer, a value this flush
     // computed and nobody else reads.
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     dev.set_fusion(false);
     let x = Tensor::from_vec(vec![0.0f32; 1 << 16], [1 << 16], &dev);
     let g = Tensor::from_vec(vec![0.5f32; 1 << 16], [1 << 16], &dev);
@@ -197,7 +197,7 @@ fn the_planned_peak_matches_the_device_peak() {
 }
 
 fn planned_peak(fusion: bool) {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     dev.set_fusion(fusion);
     let x = data(&dev, 1 << 14, 1.0); // 64 KiB
     x.to_vec::<f32>().unwrap();
@@ -219,7 +219,7 @@ fn planned_peak(fusion: bool) {
 
 #[test]
 fn auto_streams_spread_independent_branches() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     dev.set_auto_streams(2);
     let a = data(&dev, 256, 1.0);
     let b = data(&dev, 256, 2.0);
@@ -239,7 +239,7 @@ fn auto_streams_spread_independent_branches() {
 
 #[test]
 fn unreachable_waits_are_errors_not_hangs() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     let (s1, s2) = (dev.new_stream(), dev.new_stream());
     let x = data(&dev, 16, 1.0);
     // Drop every record: waits refer to events nobody records.
@@ -288,7 +288,7 @@ fn unreachable_waits_are_errors_not_hangs() {
 
 #[test]
 fn eight_threads_on_their_own_streams_with_cross_stream_tensors() {
-    let dev = Device::new_cpu();
+    let dev = braid::testing::test_device();
     dev.set_poison(true);
     let shared: Vec<Tensor> = (0..8).map(|t| data(&dev, 64, t as f32 + 1.0)).collect();
     let threads: Vec<_> = (0..8)

@@ -69,6 +69,21 @@ impl Buffer {
         }
     }
 
+    /// Copies the buffer's bytes into `dst` (exactly `bytes()` long), once the work that writes
+    /// them is done: how a device reads another device's value (a transfer's source).
+    pub fn read_into(&self, dst: &mut [u8]) -> Result<(), DeviceError> {
+        if dst.len() != self.bytes() {
+            return Err(DeviceError::Internal(format!("a read of {} bytes into {}", self.bytes(), dst.len())));
+        }
+        match self {
+            Buffer::Cpu(b) => {
+                // SAFETY: the buffer holds `bytes()` initialised bytes, and the lengths match.
+                unsafe { std::ptr::copy_nonoverlapping(b.ptr(), dst.as_mut_ptr(), dst.len()) };
+                Ok(())
+            }
+        }
+    }
+
     /// Where the buffer's memory is: whether another device's kernels can read it in place.
     pub fn memory_kind(&self) -> MemoryKind {
         match self {

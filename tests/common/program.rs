@@ -95,8 +95,11 @@ pub static BUDGET_STATS: [std::sync::atomic::AtomicUsize; 2] =
     [std::sync::atomic::AtomicUsize::new(0), std::sync::atomic::AtomicUsize::new(0)];
 
 impl Gen<'_> {
+    /// A dtype the config allows and the device computes with.
     fn random_dtype(&mut self) -> DType {
-        *self.rng.pick(&self.cfg.dtypes)
+        let supported = self.h.dev.target().dtypes;
+        let dtypes: Vec<DType> = self.cfg.dtypes.iter().copied().filter(|&d| supported.contains(d)).collect();
+        *self.rng.pick(&dtypes)
     }
 
     fn random_shape(&mut self) -> Shape {

@@ -143,12 +143,13 @@ impl Queue for CpuQueue<'_, '_> {
     }
 
     fn copy(&mut self, from: &Buffer, to: &Buffer) -> Result<(), DeviceError> {
-        let (src, dst) = (cpu(from), cpu(to));
-        // SAFETY: both buffers are held for the copy and hold the same number of bytes (the
-        // walker checks); the validated schedule orders every other access to them around this
-        // step.
-        unsafe { std::ptr::copy_nonoverlapping(src.ptr(), dst.ptr(), src.bytes()) };
-        Ok(())
+        let dst = cpu(to);
+        // SAFETY: the destination is held for the copy and nothing else accesses it now (the
+        // validated schedule orders every other access around this step); it holds as many
+        // bytes as the source (the walker checks).
+        let dst = unsafe { std::slice::from_raw_parts_mut(dst.ptr(), dst.bytes()) };
+        // Another device's buffer (a transfer) or one of ours: read where it is.
+        from.read_into(dst)
     }
 
     fn launch(&mut self, call: &Call<'_>) -> Result<(), DeviceError> {

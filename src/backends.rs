@@ -1,0 +1,21 @@
+//! The backends this build of braid can create devices on, behind their cargo features. Each
+//! function returns the runtime of one device, or an `Err` saying why there is none (never a
+//! panic): the feature is off, a library is missing, the hardware is absent.
+
+use crate::error::{Error, Result};
+use braid_devices::Backend;
+use std::sync::Arc;
+
+/// The runtime of CUDA GPU `ordinal`.
+pub(crate) fn cuda(ordinal: usize) -> Result<Arc<dyn Backend>> {
+    Err(Error::Unavailable(format!(
+        "cuda:{ordinal} is unavailable: this build of braid does not run devices on CUDA yet (use Device::cpu())"
+    )))
+}
+
+/// The runtime of the first wgpu adapter.
+pub(crate) fn wgpu() -> Result<Arc<dyn Backend>> {
+    Err(Error::Unavailable(
+        "wgpu is unavailable: this build of braid does not run devices on wgpu yet (use Device::cpu())".into(),
+    ))
+}
