@@ -12,6 +12,7 @@
 //! update); never over another value from before the flush (see `in_place_candidate`).
 
 mod copies;
+mod uses;
 
 use crate::offload::Decision;
 use crate::schedule::*;
@@ -19,6 +20,7 @@ use braid_fusion::{Fusion, Segment, SegmentKind};
 use braid_graph::{FlushGraph, Op, StreamId, ValueRef};
 use copies::{OffloadState, SegOffload};
 use hashbrown::HashMap;
+use uses::{Readers, Uses};
 
 /// Plans `graph` with the segments of `fusion`.
 pub fn plan(graph: &FlushGraph, fusion: Fusion) -> Schedule {
@@ -64,23 +66,6 @@ pub fn plan_with_offloads(graph: &FlushGraph, base: Schedule, decisions: &[Decis
     let mut schedule = p.finish();
     schedule.fusion = fusion;
     schedule
-}
-
-/// Who reads a value: per reading stream, the last reading segment; and the last reader overall.
-#[derive(Default, Clone)]
-struct Readers {
-    last: Option<usize>,
-    by_stream: Vec<(usize, usize)>,
-}
-
-impl Readers {
-    fn add(&mut self, seg: usize, stream: usize) {
-        self.last = Some(seg);
-        match self.by_stream.iter_mut().find(|(s, _)| *s == stream) {
-            Some(entry) => entry.1 = seg,
-            None => self.by_stream.push((stream, seg)),
-        }
-    }
 }
 
 struct Planner<'a> {
@@ -141,59 +126,12 @@ impl<'a> Planner<'a> {
                 seg_of[n] = si;
             }
         }
-        let mut node_readers = vec![Readers::default(); graph.nodes.len()];
-        let mut ext_readers = vec![Readers::default(); graph.externals.len()];
-        let mut cross_dependents = vec![false; segments.len()];
-        for (si, seg) in segments.iter().enumerate() {
-            let st = seg_stream[si];
-            for v in &seg.inputs {
-                match *v {
-                    ValueRef::Node(n) => {
-                        node_readers[n].add(si, st);
-                        if seg_stream[seg_of[n]] != st {
-                            cross_dependents[seg_of[n]] = true;
-                        }
-                    }
-                    ValueRef::External(e) => ext_readers[e].add(si, st),
-                }
-            }
-            for &n in &seg.nodes {
-                for &a in &graph.nodes[n].after {
-                    if seg_stream[seg_of[a]] != st {
-                        cross_dependents[seg_of[a]] = true;
-                    }
-                }
-            }
-        }
-        // The copy out of an offloaded value waits for its readers so far on every stream.
-        for o in offloads {
-            for (si, seg) in segments.iter().enumerate().take(o.last_use.map_or(0, |l| l + 1)) {
-                let writes = matches!(o.value, ValueRef::Node(n) if seg.outputs.contains(&n));
-                if seg.inputs.contains(&o.value) || writes {
-                    cross_dependents[si] = true;
-                }
-            }
-        }
+        let uses = Uses::of(graph, segments, &seg_stream, &seg_of, offloads);
+        let Uses { node_readers, ext_readers, cross_dependents, gates_a_free } = uses;
         let mut offloaded = vec![false; graph.nodes.len()];
         for o in offloads {
             if let ValueRef::Node(n) = o.value {
                 offloaded[n] = true;
-            }
-        }
-        let mut gates_a_free = vec![false; segments.len()];
-        let freed_here = node_readers
-            .iter()
-            .enumerate()
-            .filter(|&(n, _)| !graph.nodes[n].keep)
-            .map(|(_, r)| r)
-            .chain(ext_readers.iter().enumerate().filter(|&(e, _)| graph.externals[e].donated).map(|(_, r)| r));
-        for r in freed_here {
-            if let Some(last) = r.last {
-                for &(st, seg) in &r.by_stream {
-                    if st != seg_stream[last] {
-                        gates_a_free[seg] = true;
-                    }
-                }
             }
         }
         let ns = streams.len();
