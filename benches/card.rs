@@ -477,8 +477,10 @@ fn peers(which: &str) -> Vec<String> {
     }
     let mut lines = Vec::new();
     for (name, script) in [
-        ("jax", concat!(env!("CARGO_MANIFEST_DIR"), "/benches/peers/card_jax.py")),
-        ("torch", concat!(env!("CARGO_MANIFEST_DIR"), "/benches/peers/card_torch.py")),
+        // Relative to the current directory (the repository root, as `cargo bench` runs it), so
+        // that a binary copied to another machine finds them too.
+        ("jax", "benches/peers/card_jax.py"),
+        ("torch", "benches/peers/card_torch.py"),
     ] {
         match Command::new("python3").arg(script).arg(which).output() {
             Ok(out) if out.status.success() => {

@@ -1,0 +1,459 @@
+//! The G1-G5 workloads of the GPU bench card, written against braid's public API only (so the
+//! same code runs on every device), each checked before it is timed, and the side-by-side table.
+
+use braid::optim::Sgd;
+use braid::prelude::*;
+use std::time::Instant;
+
+/// BENCH.md's sizes, or small ones for a quick check on any machine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scale {
+    Full,
+    Small,
+}
+
+/// One measured braid workload (or variant).
+#[derive(Clone, Debug)]
+pub struct Row {
+    pub id: &'static str,
+    pub name: String,
+    pub ms: f64,
+    /// Bytes a memory-bound workload must move (read + write), for its bandwidth.
+    pub bytes: Option<f64>,
+    /// Flops of a compute-bound one.
+    pub flops: Option<f64>,
+    pub peak_extra: u64,
+    pub kernels: usize,
+    pub check: String,
+    pub target: &'static str,
+    /// Peer variant this row is compared with (`eager`, `save_on_cpu`, ...); `None`: the best.
+    pub against: Option<&'static str>,
+    /// Further variants measured with it (G4 on two streams, G5 under a budget).
+    pub extra: Vec<Row>,
+}
+
+impl Row {
+    pub fn line(&self) -> String {
+        let mut s = format!(
+            "{} {}: {:.3} ms, {} kernels, peak +{:.1} MiB",
+            self.id,
+            self.name,
+            self.ms,
+            self.kernels,
+            self.peak_extra as f64 / (1 << 20) as f64
+        );
+        if let Some(b) = self.bytes {
+            s += &format!(", {:.1} GB/s", b / self.ms / 1e6);
+        }
+        if let Some(f) = self.flops {
+            s += &format!(", {:.1} TFLOP/s", f / self.ms / 1e9);
+        }
+        s + &format!("; {}", self.check)
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "id": self.id, "name": self.name, "ms": self.ms, "bytes": self.bytes, "flops": self.flops,
+            "peak_extra_bytes": self.peak_extra, "kernels": self.kernels, "check": self.check,
+            "target": self.target,
+        })
+    }
+}
+
+/// Median milliseconds of `runs` calls of `f` after `warm` warm-up calls.
+pub fn median_ms(warm: usize, runs: usize, mut f: impl FnMut()) -> f64 {
+    for _ in 0..warm {
+        f();
+    }
+    let mut t: Vec<f64> = (0..runs)
+        .map(|_| {
+            let s = Instant::now();
+            f();
+            s.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    t[t.len() / 2]
+}
+
+/// GB/s of one host memcpy of 256 MiB (read + write counted): the CPU's copy floor.
+pub fn host_copy_gbs() -> f64 {
+    let n = 64 << 20;
+    let src = vec![1.0f32; n];
+    let mut dst = vec![0.0f32; n];
+    let ms = median_ms(2, 9, || {
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&mut dst);
+    });
+    2.0 * 4.0 * n as f64 / ms / 1e6
+}
+
+/// Runs `f` (which records work and synchronises `dev`) and returns its result and the device's
+/// peak memory over what was live before, and the kernels of the last flush.
+fn measured<T>(dev: &Device, f: impl FnOnce() -> T) -> (T, u64, usize) {
+    dev.sync().unwrap();
+    let before = dev.memory().in_use;
+    dev.reset_peak();
+    let out = f();
+    dev.sync().unwrap();
+    let peak = dev.memory().peak.saturating_sub(before);
+    (out, peak, dev.last_schedule().map_or(0, |s| s.kernel_count()))
+}
+
+fn gelu(x: f64) -> f64 {
+    0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh())
+}
+
+/// The largest relative difference of two vectors (relative to 1 + |b|).
+fn worst(a: &[f32], b: &[f32]) -> f64 {
+    a.iter().zip(b).map(|(&x, &y)| (x as f64 - y as f64).abs() / (1.0 + (y as f64).abs())).fold(0.0, f64::max)
+}
+
+pub fn g1(dev: &Device, scale: Scale) -> Row {
+    let n = if scale == Scale::Full { 64 << 20 } else { 1 << 20 };
+    dev.seed(1);
+    let x = Tensor::randn([n], DType::F32, dev);
+    let w = Tensor::randn([n], DType::F32, dev);
+    dev.sync().unwrap();
+    let run = || {
+        let y = (&x * &w + 1.0).gelu() * x.sigmoid();
+        dev.sync().unwrap();
+        y
+    };
+    let (y, peak, kernels) = measured(dev, run);
+    let (xs, ws, ys) = (x.to_vec::<f32>().unwrap(), w.to_vec::<f32>().unwrap(), y.to_vec::<f32>().unwrap());
+    drop(y);
+    let mut err = 0.0f64;
+    for i in (0..n).step_by(997) {
+        let (xv, wv) = (xs[i] as f64, ws[i] as f64);
+        let want = gelu(xv * wv + 1.0) / (1.0 + (-xv).exp());
+        err = err.max((ys[i] as f64 - want).abs() / (1.0 + want.abs()));
+    }
+    assert!(err < 1e-5, "G1 relative error {err}");
+    let ms = median_ms(3, 21, || drop(run()));
+    Row {
+        id: "g1",
+        name: format!("chain gelu(x*w + 1) * sigmoid(x), {n} f32"),
+        ms,
+        bytes: Some(3.0 * 4.0 * n as f64),
+        flops: None,
+        peak_extra: peak,
+        kernels,
+        check: format!("max rel. error {err:.1e} (f64 on the host)"),
+        target: ">= 90% of the copy floor, faster than torch.compile",
+        against: None,
+        extra: Vec::new(),
+    }
+}
+
+pub fn g2(dev: &Device, scale: Scale) -> Row {
+    let (r, c) = if scale == Scale::Full { (8192, 4096) } else { (512, 256) };
+    dev.seed(2);
+    let x = Tensor::randn([r, c], DType::F32, dev);
+    dev.sync().unwrap();
+    let run = || {
+        let e = (&x - &x.max_dim(1, true)).exp();
+        let y = &e / &e.sum_dim(1, true);
+        dev.sync().unwrap();
+        y
+    };
+    let (y, peak, kernels) = measured(dev, run);
+    let (xs, ys) = (x.to_vec::<f32>().unwrap(), y.to_vec::<f32>().unwrap());
+    drop(y);
+    let mut err = 0.0f64;
+    for row in (0..r).step_by(61) {
+        let v = &xs[row * c..(row + 1) * c];
+        let m = v.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b as f64));
+        let z: f64 = v.iter().map(|&b| (b as f64 - m).exp()).sum();
+        for (j, &b) in v.iter().enumerate() {
+            let want = (b as f64 - m).exp() / z;
+            err = err.max((ys[row * c + j] as f64 - want).abs() / want);
+        }
+    }
+    assert!(err < 1e-4, "G2 relative error {err}");
+    let ms = median_ms(3, 21, || drop(run()));
+    Row {
+        id: "g2",
+        name: format!("softmax of [{r}, {c}] as max, sub, exp, sum, div"),
+        ms,
+        bytes: Some(2.0 * 4.0 * (r * c) as f64),
+        flops: None,
+        peak_extra: peak,
+        kernels,
+        check: format!("max rel. error {err:.1e} (f64 on the host); output {:.1} MiB", (4 * r * c) as f64 / 1048576.0),
+        target: "at least as fast as torch.softmax; extra memory = the output",
+        against: Some("softmax"),
+        extra: Vec::new(),
+    }
+}
+
+/// The G3 model's parameters (4 layers of `[h, h]` weights and `[h]` biases) and input.
+fn mlp(dev: &Device, h: usize, batch: usize) -> (Vec<Tensor>, Tensor) {
+    dev.seed(3);
+    let scale = (2.0 / h as f64).sqrt();
+    let mut params = Vec::new();
+    for _ in 0..4 {
+        params.push((Tensor::randn([h, h], DType::F32, dev) * scale).detach().requires_grad());
+        params.push(Tensor::rand([h], -0.1, 0.1, DType::F32, dev).requires_grad());
+    }
+    (params, Tensor::randn([batch, h], DType::F32, dev))
+}
+
+/// One G3 training step: forward, `mean(h^2)`, backward, in-place SGD; returns the loss.
+fn mlp_step(params: &mut [Tensor], x: &Tensor) -> Tensor {
+    let mut h = x.clone();
+    for l in 0..4 {
+        h = (h.matmul(&params[2 * l]) + &params[2 * l + 1]).relu();
+    }
+    let loss = (&h * &h).mean();
+    let grads = loss.backward().unwrap();
+    Sgd::new(0.01).step(params, &grads);
+    loss
+}
+
+/// Runs `steps` G3 steps on `dev` at a small size from the same seed; the losses and the first
+/// weight afterwards (to compare devices).
+fn mlp_small(dev: &Device, steps: usize) -> (Vec<f32>, Vec<f32>) {
+    let (mut params, x) = mlp(dev, 128, 64);
+    let losses = (0..steps).map(|_| mlp_step(&mut params, &x).item::<f32>().unwrap()).collect();
+    (losses, params[0].to_vec::<f32>().unwrap())
+}
+
+pub fn g3(dev: &Device, scale: Scale) -> Row {
+    // Checked against the CPU at a small size, then timed at the card's.
+    let cpu = Device::new_cpu();
+    let (la, wa) = mlp_small(dev, 3);
+    let (lb, wb) = mlp_small(&cpu, 3);
+    let err = worst(&la, &lb).max(worst(&wa, &wb));
+    assert!(err < 1e-4, "G3 differs from the CPU: {err} (losses {la:?} vs {lb:?})");
+    let (h, b) = if scale == Scale::Full { (4096, 4096) } else { (256, 256) };
+    let (mut params, x) = mlp(dev, h, b);
+    dev.sync().unwrap();
+    let mut step = || {
+        let loss = mlp_step(&mut params, &x);
+        dev.sync().unwrap();
+        loss
+    };
+    let (_, peak, kernels) = measured(dev, &mut step);
+    let ms = median_ms(3, 21, || drop(step()));
+    Row {
+        id: "g3",
+        name: format!("mlp_step 4 x relu(h @ W + b), H={h}, batch {b}, backward, SGD"),
+        ms,
+        bytes: None,
+        flops: Some(3.0 * 4.0 * 2.0 * (b * h * h) as f64),
+        peak_extra: peak,
+        kernels,
+        check: format!("3 steps at H=128 match the CPU within {err:.1e}"),
+        target: "<= 1.02x PyTorch eager; peak memory <= PyTorch's",
+        against: Some("eager"),
+        extra: Vec::new(),
+    }
+}
+
+/// G4's two chains of `steps` x `x = tanh(x @ A)`, on one stream or two; returns both results.
+fn chains(dev: &Device, a: &Tensor, x: &Tensor, steps: usize, two: bool) -> (Tensor, Tensor) {
+    let chain = || {
+        let mut h = x.clone();
+        for _ in 0..steps {
+            h = h.matmul(a).tanh();
+        }
+        h
+    };
+    if two {
+        let (s1, s2) = (dev.new_stream(), dev.new_stream());
+        (s1.scope(chain), s2.scope(chain))
+    } else {
+        (chain(), chain())
+    }
+}
+
+pub fn g4(dev: &Device, scale: Scale) -> Row {
+    let (n, steps) = if scale == Scale::Full { (256, 64) } else { (64, 16) };
+    let setup = |d: &Device| {
+        d.seed(4);
+        (Tensor::randn([n, n], DType::F32, d) * (1.0 / (n as f64).sqrt()), Tensor::randn([n, n], DType::F32, d))
+    };
+    let cpu = Device::new_cpu();
+    let ((a, x), (ca, cx)) = (setup(dev), setup(&cpu));
+    let (r1, r2) = chains(dev, &a, &x, steps, true);
+    let (c1, _) = chains(&cpu, &ca, &cx, steps, false);
+    let err = worst(&r1.to_vec::<f32>().unwrap(), &c1.to_vec::<f32>().unwrap())
+        .max(worst(&r2.to_vec::<f32>().unwrap(), &c1.to_vec::<f32>().unwrap()));
+    assert!(err < 1e-3, "G4 differs from the CPU: {err}");
+    let mut rows = Vec::new();
+    for two in [false, true] {
+        let run = || {
+            let out = chains(dev, &a, &x, steps, two);
+            dev.sync().unwrap();
+            out
+        };
+        let (_, peak, kernels) = measured(dev, run);
+        let ms = median_ms(3, 21, || drop(run()));
+        rows.push(Row {
+            id: if two { "g4-2s" } else { "g4" },
+            name: format!(
+                "two chains of {steps} x tanh(x @ A), A {n}x{n}, {}",
+                if two { "two streams" } else { "one stream" }
+            ),
+            ms,
+            bytes: None,
+            flops: Some(2.0 * steps as f64 * 2.0 * (n * n * n) as f64),
+            peak_extra: peak,
+            kernels,
+            check: format!("matches the CPU within {err:.1e}"),
+            target: if two { "<= 0.6x braid one stream, >= 3x faster than PyTorch's best" } else { "" },
+            against: None,
+            extra: Vec::new(),
+        });
+    }
+    let two = rows.pop().unwrap();
+    let mut one = rows.pop().unwrap();
+    let ratio = two.ms / one.ms;
+    one.check += &format!("; two streams / one = {ratio:.2}");
+    one.extra.push(two);
+    one
+}
+
+/// G5: `blocks` residual blocks `h = h + gelu(h @ W1) @ W2`, forward and backward; returns the
+/// loss and the gradient of the first W1 (held until read).
+fn ffn(dev: &Device, blocks: usize, b: usize, d: usize) -> (Vec<Tensor>, Tensor) {
+    dev.seed(5);
+    let mut params = Vec::new();
+    for _ in 0..blocks {
+        params.push((Tensor::randn([d, 4 * d], DType::F32, dev) * (1.0 / (d as f64).sqrt())).detach().requires_grad());
+        params.push(
+            (Tensor::randn([4 * d, d], DType::F32, dev) * (0.5 / (4.0 * d as f64).sqrt())).detach().requires_grad(),
+        );
+    }
+    (params, Tensor::randn([b, d], DType::F32, dev))
+}
+
+fn ffn_step(params: &[Tensor], x: &Tensor) -> (Tensor, Tensor) {
+    let mut h = x.clone();
+    for blk in params.chunks(2) {
+        h = &h + &h.matmul(&blk[0]).gelu().matmul(&blk[1]);
+    }
+    let loss = (&h * &h).mean();
+    let g = loss.backward().unwrap().get(&params[0]).unwrap();
+    (loss, g)
+}
+
+pub fn g5(dev: &Device, scale: Scale) -> Row {
+    let (blocks, b, d) = if scale == Scale::Full { (16, 8192, 2048) } else { (4, 256, 64) };
+    // Checked against the CPU at a small size.
+    let small = |dv: &Device| {
+        let (p, x) = ffn(dv, 2, 64, 32);
+        let (l, g) = ffn_step(&p, &x);
+        (vec![l.item::<f32>().unwrap()], g.to_vec::<f32>().unwrap())
+    };
+    let cpu = Device::new_cpu();
+    let ((la, ga), (lb, gb)) = (small(dev), small(&cpu));
+    let err = worst(&la, &lb).max(worst(&ga, &gb));
+    assert!(err < 1e-4, "G5 differs from the CPU: {err}");
+    let (params, x) = ffn(dev, blocks, b, d);
+    dev.sync().unwrap();
+    let run = || {
+        let out = ffn_step(&params, &x);
+        dev.sync().unwrap();
+        out
+    };
+    let ((l0, g0), peak, kernels) = measured(dev, run);
+    let plain_ms = median_ms(2, 21, || drop(run()));
+    let flops = 3.0 * blocks as f64 * 2.0 * 2.0 * (b * d * 4 * d) as f64;
+    // Under a budget: 40% of the plain run's peak over its inputs.
+    let base = dev.memory().in_use;
+    dev.set_memory_budget(Some(base + peak * 2 / 5));
+    let ((l1, g1), peak1, kernels1) = measured(dev, run);
+    let offload = {
+        {
+            let same = l1.to_vec::<f32>().unwrap() == l0.to_vec::<f32>().unwrap()
+                && g1.to_vec::<f32>().unwrap() == g0.to_vec::<f32>().unwrap();
+            let ms = median_ms(2, 21, || drop(run()));
+            Row {
+                id: "g5-offload",
+                name: "the same under a budget of 40% of that peak (activations offloaded)".into(),
+                ms,
+                bytes: None,
+                flops: Some(flops),
+                peak_extra: peak1,
+                kernels: kernels1,
+                check: format!(
+                    "{} results; {:.0}% of the peak saved at {:+.0}% time",
+                    if same { "identical" } else { "DIFFERENT" },
+                    100.0 * (1.0 - peak1 as f64 / peak as f64),
+                    100.0 * (ms / plain_ms - 1.0)
+                ),
+                target: ">= 60% of peak memory saved at <= 10% step-time overhead",
+                against: Some("save_on_cpu"),
+                extra: Vec::new(),
+            }
+        }
+    };
+    dev.set_memory_budget(None);
+    Row {
+        id: "g5",
+        name: format!("ffn {blocks} x (h + gelu(h @ W1) @ W2), B={b}, D={d}, forward + backward"),
+        ms: plain_ms,
+        bytes: None,
+        flops: Some(flops),
+        peak_extra: peak,
+        kernels,
+        check: format!("2 blocks at D=32 match the CPU within {err:.1e}"),
+        target: "",
+        against: Some("plain"),
+        extra: vec![offload],
+    }
+}
+
+/// The side-by-side table in Markdown: braid's rows with the peers' times and the ratios.
+pub fn table(
+    rows: &[Row],
+    peers: &[super::PeerRow],
+    copy_floor_gbs: Option<f64>,
+    peer_status: &Result<Vec<super::PeerRow>, String>,
+) -> String {
+    let mut out = String::from(
+        "| id | workload | braid ms | GB/s (% of copy) | TFLOP/s | peak + MiB | kernels | peers (ms) | braid / peer |\n|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        let base = r.id.split('-').next().unwrap_or(r.id);
+        let mine: Vec<&super::PeerRow> = peers.iter().filter(|p| p.id == base).collect();
+        let peer_text = mine.iter().map(|p| format!("{} {:.3}", p.variant, p.ms)).collect::<Vec<_>>().join("; ");
+        let compare = match r.against {
+            Some(v) => mine.iter().find(|p| p.variant == v).copied(),
+            None => mine.iter().min_by(|a, b| a.ms.partial_cmp(&b.ms).unwrap()).copied(),
+        };
+        let bw = r.bytes.map(|b| {
+            let gbs = b / r.ms / 1e6;
+            match copy_floor_gbs {
+                Some(f) => format!("{gbs:.1} ({:.0}%)", 100.0 * gbs / f),
+                None => format!("{gbs:.1}"),
+            }
+        });
+        out += &format!(
+            "| {} | {} | {:.3} | {} | {} | {:.1} | {} | {} | {} |\n",
+            r.id,
+            r.name,
+            r.ms,
+            bw.unwrap_or_default(),
+            r.flops.map(|f| format!("{:.1}", f / r.ms / 1e9)).unwrap_or_default(),
+            r.peak_extra as f64 / (1 << 20) as f64,
+            r.kernels,
+            if peer_text.is_empty() { "-".into() } else { peer_text },
+            compare.map(|p| format!("{:.2} ({})", r.ms / p.ms, p.variant)).unwrap_or_else(|| "-".into()),
+        );
+    }
+    out += &format!(
+        "\nCopy floor: {}. Peers: {}.\n",
+        copy_floor_gbs.map_or("not measured".into(), |f| format!("{f:.0} GB/s (read + write)")),
+        match peer_status {
+            Ok(p) => format!("{} rows from benches/peers/gpu_torch.py", p.len()),
+            Err(e) => format!("not run: {e}"),
+        }
+    );
+    for r in rows.iter().filter(|r| !r.target.is_empty()) {
+        out += &format!("- {} target: {}. {}\n", r.id, r.target, r.check);
+    }
+    out
+}
