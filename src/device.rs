@@ -61,11 +61,14 @@ impl Device {
         CPU.clone()
     }
 
-    /// A new, independent CPU device: its own memory pool, statistics and random state.
+    /// A new, independent CPU device: its own engine, memory pool, statistics and random state,
+    /// named `cpu:1`, `cpu:2`, ... in messages and dumps.
     /// Tensors move between CPU devices with `to_device`; operands of one op must share a
     /// device. Useful to isolate memory accounting (a data loader, a test).
     pub fn new_cpu() -> Device {
-        Device::register(Arc::new(CpuDevice::new()))
+        static COUNT: AtomicU32 = AtomicU32::new(1);
+        let name = format!("cpu:{}", COUNT.fetch_add(1, Ordering::Relaxed));
+        Device::register(Arc::new(CpuDevice::named(name)))
     }
 
     /// CUDA GPU `ordinal`: the same device on every call for that ordinal. An `Err` (never a

@@ -49,6 +49,10 @@ pub enum Error {
     /// does not return, records an event). Nothing is kept; the engine stays usable.
     #[error("step capture: {0}")]
     Capture(String),
+    /// Saving or loading tensors failed: the file could not be read or written, or its
+    /// contents are not a valid safetensors file braid can load (the message says which).
+    #[error("{0}")]
+    Io(String),
     /// The validator found a hazard in a schedule (a bug in braid); nothing ran.
     #[error("invalid schedule (a bug in braid; nothing ran): {0}")]
     InvalidSchedule(String),

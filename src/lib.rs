@@ -35,6 +35,7 @@ mod backends;
 mod device;
 mod engine;
 mod error;
+pub mod io;
 pub mod optim;
 pub mod prelude;
 mod recorder;
@@ -51,7 +52,7 @@ pub use engine::{DEFAULT_MAX_PENDING, max_pending_nodes, set_max_pending_nodes};
 pub use error::{Error, Result};
 pub use step::Step;
 pub use stream::{Event, Stream};
-pub use tensor::Tensor;
+pub use tensor::{Dim, Scalar, Tensor};
 
 pub use braid_graph::{DType, Element, Shape, Target};
 

@@ -106,6 +106,34 @@ impl Tensor {
         Tensor::record(Op::Select, dtype, shape, self.device(), &[self, a, b])
     }
 
+    /// `value` where `mask` (Bool, broadcast to this shape) is true, else this tensor's element.
+    ///
+    /// ```
+    /// use braid::prelude::*;
+    /// let cpu = Device::cpu();
+    /// let x = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], [3], &cpu);
+    /// let y = x.masked_fill(&x.gt(&Tensor::full((), 1.5, DType::F32, &cpu)), f64::NEG_INFINITY);
+    /// assert_eq!(y.to_vec::<f32>().unwrap(), vec![1.0, f32::NEG_INFINITY, f32::NEG_INFINITY]);
+    /// ```
+    #[track_caller]
+    pub fn masked_fill(&self, mask: &Tensor, value: f64) -> Tensor {
+        let operands = [("x", self), ("mask", mask)];
+        same_device("masked_fill", &operands);
+        if mask.dtype() != DType::Bool || !mask.shape().broadcasts_to(self.shape()) {
+            let problem = "the mask must be a Bool tensor that broadcasts to the tensor's shape";
+            super::misuse("masked_fill", problem, &[("x", self.describe()), ("mask", mask.describe())]);
+        }
+        if !self.dtype().represents(value) {
+            super::misuse(
+                "masked_fill",
+                &format!("{value} is not representable in {}", self.dtype()),
+                &[("x", self.describe())],
+            );
+        }
+        let fill = Tensor::full((), value, self.dtype(), self.device());
+        mask.select(&fill, self)
+    }
+
     /// `min(max(x, lo), hi)`; NaN stays NaN.
     #[track_caller]
     pub fn clamp(&self, lo: f64, hi: f64) -> Tensor {

@@ -5,9 +5,11 @@
 //! In-place operations record a new node and move the handle (and all its clones) to it.
 
 mod create;
+mod dims;
 mod elementwise;
 mod movement;
 mod operators;
+mod print;
 mod read;
 mod reduce;
 
@@ -15,6 +17,9 @@ use crate::autograd::{self, GradSource, Tracker};
 use crate::device::Device;
 use crate::recorder::{self, Retainer, Track, current_stream};
 use crate::stream::Stream;
+pub use dims::Dim;
+pub use operators::Scalar;
+
 use braid_graph::{DType, NodeId, Op, Shape};
 use std::fmt;
 use std::panic::Location;
@@ -197,6 +202,30 @@ impl Tensor {
     /// The stream that produces the current version.
     pub fn stream(&self) -> Stream {
         Stream::new(self.0.device.clone(), self.0.device.engine().stream_of(&self.0.node))
+    }
+
+    /// The dimension `d` names (negative counts from the end); misuse of `op` when out of range.
+    #[track_caller]
+    pub(crate) fn dim(&self, op: &str, d: impl Dim) -> usize {
+        self.resolve_dim(op, d, false)
+    }
+
+    /// Like [`Tensor::dim`], also accepting one past the last dimension (where `unsqueeze` adds
+    /// one; `-1` means there).
+    #[track_caller]
+    pub(crate) fn dim_or_end(&self, op: &str, d: impl Dim) -> usize {
+        self.resolve_dim(op, d, true)
+    }
+
+    #[track_caller]
+    fn resolve_dim(&self, op: &str, d: impl Dim, extra: bool) -> usize {
+        match d.resolve(self.rank(), extra) {
+            Some(d) => d,
+            None => {
+                let problem = format!("dimension {} is out of range for a tensor of rank {}", d.written(), self.rank());
+                misuse(op, &problem, &[("x", self.describe())])
+            }
+        }
     }
 
     /// `[2, 3] f32 on cpu`, as misuse messages print an operand.

@@ -1,7 +1,7 @@
 //! Movement: reshape, permute, transpose, expand, narrow, cat, and copies to a layout, dtype
 //! or device. Every result is a new value (never an alias that in-place updates could reach).
 
-use super::{Tensor, inferred, misuse, same_device};
+use super::{Dim, Tensor, inferred, misuse, same_device};
 use crate::device::Device;
 use braid_graph::{Op, Shape, infer};
 
@@ -23,16 +23,9 @@ impl Tensor {
 
     /// Swaps two dimensions.
     #[track_caller]
-    pub fn transpose(&self, d0: usize, d1: usize) -> Tensor {
-        let rank = self.rank();
-        if d0 >= rank || d1 >= rank {
-            misuse(
-                "transpose",
-                &format!("dimensions ({d0}, {d1}) out of range for rank {rank}"),
-                &[("x", self.describe())],
-            );
-        }
-        let mut perm: Vec<usize> = (0..rank).collect();
+    pub fn transpose(&self, d0: impl Dim, d1: impl Dim) -> Tensor {
+        let (d0, d1) = (self.dim("transpose", d0), self.dim("transpose", d1));
+        let mut perm: Vec<usize> = (0..self.rank()).collect();
         perm.swap(d0, d1);
         self.permute(&perm)
     }
@@ -57,23 +50,53 @@ impl Tensor {
 
     /// Elements `start..start + len` along `dim`.
     #[track_caller]
-    pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Tensor {
+    pub fn narrow(&self, dim: impl Dim, start: usize, len: usize) -> Tensor {
+        let dim = self.dim("narrow", dim);
         let shape = inferred("narrow", infer::narrow(self.shape(), dim, start, len), &[("x", self)]);
         Tensor::record(Op::Narrow { dim, start, len }, self.dtype(), shape, self.device(), &[self])
     }
 
     /// Concatenates tensors of one dtype and device along `dim` (other dimensions must match).
     #[track_caller]
-    pub fn cat(tensors: &[&Tensor], dim: usize) -> Tensor {
+    pub fn cat(tensors: &[&Tensor], dim: impl Dim) -> Tensor {
         let Some(first) = tensors.first() else {
             misuse("cat", "needs at least one tensor", &[]);
         };
+        let dim = first.dim("cat", dim);
         let names: Vec<String> = (0..tensors.len()).map(|i| format!("tensors[{i}]")).collect();
         let operands: Vec<(&str, &Tensor)> = names.iter().map(String::as_str).zip(tensors.iter().copied()).collect();
         same_device("cat", &operands);
         let parts: Vec<_> = tensors.iter().map(|t| (t.shape(), t.dtype())).collect();
         let (shape, dtype) = inferred("cat", infer::cat(&parts, dim), &operands);
         Tensor::record(Op::Cat { dim }, dtype, shape, first.device(), tensors)
+    }
+
+    /// Stacks tensors of one shape, dtype and device along a new dimension `dim` (`0..=rank`;
+    /// negative counts from the end of the result's dimensions).
+    ///
+    /// ```
+    /// use braid::prelude::*;
+    /// let cpu = Device::cpu();
+    /// let (a, b) = (Tensor::from_vec(vec![1i64, 2], [2], &cpu), Tensor::from_vec(vec![3i64, 4], [2], &cpu));
+    /// let s = Tensor::stack(&[&a, &b], -1);
+    /// assert_eq!(s.dims(), &[2, 2]);
+    /// assert_eq!(s.to_vec::<i64>().unwrap(), vec![1, 3, 2, 4]);
+    /// ```
+    #[track_caller]
+    pub fn stack(tensors: &[&Tensor], dim: impl Dim) -> Tensor {
+        let Some(first) = tensors.first() else {
+            misuse("stack", "needs at least one tensor", &[]);
+        };
+        if let Some(t) = tensors.iter().find(|t| t.shape() != first.shape()) {
+            misuse(
+                "stack",
+                "every tensor must have the same shape",
+                &[("tensors[0]", first.describe()), ("other", t.describe())],
+            );
+        }
+        let dim = first.dim_or_end("stack", dim);
+        let parts: Vec<Tensor> = tensors.iter().map(|t| t.unsqueeze(dim)).collect();
+        Tensor::cat(&parts.iter().collect::<Vec<_>>(), dim)
     }
 
     /// A copy. (braid values are always stored contiguously; this exists for code written
@@ -91,14 +114,8 @@ impl Tensor {
 
     /// Inserts a dimension of size 1 at `dim`.
     #[track_caller]
-    pub fn unsqueeze(&self, dim: usize) -> Tensor {
-        if dim > self.rank() {
-            misuse(
-                "unsqueeze",
-                &format!("dimension {dim} out of range for rank {}", self.rank()),
-                &[("x", self.describe())],
-            );
-        }
+    pub fn unsqueeze(&self, dim: impl Dim) -> Tensor {
+        let dim = self.dim_or_end("unsqueeze", dim);
         let mut d = self.dims().to_vec();
         d.insert(dim, 1);
         self.reshape(d)
@@ -106,9 +123,14 @@ impl Tensor {
 
     /// Removes dimension `dim`, which must have size 1.
     #[track_caller]
-    pub fn squeeze(&self, dim: usize) -> Tensor {
-        if dim >= self.rank() || self.dims()[dim] != 1 {
-            misuse("squeeze", &format!("dimension {dim} is not a dimension of size 1"), &[("x", self.describe())]);
+    pub fn squeeze(&self, dim: impl Dim) -> Tensor {
+        let dim = self.dim("squeeze", dim);
+        if self.dims()[dim] != 1 {
+            misuse(
+                "squeeze",
+                &format!("dimension {dim} has size {}, not 1", self.dims()[dim]),
+                &[("x", self.describe())],
+            );
         }
         let mut d = self.dims().to_vec();
         d.remove(dim);

@@ -21,10 +21,14 @@ impl Tensor {
         if T::DTYPE != self.dtype() {
             return Err(Error::DTypeMismatch { tensor: self.dtype(), requested: T::DTYPE });
         }
+        Ok(T::read_bytes(&self.raw_bytes()?))
+    }
+
+    /// The elements' bytes in the dtype's little-endian layout (computed first if needed).
+    pub(crate) fn raw_bytes(&self) -> Result<Vec<u8>> {
         let buffer = self.materialize()?;
         let engine = self.device().engine();
-        let bytes = engine.backend.download(&buffer).map_err(|e| engine.device_error(e))?;
-        Ok(T::read_bytes(&bytes))
+        engine.backend.download(&buffer).map_err(|e| engine.device_error(e))
     }
 
     /// The single element of a one-element tensor.

@@ -1,7 +1,7 @@
 //! Reductions, matrix products and composite ops (softmax, log_softmax, layer_norm), the
 //! latter recorded as the primitive ops they are made of.
 
-use super::{Tensor, inferred, same_device};
+use super::{Dim, Tensor, inferred, same_device};
 use braid_graph::{Op, ReduceOp, infer};
 
 impl Tensor {
@@ -24,33 +24,50 @@ impl Tensor {
         self.reduce(ReduceOp::Mean, None, false)
     }
 
+    /// Maximum of all elements (a scalar tensor); NaN if any element is NaN.
+    #[track_caller]
+    pub fn max(&self) -> Tensor {
+        self.flatten().max_dim(0, false)
+    }
+
+    /// Minimum of all elements (a scalar tensor); NaN if any element is NaN.
+    #[track_caller]
+    pub fn min(&self) -> Tensor {
+        self.flatten().min_dim(0, false)
+    }
+
     /// Sum along `dim`; `keepdim` keeps it with size 1.
     #[track_caller]
-    pub fn sum_dim(&self, dim: usize, keepdim: bool) -> Tensor {
+    pub fn sum_dim(&self, dim: impl Dim, keepdim: bool) -> Tensor {
+        let dim = self.dim("sum_dim", dim);
         self.reduce(ReduceOp::Sum, Some(dim), keepdim)
     }
 
     /// Mean along `dim` (floats).
     #[track_caller]
-    pub fn mean_dim(&self, dim: usize, keepdim: bool) -> Tensor {
+    pub fn mean_dim(&self, dim: impl Dim, keepdim: bool) -> Tensor {
+        let dim = self.dim("mean_dim", dim);
         self.reduce(ReduceOp::Mean, Some(dim), keepdim)
     }
 
     /// Maximum along `dim`; NaN if any element is NaN.
     #[track_caller]
-    pub fn max_dim(&self, dim: usize, keepdim: bool) -> Tensor {
+    pub fn max_dim(&self, dim: impl Dim, keepdim: bool) -> Tensor {
+        let dim = self.dim("max_dim", dim);
         self.reduce(ReduceOp::Max, Some(dim), keepdim)
     }
 
     /// Minimum along `dim`; NaN if any element is NaN.
     #[track_caller]
-    pub fn min_dim(&self, dim: usize, keepdim: bool) -> Tensor {
+    pub fn min_dim(&self, dim: impl Dim, keepdim: bool) -> Tensor {
+        let dim = self.dim("min_dim", dim);
         self.reduce(ReduceOp::Min, Some(dim), keepdim)
     }
 
     /// Index (I64) of the first maximum along `dim`; a NaN counts as the maximum.
     #[track_caller]
-    pub fn argmax_dim(&self, dim: usize, keepdim: bool) -> Tensor {
+    pub fn argmax_dim(&self, dim: impl Dim, keepdim: bool) -> Tensor {
+        let dim = self.dim("argmax_dim", dim);
         self.reduce(ReduceOp::ArgMax, Some(dim), keepdim)
     }
 
@@ -64,9 +81,24 @@ impl Tensor {
         Tensor::record(Op::Matmul, dtype, shape, self.device(), &[self, other])
     }
 
+    /// A dimension of a composite op over floats: misuse (named after the composite, not the
+    /// primitives it records) unless the tensor is floating-point and the dimension exists.
+    #[track_caller]
+    fn float_dim(&self, op: &str, dim: impl Dim) -> usize {
+        if !self.dtype().is_float() {
+            super::misuse(
+                op,
+                &format!("needs a floating-point tensor, not {}", self.dtype()),
+                &[("x", self.describe())],
+            );
+        }
+        self.dim(op, dim)
+    }
+
     /// `exp(x - max) / sum(exp(x - max))` along `dim` (floats).
     #[track_caller]
-    pub fn softmax(&self, dim: usize) -> Tensor {
+    pub fn softmax(&self, dim: impl Dim) -> Tensor {
+        let dim = self.float_dim("softmax", dim);
         let shifted = self - &self.max_dim(dim, true);
         let e = shifted.exp();
         &e / &e.sum_dim(dim, true)
@@ -74,7 +106,8 @@ impl Tensor {
 
     /// `x - max - log(sum(exp(x - max)))` along `dim` (floats).
     #[track_caller]
-    pub fn log_softmax(&self, dim: usize) -> Tensor {
+    pub fn log_softmax(&self, dim: impl Dim) -> Tensor {
+        let dim = self.float_dim("log_softmax", dim);
         let shifted = self - &self.max_dim(dim, true);
         &shifted - &shifted.exp().sum_dim(dim, true).log()
     }
@@ -82,7 +115,8 @@ impl Tensor {
     /// `(x - mean) / sqrt(var + eps)` along `dim`, with the biased variance (no affine
     /// parameters; multiply and add them yourself).
     #[track_caller]
-    pub fn layer_norm(&self, dim: usize, eps: f64) -> Tensor {
+    pub fn layer_norm(&self, dim: impl Dim, eps: f64) -> Tensor {
+        let dim = self.float_dim("layer_norm", dim);
         let centered = self - &self.mean_dim(dim, true);
         let var = centered.square().mean_dim(dim, true);
         &centered * &(var + eps).rsqrt()

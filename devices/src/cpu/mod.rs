@@ -111,6 +111,7 @@ impl std::fmt::Debug for CpuBuffer {
 /// The CPU device runtime. Its pool is the device memory that `memory()` reports and budgets
 /// cap; offloaded values go to a separate host pool.
 pub struct CpuDevice {
+    name: String,
     pool: Arc<Pool>,
     host_pool: Arc<Pool>,
     kernels: AtomicU64,
@@ -121,6 +122,7 @@ pub struct CpuDevice {
 impl Default for CpuDevice {
     fn default() -> CpuDevice {
         CpuDevice {
+            name: "cpu".into(),
             pool: Arc::new(Pool::new(HostMemory)),
             host_pool: Arc::new(Pool::new(HostMemory)),
             kernels: AtomicU64::new(0),
@@ -133,6 +135,12 @@ impl Default for CpuDevice {
 impl CpuDevice {
     pub fn new() -> CpuDevice {
         CpuDevice::default()
+    }
+
+    /// A CPU device called `name` in messages and dumps (independent CPU devices are told
+    /// apart this way: `cpu:1`, `cpu:2`, ...).
+    pub fn named(name: impl Into<String>) -> CpuDevice {
+        CpuDevice { name: name.into(), ..CpuDevice::default() }
     }
 
     /// Sets when kernels are compiled to machine code (see [`CompileMode`]).
@@ -250,7 +258,7 @@ const MAX_PREPARED: usize = 4096;
 
 impl Backend for CpuDevice {
     fn name(&self) -> String {
-        "cpu".into()
+        self.name.clone()
     }
 
     fn target(&self) -> &Target {
