@@ -7,6 +7,13 @@ use serde_json::Value as Json;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+/// The tests of this file take turns: `braid::dump::set_dir` is process-wide, and a flush
+/// checks that the dump directory is writable.
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURN.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn tmp_dir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("braid-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
@@ -35,6 +42,7 @@ fn two_stream_flush(dev: &Device) -> Tensor {
 
 #[test]
 fn dumps_show_streams_events_and_gated_frees_and_inspect_validates_them() {
+    let _t = turn();
     let dir = tmp_dir("dump");
     let dev = braid::testing::test_device();
     braid::dump::set_dir(Some(dir.clone()));
@@ -90,6 +98,7 @@ fn dumps_show_streams_events_and_gated_frees_and_inspect_validates_them() {
 
 #[test]
 fn inspect_rejects_files_that_are_not_dumps_without_panicking() {
+    let _t = turn();
     let dir = tmp_dir("foreign");
     std::fs::create_dir_all(&dir).unwrap();
     let cases = [
@@ -109,4 +118,49 @@ fn inspect_rejects_files_that_are_not_dumps_without_panicking() {
         assert!(err.contains(expect) && !err.contains("panicked"), "{name}: {err}");
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// What a reader of a dump needs to tell apart: a flush refused for its budget says it did not
+/// run; braid's own streams have names; user events are marked; fusion refusals read as
+/// sentences.
+#[test]
+fn dumps_say_what_did_not_run_and_name_streams_events_and_reasons() {
+    let _t = turn();
+    let dev = braid::testing::test_device();
+    // A budget out of reach: the flush is dumped, marked as not run.
+    dev.set_memory_budget(Some(64));
+    let x = Tensor::from_vec((0..4096).map(|i| i as f32).collect(), [64, 64], &dev);
+    let y = (x.exp() + 1.0).sum();
+    let r = y.to_vec::<f32>();
+    assert!(matches!(r, Err(Error::MemoryBudget { .. })), "{r:?}");
+    let dump = dev.last_schedule().unwrap();
+    assert!(dump.not_run().is_some_and(|w| w.contains("memory budget")), "{:?}", dump.not_run());
+    assert!(dump.to_text().starts_with("NOT RUN: memory budget"), "{}", dump.to_text());
+    assert!(dump.to_json().contains("\"not_run\""));
+    dev.set_memory_budget(None);
+    // A user event between two streams, and an offload (whose stream is named).
+    let (s1, s2) = (dev.new_stream(), dev.new_stream());
+    let a = s1.scope(|| x.exp());
+    let ev = s1.record_event();
+    s2.wait_event(&ev);
+    // Unfused, so that b sits idle for several kernels and its hint moves it out meanwhile.
+    dev.set_fusion(false);
+    let big = Tensor::rand([256, 256], -1.0, 1.0, DType::F32, &dev);
+    let b = s2.scope(|| big.sin().offload_hint());
+    let mut chain = s2.scope(|| &b * 2.0);
+    for _ in 0..8 {
+        chain = s2.scope(|| chain.matmul(&big).tanh());
+    }
+    let c = s2.scope(|| (&chain + &b).sum());
+    let text = {
+        (a.sum() + &c).to_vec::<f32>().unwrap();
+        dev.last_schedule().unwrap().to_text()
+    };
+    assert!(text.contains("(user event)"), "{text}");
+    assert!(text.contains("stream offload:") && !text.contains("4294967295"), "{text}");
+    // Reasons in words, not debug output.
+    let r = x.sum_dim(0, false) + x.sum_dim(1, false);
+    r.to_vec::<f32>().unwrap();
+    let text = dev.last_schedule().unwrap().to_text();
+    assert!(!text.contains("Some(") && !text.contains("None"), "{text}");
 }

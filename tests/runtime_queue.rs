@@ -90,7 +90,7 @@ fn transfers_from_the_cpu_are_copy_steps_on_the_copy_stream() {
     assert!(dump.contains(r#""direction": "transfer""#), "{dump}");
     assert!(dump.contains(r#""space": "remote""#), "{dump}");
     let text = dev.last_schedule().unwrap().to_text();
-    assert!(text.contains(&braid_scheduler::COPY_STREAM.0.to_string()), "the copy runs on the copy stream:\n{text}");
+    assert!(text.contains("stream copy:"), "the copy runs on the copy stream:\n{text}");
     assert!(backend.violations().is_empty(), "{:?}", backend.violations());
     // And back: the CPU reads the device's memory in place (both are host memory here).
     let back = on_dev.to_device(&cpu);
@@ -166,6 +166,7 @@ fn the_simulation_catches_frees_that_lose_their_gates() {
             label: &label,
             poison: true,
             fail_at: None,
+            flush: 0,
         };
         let outputs = execute(&backend, job).0.expect("runs");
         let sqrt = &outputs[1];

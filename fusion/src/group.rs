@@ -19,6 +19,11 @@ enum Class {
     Other,
 }
 
+/// What a reduction runs over, in words: `dimension 1`, `all elements`.
+fn along(axis: Option<usize>) -> String {
+    axis.map_or("all elements".into(), |d| format!("dimension {d}"))
+}
+
 /// Whether node `i` moves a value from memory this device's kernels cannot read: a copy step.
 fn is_transfer(graph: &FlushGraph, i: usize) -> bool {
     let node = &graph.nodes[i];
@@ -348,7 +353,11 @@ impl Grouper<'_> {
                 } else if node.shape == flat && levels.iter().all(|&l| l == Level::Flat) {
                     Level::Flat
                 } else {
-                    return Err(format!("index spaces {full} (reduced along {axis:?}) and {} differ", node.shape));
+                    return Err(format!(
+                        "index spaces {full} (reduced over {}) and {} differ",
+                        along(*axis),
+                        node.shape
+                    ));
                 }
             }
             (Kind::Rows(full, axis), Class::Reduce) => {
@@ -362,7 +371,11 @@ impl Grouper<'_> {
                 }
                 if dim != *axis || self.graph.meta(node.inputs[0]).1 != full || levels.iter().any(|&l| l != Level::Full)
                 {
-                    return Err(format!("a reduction along {dim:?} does not share rows reduced along {axis:?}"));
+                    return Err(format!(
+                        "a reduction over {} does not share rows reduced over {}",
+                        along(dim),
+                        along(*axis)
+                    ));
                 }
                 reduce_level(&node.op)
             }

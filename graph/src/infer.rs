@@ -112,7 +112,7 @@ pub fn matmul(a: (&Shape, DType), b: (&Shape, DType)) -> Inferred {
     let (k2, n) = (sb[sb.len() - 2], sb[sb.len() - 1]);
     if k != k2 {
         return Err(format!(
-            "matmul: inner dimensions differ: {} is [.., {m}, {k}] but {} is [.., {k2}, {n}]",
+            "matmul: inner sizes {k} and {k2} differ (the lhs {} has {k} columns, the rhs {} has {k2} rows)",
             a.0, b.0
         ));
     }

@@ -5,8 +5,9 @@
 //! file prints and checks exactly like the live one. This module only formats; it never
 //! changes a schedule.
 
-use crate::schedule::{BufferSource, Schedule, Space, Step};
-use braid_graph::{FlushGraph, ValueRef};
+use crate::assign::COPY_STREAM;
+use crate::schedule::{BufferSource, OFFLOAD_STREAM, Schedule, Space, Step};
+use braid_graph::{FlushGraph, StreamId, ValueRef};
 use serde::{Deserialize, Serialize};
 use std::fmt::Write;
 
@@ -24,6 +25,10 @@ pub struct Dump {
     #[serde(default)]
     pub offloads: Vec<DumpOffload>,
     pub planned_peak_bytes: u64,
+    /// Why the flush did not run (a memory budget out of reach, a schedule the validator
+    /// refused); absent when it ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_run: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -240,6 +245,7 @@ impl Dump {
                 })
                 .collect(),
             planned_peak_bytes: schedule.planned_peak_bytes,
+            not_run: None,
         }
     }
 
@@ -268,6 +274,9 @@ impl Dump {
     /// One line per step, stream after stream.
     pub fn to_text(&self) -> String {
         let mut s = String::new();
+        if let Some(why) = &self.not_run {
+            let _ = writeln!(s, "NOT RUN: {why}");
+        }
         let _ = writeln!(
             s,
             "flush {} on {}: {} stream(s), {} kernel(s) for {} op(s), {} event(s), {} buffer(s), planned peak {} B",
@@ -281,9 +290,9 @@ impl Dump {
             self.planned_peak_bytes
         );
         for st in &self.streams {
-            let _ = writeln!(s, "stream {}:", st.id);
+            let _ = writeln!(s, "stream {}:", stream_name(st.id));
             for step in &st.steps {
-                let _ = writeln!(s, "  {}", step_text(step, &self.buffers));
+                let _ = writeln!(s, "  {}", step_text(step, &self.buffers, &self.events));
             }
         }
         for r in &self.fusion.refused {
@@ -302,10 +311,10 @@ impl Dump {
         let mut records = Vec::new();
         let mut waits = Vec::new();
         for st in &self.streams {
-            let _ = writeln!(s, "  subgraph cluster_s{} {{\n    label=\"stream {}\";", st.id, st.id);
+            let _ = writeln!(s, "  subgraph cluster_s{} {{\n    label=\"stream {}\";", st.id, stream_name(st.id));
             for (i, step) in st.steps.iter().enumerate() {
                 let name = format!("s{}_{}", st.id, i);
-                let label = step_text(step, &self.buffers).replace('"', "'");
+                let label = step_text(step, &self.buffers, &self.events).replace('"', "'");
                 let _ = writeln!(s, "    {name} [label=\"{label}\"];");
                 if i > 0 {
                     let _ = writeln!(s, "    s{}_{} -> {name};", st.id, i - 1);
@@ -329,8 +338,21 @@ impl Dump {
     }
 }
 
-fn step_text(step: &DumpStep, buffers: &[DumpBuffer]) -> String {
+/// A stream as dumps print it: its number, or the name of braid's own streams.
+pub fn stream_name(id: u32) -> String {
+    match StreamId(id) {
+        OFFLOAD_STREAM => "offload".into(),
+        COPY_STREAM => "copy".into(),
+        _ => id.to_string(),
+    }
+}
+
+fn step_text(step: &DumpStep, buffers: &[DumpBuffer], events: &[DumpEvent]) -> String {
     let bytes = |b: &str| buffers.iter().find(|x| x.id == b).map_or(0, |x| x.bytes);
+    let kind = |e: &str| match events.iter().find(|x| x.id == e) {
+        Some(x) if !x.auto => " (user event)",
+        _ => "",
+    };
     match step {
         DumpStep::Kernel { id, ops, nodes, inputs, outputs, in_place, note, .. } => format!(
             "{id} {} [{}] {} -> {}{}{}",
@@ -344,8 +366,8 @@ fn step_text(step: &DumpStep, buffers: &[DumpBuffer]) -> String {
         DumpStep::Alloc { buffer } => format!("alloc {buffer} ({} B)", bytes(buffer)),
         DumpStep::Free { buffer, after } if after.is_empty() => format!("free {buffer}"),
         DumpStep::Free { buffer, after } => format!("free {buffer} after {}", after.join(" ")),
-        DumpStep::Record { event } => format!("record {event}"),
-        DumpStep::Wait { event } => format!("wait {event}"),
+        DumpStep::Record { event } => format!("record {event}{}", kind(event)),
+        DumpStep::Wait { event } => format!("wait {event}{}", kind(event)),
         DumpStep::Copy { from, to, direction, .. } => format!("copy {from} -> {to} ({direction}, {} B)", bytes(from)),
     }
 }

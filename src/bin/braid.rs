@@ -51,10 +51,14 @@ fn inspect(file: &std::path::Path, steps: bool) -> Result<(), String> {
     let dump = ScheduleDump::from_json(&text)?;
     let d = dump.dump();
     println!("flush {} on {}", d.flush, d.device);
+    if let Some(why) = &d.not_run {
+        println!("NOT RUN: {why}");
+    }
     println!("streams: {}", d.streams.len());
     for s in &d.streams {
         let kernels = s.steps.iter().filter(|st| matches!(st, braid_scheduler::dump::DumpStep::Kernel { .. })).count();
-        println!("  stream {}: {} steps, {} kernels", s.id, s.steps.len(), kernels);
+        let name = braid_scheduler::dump::stream_name(s.id);
+        println!("  stream {name}: {} steps, {} kernels", s.steps.len(), kernels);
     }
     println!("kernels: {} ({} ops)", d.fusion.kernels, d.fusion.fused_ops);
     println!("events: {} ({} automatic)", d.events.len(), d.events.iter().filter(|e| e.auto).count());
@@ -70,7 +74,10 @@ fn inspect(file: &std::path::Path, steps: bool) -> Result<(), String> {
     let program = braid_scheduler::Program::from_dump(d)?;
     match braid_scheduler::validate::check(&program) {
         Ok(()) => {
-            println!("validator: ok");
+            match &d.not_run {
+                None => println!("validator: ok"),
+                Some(_) => println!("validator: ok (the plan is sound, but it did not run)"),
+            }
             Ok(())
         }
         Err(hazards) => {

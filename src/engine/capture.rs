@@ -201,6 +201,11 @@ impl Engine {
                 })
                 .collect::<Result<Vec<Input>>>()?;
             let fail_at = crate::lock(&self.faults).fail_at.take().map(KernelId);
+            let number = {
+                let mut st = self.state();
+                st.flushes += 1;
+                st.flushes
+            };
             let label = |k: KernelId| kernel_label(&planned.schedule, &planned.graph, k);
             let job = Job {
                 schedule: &planned.schedule,
@@ -209,6 +214,7 @@ impl Engine {
                 label: &label,
                 poison,
                 fail_at,
+                flush: number,
             };
             let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 braid_devices::runtime::execute(self.backend.as_ref(), job).0
@@ -220,12 +226,7 @@ impl Engine {
                     return Err(Error::Internal(format!("a step's replay panicked (a bug in braid): {what}")));
                 }
             };
-            let number = {
-                let mut st = self.state();
-                st.flushes += 1;
-                st.flushes
-            };
-            self.publish_dump(&planned.schedule, &planned.graph, number);
+            self.publish_dump(&planned.schedule, &planned.graph, number, None);
         }
         Ok(c.outputs
             .iter()

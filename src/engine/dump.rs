@@ -10,18 +10,36 @@ use braid_scheduler::{Dump, Schedule};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
+/// What a flush planned, kept until its dump is asked for.
+struct Live {
+    schedule: Arc<Schedule>,
+    graph: Arc<FlushGraph>,
+    flush: u64,
+    device: String,
+    not_run: Option<String>,
+}
+
 /// The schedule of one flush, as a value: JSON (schema version 1), text and DOT.
 #[derive(Clone)]
 pub struct ScheduleDump(Arc<Source>);
 
 struct Source {
-    live: Option<(Arc<Schedule>, Arc<FlushGraph>, u64, String)>,
+    live: Option<Live>,
     built: OnceLock<Dump>,
 }
 
 impl ScheduleDump {
-    pub(crate) fn live(schedule: Arc<Schedule>, graph: Arc<FlushGraph>, flush: u64, device: String) -> ScheduleDump {
-        ScheduleDump(Arc::new(Source { live: Some((schedule, graph, flush, device)), built: OnceLock::new() }))
+    /// The dump of a flush that planned `schedule`; `not_run` says why it did not run, if it did
+    /// not.
+    pub(crate) fn live(
+        schedule: Arc<Schedule>,
+        graph: Arc<FlushGraph>,
+        flush: u64,
+        device: String,
+        not_run: Option<String>,
+    ) -> ScheduleDump {
+        let live = Live { schedule, graph, flush, device, not_run };
+        ScheduleDump(Arc::new(Source { live: Some(live), built: OnceLock::new() }))
     }
 
     /// Reads a dump written as JSON (for example by `BRAID_DUMP`); the error says what is
@@ -34,8 +52,10 @@ impl ScheduleDump {
     /// The dump as data (the JSON schema's fields).
     pub fn dump(&self) -> &Dump {
         self.0.built.get_or_init(|| {
-            let (schedule, graph, flush, device) = self.0.live.as_ref().expect("a loaded dump is built already");
-            Dump::new(schedule, graph, *flush, device)
+            let live = self.0.live.as_ref().expect("a loaded dump is built already");
+            let mut dump = Dump::new(&live.schedule, &live.graph, live.flush, &live.device);
+            dump.not_run = live.not_run.clone();
+            dump
         })
     }
 
@@ -57,9 +77,18 @@ impl ScheduleDump {
     }
 
     /// Kernels this flush ran.
+    /// Why this flush did not run (a memory budget out of reach, a refused schedule), if it
+    /// did not.
+    pub fn not_run(&self) -> Option<String> {
+        match &self.0.live {
+            Some(live) => live.not_run.clone(),
+            None => self.dump().not_run.clone(),
+        }
+    }
+
     pub fn kernel_count(&self) -> usize {
         match &self.0.live {
-            Some((s, ..)) => s.kernel_count(),
+            Some(live) => live.schedule.kernel_count(),
             None => self.dump().kernel_count(),
         }
     }
@@ -67,7 +96,7 @@ impl ScheduleDump {
     /// Bytes of the highest simultaneous allocation the plan makes.
     pub fn planned_peak_bytes(&self) -> u64 {
         match &self.0.live {
-            Some((s, ..)) => s.planned_peak_bytes,
+            Some(live) => live.schedule.planned_peak_bytes,
             None => self.dump().planned_peak_bytes,
         }
     }

@@ -46,6 +46,8 @@ impl Engine {
     /// work other threads already started. Returns once the values are ready.
     pub(crate) fn flush_nodes(&self, targets: &[NodeId]) -> Result<()> {
         super::capture::refuse_while_capturing("a flush or sync")?;
+        // A variable braid does not understand fails the read before anything is taken out.
+        super::env::check()?;
         let mut lost_target: Option<String> = None;
         loop {
             let mut st = self.state();

@@ -23,6 +23,7 @@
 pub(crate) mod cache;
 pub(crate) mod capture;
 pub(crate) mod dump;
+mod env;
 mod flush;
 mod marks;
 mod run;
@@ -308,11 +309,11 @@ impl Engine {
     }
 
     pub(crate) fn poison_enabled(&self) -> bool {
-        lock(&self.settings.poison).unwrap_or_else(|| std::env::var("BRAID_POISON").is_ok_and(|v| v == "1"))
+        lock(&self.settings.poison).unwrap_or_else(|| env::flag("BRAID_POISON").ok().flatten().unwrap_or(false))
     }
 
     pub(crate) fn fusion_enabled(&self) -> bool {
-        lock(&self.settings.fusion).unwrap_or_else(|| !std::env::var("BRAID_FUSION").is_ok_and(|v| v.trim() == "0"))
+        lock(&self.settings.fusion).unwrap_or_else(|| env::flag("BRAID_FUSION").ok().flatten().unwrap_or(true))
     }
 
     pub(crate) fn memory_budget(&self) -> Option<u64> {

@@ -111,13 +111,15 @@ impl Engine {
                     label: &label,
                     poison,
                     fail_at,
+                    flush: ex.number,
                 };
                 let (result, held) = braid_devices::runtime::execute(self.backend.as_ref(), job);
                 ran = true;
                 (result.map_err(|e| self.device_error(e)), held)
             }
         };
-        self.publish_dump(&schedule, &graph, ex.number);
+        let not_run = (!ran).then(|| result.as_ref().err().map(|e| e.to_string())).flatten();
+        self.publish_dump(&schedule, &graph, ex.number, not_run);
 
         let mut st = self.state();
         for (id, buffer) in &prepared.uploaded {
@@ -214,8 +216,14 @@ impl Engine {
 
     /// Makes a schedule that ran the device's last schedule, and writes its files under
     /// `BRAID_DUMP`.
-    pub(super) fn publish_dump(&self, schedule: &Arc<Schedule>, graph: &Arc<FlushGraph>, number: u64) {
-        let dump = ScheduleDump::live(schedule.clone(), graph.clone(), number, self.name());
+    pub(super) fn publish_dump(
+        &self,
+        schedule: &Arc<Schedule>,
+        graph: &Arc<FlushGraph>,
+        number: u64,
+        not_run: Option<String>,
+    ) {
+        let dump = ScheduleDump::live(schedule.clone(), graph.clone(), number, self.name(), not_run);
         if let Some(dir) = dump::dir() {
             dump::write_files(&dir, &dump);
         }
@@ -324,7 +332,7 @@ fn place_offloads(
 /// `BRAID_VALIDATE=1`; otherwise only that every wait can be satisfied, so that a bad schedule
 /// is an error and never a hang.
 fn check(schedule: &Schedule, graph: &FlushGraph) -> Result<()> {
-    let full = cfg!(debug_assertions) || std::env::var("BRAID_VALIDATE").is_ok_and(|v| v == "1");
+    let full = cfg!(debug_assertions) || super::env::flag("BRAID_VALIDATE").ok().flatten().unwrap_or(false);
     let hazards = if full {
         braid_scheduler::validate(schedule, graph).err().unwrap_or_default()
     } else {

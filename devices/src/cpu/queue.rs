@@ -109,7 +109,8 @@ impl CpuQueue<'_, '_> {
             let secs = t0.elapsed().as_secs_f64();
             tracing::debug!(
                 target: "braid::kernel",
-                "{} s{} {} elems {:.1} us {:.2} GB/s",
+                "flush {} {} s{} {} elems {:.1} us {:.2} GB/s",
+                call.flush,
                 call.describe(),
                 call.stream,
                 call.kernel.output_elements(),

@@ -121,6 +121,8 @@ pub struct Call<'a> {
     pub label: &'a (dyn Fn(KernelId) -> String + Sync),
     /// The stream's id, for logs.
     pub stream: u32,
+    /// The flush's number, for logs (kernel lines from stream threads name their flush).
+    pub flush: u64,
 }
 
 impl Call<'_> {
@@ -154,6 +156,8 @@ pub struct Job<'a> {
     /// Fault injection for tests of recovery: fail when this kernel is reached, as a failing
     /// kernel would.
     pub fail_at: Option<KernelId>,
+    /// The flush's number, for logs.
+    pub flush: u64,
 }
 
 /// What a flush leaves: the buffers of `schedule.outputs` in order (or the error), and the

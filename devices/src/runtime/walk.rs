@@ -190,7 +190,7 @@ impl Walker<'_, '_> {
             args.push(buffer);
         }
         let stream = job.schedule.streams[s].stream.0;
-        let call = Call { id: k, kernel, args: &args, label: job.label, stream };
+        let call = Call { id: k, kernel, args: &args, label: job.label, stream, flush: job.flush };
         match kernel.body {
             braid_lowering::Body::Matmul(_) => queue.library(&call),
             _ => queue.launch(&call),

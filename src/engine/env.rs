@@ -1,0 +1,80 @@
+//! The `BRAID_*` environment variables a flush reads, checked when it starts: a value braid does
+//! not understand is an `Error::Environment` naming the accepted values (never silently ignored),
+//! and a dump directory that cannot be written is one too, before anything runs.
+//!
+//! Variables are read when a flush starts, never cached at program start (API.md), except
+//! which dump directories were already found writable.
+
+use crate::error::{Error, Result};
+use crate::lock;
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+/// A yes/no variable: `1`/`0` (also `true`/`false`, `on`/`off`); `None` when unset or empty.
+pub(crate) fn flag(name: &'static str) -> Result<Option<bool>> {
+    let Ok(value) = std::env::var(name) else { return Ok(None) };
+    match value.trim().to_ascii_lowercase().as_str() {
+        "" => Ok(None),
+        "1" | "true" | "on" | "yes" => Ok(Some(true)),
+        "0" | "false" | "off" | "no" => Ok(Some(false)),
+        _ => Err(Error::Environment { name, value, reason: "expected 1 or 0".into() }),
+    }
+}
+
+/// Checks every `BRAID_*` variable a flush reads (`BRAID_POISON`, `BRAID_FUSION`,
+/// `BRAID_VALIDATE`, `BRAID_CPU_COMPILE`, `BRAID_DUMP`).
+pub(crate) fn check() -> Result<()> {
+    for name in ["BRAID_POISON", "BRAID_FUSION", "BRAID_VALIDATE"] {
+        flag(name)?;
+    }
+    if let Ok(value) = std::env::var("BRAID_CPU_COMPILE")
+        && !matches!(value.trim().to_ascii_lowercase().as_str(), "" | "off" | "0" | "false" | "background" | "blocking")
+    {
+        let reason = "expected off, background or blocking".into();
+        return Err(Error::Environment { name: "BRAID_CPU_COMPILE", value, reason });
+    }
+    if let Some(dir) = super::dump::dir() {
+        writable(&dir)?;
+    }
+    Ok(())
+}
+
+/// `Ok` when dump files can be written in `dir` (created if missing); checked once per directory.
+fn writable(dir: &PathBuf) -> Result<()> {
+    static CHECKED: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+    if lock(&CHECKED).contains(dir) {
+        return Ok(());
+    }
+    let probe = dir.join(format!(".braid-probe-{}", std::process::id()));
+    let result = std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::write(&probe, b""))
+        .and_then(|()| std::fs::remove_file(&probe));
+    match result {
+        Ok(()) => {
+            lock(&CHECKED).push(dir.clone());
+            Ok(())
+        }
+        Err(e) => Err(Error::Environment {
+            name: "BRAID_DUMP",
+            value: dir.display().to_string(),
+            reason: format!("dump files cannot be written there: {e}"),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn flags_accept_the_usual_spellings_and_nothing_else() {
+        // These variables are read by no other unit test of this crate.
+        for (v, want) in [("1", Some(true)), ("off", Some(false)), ("", None)] {
+            // SAFETY: unit tests of this module are the only readers of this variable.
+            unsafe { std::env::set_var("BRAID_TEST_FLAG", v) };
+            assert_eq!(super::flag("BRAID_TEST_FLAG").unwrap(), want);
+        }
+        unsafe { std::env::set_var("BRAID_TEST_FLAG", "maybe") };
+        let e = super::flag("BRAID_TEST_FLAG").unwrap_err().to_string();
+        assert!(e.contains("BRAID_TEST_FLAG") && e.contains("expected 1 or 0"), "{e}");
+        unsafe { std::env::remove_var("BRAID_TEST_FLAG") };
+    }
+}

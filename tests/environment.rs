@@ -1,0 +1,30 @@
+//! `BRAID_*` variables are read when a flush starts: a value braid does not understand, or a
+//! dump directory it cannot write, is an error naming the variable and what it accepts, and
+//! nothing is lost (the read succeeds once the variable is fixed).
+
+use braid::prelude::*;
+
+#[test]
+fn unknown_values_and_unwritable_dump_directories_are_errors_of_the_read() {
+    let dev = Device::new_cpu();
+    let y = Tensor::from_vec(vec![1.0f32, 2.0], [2], &dev) * 3.0;
+    // SAFETY (every set_var/remove_var below): this binary runs this one test, on one thread.
+    let cases = [
+        ("BRAID_FUSION", "maybe", "expected 1 or 0"),
+        ("BRAID_POISON", "2", "expected 1 or 0"),
+        ("BRAID_CPU_COMPILE", "sometimes", "off, background or blocking"),
+        ("BRAID_DUMP", "/proc/braid-cannot-write-here", "cannot be written"),
+    ];
+    for (name, value, accepted) in cases {
+        unsafe { std::env::set_var(name, value) };
+        match y.to_vec::<f32>() {
+            Err(Error::Environment { name: n, reason, .. }) => {
+                assert_eq!(n, name);
+                assert!(reason.contains(accepted), "{name}: {reason}");
+            }
+            other => panic!("{name}={value}: expected an environment error, got {other:?}"),
+        }
+        unsafe { std::env::remove_var(name) };
+    }
+    assert_eq!(y.to_vec::<f32>().unwrap(), vec![3.0, 6.0]);
+}
