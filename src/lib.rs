@@ -36,6 +36,7 @@ mod device;
 mod engine;
 mod error;
 pub mod io;
+pub mod nn;
 pub mod optim;
 pub mod prelude;
 mod recorder;

@@ -29,6 +29,25 @@ use braid_graph::DType;
 use braid_graph::table::BinaryOp;
 use hashbrown::HashMap;
 
+/// An optimizer: records the update of parameters from their gradients. Parameters come as any
+/// iterator of tensors (a `&[Tensor]`, a `Vec`, [`crate::nn::Params::iter`], a module's
+/// parameters), since updates are in place through the shared handles.
+///
+/// ```
+/// use braid::prelude::*;
+/// use braid::optim::{Optimizer, Sgd};
+/// let cpu = Device::cpu();
+/// let params = [Tensor::from_vec(vec![2.0f32], [1], &cpu).requires_grad()];
+/// let loss = params[0].square().sum();
+/// Sgd::new(0.25).update(&params, &loss.backward().unwrap());
+/// assert_eq!(params[0].to_vec::<f32>().unwrap(), vec![1.0]);
+/// ```
+pub trait Optimizer {
+    /// Records the update of every parameter that has a gradient in `grads` (others are left
+    /// alone). Panics at the caller's line if a parameter is not a leaf.
+    fn update<'a>(&mut self, params: impl IntoIterator<Item = &'a Tensor>, grads: &Grads);
+}
+
 /// The identity optimizers key their state by: the parameter's leaf.
 #[track_caller]
 fn leaf_of(p: &Tensor, optimizer: &str) -> u64 {
@@ -98,9 +117,17 @@ impl Sgd {
     /// alone). Panics at the caller's line if a parameter is not a leaf.
     #[track_caller]
     pub fn step(&mut self, params: &mut [Tensor], grads: &Grads) {
+        self.update(params.iter(), grads)
+    }
+}
+
+impl Optimizer for Sgd {
+    #[track_caller]
+    fn update<'a>(&mut self, params: impl IntoIterator<Item = &'a Tensor>, grads: &Grads) {
+        let params: Vec<&Tensor> = params.into_iter().collect();
         let ids: Vec<u64> = params.iter().map(|p| leaf_of(p, "Sgd::step")).collect();
         no_grad(|| {
-            for (p, id) in params.iter().zip(ids) {
+            for (&p, id) in params.iter().zip(ids) {
                 let Some(mut g) = grads.get(p) else { continue };
                 if self.weight_decay != 0.0 {
                     g = &g + &(p * self.weight_decay);
@@ -175,10 +202,18 @@ impl Adam {
     /// Records the update of every parameter that has a gradient in `grads`.
     #[track_caller]
     pub fn step(&mut self, params: &mut [Tensor], grads: &Grads) {
+        self.update(params.iter(), grads)
+    }
+}
+
+impl Optimizer for Adam {
+    #[track_caller]
+    fn update<'a>(&mut self, params: impl IntoIterator<Item = &'a Tensor>, grads: &Grads) {
+        let params: Vec<&Tensor> = params.into_iter().collect();
         let name = if self.decoupled { "AdamW::step" } else { "Adam::step" };
         let ids: Vec<u64> = params.iter().map(|p| leaf_of(p, name)).collect();
         no_grad(|| {
-            for (p, id) in params.iter().zip(ids) {
+            for (&p, id) in params.iter().zip(ids) {
                 let Some(mut g) = grads.get(p) else { continue };
                 if self.weight_decay != 0.0 {
                     if self.decoupled {
@@ -240,5 +275,12 @@ impl AdamW {
     #[track_caller]
     pub fn step(&mut self, params: &mut [Tensor], grads: &Grads) {
         self.0.step(params, grads)
+    }
+}
+
+impl Optimizer for AdamW {
+    #[track_caller]
+    fn update<'a>(&mut self, params: impl IntoIterator<Item = &'a Tensor>, grads: &Grads) {
+        self.0.update(params, grads)
     }
 }

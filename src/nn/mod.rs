@@ -1,0 +1,208 @@
+//! A small set of layers, initialisers and a parameter collection, so that a training loop
+//! reads like the Rust peers' (Burn, candle): `Linear`, `LayerNorm`, `init`, and
+//! [`Params`], which optimizers ([`crate::optim::Optimizer::update`]) and `braid::io` take.
+//!
+//! Layers are plain structs of parameter tensors (leaves that require gradients, in exact-size
+//! parameter memory); `forward` records ops like any other code. Nothing here runs anything.
+//!
+//! ```
+//! use braid::prelude::*;
+//! use braid::nn::{Linear, Module};
+//! use braid::optim::{Optimizer, Sgd};
+//!
+//! let cpu = Device::new_cpu();
+//! cpu.seed(0);
+//! let layer = Linear::new(4, 2, &cpu);
+//! let x = Tensor::randn([8, 4], DType::F32, &cpu);
+//! let loss = layer.forward(&x).square().mean();
+//! let grads = loss.backward().unwrap();
+//! Sgd::new(0.1).update(layer.params().iter(), &grads);
+//! assert!(layer.forward(&x).square().mean().item::<f32>().unwrap() < loss.item::<f32>().unwrap());
+//! ```
+
+pub mod init;
+
+use crate::device::Device;
+use crate::tensor::Tensor;
+use braid_graph::DType;
+
+/// Named parameters, in the order they were added. Names are dotted paths (`blocks.0.ln.weight`)
+/// as `braid::io` saves them.
+#[derive(Clone, Default, Debug)]
+pub struct Params {
+    entries: Vec<(String, Tensor)>,
+}
+
+impl Params {
+    pub fn new() -> Params {
+        Params::default()
+    }
+
+    /// Adds `t` under `name`.
+    pub fn push(&mut self, name: impl Into<String>, t: &Tensor) {
+        self.entries.push((name.into(), t.clone()));
+    }
+
+    /// Adds every parameter of `other` under `prefix.` (a sub-module's).
+    pub fn extend(&mut self, prefix: &str, other: Params) {
+        for (name, t) in other.entries {
+            self.entries.push((format!("{prefix}.{name}"), t));
+        }
+    }
+
+    /// The tensors, in order.
+    pub fn iter(&self) -> impl Iterator<Item = &Tensor> {
+        self.entries.iter().map(|(_, t)| t)
+    }
+
+    /// Names and tensors, in order.
+    pub fn named(&self) -> impl Iterator<Item = (&str, &Tensor)> {
+        self.entries.iter().map(|(n, t)| (n.as_str(), t))
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Elements over all parameters.
+    pub fn numel(&self) -> usize {
+        self.iter().map(Tensor::numel).sum()
+    }
+
+    /// Writes the parameters to a safetensors file (see [`crate::io::save`]).
+    pub fn save(&self, path: impl AsRef<std::path::Path>) -> crate::Result<()> {
+        let named: Vec<(&str, &Tensor)> = self.named().collect();
+        crate::io::save(path, &named)
+    }
+
+    /// Sets every parameter to the tensor of the same name in the safetensors file at `path`
+    /// (an in-place update of each, so the layers holding them see the loaded values). A
+    /// missing name, or a shape or dtype that differs, is an `Err` and nothing is changed.
+    pub fn load(&self, path: impl AsRef<std::path::Path>) -> crate::Result<()> {
+        let device = match self.entries.first() {
+            Some((_, t)) => t.device().clone(),
+            None => return Ok(()),
+        };
+        let loaded = crate::io::load(path, &device)?;
+        for (name, t) in self.named() {
+            match loaded.get(name) {
+                Some(v) if v.shape() == t.shape() && v.dtype() == t.dtype() => {}
+                Some(v) => {
+                    return Err(crate::Error::Io(format!(
+                        "{name}: the file has {} {}, the parameter is {} {}",
+                        v.shape(),
+                        v.dtype(),
+                        t.shape(),
+                        t.dtype()
+                    )));
+                }
+                None => return Err(crate::Error::Io(format!("{name}: not in the file"))),
+            }
+        }
+        crate::no_grad(|| {
+            for (name, t) in self.named() {
+                t.assign(&loaded[name]);
+            }
+        });
+        Ok(())
+    }
+}
+
+impl<'a> IntoIterator for &'a Params {
+    type Item = &'a Tensor;
+    type IntoIter = Box<dyn Iterator<Item = &'a Tensor> + 'a>;
+    fn into_iter(self) -> Self::IntoIter {
+        Box::new(self.iter())
+    }
+}
+
+/// A layer: a function of one tensor with parameters.
+pub trait Module {
+    fn forward(&self, x: &Tensor) -> Tensor;
+    /// The layer's parameters, named.
+    fn params(&self) -> Params;
+}
+
+/// `y = x W^T + b`, PyTorch's layout: `weight` is `[out, in]`, `bias` `[out]`; both initialised
+/// as PyTorch's `nn.Linear` (uniform in `±1/sqrt(in)`).
+#[derive(Clone, Debug)]
+pub struct Linear {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+}
+
+impl Linear {
+    /// An f32 layer from `inputs` to `outputs` features, with a bias.
+    #[track_caller]
+    pub fn new(inputs: usize, outputs: usize, device: &Device) -> Linear {
+        Linear::with(inputs, outputs, true, DType::F32, device)
+    }
+
+    /// A layer of `dtype`, with or without a bias.
+    #[track_caller]
+    pub fn with(inputs: usize, outputs: usize, bias: bool, dtype: DType, device: &Device) -> Linear {
+        let bound = 1.0 / (inputs.max(1) as f64).sqrt();
+        Linear {
+            weight: init::uniform([outputs, inputs], -bound, bound, dtype, device),
+            bias: bias.then(|| init::uniform([outputs], -bound, bound, dtype, device)),
+        }
+    }
+}
+
+impl Module for Linear {
+    #[track_caller]
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let y = x.matmul(&self.weight.t());
+        match &self.bias {
+            Some(b) => y + b,
+            None => y,
+        }
+    }
+
+    fn params(&self) -> Params {
+        let mut p = Params::new();
+        p.push("weight", &self.weight);
+        if let Some(b) = &self.bias {
+            p.push("bias", b);
+        }
+        p
+    }
+}
+
+/// Layer normalisation over the last dimension with a learned scale and shift (PyTorch's
+/// `nn.LayerNorm(d)`: weight ones, bias zeros, eps 1e-5).
+#[derive(Clone, Debug)]
+pub struct LayerNorm {
+    pub weight: Tensor,
+    pub bias: Tensor,
+    pub eps: f64,
+}
+
+impl LayerNorm {
+    #[track_caller]
+    pub fn new(dim: usize, device: &Device) -> LayerNorm {
+        LayerNorm {
+            weight: init::ones([dim], DType::F32, device),
+            bias: init::zeros([dim], DType::F32, device),
+            eps: 1e-5,
+        }
+    }
+}
+
+impl Module for LayerNorm {
+    #[track_caller]
+    fn forward(&self, x: &Tensor) -> Tensor {
+        &(x.layer_norm(-1, self.eps) * &self.weight) + &self.bias
+    }
+
+    fn params(&self) -> Params {
+        let mut p = Params::new();
+        p.push("weight", &self.weight);
+        p.push("bias", &self.bias);
+        p
+    }
+}
