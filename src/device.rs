@@ -185,6 +185,28 @@ impl Device {
         self.cpu_backend().map_or(0, CpuDevice::compiled_kernels_launched)
     }
 
+    /// Keeps a [`Profile`](crate::profile::Profile) of every flush on this device (off by
+    /// default; `BRAID_TRACE` also profiles). The cost is two clock reads per step.
+    ///
+    /// ```
+    /// use braid::prelude::*;
+    /// let dev = Device::new_cpu();
+    /// dev.set_profiling(true);
+    /// let x = Tensor::randn([256, 256], DType::F32, &dev);
+    /// x.matmul(&x).tanh().sum().item::<f32>().unwrap();
+    /// let p = dev.last_profile().unwrap();
+    /// assert_eq!(p.kernels().count(), dev.last_schedule().unwrap().kernel_count());
+    /// println!("{}", p.to_text());
+    /// ```
+    pub fn set_profiling(&self, on: bool) {
+        self.0.engine.settings.profiling.store(on, Ordering::Relaxed);
+    }
+
+    /// The profile of the most recent flush on this device that was profiled.
+    pub fn last_profile(&self) -> Option<crate::profile::Profile> {
+        lock(&self.0.engine.last_profile).clone()
+    }
+
     /// The schedule of the most recent flush on this device.
     pub fn last_schedule(&self) -> Option<ScheduleDump> {
         lock(&self.0.engine.last_schedule).clone()

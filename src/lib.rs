@@ -69,6 +69,13 @@ pub mod dump {
     }
 }
 
+/// Where time went: per-flush profiles (`device.set_profiling(true)`, `device.last_profile()`)
+/// and Chrome/Perfetto trace files (`BRAID_TRACE=file.json` or [`profile::set_trace_file`]),
+/// one track per stream.
+pub mod profile {
+    pub use crate::engine::profile::{Profile, ProfileStep, set_trace_file};
+}
+
 /// Flushes everything pending on every device: the work is handed to the devices (the CPU runs
 /// it on the calling thread and its stream workers before this returns).
 pub fn flush() -> Result<()> {

@@ -167,6 +167,7 @@ fn the_simulation_catches_frees_that_lose_their_gates() {
             poison: true,
             fail_at: None,
             flush: 0,
+            profile: None,
         };
         let outputs = execute(&backend, job).0.expect("runs");
         let sqrt = &outputs[1];

@@ -207,6 +207,8 @@ impl Engine {
                 st.flushes
             };
             let label = |k: KernelId| kernel_label(&planned.schedule, &planned.graph, k);
+            let sink = self.profile_sink();
+            let started = std::time::Instant::now();
             let job = Job {
                 schedule: &planned.schedule,
                 kernels: &planned.kernels,
@@ -215,10 +217,12 @@ impl Engine {
                 poison,
                 fail_at,
                 flush: number,
+                profile: sink.as_ref(),
             };
             let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 braid_devices::runtime::execute(self.backend.as_ref(), job).0
             }));
+            self.keep_profile(number, sink, started);
             computed = match run {
                 Ok(result) => result.map_err(|e| self.device_error(e))?,
                 Err(panic) => {

@@ -26,6 +26,7 @@ pub(crate) mod dump;
 mod env;
 mod flush;
 mod marks;
+pub(crate) mod profile;
 mod run;
 
 use crate::error::{Error, Result};
@@ -158,6 +159,8 @@ pub(crate) struct Settings {
     pub(crate) budget: AtomicU64,
     /// Streams that default-stream work is spread over (`set_auto_streams`); empty when off.
     pub(crate) auto_streams: Mutex<Vec<StreamId>>,
+    /// `set_profiling`: keep a profile of every flush.
+    pub(crate) profiling: std::sync::atomic::AtomicBool,
 }
 
 /// A function applied to every schedule planned by an engine, before validation.
@@ -178,6 +181,7 @@ pub(crate) struct Engine {
     state: Mutex<State>,
     pub(crate) plans: Mutex<cache::PlanCache>,
     pub(crate) last_schedule: Mutex<Option<ScheduleDump>>,
+    pub(crate) last_profile: Mutex<Option<profile::Profile>>,
     pub(crate) settings: Settings,
     pub(crate) faults: Mutex<Faults>,
 }
@@ -287,6 +291,7 @@ impl Engine {
             }),
             plans: Mutex::new(Default::default()),
             last_schedule: Mutex::new(None),
+            last_profile: Mutex::new(None),
             settings: Settings { budget: AtomicU64::new(u64::MAX), ..Default::default() },
             faults: Mutex::new(Faults::default()),
         });

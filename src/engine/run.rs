@@ -104,6 +104,8 @@ impl Engine {
             (Ok(()), None) => {
                 let _s = tracing::debug_span!(target: "braid::flush", "execute", kernels = kernels.len()).entered();
                 let fail_at = lock(&self.faults).fail_at.take().map(KernelId);
+                let sink = self.profile_sink();
+                let started = std::time::Instant::now();
                 let job = Job {
                     schedule: &schedule,
                     kernels: &kernels,
@@ -112,8 +114,10 @@ impl Engine {
                     poison,
                     fail_at,
                     flush: ex.number,
+                    profile: sink.as_ref(),
                 };
                 let (result, held) = braid_devices::runtime::execute(self.backend.as_ref(), job);
+                self.keep_profile(ex.number, sink, started);
                 ran = true;
                 (result.map_err(|e| self.device_error(e)), held)
             }
@@ -212,6 +216,29 @@ impl Engine {
             }
         }
         (Inputs { job, uploaded }, failed)
+    }
+
+    /// Where the runtime records step times, when profiling is on or a trace is written.
+    pub(super) fn profile_sink(&self) -> Option<std::sync::Mutex<Vec<braid_devices::runtime::Span>>> {
+        let on = self.settings.profiling.load(std::sync::atomic::Ordering::Relaxed)
+            || super::profile::trace_path().is_some();
+        on.then(|| std::sync::Mutex::new(Vec::new()))
+    }
+
+    /// Keeps flush `number`'s profile as the device's last, and appends it to the trace file.
+    pub(super) fn keep_profile(
+        &self,
+        number: u64,
+        sink: Option<std::sync::Mutex<Vec<braid_devices::runtime::Span>>>,
+        started: std::time::Instant,
+    ) {
+        let Some(sink) = sink else { return };
+        let spans = sink.into_inner().unwrap_or_else(|p| p.into_inner());
+        let profile = super::profile::Profile::new(number, self.name(), spans, self.backend.memory().peak);
+        if let Some(path) = super::profile::trace_path() {
+            super::profile::append(path, self.id.0, &self.name(), &profile, started);
+        }
+        *lock(&self.last_profile) = Some(profile);
     }
 
     /// Makes a schedule that ran the device's last schedule, and writes its files under

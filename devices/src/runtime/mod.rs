@@ -83,6 +83,13 @@ pub trait Flush: Sync {
     fn free_after(&self, buffer: Buffer, stream: usize, after: &[EventId]);
     /// A step failed: every wait from now on returns `false` (so no stream waits forever).
     fn fail(&self);
+    /// When the device ran each step of the flush, for profiling: `(stream index, step index,
+    /// offset from the flush's first step, duration)` per kernel, copy or wait it timed on the
+    /// device (CUDA events, say). Asked for after `finish`, only when profiling; `None` (the
+    /// default): the walker's own times stand.
+    fn device_times(&self) -> Option<Vec<(usize, usize, std::time::Duration, std::time::Duration)>> {
+        None
+    }
     /// Called once every stream's steps were issued (and, for [`Driver::Threads`], have run).
     /// Submits whatever is still held back. After a failure (`failed`), returns only once the
     /// device has stopped using the flush's buffers, so the walker may drop them.
@@ -158,6 +165,27 @@ pub struct Job<'a> {
     pub fail_at: Option<KernelId>,
     /// The flush's number, for logs.
     pub flush: u64,
+    /// Where to record how long each kernel, copy and wait took (profiling), if anywhere.
+    pub profile: Option<&'a std::sync::Mutex<Vec<Span>>>,
+}
+
+/// One timed step of a flush (see [`Job::profile`]). With [`Driver::Threads`] the times are
+/// when the work ran; with [`Driver::Interleaved`] they are when it was issued, unless the
+/// backend replaces them with device times ([`Flush::device_times`]).
+#[derive(Clone, Debug)]
+pub struct Span {
+    /// The braid stream the step belongs to.
+    pub stream: u32,
+    /// `kernel`, `copy` or `wait`.
+    pub kind: &'static str,
+    /// The kernel's label (`k3 mul+exp [n12 n13]`), or `copy b1 -> b4`, or `wait e2`.
+    pub name: String,
+    pub start: std::time::Instant,
+    pub duration: std::time::Duration,
+    /// Bytes the step read and wrote.
+    pub bytes: usize,
+    /// The step's position in its stream's steps.
+    pub step: usize,
 }
 
 /// What a flush leaves: the buffers of `schedule.outputs` in order (or the error), and the

@@ -60,8 +60,13 @@ impl Walker<'_, '_> {
     }
 
     /// Runs one step, turning a panic (a bug in braid) into an error.
-    fn step(&self, stream: &StreamSchedule, index: usize, step: &Step, queue: &mut dyn Queue) -> Result<(), ()> {
-        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_step(index, step, queue)));
+    fn step(&self, stream: &StreamSchedule, s: usize, at: usize, queue: &mut dyn Queue) -> Result<(), ()> {
+        let step = &stream.steps[at];
+        let t0 = self.job.profile.map(|_| std::time::Instant::now());
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_step(s, step, queue)));
+        if let (Some(sink), Some(t0)) = (self.job.profile, t0) {
+            self.record_span(sink, stream.stream.0, at, step, t0);
+        }
         let error = match run {
             Ok(Ok(true)) => return Ok(()),
             Ok(Ok(false)) => return Err(()), // a wait saw another stream fail: its error is reported
@@ -73,6 +78,21 @@ impl Walker<'_, '_> {
         };
         self.fail(error);
         Err(())
+    }
+
+    /// Adds the span of a kernel, copy or wait that started at `t0` to `sink`.
+    fn record_span(&self, sink: &Mutex<Vec<super::Span>>, stream: u32, at: usize, step: &Step, t0: std::time::Instant) {
+        let schedule = self.job.schedule;
+        let (kind, name, bytes) = match step {
+            Step::Kernel(k) => ("kernel", (self.job.label)(*k), self.job.kernels[k.index()].bytes_moved()),
+            Step::Copy { from, to, .. } => {
+                ("copy", format!("copy {from} -> {to}"), 2 * schedule.buffers[from.index()].bytes)
+            }
+            Step::Wait(e) => ("wait", format!("wait {e}"), 0),
+            _ => return,
+        };
+        let span = super::Span { stream, kind, name, start: t0, duration: t0.elapsed(), bytes, step: at };
+        lock(sink).push(span);
     }
 
     /// Runs `step` of stream `s` on its queue; `Ok(false)` when a wait learns that the flush
@@ -200,8 +220,8 @@ impl Walker<'_, '_> {
     /// Runs one stream's steps to the end, or until the flush fails.
     fn run_stream(&self, s: usize, queue: &mut dyn Queue) {
         let stream = &self.job.schedule.streams[s];
-        for step in &stream.steps {
-            if self.failed() || self.step(stream, s, step, queue).is_err() {
+        for at in 0..stream.steps.len() {
+            if self.failed() || self.step(stream, s, at, queue).is_err() {
                 return;
             }
         }
@@ -221,7 +241,7 @@ impl Walker<'_, '_> {
                     {
                         break;
                     }
-                    if self.step(stream, s, step, queues[s].as_mut()).is_err() {
+                    if self.step(stream, s, next[s], queues[s].as_mut()).is_err() {
                         return;
                     }
                     next[s] += 1;
@@ -296,6 +316,18 @@ pub fn execute(backend: &dyn Backend, mut job: Job<'_>) -> Outcome {
     let failed = walker.failed();
     if let Err(e) = flush.finish(failed) {
         walker.fail(e);
+    }
+    if let (Some(sink), Some(times)) = (job.profile, job.profile.and_then(|_| flush.device_times())) {
+        // The device's own times replace the issue times of the steps it timed.
+        let mut spans = lock(sink);
+        let origin = spans.iter().map(|s| s.start).min();
+        for (s, at, offset, duration) in times {
+            let id = schedule.streams[s].stream.0;
+            if let (Some(span), Some(origin)) = (spans.iter_mut().find(|x| x.stream == id && x.step == at), origin) {
+                span.start = origin + offset;
+                span.duration = duration;
+            }
+        }
     }
     let held = schedule.external_buffers.iter().map(|b| lock(&walker.table[b.index()]).clone()).collect();
     if let Some(e) = lock(&walker.error).take() {
