@@ -12,6 +12,7 @@ pub mod native;
 mod queue;
 mod reduce;
 pub mod rows;
+mod split;
 
 /// braid's f32 `exp` and `tanh` (defined next to the kernel IR, whose host C printer prints them).
 pub use braid_lowering::vmath;

@@ -11,8 +11,27 @@ use braid_graph::{DType, ReduceOp};
 pub(super) struct Acc {
     op: ReduceOp,
     vals: Reg,
+    /// Float sums over contiguous rows: the running compensation (Kahan) of `vals`, so a sum of
+    /// millions of elements stays within a few ulps instead of drifting by one rounding per
+    /// chunk.
+    comp: Reg,
     /// ArgMax: the axis position of the best value so far.
     idx: Vec<i64>,
+}
+
+/// Adds `x` to `acc` with Kahan compensation `comp`; an infinite or NaN sum drops the
+/// compensation (which would turn it into NaN) and stays as IEEE addition makes it.
+#[inline(always)]
+fn kahan_add<T: Copy + std::ops::Add<Output = T> + std::ops::Sub<Output = T> + Default>(
+    acc: &mut T,
+    comp: &mut T,
+    x: T,
+    finite: impl Fn(T) -> bool,
+) {
+    let y = x - *comp;
+    let t = *acc + y;
+    *comp = if finite(t) { (t - *acc) - y } else { T::default() };
+    *acc = t;
 }
 
 /// Folds `v` with `f` (associative and commutative, up to rounding) starting from `init` in
@@ -48,19 +67,23 @@ fn fold_lanes<T: Copy>(v: &[T], init: T, f: impl Fn(T, T) -> T) -> T {
 
 /// Folds `v[..m]` (flat row positions `c..`) into float accumulators.
 #[inline(always)]
-fn fold_float<T: Copy + PartialOrd + std::ops::Add<Output = T> + Default>(
+#[allow(clippy::too_many_arguments)]
+fn fold_float<T: Copy + PartialOrd + std::ops::Add<Output = T> + std::ops::Sub<Output = T> + Default>(
     op: ReduceOp,
     acc: &mut [T],
+    comp: &mut [T],
     idx: &mut [i64],
     v: &[T],
     c: usize,
     inner: usize,
     is_nan: impl Fn(T) -> bool,
+    finite: impl Fn(T) -> bool,
 ) {
     match op {
         ReduceOp::Sum | ReduceOp::Mean if inner == 1 => {
+            // A chunk's sum in independent lanes, then added to the row's with compensation.
             let s = fold_lanes(v, T::default(), |a, x| a + x);
-            acc[0] = acc[0] + s;
+            kahan_add(&mut acc[0], &mut comp[0], s, finite);
         }
         ReduceOp::Sum | ReduceOp::Mean => {
             // Runs of consecutive inner positions: loops the compiler vectorises.
@@ -122,7 +145,7 @@ fn fold_int<T: Copy + Ord>(
 
 impl Acc {
     pub(super) fn new(op: ReduceOp, operand: DType, inner: usize) -> Acc {
-        let mut acc = Acc { op, vals: Reg::new(operand, inner), idx: vec![0; inner] };
+        let mut acc = Acc { op, vals: Reg::new(operand, inner), comp: Reg::new(operand, inner), idx: vec![0; inner] };
         acc.reset();
         acc
     }
@@ -131,6 +154,11 @@ impl Acc {
     pub(super) fn reset(&mut self) {
         let op = self.op;
         self.idx.fill(0);
+        match &mut self.comp {
+            Reg::F32(c) => c.fill(0.0),
+            Reg::F64(c) => c.fill(0.0),
+            _ => {}
+        }
         macro_rules! init {
             ($v:expr, $zero:expr, $lo:expr, $hi:expr) => {
                 $v.fill(match op {
@@ -169,6 +197,60 @@ impl Acc {
         }
     }
 
+    /// Folds `later`, the accumulator of the row positions after this one's, into this one: the
+    /// combine of a row split across threads. Its order is fixed (segment by segment), so the
+    /// result does not depend on how many threads there are.
+    pub(super) fn merge(&mut self, later: &Acc) {
+        let op = self.op;
+        macro_rules! float {
+            ($a:expr, $k:expr, $idx:expr, $b:expr, $bk:expr, $bidx:expr, $t:ty) => {
+                for j in 0..$a.len() {
+                    match op {
+                        ReduceOp::Sum | ReduceOp::Mean => {
+                            kahan_add(&mut $a[j], &mut $k[j], $b[j], <$t>::is_finite);
+                            kahan_add(&mut $a[j], &mut $k[j], -$bk[j], <$t>::is_finite);
+                        }
+                        // NaN is sticky and the first extreme wins.
+                        _ if $a[j].is_nan() => {}
+                        _ => {
+                            let better = if op == ReduceOp::Min { $b[j] < $a[j] } else { $b[j] > $a[j] };
+                            if better || $b[j].is_nan() {
+                                $a[j] = $b[j];
+                                $idx[j] = $bidx[j];
+                            }
+                        }
+                    }
+                }
+            };
+        }
+        macro_rules! int {
+            ($a:expr, $idx:expr, $b:expr, $bidx:expr) => {
+                for j in 0..$a.len() {
+                    match op {
+                        ReduceOp::Sum | ReduceOp::Mean => $a[j] = $a[j].wrapping_add($b[j]),
+                        ReduceOp::Max => $a[j] = $a[j].max($b[j]),
+                        ReduceOp::Min => $a[j] = $a[j].min($b[j]),
+                        ReduceOp::ArgMax => {
+                            if $b[j] > $a[j] {
+                                $a[j] = $b[j];
+                                $idx[j] = $bidx[j];
+                            }
+                        }
+                    }
+                }
+            };
+        }
+        let idx = &mut self.idx;
+        match (&mut self.vals, &mut self.comp, &later.vals, &later.comp) {
+            (Reg::F32(a), Reg::F32(k), Reg::F32(b), Reg::F32(bk)) => float!(a, k, idx, b, bk, later.idx, f32),
+            (Reg::F64(a), Reg::F64(k), Reg::F64(b), Reg::F64(bk)) => float!(a, k, idx, b, bk, later.idx, f64),
+            (Reg::I32(a), _, Reg::I32(b), _) => int!(a, idx, b, later.idx),
+            (Reg::I64(a), _, Reg::I64(b), _) => int!(a, idx, b, later.idx),
+            (Reg::U8(a), _, Reg::U8(b), _) => int!(a, idx, b, later.idx),
+            _ => unreachable!("accumulators of one reduction have one type"),
+        }
+    }
+
     /// Folds `v[..m]` (flat row positions `c..`) in, compiled for each vector level: it is
     /// called from a closure, and closures do not inherit their caller's target features.
     pub(super) fn add(&mut self, v: &Reg, c: usize, m: usize, inner: usize) {
@@ -181,12 +263,16 @@ impl Acc {
 #[inline(always)]
 fn acc_add(acc: &mut Acc, v: &Reg, c: usize, m: usize, inner: usize) {
     let (op, idx) = (acc.op, &mut acc.idx);
-    match (&mut acc.vals, v) {
-        (Reg::F32(a), Reg::F32(v)) => fold_float(op, a, idx, &v[..m], c, inner, f32::is_nan),
-        (Reg::F64(a), Reg::F64(v)) => fold_float(op, a, idx, &v[..m], c, inner, f64::is_nan),
-        (Reg::I32(a), Reg::I32(v)) => fold_int(op, a, idx, &v[..m], c, inner, i32::wrapping_add),
-        (Reg::I64(a), Reg::I64(v)) => fold_int(op, a, idx, &v[..m], c, inner, i64::wrapping_add),
-        (Reg::U8(a), Reg::U8(v)) => fold_int(op, a, idx, &v[..m], c, inner, u8::wrapping_add),
+    match (&mut acc.vals, &mut acc.comp, v) {
+        (Reg::F32(a), Reg::F32(k), Reg::F32(v)) => {
+            fold_float(op, a, k, idx, &v[..m], c, inner, f32::is_nan, f32::is_finite)
+        }
+        (Reg::F64(a), Reg::F64(k), Reg::F64(v)) => {
+            fold_float(op, a, k, idx, &v[..m], c, inner, f64::is_nan, f64::is_finite)
+        }
+        (Reg::I32(a), _, Reg::I32(v)) => fold_int(op, a, idx, &v[..m], c, inner, i32::wrapping_add),
+        (Reg::I64(a), _, Reg::I64(v)) => fold_int(op, a, idx, &v[..m], c, inner, i64::wrapping_add),
+        (Reg::U8(a), _, Reg::U8(v)) => fold_int(op, a, idx, &v[..m], c, inner, u8::wrapping_add),
         _ => unreachable!("the accumulator has the operand's type"),
     }
 }

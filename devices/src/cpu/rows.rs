@@ -19,25 +19,25 @@ use smallvec::SmallVec;
 
 /// Row elements per parallel task (rows are grouped until a task has about this much work: the CPU target's
 /// work granularity).
-const TASK: usize = braid_graph::Target::CPU.work_granularity;
+pub(super) const TASK: usize = braid_graph::Target::CPU.work_granularity;
 
 /// What a kernel's expression looks like from a row's point of view (computed once per kernel
 /// and kept by the device).
 pub struct Plan {
     /// Per expression node: constant along the row.
-    per_row: Vec<bool>,
+    pub(super) per_row: Vec<bool>,
     /// Per store: its view is constant along the row (written once per row).
-    row_stores: Vec<bool>,
+    pub(super) row_stores: Vec<bool>,
     /// The reductions, in order, each with the per-element nodes its operand needs.
-    phases: Vec<(usize, Vec<usize>)>,
+    pub(super) phases: Vec<(usize, Vec<usize>)>,
     /// Per-element nodes that per-element stores need.
-    last_phase: Vec<usize>,
+    pub(super) last_phase: Vec<usize>,
     /// Per-row nodes read by per-element nodes (broadcast into chunks).
     broadcast: Vec<usize>,
-    outer_dims: Vec<usize>,
+    pub(super) outer_dims: Vec<usize>,
     /// Extent of the axis (the whole space when `None`) and of the dimensions after it.
-    len: usize,
-    inner: usize,
+    pub(super) len: usize,
+    pub(super) inner: usize,
     /// The kernel to run instead of the one planned (see [`retile`]).
     retiled: Option<Box<RowKernel>>,
 }
@@ -131,7 +131,7 @@ pub fn plan(k: &RowKernel) -> Plan {
 }
 
 /// Rows needed before a kernel is left as it is: enough to keep every thread busy.
-const MIN_ROWS: usize = 16;
+pub(super) const MIN_ROWS: usize = 16;
 
 /// A reduction along an axis with few rows before it and a wide last dimension (the column sums
 /// of a bias gradient: `[batch, n]` summed over the batch is one row of `batch x n` elements,
@@ -183,7 +183,7 @@ fn retile(k: &RowKernel) -> Option<RowKernel> {
 
 /// The part of `view` that row `o` covers: the axis and what follows it (`row = true`), or only
 /// what follows it at axis position 0 (`row = false`, for per-row values).
-fn row_view(view: &View, axis: Option<usize>, o: usize, outer_dims: &[usize], whole_row: bool) -> View {
+pub(super) fn row_view(view: &View, axis: Option<usize>, o: usize, outer_dims: &[usize], whole_row: bool) -> View {
     let offset = row_offset(view, axis, o, outer_dims);
     let Some(d) = axis else {
         return if whole_row {
@@ -199,7 +199,7 @@ fn row_view(view: &View, axis: Option<usize>, o: usize, outer_dims: &[usize], wh
 /// The offset of [`row_view`]`(view, axis, o, ..)`: the only part of it that changes from row
 /// to row.
 #[inline(always)]
-fn row_offset(view: &View, axis: Option<usize>, o: usize, outer_dims: &[usize]) -> usize {
+pub(super) fn row_offset(view: &View, axis: Option<usize>, o: usize, outer_dims: &[usize]) -> usize {
     let Some(d) = axis else { return view.offset };
     let mut offset = view.offset as isize;
     let mut rest = o;
@@ -229,6 +229,12 @@ pub fn run_rows(k: &RowKernel, p: &Plan, args: &[ArgPtr]) -> Result<(), String> 
     }
     let shared = Shared(args);
     let row = p.len * p.inner;
+    if outer < MIN_ROWS && row >= 2 * TASK {
+        // Few long rows (a whole-tensor reduction, a long softmax row): each row is split
+        // across threads instead (the split depends on sizes only, so results do not depend on
+        // the number of threads).
+        return (0..outer).try_for_each(|o| super::split::run_row(k, p, shared, o));
+    }
     let per_task = (TASK / row.max(1)).max(1);
     if outer <= per_task {
         return run_range(k, p, shared, 0, outer);
@@ -305,7 +311,7 @@ fn run_range_impl(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: us
             let ExprOp::Reduce(_, x) = nodes[*r].op else { unreachable!("phases are reductions") };
             acc.reset();
             let scratch = (&mut chunk[..], &mut offsets[..], &load_views[..]);
-            sweep(k, p, args, o, need, scratch, &rowv, &mut fresh, &done, |c, m, regs| {
+            sweep(k, p, args, o, need, scratch, &rowv, &mut fresh, &done, (0, row), |c, m, regs| {
                 acc.add(&regs[x as usize], c, m, p.inner);
             })?;
             acc.finish(p.len, &mut rowv[*r]);
@@ -319,7 +325,7 @@ fn run_range_impl(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: us
         }
         if !elem_stores.is_empty() {
             let scratch = (&mut chunk[..], &mut offsets[..], &load_views[..]);
-            sweep(k, p, args, o, &p.last_phase, scratch, &rowv, &mut fresh, &done, |c, m, regs| {
+            sweep(k, p, args, o, &p.last_phase, scratch, &rowv, &mut fresh, &done, (0, row), |c, m, regs| {
                 for (s, view) in elem_stores.iter().zip(&store_views) {
                     // SAFETY: as above.
                     unsafe {
@@ -339,7 +345,7 @@ fn run_range_impl(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: us
 /// of their operands are (nodes are in topological order, and every reduction below `limit`
 /// is done).
 #[allow(clippy::too_many_arguments)]
-fn eval_row_values(
+pub(super) fn eval_row_values(
     k: &RowKernel,
     p: &Plan,
     args: Shared<'_>,
@@ -371,7 +377,7 @@ fn eval_row_values(
 /// row `o`'s view for each load node read per element.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn sweep(
+pub(super) fn sweep(
     k: &RowKernel,
     p: &Plan,
     args: Shared<'_>,
@@ -381,15 +387,16 @@ fn sweep(
     rowv: &[Reg],
     fresh: &mut [bool],
     done: &[bool],
+    (from, to): (usize, usize),
     mut each: impl FnMut(usize, usize, &[Reg]),
 ) -> Result<(), String> {
     let row = p.len * p.inner;
     let width = chunk.first().map_or(0, Reg::len);
     // With the whole row in one chunk, a value computed by an earlier pass is still there.
     let whole = width >= row;
-    let mut c = 0;
-    while c < row {
-        let m = width.min(row - c);
+    let mut c = from;
+    while c < to {
+        let m = width.min(to - c);
         // Per-row values not computed yet are not read by this pass.
         for &b in p.broadcast.iter().filter(|&&b| done[b]) {
             if !(whole && fresh[b]) {
@@ -422,7 +429,7 @@ fn sweep(
 ///
 /// # Safety
 /// As for [`scatter`].
-unsafe fn scatter_simd(view: &View, arg: ArgPtr, start: usize, m: usize, reg: &Reg, offsets: &mut [isize]) {
+pub(super) unsafe fn scatter_simd(view: &View, arg: ArgPtr, start: usize, m: usize, reg: &Reg, offsets: &mut [isize]) {
     #[inline(always)]
     fn go(view: &View, arg: ArgPtr, start: usize, m: usize, reg: &Reg, offsets: &mut [isize]) {
         // SAFETY: the caller of `scatter_simd` meets `scatter`'s contract.
