@@ -40,20 +40,37 @@ struct Case {
 fn cases(quick: bool) -> Vec<Case> {
     let s = |full: usize, small: usize| if quick { small } else { full };
     vec![
-        Case { name: "whole-tensor mean of tanh(x) * exp(x)", shape: vec![s(1 << 26, 1 << 22)], f: |x| (x.tanh() * x.exp()).mean() },
+        Case {
+            name: "whole-tensor mean of tanh(x) * exp(x)",
+            shape: vec![s(1 << 26, 1 << 22)],
+            f: |x| (x.tanh() * x.exp()).mean(),
+        },
         Case { name: "whole-tensor max", shape: vec![s(1 << 26, 1 << 22)], f: |x| x.max() },
         Case { name: "long rows: softmax", shape: vec![8, s(1 << 22, 1 << 19)], f: |x| x.softmax(-1) },
         Case { name: "short rows: softmax", shape: vec![s(1 << 18, 1 << 15), 64], f: |x| x.softmax(-1) },
-        Case { name: "short rows: sum of squares", shape: vec![s(1 << 20, 1 << 17), 32], f: |x| x.square().sum_dim(1, false) },
-        Case { name: "non-last axis: sum over dim 0", shape: vec![s(4096, 1024), 4096], f: |x| (x * 2.0).sum_dim(0, false) },
-        Case { name: "elementwise chain", shape: vec![s(1 << 25, 1 << 22)], f: |x| (x * 1.5 + 1.0).gelu() * x.sigmoid() },
+        Case {
+            name: "short rows: sum of squares",
+            shape: vec![s(1 << 20, 1 << 17), 32],
+            f: |x| x.square().sum_dim(1, false),
+        },
+        Case {
+            name: "non-last axis: sum over dim 0",
+            shape: vec![s(4096, 1024), 4096],
+            f: |x| (x * 2.0).sum_dim(0, false),
+        },
+        Case {
+            name: "elementwise chain",
+            shape: vec![s(1 << 25, 1 << 22)],
+            f: |x| (x * 1.5 + 1.0).gelu() * x.sigmoid(),
+        },
     ]
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
-    let limit: f64 = args.iter().position(|a| a == "--limit").and_then(|i| args.get(i + 1)?.parse().ok()).unwrap_or(1.2);
+    let limit: f64 =
+        args.iter().position(|a| a == "--limit").and_then(|i| args.get(i + 1)?.parse().ok()).unwrap_or(1.2);
     let (fused, unfused) = (Device::new_cpu(), Device::new_cpu());
     unfused.set_fusion(false);
     for d in [&fused, &unfused] {

@@ -98,7 +98,45 @@ fn cache_dir() -> Result<PathBuf, String> {
             ));
         }
     }
+    static SWEPT: std::sync::Once = std::sync::Once::new();
+    SWEPT.call_once(|| sweep_stale(&dir));
     Ok(dir)
+}
+
+/// Removes temporary files that compiles of processes no longer running left behind (a process
+/// that exits while a background compile is writing leaves its `KEY.tmpPID.N.{c,so}`). Once
+/// per process.
+fn sweep_stale(dir: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().to_string();
+        let Some(pid) = name.split(".tmp").nth(1).and_then(|rest| rest.split('.').next()?.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid != std::process::id() && !process_alive(pid) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// Whether process `pid` is running (on Linux, its `/proc` entry; elsewhere assumed so).
+fn process_alive(pid: u32) -> bool {
+    if cfg!(target_os = "linux") { std::path::Path::new(&format!("/proc/{pid}")).exists() } else { true }
+}
+
+/// The library of `source` if the disk cache already holds it (nothing is compiled): how a
+/// kernel a previous run compiled runs compiled from its first run.
+pub fn cached(source: &str) -> Option<Library> {
+    let cc = toolchain().ok()?;
+    let dir = cache_dir().ok()?;
+    let key = key(source, cc, target_flags());
+    let (c_path, so_path) = (dir.join(format!("{key}.c")), dir.join(format!("{key}.so")));
+    if !(std::fs::read(&c_path).is_ok_and(|c| c == source.as_bytes()) && so_path.exists()) {
+        return None;
+    }
+    // SAFETY: the library was built by `build` from this very source; loading it runs no
+    // initialisers (the printed C has none).
+    unsafe { Library::new(&so_path) }.ok()
 }
 
 /// A shared library, linked against libm (`-lm`, after the source) and bound when loaded, so
@@ -172,4 +210,41 @@ fn build_with(cc: &Toolchain, source: &str, fresh: bool) -> Result<Library, Stri
     std::fs::rename(&tmp_c, &c_path).map_err(|e| format!("cannot move {}: {e}", tmp_c.display()))?;
     // SAFETY: as above, a library just built from the printed source.
     unsafe { Library::new(&so_path) }.map_err(|e| format!("cannot load {}: {e}", so_path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stale_temporary_files_of_dead_processes_are_swept() {
+        let dir = std::env::temp_dir().join(format!("braid-sweep-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // pid 0x7fffffff is no running process; ours is; other files are left alone.
+        let names = ["abc.tmp2147483646.0.c", "abc.tmp2147483646.1.so", "def.so", "def.c"];
+        let ours = format!("ghi.tmp{}.3.c", std::process::id());
+        for n in names.iter().map(|s| s.to_string()).chain([ours.clone()]) {
+            std::fs::write(dir.join(n), b"x").unwrap();
+        }
+        if cfg!(target_os = "linux") {
+            sweep_stale(&dir);
+            let mut left: Vec<String> =
+                std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into()).collect();
+            left.sort();
+            assert_eq!(left, vec!["def.c".to_string(), "def.so".into(), ours]);
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_library_in_the_disk_cache_is_found_without_compiling() {
+        if available().is_err() {
+            eprintln!("native: SKIPPED, no C compiler");
+            return;
+        }
+        let source = format!("void braid_cached_probe_{}(void) {{}}\n", std::process::id());
+        assert!(cached(&source).is_none(), "nothing cached yet");
+        build(&source, false).unwrap();
+        assert!(cached(&source).is_some());
+    }
 }

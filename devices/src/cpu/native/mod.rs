@@ -7,7 +7,8 @@
 //!
 //! [`Native`] decides which kernels to compile and when ([`CompileMode`]): by default in the
 //! background, one at a time on a thread of its own, from a kernel's second run (a kernel that
-//! runs once is not worth a compile) while the interpreter runs it; only kernels that produce at
+//! runs once is not worth a compile) while the interpreter runs it, or from its first run when
+//! an earlier process left its library in the disk cache; only kernels that produce at
 //! least [`MIN_ELEMENTS`] elements (below that, per-kernel overheads dominate and
 //! interpretation costs little) in loops whose last dimension is at least [`MIN_RUN`] long;
 //! never kernels the printer does not print (row kernels, matrix products, half types). Libraries are shared by every device of the process
@@ -57,17 +58,13 @@ impl NativeKernel {
     /// The library of `src`, from the disk cache or compiled (again, if a cached library lacks
     /// an entry point).
     fn load(src: &host_c::HostSource) -> Result<NativeKernel, String> {
-        let entries = |lib: Library| {
-            let loops = (src.entries.iter())
-                .map(|e| {
-                    // SAFETY: the printer declared this entry with exactly the `LoopFn` signature.
-                    let f = unsafe { lib.get::<LoopFn>(e.as_bytes()) };
-                    f.map(|f| *f).map_err(|err| format!("entry {e} not found: {err}"))
-                })
-                .collect::<Result<_, _>>()?;
-            Ok(NativeKernel { loops, _lib: lib })
-        };
-        entries(compile::build(&src.source, false)?).or_else(|_: String| entries(compile::build(&src.source, true)?))
+        entries(src, compile::build(&src.source, false)?)
+            .or_else(|_: String| entries(src, compile::build(&src.source, true)?))
+    }
+
+    /// The library of `src` if the disk cache holds it already; compiles nothing.
+    fn cached(src: &host_c::HostSource) -> Option<NativeKernel> {
+        entries(src, compile::cached(&src.source)?).ok()
     }
 
     /// Runs `kernel` over `args`.
@@ -101,6 +98,18 @@ impl NativeKernel {
     }
 }
 
+/// The kernel of `lib`'s entry points for `src`.
+fn entries(src: &host_c::HostSource, lib: Library) -> Result<NativeKernel, String> {
+    let loops = (src.entries.iter())
+        .map(|e| {
+            // SAFETY: the printer declared this entry with exactly the `LoopFn` signature.
+            let f = unsafe { lib.get::<LoopFn>(e.as_bytes()) };
+            f.map(|f| *f).map_err(|err| format!("entry {e} not found: {err}"))
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(NativeKernel { loops, _lib: lib })
+}
+
 /// Argument pointers shared with rayon tasks (see `map::Shared` for why that is sound).
 #[derive(Clone, Copy)]
 struct Ptrs<'a>(&'a [*mut u8]);
@@ -131,6 +140,16 @@ impl Slot {
             }
             r
         })
+    }
+}
+
+impl Slot {
+    /// Takes the library from the disk cache if it is there (compiles nothing).
+    fn try_cached(&self) {
+        if let Some(lib) = NativeKernel::cached(&self.source) {
+            tracing::debug!(target: "braid::kernel", "a compiled kernel came from the disk cache");
+            let _ = self.built.set(Ok(Arc::new(lib)));
+        }
     }
 }
 
@@ -230,6 +249,10 @@ impl Native {
         let built = match mode {
             CompileMode::Blocking => slot.build(),
             _ => {
+                if runs == 1 && slot.built.get().is_none() {
+                    // Compiled by an earlier run of a program: used from the first run.
+                    slot.try_cached();
+                }
                 if runs >= 2 && slot.built.get().is_none() && !slot.queued.swap(true, Ordering::Relaxed) {
                     enqueue(slot.clone());
                 }
