@@ -18,11 +18,15 @@ use braid::optim::Sgd;
 use braid::prelude::*;
 use braid_devices::cuda::{CudaBackend, KernelSpan};
 
-/// A new CUDA device, or `None` after printing why the test is skipped.
-fn gpu(test: &str) -> Option<Device> {
+/// Tests here take turns: one fills most of the GPU's memory, others time kernels.
+static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// A new CUDA device and this test's turn, or `None` after printing why the test is skipped.
+fn gpu(test: &str) -> Option<(Device, std::sync::MutexGuard<'static, ()>)> {
     logging();
+    let turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
     match Device::new_cuda(0) {
-        Ok(d) => Some(d),
+        Ok(d) => Some((d, turn)),
         Err(e) => {
             let why = e.to_string();
             assert!(why.contains("cuda:0"), "the error names the device: {why}");
@@ -107,7 +111,7 @@ fn run_chains(dev: &Device, x: &Tensor, y: &Tensor, two: bool) -> Vec<KernelSpan
 
 #[test]
 fn kernels_of_two_streams_overlap_on_the_gpu() {
-    let Some(dev) = gpu("kernels_of_two_streams_overlap_on_the_gpu") else { return };
+    let Some((dev, _turn)) = gpu("kernels_of_two_streams_overlap_on_the_gpu") else { return };
     dev.seed(11);
     let x = Tensor::randn([ROWS, COLS], DType::F32, &dev);
     let y = Tensor::randn([ROWS, COLS], DType::F32, &dev);
@@ -155,7 +159,7 @@ fn kernels_of_two_streams_overlap_on_the_gpu() {
 #[test]
 fn pinned_copies_run_at_pcie_speed() {
     use braid_devices::cuda::{Event, Stream, memory};
-    let Some(dev) = gpu("pinned_copies_run_at_pcie_speed") else { return };
+    let Some((dev, _turn)) = gpu("pinned_copies_run_at_pcie_speed") else { return };
     let gpu = backend(&dev).gpu().clone();
     let bytes = 256usize << 20;
     let stream = Stream::new(&gpu).unwrap();
@@ -190,7 +194,9 @@ fn pinned_copies_run_at_pcie_speed() {
 
 #[test]
 fn cached_memory_is_released_before_out_of_memory_and_the_device_stays_usable() {
-    let Some(dev) = gpu("cached_memory_is_released_before_out_of_memory_and_the_device_stays_usable") else { return };
+    let Some((dev, _turn)) = gpu("cached_memory_is_released_before_out_of_memory_and_the_device_stays_usable") else {
+        return;
+    };
     let (free, _) = backend(&dev).gpu().memory_info().unwrap();
     // Two values that do not fit together: the second needs the first one's memory back.
     let first = (free as f64 * 0.45) as usize / 4;
@@ -216,7 +222,7 @@ fn cached_memory_is_released_before_out_of_memory_and_the_device_stays_usable() 
 /// A small MLP trained for a few steps: the kernels a training program compiles.
 #[test]
 fn a_training_program_and_its_compiled_kernels() {
-    let Some(dev) = gpu("a_training_program_and_its_compiled_kernels") else { return };
+    let Some((dev, _turn)) = gpu("a_training_program_and_its_compiled_kernels") else { return };
     dev.seed(3);
     let x = Tensor::randn([256, 32], DType::F32, &dev);
     let mut params: Vec<Tensor> = [32, 64, 16]
