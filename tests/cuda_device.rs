@@ -230,7 +230,9 @@ fn a_training_program_and_its_compiled_kernels() {
         .map(|d| braid::no_grad(|| Tensor::randn([d[0], d[1]], DType::F32, &dev) * 0.2).requires_grad())
         .collect();
     let mut losses = Vec::new();
-    for _ in 0..5 {
+    for step in 0..5 {
+        // The last step's kernels on the GPU: what small kernels take (the cost model's floor).
+        backend(&dev).set_timeline(step == 4);
         let mut h = x.clone();
         for w in &params {
             h = h.matmul(w).tanh();
@@ -241,6 +243,23 @@ fn a_training_program_and_its_compiled_kernels() {
         losses.push(loss.item::<f32>().unwrap());
     }
     assert!(losses.last() < losses.first(), "training lowers the loss: {losses:?}");
+    backend(&dev).set_timeline(false);
+    let mut spans = backend(&dev).take_timeline().unwrap();
+    spans.sort_by(|a, b| a.start_us.total_cmp(&b.start_us));
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    };
+    let times = median(spans.iter().map(|s| s.end_us - s.start_us).collect());
+    let gaps = median(spans.windows(2).map(|w| (w[1].start_us - w[0].end_us).max(0.0)).collect());
+    let makespan = spans.last().map_or(0.0, |s| s.end_us);
+    println!(
+        "kernel floor evidence: a training step runs {} kernels in {makespan:.0} us on the GPU ({:.1} us each), \
+         median kernel {times:.1} us, median gap {gaps:.1} us; cost model floor {:.1} us",
+        spans.len(),
+        makespan / spans.len().max(1) as f64,
+        dev.target().cost.kernel_overhead_secs * 1e6
+    );
     let stats = backend(&dev).compile_stats();
     println!(
         "cache evidence: compiled {} sources with NVRTC, {} from the disk cache, {} disk entries rejected (in memory: {})",

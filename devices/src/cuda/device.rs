@@ -34,21 +34,23 @@ use std::sync::{Arc, Mutex};
 
 /// What an H100 (SXM, 80 GB HBM3) is like, for fusion, scheduling and offload placement.
 ///
-/// The speeds are measured, not datasheet figures: device memory 2.85 TB/s (a
-/// device-to-device copy in PyTorch 2.11 on the project's GPU machine, read and write bytes
-/// counted: `../shared/gpu/README.md`), f32 matrix products (no TF32) 51 TFLOP/s (same
-/// source), and offload copies over PCIe from pinned memory about 22 GB/s (pinned
-/// host-to-device and device-to-host copies on the same machine measure 20 to 25 GB/s; the
-/// `cuda_device` test prints what it measures). Buffers are slices of the pool's chunks at its
-/// 64-byte alignment.
+/// The speeds are measured on the project's GPU machine, not datasheet figures: device memory
+/// 2.85 TB/s (a device-to-device copy in PyTorch 2.11, read and write bytes counted) and f32
+/// matrix products (no TF32) 51 TFLOP/s (both `../shared/gpu/README.md`); offload copies from
+/// and to pinned host memory 53 GB/s both ways (256 MiB copies timed by CUDA events, printed by
+/// the `cuda_device` test: PCIe 5.0 x16); and a floor of a few microseconds that every kernel
+/// takes (launch and scheduling; the same test prints what a training step's small kernels
+/// take), without which a copy would seem never hidden by small kernels. Buffers are slices of
+/// the pool's chunks at its 64-byte alignment.
 pub const CUDA_TARGET: Target = Target {
     name: "cuda",
     max_kernel_inputs: 16,
     max_row_reductions: 4,
     cost: CostModel {
-        copy_bytes_per_sec: 22e9,
+        copy_bytes_per_sec: 50e9,
         kernel_bytes_per_sec: 2.8e12,
         flops_per_sec: 50e12,
+        kernel_overhead_secs: 3e-6,
         allocation_granularity: crate::runtime::pool::ALIGN as u64,
     },
     work_granularity: 256,
