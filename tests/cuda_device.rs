@@ -14,6 +14,8 @@
 //! Without a GPU (or the CUDA libraries) every test prints `skipped: <reason>` and passes,
 //! after checking that `Device::cuda` is a clear `Err`.
 
+#![cfg(feature = "cuda")]
+
 use braid::optim::Sgd;
 use braid::prelude::*;
 use braid_devices::cuda::{CudaBackend, KernelSpan};
@@ -66,10 +68,13 @@ fn chain(x: &Tensor) -> Tensor {
     h
 }
 
+/// Intervals of time, in microseconds.
+type Intervals = Vec<(f64, f64)>;
+
 /// The total length of the union of `spans`' intervals, and the union itself.
-fn union(mut spans: Vec<(f64, f64)>) -> (f64, Vec<(f64, f64)>) {
+fn union(mut spans: Intervals) -> (f64, Intervals) {
     spans.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let mut merged: Vec<(f64, f64)> = Vec::new();
+    let mut merged: Intervals = Vec::new();
     for (s, e) in spans {
         match merged.last_mut() {
             Some(last) if s <= last.1 => last.1 = last.1.max(e),
@@ -127,7 +132,7 @@ fn kernels_of_two_streams_overlap_on_the_gpu() {
             s.dedup();
             s
         };
-        let per_stream: Vec<(u32, (f64, Vec<(f64, f64)>))> = streams
+        let per_stream: Vec<(u32, (f64, Intervals))> = streams
             .iter()
             .map(|&st| (st, union(spans.iter().filter(|s| s.stream == st).map(|s| (s.start_us, s.end_us)).collect())))
             .collect();
