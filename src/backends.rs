@@ -7,9 +7,19 @@ use braid_devices::Backend;
 use std::sync::Arc;
 
 /// The runtime of CUDA GPU `ordinal`.
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda(ordinal: usize) -> Result<Arc<dyn Backend>> {
+    match braid_devices::cuda::CudaBackend::open(ordinal) {
+        Ok(backend) => Ok(Arc::new(backend)),
+        Err(e) => Err(Error::Unavailable(format!("cuda:{ordinal} is unavailable: {e}"))),
+    }
+}
+
+/// The runtime of CUDA GPU `ordinal`.
+#[cfg(not(feature = "cuda"))]
 pub(crate) fn cuda(ordinal: usize) -> Result<Arc<dyn Backend>> {
     Err(Error::Unavailable(format!(
-        "cuda:{ordinal} is unavailable: this build of braid does not run devices on CUDA yet (use Device::cpu())"
+        "cuda:{ordinal} is unavailable: this build of braid has no CUDA backend (build with the `cuda` feature)"
     )))
 }
 

@@ -129,9 +129,12 @@ impl Device {
         rng::bits(st.seed, st.calls)
     }
 
-    /// Flushes everything recorded for this device and waits for it.
+    /// Flushes everything recorded for this device and waits for it (on a GPU: until the GPU
+    /// has run it).
     pub fn sync(&self) -> Result<()> {
-        self.0.engine.flush_all()
+        let engine = &self.0.engine;
+        engine.flush_all()?;
+        engine.backend.synchronize().map_err(|e| engine.device_error(e))
     }
 
     /// Memory of this device's pool: bytes in live buffers, the peak since the last reset, and

@@ -126,3 +126,10 @@ pub use braid_devices::cpu::eval::Simd as CpuSimd;
 pub fn limit_cpu_simd(level: CpuSimd) -> CpuSimd {
     braid_devices::cpu::eval::limit_simd(level)
 }
+
+/// The CUDA runtime under `device`, when it is a CUDA device: kernel timelines from CUDA
+/// events, compile statistics, pinned memory.
+#[cfg(feature = "cuda")]
+pub fn cuda_backend(device: &Device) -> Option<&braid_devices::cuda::CudaBackend> {
+    device.engine().backend.as_any().downcast_ref()
+}

@@ -15,8 +15,12 @@ fn every_name_of_the_contract_compiles_and_computes() -> Result<()> {
     let cpu: Device = Device::cpu();
     let _maybe: Result<Device> = Device::cuda(0);
     let _maybe: Result<Device> = Device::wgpu();
-    let from_env = Device::from_env()?; // BRAID_DEVICE unset in CI: the CPU
-    assert_eq!(from_env, cpu);
+    let from_env = Device::from_env()?; // the device BRAID_DEVICE names: the CPU when unset
+    assert_eq!(from_env, Device::from_env()?, "the same device on every call");
+    match std::env::var("BRAID_DEVICE").unwrap_or_default().trim() {
+        "" | "cpu" => assert_eq!(from_env, cpu),
+        _ => assert_ne!(from_env, cpu),
+    }
     cpu.seed(3);
     cpu.sync()?;
     let stats: MemoryStats = cpu.memory();

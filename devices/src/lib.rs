@@ -2,8 +2,8 @@
 //!
 //! The device layer: a backend-neutral [`runtime`] (the walker that executes a schedule over a
 //! small queue per stream, memory pools over chunk allocators, persistent stream workers) and
-//! the backends that implement its traits. The CPU backend is here; CUDA and wgpu arrive with
-//! their own issues behind the same traits. A device runs what the schedule says; it never
+//! the backends that implement its traits: the CPU, CUDA (behind the `cuda` feature) and wgpu
+//! (behind `wgpu`). A device runs what the schedule says; it never
 //! plans, fuses or reorders.
 
 pub mod cpu;
@@ -46,12 +46,16 @@ pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 #[derive(Clone, Debug)]
 pub enum Buffer {
     Cpu(Arc<cpu::CpuBuffer>),
+    #[cfg(feature = "cuda")]
+    Cuda(Arc<cuda::CudaBuffer>),
 }
 
 impl Buffer {
     pub fn bytes(&self) -> usize {
         match self {
             Buffer::Cpu(b) => b.bytes(),
+            #[cfg(feature = "cuda")]
+            Buffer::Cuda(b) => b.bytes(),
         }
     }
 
@@ -59,6 +63,8 @@ impl Buffer {
     pub fn is_persistent(&self) -> bool {
         match self {
             Buffer::Cpu(b) => b.is_exact(),
+            #[cfg(feature = "cuda")]
+            Buffer::Cuda(b) => b.is_exact(),
         }
     }
 
@@ -66,6 +72,8 @@ impl Buffer {
     pub fn is_shared(&self) -> bool {
         match self {
             Buffer::Cpu(b) => Arc::strong_count(b) > 1,
+            #[cfg(feature = "cuda")]
+            Buffer::Cuda(b) => Arc::strong_count(b) > 1,
         }
     }
 
@@ -81,6 +89,9 @@ impl Buffer {
                 unsafe { std::ptr::copy_nonoverlapping(b.ptr(), dst.as_mut_ptr(), dst.len()) };
                 Ok(())
             }
+            // Waits for the work writing it (everything enqueued on its GPU before the call).
+            #[cfg(feature = "cuda")]
+            Buffer::Cuda(b) => b.read_into(dst),
         }
     }
 
@@ -88,6 +99,8 @@ impl Buffer {
     pub fn memory_kind(&self) -> MemoryKind {
         match self {
             Buffer::Cpu(_) => MemoryKind::Host,
+            #[cfg(feature = "cuda")]
+            Buffer::Cuda(_) => MemoryKind::Device,
         }
     }
 }

@@ -18,6 +18,9 @@ pub struct CostModel {
     pub kernel_bytes_per_sec: f64,
     /// Matrix product throughput, flop per second.
     pub flops_per_sec: f64,
+    /// Time every kernel takes besides moving its bytes and computing its flops, in seconds:
+    /// a GPU's launch and scheduling latency, which dominates small kernels (0 on the CPU).
+    pub kernel_overhead_secs: f64,
     /// Allocations take a multiple of this many bytes (what a budget is compared with).
     pub allocation_granularity: u64,
 }
@@ -28,6 +31,7 @@ impl CostModel {
         copy_bytes_per_sec: 8e9,
         kernel_bytes_per_sec: 10e9,
         flops_per_sec: 60e9,
+        kernel_overhead_secs: 0.0,
         allocation_granularity: 64,
     };
 

@@ -265,7 +265,9 @@ pub(crate) fn node_expr(
 pub(crate) fn offset_expr(view: &View) -> String {
     let mut s = if view.offset != 0 { view.offset.to_string() } else { String::new() };
     for (d, (&e, &st)) in view.dims.iter().zip(&view.strides).enumerate() {
-        if e == 1 || st == 0 {
+        // Extent 1: index 0. Extent 0: the view has no element, so the expression is never
+        // evaluated (and `decompose` declares no index variable for it).
+        if e <= 1 || st == 0 {
             continue;
         }
         let term = if st.unsigned_abs() == 1 { format!("d{d}") } else { format!("d{d} * {}", st.unsigned_abs()) };

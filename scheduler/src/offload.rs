@@ -293,7 +293,7 @@ fn kernel_seconds(graph: &FlushGraph, base: &Schedule, t: usize, model: &CostMod
     let seg = &base.fusion.segments[base.kernels[t].segment];
     let bytes: usize = seg.inputs.iter().map(|&v| byte_size(graph, v)).sum::<usize>()
         + seg.outputs.iter().map(|&n| graph.nodes[n].bytes()).sum::<usize>();
-    let mut secs = bytes as f64 / model.kernel_bytes_per_sec;
+    let mut secs = model.kernel_overhead_secs + bytes as f64 / model.kernel_bytes_per_sec;
     if seg.kind == SegmentKind::Matmul {
         let first = &graph.nodes[seg.nodes[0]];
         let inner = first.inputs.first().map_or(1, |&v| graph.meta(v).1.dims().last().copied().unwrap_or(1));

@@ -507,12 +507,16 @@ impl Engine {
         st.waits.entry(stream).or_default().push(leaf);
     }
 
-    /// Runs what a user event depends on and waits until it is reached.
+    /// Runs what a user event depends on and waits until it is reached (on a GPU: until the
+    /// GPU has run everything enqueued so far, the event's work among it).
     pub(crate) fn complete(&self, id: NodeId) -> Result<()> {
         loop {
             let st = self.state();
             match &st.graph.node(id).value {
-                Some(Value::Done) => return Ok(()),
+                Some(Value::Done) => {
+                    drop(st);
+                    return self.backend.synchronize().map_err(|e| self.device_error(e));
+                }
                 Some(Value::InFlight(t)) => {
                     let t = t.clone();
                     drop(st);

@@ -281,6 +281,8 @@ impl Backend for CpuDevice {
     fn download(&self, buffer: &Buffer) -> Result<Vec<u8>, DeviceError> {
         match buffer {
             Buffer::Cpu(b) => Ok(b.read()),
+            #[allow(unreachable_patterns)]
+            other => Err(DeviceError::Internal(format!("the CPU cannot download another device's buffer ({other:?})"))),
         }
     }
 
@@ -318,7 +320,7 @@ mod tests {
     fn poisoned_buffers_are_filled_with_0xff_when_freed() {
         let dev = CpuDevice::new();
         for poison in [true, false] {
-            let Buffer::Cpu(buf) = dev.upload(&[1u8, 2, 3, 4], poison).unwrap();
+            let Buffer::Cpu(buf) = dev.upload(&[1u8, 2, 3, 4], poison).unwrap() else { unreachable!("a CPU buffer") };
             let ptr = buf.ptr();
             drop(buf);
             // The pool still owns the memory; nothing else has taken it.

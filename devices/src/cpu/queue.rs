@@ -85,9 +85,13 @@ struct CpuQueue<'f, 'a> {
     flush: &'f CpuFlush<'a>,
 }
 
-fn cpu(buffer: &Buffer) -> &Arc<CpuBuffer> {
+/// The CPU buffer `buffer` is; another device's buffer is an error (kernels and copies read
+/// another device's memory only through a transfer's copy step, [`Buffer::read_into`]).
+fn cpu(buffer: &Buffer) -> Result<&Arc<CpuBuffer>, DeviceError> {
     match buffer {
-        Buffer::Cpu(b) => b,
+        Buffer::Cpu(b) => Ok(b),
+        #[allow(unreachable_patterns)]
+        other => Err(DeviceError::Internal(format!("a CPU kernel or copy given another device's buffer ({other:?})"))),
     }
 }
 
@@ -95,12 +99,9 @@ impl CpuQueue<'_, '_> {
     /// Runs a kernel (interpreted, compiled, or a matrix product through `gemm`) and logs it.
     fn run(&self, call: &Call<'_>) -> Result<(), DeviceError> {
         let device = self.flush.device;
-        let args: Vec<ArgPtr> = call
-            .args
-            .iter()
-            .zip(&call.kernel.args)
-            .map(|(b, a)| ArgPtr { ptr: cpu(b).ptr(), len: a.len, dtype: a.dtype })
-            .collect();
+        let args: Vec<ArgPtr> = (call.args.iter().zip(&call.kernel.args))
+            .map(|(b, a)| cpu(b).map(|b| ArgPtr { ptr: b.ptr(), len: a.len, dtype: a.dtype }))
+            .collect::<Result<_, _>>()?;
         let timed = tracing::enabled!(target: "braid::kernel", tracing::Level::DEBUG);
         let t0 = timed.then(Instant::now);
         device.run(call.kernel, &args).map_err(|e| DeviceError::Kernel(format!("{}: {e}", call.describe())))?;
@@ -144,7 +145,7 @@ impl Queue for CpuQueue<'_, '_> {
     }
 
     fn copy(&mut self, from: &Buffer, to: &Buffer) -> Result<(), DeviceError> {
-        let dst = cpu(to);
+        let dst = cpu(to)?;
         // SAFETY: the destination is held for the copy and nothing else accesses it now (the
         // validated schedule orders every other access around this step); it holds as many
         // bytes as the source (the walker checks).

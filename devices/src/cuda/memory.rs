@@ -154,3 +154,17 @@ pub unsafe fn fill_device(dst: CUdeviceptr, byte: u8, bytes: usize, stream: CUst
     // SAFETY: the caller's contract.
     unsafe { cu::memset_d8_async(dst, byte, bytes, stream) }.or_device("cuMemsetD8Async")
 }
+
+/// Queues a copy of `bytes` from `src` to `dst` on `stream`, each device memory or pinned host
+/// memory (one address space: the driver finds out which). Offloads, their way back, and the
+/// staged halves of host transfers.
+///
+/// # Safety
+/// As [`copy_host_to_device`], both ranges live and not overlapping.
+pub unsafe fn copy_async(dst: u64, src: u64, bytes: usize, stream: CUstream) -> Result<(), DeviceError> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    // SAFETY: the caller's contract.
+    unsafe { sys::cuMemcpyAsync(dst, src, bytes, stream) }.result().or_device("cuMemcpyAsync")
+}

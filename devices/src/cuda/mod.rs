@@ -12,6 +12,9 @@
 //! - [`launch`]: a compiled [`Kernel`](braid_lowering::Kernel) ([`CudaKernel`]): its printed
 //!   entries launched in order, a matrix product through cuBLAS first ([`blas`], [`matmul`]).
 //! - [`harness`]: upload, run, download of one kernel, for tests.
+//! - [`CudaBackend`] (`device`, with `queue`, `shared` and `lanes`): the device runtime the
+//!   engine runs on: lanes of CUDA streams and what the host knows of their progress, memory
+//!   pools whose freed slices wait for the GPU, and the runtime's flush and queues.
 //!
 //! Rules every file here keeps: nothing panics on a run-time failure (every CUDA error becomes
 //! a [`DeviceError`]); no cudarc call is made before [`available`] said its library is there
@@ -24,18 +27,24 @@
 pub mod blas;
 pub mod compile;
 pub mod context;
+mod device;
 pub mod disk_cache;
 pub mod harness;
+mod lanes;
 pub mod launch;
 pub mod matmul;
 pub mod memory;
 pub mod nvrtc;
+mod queue;
+mod shared;
 
 pub use blas::{BLAS_WORKSPACE_BYTES, Blas};
 pub use compile::{CompileStats, Compiler};
 pub use context::{Event, Gpu, Stream, available, device_count};
+pub use device::{CUDA_TARGET, CudaBackend, KernelSpan};
 pub use harness::{Harness, run_compiled_on_gpu, run_kernel_on_gpu, run_kernel_on_gpu_with};
 pub use launch::{CudaKernel, LaunchOptions};
+pub use shared::CudaBuffer;
 
 use crate::DeviceError;
 use cudarc::driver::DriverError;

@@ -54,6 +54,12 @@ pub trait Backend: Send + Sync {
     fn upload(&self, bytes: &[u8], poison: bool) -> Result<Buffer, DeviceError>;
     /// Copies a buffer's bytes to the host, once the work that writes it is done.
     fn download(&self, buffer: &Buffer) -> Result<Vec<u8>, DeviceError>;
+    /// Blocks until the work enqueued on the device so far is done, and reports a failure
+    /// that happened meanwhile (`Device::sync`, `Event::synchronize`). A backend whose flushes
+    /// do their work before they return (the CPU) has nothing to wait for.
+    fn synchronize(&self) -> Result<(), DeviceError> {
+        Ok(())
+    }
     /// Device memory: bytes in live buffers, the peak since the last reset, bytes reserved.
     fn memory(&self) -> MemoryStats;
     fn reset_peak(&self);

@@ -34,9 +34,11 @@ fn check_operand(op: &MatmulOperand, rows: usize, cols: usize, dtype: DType, par
 /// are an arithmetic progression, else a table printed into `out` as `table`.
 fn batch_offset(out: &mut String, op: &MatmulOperand, table: &str) -> String {
     let o = &op.batch_offsets;
-    let step = if o.len() > 1 { o[1] as i128 - o[0] as i128 } else { 0 };
-    if o.iter().enumerate().all(|(b, &x)| x as i128 == o[0] as i128 + b as i128 * step) {
-        return format!("({}LL + b * {step}LL)", o[0]);
+    // No batch at all: never evaluated.
+    let first = o.first().map_or(0, |&x| x as i128);
+    let step = if o.len() > 1 { o[1] as i128 - first } else { 0 };
+    if o.iter().enumerate().all(|(b, &x)| x as i128 == first + b as i128 * step) {
+        return format!("({first}LL + b * {step}LL)");
     }
     let list: Vec<String> = o.iter().map(|x| format!("{x}LL")).collect();
     let _ = writeln!(out, "__device__ const long long {table}[{}] = {{{}}};", o.len(), list.join(", "));

@@ -326,3 +326,68 @@ fn rejects_what_the_cpu_rejects() {
     let sum = |b: &mut ExprBuilder, x| b.reduce(ReduceOp::Sum, x);
     assert!(print(&k(&sum, DType::F32, 4, 1), "k").unwrap_err().contains("only run in row kernels"));
 }
+
+/// Every index variable `dK` an entry reads is declared in it (NVRTC rejects the source
+/// otherwise, even where the code never runs).
+fn declared_before_use(source: &str) {
+    for entry in source.split("__global__").skip(1) {
+        let mut at = 0;
+        while let Some(i) = entry[at..].find('d') {
+            let start = at + i;
+            at = start + 1;
+            let before = entry[..start].chars().next_back().unwrap_or(' ');
+            let digits: String = entry[start + 1..].chars().take_while(char::is_ascii_digit).collect();
+            let after = entry[start + 1 + digits.len()..].chars().next().unwrap_or(' ');
+            if digits.is_empty() || before.is_ascii_alphanumeric() || before == '_' || after.is_ascii_alphanumeric() {
+                continue;
+            }
+            let decl = format!("const long long d{digits} =");
+            assert!(entry.contains(&decl), "d{digits} is used but not declared in:\n{entry}");
+        }
+    }
+}
+
+#[test]
+fn kernels_over_empty_dimensions_declare_every_index_they_name() {
+    // A sum along dim 1 of [0, 4] (no rows) and of [2, 0] (empty rows), and a map over [3, 0].
+    for (dims, axis) in [([0usize, 4], 1usize), ([2, 0], 1), ([2, 0], 0), ([0, 4], 0)] {
+        let n = dims[0] * dims[1];
+        let out_dims = if axis == 1 { [dims[0], 1] } else { [1, dims[1]] };
+        let mut b = ExprBuilder::new();
+        let x = b.load(0, DType::U8);
+        let s = b.reduce(ReduceOp::Sum, x);
+        let strides: [isize; 2] = if axis == 1 { [1, 0] } else { [0, 1] };
+        let stores = vec![store(1, DType::U8, view(&dims, &strides, 0), s)];
+        let loads = vec![load(0, DType::U8, view(&dims, &[dims[1] as isize, 1], 0))];
+        let r = RowKernel { dims: dims.as_slice().into(), axis: Some(axis), loads, expr: b.finish(), stores };
+        let a = args(&[(DType::U8, n), (DType::U8, out_dims[0] * out_dims[1])]);
+        let p = print(&Kernel { args: a, inputs: 1, body: Body::Rows(r) }, "empty").unwrap();
+        declared_before_use(&p.source);
+    }
+    let mut b = ExprBuilder::new();
+    let x = b.load(0, DType::F32);
+    let y = b.neg(x);
+    let loads = vec![load(0, DType::F32, view(&[3, 0], &[1, 3], 0))];
+    let stores = vec![store(1, DType::F32, contiguous(&[3, 0]), y)];
+    let p = print(&map(&[(DType::F32, 0), (DType::F32, 0)], 1, &[3, 0], loads, b, stores), "empty").unwrap();
+    declared_before_use(&p.source);
+}
+
+#[test]
+fn an_integer_product_without_batches_prints() {
+    let operand = |arg| MatmulOperand { arg, rs: 1, cs: 1, batch_offsets: vec![] };
+    let m = MatmulKernel {
+        dtype: DType::I32,
+        m: 2,
+        n: 2,
+        k: 2,
+        lhs: operand(0),
+        rhs: operand(1),
+        product: 2,
+        epilogue: None,
+    };
+    let k =
+        Kernel { args: args(&[(DType::I32, 0), (DType::I32, 0), (DType::I32, 0)]), inputs: 2, body: Body::Matmul(m) };
+    let p = print(&k, "empty").unwrap();
+    declared_before_use(&p.source);
+}

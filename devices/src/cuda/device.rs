@@ -1,0 +1,273 @@
+//! The CUDA device runtime: [`CudaBackend`] implements the runtime's [`Backend`] for one GPU,
+//! driven [`Driver::Interleaved`]: one host thread issues every stream's steps onto CUDA
+//! streams (`super::queue`), and the GPU runs them behind it.
+//!
+//! What a device has: the GPU's primary context and one [`Compiler`] per GPU for the process
+//! (shared by every device on that GPU, so a kernel compiles once per process and, through
+//! the disk cache, once per machine); its memory and lanes (`super::shared`,
+//! `super::lanes`); an issue lock, so that two threads flushing the same device take turns
+//! (each flush also waits, on the GPU, for everything enqueued before it, because a schedule
+//! orders only its own steps); the kernels it has prepared, by the identity of the engine's
+//! interned kernels.
+//!
+//! Host transfers outside flushes go on the transfer lane through pinned staging: an upload
+//! returns at once (flushes and reads wait for it on the GPU), a download waits for everything
+//! enqueued before it (the value's writer among it) and is the one place the host blocks.
+//!
+//! Must never: plan, fuse or reorder anything; use the legacy default stream; panic on a
+//! run-time failure (every CUDA error is an `Err`, and the device stays usable).
+
+use super::compile::{CompileStats, Compiler};
+use super::context::{Event, Gpu};
+use super::lanes::{TRANSFER, lock};
+use super::launch::CudaKernel;
+use super::queue::CudaFlush;
+use super::shared::{Mem, Shared};
+use crate::runtime::{Backend, Driver, Flush};
+use crate::{Buffer, DeviceError, MemoryStats};
+use braid_graph::{CostModel, DTypes, MemoryKind, Target};
+use braid_lowering::Kernel;
+use braid_scheduler::Schedule;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// What an H100 (SXM, 80 GB HBM3) is like, for fusion, scheduling and offload placement.
+///
+/// The speeds are measured on the project's GPU machine, not datasheet figures: device memory
+/// 2.85 TB/s (a device-to-device copy in PyTorch 2.11, read and write bytes counted) and f32
+/// matrix products (no TF32) 51 TFLOP/s (both `../shared/gpu/README.md`); offload copies from
+/// and to pinned host memory 53 GB/s both ways (256 MiB copies timed by CUDA events, printed by
+/// the `cuda_device` test: PCIe 5.0 x16); and a floor of a few microseconds that every kernel
+/// takes (launch and scheduling; the same test prints what a training step's small kernels
+/// take), without which a copy would seem never hidden by small kernels. Buffers are slices of
+/// the pool's chunks at its 64-byte alignment.
+pub const CUDA_TARGET: Target = Target {
+    name: "cuda",
+    max_kernel_inputs: 16,
+    max_row_reductions: 4,
+    cost: CostModel {
+        copy_bytes_per_sec: 50e9,
+        kernel_bytes_per_sec: 2.8e12,
+        flops_per_sec: 50e12,
+        kernel_overhead_secs: 3e-6,
+        allocation_granularity: crate::runtime::pool::ALIGN as u64,
+    },
+    work_granularity: 256,
+    memory: MemoryKind::Device,
+    copy_stream: true,
+    dtypes: DTypes::ALL,
+};
+
+/// Most kernels prepared per device before the table starts over (compiled modules stay with
+/// the compiler).
+const MAX_PREPARED: usize = 4096;
+
+/// One kernel's run on the GPU, from CUDA event timestamps (see [`CudaBackend::set_timeline`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelSpan {
+    pub label: String,
+    /// The braid stream it ran on.
+    pub stream: u32,
+    /// Microseconds from the start of the earliest span taken.
+    pub start_us: f64,
+    pub end_us: f64,
+}
+
+/// Timing events around kernels, when asked for.
+#[derive(Default)]
+pub(crate) struct Timeline {
+    pub(crate) on: AtomicBool,
+    pub(crate) spans: Mutex<Vec<(String, u32, Event, Event)>>,
+}
+
+/// The runtime of one CUDA GPU (see the module docs).
+pub struct CudaBackend {
+    name: String,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) compiler: Arc<Compiler>,
+    /// Held by a flush from `begin` to its end.
+    pub(crate) issue: Mutex<()>,
+    prepared: Mutex<Prepared>,
+    pub(crate) launched: AtomicU64,
+    pub(crate) timeline: Timeline,
+}
+
+/// Kernels ready to launch, by the address of the engine's interned kernel (held, so the
+/// address is not reused while it is a key).
+type Prepared = HashMap<usize, (Arc<Kernel>, Arc<CudaKernel>)>;
+
+/// A GPU opened by this process, with its compiler.
+type Opened = (usize, Arc<Gpu>, Arc<Compiler>);
+
+/// GPU `ordinal` and its compiler, opened once per process.
+fn open_gpu(ordinal: usize) -> Result<(Arc<Gpu>, Arc<Compiler>), DeviceError> {
+    static OPEN: Mutex<Vec<Opened>> = Mutex::new(Vec::new());
+    let mut open = lock(&OPEN);
+    if let Some((_, gpu, compiler)) = open.iter().find(|(o, _, _)| *o == ordinal) {
+        return Ok((gpu.clone(), compiler.clone()));
+    }
+    let gpu = Gpu::open(ordinal)?;
+    let compiler = Arc::new(Compiler::new(&gpu)?);
+    open.push((ordinal, gpu.clone(), compiler.clone()));
+    Ok((gpu, compiler))
+}
+
+impl CudaBackend {
+    /// A new device on GPU `ordinal`: `Err(Unavailable)` naming what is missing when the CUDA
+    /// libraries or the GPU are not there. f32 products use TF32 when `BRAID_TF32=1`.
+    pub fn open(ordinal: usize) -> Result<CudaBackend, DeviceError> {
+        let (gpu, compiler) = open_gpu(ordinal)?;
+        let tf32 = std::env::var("BRAID_TF32").is_ok_and(|v| v.trim() == "1");
+        let shared = Shared::new(&gpu, tf32)?;
+        Ok(CudaBackend {
+            name: format!("cuda:{ordinal}"),
+            shared,
+            compiler,
+            issue: Mutex::new(()),
+            prepared: Mutex::new(HashMap::new()),
+            launched: AtomicU64::new(0),
+            timeline: Timeline::default(),
+        })
+    }
+
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.shared.gpu
+    }
+
+    /// What the GPU's compiler did (compiled, cache hits, rejected disk entries) in this
+    /// process, over every device on the GPU.
+    pub fn compile_stats(&self) -> CompileStats {
+        self.compiler.stats()
+    }
+
+    /// Pinned host memory (offloaded values, staging).
+    pub fn pinned_memory(&self) -> MemoryStats {
+        self.shared.pinned_stats()
+    }
+
+    /// Records CUDA timing events around every kernel from now on (`true`), or stops.
+    pub fn set_timeline(&self, on: bool) {
+        self.timeline.on.store(on, Ordering::SeqCst);
+    }
+
+    /// The kernels run since the timeline was turned on or last taken, with their times on
+    /// the GPU; waits for the GPU first.
+    pub fn take_timeline(&self) -> Result<Vec<KernelSpan>, DeviceError> {
+        let spans = std::mem::take(&mut *lock(&self.timeline.spans));
+        self.shared.gpu.synchronize()?;
+        let Some((_, _, base, _)) = spans.first() else { return Ok(Vec::new()) };
+        let mut out = Vec::with_capacity(spans.len());
+        for (label, stream, start, end) in &spans {
+            let at = |e: &Event| e.elapsed_ms_since(base).map(|ms| f64::from(ms) * 1e3);
+            out.push(KernelSpan { label: label.clone(), stream: *stream, start_us: at(start)?, end_us: at(end)? });
+        }
+        let t0 = out.iter().map(|s| s.start_us).fold(f64::INFINITY, f64::min);
+        for s in &mut out {
+            s.start_us -= t0;
+            s.end_us -= t0;
+        }
+        Ok(out)
+    }
+
+    /// `kernel` ready to launch: prepared once per interned kernel (the compiler caches by
+    /// structure and source behind this).
+    pub(crate) fn prepared(&self, kernel: &Arc<Kernel>) -> Result<Arc<CudaKernel>, DeviceError> {
+        let key = Arc::as_ptr(kernel) as usize;
+        if let Some((_, k)) = lock(&self.prepared).get(&key) {
+            return Ok(k.clone());
+        }
+        let compiled = self.compiler.kernel(kernel)?;
+        let mut prepared = lock(&self.prepared);
+        if prepared.len() >= MAX_PREPARED {
+            prepared.clear();
+        }
+        // The table holds the kernel, so its address is not reused while the key is there.
+        prepared.insert(key, (kernel.clone(), compiled.clone()));
+        Ok(compiled)
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn target(&self) -> &Target {
+        &CUDA_TARGET
+    }
+
+    fn driver(&self) -> Driver {
+        Driver::Interleaved
+    }
+
+    fn begin<'a>(&'a self, schedule: &'a Schedule, poison: bool) -> Result<Box<dyn Flush + 'a>, DeviceError> {
+        Ok(Box::new(CudaFlush::begin(self, schedule, poison)?))
+    }
+
+    fn upload(&self, bytes: &[u8], poison: bool) -> Result<Buffer, DeviceError> {
+        let shared = &self.shared;
+        shared.gpu.bind()?;
+        let buffer = shared.buffer(Some(TRANSFER), bytes.len(), Mem::Device, false, poison)?;
+        shared.write(TRANSFER, buffer.addr(), bytes.len(), |dst| {
+            dst.copy_from_slice(bytes);
+            Ok(())
+        })?;
+        // A marker after the copy: flushes and reads wait for it, and the staging memory
+        // returns once it is reached.
+        let marker = shared.events.get()?;
+        shared.state().lanes.record(TRANSFER, marker)?;
+        Ok(Buffer::Cuda(Arc::new(buffer)))
+    }
+
+    fn download(&self, buffer: &Buffer) -> Result<Vec<u8>, DeviceError> {
+        match buffer {
+            Buffer::Cuda(b) if Arc::ptr_eq(b.shared(), &self.shared) => {
+                let mut bytes = vec![0u8; b.bytes()];
+                b.read_into(&mut bytes)?;
+                Ok(bytes)
+            }
+            other => Err(DeviceError::Internal(format!(
+                "{} cannot download a buffer of another device ({other:?})",
+                self.name
+            ))),
+        }
+    }
+
+    fn synchronize(&self) -> Result<(), DeviceError> {
+        self.shared.synchronize()
+    }
+
+    fn memory(&self) -> MemoryStats {
+        let (in_use, peak, reserved) = self.shared.stats();
+        MemoryStats { in_use, peak, reserved }
+    }
+
+    fn reset_peak(&self) {
+        self.shared.reset_peak()
+    }
+
+    fn kernels_launched(&self) -> u64 {
+        self.launched.load(Ordering::Relaxed)
+    }
+
+    fn trim(&self) {
+        // No flush may run meanwhile: the cuBLAS workspaces go back too.
+        let _issue = lock(&self.issue);
+        let trimmed = self.shared.quiesce().map(|()| {
+            self.shared.drop_blas();
+            self.shared.quiesce()
+        });
+        if let Err(e) | Ok(Err(e)) = trimmed {
+            tracing::warn!(target: super::TRACE_TARGET, "trimming {}: {e}", self.name);
+        }
+    }
+
+    fn persistent_memory(&self) -> u64 {
+        self.shared.persistent()
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}

@@ -1,0 +1,312 @@
+//! One flush on a CUDA device: the runtime's [`Flush`] and [`Queue`] over lanes
+//! (`super::lanes`). Every call only enqueues: a kernel launch (printed entries through
+//! [`CudaKernel::launch`], float products through the lane's cuBLAS handle), a copy, an event
+//! record or wait; the walker issues them all from one thread, each record before its waits.
+//!
+//! A flush holds the device's issue lock from `begin` to its end. At `begin`, each stream of
+//! the flush waits (on the GPU) for markers at the end of every other lane, so the flush comes
+//! after everything enqueued before it (earlier flushes, uploads): the schedule orders only
+//! its own steps. At `finish`, a marker at the end of each of its lanes lets the host learn
+//! when its work is done (for memory reuse); after a failure, the host waits for the GPU
+//! before the walker drops the flush's buffers.
+//!
+//! Frees: a free step gives the buffer back at its lane's current point (reused at once by
+//! that lane, by others once the point is reached); a gated free also waits for the points
+//! where its events were recorded (see `super::shared`). A buffer someone else still holds is
+//! only let go of; its last holder's drop frees it.
+//!
+//! With `RUST_LOG=braid=debug`, each kernel logs one line (target `braid::kernel`) when it is
+//! issued: its label, stream, elements and the time the host took to issue it (the GPU runs it
+//! later; [`super::CudaBackend::set_timeline`] measures GPU time).
+//!
+//! Must never: run anything the schedule does not say, in another order on a stream, or
+//! block the host (but after a failure, or when out of memory).
+
+use super::context::{Event, Stream};
+use super::device::CudaBackend;
+use super::lanes::{LaneId, Marker, Point, lock};
+use super::launch::LaunchOptions;
+use super::memory::copy_async;
+use super::shared::{CudaBuffer, Mem};
+use crate::runtime::{Backend as _, Call, Flush, Queue};
+use crate::{Buffer, DeviceError};
+use braid_scheduler::{BufferPlan, EventId, Schedule, Space};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+/// One flush: its lanes (by schedule stream), its events, and what went wrong.
+pub(crate) struct CudaFlush<'a> {
+    backend: &'a CudaBackend,
+    _issue: MutexGuard<'a, ()>,
+    lanes: Vec<LaneId>,
+    events: Vec<Arc<Marker>>,
+    /// Where each event was recorded.
+    recorded: Mutex<Vec<Option<Point>>>,
+    poison: bool,
+    failed: AtomicBool,
+    error: Mutex<Option<DeviceError>>,
+}
+
+impl<'a> CudaFlush<'a> {
+    pub(crate) fn begin(
+        backend: &'a CudaBackend,
+        schedule: &Schedule,
+        poison: bool,
+    ) -> Result<CudaFlush<'a>, DeviceError> {
+        let issue = lock(&backend.issue);
+        let shared = &backend.shared;
+        shared.gpu.bind()?;
+        let lanes = {
+            let mut st = shared.state();
+            let lanes = schedule.streams.iter().map(|s| st.lanes.of_stream(&shared.gpu, s.stream.0));
+            lanes.collect::<Result<Vec<LaneId>, DeviceError>>()?
+        };
+        let events = (0..schedule.events.len()).map(|_| shared.events.get()).collect::<Result<Vec<_>, _>>()?;
+        let fence = shared.state().lanes.fence(&shared.events)?;
+        for &l in &lanes {
+            let stream = shared.stream(l);
+            for (other, marker) in &fence {
+                if *other != l {
+                    stream.wait(marker.event())?;
+                }
+            }
+        }
+        Ok(CudaFlush {
+            backend,
+            _issue: issue,
+            lanes,
+            recorded: Mutex::new(vec![None; events.len()]),
+            events,
+            poison,
+            failed: AtomicBool::new(false),
+            error: Mutex::new(None),
+        })
+    }
+
+    /// Keeps the first error for `finish` and fails the flush.
+    fn note(&self, e: DeviceError) {
+        lock(&self.error).get_or_insert(e);
+        self.failed.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Flush for CudaFlush<'_> {
+    fn queue(&self, stream: usize) -> Box<dyn Queue + '_> {
+        let lane = self.lanes[stream];
+        let braid = self.backend.shared.state().lanes.lanes[lane].braid.unwrap_or(u32::MAX);
+        Box::new(CudaQueue { flush: self, lane, braid, stream: self.backend.shared.stream(lane) })
+    }
+
+    fn free_after(&self, buffer: Buffer, stream: usize, after: &[EventId]) {
+        let Buffer::Cuda(b) = buffer else { return };
+        // Another holder frees it when it lets go (gated on everything enqueued by then).
+        let Ok(b) = Arc::try_unwrap(b) else { return };
+        let recorded = lock(&self.recorded);
+        let gate: Option<Vec<(Point, &Marker)>> =
+            after.iter().map(|e| recorded[e.index()].map(|p| (p, &*self.events[e.index()]))).collect();
+        drop(recorded);
+        match gate {
+            Some(gate) => {
+                if let Err(e) = self.backend.shared.free_on(self.lanes[stream], b, &gate) {
+                    self.note(e);
+                }
+            }
+            // The walker hands gated frees over after their records; were one missing, the
+            // drop gates the memory on everything enqueued so far instead.
+            None => drop(b),
+        }
+    }
+
+    fn fail(&self) {
+        self.failed.store(true, Ordering::SeqCst);
+    }
+
+    fn finish(&self, failed: bool) -> Result<(), DeviceError> {
+        let shared = &self.backend.shared;
+        let mut ended = Ok(());
+        for &l in &self.lanes {
+            let marker = shared.events.get().and_then(|m| shared.state().lanes.record(l, m));
+            if let Err(e) = marker {
+                ended = Err(e);
+            }
+        }
+        if failed || self.failed.load(Ordering::SeqCst) || ended.is_err() {
+            // The walker drops the flush's buffers next: nothing queued may still use them.
+            let waited = shared.quiesce();
+            if let Some(e) = lock(&self.error).take() {
+                return Err(e);
+            }
+            ended?;
+            return waited;
+        }
+        Ok(())
+    }
+}
+
+/// One stream of a flush: its lane.
+struct CudaQueue<'f, 'a> {
+    flush: &'f CudaFlush<'a>,
+    lane: LaneId,
+    braid: u32,
+    stream: Arc<Stream>,
+}
+
+/// The CUDA buffer of this device that `buffer` is.
+fn ours<'b>(flush: &CudaFlush<'_>, buffer: &'b Buffer) -> Result<&'b Arc<CudaBuffer>, DeviceError> {
+    match buffer {
+        Buffer::Cuda(b) if Arc::ptr_eq(b.shared(), &flush.backend.shared) => Ok(b),
+        other => Err(DeviceError::Internal(format!("a kernel or copy of {} given {other:?}", flush.backend.name()))),
+    }
+}
+
+impl CudaQueue<'_, '_> {
+    /// Launches a kernel (printed entries, a cuBLAS product first for a float product) and
+    /// logs it.
+    fn run(&mut self, call: &Call<'_>) -> Result<(), DeviceError> {
+        let backend = self.flush.backend;
+        let shared = &backend.shared;
+        let label = || call.describe();
+        let compiled = backend.prepared(call.kernel).map_err(|e| with_label(e, &label()))?;
+        let args = call.args.iter().map(|b| ours(self.flush, b).map(|b| b.addr())).collect::<Result<Vec<u64>, _>>()?;
+        let blas = if compiled.needs_blas() { Some(shared.blas(self.lane)?) } else { None };
+        shared.gpu.bind()?;
+        let timed = tracing::enabled!(target: "braid::kernel", tracing::Level::DEBUG);
+        let t0 = timed.then(Instant::now);
+        let span = if backend.timeline.on.load(Ordering::Relaxed) {
+            let (start, end) = (Event::timing(&shared.gpu)?, Event::timing(&shared.gpu)?);
+            start.record(&self.stream)?;
+            Some((start, end))
+        } else {
+            None
+        };
+        // Taken last, so that no error leaves it unreturned.
+        let scratch = match compiled.scratch_bytes() {
+            0 => None,
+            n => Some(shared.slice(Some(self.lane), n, Mem::Device, false)?),
+        };
+        let addr = scratch.as_ref().map_or(0, |s| s.addr);
+        // SAFETY: every argument is a live buffer of this device holding the kernel's length
+        // (the walker checked the sizes and holds them for the call); the schedule's events
+        // order every other access to them around this point of the stream; the scratch slice
+        // is ours until the stream passes the launch.
+        let launched =
+            unsafe { compiled.launch(self.stream.raw(), blas.as_deref(), &args, addr, LaunchOptions::default()) };
+        shared.bump(self.lane);
+        if let Some(s) = scratch {
+            let gate = vec![shared.state().lanes.point(self.lane)];
+            shared.give(s, Mem::Device, false, gate, false);
+        }
+        launched.map_err(|e| with_label(e, &label()))?;
+        if let Some((start, end)) = span {
+            end.record(&self.stream)?;
+            lock(&backend.timeline.spans).push((label(), self.braid, start, end));
+        }
+        backend.launched.fetch_add(1, Ordering::Relaxed);
+        if let Some(t0) = t0 {
+            tracing::debug!(
+                target: "braid::kernel",
+                "{} s{} {} elems issued in {:.1} us (cuda: host issue time; the GPU runs it later)",
+                label(),
+                call.stream,
+                call.kernel.output_elements(),
+                t0.elapsed().as_secs_f64() * 1e6,
+            );
+        }
+        Ok(())
+    }
+}
+
+/// A kernel's failure, naming the kernel.
+fn with_label(e: DeviceError, label: &str) -> DeviceError {
+    match e {
+        DeviceError::Kernel(m) => DeviceError::Kernel(format!("{label}: {m}")),
+        DeviceError::Internal(m) => DeviceError::Internal(format!("{label}: {m}")),
+        e => e,
+    }
+}
+
+impl Queue for CudaQueue<'_, '_> {
+    fn alloc(&mut self, plan: &BufferPlan) -> Result<Buffer, DeviceError> {
+        let mem = match plan.space {
+            Space::Device => Mem::Device,
+            Space::Host => Mem::Pinned,
+            Space::Remote => {
+                return Err(DeviceError::Internal("another device's buffer is never allocated here".into()));
+            }
+        };
+        let exact = plan.persistent && mem == Mem::Device;
+        let b = self.flush.backend.shared.buffer(Some(self.lane), plan.bytes, mem, exact, self.flush.poison)?;
+        Ok(Buffer::Cuda(Arc::new(b)))
+    }
+
+    fn upload(&mut self, bytes: &[u8]) -> Result<Buffer, DeviceError> {
+        let shared = &self.flush.backend.shared;
+        let b = shared.buffer(Some(self.lane), bytes.len(), Mem::Device, false, self.flush.poison)?;
+        shared.write(self.lane, b.addr(), bytes.len(), |dst| {
+            dst.copy_from_slice(bytes);
+            Ok(())
+        })?;
+        Ok(Buffer::Cuda(Arc::new(b)))
+    }
+
+    fn free(&mut self, buffer: Buffer) {
+        let Buffer::Cuda(b) = buffer else { return };
+        let Ok(b) = Arc::try_unwrap(b) else { return };
+        if let Err(e) = self.flush.backend.shared.free_on(self.lane, b, &[]) {
+            self.flush.note(e);
+        }
+    }
+
+    fn record(&mut self, event: EventId) {
+        let marker = self.flush.events[event.index()].clone();
+        let mut st = self.flush.backend.shared.state();
+        let point = st.lanes.point(self.lane);
+        let recorded = st.lanes.record(self.lane, marker);
+        drop(st);
+        match recorded {
+            Ok(()) => lock(&self.flush.recorded)[event.index()] = Some(point),
+            Err(e) => self.flush.note(e),
+        }
+    }
+
+    fn wait(&mut self, event: EventId) -> bool {
+        if self.flush.failed.load(Ordering::SeqCst) {
+            return false;
+        }
+        match self.stream.wait(self.flush.events[event.index()].event()) {
+            Ok(()) => true,
+            Err(e) => {
+                self.flush.note(e);
+                false
+            }
+        }
+    }
+
+    fn copy(&mut self, from: &Buffer, to: &Buffer) -> Result<(), DeviceError> {
+        let shared = &self.flush.backend.shared;
+        let dst = ours(self.flush, to)?;
+        match from {
+            Buffer::Cuda(src) if Arc::ptr_eq(src.shared(), shared) => {
+                shared.gpu.bind()?;
+                // SAFETY: both buffers are live (held by the walker for the step), of equal
+                // size (checked by the walker), and the schedule orders their other accesses
+                // around this point of the stream.
+                let r = unsafe { copy_async(dst.addr(), src.addr(), dst.bytes(), self.stream.raw()) };
+                shared.bump(self.lane);
+                r
+            }
+            // Another device's buffer: read (once its writer is done) into pinned staging,
+            // then copied up on this stream.
+            other => shared.write(self.lane, dst.addr(), dst.bytes(), |staging| other.read_into(staging)),
+        }
+    }
+
+    fn launch(&mut self, call: &Call<'_>) -> Result<(), DeviceError> {
+        self.run(call)
+    }
+
+    fn library(&mut self, call: &Call<'_>) -> Result<(), DeviceError> {
+        self.run(call)
+    }
+}
