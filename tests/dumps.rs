@@ -20,8 +20,20 @@ fn tmp_dir(name: &str) -> PathBuf {
     d
 }
 
+/// The `braid` binary: where cargo built it, or, where the tests were copied to another machine
+/// (the GPU machine's staged binaries), beside this test binary (`bin-braid` or `braid`).
+fn braid_binary() -> PathBuf {
+    let built = PathBuf::from(env!("CARGO_BIN_EXE_braid"));
+    if built.exists() {
+        return built;
+    }
+    let here = std::env::current_exe().expect("the test binary's path");
+    let beside = ["bin-braid", "braid"].iter().map(|name| here.with_file_name(name)).find(|p| p.exists());
+    beside.unwrap_or(built)
+}
+
 fn inspect(file: &Path) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_braid")).arg("inspect").arg(file).output().expect("run braid");
+    let out = Command::new(braid_binary()).arg("inspect").arg(file).output().expect("run braid");
     (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
 }
 

@@ -12,8 +12,12 @@ fn a_trace_of_two_streams_shows_them_overlapping() {
     let dev = braid::testing::test_device();
     dev.set_fusion(true);
     let (s1, s2) = (dev.new_stream(), dev.new_stream());
-    let a = Tensor::randn([256, 256], DType::F32, &dev) * 0.06;
-    let x = Tensor::randn([256, 256], DType::F32, &dev);
+    // Products of about 0.2 ms on the device (n = 256 on the CPU, 2048 on an H100), so that
+    // each outlasts the time the host takes to issue the next one on the other stream.
+    let flops = dev.target().cost.flops_per_sec;
+    let n = ((flops * 2e-4 / 2.0).cbrt() as usize).next_power_of_two().clamp(256, 4096);
+    let a = Tensor::randn([n, n], DType::F32, &dev) * (1.0 / (n as f64).sqrt());
+    let x = Tensor::randn([n, n], DType::F32, &dev);
     dev.sync().unwrap();
     let chain = |s: &Stream| {
         s.scope(|| {

@@ -22,7 +22,10 @@
 //! DAGs never feed such values to comparisons, casts to integers or halves, additions or
 //! divisions, and `sin`/`cos` read arguments clamped to [-8, 8]. A matrix product element may
 //! differ by `k * 2^-23 * sum |a b|` (two summation orders of `k` products) plus 2 ulps of its
-//! storage type; integer products exactly.
+//! storage type; integer products exactly. On a hardware adapter (not lavapipe), every float
+//! result is judged like an approximate one: its driver may divide in 2.5 ulps and fuse
+//! multiplies with adds, as WGSL's accuracy rules allow (on the H100, 2 of 193 kernels
+//! differed from the CPU by 1 ulp for that reason, and lavapipe matches the CPU bit for bit).
 
 #[path = "cuda_printer/cases.rs"]
 #[allow(dead_code)] // the CUDA-only generators
@@ -73,7 +76,9 @@ fn close(want: f64, got: f64, storage: DType, approx: bool, extra: f64) -> bool 
 }
 
 /// The first element where the wgpu results differ from the CPU's, if any.
-fn compare(case: &Case, cpu: &[Vec<u8>], got: &[Vec<u8>], bound: Option<&Bound>) -> Option<String> {
+/// `relaxed`: every float output is judged as approximate (a hardware adapter; see the module
+/// docs).
+fn compare(case: &Case, cpu: &[Vec<u8>], got: &[Vec<u8>], bound: Option<&Bound>, relaxed: bool) -> Option<String> {
     let (loops, rows): (Vec<&MapLoop>, Option<&RowKernel>) = match &case.kernel.body {
         Body::Map(l) => (l.iter().collect(), None),
         Body::Rows(r) => (vec![], Some(r)),
@@ -90,7 +95,7 @@ fn compare(case: &Case, cpu: &[Vec<u8>], got: &[Vec<u8>], bound: Option<&Bound>)
             let (w, g) = (element(d, &cpu[a], e), element(d, &got[a], e));
             let extra = bound.map_or(0.0, |b| b.0.get(e).copied().unwrap_or(0.0));
             let ok = match (w, g) {
-                (Ok(w), Ok(g)) => close(w, g, d, approx[a], extra),
+                (Ok(w), Ok(g)) => close(w, g, d, approx[a] || (relaxed && d.is_float()), extra),
                 (w, g) => w == g,
             };
             if !ok {
@@ -115,7 +120,9 @@ fn check(ctx: &WgpuContext, case: &Case, bound: Option<&Bound>, features: Option
     if let Err(e) = ran {
         return Some(format!("{}: {e}", case.label));
     }
-    let failure = compare(case, &cpu, &got, bound);
+    // (`wgpu::DeviceType::Cpu` by its name: this crate does not depend on wgpu directly.)
+    let relaxed = format!("{:?}", ctx.info.device_type) != "Cpu";
+    let failure = compare(case, &cpu, &got, bound, relaxed);
     if failure.is_some() && std::env::var_os("BRAID_WGSL_TEST_SHOW").is_some() {
         let printed = wgsl::print(&case.kernel, features.unwrap_or(&ctx.features)).map(|p| p.source);
         eprintln!("--- {}\n{:?}\n{}", case.label, case.kernel, printed.unwrap_or_else(|e| e));

@@ -46,6 +46,8 @@ pub(crate) struct CudaFlush<'a> {
     poison: bool,
     failed: AtomicBool,
     error: Mutex<Option<DeviceError>>,
+    /// Timing events around each kernel of a profiled flush: (stream index, step, start, end).
+    times: Mutex<Vec<(usize, usize, Event, Event)>>,
 }
 
 impl<'a> CudaFlush<'a> {
@@ -81,6 +83,7 @@ impl<'a> CudaFlush<'a> {
             poison,
             failed: AtomicBool::new(false),
             error: Mutex::new(None),
+            times: Mutex::new(Vec::new()),
         })
     }
 
@@ -95,7 +98,7 @@ impl Flush for CudaFlush<'_> {
     fn queue(&self, stream: usize) -> Box<dyn Queue + '_> {
         let lane = self.lanes[stream];
         let braid = self.backend.shared.state().lanes.lanes[lane].braid.unwrap_or(u32::MAX);
-        Box::new(CudaQueue { flush: self, lane, braid, stream: self.backend.shared.stream(lane) })
+        Box::new(CudaQueue { flush: self, index: stream, lane, braid, stream: self.backend.shared.stream(lane) })
     }
 
     fn free_after(&self, buffer: Buffer, stream: usize, after: &[EventId]) {
@@ -120,6 +123,21 @@ impl Flush for CudaFlush<'_> {
 
     fn fail(&self) {
         self.failed.store(true, Ordering::SeqCst);
+    }
+
+    /// The GPU times of the kernels of a profiled flush, from their CUDA timing events: waits
+    /// for the last of them (profiling makes the read that flushed wait for the GPU).
+    fn device_times(&self) -> Option<Vec<(usize, usize, std::time::Duration, std::time::Duration)>> {
+        let times = std::mem::take(&mut *lock(&self.times));
+        let (_, _, first, _) = times.first()?;
+        let ms = |e: &Event| e.elapsed_ms_since(first).ok().map(|ms| f64::from(ms.max(0.0)));
+        times.iter().try_for_each(|(_, _, _, end)| end.synchronize()).ok()?;
+        let secs = |ms: f64| std::time::Duration::from_secs_f64(ms / 1e3);
+        let spans = times.iter().filter_map(|(s, at, start, end)| {
+            let (from, to) = (ms(start)?, ms(end)?);
+            Some((*s, *at, secs(from), secs((to - from).max(0.0))))
+        });
+        Some(spans.collect())
     }
 
     fn finish(&self, failed: bool) -> Result<(), DeviceError> {
@@ -147,6 +165,8 @@ impl Flush for CudaFlush<'_> {
 /// One stream of a flush: its lane.
 struct CudaQueue<'f, 'a> {
     flush: &'f CudaFlush<'a>,
+    /// The schedule stream this queue issues.
+    index: usize,
     lane: LaneId,
     braid: u32,
     stream: Arc<Stream>,
@@ -171,9 +191,9 @@ impl CudaQueue<'_, '_> {
         let args = call.args.iter().map(|b| ours(self.flush, b).map(|b| b.addr())).collect::<Result<Vec<u64>, _>>()?;
         let blas = if compiled.needs_blas() { Some(shared.blas(self.lane)?) } else { None };
         shared.gpu.bind()?;
-        let timed = tracing::enabled!(target: "braid::kernel", tracing::Level::DEBUG);
-        let t0 = timed.then(Instant::now);
-        let span = if backend.timeline.on.load(Ordering::Relaxed) {
+        let logged = tracing::enabled!(target: "braid::kernel", tracing::Level::DEBUG);
+        let t0 = logged.then(Instant::now);
+        let span = if call.timed || backend.timeline.on.load(Ordering::Relaxed) {
             let (start, end) = (Event::timing(&shared.gpu)?, Event::timing(&shared.gpu)?);
             start.record(&self.stream)?;
             Some((start, end))
@@ -200,7 +220,11 @@ impl CudaQueue<'_, '_> {
         launched.map_err(|e| with_label(e, &label()))?;
         if let Some((start, end)) = span {
             end.record(&self.stream)?;
-            lock(&backend.timeline.spans).push((label(), self.braid, start, end));
+            if call.timed {
+                lock(&self.flush.times).push((self.index, call.step, start, end));
+            } else {
+                lock(&backend.timeline.spans).push((label(), self.braid, start, end));
+            }
         }
         backend.launched.fetch_add(1, Ordering::Relaxed);
         if let Some(t0) = t0 {

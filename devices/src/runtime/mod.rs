@@ -136,6 +136,11 @@ pub struct Call<'a> {
     pub stream: u32,
     /// The flush's number, for logs (kernel lines from stream threads name their flush).
     pub flush: u64,
+    /// The kernel's position in its stream's steps (what [`Flush::device_times`] names).
+    pub step: usize,
+    /// The flush is profiled: a backend whose queues only enqueue times the kernel on the
+    /// device, for [`Flush::device_times`].
+    pub timed: bool,
 }
 
 impl Call<'_> {

@@ -63,7 +63,7 @@ impl Walker<'_, '_> {
     fn step(&self, stream: &StreamSchedule, s: usize, at: usize, queue: &mut dyn Queue) -> Result<(), ()> {
         let step = &stream.steps[at];
         let t0 = self.job.profile.map(|_| std::time::Instant::now());
-        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_step(s, step, queue)));
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_step(s, at, step, queue)));
         if let (Some(sink), Some(t0)) = (self.job.profile, t0) {
             self.record_span(sink, stream.stream.0, at, step, t0);
         }
@@ -97,7 +97,7 @@ impl Walker<'_, '_> {
 
     /// Runs `step` of stream `s` on its queue; `Ok(false)` when a wait learns that the flush
     /// failed.
-    fn run_step(&self, s: usize, step: &Step, queue: &mut dyn Queue) -> Result<bool, DeviceError> {
+    fn run_step(&self, s: usize, at: usize, step: &Step, queue: &mut dyn Queue) -> Result<bool, DeviceError> {
         let schedule = self.job.schedule;
         match step {
             Step::Alloc(b) => {
@@ -127,7 +127,7 @@ impl Walker<'_, '_> {
                 }
                 queue.copy(&src, &dst)?;
             }
-            Step::Kernel(k) => self.kernel(*k, s, queue)?,
+            Step::Kernel(k) => self.kernel(*k, s, at, queue)?,
         }
         Ok(true)
     }
@@ -187,7 +187,13 @@ impl Walker<'_, '_> {
         }
     }
 
-    fn kernel(&self, k: braid_scheduler::KernelId, s: usize, queue: &mut dyn Queue) -> Result<(), DeviceError> {
+    fn kernel(
+        &self,
+        k: braid_scheduler::KernelId,
+        s: usize,
+        at: usize,
+        queue: &mut dyn Queue,
+    ) -> Result<(), DeviceError> {
         let job = self.job;
         if job.fail_at == Some(k) {
             return Err(DeviceError::Kernel(format!("{}: failure injected by a test", (job.label)(k))));
@@ -210,7 +216,8 @@ impl Walker<'_, '_> {
             args.push(buffer);
         }
         let stream = job.schedule.streams[s].stream.0;
-        let call = Call { id: k, kernel, args: &args, label: job.label, stream, flush: job.flush };
+        let timed = job.profile.is_some();
+        let call = Call { id: k, kernel, args: &args, label: job.label, stream, flush: job.flush, step: at, timed };
         match kernel.body {
             braid_lowering::Body::Matmul(_) => queue.library(&call),
             _ => queue.launch(&call),
