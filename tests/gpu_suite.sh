@@ -2,8 +2,17 @@
 # Runs the staged test binaries (../shared/gpu/stage) on the GPU machine, several at a time, in
 # the modes the CUDA issue's acceptance names, and writes one log per mode under $OUT.
 #
-#   bash tests/gpu_suite.sh suites [FILTER]     every test binary with BRAID_DEVICE=cuda, then again
-#                                               with BRAID_POISON=1 (both modes at once)
+#   bash tests/gpu_suite.sh pack                here, after ../shared/gpu/stage: fixes the staged names
+#                                               (bench targets are bench-*, and tests/streams.rs is
+#                                               not replaced by the streams bench) and packs .gpu/bin
+#                                               into .gpupack/bin.tar.xz (about 27 MiB; the staged
+#                                               binaries are about 140 MiB). Send with carry
+#                                               [".gpupack"] and start the command there with
+#                                               `bash tests/gpu_suite.sh unpack && ...`
+#   bash tests/gpu_suite.sh suites [FILTER]     every test binary in each mode of GPU_SUITE_MODES
+#                                               ("cuda cuda-poison" by default; also wgpu,
+#                                               wgpu-poison): BRAID_DEVICE=cuda|wgpu, with
+#                                               BRAID_POISON=1 for -poison; all at once
 #   bash tests/gpu_suite.sh sanitize TOOL BIN [TEST ARGS]   compute-sanitizer --tool TOOL on one binary
 #   bash tests/gpu_suite.sh cache               the disk cache of compiled kernels: one program run
 #                                               three times on a fresh cache (the third after one
@@ -18,6 +27,35 @@
 # a binary cut off by either counts as failed (rc 124).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+case "${1:-}" in
+  pack)
+    set -e
+    cd .gpu/bin
+    for b in card overhead fusion_guard streams gpu_card; do rm -f "test-$b"; done
+    # The stage names every target test-NAME, so the streams bench overwrote tests/streams.rs's
+    # binary; both are rebuilt (no-ops when fresh) to find them by kind.
+    json=$(mktemp)
+    cargo test --release --no-run --test streams --message-format=json >"$json"
+    cargo build --release --bench gpu_card --message-format=json >>"$json"
+    python3 - "$json" <<'PY'
+import json, shutil, sys
+for line in open(sys.argv[1]):
+    try: m = json.loads(line)
+    except ValueError: continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        kind = m["target"]["kind"][0]
+        shutil.copy2(m["executable"], f'{"bench" if kind == "bench" else "test"}-{m["target"]["name"]}')
+PY
+    strip test-streams bench-gpu_card
+    cd ../..
+    mkdir -p .gpupack && cp -r .gpu/debs .gpupack/
+    grep -qx '/.gpupack/' .git/info/exclude 2>/dev/null || echo '/.gpupack/' >>.git/info/exclude
+    tar -C .gpu -cf - bin | xz -T2 -3 >.gpupack/bin.tar.xz
+    du -sh .gpupack; exit 0 ;;
+  unpack)
+    mkdir -p .gpu && cp -r .gpupack/debs .gpu/ && tar -xJf .gpupack/bin.tar.xz -C .gpu && ls .gpu/bin | wc -l
+    exit $? ;;
+esac
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 for f in .gpu/debs/*.deb; do dpkg -x "$f" / 2>/dev/null; done; ldconfig 2>/dev/null
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
@@ -29,8 +67,8 @@ logs=$(mktemp -d)
 # run MODE BIN[:TEST]: one binary (or one test of it) in one mode; its output in
 # $logs/MODE/BIN[:TEST].log, its status in .rc.
 run() {
-  local mode=$1 job=$2 env=(BRAID_DEVICE=cuda) args=()
-  [ "$mode" = poison ] && env+=(BRAID_POISON=1)
+  local mode=$1 job=$2 env=(BRAID_DEVICE=${1%-poison}) args=()
+  [[ $mode == *-poison ]] && env+=(BRAID_POISON=1)
   [[ $job == test-properties:* ]] && env+=(BRAID_PROPTEST_CASES="$GPU_SUITE_CASES")
   [[ $job == *:* ]] && args=(--exact "${job#*:}")
   mkdir -p "$logs/$mode"
@@ -57,12 +95,13 @@ case "${1:-suites}" in
     jobs=$(for b in $bins; do
       [ "$b" = test-properties ] && ".gpu/bin/$b" --list --format terse 2>/dev/null | sed -n "s/^\(.*\): test$/$b:\1/p"
     done; for b in $bins; do [ "$b" = test-properties ] || echo "$b"; done)
-    for j in $jobs; do for mode in cuda poison; do echo "$mode $j"; done; done |
+    modes=${GPU_SUITE_MODES:-cuda cuda-poison}
+    for j in $jobs; do for mode in $modes; do echo "$mode $j"; done; done |
       timeout "${GPU_SUITE_BUDGET:-480}" xargs -P "${GPU_SUITE_JOBS:-6}" -n 2 bash -c 'run "$0" "$1"'
     pkill -f '[.]gpu/bin/test-' 2>/dev/null; sleep 1   # whatever the budget cut off
     [ -z "$filter" ] || [[ cuda_device == *"$filter"* ]] && limit=${GPU_SUITE_DEVICE_LIMIT:-90} run cuda test-cuda_device
     fail=0
-    for mode in cuda poison; do
+    for mode in $modes; do
       for log in "$logs/$mode"/*.log; do
         [ -e "${log%.log}.rc" ] || echo "124 -" >"${log%.log}.rc"   # cut off by the budget
       done
@@ -70,13 +109,14 @@ case "${1:-suites}" in
         bin=$(basename "$rc" .rc); read -r code secs <"$rc" || true
         bin=${bin#test-}
         summary=$(grep -E '^test result:' "${rc%.rc}.log" | tail -n 1 | sed 's/ 0 ignored; 0 measured;//')
-        printf '%-6s %-60s rc=%-3s %4ss %s\n' "$mode" "$bin" "$code" "$secs" "$summary"
+        printf '%-11s %-60s rc=%-3s %4ss %s\n' "$mode" "$bin" "$code" "$secs" "$summary"
         [ "$code" = 0 ] || fail=$((fail + 1))
         { echo "===== $mode $bin rc=$code ${secs}s"; cat "${rc%.rc}.log"; } >>"$OUT/suite-$mode.log"
       done
     done
     grep -h '^skipped' "$logs"/*/*.log | sort | uniq -c | head -n 20
     for p in "${sanitizers[@]}"; do wait "$p" || fail=$((fail + 1)); done
+    tar -C "$OUT" -czf "$OUT/suites.tar.gz" $(cd "$OUT" && ls suite-*.log) && rm -f "$OUT"/suite-*.log
     echo "gpu suites: $fail failed jobs"
     [ "$fail" -eq 0 ] ;;
   sanitize)
@@ -99,5 +139,5 @@ case "${1:-suites}" in
     { counts "first run (empty cache)" /tmp/first.log; counts "second run" /tmp/second.log
       counts "third run ($(basename "$entry") truncated)" /tmp/third.log
       grep -m 2 -E 'not trusted|disk cache hit' /tmp/third.log; } | tee -a "$OUT/cache.log" ;;
-  *) echo "usage: bash tests/gpu_suite.sh suites [FILTER] | sanitize TOOL BIN [ARGS] | cache"; exit 2 ;;
+  *) echo "usage: bash tests/gpu_suite.sh pack | unpack | suites [FILTER] | sanitize TOOL BIN [ARGS] | cache"; exit 2 ;;
 esac
