@@ -160,3 +160,21 @@ fn many_reductions_of_one_input_split_into_several_row_kernels() {
     // At most four reductions share a row kernel.
     assert!(kernels(&dump(&dev)) >= 2, "{}", dev.last_schedule().unwrap().to_text());
 }
+
+#[test]
+fn cross_entropy_and_gather_are_row_kernels() {
+    let dev = braid::testing::test_device();
+    let logits = data(&dev, &[64, 50]);
+    let target = Tensor::from_vec((0..64).map(|i| (i * 7 % 50) as i64).collect::<Vec<_>>(), [64], &dev);
+    logits.cross_entropy(&target).item::<f32>().unwrap();
+    // The class numbers (an arange); then the maximum, the sum of exponentials and the
+    // target's logit in one pass over the logits; then the mean over rows.
+    let text = dev.last_schedule().unwrap().to_text();
+    assert_eq!(kernels(&dump(&dev)), 3, "{text}");
+    assert!(text.contains("eq+max+sub+exp+sum+log+select+sum+sub "), "{text}");
+    // An embedding lookup: the row numbers, then the comparison, the select and the sum in one.
+    let table = data(&dev, &[20, 8]);
+    let ids = Tensor::from_vec((0..12).map(|i| (i * 5 % 20) as i64).collect::<Vec<_>>(), [3, 4], &dev);
+    ids.embedding(&table).to_vec::<f32>().unwrap();
+    assert_eq!(kernels(&dump(&dev)), 2, "{}", dev.last_schedule().unwrap().to_text());
+}
