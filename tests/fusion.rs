@@ -178,3 +178,21 @@ fn cross_entropy_and_gather_are_row_kernels() {
     ids.embedding(&table).to_vec::<f32>().unwrap();
     assert_eq!(kernels(&dump(&dev)), 2, "{}", dev.last_schedule().unwrap().to_text());
 }
+
+#[test]
+fn a_linear_layers_weight_update_is_the_epilogue_of_its_gradient() {
+    use braid::nn::{Linear, Module};
+    use braid::optim::{Optimizer, Sgd};
+    let dev = braid::testing::test_device();
+    dev.seed(1);
+    let layer = Linear::with(16, 8, false, DType::F32, &dev);
+    let x = data(&dev, &[4, 16]);
+    let grads = layer.forward(&x).square().mean().backward().unwrap();
+    Sgd::new(0.1).update(layer.params().iter(), &grads);
+    drop(grads);
+    layer.weight.to_vec::<f32>().unwrap();
+    // `x.matmul(&w.t())` differentiates to `g^T x` in the weight's own layout, so the update
+    // reads the product in its kernel instead of a stored, transposed gradient.
+    let text = dev.last_schedule().unwrap().to_text();
+    assert!(text.contains("matmul+mul+sub "), "{text}");
+}
