@@ -366,35 +366,34 @@ fn mlp_host(x: &[f64], ps: &[Vec<f64>], b: usize, h: usize, lr: f64) -> (f64, Ve
 /// with the gradients kept until after the sync, as PyTorch keeps them until `zero_grad`.
 fn c5(dev: &Device) -> (f64, String) {
     let model = mini_gpt::MiniGpt::new(dev, 5);
-    let mut params = model.parameters();
-    let count: usize = params.iter().map(Tensor::numel).sum();
-    assert_eq!(count, 46_337, "C5 parameter count");
+    let params = model.params();
+    assert_eq!(params.numel(), 46_337, "C5 parameter count");
     let tokens = mini_gpt::tokens();
     let ctx = mini_gpt::CONTEXT;
     let mut opt = braid::optim::Sgd::new(0.1);
     let mut at = 0;
-    let mut step = |params: &mut [Tensor], keep_grads: bool| {
+    let mut step = |params: &braid::nn::Params, keep_grads: bool| {
         at = (at + 7) % (tokens.len() - ctx - 1);
         let loss = model.loss(&tokens[at..at + ctx], &tokens[at + 1..at + ctx + 1]);
         let grads = loss.backward().unwrap();
-        opt.step(params, &grads);
+        braid::optim::Optimizer::update(&mut opt, params, &grads);
         let kept = keep_grads.then_some(grads);
         dev.sync().unwrap();
         drop(kept);
         loss
     };
-    let first: Vec<f32> = (0..40).map(|_| step(&mut params, false).item::<f32>().unwrap()).collect();
+    let first: Vec<f32> = (0..40).map(|_| step(&params, false).item::<f32>().unwrap()).collect();
     let (early, late) = (first[..10].iter().sum::<f32>() / 10.0, first[30..].iter().sum::<f32>() / 10.0);
     assert!(late < early, "C5 loss does not fall: {early} -> {late}");
     dev.reset_peak();
     let t = median(20, 201, || {
-        step(&mut params, false);
+        step(&params, false);
     });
     let peak = dev.memory().peak;
     let s = dev.last_schedule().unwrap();
     dev.reset_peak();
     for _ in 0..5 {
-        step(&mut params, true);
+        step(&params, true);
     }
     let peak_kept = dev.memory().peak;
     let line = format!(

@@ -8,7 +8,7 @@ mod logging;
 #[path = "common/mini_gpt.rs"]
 mod mini_gpt;
 
-use braid::optim::Sgd;
+use braid::optim::{Optimizer, Sgd};
 use braid::prelude::*;
 use mini_gpt::{CONTEXT, MiniGpt};
 
@@ -17,9 +17,8 @@ fn main() -> Result<()> {
     let steps: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(600);
     let device = Device::from_env()?;
     let model = MiniGpt::new(&device, 0);
-    let mut params = model.parameters();
-    let count: usize = params.iter().map(Tensor::numel).sum();
-    println!("mini GPT: {count} parameters on {}", device.name());
+    let params = model.params();
+    println!("mini GPT: {} parameters on {}", params.numel(), device.name());
     let tokens = mini_gpt::tokens();
     let mut opt = Sgd::new(0.1);
     let start = std::time::Instant::now();
@@ -28,7 +27,7 @@ fn main() -> Result<()> {
         let at = (step * 7) % (tokens.len() - CONTEXT - 1);
         let loss = model.loss(&tokens[at..at + CONTEXT], &tokens[at + 1..at + CONTEXT + 1]);
         let grads = loss.backward()?;
-        opt.step(&mut params, &grads);
+        opt.update(&params, &grads);
         // Reading the loss runs what it needs: this forward, and the previous step's backward
         // and update (its parameters' new versions). Every such flush has the same structure,
         // so after the first few it replays a cached schedule.

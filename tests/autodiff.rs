@@ -450,3 +450,25 @@ fn in_place_misuse_names_the_method_called() {
     let m = panic_message(|| w.assign(&Tensor::from_vec(vec![2.0f32], [1], &cpu())));
     assert!(m.contains("invalid assign at"), "{m}");
 }
+
+#[test]
+fn indexing_ops_and_cross_entropy() {
+    let mut rng = Rng::new(20);
+    let ids = |v: Vec<i64>, shape: &[usize]| Tensor::from_vec(v, shape.to_vec(), &cpu());
+    let x = (vec![3, 4], values(&mut rng, 12, false));
+    // Repeated indices (their gradients add up) and one out of range (no gradient).
+    let gi = ids(vec![1, 1, 3, 0, 2, 2, 0, 4], &[2, 4]);
+    check_gradients("gather(0)", std::slice::from_ref(&x), &|xs| xs[0].gather(0, &gi));
+    let gi1 = ids(vec![3, 3, 0, 1, 1, 2], &[3, 2]);
+    check_gradients("gather(-1)", std::slice::from_ref(&x), &|xs| xs[0].gather(-1, &gi1));
+    let si = ids(vec![2, 0, 2, 9, 1], &[5]);
+    check_gradients("index_select(1)", std::slice::from_ref(&x), &|xs| xs[0].index_select(1, &si));
+    let tokens = ids(vec![0, 2, 2, 1, 0, 2], &[2, 3]);
+    check_gradients("embedding", std::slice::from_ref(&x), &|xs| tokens.embedding(&xs[0]));
+    let src = (vec![2, 4], values(&mut rng, 8, false));
+    let sc = ids(vec![2, 0, 2, 1, 0, 0, 5, 1], &[2, 4]);
+    check_gradients("scatter_add(0)", &[x.clone(), src], &|xs| xs[0].scatter_add(0, &sc, &xs[1]));
+    let logits = (vec![2, 3, 4], values(&mut rng, 24, false));
+    let target = ids(vec![3, 0, 1, 1, 2, 0], &[2, 3]);
+    check_gradients("cross_entropy", &[logits], &|xs| xs[0].cross_entropy(&target));
+}

@@ -160,3 +160,39 @@ fn many_reductions_of_one_input_split_into_several_row_kernels() {
     // At most four reductions share a row kernel.
     assert!(kernels(&dump(&dev)) >= 2, "{}", dev.last_schedule().unwrap().to_text());
 }
+
+#[test]
+fn cross_entropy_and_gather_are_row_kernels() {
+    let dev = braid::testing::test_device();
+    let logits = data(&dev, &[64, 50]);
+    let target = Tensor::from_vec((0..64).map(|i| (i * 7 % 50) as i64).collect::<Vec<_>>(), [64], &dev);
+    logits.cross_entropy(&target).item::<f32>().unwrap();
+    // The class numbers (an arange); then the maximum, the sum of exponentials and the
+    // target's logit in one pass over the logits; then the mean over rows.
+    let text = dev.last_schedule().unwrap().to_text();
+    assert_eq!(kernels(&dump(&dev)), 3, "{text}");
+    assert!(text.contains("eq+max+sub+exp+sum+log+select+sum+sub "), "{text}");
+    // An embedding lookup: the row numbers, then the comparison, the select and the sum in one.
+    let table = data(&dev, &[20, 8]);
+    let ids = Tensor::from_vec((0..12).map(|i| (i * 5 % 20) as i64).collect::<Vec<_>>(), [3, 4], &dev);
+    ids.embedding(&table).to_vec::<f32>().unwrap();
+    assert_eq!(kernels(&dump(&dev)), 2, "{}", dev.last_schedule().unwrap().to_text());
+}
+
+#[test]
+fn a_linear_layers_weight_update_is_the_epilogue_of_its_gradient() {
+    use braid::nn::{Linear, Module};
+    use braid::optim::{Optimizer, Sgd};
+    let dev = braid::testing::test_device();
+    dev.seed(1);
+    let layer = Linear::with(16, 8, false, DType::F32, &dev);
+    let x = data(&dev, &[4, 16]);
+    let grads = layer.forward(&x).square().mean().backward().unwrap();
+    Sgd::new(0.1).update(layer.params().iter(), &grads);
+    drop(grads);
+    layer.weight.to_vec::<f32>().unwrap();
+    // `x.matmul(&w.t())` differentiates to `g^T x` in the weight's own layout, so the update
+    // reads the product in its kernel instead of a stored, transposed gradient.
+    let text = dev.last_schedule().unwrap().to_text();
+    assert!(text.contains("matmul+mul+sub "), "{text}");
+}

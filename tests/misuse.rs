@@ -164,3 +164,48 @@ fn impossible_shapes_are_misuse_not_overflow() {
     let msg = panic_message(|| drop(x.expand([usize::MAX / 2, 4])));
     assert_mentions(&msg, &["too large"]);
 }
+
+#[test]
+fn indexing_misuse_names_the_op_and_its_operands_at_the_call() {
+    let cpu = dev();
+    let x = Tensor::zeros([3, 4], DType::F32, &cpu);
+    let float_index = Tensor::zeros([3, 4], DType::F32, &cpu);
+    let index = Tensor::zeros([3, 4], DType::I64, &cpu);
+    let at = |line: u32| format!("{}:{line}:", file!());
+    let line = line!() + 1;
+    let msg = panic_message(|| drop(x.gather(1, &float_index)));
+    assert_mentions(&msg, &["gather", "integer", "[3, 4] f32", &at(line)]);
+    let line = line!() + 1;
+    let msg = panic_message(|| drop(x.gather(2, &index)));
+    assert_mentions(&msg, &["gather", "dimension 2", &at(line)]);
+    let line = line!() + 1;
+    let msg = panic_message(|| drop(x.gather(0, &Tensor::zeros([3, 5], DType::I64, &cpu))));
+    assert_mentions(&msg, &["gather", "[3, 5] i64", "[3, 4] f32", &at(line)]);
+    let line = line!() + 1;
+    let msg = panic_message(|| drop(x.index_select(-3, &Tensor::zeros([2], DType::I32, &cpu))));
+    assert_mentions(&msg, &["index_select", "dimension -3", &at(line)]);
+    let line = line!() + 1;
+    let msg = panic_message(|| drop(x.index_select(0, &index)));
+    assert_mentions(&msg, &["index_select", "one-dimensional", "[3, 4] i64", &at(line)]);
+    let line = line!() + 1;
+    let msg = panic_message(|| drop(float_index.embedding(&x)));
+    assert_mentions(&msg, &["embedding", "integer", "ids: [3, 4] f32", &at(line)]);
+    let line = line!() + 1;
+    let msg = panic_message(|| drop(index.embedding(&Tensor::zeros([4], DType::F32, &cpu))));
+    assert_mentions(&msg, &["embedding", "weight: [4] f32", &at(line)]);
+    let line = line!() + 1;
+    let msg = panic_message(|| drop(x.scatter_add(0, &index, &Tensor::zeros([2, 4], DType::F32, &cpu))));
+    assert_mentions(&msg, &["scatter_add", "one shape", "src: [2, 4] f32", &at(line)]);
+    let line = line!() + 1;
+    let msg = panic_message(|| drop(x.scatter_add(1, &index, &Tensor::zeros([3, 4], DType::F64, &cpu))));
+    assert_mentions(&msg, &["scatter_add", "dtype", "f64", &at(line)]);
+    let line = line!() + 1;
+    let msg = panic_message(|| drop(x.argmin_dim(-3, false)));
+    assert_mentions(&msg, &["argmin_dim", "dimension -3", &at(line)]);
+    let line = line!() + 1;
+    let msg = panic_message(|| drop(x.cross_entropy(&Tensor::zeros([4], DType::I64, &cpu))));
+    assert_mentions(&msg, &["cross_entropy", "logits: [3, 4] f32", "target: [4] i64", &at(line)]);
+    let line = line!() + 1;
+    let msg = panic_message(|| drop(x.cross_entropy(&Tensor::zeros([3], DType::F32, &cpu))));
+    assert_mentions(&msg, &["cross_entropy", "integer", &at(line)]);
+}

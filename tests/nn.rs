@@ -95,3 +95,46 @@ fn a_training_loop_over_params_saves_and_loads_by_name() {
     assert!(matches!(other.load(&path), Err(Error::Io(m)) if m.contains("missing")));
     std::fs::remove_file(&path).unwrap();
 }
+
+#[path = "../examples/common/char_lm.rs"]
+mod char_lm;
+
+#[test]
+fn the_char_lm_example_learns_and_reloads_to_the_same_loss() {
+    let dev = braid::testing::test_device();
+    let corpus = char_lm::Corpus::new(char_lm::TEXT);
+    let cfg = char_lm::Config { steps: 60, batch: 16, ..char_lm::Config::EXAMPLE };
+    let mut losses = Vec::new();
+    let model = char_lm::train(&corpus, &cfg, &dev, |_, loss| losses.push(loss)).unwrap();
+    let (first, last) = (losses[..10].iter().sum::<f32>() / 10.0, losses[50..].iter().sum::<f32>() / 10.0);
+    assert!(last < first - 0.5, "training loss {first} -> {last}");
+    let loss = char_lm::eval_loss(&model, &corpus, &dev).unwrap();
+    assert!(loss < first, "held loss {loss}");
+    let path = std::env::temp_dir().join(format!("braid-char-lm-test-{}.safetensors", std::process::id()));
+    model.params().save(&path).unwrap();
+    dev.seed(99);
+    let fresh = char_lm::CharLm::new(corpus.vocabulary(), &cfg, &dev);
+    assert_ne!(char_lm::eval_loss(&fresh, &corpus, &dev).unwrap(), loss);
+    fresh.params().load(&path).unwrap();
+    assert_eq!(char_lm::eval_loss(&fresh, &corpus, &dev).unwrap().to_bits(), loss.to_bits());
+    std::fs::remove_file(&path).unwrap();
+    let text = char_lm::sample(&model, &corpus, &dev, "Alice ", 20).unwrap();
+    assert_eq!(text.chars().count(), 26);
+}
+
+#[test]
+fn an_embedding_layer_looks_up_rows_of_a_seeded_table() {
+    let dev = braid::testing::test_device();
+    dev.seed(5);
+    let e = braid::nn::Embedding::new(7, 3, &dev);
+    assert_eq!((e.weight.dims(), e.weight.needs_grad()), (&[7, 3][..], true));
+    let w = e.weight.to_vec::<f32>().unwrap();
+    let ids = Tensor::from_vec(vec![6i64, 0, 6, 2], [2, 2], &dev);
+    let rows = e.forward(&ids);
+    assert_eq!(rows.dims(), &[2, 2, 3]);
+    let want: Vec<f32> = [6, 0, 6, 2].iter().flat_map(|&i| w[i * 3..i * 3 + 3].to_vec()).collect();
+    assert_eq!(rows.to_vec::<f32>().unwrap(), want);
+    dev.seed(5);
+    assert_eq!(braid::nn::Embedding::new(7, 3, &dev).weight.to_vec::<f32>().unwrap(), w, "seeded by the device");
+    assert_eq!(e.params().named().map(|(n, _)| n).collect::<Vec<_>>(), vec!["weight"]);
+}

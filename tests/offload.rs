@@ -202,7 +202,7 @@ fn mini_gpt_trains_the_same_under_a_budget(batch: usize) {
     let run = |budget: Option<u64>| -> Result<_> {
         let dev = device();
         let model = mini_gpt::MiniGpt::new(&dev, 1);
-        let mut params = model.parameters();
+        let mut params: Vec<Tensor> = model.params().iter().cloned().collect();
         dev.sync().unwrap();
         dev.set_memory_budget(budget);
         dev.reset_peak();

@@ -1,8 +1,10 @@
 //! A decoder-only transformer small enough to train on the CPU one sample at a time (BENCH.md
 //! C5): 6 layers, 6 heads, context 8, d_model 24, vocabulary 65, 46,337 parameters, laid out
 //! like Karpathy's `gpt.py` (key/query/value without bias, ReLU feed-forward, pre-norm,
-//! learned positions). Shared by `examples/mini_gpt.rs` and the bench card.
+//! learned positions), written with `braid::nn` layers (`Linear`, `LayerNorm`, an `Embedding`
+//! table, `Params`). Shared by `examples/mini_gpt.rs` and the bench card.
 
+use braid::nn::{Embedding, LayerNorm, Linear, Module, Params, init};
 use braid::prelude::*;
 
 pub const VOCAB: usize = 65;
@@ -12,22 +14,22 @@ pub const HEADS: usize = 6;
 pub const LAYERS: usize = 6;
 
 struct Layer {
-    ln1: (Tensor, Tensor),
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    proj: (Tensor, Tensor),
-    ln2: (Tensor, Tensor),
-    ff1: (Tensor, Tensor),
-    ff2: (Tensor, Tensor),
+    ln1: LayerNorm,
+    query: Linear,
+    key: Linear,
+    value: Linear,
+    proj: Linear,
+    ln2: LayerNorm,
+    ff1: Linear,
+    ff2: Linear,
 }
 
 pub struct MiniGpt {
-    token_embedding: Tensor,
+    token_embedding: Embedding,
     position_embedding: Tensor,
     layers: Vec<Layer>,
-    ln_final: (Tensor, Tensor),
-    head: (Tensor, Tensor),
+    ln_final: LayerNorm,
+    head: Linear,
     /// `-1e9` above the diagonal: position `i` attends to `0..=i`.
     causal_mask: Tensor,
     device: Device,
@@ -37,52 +39,65 @@ impl MiniGpt {
     /// Weights ~ N(0, 0.02), biases 0, layer-norm gains 1 (as nanoGPT initialises).
     pub fn new(device: &Device, seed: u64) -> MiniGpt {
         device.seed(seed);
-        let weight =
-            |dims: &[usize]| braid::no_grad(|| Tensor::randn(dims.to_vec(), DType::F32, device) * 0.02).requires_grad();
-        let zeros = |n: usize| Tensor::zeros([n], DType::F32, device).requires_grad();
-        let ones = |n: usize| Tensor::ones([n], DType::F32, device).requires_grad();
-        let linear = |i: usize, o: usize| (weight(&[i, o]), zeros(o));
+        let weight = |dims: [usize; 2]| init::normal(dims, 0.0, 0.02, DType::F32, device);
+        let linear = |i: usize, o: usize, bias: bool| Linear {
+            weight: weight([o, i]),
+            bias: bias.then(|| init::zeros([o], DType::F32, device)),
+        };
         let layers = (0..LAYERS)
             .map(|_| Layer {
-                ln1: (ones(D_MODEL), zeros(D_MODEL)),
-                query: weight(&[D_MODEL, D_MODEL]),
-                key: weight(&[D_MODEL, D_MODEL]),
-                value: weight(&[D_MODEL, D_MODEL]),
-                proj: linear(D_MODEL, D_MODEL),
-                ln2: (ones(D_MODEL), zeros(D_MODEL)),
-                ff1: linear(D_MODEL, 4 * D_MODEL),
-                ff2: linear(4 * D_MODEL, D_MODEL),
+                ln1: LayerNorm::new(D_MODEL, device),
+                query: linear(D_MODEL, D_MODEL, false),
+                key: linear(D_MODEL, D_MODEL, false),
+                value: linear(D_MODEL, D_MODEL, false),
+                proj: linear(D_MODEL, D_MODEL, true),
+                ln2: LayerNorm::new(D_MODEL, device),
+                ff1: linear(D_MODEL, 4 * D_MODEL, true),
+                ff2: linear(4 * D_MODEL, D_MODEL, true),
             })
             .collect();
         let mask: Vec<f32> =
             (0..CONTEXT * CONTEXT).map(|i| if i % CONTEXT > i / CONTEXT { -1e9 } else { 0.0 }).collect();
         MiniGpt {
-            token_embedding: weight(&[VOCAB, D_MODEL]),
-            position_embedding: weight(&[CONTEXT, D_MODEL]),
+            token_embedding: Embedding { weight: weight([VOCAB, D_MODEL]) },
+            position_embedding: weight([CONTEXT, D_MODEL]),
             layers,
-            ln_final: (ones(D_MODEL), zeros(D_MODEL)),
-            head: linear(D_MODEL, VOCAB),
+            ln_final: LayerNorm::new(D_MODEL, device),
+            head: linear(D_MODEL, VOCAB, true),
             causal_mask: Tensor::from_vec(mask, [CONTEXT, CONTEXT], device),
             device: device.clone(),
         }
     }
 
-    /// Every parameter (for the optimizer).
-    pub fn parameters(&self) -> Vec<Tensor> {
-        let mut p = vec![self.token_embedding.clone(), self.position_embedding.clone()];
-        for l in &self.layers {
-            for t in [&l.ln1.0, &l.ln1.1, &l.query, &l.key, &l.value, &l.proj.0, &l.proj.1, &l.ln2.0, &l.ln2.1] {
-                p.push(t.clone());
-            }
-            for t in [&l.ff1.0, &l.ff1.1, &l.ff2.0, &l.ff2.1] {
-                p.push(t.clone());
+    /// Every parameter, named as PyTorch's module tree would name it.
+    pub fn params(&self) -> Params {
+        let mut p = Params::new();
+        p.extend("token_embedding", self.token_embedding.params());
+        p.push("position_embedding", &self.position_embedding);
+        for (i, l) in self.layers.iter().enumerate() {
+            let parts: [(&str, &dyn Module); 8] = [
+                ("ln1", &l.ln1),
+                ("query", &l.query),
+                ("key", &l.key),
+                ("value", &l.value),
+                ("proj", &l.proj),
+                ("ln2", &l.ln2),
+                ("ff1", &l.ff1),
+                ("ff2", &l.ff2),
+            ];
+            for (name, m) in parts {
+                p.extend(&format!("layers.{i}.{name}"), m.params());
             }
         }
-        p.extend([self.ln_final.0.clone(), self.ln_final.1.clone(), self.head.0.clone(), self.head.1.clone()]);
+        p.extend("ln_final", self.ln_final.params());
+        p.extend("head", self.head.params());
         p
     }
 
-    /// One-hot rows for token ids (the embedding lookup is a product with this).
+    /// One-hot rows for token ids. The lookup and the loss are products with these rather than
+    /// `Embedding::forward` and `cross_entropy`: at this size (8 tokens, 65 characters) the
+    /// composites' extra kernels (the class numbers, counted per call) cost C5 about 0.2 ms a
+    /// step (4 kernels more, 262 -> 266), while an uploaded one-hot matrix costs nothing.
     fn one_hot(&self, ids: &[usize]) -> Tensor {
         let mut v = vec![0.0f32; ids.len() * VOCAB];
         for (i, &t) in ids.iter().enumerate() {
@@ -102,22 +117,20 @@ impl MiniGpt {
         assert!(tokens.len() == targets.len() && tokens.len().is_multiple_of(CONTEXT) && !tokens.is_empty());
         let (b, t) = (tokens.len() / CONTEXT, CONTEXT);
         let head_size = D_MODEL / HEADS;
-        let norm = |x: &Tensor, (g, bias): &(Tensor, Tensor)| &(&x.layer_norm(1, 1e-5) * g) + bias;
         // [b * t, d] -> [b, heads, t, head_size]
         let heads = |x: &Tensor| x.reshape([b, t, HEADS, head_size]).permute(&[0, 2, 1, 3]);
         let positions = self.position_embedding.expand([b, t, D_MODEL]).reshape([b * t, D_MODEL]);
-        let mut x = &self.one_hot(tokens).matmul(&self.token_embedding) + &positions;
+        let mut x = &self.one_hot(tokens).matmul(&self.token_embedding.weight) + &positions;
         for l in &self.layers {
-            let h = norm(&x, &l.ln1);
-            let (q, k, v) = (heads(&h.matmul(&l.query)), heads(&h.matmul(&l.key)), heads(&h.matmul(&l.value)));
+            let h = l.ln1.forward(&x);
+            let (q, k, v) = (heads(&l.query.forward(&h)), heads(&l.key.forward(&h)), heads(&l.value.forward(&h)));
             let scores = &(&q.matmul(&k.transpose(2, 3)) * (1.0 / (head_size as f64).sqrt())) + &self.causal_mask;
             let attended = scores.softmax(3).matmul(&v).permute(&[0, 2, 1, 3]).reshape([b * t, D_MODEL]);
-            x = &x + &(&attended.matmul(&l.proj.0) + &l.proj.1);
-            let h = norm(&x, &l.ln2);
-            let ff = (&h.matmul(&l.ff1.0) + &l.ff1.1).relu();
-            x = &x + &(&ff.matmul(&l.ff2.0) + &l.ff2.1);
+            x = &x + &l.proj.forward(&attended);
+            let ff = l.ff1.forward(&l.ln2.forward(&x)).relu();
+            x = &x + &l.ff2.forward(&ff);
         }
-        let logits = &norm(&x, &self.ln_final).matmul(&self.head.0) + &self.head.1;
+        let logits = self.head.forward(&self.ln_final.forward(&x));
         let picked = &self.one_hot(targets) * &logits.log_softmax(1);
         picked.sum() * (-1.0 / (b * t) as f64)
     }

@@ -158,6 +158,7 @@ impl Tensor {
                     Stream::new(node.device.clone(), node.stream).scope(differentiate);
                 }
             }
+            rules::forget_transposed();
         });
         Ok(())
     }

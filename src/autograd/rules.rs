@@ -14,6 +14,41 @@ use smallvec::SmallVec;
 
 type InputGrads = SmallVec<[Option<Val>; 3]>;
 
+thread_local! {
+    /// Gradients the matmul rule made as `own.t()` for a transposed operand: (the node of
+    /// `own.t()`, `own`). The transpose's rule takes `own` instead of transposing back (see
+    /// `Op::Matmul`); [`forget_transposed`] drops what a pass left.
+    static TRANSPOSED: std::cell::RefCell<Vec<(braid_graph::NodeId, Tensor)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Whether `perm` swaps the last two dimensions and keeps the others.
+fn is_last_two_swap(perm: &[usize]) -> bool {
+    let n = perm.len();
+    n >= 2 && perm[n - 2] == n - 1 && perm[n - 1] == n - 2 && perm[..n - 2].iter().enumerate().all(|(i, &p)| i == p)
+}
+
+/// Whether input `i` of `node` is the transpose (of the last two dimensions) of a value with
+/// gradient history.
+fn transposed_source(node: &GradNode, i: usize) -> bool {
+    matches!(&node.inputs[i].source, Some(super::GradSource::Node(p))
+        if matches!(&p.op, Op::Permute(perm) if is_last_two_swap(perm)))
+}
+
+/// The untransposed gradient the matmul rule made for `g`, if `g` is one of its transposes.
+fn take_transposed(g: &Tensor) -> Option<Tensor> {
+    TRANSPOSED.with(|t| {
+        let mut t = t.borrow_mut();
+        let at = t.iter().position(|(id, _)| *id == g.node())?;
+        Some(t.swap_remove(at).1)
+    })
+}
+
+/// Drops the untransposed gradients a backward pass did not take.
+pub(super) fn forget_transposed() {
+    TRANSPOSED.with(|t| t.borrow_mut().clear());
+}
+
 /// The gradients of `node`'s inputs (those with a gradient source) given the gradient `g` of
 /// its output. Elementwise derivatives keep constants unrecorded (a loss's seed of 1, its
 /// halves and doubles) until an op needs them as tensors; other rules record them first.
@@ -134,12 +169,28 @@ fn other_grads(
             });
             let gb = needs[1].then(|| {
                 let a = input(0);
-                a.transpose(rank(&a) - 2, rank(&a) - 1).matmul(g)
+                if rank(&a) == 2 && rank(g) == 2 && transposed_source(node, 1) {
+                    // `x.matmul(&w.t())`, as `nn::Linear` computes: `g^T x` is the gradient
+                    // in `w`'s own layout, which the transpose's rule passes on as it is, so
+                    // that whatever reads it (an optimizer's update) can be the product's
+                    // epilogue instead of reading a transposed copy.
+                    let own = g.t().matmul(&a);
+                    let gb = own.t();
+                    TRANSPOSED.with(|t| t.borrow_mut().push((gb.node(), own)));
+                    gb
+                } else {
+                    a.transpose(rank(&a) - 2, rank(&a) - 1).matmul(g)
+                }
             });
             SmallVec::from_iter([ga, gb])
         }
         Op::Reshape => SmallVec::from_iter([Some(g.reshape(node.inputs[0].shape.clone()))]),
         Op::Permute(perm) => {
+            if is_last_two_swap(perm)
+                && let Some(own) = take_transposed(g)
+            {
+                return SmallVec::from_iter([Some(own)]);
+            }
             let mut inverse = vec![0; perm.len()];
             for (i, &p) in perm.iter().enumerate() {
                 inverse[p] = i;

@@ -1,5 +1,5 @@
 //! A small set of layers, initialisers and a parameter collection, so that a training loop
-//! reads like the Rust peers' (Burn, candle): `Linear`, `LayerNorm`, `init`, and
+//! reads like the Rust peers' (Burn, candle): `Linear`, `Embedding`, `LayerNorm`, `init`, and
 //! [`Params`], which optimizers ([`crate::optim::Optimizer::update`]) and `braid::io` take.
 //!
 //! Layers are plain structs of parameter tensors (leaves that require gradients, in exact-size
@@ -169,6 +169,42 @@ impl Module for Linear {
         if let Some(b) = &self.bias {
             p.push("bias", b);
         }
+        p
+    }
+}
+
+/// A lookup table of `vocabulary` learned vectors of `features` each (PyTorch's
+/// `nn.Embedding`: weight `[vocabulary, features]` from a standard normal, drawn from the
+/// device's seed). `forward` takes integer ids of any shape and returns their rows (see
+/// [`Tensor::embedding`], which also says what an id out of range gives).
+#[derive(Clone, Debug)]
+pub struct Embedding {
+    pub weight: Tensor,
+}
+
+impl Embedding {
+    /// An f32 table.
+    #[track_caller]
+    pub fn new(vocabulary: usize, features: usize, device: &Device) -> Embedding {
+        Embedding::with(vocabulary, features, DType::F32, device)
+    }
+
+    /// A table of `dtype`.
+    #[track_caller]
+    pub fn with(vocabulary: usize, features: usize, dtype: DType, device: &Device) -> Embedding {
+        Embedding { weight: init::normal([vocabulary, features], 0.0, 1.0, dtype, device) }
+    }
+}
+
+impl Module for Embedding {
+    #[track_caller]
+    fn forward(&self, ids: &Tensor) -> Tensor {
+        ids.embedding(&self.weight)
+    }
+
+    fn params(&self) -> Params {
+        let mut p = Params::new();
+        p.push("weight", &self.weight);
         p
     }
 }

@@ -7,6 +7,7 @@
 mod create;
 mod dims;
 mod elementwise;
+mod indexing;
 mod movement;
 mod operators;
 mod print;

@@ -209,6 +209,11 @@ impl Harness {
         }
     }
 
+    /// Appends a program node (with braid's tensor for it, if any) and its listing line.
+    pub fn push_node(&mut self, node: ProgNode, tensor: Option<Tensor>, line: String) -> usize {
+        self.push(node, tensor, line)
+    }
+
     fn push(&mut self, node: ProgNode, tensor: Option<Tensor>, line: String) -> usize {
         let on = self.stream.as_ref().map_or(String::new(), |s| format!(" @s{}", s.id()));
         self.listing.push(format!("%{} = {line}{on}", self.prog.len()));
@@ -220,7 +225,7 @@ impl Harness {
     pub fn meta(&self, i: usize) -> (DType, Shape) {
         match &self.prog[i] {
             ProgNode::Data { dtype, shape, .. } | ProgNode::IntData { dtype, shape, .. } => (*dtype, shape.clone()),
-            ProgNode::Op { dtype, shape, .. } => (*dtype, shape.clone()),
+            ProgNode::Op { dtype, shape, .. } | ProgNode::Indexing { dtype, shape, .. } => (*dtype, shape.clone()),
         }
     }
 

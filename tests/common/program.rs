@@ -2,6 +2,9 @@
 //! movement, reductions, matrix products), with in-place updates, reads in the middle and
 //! dropped tensors, recorded through braid and the reference at once by a [`Harness`].
 
+#[path = "program_indexing.rs"]
+mod indexing;
+
 use super::{Harness, Rng, SeedMirror};
 use braid::prelude::*;
 use braid::{Event, Stream};
@@ -306,7 +309,7 @@ impl Gen<'_> {
             return Ok(());
         };
         let (dtype, shape) = self.h.meta(x);
-        match self.rng.below(100) {
+        match self.rng.below(106) {
             0..=5 => self.source(),
             6..=23 => {
                 let op = *self.rng.pick(UnaryOp::ALL);
@@ -396,6 +399,7 @@ impl Gen<'_> {
                 self.h.drop_tensor(x);
                 self.live.retain(|&i| i != x);
             }
+            100..=105 => self.indexing(x, dtype, &shape),
             _ => {}
         }
         Ok(())

@@ -74,12 +74,15 @@
 
 mod bounds;
 mod elementwise;
+mod indexing;
 mod movement;
 mod reduce;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
 mod tests_bounds;
+
+pub use indexing::IndexOp;
 
 use crate::dtype::DType;
 use crate::op::Op;
@@ -97,6 +100,9 @@ pub enum ProgNode {
     /// An op applied to earlier nodes (indices into the program). `dtype` and `shape` are the
     /// result's, as [`crate::infer`] computes them.
     Op { op: Op, dtype: DType, shape: Shape, inputs: Vec<usize> },
+    /// An indexing op (gather, scatter-add, argmin), defined directly rather than as the
+    /// primitive ops braid records for it.
+    Indexing { op: IndexOp, dtype: DType, shape: Shape, inputs: Vec<usize> },
 }
 
 /// Element storage: floats rounded to the dtype, or exact integers.
@@ -152,6 +158,13 @@ pub fn evaluate(program: &[ProgNode]) -> Vec<RefValue> {
                     .collect();
                 let v = eval_op(op, *dtype, shape, &ins);
                 assert_eq!(v.numel(), shape.numel(), "node {n} ({}): result size", op.name());
+                v
+            }
+            ProgNode::Indexing { op, dtype, shape, inputs } => {
+                assert!(inputs.iter().all(|&i| i < n), "node {n} ({op:?}): inputs must be earlier nodes");
+                let ins: Vec<&RefValue> = inputs.iter().map(|&i| &out[i]).collect();
+                let v = indexing::eval(*op, *dtype, shape, &ins);
+                assert_eq!(v.numel(), shape.numel(), "node {n} ({op:?}): result size");
                 v
             }
         };
