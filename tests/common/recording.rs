@@ -135,7 +135,8 @@ impl Backend for RecordingBackend {
     }
 
     fn upload(&self, bytes: &[u8], poison: bool) -> Result<Buffer, DeviceError> {
-        self.memory.upload(bytes, poison)
+        // One queue: a flush that frees it poisons it in issue order (`release_now`).
+        self.memory.upload(bytes, poison && !self.single)
     }
 
     fn download(&self, buffer: &Buffer) -> Result<Vec<u8>, DeviceError> {

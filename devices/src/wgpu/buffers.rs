@@ -110,7 +110,19 @@ impl WgpuContext {
             }
         });
         self.wait()?;
-        let outcome = mapped.lock().map_err(|_| DeviceError::Internal("readback lock poisoned".into()))?.take();
+        // Another thread polling the same device may have collected this callback and not
+        // run it yet when our wait returns: poll until it has run (it must, soon).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let outcome = loop {
+            let slot = mapped.lock().map_err(|_| DeviceError::Internal("readback lock poisoned".into()))?.take();
+            if slot.is_some() || std::time::Instant::now() > deadline {
+                break slot;
+            }
+            std::thread::yield_now();
+            self.device
+                .poll(wgpu::PollType::Poll)
+                .map_err(|e| DeviceError::Kernel(format!("polling the wgpu device: {e}")))?;
+        };
         match outcome {
             Some(Ok(())) => {}
             Some(Err(e)) => return Err(DeviceError::Kernel(format!("mapping a readback buffer: {e}"))),

@@ -30,6 +30,11 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+/// The most nodes one wgpu kernel holds: every kernel is compiled by the driver (LLVM on
+/// lavapipe), whose time grows with its size, and a long chain (a loop of 100,000 additions)
+/// would otherwise become one kernel that takes minutes to compile.
+const MAX_KERNEL_NODES: usize = 512;
+
 /// Most kernels prepared per device before the table starts over (pipelines stay cached by
 /// source in the context).
 const MAX_PREPARED: usize = 4096;
@@ -69,7 +74,7 @@ fn open_context() -> Result<Arc<WgpuContext>, DeviceError> {
 /// Kernel inputs: every input, output and scratch buffer of a kernel is a storage binding, so
 /// inputs are limited to the adapter's `max_storage_buffers_per_shader_stage` less 8 (room for
 /// the outputs of a horizontally fused kernel and a split reduction's scratch), at most 16
-/// like the other devices. The speeds are rough estimates, not measurements: a software
+/// like the other devices. Kernels hold at most [`MAX_KERNEL_NODES`] nodes. The speeds are rough estimates, not measurements: a software
 /// adapter (lavapipe) is taken to be CPU-like, any other a GPU's order of magnitude; offload
 /// copies to host memory wait for the device (wgpu has no host memory the device writes
 /// while the host works), so they are costed as slow.
@@ -106,6 +111,7 @@ pub fn wgpu_target(ctx: &WgpuContext, align: u64) -> Target {
         // One queue: a copy stream would only be interleaved with the others.
         copy_stream: false,
         dtypes: DTypes::of(&dtypes),
+        max_kernel_nodes: MAX_KERNEL_NODES,
     }
 }
 

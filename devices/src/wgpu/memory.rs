@@ -211,6 +211,20 @@ impl Shared {
         Ok(WgpuBuffer { mem: Mem::Device(slice), bytes, counted, exact, poison, shared: self.clone() })
     }
 
+    /// Kernel scratch of `bytes` (at least one word): device memory that is no buffer of the
+    /// schedule, so it counts in `reserved` only (as the CUDA device's scratch does).
+    pub(crate) fn scratch(self: &Arc<Shared>, bytes: usize) -> Result<WgpuBuffer, DeviceError> {
+        let slice = self.slice(bytes.max(4), false)?;
+        Ok(WgpuBuffer {
+            mem: Mem::Device(Some(slice)),
+            bytes,
+            counted: 0,
+            exact: false,
+            poison: false,
+            shared: self.clone(),
+        })
+    }
+
     /// A new buffer of host memory (an offloaded value), zeroed.
     pub(crate) fn host_buffer(self: &Arc<Shared>, bytes: usize) -> WgpuBuffer {
         let mem = Mem::Host(Mutex::new(vec![0u8; bytes]));

@@ -102,15 +102,24 @@ impl WgpuQueue<'_, '_> {
         let timed = tracing::enabled!(target: "braid::kernel", tracing::Level::DEBUG);
         let t0 = timed.then(Instant::now);
         let compiled = backend.prepared(call.kernel).map_err(|e| with_label(e, &call.describe()))?;
+        // One buffer per binding but the zero uniform, in binding order: the argument it names,
+        // or a fresh scratch slice (back to the pool when `held` drops, after the kernel is
+        // issued: later users of the memory are issued after it).
         let mut held: Vec<Arc<WgpuBuffer>> = Vec::with_capacity(compiled.source.bindings.len());
-        for b in call.args {
-            held.push(self.ours(b)?.clone());
-        }
-        // Scratch slices go back when `held` drops, after the kernel is issued: later users
-        // of the memory are issued after it.
-        for b in &compiled.source.bindings[call.args.len()..] {
-            if let Binding::Scratch { bytes } = b {
-                held.push(Arc::new(shared.buffer(*bytes as usize, false, false)?));
+        for b in &compiled.source.bindings {
+            match *b {
+                Binding::Arg { arg, .. } => {
+                    let buffer = call.args.get(arg as usize).ok_or_else(|| {
+                        DeviceError::Internal(format!(
+                            "{}: binding of argument {arg} of {}",
+                            call.describe(),
+                            call.args.len()
+                        ))
+                    })?;
+                    held.push(self.ours(buffer)?.clone());
+                }
+                Binding::Scratch { bytes } => held.push(Arc::new(shared.scratch(bytes as usize)?)),
+                Binding::Zero => {}
             }
         }
         let mut places = Vec::with_capacity(held.len());
@@ -120,7 +129,7 @@ impl WgpuQueue<'_, '_> {
                 Some(place) => place,
                 None => {
                     // Zero bytes: the printer binds at least one word, so give it one.
-                    let one = shared.buffer(4, false, false)?;
+                    let one = shared.scratch(4)?;
                     let place = one.binding()?;
                     words.push(one);
                     place.ok_or_else(|| DeviceError::Internal("a buffer of four bytes has no memory".into()))?
