@@ -23,9 +23,20 @@ pub(crate) fn cuda(ordinal: usize) -> Result<Arc<dyn Backend>> {
     )))
 }
 
+/// The runtime of the first wgpu adapter (of the backends `WGPU_BACKEND` names, every one
+/// compiled in when unset).
+#[cfg(feature = "wgpu")]
+pub(crate) fn wgpu() -> Result<Arc<dyn Backend>> {
+    match braid_devices::wgpu::WgpuBackend::open() {
+        Ok(backend) => Ok(Arc::new(backend)),
+        Err(e) => Err(Error::Unavailable(format!("wgpu is unavailable: {e}"))),
+    }
+}
+
 /// The runtime of the first wgpu adapter.
+#[cfg(not(feature = "wgpu"))]
 pub(crate) fn wgpu() -> Result<Arc<dyn Backend>> {
     Err(Error::Unavailable(
-        "wgpu is unavailable: this build of braid does not run devices on wgpu yet (use Device::cpu())".into(),
+        "wgpu is unavailable: this build of braid has no wgpu backend (build with the `wgpu` feature)".into(),
     ))
 }

@@ -133,3 +133,9 @@ pub fn limit_cpu_simd(level: CpuSimd) -> CpuSimd {
 pub fn cuda_backend(device: &Device) -> Option<&braid_devices::cuda::CudaBackend> {
     device.engine().backend.as_any().downcast_ref()
 }
+
+/// The wgpu runtime under `device`, when it is a wgpu device: its adapter's context.
+#[cfg(feature = "wgpu")]
+pub fn wgpu_backend(device: &Device) -> Option<&braid_devices::wgpu::WgpuBackend> {
+    device.engine().backend.as_any().downcast_ref()
+}

@@ -1,4 +1,5 @@
-//! Autodiff: every op's gradient against central finite differences (f64, random inputs away
+//! Autodiff: every op's gradient against central finite differences (f64, or f32 with larger
+//! steps and tolerances on a device without f64; random inputs away
 //! from kinks), on one stream and across streams; the micrograd graph; accumulation, no_grad,
 //! in-place updates and misuse; whole models (an MLP, a transformer block) checked against the
 //! reference interpreter evaluating exactly the backward graph braid recorded.
@@ -26,7 +27,39 @@ fn values(rng: &mut Rng, n: usize, positive: bool) -> Vec<f64> {
 }
 
 fn leaf(shape: &[usize], vals: &[f64], dev: &Device) -> Tensor {
-    Tensor::from_vec(vals.to_vec(), shape.to_vec(), dev)
+    wide(vals, shape.to_vec(), dev)
+}
+
+/// The widest float `dev` computes with: f64, or f32 on a device without it (wgpu), where
+/// finite differences take larger steps and tolerances (`check_gradients_on`).
+fn widest(dev: &Device) -> DType {
+    if dev.target().dtypes.contains(DType::F64) { DType::F64 } else { DType::F32 }
+}
+
+/// A tensor of the widest float of `dev` holding `vals`.
+fn wide(vals: &[f64], shape: impl Into<Shape>, dev: &Device) -> Tensor {
+    common::tensor_from_f64(vals, &shape.into(), widest(dev), dev)
+}
+
+/// Reads tensors of the widest float as f64.
+trait Wide {
+    fn wide_vec(&self) -> Vec<f64>;
+    fn wide_item(&self) -> f64;
+}
+
+impl Wide for Tensor {
+    fn wide_vec(&self) -> Vec<f64> {
+        match self.dtype() {
+            DType::F64 => self.wide_vec(),
+            _ => self.to_vec::<f32>().unwrap().into_iter().map(f64::from).collect(),
+        }
+    }
+
+    fn wide_item(&self) -> f64 {
+        let v = self.wide_vec();
+        assert_eq!(v.len(), 1, "an item of {} elements", v.len());
+        v[0]
+    }
 }
 
 /// `sum(f(xs) * r)` for fixed random weights `r`, so every output element matters differently.
@@ -41,6 +74,9 @@ fn check_gradients(name: &str, inputs: &[(Vec<usize>, Vec<f64>)], f: &dyn Fn(&[T
 
 fn check_gradients_on(dev: &Device, name: &str, inputs: &[(Vec<usize>, Vec<f64>)], f: &dyn Fn(&[Tensor]) -> Tensor) {
     let dev = dev.clone();
+    // In f32 (a device without f64), rounding swamps steps of 1e-5: larger steps, looser
+    // tolerances, which still catch a wrong derivative.
+    let f64_steps = widest(&dev) == DType::F64;
     let mut rng = Rng::new(name.len() as u64 * 7919);
     let leaves: Vec<Tensor> = inputs.iter().map(|(s, v)| leaf(s, v, &dev).requires_grad()).collect();
     let out = f(&leaves);
@@ -50,22 +86,22 @@ fn check_gradients_on(dev: &Device, name: &str, inputs: &[(Vec<usize>, Vec<f64>)
     let loss_at = |vals: &[Vec<f64>]| -> f64 {
         braid::no_grad(|| {
             let xs: Vec<Tensor> = inputs.iter().zip(vals).map(|((s, _), v)| leaf(s, v, &dev)).collect();
-            weighted_loss(&f(&xs), &weights).item::<f64>().unwrap()
+            weighted_loss(&f(&xs), &weights).wide_item()
         })
     };
     let base: Vec<Vec<f64>> = inputs.iter().map(|(_, v)| v.clone()).collect();
     for (i, x) in leaves.iter().enumerate() {
         let g = grads.get(x).unwrap_or_else(|| panic!("{name}: no gradient for input {i}"));
         assert_eq!((g.dims(), g.dtype()), (x.dims(), x.dtype()), "{name}: gradient {i} shape/dtype");
-        let analytic = g.to_vec::<f64>().unwrap();
+        let analytic = g.wide_vec();
         for j in 0..base[i].len() {
-            let h = 1e-5 * base[i][j].abs().max(1.0);
+            let h = if f64_steps { 1e-5 } else { 1e-2 } * base[i][j].abs().max(1.0);
             let mut plus = base.clone();
             plus[i][j] += h;
             let mut minus = base.clone();
             minus[i][j] -= h;
             let numeric = (loss_at(&plus) - loss_at(&minus)) / (2.0 * h);
-            let tol = 1e-5 * (1.0 + numeric.abs());
+            let tol = if f64_steps { 1e-5 } else { 2e-2 } * (1.0 + numeric.abs());
             assert!(
                 (analytic[j] - numeric).abs() <= tol,
                 "{name}: d/dx{i}[{j}] = {} but finite differences give {numeric}",
@@ -121,7 +157,7 @@ fn scalar_forms_select_clamp_and_cast() {
     check_gradients("select", &[x(), b], &|xs| cond.select(&xs[0], &xs[1]));
     // Bounds well away from every value (all |v| >= 0.2).
     check_gradients("clamp", &[x()], &|xs| xs[0].clamp(-0.15, 0.1) + xs[0].clamp(-10.0, 10.0));
-    check_gradients("cast", &[x()], &|xs| xs[0].to_dtype(DType::F64).exp());
+    check_gradients("cast", &[x()], &|xs| xs[0].to_dtype(widest(xs[0].device())).exp());
 }
 
 #[test]
@@ -142,9 +178,9 @@ fn reductions() {
 
 #[test]
 fn max_shares_the_gradient_between_ties() {
-    let x = Tensor::from_vec(vec![1.0f64, 3.0, 3.0, 2.0], [4], &cpu()).requires_grad();
+    let x = wide(&[1.0, 3.0, 3.0, 2.0], [4], &cpu()).requires_grad();
     let g = x.max_dim(0, false).backward().unwrap();
-    assert_eq!(g.get(&x).unwrap().to_vec::<f64>().unwrap(), vec![0.0, 0.5, 0.5, 0.0]);
+    assert_eq!(g.get(&x).unwrap().wide_vec(), vec![0.0, 0.5, 0.5, 0.0]);
 }
 
 #[test]
@@ -205,8 +241,8 @@ fn in_place_updates_are_differentiated_per_version() {
 
 /// The micrograd example (BENCH.md C4), with in-place `+=` as the example writes it.
 fn tiny_graph(dev: &Device) -> (Tensor, Tensor, Tensor) {
-    let a = Tensor::from_vec(vec![-4.0f64], (), dev).requires_grad();
-    let b = Tensor::from_vec(vec![2.0f64], (), dev).requires_grad();
+    let a = wide(&[-4.0], (), dev).requires_grad();
+    let b = wide(&[2.0], (), dev).requires_grad();
     let c = &a + &b;
     let d = &(&a * &b) + &b.powf(3.0);
     c.add_assign(&(&c + 1.0));
@@ -224,10 +260,10 @@ fn tiny_graph(dev: &Device) -> (Tensor, Tensor, Tensor) {
 fn micrograd_example_gives_the_published_values() {
     let (a, b, g) = tiny_graph(&cpu());
     let grads = g.backward().unwrap();
-    let close = |x: f64, want: f64| (x - want).abs() < 1e-4;
-    assert!(close(g.item::<f64>().unwrap(), 24.7041), "g = {}", g.item::<f64>().unwrap());
-    let da = grads.get(&a).unwrap().item::<f64>().unwrap();
-    let db = grads.get(&b).unwrap().item::<f64>().unwrap();
+    let close = |x: f64, want: f64| (x - want).abs() < 1e-4 * want.abs().max(1.0);
+    assert!(close(g.wide_item(), 24.7041), "g = {}", g.wide_item());
+    let da = grads.get(&a).unwrap().wide_item();
+    let db = grads.get(&b).unwrap().wide_item();
     assert!(close(da, 138.8338) && close(db, 645.5773), "dg/da = {da}, dg/db = {db}");
 }
 
@@ -252,7 +288,7 @@ fn backward_follows_the_forward_streams() {
     assert_eq!(grads.get(&w).unwrap().stream(), side);
     assert_eq!(grads.get(&x).unwrap().stream(), side);
     let gw = grads.get(&w).unwrap();
-    gw.to_vec::<f64>().unwrap();
+    gw.wide_vec();
     let dump = dev.last_schedule().unwrap().to_json();
     let json: serde_json::Value = serde_json::from_str(&dump).unwrap();
     let kernels_on = |s: u64| {
@@ -271,31 +307,31 @@ fn backward_follows_the_forward_streams() {
 #[test]
 fn gradients_accumulate_over_backward_calls() {
     let dev = cpu();
-    let w = Tensor::from_vec(vec![1.0f64, 2.0], [2], &dev).requires_grad();
+    let w = wide(&[1.0, 2.0], [2], &dev).requires_grad();
     let mut grads = Grads::new();
     (&w * &w).sum().backward_into(&mut grads).unwrap();
     (&w * 3.0).sum().backward_into(&mut grads).unwrap();
-    assert_eq!(grads.get(&w).unwrap().to_vec::<f64>().unwrap(), vec![5.0, 7.0]);
+    assert_eq!(grads.get(&w).unwrap().wide_vec(), vec![5.0, 7.0]);
     assert_eq!(grads.len(), 1);
 }
 
 #[test]
 fn no_grad_and_detach_stop_gradients() {
     let dev = cpu();
-    let w = Tensor::from_vec(vec![1.0f64, 2.0], [2], &dev).requires_grad();
+    let w = wide(&[1.0, 2.0], [2], &dev).requires_grad();
     let frozen = braid::no_grad(|| &w * 2.0);
     assert!(!frozen.needs_grad() && !w.detach().needs_grad() && w.needs_grad());
     assert!(braid::grad_enabled());
     let loss = (&(&w * &frozen) + &w.detach()).sum();
     let g = loss.backward().unwrap();
-    assert_eq!(g.get(&w).unwrap().to_vec::<f64>().unwrap(), vec![2.0, 4.0]);
+    assert_eq!(g.get(&w).unwrap().wide_vec(), vec![2.0, 4.0]);
     assert!(g.get(&frozen).is_none());
     // A leaf updated without gradients stays the same leaf.
     braid::no_grad(|| w.sub_assign(&(&g.get(&w).unwrap() * 0.5)));
     assert!(w.needs_grad());
     let g2 = w.sum().backward().unwrap();
-    assert_eq!(g2.get(&w).unwrap().to_vec::<f64>().unwrap(), vec![1.0, 1.0]);
-    assert_eq!(w.to_vec::<f64>().unwrap(), vec![0.0, 0.0]);
+    assert_eq!(g2.get(&w).unwrap().wide_vec(), vec![1.0, 1.0]);
+    assert_eq!(w.wide_vec(), vec![0.0, 0.0]);
 }
 
 fn panic_message(f: impl FnOnce()) -> String {
@@ -313,8 +349,9 @@ fn misuse_is_reported_at_the_call() {
     assert!(m.contains("no gradient history"), "{m}");
     let m = panic_message(|| w.add_assign(&w));
     assert!(m.contains("no_grad") && m.contains("autodiff.rs"), "{m}");
+    // An integer tensor cannot require gradients (i32: wgpu has no i64 for `arange`).
     let m = panic_message(|| {
-        Tensor::arange(0, 3, &dev).requires_grad();
+        Tensor::from_vec(vec![0i32, 1, 2], [3], &dev).requires_grad();
     });
     assert!(m.contains("floating-point"), "{m}");
     let loss = (&w * &w).sum();
@@ -434,14 +471,14 @@ fn a_very_deep_history_is_dropped_without_overflowing_the_stack() {
 #[test]
 fn pow_gradients_at_a_zero_base_are_zero_not_nan() {
     let dev = cpu();
-    let x = Tensor::from_vec(vec![0.0f64, 2.0], [2], &dev).requires_grad();
-    let p = Tensor::from_vec(vec![2.0f64, 2.0], [2], &dev).requires_grad();
+    let x = wide(&[0.0, 2.0], [2], &dev).requires_grad();
+    let p = wide(&[2.0, 2.0], [2], &dev).requires_grad();
     let g = x.pow(&p).sum().backward().unwrap();
-    let dp = g.get(&p).unwrap().to_vec::<f64>().unwrap();
+    let dp = g.get(&p).unwrap().wide_vec();
     assert_eq!(dp[0], 0.0);
-    assert!((dp[1] - 4.0 * 2f64.ln()).abs() < 1e-12);
+    assert!((dp[1] - 4.0 * 2f64.ln()).abs() < if widest(&dev) == DType::F64 { 1e-12 } else { 1e-6 });
     let g = x.powf(0.0).sum().backward().unwrap();
-    assert_eq!(g.get(&x).unwrap().to_vec::<f64>().unwrap(), vec![0.0, 0.0]);
+    assert_eq!(g.get(&x).unwrap().wide_vec(), vec![0.0, 0.0]);
 }
 
 #[test]

@@ -73,8 +73,10 @@ fn an_unheld_intermediate_needed_later_is_computed_once() {
     q.to_vec::<f32>().unwrap();
     assert_eq!(dev.kernels_launched(), 3, "exp is not recomputed for q");
     let expect: Vec<f32> = x.to_vec::<f32>().unwrap().iter().map(|v| v.exp() * 2.0).collect();
+    // wgpu's exp is WGSL's builtin, which WGSL bounds only to a few ulps.
+    let tol = if dev.target().name == "wgpu" { 2e-6 } else { 2e-7 };
     for (g, e) in q.to_vec::<f32>().unwrap().iter().zip(&expect) {
-        assert!((g - e).abs() <= 2e-7 * e.abs(), "{g} vs {e}");
+        assert!((g - e).abs() <= tol * e.abs(), "{g} vs {e}");
     }
 }
 

@@ -20,21 +20,29 @@ fn grad_host(p: &[f64], c: &[f64], d: &[f64]) -> Vec<f64> {
 fn run(mut step: impl FnMut(&mut [Tensor], &Grads), p0: &[f64], c: &[f64], d: &[f64], steps: usize) -> Vec<Vec<f64>> {
     let dev = braid::testing::test_device();
     let n = p0.len();
-    let p = Tensor::from_vec(p0.to_vec(), [n], &dev).requires_grad();
-    let (ct, dt) = (Tensor::from_vec(c.to_vec(), [n], &dev), Tensor::from_vec(d.to_vec(), [n], &dev));
+    // f64, or f32 on a device without it (wgpu; `assert_close` then allows f32 rounding).
+    let dtype = if dev.target().dtypes.contains(DType::F64) { DType::F64 } else { DType::F32 };
+    let shape = Shape::from([n]);
+    let p = common::tensor_from_f64(p0, &shape, dtype, &dev).requires_grad();
+    let (ct, dt) = (common::tensor_from_f64(c, &shape, dtype, &dev), common::tensor_from_f64(d, &shape, dtype, &dev));
     (0..steps)
         .map(|_| {
             let grads = loss(&p, &ct, &dt).backward().unwrap();
             step(&mut [p.clone()], &grads);
-            p.to_vec::<f64>().unwrap()
+            match dtype {
+                DType::F64 => p.to_vec::<f64>().unwrap(),
+                _ => p.to_vec::<f32>().unwrap().into_iter().map(f64::from).collect(),
+            }
         })
         .collect()
 }
 
 fn assert_close(name: &str, got: &[Vec<f64>], want: &[Vec<f64>]) {
+    let dev = braid::testing::test_device();
+    let tol = if dev.target().dtypes.contains(DType::F64) { 1e-12 } else { 1e-5 };
     for (s, (g, w)) in got.iter().zip(want).enumerate() {
         for (i, (a, b)) in g.iter().zip(w).enumerate() {
-            assert!((a - b).abs() <= 1e-12 * (1.0 + b.abs()), "{name}: step {s}, element {i}: {a} vs {b}");
+            assert!((a - b).abs() <= tol * (1.0 + b.abs()), "{name}: step {s}, element {i}: {a} vs {b}");
         }
     }
 }

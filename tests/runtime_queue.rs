@@ -7,6 +7,8 @@
 //!   mode, so no buffer is reused or freed while the simulated device still needs it;
 //! - the runtime never hands a gated free over before the records of the events it names, and
 //!   issues every wait after its record (checked on every call);
+//! - the same holds on one in-order queue with memory reused the moment it is freed (wgpu's
+//!   ordering, `RecordingBackend::single_queue`);
 //! - the simulation is not vacuous: a schedule whose gated frees lose their gates (which the
 //!   validator would refuse, so it is run on the runtime directly) gives wrong results.
 
@@ -23,7 +25,18 @@ fn cases() -> u64 {
 
 /// Runs `n` random programs of `config` on a fresh recording device; returns the backend.
 fn run_programs(n: u64, config: &Config, fusion: bool, seed: u64) -> Arc<RecordingBackend> {
-    let backend = Arc::new(RecordingBackend::new(seed));
+    run_programs_on(RecordingBackend::new(seed), n, config, fusion, seed)
+}
+
+/// [`run_programs`] on `backend`.
+fn run_programs_on(
+    backend: RecordingBackend,
+    n: u64,
+    config: &Config,
+    fusion: bool,
+    seed: u64,
+) -> Arc<RecordingBackend> {
+    let backend = Arc::new(backend);
     let dev = braid::testing::device_with_backend(backend.clone());
     dev.set_poison(true);
     dev.set_fusion(fusion);
@@ -58,6 +71,26 @@ fn random_programs_on_streams_with_events_match_the_reference_on_an_asynchronous
             "too little was exercised: {launches} kernels, {waits} waits, {gated} gated frees"
         );
     }
+}
+
+/// wgpu's ordering: every stream on one in-order queue, memory reusable the moment it is freed
+/// (gated or not), uploads and poison fills in issue order. The interleaved walker's issue
+/// order must then respect every event and gated free of the schedule by itself.
+#[test]
+fn random_programs_match_the_reference_on_one_in_order_queue() {
+    let config = Config { streams: 3, events: true, max_ops: 30, reads_in_middle: false, ..Config::default() };
+    let fused = run_programs_on(RecordingBackend::single_queue(5), cases() / 2, &config, true, 5);
+    let budgets = Config { streams: 2, events: true, budgets: true, max_ops: 32, ..Config::default() };
+    let offloaded = run_programs_on(RecordingBackend::single_queue(6), cases() / 2, &budgets, false, 6);
+    let log = fused.log();
+    let gated = count(&log, |l| matches!(l, Logged::FreeAfter { after, .. } if !after.is_empty()));
+    let waits = count(&log, |l| matches!(l, Logged::Wait { .. }));
+    let copies = count(&offloaded.log(), |l| matches!(l, Logged::Copy { .. }));
+    println!("one queue: {waits} waits, {gated} gated frees, {copies} offload copies");
+    assert!(
+        gated > 10 && waits > 50 && copies > 10,
+        "too little was exercised: {waits} waits, {gated} gated frees, {copies} copies"
+    );
 }
 
 #[test]

@@ -48,6 +48,8 @@ pub enum Buffer {
     Cpu(Arc<cpu::CpuBuffer>),
     #[cfg(feature = "cuda")]
     Cuda(Arc<cuda::CudaBuffer>),
+    #[cfg(feature = "wgpu")]
+    Wgpu(Arc<wgpu::WgpuBuffer>),
 }
 
 impl Buffer {
@@ -56,6 +58,8 @@ impl Buffer {
             Buffer::Cpu(b) => b.bytes(),
             #[cfg(feature = "cuda")]
             Buffer::Cuda(b) => b.bytes(),
+            #[cfg(feature = "wgpu")]
+            Buffer::Wgpu(b) => b.bytes(),
         }
     }
 
@@ -65,6 +69,8 @@ impl Buffer {
             Buffer::Cpu(b) => b.is_exact(),
             #[cfg(feature = "cuda")]
             Buffer::Cuda(b) => b.is_exact(),
+            #[cfg(feature = "wgpu")]
+            Buffer::Wgpu(b) => b.is_exact(),
         }
     }
 
@@ -74,6 +80,8 @@ impl Buffer {
             Buffer::Cpu(b) => Arc::strong_count(b) > 1,
             #[cfg(feature = "cuda")]
             Buffer::Cuda(b) => Arc::strong_count(b) > 1,
+            #[cfg(feature = "wgpu")]
+            Buffer::Wgpu(b) => Arc::strong_count(b) > 1,
         }
     }
 
@@ -92,6 +100,9 @@ impl Buffer {
             // Waits for the work writing it (everything enqueued on its GPU before the call).
             #[cfg(feature = "cuda")]
             Buffer::Cuda(b) => b.read_into(dst),
+            // Submits and waits for the work issued on its device before the call.
+            #[cfg(feature = "wgpu")]
+            Buffer::Wgpu(b) => b.read_into(dst),
         }
     }
 
@@ -101,6 +112,8 @@ impl Buffer {
             Buffer::Cpu(_) => MemoryKind::Host,
             #[cfg(feature = "cuda")]
             Buffer::Cuda(_) => MemoryKind::Device,
+            #[cfg(feature = "wgpu")]
+            Buffer::Wgpu(_) => MemoryKind::Device,
         }
     }
 }

@@ -385,6 +385,10 @@ impl Grouper<'_> {
             }
             (Kind::Rows(..), _) => return Err("a matrix product starts its own kernel".into()),
         };
+        // The target's limit on kernel size.
+        if grp.nodes.len() >= self.options.max_nodes {
+            return Err(format!("kernel node limit {} reached", self.options.max_nodes));
+        }
         // The target's limit on kernel inputs.
         let new_inputs: Vec<ValueRef> = node
             .inputs

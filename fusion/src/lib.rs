@@ -91,12 +91,19 @@ pub struct Options {
     pub max_inputs: usize,
     /// The target's limit on reductions in one row kernel.
     pub max_reductions: usize,
+    /// The target's limit on nodes in one kernel.
+    pub max_nodes: usize,
 }
 
 impl Options {
     /// The limits of `target`, fusing when `enabled`.
     pub fn for_target(target: &Target, enabled: bool) -> Options {
-        Options { enabled, max_inputs: target.max_kernel_inputs, max_reductions: target.max_row_reductions }
+        Options {
+            enabled,
+            max_inputs: target.max_kernel_inputs,
+            max_reductions: target.max_row_reductions,
+            max_nodes: target.max_kernel_nodes,
+        }
     }
 }
 

@@ -96,6 +96,10 @@ pub struct Target {
     pub copy_stream: bool,
     /// Element types its kernels compute with; others are refused where they are recorded.
     pub dtypes: DTypes,
+    /// The most nodes one kernel may hold: a backend that compiles every kernel (wgpu) takes
+    /// time that grows with a kernel's size, so fusion stops growing a kernel there
+    /// (`usize::MAX`: no limit).
+    pub max_kernel_nodes: usize,
 }
 
 impl Target {
@@ -109,6 +113,7 @@ impl Target {
         memory: MemoryKind::Host,
         copy_stream: false,
         dtypes: DTypes::ALL,
+        max_kernel_nodes: usize::MAX,
     };
 
     /// Whether this device's kernels read a value held by a device of `source` memory where

@@ -10,6 +10,14 @@
 //! While calls come in, it checks what CUDA and wgpu backends will rely on: every wait is issued
 //! after its event's record, and a gated free is handed over only after the records of all its
 //! events. Breaches are collected as violations.
+//!
+//! [`RecordingBackend::single_queue`] models wgpu instead: one in-order queue for every stream,
+//! so the simulated device runs work in exactly the order it was issued, and memory that a
+//! free (gated or not) gives back returns to the pool at once, as the wgpu backend returns it:
+//! its next user is issued, so runs, later. Uploads and poison fills are work in that order
+//! too (as the wgpu backend's staging copies and fill copies are), never host writes at issue
+//! time. A runtime that issued a gated free before some reader of the buffer would let a later
+//! writer clobber it before that reader ran, and the results would be wrong.
 
 use braid_devices::cpu::map::ArgPtr;
 use braid_devices::cpu::{CpuDevice, run_kernel};
@@ -49,6 +57,8 @@ pub struct RecordingBackend {
     violations: Mutex<Vec<String>>,
     seed: AtomicU64,
     kernels: AtomicU64,
+    /// One in-order queue for all streams, memory reusable at the free (wgpu's model).
+    single: bool,
 }
 
 impl RecordingBackend {
@@ -62,7 +72,16 @@ impl RecordingBackend {
             violations: Mutex::new(Vec::new()),
             seed: AtomicU64::new(seed),
             kernels: AtomicU64::new(0),
+            single: false,
         }
+    }
+
+    /// The fake device with wgpu's ordering (see the module docs): no copy stream, one queue.
+    pub fn single_queue(seed: u64) -> RecordingBackend {
+        let mut b = RecordingBackend::new(seed);
+        b.single = true;
+        b.target.copy_stream = false;
+        b
     }
 
     /// Every call received so far.
@@ -110,12 +129,14 @@ impl Backend for RecordingBackend {
             releases: Vec::new(),
             rng: seed | 1,
             failed: false,
+            single: self.single,
         };
         Ok(Box::new(RecordingFlush { backend: self, poison, sim: Mutex::new(sim) }))
     }
 
     fn upload(&self, bytes: &[u8], poison: bool) -> Result<Buffer, DeviceError> {
-        self.memory.upload(bytes, poison)
+        // One queue: a flush that frees it poisons it in issue order (`release_now`).
+        self.memory.upload(bytes, poison && !self.single)
     }
 
     fn download(&self, buffer: &Buffer) -> Result<Vec<u8>, DeviceError> {
@@ -150,11 +171,28 @@ impl Backend for RecordingBackend {
 
 /// Work a stream has been handed and the simulated device has not done yet.
 enum Work {
-    Launch { kernel: Arc<Kernel>, args: Vec<ArgPtr> },
-    Copy { src: *const u8, dst: *mut u8, bytes: usize },
+    Launch {
+        kernel: Arc<Kernel>,
+        args: Vec<ArgPtr>,
+    },
+    Copy {
+        src: *const u8,
+        dst: *mut u8,
+        bytes: usize,
+    },
     Record(EventId),
     Wait(EventId),
     Free(Buffer),
+    /// Host bytes copied in (an upload in issue order).
+    Write {
+        data: Vec<u8>,
+        dst: *mut u8,
+    },
+    /// A poison fill of freed memory (0xFF bytes), in issue order.
+    Fill {
+        dst: *mut u8,
+        bytes: usize,
+    },
 }
 
 // SAFETY: the raw pointers point into buffers the schedule keeps alive until the work runs (or
@@ -180,6 +218,8 @@ struct Sim {
     releases: Vec<Release>,
     rng: u64,
     failed: bool,
+    /// Every stream's work goes to queue 0, in issue order.
+    single: bool,
 }
 
 impl Sim {
@@ -191,7 +231,7 @@ impl Sim {
     }
 
     fn push(&mut self, stream: usize, work: Work) {
-        self.queues[stream].push_back(work);
+        self.queues[if self.single { 0 } else { stream }].push_back(work);
         self.issued[stream] += 1;
     }
 
@@ -226,6 +266,9 @@ impl Sim {
             Work::Record(e) => self.reached[e.index()] = true,
             Work::Wait(_) => {}
             Work::Free(buffer) => drop(buffer),
+            // SAFETY: as for copies.
+            Work::Write { data, dst } => unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) },
+            Work::Fill { dst, bytes } => unsafe { std::ptr::write_bytes(dst, 0xFF, bytes) },
         }
         self.release_due();
         true
@@ -275,11 +318,16 @@ impl Flush for RecordingFlush<'_> {
 
     fn free_after(&self, buffer: Buffer, stream: usize, after: &[EventId]) {
         self.backend.note(Logged::FreeAfter { stream, after: after.to_vec() });
+        let poison = self.poison;
         self.with(|sim, violations| {
             for e in after {
                 if !sim.record_issued[e.index()] {
                     violations.push(format!("a free gated on {e} was handed over before {e} was recorded"));
                 }
+            }
+            if sim.single {
+                release_now(sim, buffer, poison);
+                return;
             }
             let marker = sim.issued[stream];
             sim.releases.push(Release { buffer, after: after.to_vec(), stream, marker });
@@ -329,7 +377,19 @@ fn cpu_ptr(buffer: &Buffer) -> *mut u8 {
     }
 }
 
+/// wgpu's free: the memory goes back to the pool now, its poison fill runs in issue order.
+fn release_now(sim: &mut Sim, buffer: Buffer, poison: bool) {
+    if poison && !buffer.is_shared() {
+        sim.push(0, Work::Fill { dst: cpu_ptr(&buffer), bytes: buffer.bytes() });
+    }
+    drop(buffer);
+}
+
 impl RecordingQueue<'_, '_> {
+    fn single(&self) -> bool {
+        self.flush.backend.single
+    }
+
     fn enqueue(&mut self, work: Work) {
         let s = self.stream;
         self.flush.with(|sim, _| sim.push(s, work));
@@ -352,16 +412,29 @@ impl RecordingQueue<'_, '_> {
 impl Queue for RecordingQueue<'_, '_> {
     fn alloc(&mut self, plan: &BufferPlan) -> Result<Buffer, DeviceError> {
         self.flush.backend.note(Logged::Alloc { stream: self.stream });
-        self.flush.backend.memory.alloc_planned(plan, self.flush.poison)
+        // One queue: poison fills are issued work (see `release_now`), not done at the drop.
+        let poison = self.flush.poison && !self.single();
+        self.flush.backend.memory.alloc_planned(plan, poison)
     }
 
     fn upload(&mut self, bytes: &[u8]) -> Result<Buffer, DeviceError> {
         self.flush.backend.note(Logged::Upload { stream: self.stream });
-        self.flush.backend.memory.upload(bytes, self.flush.poison)
+        if !self.single() {
+            return self.flush.backend.memory.upload(bytes, self.flush.poison);
+        }
+        // The memory may have been freed by work not run yet: written in issue order.
+        let b = self.flush.backend.memory.alloc_unwritten(bytes.len(), false)?;
+        self.enqueue(Work::Write { data: bytes.to_vec(), dst: cpu_ptr(&b) });
+        Ok(b)
     }
 
     fn free(&mut self, buffer: Buffer) {
         self.flush.backend.note(Logged::Free { stream: self.stream });
+        if self.single() {
+            let poison = self.flush.poison;
+            self.flush.with(|sim, _| release_now(sim, buffer, poison));
+            return;
+        }
         self.enqueue(Work::Free(buffer));
     }
 

@@ -188,6 +188,12 @@ impl CpuDevice {
         alloc_from(&self.host_pool, bytes, poison, false)
     }
 
+    /// A device buffer of `bytes` whose contents are unspecified (for test backends that
+    /// write it later, as a device would).
+    pub fn alloc_unwritten(&self, bytes: usize, poison: bool) -> Result<Buffer, DeviceError> {
+        Ok(Buffer::Cpu(self.alloc(bytes, poison)?))
+    }
+
     /// A buffer for `plan`: device memory (exact-size for a parameter) or offload space.
     pub fn alloc_planned(&self, plan: &BufferPlan, poison: bool) -> Result<Buffer, DeviceError> {
         let buffer = match plan.space {

@@ -57,6 +57,7 @@ pub const CUDA_TARGET: Target = Target {
     memory: MemoryKind::Device,
     copy_stream: true,
     dtypes: DTypes::ALL,
+    max_kernel_nodes: usize::MAX,
 };
 
 /// Most kernels prepared per device before the table starts over (compiled modules stay with

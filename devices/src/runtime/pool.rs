@@ -114,6 +114,11 @@ impl<A: ChunkAllocator> Pool<A> {
         Pool { chunks, state: Mutex::new(State::default()) }
     }
 
+    /// Where its chunks come from.
+    pub fn allocator(&self) -> &A {
+        &self.chunks
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }

@@ -82,9 +82,17 @@ impl WgpuContext {
     /// The first `bytes` bytes of `buffer`, after all work submitted so far: copied into a
     /// mapped staging buffer, waited for, and read.
     pub fn read(&self, buffer: &wgpu::Buffer, bytes: u64) -> Result<Vec<u8>, DeviceError> {
+        self.read_at(buffer, 0, bytes)
+    }
+
+    /// [`WgpuContext::read`] of `bytes` bytes from byte `offset` (a multiple of 4).
+    pub fn read_at(&self, buffer: &wgpu::Buffer, offset: u64, bytes: u64) -> Result<Vec<u8>, DeviceError> {
         let size = bytes.div_ceil(4) * 4;
-        if size > buffer.size() {
-            return Err(DeviceError::Kernel(format!("reading {bytes} bytes of a buffer of {}", buffer.size())));
+        if offset % 4 != 0 || offset + size > buffer.size() {
+            return Err(DeviceError::Kernel(format!(
+                "reading {bytes} bytes at {offset} of a buffer of {}",
+                buffer.size()
+            )));
         }
         if bytes == 0 {
             return Ok(vec![]);
@@ -92,7 +100,7 @@ impl WgpuContext {
         let usage = wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST;
         let staging = self.create(size, usage, "braid readback")?;
         let mut encoder = self.encoder();
-        encoder.copy_buffer_to_buffer(buffer, 0, &staging, 0, size);
+        encoder.copy_buffer_to_buffer(buffer, offset, &staging, 0, size);
         self.submit(encoder)?;
         let mapped: Arc<Mutex<Option<Result<(), wgpu::BufferAsyncError>>>> = Arc::default();
         let done = mapped.clone();
@@ -102,7 +110,19 @@ impl WgpuContext {
             }
         });
         self.wait()?;
-        let outcome = mapped.lock().map_err(|_| DeviceError::Internal("readback lock poisoned".into()))?.take();
+        // Another thread polling the same device may have collected this callback and not
+        // run it yet when our wait returns: poll until it has run (it must, soon).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let outcome = loop {
+            let slot = mapped.lock().map_err(|_| DeviceError::Internal("readback lock poisoned".into()))?.take();
+            if slot.is_some() || std::time::Instant::now() > deadline {
+                break slot;
+            }
+            std::thread::yield_now();
+            self.device
+                .poll(wgpu::PollType::Poll)
+                .map_err(|e| DeviceError::Kernel(format!("polling the wgpu device: {e}")))?;
+        };
         match outcome {
             Some(Ok(())) => {}
             Some(Err(e)) => return Err(DeviceError::Kernel(format!("mapping a readback buffer: {e}"))),

@@ -110,6 +110,18 @@ impl WgpuContext {
         kernel: &WgslKernel,
         buffers: &[&wgpu::Buffer],
     ) -> Result<(), DeviceError> {
+        let at: Vec<(&wgpu::Buffer, u64)> = buffers.iter().map(|b| (*b, 0)).collect();
+        self.encode_at(encoder, kernel, &at)
+    }
+
+    /// [`WgpuContext::encode`] with each binding at an offset into its buffer (a multiple of
+    /// the adapter's `min_storage_buffer_offset_alignment`): `(buffer, offset)` per binding.
+    pub fn encode_at(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        kernel: &WgslKernel,
+        buffers: &[(&wgpu::Buffer, u64)],
+    ) -> Result<(), DeviceError> {
         let bindings: Vec<Binding> = kernel.source.bindings.iter().copied().filter(|b| *b != Binding::Zero).collect();
         if buffers.len() != bindings.len() {
             return Err(DeviceError::Kernel(format!(
@@ -119,11 +131,11 @@ impl WgpuContext {
             )));
         }
         let mut entries = Vec::with_capacity(bindings.len());
-        for (b, (buffer, binding)) in buffers.iter().zip(&bindings).enumerate() {
+        for (b, (&(buffer, offset), binding)) in buffers.iter().zip(&bindings).enumerate() {
             let bytes = binding.bytes();
-            if buffer.size() < bytes {
+            if buffer.size() < offset + bytes {
                 return Err(DeviceError::Kernel(format!(
-                    "binding {b} needs {bytes} bytes, its buffer has {}",
+                    "binding {b} needs {bytes} bytes at {offset}, its buffer has {}",
                     buffer.size()
                 )));
             }
@@ -131,7 +143,7 @@ impl WgpuContext {
                 binding: b as u32,
                 resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
                     buffer,
-                    offset: 0,
+                    offset,
                     size: wgpu::BufferSize::new(bytes),
                 }),
             });

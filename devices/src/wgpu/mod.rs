@@ -1,21 +1,27 @@
-//! The wgpu runtime's pieces (phase 1 of the wgpu device): the context (instance, adapter,
-//! device, queue) with the adapter's real limits, WGSL kernels compiled into cached pipelines
-//! and encoded over given buffers, and buffers with readback. The schedule walker that will
-//! drive them (allocation from pools, streams interleaved on wgpu's one queue, events) is the
-//! device-runtime issue's; nothing here plans, orders or frees on its own.
+//! The wgpu device: the context (instance, adapter, device, queue) with the adapter's real
+//! limits, WGSL kernels compiled into cached pipelines and encoded over given buffers, and
+//! buffers with readback (this file, `kernels`, `buffers`); and the runtime's backend over
+//! them ([`WgpuBackend`]: `device`, `memory`, `queue`), which runs schedules with every braid
+//! stream interleaved on wgpu's one queue (see `queue` for why that keeps every event and
+//! gated free of the schedule). Nothing here plans, fuses or reorders.
 //!
 //! Every wgpu call that can fail runs inside an error scope, so that validation errors (a
 //! buffer over the adapter's limit, a shader naga rejects) and out-of-memory come back as
 //! `Err(DeviceError)`; the device's uncaptured-error handler only logs, and a lost device
 //! makes every later call an `Err(Unavailable)`. Nothing here panics on a run-time failure.
 //!
-//! Everything is called from one host thread at a time (error scopes are per thread).
+//! Error scopes are per thread, so concurrent calls from several threads each see their own.
 
 mod buffers;
+mod device;
 mod kernels;
+mod memory;
+mod queue;
 
 pub use buffers::{run_kernel_on_wgpu, run_printed_on_wgpu};
+pub use device::{WgpuBackend, wgpu_target};
 pub use kernels::WgslKernel;
+pub use memory::WgpuBuffer;
 
 use crate::DeviceError;
 use braid_lowering::wgsl::Features;

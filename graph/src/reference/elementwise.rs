@@ -97,7 +97,8 @@ pub(super) fn randn(dtype: DType, shape: &Shape, seed: u64) -> RefValue {
 pub(super) fn unary(op: UnaryOp, dtype: DType, shape: &Shape, x: &RefValue) -> RefValue {
     let def = op.def();
     if dtype.is_float() {
-        floats(dtype, shape, |i| float_unary(dtype, &def.reference, def.sensitivity, def.ulps, x.float_at(i)))
+        let ulps = super::allowance(def.name, def.ulps);
+        floats(dtype, shape, |i| float_unary(dtype, &def.reference, def.sensitivity, ulps, x.float_at(i)))
     } else {
         let f = def.reference_int.unwrap_or_else(|| panic!("{} has no integer form ({dtype})", def.name));
         ints(dtype, shape, |i| {
@@ -111,8 +112,9 @@ pub(super) fn binary(op: BinaryOp, dtype: DType, shape: &Shape, a: &RefValue, b:
     let def = op.def();
     let (ia, ib) = (broadcast_map(&a.shape, shape), broadcast_map(&b.shape, shape));
     if dtype.is_float() {
+        let ulps = super::allowance(def.name, def.ulps);
         floats(dtype, shape, |i| {
-            float_binary(dtype, &def.reference, def.sensitivity, def.ulps, a.float_at(ia[i]), b.float_at(ib[i]))
+            float_binary(dtype, &def.reference, def.sensitivity, ulps, a.float_at(ia[i]), b.float_at(ib[i]))
         })
     } else {
         let f = def.reference_int.unwrap_or_else(|| panic!("{} has no integer form ({dtype})", def.name));
@@ -129,7 +131,7 @@ pub(super) fn binary_scalar(op: BinaryOp, dtype: DType, x: &RefValue, s: f64, sc
     let shape = &x.shape;
     if dtype.is_float() {
         let sc = (dtype.compute().round_f64(s), 0.0);
-        let (f, sens, ulps) = (&def.reference, def.sensitivity, def.ulps);
+        let (f, sens, ulps) = (&def.reference, def.sensitivity, super::allowance(def.name, def.ulps));
         floats(dtype, shape, |i| {
             let xi = x.float_at(i);
             if scalar_first {

@@ -131,6 +131,25 @@ pub struct CheckStats {
     pub uncertain: usize,
 }
 
+/// Extra rounding error, in the same units as a table row's `ulps`, allowed for the ops a
+/// device computes with its platform's math library: `exp log sin cos tanh sigmoid gelu pow`.
+/// 0 by default (the CPU's and CUDA's libraries are within the rows' allowances). WGSL only
+/// bounds its builtins loosely (`exp` to `3 + 2|x|` ulps, `pow` as `exp2(y log2(x))`), so tests
+/// of a wgpu device raise it with [`set_platform_math_ulps`]; a process-wide setting, since a
+/// test binary checks one device.
+static PLATFORM_MATH_ULPS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Sets the extra allowance of platform math ops (see [`PLATFORM_MATH_ULPS`]).
+pub fn set_platform_math_ulps(ulps: f64) {
+    PLATFORM_MATH_ULPS.store(ulps.max(0.0).to_bits(), std::sync::atomic::Ordering::Relaxed);
+}
+
+/// A table row's allowance plus the platform math allowance if op `name` is platform math.
+pub(crate) fn allowance(name: &str, ulps: f64) -> f64 {
+    let platform = matches!(name, "exp" | "log" | "sin" | "cos" | "tanh" | "sigmoid" | "gelu" | "pow");
+    if platform { ulps + f64::from_bits(PLATFORM_MATH_ULPS.load(std::sync::atomic::Ordering::Relaxed)) } else { ulps }
+}
+
 /// Evaluates a program; one [`RefValue`] per node, in order. Panics on a malformed program
 /// (an input index that is not earlier, a wrong number of inputs, `Op::Input`): programs come
 /// from tests.

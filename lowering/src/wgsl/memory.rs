@@ -115,7 +115,12 @@ pub(super) fn flat_index(dims: &[usize]) -> String {
 /// row-major index over those dimensions of `dims`.
 pub(super) fn decompose(out: &mut String, indent: &str, var: &str, dims: &[usize], which: &[usize]) {
     for (pos, &k) in which.iter().enumerate() {
-        if dims[k] <= 1 {
+        if dims[k] == 0 {
+            // An empty dimension: nothing runs, but loads still name the variable.
+            let _ = writeln!(out, "{indent}let d{k} = 0u;");
+            continue;
+        }
+        if dims[k] == 1 {
             continue;
         }
         let inner: usize = which[pos + 1..].iter().map(|&j| dims[j]).product();

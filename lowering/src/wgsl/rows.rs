@@ -182,6 +182,8 @@ pub(super) fn print_rows(m: &mut Module<'_>, r: &RowKernel) -> Result<(), String
         tree(&mut out, i, op, d, threads)?;
         let value = match op {
             ReduceOp::ArgMax => format!("vec2<u32>(ridx{i}[0], 0u)"),
+            // The mean of nothing is NaN (0 / 0 at run time is not defined to be in WGSL).
+            ReduceOp::Mean if d == DType::F32 && p.len == 0 => "bitcast<f32>(braid_opaque(0x7fc00000u))".into(),
             ReduceOp::Mean if d == DType::F32 => format!("red{i}[0] / {}", scalar::f32_const(p.len as f64)),
             _ => format!("red{i}[0]"),
         };

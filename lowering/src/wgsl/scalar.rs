@@ -234,6 +234,11 @@ pub(super) fn node_expr(expr: &Expr, i: usize, index: &str) -> Result<String, St
                 _ => format!("select(v{a}, {neg}, (v{a}.y >> 31u) == 1u)"),
             }
         }
+        // `x - x`, `x / x`, ... of one value: compilers fold them as if NaN and infinities did
+        // not exist (`x - x` to 0), so the second operand is laundered into another value.
+        ExprOp::Binary(op, a, b) if ty(a) == d && ty(b) == d && a == b && d == DType::F32 => {
+            binary(op, d, &format!("v{a}"), &format!("braid_launder(v{b})"))?
+        }
         ExprOp::Binary(op, a, b) if ty(a) == d && ty(b) == d => binary(op, d, &format!("v{a}"), &format!("v{b}"))?,
         ExprOp::Cmp(op, a, b) if ty(a) == ty(b) && d == DType::Bool => {
             compare(op, ty(a), &format!("v{a}"), &format!("v{b}"))?

@@ -149,7 +149,9 @@ pub(super) fn print_split(m: &mut Module<'_>, p: &RowPlan<'_>) -> Result<(), Str
             }
             op => {
                 let mean = op == ReduceOp::Mean && d == DType::F32;
-                let v = if mean {
+                let v = if mean && p.len == 0 {
+                    "bitcast<f32>(braid_opaque(0x7fc00000u))".to_string()
+                } else if mean {
                     format!("red{i}[0] / {}", scalar::f32_const(p.len as f64))
                 } else {
                     format!("red{i}[0]")
