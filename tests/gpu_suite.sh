@@ -5,8 +5,8 @@
 #   bash tests/gpu_suite.sh pack                here, after ../shared/gpu/stage: fixes the staged names
 #                                               (bench targets are bench-*, and tests/streams.rs is
 #                                               not replaced by the streams bench) and packs .gpu/bin
-#                                               into .gpupack/bin.tar.xz (about 27 MiB; the staged
-#                                               binaries are about 140 MiB). Send with carry
+#                                               into .gpupack/bin.tar.xz (about 20 MiB; the staged
+#                                               binaries are about 250 MiB). Send with carry
 #                                               [".gpupack"] and start the command there with
 #                                               `bash tests/gpu_suite.sh unpack && ...`
 #   bash tests/gpu_suite.sh suites [FILTER]     every test binary in each mode of GPU_SUITE_MODES
@@ -48,12 +48,15 @@ for line in open(sys.argv[1]):
 PY
     strip test-streams bench-gpu_card
     cd ../..
-    mkdir -p .gpupack && cp -r .gpu/debs .gpupack/
+    mkdir -p .gpupack && cp -r .gpu/debs .gpu/run .gpupack/
     grep -qx '/.gpupack/' .git/info/exclude 2>/dev/null || echo '/.gpupack/' >>.git/info/exclude
-    tar -C .gpu -cf - bin | xz -T2 -3 >.gpupack/bin.tar.xz
+    # Every binary links the same engine, wgpu and cudarc: a dictionary larger than one binary
+    # lets xz store those bytes once (about 250 MiB of binaries pack into about 20 MiB).
+    strip .gpu/bin/* 2>/dev/null || true
+    tar -C .gpu -cf - bin | xz -T1 --lzma2=preset=6,dict=256MiB >.gpupack/bin.tar.xz
     du -sh .gpupack; exit 0 ;;
   unpack)
-    mkdir -p .gpu && cp -r .gpupack/debs .gpu/ && tar -xJf .gpupack/bin.tar.xz -C .gpu && ls .gpu/bin | wc -l
+    mkdir -p .gpu && cp -r .gpupack/debs .gpupack/run .gpu/ && tar -xJf .gpupack/bin.tar.xz -C .gpu && ls .gpu/bin | wc -l
     exit $? ;;
 esac
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
