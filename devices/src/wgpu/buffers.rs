@@ -88,7 +88,7 @@ impl WgpuContext {
     /// [`WgpuContext::read`] of `bytes` bytes from byte `offset` (a multiple of 4).
     pub fn read_at(&self, buffer: &wgpu::Buffer, offset: u64, bytes: u64) -> Result<Vec<u8>, DeviceError> {
         let size = bytes.div_ceil(4) * 4;
-        if offset % 4 != 0 || offset + size > buffer.size() {
+        if !offset.is_multiple_of(4) || offset + size > buffer.size() {
             return Err(DeviceError::Kernel(format!(
                 "reading {bytes} bytes at {offset} of a buffer of {}",
                 buffer.size()
