@@ -50,7 +50,7 @@ trait Wide {
 impl Wide for Tensor {
     fn wide_vec(&self) -> Vec<f64> {
         match self.dtype() {
-            DType::F64 => self.wide_vec(),
+            DType::F64 => self.to_vec::<f64>().unwrap(),
             _ => self.to_vec::<f32>().unwrap().into_iter().map(f64::from).collect(),
         }
     }
