@@ -22,17 +22,19 @@ fn whole_tensor_and_long_row_reductions_match_the_reference() {
     let dev = braid::testing::test_device();
     let x = data(&dev, 300_001, 1);
     let rows = x.narrow(0, 0, 300_000).reshape([3, 100_000]);
-    let outs = [
+    let mut outs = vec![
         x.sum(),
         (x.tanh() * 2.0).mean(),
         x.max(),
         x.exp().min(),
-        x.argmax_dim(0, false),
         rows.softmax(1),
         rows.sum_dim(1, false),
-        rows.argmax_dim(-1, true),
         (rows.exp() - 1.0).max_dim(1, false),
     ];
+    // Indices are i64, which wgpu cannot hold (refused at the call).
+    if dev.target().dtypes.contains(DType::I64) {
+        outs.extend([x.argmax_dim(0, false), rows.argmax_dim(-1, true)]);
+    }
     let refs: Vec<&Tensor> = outs.iter().collect();
     let stats = check_recorded(&refs).unwrap();
     assert!(stats.checked > 300_000, "{stats:?}");

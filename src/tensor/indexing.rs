@@ -24,6 +24,20 @@
 use super::{Dim, Tensor, misuse, same_device};
 use braid_graph::DType;
 
+/// Misuse of `op` on a device that cannot hold i64 (wgpu): the indexing ops compare indices
+/// with an i64 `arange` (and `argmin_dim` gives i64), so they need it.
+#[track_caller]
+fn needs_i64(op: &str, operands: &[(&str, &Tensor)]) {
+    let device = operands[0].1.device();
+    if !device.target().dtypes.contains(DType::I64) {
+        let problem = format!(
+            "{} has no i64, which {op} needs (it compares indices as i64); run it on a device with i64 (the CPU, CUDA)",
+            device.name()
+        );
+        misuse(op, &problem, &describe(operands));
+    }
+}
+
 impl Tensor {
     /// Misuse of `op` unless `index` is an integer tensor; returns it as I64 (what the one-hot
     /// comparison uses).
@@ -52,6 +66,7 @@ impl Tensor {
     pub fn gather(&self, dim: impl Dim, index: &Tensor) -> Tensor {
         let operands = [("x", self), ("index", index)];
         same_device("gather", &operands);
+        needs_i64("gather", &operands);
         let dim = self.dim("gather", dim);
         let fits =
             index.rank() == self.rank() && (0..self.rank()).all(|d| d == dim || index.dims()[d] <= self.dims()[d]);
@@ -94,6 +109,7 @@ impl Tensor {
     pub fn index_select(&self, dim: impl Dim, index: &Tensor) -> Tensor {
         let operands = [("x", self), ("index", index)];
         same_device("index_select", &operands);
+        needs_i64("index_select", &operands);
         let dim = self.dim("index_select", dim);
         if index.rank() != 1 {
             misuse("index_select", "the index must be one-dimensional", &describe(&operands));
@@ -122,6 +138,7 @@ impl Tensor {
     pub fn embedding(&self, weight: &Tensor) -> Tensor {
         let operands = [("ids", self), ("weight", weight)];
         same_device("embedding", &operands);
+        needs_i64("embedding", &operands);
         if weight.rank() != 2 {
             misuse("embedding", "the weight must be [vocabulary, features]", &describe(&operands));
         }
@@ -164,6 +181,7 @@ impl Tensor {
     pub fn scatter_add(&self, dim: impl Dim, index: &Tensor, src: &Tensor) -> Tensor {
         let operands = [("x", self), ("index", index), ("src", src)];
         same_device("scatter_add", &operands);
+        needs_i64("scatter_add", &operands);
         let dim = self.dim("scatter_add", dim);
         let rank = self.rank();
         if !self.dtype().is_numeric() || src.dtype() != self.dtype() {
@@ -195,6 +213,7 @@ impl Tensor {
     /// `-x` for floats and `-1 - x` for integers, which never overflows).
     #[track_caller]
     pub fn argmin_dim(&self, dim: impl Dim, keepdim: bool) -> Tensor {
+        needs_i64("argmin_dim", &[("x", self)]);
         let dim = self.dim("argmin_dim", dim);
         let reversed = match self.dtype() {
             d if d.is_float() => -self,
@@ -220,6 +239,7 @@ impl Tensor {
     pub fn cross_entropy(&self, target: &Tensor) -> Tensor {
         let operands = [("logits", self), ("target", target)];
         same_device("cross_entropy", &operands);
+        needs_i64("cross_entropy", &operands);
         let rank = self.rank();
         if !self.dtype().is_float() || rank == 0 || target.dims() != &self.dims()[..rank - 1] {
             let problem = "the logits must be floats of shape [.., classes] and the target their shape without the \

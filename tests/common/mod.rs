@@ -41,6 +41,16 @@ impl Rng {
 }
 
 /// Random values for `dtype`, already exactly representable in it (never all zeros).
+/// Whether `dev` holds i64 (the indexing ops need it; wgpu has none); prints why `test` is
+/// skipped when not.
+pub fn skip_without_i64(dev: &Device, test: &str) -> bool {
+    let lacks = !dev.target().dtypes.contains(DType::I64);
+    if lacks {
+        eprintln!("skipped: {test}: {} has no i64, which the indexing ops need", dev.name());
+    }
+    lacks
+}
+
 pub fn random_values(rng: &mut Rng, dtype: DType, n: usize) -> Vec<f64> {
     (0..n)
         .map(|_| match dtype {
