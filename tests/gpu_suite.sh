@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the staged test binaries (../shared/gpu/stage) on the GPU machine, several at a time, in
-# the modes the CUDA issue's acceptance names, and writes one log per mode under $OUT.
+# the modes the CUDA and wgpu issues' acceptance names (one log per mode, packed into
+# $OUT/suites.tar.gz), under compute-sanitizer, and checks the CUDA disk cache.
 #
 #   bash tests/gpu_suite.sh pack                here, after ../shared/gpu/stage: fixes the staged names
 #                                               (bench targets are bench-*, and tests/streams.rs is
@@ -22,9 +23,10 @@
 # also run those sanitizer jobs, beside the suites (their logs: $OUT/sanitize-TOOL-BIN.log).
 #
 # tests/cuda_device.rs times kernels and fills the GPU's memory, so it runs alone, after the
-# others (without poison). Each binary gets a time limit (GPU_SUITE_LIMIT seconds, 420 by default) so that one
-# hang cannot eat the device call, and the whole parallel phase GPU_SUITE_BUDGET seconds (480);
-# a binary cut off by either counts as failed (rc 124).
+# others (without poison). Each binary gets a time limit (GPU_SUITE_LIMIT seconds, 420 by
+# default) so that one hang cannot eat the device call, and the whole parallel phase
+# GPU_SUITE_BUDGET seconds (480); a binary cut off by either counts as failed (rc 124). The
+# property suites run GPU_SUITE_CASES programs per test (1000), each test a job of its own.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 case "${1:-}" in
