@@ -32,6 +32,19 @@ pub enum DeviceError {
     Internal(String),
 }
 
+impl DeviceError {
+    /// The error of kernel `label`: kernel and internal errors name it; out of memory and an
+    /// unavailable device stand as they are.
+    #[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(dead_code))]
+    pub(crate) fn in_kernel(self, label: &str) -> DeviceError {
+        match self {
+            DeviceError::Kernel(m) => DeviceError::Kernel(format!("{label}: {m}")),
+            DeviceError::Internal(m) => DeviceError::Internal(format!("{label}: {m}")),
+            e => e,
+        }
+    }
+}
+
 /// The message of a caught panic (for errors that report a bug instead of hanging or crashing).
 pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     panic

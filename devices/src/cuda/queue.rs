@@ -187,7 +187,7 @@ impl CudaQueue<'_, '_> {
         let backend = self.flush.backend;
         let shared = &backend.shared;
         let label = || call.describe();
-        let compiled = backend.prepared(call.kernel).map_err(|e| with_label(e, &label()))?;
+        let compiled = backend.prepared(call.kernel).map_err(|e| e.in_kernel(&label()))?;
         let args = call.args.iter().map(|b| ours(self.flush, b).map(|b| b.addr())).collect::<Result<Vec<u64>, _>>()?;
         let blas = if compiled.needs_blas() { Some(shared.blas(self.lane)?) } else { None };
         shared.gpu.bind()?;
@@ -217,7 +217,7 @@ impl CudaQueue<'_, '_> {
             let gate = vec![shared.state().lanes.point(self.lane)];
             shared.give(s, Mem::Device, false, gate, false);
         }
-        launched.map_err(|e| with_label(e, &label()))?;
+        launched.map_err(|e| e.in_kernel(&label()))?;
         if let Some((start, end)) = span {
             end.record(&self.stream)?;
             if call.timed {
@@ -238,15 +238,6 @@ impl CudaQueue<'_, '_> {
             );
         }
         Ok(())
-    }
-}
-
-/// A kernel's failure, naming the kernel.
-fn with_label(e: DeviceError, label: &str) -> DeviceError {
-    match e {
-        DeviceError::Kernel(m) => DeviceError::Kernel(format!("{label}: {m}")),
-        DeviceError::Internal(m) => DeviceError::Internal(format!("{label}: {m}")),
-        e => e,
     }
 }
 

@@ -101,7 +101,7 @@ impl WgpuQueue<'_, '_> {
         let shared = &backend.shared;
         let timed = tracing::enabled!(target: "braid::kernel", tracing::Level::DEBUG);
         let t0 = timed.then(Instant::now);
-        let compiled = backend.prepared(call.kernel).map_err(|e| with_label(e, &call.describe()))?;
+        let compiled = backend.prepared(call.kernel).map_err(|e| e.in_kernel(&call.describe()))?;
         // One buffer per binding but the zero uniform, in binding order: the argument it names,
         // or a fresh scratch slice (back to the pool when `held` drops, after the kernel is
         // issued: later users of the memory are issued after it).
@@ -140,7 +140,7 @@ impl WgpuQueue<'_, '_> {
         let refs: Vec<(&wgpu::Buffer, u64)> = places.iter().map(|(c, o)| (c, *o)).collect();
         shared
             .encode(|encoder| shared.ctx.encode_at(encoder, &compiled, &refs))
-            .map_err(|e| with_label(e, &call.describe()))?;
+            .map_err(|e| e.in_kernel(&call.describe()))?;
         drop((held, words));
         backend.launched.fetch_add(1, Ordering::Relaxed);
         if let Some(t0) = t0 {
@@ -154,15 +154,6 @@ impl WgpuQueue<'_, '_> {
             );
         }
         Ok(())
-    }
-}
-
-/// A kernel's failure, naming the kernel.
-fn with_label(e: DeviceError, label: &str) -> DeviceError {
-    match e {
-        DeviceError::Kernel(m) => DeviceError::Kernel(format!("{label}: {m}")),
-        DeviceError::Internal(m) => DeviceError::Internal(format!("{label}: {m}")),
-        e => e,
     }
 }
 
