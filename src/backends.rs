@@ -40,3 +40,34 @@ pub(crate) fn wgpu() -> Result<Arc<dyn Backend>> {
         "wgpu is unavailable: this build of braid has no wgpu backend (build with the `wgpu` feature)".into(),
     ))
 }
+
+/// Sets up the transport of a new group of `devices`: CPU devices meet at the host rendezvous
+/// alone; CUDA devices also get NCCL communicators. `Err(Unavailable)` for anything else.
+pub(crate) fn connect_group(
+    devices: &[crate::Device],
+    group: &Arc<braid_devices::collective::Group>,
+) -> std::result::Result<(), braid_devices::DeviceError> {
+    let backends: Vec<&dyn Backend> = devices.iter().map(|d| d.engine().backend.as_ref()).collect();
+    if backends.iter().all(|b| b.as_any().is::<braid_devices::cpu::CpuDevice>()) {
+        return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let cuda: Vec<&braid_devices::cuda::CudaBackend> =
+            backends.iter().filter_map(|b| b.as_any().downcast_ref()).collect();
+        if cuda.len() == backends.len() {
+            #[cfg(feature = "nccl")]
+            return braid_devices::cuda::nccl::connect(&cuda, group);
+            #[cfg(not(feature = "nccl"))]
+            return Err(braid_devices::DeviceError::Unavailable(
+                "collectives between CUDA devices need NCCL: build braid with the `nccl` feature".into(),
+            ));
+        }
+    }
+    let _ = group;
+    let names: Vec<String> = devices.iter().map(|d| d.name()).collect();
+    Err(braid_devices::DeviceError::Unavailable(format!(
+        "collectives run between CPU devices or between CUDA devices, not over {}",
+        names.join(", ")
+    )))
+}

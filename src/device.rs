@@ -24,6 +24,8 @@ pub(crate) struct DeviceInner {
     pub(crate) engine: Arc<Engine>,
     rng: Mutex<RngState>,
     next_stream: AtomicU32,
+    /// The stream collectives run on, made at the first one.
+    comm_stream: std::sync::OnceLock<StreamId>,
 }
 
 struct RngState {
@@ -44,6 +46,7 @@ impl Device {
             engine: Engine::create(backend),
             rng: Mutex::new(RngState { seed: 0, calls: 0 }),
             next_stream: AtomicU32::new(1),
+            comm_stream: std::sync::OnceLock::new(),
         }))
     }
 
@@ -224,6 +227,14 @@ impl Device {
     /// while a flush runs).
     pub fn new_stream(&self) -> Stream {
         Stream::new(self.clone(), StreamId(self.0.next_stream.fetch_add(1, Ordering::Relaxed)))
+    }
+
+    /// The stream this device's collectives ([`crate::dist`]) run on: one per device, made at
+    /// its first use, so communication overlaps the compute of the other streams. Work that
+    /// reads a collective's result waits for it through an event, like any cross-stream read.
+    pub fn comm_stream(&self) -> Stream {
+        let id = *self.0.comm_stream.get_or_init(|| self.new_stream().id);
+        Stream::new(self.clone(), id)
     }
 
     /// Spreads independent branches of default-stream work over `n` streams (the default

@@ -33,6 +33,7 @@
 pub(crate) mod autograd;
 mod backends;
 mod device;
+pub mod dist;
 mod engine;
 mod error;
 pub mod io;

@@ -6,6 +6,7 @@
 //! (behind `wgpu`). A device runs what the schedule says; it never
 //! plans, fuses or reorders.
 
+pub mod collective;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -28,6 +29,10 @@ pub enum DeviceError {
     Kernel(String),
     #[error("device unavailable: {0}")]
     Unavailable(String),
+    /// A collective could not run: its group is broken (a rank failed, was too late, or the
+    /// ranks disagreed on what to run), or no longer exists.
+    #[error("collective failed: {0}")]
+    Collective(String),
     #[error("internal error (a bug in braid): {0}")]
     Internal(String),
 }

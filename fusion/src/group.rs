@@ -132,6 +132,9 @@ fn fold(graph: &FlushGraph, control_pred: &[bool], readers: &[Vec<usize>]) -> Ve
             }
             // A transfer from memory this device cannot read is a copy, never a view.
             Op::ToDevice if is_transfer(graph, i) => {}
+            // A collective reads whole contiguous buffers (NCCL's, a peer's): never a view.
+            Op::Reshape | Op::Permute(_) | Op::Expand | Op::Narrow { .. } | Op::Contiguous | Op::ToDevice
+                if readers[i].iter().any(|&r| matches!(graph.nodes[r].op, Op::Collective(_))) => {}
             Op::Reshape | Op::Permute(_) | Op::Expand | Op::Narrow { .. } | Op::Contiguous | Op::ToDevice => {
                 let input = node.inputs[0];
                 let base = match input {

@@ -121,6 +121,46 @@ pub enum Op {
     /// A user event: a point in its stream's order, after the work recorded on the stream
     /// before it (its control inputs). Carries no data and runs no kernel.
     Event,
+    /// This device's part of a collective over a group of devices (`braid::dist`).
+    Collective(Collective),
+}
+
+/// One device's part of a collective operation over a group of devices: every member records
+/// the same kind, in the same order, on tensors of the same shape. Runs on the device's
+/// communication stream as a library call (NCCL on CUDA, a host rendezvous between CPU
+/// devices), never fused.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+pub struct Collective {
+    pub kind: CollectiveKind,
+    /// The group's id (unique in the process).
+    pub group: u64,
+    /// This device's rank in the group, and the group's size.
+    pub rank: u32,
+    pub size: u32,
+}
+
+/// What a collective computes; gathering and scattering split along the first dimension.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+pub enum CollectiveKind {
+    /// Every rank gets the reduction (sum, mean, max or min) of all ranks' tensors.
+    AllReduce(ReduceOp),
+    /// Every rank gets all ranks' tensors concatenated in rank order.
+    AllGather,
+    /// Rank `r` gets part `r` (of `size` equal parts) of the reduction of all ranks' tensors.
+    ReduceScatter(ReduceOp),
+    /// Every rank gets rank `root`'s tensor.
+    Broadcast { root: u32 },
+}
+
+impl CollectiveKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            CollectiveKind::AllReduce(_) => "all_reduce",
+            CollectiveKind::AllGather => "all_gather",
+            CollectiveKind::ReduceScatter(_) => "reduce_scatter",
+            CollectiveKind::Broadcast { .. } => "broadcast",
+        }
+    }
 }
 
 impl Op {
@@ -148,6 +188,7 @@ impl Op {
             Op::Contiguous => "contiguous",
             Op::ToDevice => "to_device",
             Op::Event => "event",
+            Op::Collective(c) => c.kind.name(),
         }
     }
 

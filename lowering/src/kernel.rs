@@ -131,6 +131,10 @@ pub enum Body {
     Map(Vec<MapLoop>),
     Rows(RowKernel),
     Matmul(MatmulKernel),
+    /// This device's part of a collective over a group of devices, reading argument 0 (the
+    /// whole buffer, contiguous) and writing argument 1: a library call (NCCL, or the host
+    /// rendezvous between CPU devices), never printed as a kernel.
+    Collective(braid_graph::Collective),
 }
 
 /// A buffer argument: its dtype and length in elements. Arguments `0..inputs` are read, the

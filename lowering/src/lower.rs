@@ -107,6 +107,10 @@ impl<'a> Lowering<'a> {
             SegmentKind::Rows { full, axis } => Body::Rows(self.rows(seg, full, *axis)),
             SegmentKind::Matmul => Body::Matmul(self.matmul(seg, args.len())),
             // A transfer is a copy step, not a kernel; as a kernel it would be this same copy.
+            SegmentKind::Single if matches!(g.nodes[seg.nodes[0]].op, Op::Collective(_)) => {
+                let Op::Collective(c) = g.nodes[seg.nodes[0]].op else { unreachable!() };
+                Body::Collective(c)
+            }
             SegmentKind::Single | SegmentKind::Transfer => self.single(seg),
         };
         Kernel { args, inputs: seg.inputs.len(), body }

@@ -34,6 +34,24 @@ impl Grads {
         }
     }
 
+    /// Sets the gradient of leaf `t` to `g`, replacing any (gradients averaged across devices,
+    /// clipped, or computed some other way). Misuse when `t` is not a leaf that requires
+    /// gradients, or `g` differs from it in shape, dtype or device.
+    #[track_caller]
+    pub fn insert(&mut self, t: &Tensor, g: Tensor) {
+        let Some(GradSource::Leaf(id)) = source_of(t) else {
+            misuse("Grads::insert", "t is not a leaf that requires gradients", &[("t", t.describe())])
+        };
+        if g.shape() != t.shape() || g.dtype() != t.dtype() || g.device() != t.device() {
+            misuse(
+                "Grads::insert",
+                "a gradient has its leaf's shape, dtype and device",
+                &[("t", t.describe()), ("g", g.describe())],
+            );
+        }
+        self.by_leaf.insert(id, g);
+    }
+
     /// How many leaves have a gradient.
     pub fn len(&self) -> usize {
         self.by_leaf.len()

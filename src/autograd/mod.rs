@@ -211,7 +211,9 @@ fn differentiable(op: &Op) -> bool {
         | Op::ToDevice => true,
         Op::Reduce { op, .. } => *op != ReduceOp::ArgMax,
         Op::Input | Op::Full(_) | Op::Arange { .. } | Op::Rand { .. } | Op::Randn { .. } | Op::Compare(_) => false,
-        Op::Event => false,
+        // Collectives carry no gradient: data parallelism reduces gradients, it does not
+        // differentiate through the reduction.
+        Op::Event | Op::Collective(_) => false,
     }
 }
 

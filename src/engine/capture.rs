@@ -278,6 +278,12 @@ fn check_work(st: &State, order: &[NodeId], start: u64, arg_nodes: &[NodeId]) ->
         if n.op == Op::Event {
             return Err(Error::Capture("a step cannot record user events".into()));
         }
+        if matches!(n.op, Op::Collective(_)) {
+            return Err(Error::Capture(format!(
+                "a step cannot record collectives yet ({}); record them outside the step",
+                describe(n)
+            )));
+        }
         for p in st.graph.in_edges(id).0 {
             let pn = st.graph.node(p);
             let created_host = pn.seq >= start && matches!(pn.value, Some(Value::Host(_)));

@@ -60,6 +60,7 @@ impl Engine {
                 }
                 st.graph.node_mut(id).value = Some(Value::Lost(reason));
                 st.pending -= 1;
+                super::collective::release_lost(&mut st, id);
             }
             for &t in targets {
                 if lost_target.is_none()
@@ -266,6 +267,8 @@ pub(super) fn walk(st: &mut State, targets: &[NodeId]) -> Walked {
                 None if marks.get(p) == Some(Marks::LOST) => lost.iter().find(|(l, _)| *l == p).map(|(_, r)| r.clone()),
                 _ => None,
             });
+            // A collective whose group is broken can never run: it is lost, not flushed.
+            let reason = reason.or_else(|| super::collective::broken(&graph.node(id).op));
             match reason {
                 Some(r) => {
                     marks.set(id, Marks::LOST);

@@ -22,6 +22,7 @@
 
 pub(crate) mod cache;
 pub(crate) mod capture;
+mod collective;
 pub(crate) mod dump;
 mod env;
 mod flush;
@@ -118,6 +119,9 @@ pub(crate) struct State {
     marks: marks::Marks,
     /// Handles on other engines' nodes to release once this lock is let go.
     deferred: Vec<(Arc<Engine>, NodeId)>,
+    /// Per group: the latest collective recorded here, with its recording order (see
+    /// `collective.rs`).
+    last_collective: HashMap<u64, (NodeId, u64)>,
 }
 
 /// The engine's state under its lock. Handles on other engines' nodes that were dropped
@@ -288,6 +292,7 @@ impl Engine {
                 waits: HashMap::new(),
                 marks: marks::Marks::default(),
                 deferred: Vec::new(),
+                last_collective: HashMap::new(),
             }),
             plans: Mutex::new(Default::default()),
             last_schedule: Mutex::new(None),

@@ -132,11 +132,14 @@ impl Engine {
         let result = match result {
             Ok(outputs) => {
                 install(&mut st, &graph, &schedule.outputs, outputs);
+                super::collective::release_ran(&mut st, &graph);
                 Ok(Planned { graph: graph.clone(), schedule: schedule.clone(), kernels: kernels.clone() })
             }
             Err(e) => {
+                super::collective::abort_groups(&graph, &e);
                 let overwritten = if ran { overwritten_inputs(&schedule) } else { Vec::new() };
                 revert(&mut st, &graph, &donated, &mut lent, &overwritten, ex.number, &e);
+                super::collective::lose_broken(&mut st, &graph, &e);
                 Err(e)
             }
         };

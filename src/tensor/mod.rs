@@ -69,6 +69,11 @@ impl Tensor {
         &self.0.grad
     }
 
+    /// The cell naming the current version (read under the engine lock when recording).
+    pub(crate) fn version_cell(&self) -> &AtomicU32 {
+        &self.0.node
+    }
+
     /// The node of the current version.
     pub(crate) fn node(&self) -> NodeId {
         NodeId::new(self.0.node.load(Ordering::Relaxed) as usize)
@@ -230,7 +235,7 @@ impl Tensor {
     }
 
     /// `[2, 3] f32 on cpu`, as misuse messages print an operand.
-    fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         format!("{} {} on {}", self.0.shape, self.0.dtype, self.0.device)
     }
 }

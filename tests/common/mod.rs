@@ -117,6 +117,7 @@ pub fn call(op: &Op, inputs: &[&Tensor], shape: &Shape, dtype: DType, dev: &Devi
     use braid_graph::table::BinaryOp as B;
     match op {
         Op::Input | Op::Event => unreachable!("leaves are data; events carry no data"),
+        Op::Collective(_) => unreachable!("random programs run on one device; tests/dist.rs checks collectives"),
         Op::Full(v) => Tensor::full(shape.clone(), v.0, dtype, dev),
         Op::Arange { start } => Tensor::arange(*start, *start + shape.numel() as i64, dev),
         Op::Rand { lo, hi, .. } => Tensor::rand(shape.clone(), lo.0, hi.0, dtype, dev),

@@ -251,6 +251,7 @@ fn run_prepared(kernel: &Kernel, row_plan: Option<&rows::Plan>, args: &[ArgPtr])
             None => rows::run_rows(r, &rows::plan(r), args),
         },
         Body::Matmul(m) => matmul::run_matmul(m, args),
+        Body::Collective(c) => Err(format!("{} runs through the queue's rendezvous, not as a kernel", c.kind.name())),
     }
 }
 

@@ -161,4 +161,24 @@ impl Queue for CpuQueue<'_, '_> {
     fn library(&mut self, call: &Call<'_>) -> Result<(), DeviceError> {
         self.run(call)
     }
+
+    fn collective(&mut self, call: &Call<'_>) -> Result<(), DeviceError> {
+        let braid_lowering::Body::Collective(c) = &call.kernel.body else {
+            return Err(DeviceError::Internal(format!("{} is not a collective", call.describe())));
+        };
+        let group = crate::collective::group(c)?;
+        let (input, output) = (cpu(&call.args[0])?, cpu(&call.args[1])?);
+        // SAFETY: the schedule orders every other access to these buffers around this step
+        // (validated), and the walker checked their lengths against the kernel's arguments.
+        let (input, output) = unsafe {
+            (
+                std::slice::from_raw_parts(input.ptr() as *const u8, input.bytes()),
+                std::slice::from_raw_parts_mut(output.ptr(), output.bytes()),
+            )
+        };
+        crate::collective::host::run(&group, c, call.kernel.args[0].dtype, input, output)
+            .map_err(|e| e.in_kernel(&call.describe()))?;
+        self.flush.device.kernels.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
 }

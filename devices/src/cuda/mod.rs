@@ -34,6 +34,8 @@ mod lanes;
 pub mod launch;
 pub mod matmul;
 pub mod memory;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod nvrtc;
 mod queue;
 mod shared;

@@ -324,4 +324,41 @@ impl Queue for CudaQueue<'_, '_> {
     fn library(&mut self, call: &Call<'_>) -> Result<(), DeviceError> {
         self.run(call)
     }
+
+    /// NCCL, on this stream's lane, once every rank has arrived at the group's rendezvous.
+    #[cfg(feature = "nccl")]
+    fn collective(&mut self, call: &Call<'_>) -> Result<(), DeviceError> {
+        let braid_lowering::Body::Collective(c) = &call.kernel.body else {
+            return Err(DeviceError::Internal(format!("{} is not a collective", call.describe())));
+        };
+        let group = crate::collective::group(c)?;
+        let (input, output) = (ours(self.flush, &call.args[0])?, ours(self.flush, &call.args[1])?);
+        let dtype = call.kernel.args[0].dtype;
+        let count = call.kernel.args[0].len;
+        let arrival = group.arrive(c.rank, c, dtype, count, (input.addr() as usize, input.bytes()))?;
+        // NCCL moves the data on the GPUs: the host reads no rank's input.
+        group.finish(arrival.seq);
+        let shared = &self.flush.backend.shared;
+        shared.gpu.bind()?;
+        let span = if call.timed {
+            let (start, end) = (Event::timing(&shared.gpu)?, Event::timing(&shared.gpu)?);
+            start.record(&self.stream)?;
+            Some((start, end))
+        } else {
+            None
+        };
+        // SAFETY: both buffers are live (held by the walker for the step) with the lengths the
+        // collective implies (checked by the walker against the kernel's arguments); the
+        // schedule orders every other access to them around this point of the stream.
+        let r =
+            unsafe { super::nccl::enqueue(&group, c, dtype, count, input.addr(), output.addr(), self.stream.raw()) };
+        shared.bump(self.lane);
+        r.map_err(|e| e.in_kernel(&call.describe()))?;
+        if let Some((start, end)) = span {
+            end.record(&self.stream)?;
+            lock(&self.flush.times).push((self.index, call.step, start, end));
+        }
+        self.flush.backend.launched.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
 }

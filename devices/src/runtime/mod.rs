@@ -122,6 +122,12 @@ pub trait Queue: Send {
     /// Runs a matrix product (a library call on every backend: `gemm`, cuBLAS) and its
     /// epilogue over `args`.
     fn library(&mut self, call: &Call<'_>) -> Result<(), DeviceError>;
+    /// Runs this device's part of a collective (`Body::Collective`): argument 0 is its input,
+    /// argument 1 its output. Every member of the group runs its part in the same order; see
+    /// [`crate::collective`]. A backend without collectives says so.
+    fn collective(&mut self, call: &Call<'_>) -> Result<(), DeviceError> {
+        Err(DeviceError::Unavailable(format!("{}: this device runs no collectives", call.describe())))
+    }
 }
 
 /// One kernel to run: the kernel, its argument buffers (sizes checked by the walker), and how

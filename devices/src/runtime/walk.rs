@@ -220,6 +220,7 @@ impl Walker<'_, '_> {
         let call = Call { id: k, kernel, args: &args, label: job.label, stream, flush: job.flush, step: at, timed };
         match kernel.body {
             braid_lowering::Body::Matmul(_) => queue.library(&call),
+            braid_lowering::Body::Collective(_) => queue.collective(&call),
             _ => queue.launch(&call),
         }
     }

@@ -204,6 +204,7 @@ fn eval_op(op: &Op, dtype: DType, shape: &Shape, ins: &[&RefValue]) -> RefValue 
     match op {
         Op::Input => panic!("Op::Input never appears in a reference program; use ProgNode::Data"),
         Op::Event => panic!("user events carry no data and never appear in a reference program"),
+        Op::Collective(_) => panic!("a collective spans devices; the reference runs one device's program"),
         Op::Full(v) => elementwise::full(dtype, shape, v.0),
         Op::Arange { start } => elementwise::arange(dtype, shape, *start),
         Op::Rand { lo, hi, seed } => elementwise::rand(dtype, shape, lo.0, hi.0, *seed),

@@ -105,6 +105,7 @@ pub fn print(kernel: &Kernel, name: &str) -> Result<CudaSource, String> {
     let mut entries = Vec::new();
     let mut library_product = false;
     let exprs: Vec<&Expr> = match &kernel.body {
+        Body::Collective(c) => return Err(format!("{} is a library call (NCCL), not a printed kernel", c.kind.name())),
         Body::Map(loops) => loops.iter().map(|l| &l.expr).collect(),
         Body::Rows(r) => vec![&r.expr],
         Body::Matmul(m) => m.epilogue.iter().map(|l| &l.expr).collect(),
@@ -117,6 +118,7 @@ pub fn print(kernel: &Kernel, name: &str) -> Result<CudaSource, String> {
             }
         }
         Body::Rows(r) => entries.push(print_rows(&mut body, r, &format!("{name}_rows"), &params)?),
+        Body::Collective(_) => unreachable!("refused above"),
         Body::Matmul(m) => {
             library_product = m.dtype.is_float();
             if m.product as usize == params.len() {

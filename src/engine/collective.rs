@@ -1,0 +1,89 @@
+//! Collectives in the engine: recording one device's part of a collective, keeping it until
+//! it ran, and breaking its group when a flush that holds it fails.
+//!
+//! Every rank of a group pairs its `k`-th collective with the others' `k`-th, so a device must
+//! run its collectives in recording order and must run every one of them, even one whose
+//! result nobody reads any more (the other ranks wait for it). Hence: each collective is ordered
+//! after the device's previous one by a control edge (a flush that runs it runs the earlier ones
+//! first), and holds one extra handle until it ran, so dropping its tensor never drops it.
+//! This module never waits for other devices; the rendezvous (`braid_devices::collective`) does.
+
+use super::{Engine, NewNode, State, Value};
+use braid_graph::{FlushGraph, NodeId, Op};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+impl Engine {
+    /// Records this device's part of a collective (`new.op` is an `Op::Collective`) over the
+    /// version `input` names, after the device's previous collective. Returns the node with one
+    /// handle counted for the caller (and one more that the collective keeps until it ran).
+    pub(crate) fn record_collective(&self, new: NewNode, input: &AtomicU32) -> NodeId {
+        let Op::Collective(c) = &new.op else { unreachable!("record_collective records collectives") };
+        let group = c.group;
+        let mut st = self.state();
+        let source = NodeId::new(input.load(Ordering::Relaxed) as usize);
+        let id = self.add_recorded(&mut st, new, &[source], None, None);
+        st.graph.node_mut(id).handles += 1;
+        if let Some(&(prev, seq)) = st.last_collective.get(&group)
+            && st.graph.contains(prev)
+            && st.graph.node(prev).seq == seq
+            && matches!(st.graph.node(prev).value, None | Some(Value::InFlight(_)))
+        {
+            st.graph.add_control(prev, id);
+        }
+        let seq = st.graph.node(id).seq;
+        st.last_collective.insert(group, (id, seq));
+        self.finish_record(st);
+        id
+    }
+}
+
+/// Why the collective `op` can never run (its group is broken or gone), if it is one.
+pub(super) fn broken(op: &Op) -> Option<String> {
+    let Op::Collective(c) = op else { return None };
+    match braid_devices::collective::group(c) {
+        Ok(group) => {
+            group.broken().map(|r| format!("{} of group {}: the group is broken ({r})", c.kind.name(), c.group))
+        }
+        Err(e) => Some(e.to_string()),
+    }
+}
+
+/// A collective found lost (by a flush's walk) lets go of the handle that kept it until it ran.
+pub(super) fn release_lost(st: &mut State, id: NodeId) {
+    if matches!(st.graph.node(id).op, Op::Collective(_)) {
+        st.drop_handle(id);
+    }
+}
+
+/// After a flush ran: its collectives let go of the handle that kept them until they ran.
+pub(super) fn release_ran(st: &mut State, graph: &FlushGraph) {
+    for n in &graph.nodes {
+        if matches!(n.op, Op::Collective(_)) && st.graph.contains(n.id) {
+            st.drop_handle(n.id);
+        }
+    }
+}
+
+/// After a failed flush was reverted: its collectives can never run (their group is broken), so
+/// they are lost (their readers get the reason) and let go of the handle that kept them.
+pub(super) fn lose_broken(st: &mut State, graph: &FlushGraph, error: &crate::Error) {
+    for n in &graph.nodes {
+        if matches!(n.op, Op::Collective(_)) && st.graph.contains(n.id) && st.graph.node(n.id).value.is_none() {
+            st.graph.node_mut(n.id).value = Some(Value::Lost(format!("its group is broken: {error}")));
+            st.pending -= 1;
+            st.drop_handle(n.id);
+        }
+    }
+}
+
+/// After a flush failed: every group it ran a collective of is broken, so that the other ranks
+/// get an `Err` instead of waiting for this one.
+pub(super) fn abort_groups(graph: &FlushGraph, error: &crate::Error) {
+    for n in &graph.nodes {
+        if let Op::Collective(c) = &n.op
+            && let Ok(group) = braid_devices::collective::group(c)
+        {
+            group.abort(c.rank, &error.to_string());
+        }
+    }
+}
