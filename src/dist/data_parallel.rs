@@ -103,7 +103,7 @@ impl DataParallel {
     }
 
     /// Splits `batch` along its first dimension into one equal shard per rank, each moved to
-    /// its rank's device. Computes `batch` first if it is pending.
+    /// its rank's device now (computing `batch` first if it is pending).
     #[track_caller]
     pub fn scatter(&self, batch: &Tensor) -> Vec<Tensor> {
         let size = self.group.size();
@@ -115,10 +115,13 @@ impl DataParallel {
                 &[("batch", batch.describe())],
             );
         }
-        // The batch is computed first: every rank reads it (see `DataParallel::new`).
-        let _ = super::settle(std::slice::from_ref(batch));
         let shard = rows / size;
-        (self.group.devices().iter().enumerate()).map(|(r, d)| batch.narrow(0, r * shard, shard).to_device(d)).collect()
+        let shards: Vec<Tensor> = (self.group.devices().iter().enumerate())
+            .map(|(r, d)| batch.narrow(0, r * shard, shard).to_device(d))
+            .collect();
+        // Moved now, before the step's collectives are recorded (see `DataParallel::new`).
+        let _ = super::settle(&shards);
+        shards
     }
 
     /// Records backward from every rank's loss (`losses[r]` on rank `r`) and the averaging of

@@ -289,10 +289,11 @@ impl Group {
     }
 }
 
-/// Computes the pending values among `tensors` (without reading them back).
+/// Makes the values of `tensors` exist on their devices now: pending ones computed, host data
+/// uploaded (a flush that uploads host data holds it until it ends), nothing read back.
 fn settle(tensors: &[Tensor]) -> Result<()> {
     for t in tensors {
-        t.device().engine().flush_nodes(&[t.node()])?;
+        t.device().engine().materialize(|| t.node())?;
     }
     Ok(())
 }
