@@ -110,7 +110,6 @@ fn main() {
     let loss = losses[0].item::<f32>().unwrap();
     assert!(loss.is_finite());
     devices[0].set_profiling(false);
-    drop(step);
     // The replicas stay identical (every rank applies the same averaged gradient).
     let first: Vec<Vec<f32>> = (0..ranks).map(|r| dp.params(r)[0].to_vec::<f32>().unwrap()).collect();
     assert!(first.iter().all(|w| *w == first[0]), "replicas diverged");

@@ -95,6 +95,7 @@ fn tolerance(case: &Case) -> (Vec<bool>, f64) {
             };
             return (approx, m.k as f64 * largest(m.lhs.arg) * largest(m.rhs.arg));
         }
+        Body::Collective(_) => unreachable!("the generators make no collectives"),
     }
     (approx, 0.0)
 }
