@@ -71,3 +71,45 @@ pub(crate) fn connect_group(
         names.join(", ")
     )))
 }
+
+/// The setup token rank `rank` of a group spanning processes offers the others: rank 0 of a
+/// CUDA group makes the NCCL unique id; everything else offers zeros.
+pub(crate) fn spanning_token(
+    device: &crate::Device,
+    rank: u32,
+) -> std::result::Result<[u8; braid_devices::collective::net::TOKEN_BYTES], braid_devices::DeviceError> {
+    let backend = device.engine().backend.as_any();
+    if backend.is::<braid_devices::cpu::CpuDevice>() {
+        return Ok([0; braid_devices::collective::net::TOKEN_BYTES]);
+    }
+    #[cfg(feature = "nccl")]
+    if backend.is::<braid_devices::cuda::CudaBackend>() {
+        return if rank == 0 {
+            braid_devices::cuda::nccl::unique_id()
+        } else {
+            Ok([0; braid_devices::collective::net::TOKEN_BYTES])
+        };
+    }
+    let _ = rank;
+    Err(braid_devices::DeviceError::Unavailable(format!(
+        "groups spanning processes run on CPU devices or, with the `nccl` feature, CUDA devices; not on {}",
+        device.name()
+    )))
+}
+
+/// Sets up this process's transport in a group spanning processes, once every process has
+/// joined and rank 0's `token` arrived.
+pub(crate) fn connect_spanning(
+    device: &crate::Device,
+    group: &Arc<braid_devices::collective::Group>,
+    rank: u32,
+    world: u32,
+    token: [u8; braid_devices::collective::net::TOKEN_BYTES],
+) -> std::result::Result<(), braid_devices::DeviceError> {
+    #[cfg(feature = "nccl")]
+    if let Some(cuda) = device.engine().backend.as_any().downcast_ref::<braid_devices::cuda::CudaBackend>() {
+        return braid_devices::cuda::nccl::connect_rank(cuda, group, rank, world, token);
+    }
+    let _ = (device, group, rank, world, token);
+    Ok(())
+}

@@ -167,8 +167,13 @@ fn misuse_is_reported_at_the_call() {
     let odd = [Tensor::zeros([3], DType::F32, &devices[0]), Tensor::zeros([3], DType::F32, &devices[1])];
     assert!(message(&|| drop(group.reduce_scatter(&odd, Reduce::Sum))).contains("equal parts"));
     assert!(message(&|| drop(group.broadcast(&[a.clone(), b.clone()], 2))).contains("root 2"));
-    // A device twice is an Err, not a group.
+    // A device twice is an Err, not a group; so is a group spanning processes without its
+    // environment.
     assert!(Group::new(&[devices[0].clone(), devices[0].clone()]).is_err());
+    if std::env::var("RANK").is_err() {
+        let e = Group::from_env(&devices[0]).expect_err("RANK is not set").to_string();
+        assert!(e.contains("RANK"), "{e}");
+    }
 }
 
 #[test]
@@ -227,43 +232,122 @@ fn init(rng: &mut Rng, device: &Device) -> Vec<Tensor> {
     shapes.iter().map(|s| Tensor::from_vec(random(rng, s.iter().product()), *s, device) * 0.1).collect()
 }
 
-/// Trains the MLP for `steps` steps with SGD on one device and data-parallel over `n` ranks
-/// (with buckets small enough that there are several) and compares every parameter.
-fn data_parallel_matches_single_device(n: usize) {
-    let Some(devices) = ranks(n, &format!("data_parallel_mlp_{n}_ranks")) else { return };
-    let group = Group::new(&devices).unwrap();
+/// Trains the MLP for 20 SGD steps on `reference` (one device, the whole batch) and
+/// data-parallel over `group` (with buckets small enough that there are several; this process's
+/// ranks get their shards) and compares every parameter of this process's ranks.
+fn train_and_compare(group: &Group, reference: &Device) {
+    let local = group.devices().to_vec();
+    let n = group.size();
     let mut rng = Rng::new(7);
-    let single_device = devices[0].clone();
-    let mut single: Vec<Tensor> = init(&mut rng, &single_device).iter().map(|t| t.requires_grad()).collect();
+    let mut single: Vec<Tensor> = init(&mut rng, reference).iter().map(|t| t.requires_grad()).collect();
     let start: Vec<Tensor> =
-        single.iter().map(|t| Tensor::from_vec(t.to_vec::<f32>().unwrap(), t.dims(), &devices[0])).collect();
-    let mut dp = DataParallel::new(&group, &start).with_bucket_bytes(1024);
+        single.iter().map(|t| Tensor::from_vec(t.to_vec::<f32>().unwrap(), t.dims(), &local[0])).collect();
+    let mut dp = DataParallel::new(group, &start).with_bucket_bytes(1024);
     let mut opt_single = Sgd::new(0.1);
-    let mut opts: Vec<Sgd> = (0..n).map(|_| Sgd::new(0.1)).collect();
+    let mut opts: Vec<Sgd> = local.iter().map(|_| Sgd::new(0.1)).collect();
     let batch = 8 * n;
     for step in 0..20 {
-        let x = Tensor::from_vec(random(&mut rng, batch * 8), [batch, 8], &single_device);
-        let y = Tensor::from_vec(random(&mut rng, batch * 4), [batch, 4], &single_device);
+        let x = Tensor::from_vec(random(&mut rng, batch * 8), [batch, 8], reference);
+        let y = Tensor::from_vec(random(&mut rng, batch * 4), [batch, 4], reference);
         let loss = mlp_loss(&single, &x, &y);
         let grads = loss.backward().unwrap();
         opt_single.step(&mut single, &grads);
         let (xs, ys) = (dp.scatter(&x), dp.scatter(&y));
-        let losses: Vec<Tensor> = (0..n).map(|r| mlp_loss(dp.params(r), &xs[r], &ys[r])).collect();
+        let losses: Vec<Tensor> = (0..local.len()).map(|i| mlp_loss(dp.params(i), &xs[i], &ys[i])).collect();
         let grads = dp.backward(&losses).unwrap();
-        for (r, opt) in opts.iter_mut().enumerate() {
-            opt.step(dp.params_mut(r), &grads[r]);
+        for (i, opt) in opts.iter_mut().enumerate() {
+            opt.step(dp.params_mut(i), &grads[i]);
         }
-        // The ranks' mean loss is the single device's loss.
-        let mean: f32 = losses.iter().map(|l| l.item::<f32>().unwrap()).sum::<f32>() / n as f32;
+        // The ranks' mean loss (itself a collective) is the single device's loss.
+        let mean = group.all_reduce(&losses, Reduce::Mean)[0].item::<f32>().unwrap();
         let want = loss.item::<f32>().unwrap();
         assert!((mean - want).abs() <= 1e-5 * (1.0 + want.abs()), "step {step}: loss {mean} vs {want}");
     }
     for (i, p) in single.iter().enumerate() {
         let want = p.to_vec::<f32>().unwrap();
-        for r in 0..n {
-            let got = dp.params(r)[i].to_vec::<f32>().unwrap();
-            close(&got, &want, 1e-5).unwrap_or_else(|e| panic!("parameter {i} on rank {r} after 20 steps: {e}"));
+        for (l, rank) in group.ranks().into_iter().enumerate() {
+            let got = dp.params(l)[i].to_vec::<f32>().unwrap();
+            close(&got, &want, 1e-5).unwrap_or_else(|e| panic!("parameter {i} on rank {rank} after 20 steps: {e}"));
         }
+    }
+}
+
+fn data_parallel_matches_single_device(n: usize) {
+    let Some(devices) = ranks(n, &format!("data_parallel_mlp_{n}_ranks")) else { return };
+    let group = Group::new(&devices).unwrap();
+    train_and_compare(&group, &devices[0]);
+}
+
+/// One rank of a group spanning processes (run by `processes_form_a_group_and_train_like_one`
+/// with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set).
+#[test]
+#[ignore = "a worker process: run by processes_form_a_group_and_train_like_one"]
+fn worker_process() {
+    let rank: usize = std::env::var("RANK").expect("RANK").parse().unwrap();
+    let cuda = std::env::var("BRAID_DEVICE").unwrap_or_default().starts_with("cuda");
+    let device = if cuda { Device::new_cuda(rank).unwrap() } else { Device::new_cpu() };
+    let group = Group::from_env(&device).expect("every process joins");
+    assert_eq!((group.size(), group.ranks()), (2, vec![rank]));
+    // Collectives across the processes.
+    let mine = Tensor::from_vec(vec![rank as f32 + 1.0, 10.0 * rank as f32], [2], &device);
+    assert_eq!(group.all_reduce(std::slice::from_ref(&mine), Reduce::Sum)[0].to_vec::<f32>().unwrap(), vec![3.0, 10.0]);
+    assert_eq!(group.all_gather(std::slice::from_ref(&mine))[0].to_vec::<f32>().unwrap(), vec![1.0, 0.0, 2.0, 10.0]);
+    assert_eq!(group.broadcast(std::slice::from_ref(&mine), 1)[0].to_vec::<f32>().unwrap(), vec![2.0, 10.0]);
+    // Data-parallel training over the processes equals one device's (each process trains the
+    // reference itself, from the same seed).
+    let reference = if cuda { device.clone() } else { Device::new_cpu() };
+    train_and_compare(&group, &reference);
+    // Rank 1 fails before a collective: both processes get an Err naming it, not a hang.
+    let xs = [Tensor::randn([64], DType::F32, &device).exp()];
+    let out = group.all_reduce(&xs, Reduce::Sum);
+    if rank == 1 {
+        braid::testing::fail_next_flush_at(&device, 0);
+    }
+    let e = out[0].to_vec::<f32>().expect_err("rank 1 failed").to_string();
+    let expected = if rank == 1 { "failure injected" } else { "rank 1 failed" };
+    assert!(e.contains(expected), "rank {rank}: {e}");
+    println!("worker {rank}: ok");
+}
+
+#[test]
+fn processes_form_a_group_and_train_like_one() {
+    let kind = std::env::var("BRAID_DEVICE").unwrap_or_default();
+    if kind.starts_with("cuda") && braid_devices::cuda::device_count().unwrap_or(0) < 2 {
+        let _ = writeln!(std::io::stderr(), "skipped: processes_form_a_group: needs 2 GPUs");
+        return;
+    }
+    if !(kind.is_empty() || kind == "cpu" || kind.starts_with("cuda")) {
+        let _ = writeln!(std::io::stderr(), "skipped: processes_form_a_group: BRAID_DEVICE={kind} runs no collectives");
+        return;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let exe = std::env::current_exe().unwrap();
+    let mut children: Vec<std::process::Child> = (0..2)
+        .map(|rank| {
+            std::process::Command::new(&exe)
+                .args(["--ignored", "--exact", "worker_process", "--nocapture", "--test-threads", "1"])
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("BRAID_COLLECTIVE_TIMEOUT", "60")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(240);
+    while children.iter_mut().any(|c| c.try_wait().unwrap().is_none()) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for (rank, mut child) in children.into_iter().enumerate() {
+        if child.try_wait().unwrap().is_none() {
+            let _ = child.kill();
+        }
+        let out = child.wait_with_output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && text.contains(&format!("worker {rank}: ok")), "rank {rank}:\n{text}");
     }
 }
 

@@ -46,9 +46,10 @@ pub struct DataParallel {
 pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
 
 impl DataParallel {
-    /// Replicates `params` onto every device of `group`: a rank whose device holds a parameter
-    /// already uses it (marked to require gradients), the others get copies, computed here.
-    /// Every rank starts from the same values.
+    /// Replicates `params` onto every device of `group` in this process: a rank whose device
+    /// holds a parameter already uses it (marked to require gradients), the others get copies,
+    /// computed here. In a group spanning processes every process calls it and every rank
+    /// starts from rank 0's values (broadcast). Every rank starts from the same values.
     #[track_caller]
     pub fn new(group: &Group, params: &[Tensor]) -> DataParallel {
         for p in params {
@@ -56,6 +57,7 @@ impl DataParallel {
                 misuse("DataParallel::new", "parameters must be floating-point tensors", &[("param", p.describe())]);
             }
         }
+        let spanning = group.devices().len() < group.size();
         let replicas = group
             .devices()
             .iter()
@@ -63,15 +65,32 @@ impl DataParallel {
                 params
                     .iter()
                     .map(|p| {
-                        if p.device() == device {
+                        if p.device() == device && !spanning {
                             if p.needs_grad() { p.clone() } else { p.requires_grad() }
                         } else {
-                            no_grad(|| p.to_device(device)).requires_grad()
+                            no_grad(|| p.to_device(device))
                         }
                     })
                     .collect()
             })
             .collect::<Vec<Vec<Tensor>>>();
+        // Across processes, every process starts from rank 0's values (as DDP does).
+        let replicas: Vec<Vec<Tensor>> = if spanning {
+            let mut out = vec![Vec::new(); replicas.len()];
+            for i in 0..params.len() {
+                let column: Vec<Tensor> = replicas.iter().map(|r| r[i].clone()).collect();
+                for (r, t) in group.broadcast(&column, 0).into_iter().enumerate() {
+                    out[r].push(t);
+                }
+            }
+            out
+        } else {
+            replicas
+        };
+        let replicas: Vec<Vec<Tensor>> = replicas
+            .into_iter()
+            .map(|r| r.into_iter().map(|p| if p.needs_grad() { p } else { p.requires_grad() }).collect())
+            .collect();
         // Computed now, so that no flush of a step that meets at collectives waits for a value
         // another rank's flush computes (see the module docs of `braid::dist`). A failure here
         // is reported by the first read that needs the value.
@@ -92,7 +111,8 @@ impl DataParallel {
         &self.group
     }
 
-    /// Rank `rank`'s parameters, in the order given to [`DataParallel::new`].
+    /// The parameters of this process's `i`-th rank (`group.devices()[i]`; rank `i` unless the
+    /// group spans processes), in the order given to [`DataParallel::new`].
     pub fn params(&self, rank: usize) -> &[Tensor] {
         &self.params[rank]
     }
@@ -102,7 +122,8 @@ impl DataParallel {
         &mut self.params[rank]
     }
 
-    /// Splits `batch` along its first dimension into one equal shard per rank, each moved to
+    /// Splits `batch` along its first dimension into one equal shard per rank (of the whole
+    /// group) and returns this process's ranks' shards, each moved to
     /// its rank's device now (computing `batch` first if it is pending).
     #[track_caller]
     pub fn scatter(&self, batch: &Tensor) -> Vec<Tensor> {
@@ -116,8 +137,8 @@ impl DataParallel {
             );
         }
         let shard = rows / size;
-        let shards: Vec<Tensor> = (self.group.devices().iter().enumerate())
-            .map(|(r, d)| batch.narrow(0, r * shard, shard).to_device(d))
+        let shards: Vec<Tensor> = (self.group.devices().iter().zip(self.group.ranks()))
+            .map(|(d, r)| batch.narrow(0, r * shard, shard).to_device(d))
             .collect();
         // Moved now, before the step's collectives are recorded (see `DataParallel::new`).
         let _ = super::settle(&shards);
@@ -130,11 +151,14 @@ impl DataParallel {
     /// runs until something is read.
     #[track_caller]
     pub fn backward(&self, losses: &[Tensor]) -> Result<Vec<Grads>> {
-        let size = self.group.size();
+        let size = self.group.devices().len();
         if losses.len() != size {
             misuse(
                 "DataParallel::backward",
-                &format!("{} losses for a group of {size} ranks; pass one per rank, in rank order", losses.len()),
+                &format!(
+                    "{} losses for {size} ranks in this process; pass one per rank of this process, in rank order",
+                    losses.len()
+                ),
                 &[],
             );
         }

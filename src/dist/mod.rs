@@ -1,7 +1,9 @@
 //! Collectives over groups of devices, and data-parallel training on top of them.
 //!
-//! A [`Group`] is a set of devices of this process, each one a *rank* (its position in the
-//! list). A collective takes one tensor per rank and returns one per rank, recorded lazily like
+//! A [`Group`] is a set of devices, each one a *rank*: the devices of this process
+//! ([`Group::new`], rank = position in the list), or one device per process, the processes
+//! started like `torchrun` starts them and meeting over TCP at rank 0 ([`Group::from_env`]:
+//! `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`). A collective takes one tensor per rank and returns one per rank, recorded lazily like
 //! any op: each device records its part on its [communication stream](Device::comm_stream), so
 //! the scheduler orders it with events, the validator checks it, dumps show it, and compute on
 //! other streams overlaps it. It runs when a result is read: the ranks meet at a rendezvous
@@ -75,7 +77,11 @@ impl Reduce {
 pub struct Group(Arc<GroupInner>);
 
 struct GroupInner {
+    /// This process's devices, and the rank of each.
     devices: Vec<Device>,
+    ranks: Vec<u32>,
+    /// Ranks in the whole group (more than `devices` when it spans processes).
+    size: usize,
     runtime: Arc<collective::Group>,
 }
 
@@ -123,22 +129,75 @@ impl Group {
             other => Error::Device { device: devices[0].name(), source: other },
         })?;
         collective::register(runtime.clone());
-        Ok(Group(Arc::new(GroupInner { devices: devices.to_vec(), runtime })))
+        let ranks = (0..devices.len() as u32).collect();
+        Ok(Group(Arc::new(GroupInner { devices: devices.to_vec(), ranks, size: devices.len(), runtime })))
     }
 
-    /// Number of ranks.
+    /// A group spanning processes, one rank per process (started like `torchrun` starts them):
+    /// this process is rank `RANK` of `WORLD_SIZE` (both required), on `device`; the processes
+    /// meet at `MASTER_ADDR:MASTER_PORT` (default `127.0.0.1:29500`), where rank 0 listens. CPU
+    /// devices exchange data through rank 0; CUDA devices run NCCL. Every process must call it
+    /// (it returns once all have joined, or an `Err` after the timeout).
+    pub fn from_env(device: &Device) -> Result<Group> {
+        let var = |name: &'static str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+        let number = |name: &'static str| -> Result<usize> {
+            let value = var(name).ok_or_else(|| Error::Environment {
+                name,
+                value: String::new(),
+                reason: "Group::from_env needs RANK and WORLD_SIZE (a launcher such as torchrun sets them)".into(),
+            })?;
+            value.trim().parse().map_err(|_| Error::Environment { name, value, reason: "not a number".into() })
+        };
+        let (rank, world) = (number("RANK")?, number("WORLD_SIZE")?);
+        let host = var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
+        let port = var("MASTER_PORT").unwrap_or_else(|| "29500".into());
+        Group::connect(device, rank, world, &format!("{}:{}", host.trim(), port.trim()))
+    }
+
+    /// A group spanning processes: this process is rank `rank` of `world` on `device`, meeting
+    /// the others at `addr` (`host:port`), where rank 0 listens. See [`Group::from_env`].
+    pub fn connect(device: &Device, rank: usize, world: usize, addr: &str) -> Result<Group> {
+        if world == 0 || rank >= world {
+            return Err(Error::Unavailable(format!("rank {rank} of a group of {world}: not a rank")));
+        }
+        let unavailable = |e: braid_devices::DeviceError| match e {
+            braid_devices::DeviceError::Unavailable(m) => Error::Unavailable(m),
+            other => Error::Device { device: device.name(), source: other },
+        };
+        let token = crate::backends::spanning_token(device, rank as u32).map_err(unavailable)?;
+        let timeout = collective::timeout_from_env();
+        let (net, token) =
+            collective::net::Net::connect(rank as u32, world as u32, addr, token, timeout).map_err(unavailable)?;
+        let id = NEXT_GROUP.fetch_add(1, Ordering::Relaxed);
+        let runtime = Arc::new(collective::Group::spanning(id, world as u32, rank as u32, net));
+        crate::backends::connect_spanning(device, &runtime, rank as u32, world as u32, token).map_err(unavailable)?;
+        collective::register(runtime.clone());
+        Ok(Group(Arc::new(GroupInner {
+            devices: vec![device.clone()],
+            ranks: vec![rank as u32],
+            size: world,
+            runtime,
+        })))
+    }
+
+    /// Number of ranks (in every process of the group).
     pub fn size(&self) -> usize {
-        self.0.devices.len()
+        self.0.size
     }
 
-    /// The devices, by rank.
+    /// This process's devices (every rank's, unless the group spans processes), in rank order.
     pub fn devices(&self) -> &[Device] {
         &self.0.devices
     }
 
+    /// The rank of each of [`Group::devices`].
+    pub fn ranks(&self) -> Vec<usize> {
+        self.0.ranks.iter().map(|&r| r as usize).collect()
+    }
+
     /// The rank of `device`, if it is a member.
     pub fn rank_of(&self, device: &Device) -> Option<usize> {
-        self.0.devices.iter().position(|d| d == device)
+        self.0.devices.iter().position(|d| d == device).map(|i| self.0.ranks[i] as usize)
     }
 
     /// How long a rank waits at a collective for the others before the group is broken.
@@ -222,16 +281,18 @@ impl Group {
     }
 
     fn problem(&self, tensors: &[Tensor], op: Option<Reduce>) -> Option<String> {
-        if tensors.len() != self.size() {
+        let local = self.0.devices.len();
+        if tensors.len() != local {
             return Some(format!(
-                "{} tensors for a group of {} ranks; pass one per rank, in rank order",
+                "{} tensors for a group of {} ranks ({local} in this process); pass one per rank of this process, in rank order",
                 tensors.len(),
                 self.size()
             ));
         }
-        for (r, t) in tensors.iter().enumerate() {
-            if t.device() != &self.0.devices[r] {
-                return Some(format!("tensors[{r}] is on {}, but rank {r} is {}", t.device(), self.0.devices[r]));
+        for (i, t) in tensors.iter().enumerate() {
+            if t.device() != &self.0.devices[i] {
+                let rank = self.0.ranks[i];
+                return Some(format!("tensors[{i}] is on {}, but rank {rank} is {}", t.device(), self.0.devices[i]));
             }
             if t.shape() != tensors[0].shape() || t.dtype() != tensors[0].dtype() {
                 return Some("every rank's tensor must have the same shape and dtype".into());
@@ -277,9 +338,9 @@ impl Group {
         tensors
             .iter()
             .enumerate()
-            .map(|(r, t)| {
+            .map(|(i, t)| {
                 let device = t.device();
-                let op = Op::Collective(Collective { kind, group, rank: r as u32, size });
+                let op = Op::Collective(Collective { kind, group, rank: self.0.ranks[i], size });
                 let stream = device.comm_stream().id;
                 let new = NewNode { op, dtype: t.dtype(), shape: shape.clone(), stream };
                 let node = device.engine().record_collective(new, t.version_cell());

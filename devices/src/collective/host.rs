@@ -1,5 +1,6 @@
-//! The host transport: collectives between devices whose memory the host reads (CPU devices of
-//! one process). Every rank reads every rank's input where it lies and computes its own output,
+//! The host transport: collectives between devices whose memory the host reads (CPU devices).
+//! In one process every rank reads every rank's input where it lies; in a group spanning
+//! processes the inputs come through [`super::net`]. Each rank computes its own output,
 //! combining ranks in rank order so that every rank gets the same bits.
 //!
 //! Sums wrap for integers and mean is for floats only (the recording call checks; an integer
@@ -30,13 +31,22 @@ pub fn run(group: &Group, c: &Collective, dtype: DType, input: &[u8], output: &m
         }
     }
     let _finish = Finish(group, arrival.seq);
-    // SAFETY: each rank's input stays allocated and unwritten until every rank has finished
-    // (its owner waits in `Group::finish`, and its flush orders the free after this step).
-    let parts: Vec<&[u8]> = arrival
-        .inputs
-        .iter()
-        .map(|&(addr, len)| unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
-        .collect();
+    let received;
+    let parts: Vec<&[u8]> = match group.net() {
+        // A group spanning processes: every rank's input comes through rank 0.
+        Some(net) => {
+            received = net.exchange(arrival.seq, input).inspect_err(|e| group.break_with(e.to_string()))?;
+            received.iter().map(Vec::as_slice).collect()
+        }
+        // SAFETY: each rank's input stays allocated and unwritten until every rank has
+        // finished (its owner waits in `Group::finish`, and its flush orders the free after
+        // this step).
+        None => arrival
+            .inputs
+            .iter()
+            .map(|&(addr, len)| unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
+            .collect(),
+    };
     if parts.iter().any(|p| p.len() != input.len()) {
         return Err(DeviceError::Internal(format!("{}: ranks' inputs differ in length", c.kind.name())));
     }

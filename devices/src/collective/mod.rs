@@ -20,6 +20,7 @@
 //! with NCCL on their streams. This module never plans, and never touches an engine.
 
 pub mod host;
+pub mod net;
 
 use crate::DeviceError;
 use braid_graph::{Collective, DType};
@@ -34,6 +35,15 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// How long a rank waits at a collective for the others before the group is broken, unless
 /// the group sets another ([`Group::set_timeout`]) or `BRAID_COLLECTIVE_TIMEOUT` (seconds) does.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// `BRAID_COLLECTIVE_TIMEOUT` (seconds) if set and positive, else [`DEFAULT_TIMEOUT`].
+pub fn timeout_from_env() -> Duration {
+    std::env::var("BRAID_COLLECTIVE_TIMEOUT")
+        .ok()
+        .and_then(|s| s.trim().parse::<f64>().ok())
+        .filter(|s| *s > 0.0)
+        .map_or(DEFAULT_TIMEOUT, Duration::from_secs_f64)
+}
 
 /// How long a rank waits for a late one before nudging it.
 const NUDGE_AFTER: Duration = Duration::from_millis(20);
@@ -72,6 +82,10 @@ struct State {
 pub struct Group {
     id: u64,
     size: u32,
+    /// The ranks this process holds (every rank, unless the group spans processes).
+    local: Vec<u32>,
+    /// The connection to the other processes of a group that spans processes.
+    net: Option<net::Net>,
     timeout: Mutex<Duration>,
     state: Mutex<State>,
     cv: Condvar,
@@ -91,14 +105,25 @@ impl Group {
     /// A group of `size` ranks. `nudge` is called (from a waiting rank's thread) with a rank
     /// that is late to a collective.
     pub fn new(id: u64, size: u32, nudge: Option<Nudge>) -> Group {
-        let timeout = std::env::var("BRAID_COLLECTIVE_TIMEOUT")
-            .ok()
-            .and_then(|s| s.trim().parse::<f64>().ok())
-            .filter(|s| *s > 0.0)
-            .map_or(DEFAULT_TIMEOUT, Duration::from_secs_f64);
+        Group::with_ranks(id, size, (0..size).collect(), None, nudge)
+    }
+
+    /// A group of `size` ranks spread over processes, of which this process holds rank `rank`
+    /// and talks to the others through `net`.
+    pub fn spanning(id: u64, size: u32, rank: u32, net: net::Net) -> Group {
+        Group::with_ranks(id, size, vec![rank], Some(net), None)
+    }
+
+    fn with_ranks(id: u64, size: u32, local: Vec<u32>, net: Option<net::Net>, nudge: Option<Nudge>) -> Group {
+        let timeout = timeout_from_env();
+        if let Some(net) = &net {
+            net.set_timeout(timeout);
+        }
         Group {
             id,
             size,
+            local,
+            net,
             timeout: Mutex::new(timeout),
             state: Mutex::new(State { next: vec![0; size as usize], ..Default::default() }),
             cv: Condvar::new(),
@@ -118,6 +143,19 @@ impl Group {
     /// How long a rank waits for the others at one collective before the group is broken.
     pub fn set_timeout(&self, timeout: Duration) {
         *lock(&self.timeout) = timeout;
+        if let Some(net) = &self.net {
+            net.set_timeout(timeout);
+        }
+    }
+
+    /// The connection to the other processes, for a group that spans processes.
+    pub fn net(&self) -> Option<&net::Net> {
+        self.net.as_ref()
+    }
+
+    /// The ranks held by this process.
+    pub fn local_ranks(&self) -> &[u32] {
+        &self.local
     }
 
     /// Keeps what a backend set up for this group (set once, when the group is made).
@@ -138,10 +176,15 @@ impl Group {
     /// Breaks the group because rank `rank` failed (its flush returned `reason`): every rank
     /// waiting at a collective, and every later collective, returns an `Err` saying so.
     pub fn abort(&self, rank: u32, reason: &str) {
-        self.break_with(format!("rank {rank} failed: {reason}"));
+        let reason = format!("rank {rank} failed: {reason}");
+        if let Some(net) = &self.net {
+            net.abort(&reason);
+        }
+        self.break_with(reason);
     }
 
-    fn break_with(&self, reason: String) {
+    /// Breaks the group for `reason` (a failure seen by this process).
+    pub fn break_with(&self, reason: String) {
         let mut st = lock(&self.state);
         if st.broken.is_none() {
             tracing::warn!(target: "braid::dist", "group {} is broken: {reason}", self.id);
@@ -207,14 +250,14 @@ impl Group {
                 return Err(self.error(&what, reason));
             }
             let round = st.rounds.get_mut(&seq).expect("a round stays until every rank finished");
-            if round.arrived == self.size {
-                let inputs = round.inputs.iter().map(|i| i.expect("arrived")).collect();
+            if round.arrived as usize == self.local.len() {
+                let inputs = round.inputs.iter().flatten().copied().collect();
                 return Ok(Arrival { seq, inputs });
             }
             let waited = start.elapsed();
             if waited >= timeout {
                 let missing: Vec<String> =
-                    (0..self.size).filter(|&r| round.inputs[r as usize].is_none()).map(|r| r.to_string()).collect();
+                    self.local.iter().filter(|&&r| round.inputs[r as usize].is_none()).map(|r| r.to_string()).collect();
                 let reason = format!(
                     "rank {rank} waited {:.1} s at {what} for rank(s) {} (BRAID_COLLECTIVE_TIMEOUT, Group::set_timeout)",
                     waited.as_secs_f64(),
@@ -226,7 +269,8 @@ impl Group {
             }
             if waited >= NUDGE_AFTER && !round.nudged {
                 round.nudged = true;
-                let late: Vec<u32> = (0..self.size).filter(|&r| round.inputs[r as usize].is_none()).collect();
+                let late: Vec<u32> =
+                    self.local.iter().copied().filter(|&r| round.inputs[r as usize].is_none()).collect();
                 drop(st);
                 if let Some(nudge) = &self.nudge {
                     for r in late {
@@ -247,7 +291,7 @@ impl Group {
         let mut st = lock(&self.state);
         let Some(round) = st.rounds.get_mut(&seq) else { return };
         round.finished += 1;
-        if round.finished == self.size {
+        if round.finished as usize == self.local.len() {
             st.rounds.remove(&seq);
             drop(st);
             self.cv.notify_all();

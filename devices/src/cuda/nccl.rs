@@ -1,6 +1,8 @@
 //! NCCL for groups of CUDA devices: one communicator per rank, made for the whole group at once
-//! (`ncclCommInitAll`, one process driving every GPU), and each rank's part of a collective
-//! enqueued on the lane of its braid stream, like any kernel.
+//! (`ncclCommInitAll`) when one process drives every GPU, or one per process
+//! (`ncclCommInitRank`, with the unique id rank 0 hands out through `collective::net`) when
+//! the group spans processes; each rank's part of a collective is enqueued on the lane of its
+//! braid stream, like any kernel.
 //!
 //! The ranks first meet at the group's host rendezvous (`crate::collective`): that checks they
 //! agree on what the `k`-th collective is, flushes a rank that is late, and turns a failed or
@@ -16,9 +18,9 @@ use crate::collective::Group;
 use braid_graph::{Collective, CollectiveKind, DType, ReduceOp};
 use cudarc::nccl::{result, sys};
 
-/// The communicators of a group, by rank.
+/// The communicators this process holds for a group: (rank, communicator).
 pub(crate) struct Comms {
-    comms: Vec<Comm>,
+    comms: Vec<(u32, Comm)>,
 }
 
 struct Comm(sys::ncclComm_t);
@@ -64,9 +66,48 @@ pub fn connect(backends: &[&CudaBackend], group: &Group) -> Result<(), DeviceErr
     unsafe { result::comm_init_all(raw.as_mut_ptr(), ordinals.len() as i32, ordinals.as_ptr()) }
         .map_err(|e| failed("ncclCommInitAll", e))?;
     // The NCCL calls may change the thread's current context: braid binds its own before use.
-    let comms = raw.into_iter().map(Comm).collect();
+    let comms = raw.into_iter().enumerate().map(|(r, c)| (r as u32, Comm(c))).collect();
     group.set_transport(Box::new(Comms { comms }));
     tracing::debug!(target: "braid::dist", "group {}: NCCL communicators on GPUs {ordinals:?}", group.id());
+    Ok(())
+}
+
+fn nccl_present() -> Result<(), DeviceError> {
+    // SAFETY: only looks for the library.
+    if unsafe { sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(DeviceError::Unavailable(
+            "NCCL (libnccl.so.2) was not found; CUDA collectives need it (install NCCL or put it on LD_LIBRARY_PATH)"
+                .into(),
+        ))
+    }
+}
+
+/// A new NCCL unique id, as the setup token rank 0 hands the other processes of a group.
+pub fn unique_id() -> Result<[u8; crate::collective::net::TOKEN_BYTES], DeviceError> {
+    nccl_present()?;
+    let id = result::get_uniqueid().map_err(|e| failed("ncclGetUniqueId", e))?;
+    Ok(id.internal.map(|c| c as u8))
+}
+
+/// This process's communicator in a group spanning processes: rank `rank` of `world`, on
+/// `backend`'s GPU, from the unique id rank 0 handed out (`token`).
+pub fn connect_rank(
+    backend: &CudaBackend,
+    group: &Group,
+    rank: u32,
+    world: u32,
+    token: [u8; crate::collective::net::TOKEN_BYTES],
+) -> Result<(), DeviceError> {
+    nccl_present()?;
+    backend.shared.gpu.bind()?;
+    let id = sys::ncclUniqueId { internal: token.map(|b| b as std::ffi::c_char) };
+    let mut comm = std::ptr::null_mut();
+    // SAFETY: `comm` receives one communicator; every rank passes the same id and world size.
+    unsafe { result::comm_init_rank(&mut comm, world as i32, id, rank as i32) }
+        .map_err(|e| failed("ncclCommInitRank", e))?;
+    group.set_transport(Box::new(Comms { comms: vec![(rank, Comm(comm))] }));
     Ok(())
 }
 
@@ -112,7 +153,10 @@ pub(crate) unsafe fn enqueue(
     let comms = group
         .transport::<Comms>()
         .ok_or_else(|| DeviceError::Internal(format!("group {} has no NCCL communicators", group.id())))?;
-    let comm = comms.comms.get(c.rank as usize).ok_or_else(|| DeviceError::Internal("rank beyond the group".into()))?.0;
+    let comm = (comms.comms.iter().find(|(r, _)| *r == c.rank))
+        .ok_or_else(|| DeviceError::Internal(format!("this process holds no communicator of rank {}", c.rank)))?
+        .1
+        .0;
     let (send, recv) = (send as *const std::ffi::c_void, recv as *mut std::ffi::c_void);
     let ty = data_type(dtype)?;
     let stream = stream as sys::cudaStream_t;

@@ -336,8 +336,12 @@ impl Queue for CudaQueue<'_, '_> {
         let dtype = call.kernel.args[0].dtype;
         let count = call.kernel.args[0].len;
         let arrival = group.arrive(c.rank, c, dtype, count, (input.addr() as usize, input.bytes()))?;
-        // NCCL moves the data on the GPUs: the host reads no rank's input.
+        // NCCL moves the data on the GPUs: the host reads no rank's input. Ranks in other
+        // processes say they arrived (or failed) through the group's connection first.
         group.finish(arrival.seq);
+        if let Some(net) = group.net() {
+            net.exchange(arrival.seq, &[]).inspect_err(|e| group.break_with(e.to_string()))?;
+        }
         let shared = &self.flush.backend.shared;
         shared.gpu.bind()?;
         let span = if call.timed {
