@@ -4,8 +4,9 @@
 //! Every rank of a group pairs its `k`-th collective with the others' `k`-th, so a device must
 //! run its collectives in recording order and must run every one of them, even one whose
 //! result nobody reads any more (the other ranks wait for it). Hence: each collective is ordered
-//! after the device's previous one by a control edge (a flush that runs it runs the earlier ones
-//! first), and holds one extra handle until it ran, so dropping its tensor never drops it.
+//! after the device's previous one of the same group by a control edge (a flush that runs it
+//! runs the earlier ones first), and holds one extra handle until it ran, so dropping its tensor
+//! never drops it.
 //! This module never waits for other devices; the rendezvous (`braid_devices::collective`) does.
 
 use super::{Engine, NewNode, State, Value};
