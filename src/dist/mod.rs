@@ -24,7 +24,10 @@
 //! flush may hold that value *and* wait at a collective for rank 1, whose flush waits for the
 //! value: the ranks wait for each other until the timeout breaks the group. Compute such values
 //! first (read them, or [`Group::sync`] before recording the step); [`DataParallel`] does so for
-//! the replicas it copies and the batch it scatters.
+//! the replicas it copies and the batch it scatters. And, as with NCCL anywhere: two groups
+//! over the same GPUs used from different threads at once may enqueue their collectives in
+//! different orders on different GPUs, which then wait for each other forever; use one group
+//! per set of GPUs at a time.
 //!
 //! ```
 //! use braid::prelude::*;
