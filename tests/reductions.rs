@@ -230,3 +230,29 @@ fn every_split_reduction_op_gives_the_same_bits_at_any_thread_count() {
         assert!(one == run(threads), "results differ between 1 and {threads} threads");
     }
 }
+
+#[test]
+fn long_rows_with_several_passes_match_the_reference() {
+    // Rows longer than one chunk and short enough that the CPU keeps per-element values from
+    // pass to pass instead of recomputing them: on one thread per row (20 rows) and per few
+    // rows (3 rows, too short to split).
+    let dev = braid::testing::test_device();
+    let mut outs = Vec::new();
+    for (rows, len, seed) in [(20usize, 5000usize, 11u64), (3, 30_000, 12)] {
+        let x = Tensor::from_vec(host_data(rows * len, seed, &[]), [rows, len], &dev);
+        dev.seed(seed);
+        let noise = Tensor::randn([rows, len], DType::F32, &dev);
+        let e = (&x - x.max_dim(1, true)).exp();
+        outs.extend([
+            x.softmax(-1),
+            x.log_softmax(1),
+            x.layer_norm(1, 1e-5),
+            &e / e.sum_dim(1, true) + x.tanh().mean_dim(1, true),
+            (&x + &noise).softmax(1) * x.sigmoid(),
+            (x.sin() * 2.0).sum_dim(1, true) + x.sin().max_dim(1, true) - x.sin(),
+        ]);
+    }
+    let refs: Vec<&Tensor> = outs.iter().collect();
+    let stats = check_recorded(&refs).unwrap();
+    assert!(stats.checked > 500_000, "{stats:?}");
+}

@@ -1,7 +1,11 @@
 //! Running reductions for row kernels: one accumulator per inner position of a row, folded a
-//! chunk at a time. Sums and extremes over contiguous rows fold in many independent lanes so
-//! the loops vectorise and do not wait on one register. This module never reads buffers and
-//! never decides what to reduce (see `rows`).
+//! chunk at a time. Sums, extremes, argmax and integer reductions over contiguous rows fold in
+//! many independent lanes so the loops vectorise and do not wait on one register; float sums
+//! are compensated (Kahan) chunk by chunk; `merge` is the ordered combine of a row split across
+//! threads. Every fold gives what the element-by-element loop gives (the first index of a
+//! maximum, NaN sticky), up to the order of a float sum. This module reads buffers only through
+//! `add_contiguous`, whose caller checked the run, and never decides what to reduce (see
+//! `rows`).
 
 use super::eval::{Reg, dispatch_simd};
 use super::rows::inner_runs;

@@ -10,7 +10,7 @@
 use super::eval::{Reg, dispatch_simd};
 use super::map::{CHUNK, Shared, scatter, store_fence};
 use super::reduce::Acc;
-use super::rows::{Plan, eval_row_values, fold_load, row_offset, row_view, scatter_simd, sweep};
+use super::rows::{LONG_CHUNK, Plan, eval_row_values, fold_load, row_offset, row_view, scatter_simd, sweep};
 use braid_graph::expr::ExprOp;
 use braid_lowering::{RowKernel, Store, View};
 use rayon::prelude::*;
@@ -19,9 +19,8 @@ use rayon::prelude::*;
 /// thread).
 const SEGMENT: usize = 64 * CHUNK;
 
-/// Row positions per chunk of a segment: wider than a map loop's chunk, since a pass over a
-/// segment pays its per-chunk costs (gathers, dispatch) once per chunk.
-const SPLIT_CHUNK: usize = 16 * CHUNK;
+/// Row positions per chunk of a segment (as for long rows on one thread).
+const SPLIT_CHUNK: usize = LONG_CHUNK;
 
 /// The segment length for a row of `row` positions: at least [`SEGMENT`], and long rows in
 /// about 256 segments (up to 16 x [`SEGMENT`]) so that a task's fixed cost stays small next to
@@ -133,7 +132,7 @@ fn reduce_segment(
         let mut offsets = vec![0isize; SPLIT_CHUNK];
         let mut fresh = vec![false; nodes.len()];
         let scratch = (&mut chunk[..], &mut offsets[..], &views[..]);
-        sweep(k, p, args, o, need, scratch, rowv, &mut fresh, done, range, |c, m, regs| {
+        sweep(k, p, args, o, need, scratch, rowv, &mut fresh, done, range, None, |c, m, regs| {
             acc.add(&regs[x], c, m, p.inner)
         })
     }
@@ -170,7 +169,7 @@ fn store_segment(
         let mut fresh = vec![false; nodes.len()];
         let views = load_views(k, p, o);
         let scratch = (&mut chunk[..], &mut offsets[..], &views[..]);
-        sweep(k, p, args, o, &p.last_phase, scratch, rowv, &mut fresh, done, range, |c, m, regs| {
+        sweep(k, p, args, o, &p.last_phase, scratch, rowv, &mut fresh, done, range, None, |c, m, regs| {
             for (s, view) in stores {
                 // SAFETY: checked by `rows::run_rows`; segments write disjoint row positions.
                 unsafe {
