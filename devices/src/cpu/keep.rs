@@ -2,9 +2,9 @@
 //! max, then the sum of `exp(x - max)`, then `exp(x - max) / sum` written out) recomputes, on
 //! rows too long to stay in registers, every per-element value a later pass needs. For rows up
 //! to [`KEEP_ROW`] positions this module plans which values to keep instead: each is computed
-//! once, saved into a row-sized scratch (per thread, reused from row to row, so it stays in the
-//! second-level cache) and copied back by later passes, which then skip what it was computed
-//! from. Loads are gathered again rather than kept (as cheap as a copy).
+//! once, saved into a row-sized scratch (one per running task, reused from row to row and, up
+//! to 16 MiB in all, from task to task and kernel to kernel) and copied back by later passes,
+//! which then skip what it was computed from. Loads are gathered again rather than kept (as cheap as a copy).
 //!
 //! It changes only where a value comes from, never the value: kept and recomputed values are
 //! the same bits. It never reads or writes kernel buffers.
@@ -12,10 +12,10 @@
 use super::eval::Reg;
 use braid_graph::expr::ExprOp;
 use braid_lowering::RowKernel;
-use std::cell::RefCell;
+use std::sync::Mutex;
 
 /// Longest row (in positions) whose values are kept: 256Ki f32 values make a 1 MiB scratch.
-pub(super) const KEEP_ROW: usize = 1 << 18;
+pub(super) const KEEP_ROW: usize = 1 << 20;
 
 /// Per pass (the reductions in order, then the per-element outputs): what to evaluate, what to
 /// copy back from the scratch first, what to save into it after.
@@ -70,16 +70,31 @@ pub(super) fn plan(k: &RowKernel, per_row: &[bool], roots: &[Vec<usize>]) -> Opt
     Some(KeepPlan { need, fill, save, kept })
 }
 
-thread_local! {
-    /// Each thread's scratch registers, reused from task to task (a fresh one would fault its
-    /// pages in on every row).
-    static SCRATCH: RefCell<Vec<Reg>> = const { RefCell::new(Vec::new()) };
+/// Scratch register sets given back by finished tasks, for the next (any kernel's): a set is
+/// allocated (and its pages faulted in) about once per thread rather than once per task.
+/// Bounded: sets beyond [`KEPT_BYTES`] in all are freed instead of kept.
+static POOL: Mutex<Vec<Vec<Reg>>> = Mutex::new(Vec::new());
+
+/// The most scratch memory kept between tasks and kernels, all threads together.
+const KEPT_BYTES: usize = 16 << 20;
+
+fn bytes(regs: &[Reg]) -> usize {
+    regs.iter()
+        .map(|r| {
+            r.len()
+                * match r {
+                    Reg::F64(_) | Reg::I64(_) => 8,
+                    Reg::F32(_) | Reg::I32(_) => 4,
+                    Reg::U8(_) | Reg::Bool(_) => 1,
+                }
+        })
+        .sum()
 }
 
-/// This thread's scratch registers for the kept nodes of `plan` (indexed by node; the others
-/// empty), each with room for `row` values. Hand them back with [`give_back`].
+/// Scratch registers for the kept nodes of `plan` (indexed by node; the others empty), each
+/// with room for `row` values. Hand them back with [`give_back`].
 pub(super) fn take(k: &RowKernel, plan: &KeepPlan, row: usize) -> Vec<Reg> {
-    let mut regs = SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    let mut regs = POOL.lock().unwrap_or_else(|p| p.into_inner()).pop().unwrap_or_default();
     let nodes = &k.expr.nodes;
     regs.truncate(nodes.len());
     while regs.len() < nodes.len() {
@@ -94,9 +109,14 @@ pub(super) fn take(k: &RowKernel, plan: &KeepPlan, row: usize) -> Vec<Reg> {
     regs
 }
 
-/// Keeps `regs` for this thread's next [`take`].
+/// Keeps `regs` for a later [`take`] while the pool stays within [`KEPT_BYTES`]; frees them
+/// otherwise.
 pub(super) fn give_back(regs: Vec<Reg>) {
-    SCRATCH.with(|s| *s.borrow_mut() = regs);
+    let mut pool = POOL.lock().unwrap_or_else(|p| p.into_inner());
+    let held: usize = pool.iter().map(|r| bytes(r)).sum();
+    if held + bytes(&regs) <= KEPT_BYTES {
+        pool.push(regs);
+    }
 }
 
 /// Copies `m` values from `src[from..]` into `dst[to..]` (registers of one type).
