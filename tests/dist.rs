@@ -14,6 +14,14 @@ use common::Rng;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
+/// Held by every test: on GPUs, two groups' NCCL collectives enqueued at once can wait for each
+/// other forever (see `braid::dist`), so the tests take turns.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// `n` devices of the kind `BRAID_DEVICE` names, one per rank, or `None` (with a message)
 /// when this machine cannot make a group of `n` of them.
 fn ranks(n: usize, test: &str) -> Option<Vec<Device>> {
@@ -53,6 +61,7 @@ fn close(a: &[f32], b: &[f32], tol: f32) -> Result<(), String> {
 
 #[test]
 fn every_collective_matches_the_host_on_2_and_4_ranks() {
+    let _serial = serial();
     for n in [2, 4] {
         let Some(devices) = ranks(n, "every_collective_matches_the_host") else { continue };
         let group = Group::new(&devices).unwrap();
@@ -106,6 +115,7 @@ fn every_collective_matches_the_host_on_2_and_4_ranks() {
 
 #[test]
 fn one_thread_drives_every_rank_and_results_chain() {
+    let _serial = serial();
     let Some(devices) = ranks(2, "one_thread_drives_every_rank") else { return };
     let group = Group::new(&devices).unwrap();
     let a = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], [3], &devices[0]);
@@ -131,6 +141,7 @@ fn one_thread_drives_every_rank_and_results_chain() {
 
 #[test]
 fn collectives_run_on_the_comm_stream_and_schedules_show_them() {
+    let _serial = serial();
     let Some(devices) = ranks(2, "collectives_run_on_the_comm_stream") else { return };
     let group = Group::new(&devices).unwrap();
     let xs: Vec<Tensor> = devices.iter().map(|d| Tensor::randn([64, 64], DType::F32, d)).collect();
@@ -147,6 +158,7 @@ fn collectives_run_on_the_comm_stream_and_schedules_show_them() {
 
 #[test]
 fn misuse_is_reported_at_the_call() {
+    let _serial = serial();
     let Some(devices) = ranks(2, "misuse_is_reported_at_the_call") else { return };
     let group = Group::new(&devices).unwrap();
     let a = Tensor::zeros([4], DType::F32, &devices[0]);
@@ -178,6 +190,7 @@ fn misuse_is_reported_at_the_call() {
 
 #[test]
 fn a_failed_rank_is_an_err_on_every_rank_not_a_hang() {
+    let _serial = serial();
     let Some(devices) = ranks(2, "a_failed_rank_is_an_err_on_every_rank") else { return };
     let group = Group::new(&devices).unwrap();
     group.set_timeout(Duration::from_secs(60));
@@ -204,6 +217,7 @@ fn a_failed_rank_is_an_err_on_every_rank_not_a_hang() {
 
 #[test]
 fn a_rank_that_never_arrives_times_out_with_a_clear_err() {
+    let _serial = serial();
     let Some(devices) = ranks(2, "a_rank_that_never_arrives_times_out") else { return };
     let group = Group::new(&devices).unwrap();
     group.set_timeout(Duration::from_millis(500));
@@ -283,6 +297,7 @@ fn data_parallel_matches_single_device(n: usize) {
 #[test]
 #[ignore = "a worker process: run by processes_form_a_group_and_train_like_one"]
 fn worker_process() {
+    let _serial = serial();
     let rank: usize = std::env::var("RANK").expect("RANK").parse().unwrap();
     let cuda = std::env::var("BRAID_DEVICE").unwrap_or_default().starts_with("cuda");
     let device = if cuda { Device::new_cuda(rank).unwrap() } else { Device::new_cpu() };
@@ -311,6 +326,7 @@ fn worker_process() {
 
 #[test]
 fn processes_form_a_group_and_train_like_one() {
+    let _serial = serial();
     let kind = std::env::var("BRAID_DEVICE").unwrap_or_default();
     if kind.starts_with("cuda") && braid_devices::cuda::device_count().unwrap_or(0) < 2 {
         let _ = writeln!(std::io::stderr(), "skipped: processes_form_a_group: needs 2 GPUs");
@@ -353,15 +369,18 @@ fn processes_form_a_group_and_train_like_one() {
 
 #[test]
 fn data_parallel_mlp_matches_single_device_on_1_rank() {
+    let _serial = serial();
     data_parallel_matches_single_device(1);
 }
 
 #[test]
 fn data_parallel_mlp_matches_single_device_on_2_ranks() {
+    let _serial = serial();
     data_parallel_matches_single_device(2);
 }
 
 #[test]
 fn data_parallel_mlp_matches_single_device_on_4_ranks() {
+    let _serial = serial();
     data_parallel_matches_single_device(4);
 }

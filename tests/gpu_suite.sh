@@ -33,12 +33,12 @@ case "${1:-}" in
   pack)
     set -e
     cd .gpu/bin
-    for b in card overhead fusion_guard streams gpu_card; do rm -f "test-$b"; done
+    for b in card overhead fusion_guard streams gpu_card data_parallel; do rm -f "test-$b"; done
     # The stage names every target test-NAME, so the streams bench overwrote tests/streams.rs's
     # binary; both are rebuilt (no-ops when fresh) to find them by kind.
     json=$(mktemp)
     cargo test --release --no-run --test streams --message-format=json >"$json"
-    cargo build --release --bench gpu_card --message-format=json >>"$json"
+    cargo build --release --bench gpu_card --bench data_parallel --message-format=json >>"$json"
     python3 - "$json" <<'PY'
 import json, shutil, sys
 for line in open(sys.argv[1]):
@@ -49,7 +49,7 @@ for line in open(sys.argv[1]):
         if kind in ("test", "bench"):  # not the `braid` binary the tests need built
             shutil.copy2(m["executable"], f'{kind}-{m["target"]["name"]}')
 PY
-    strip test-streams bench-gpu_card
+    strip test-streams bench-gpu_card bench-data_parallel
     cd ../..
     mkdir -p .gpupack && cp -r .gpu/debs .gpu/run .gpupack/
     grep -qx '/.gpupack/' .git/info/exclude 2>/dev/null || echo '/.gpupack/' >>.git/info/exclude
