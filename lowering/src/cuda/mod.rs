@@ -30,6 +30,8 @@
 
 mod loops;
 mod product;
+mod reduce;
+mod rows;
 #[cfg(test)]
 mod tests;
 
@@ -37,6 +39,7 @@ pub use crate::cexpr::storage_ctype;
 use crate::cexpr::*;
 use loops::*;
 use product::print_int_product;
+use rows::print_rows;
 
 use crate::kernel::{Body, Kernel, Load, MapLoop, RowKernel, Store, View};
 use braid_graph::expr::{Expr, ExprOp, PrimBinary};
@@ -49,6 +52,11 @@ pub const NVRTC_OPTIONS: &[&str] = &["--std=c++17", "--fmad=false"];
 pub const MAP_BLOCK: u32 = 256;
 /// Most threads per block of a row kernel (its shared arrays are sized for its `threads`).
 pub const MAX_ROW_THREADS: u32 = 256;
+/// Most bytes of shared memory a row kernel spends keeping loaded row elements between its
+/// phases (see `rows.rs`): an f32 row of up to 8192 elements is read from global memory once.
+pub const ROW_KEEP_BYTES: usize = 32 * 1024;
+/// Static shared memory one block may declare (CUDA's limit without a dynamic opt-in).
+const STATIC_SHARED_BYTES: usize = 48 * 1024;
 
 /// A printed kernel: its source and its entry points, in launch order.
 #[derive(Clone, Debug)]

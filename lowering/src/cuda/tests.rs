@@ -218,6 +218,61 @@ fn a_softmax_row_kernel_runs_the_cpu_phases() {
     assert_eq!(p.source.matches("expf(v2)").count(), 2, "recomputed in the last sweep, as on the CPU");
 }
 
+/// A softmax written as max, sub, exp, sum, div along rows of `len` f32 (its output f32).
+fn softmax_rows(rows: usize, len: usize) -> Kernel {
+    let mut b = ExprBuilder::new();
+    let x = b.load(0, DType::F32);
+    let m = b.reduce(ReduceOp::Max, x);
+    let s = b.sub(x, m);
+    let e = b.exp(s);
+    let sum = b.reduce(ReduceOp::Sum, e);
+    let y = b.div(e, sum);
+    let (dims, n) = ([rows, len], rows * len);
+    let r = RowKernel {
+        dims: dims.as_slice().into(),
+        axis: Some(1),
+        loads: vec![load(0, DType::F32, contiguous(&dims))],
+        expr: b.finish(),
+        stores: vec![store(1, DType::F32, contiguous(&dims), y)],
+    };
+    Kernel { args: args(&[(DType::F32, n), (DType::F32, n)]), inputs: 1, body: Body::Rows(r) }
+}
+
+#[test]
+fn a_short_softmax_row_reads_its_input_once_and_a_long_one_per_phase() {
+    // G2's rows (4096 f32, 16 KiB) fit the budget: the first phase reads each element from
+    // global memory once and keeps it in shared memory; the sum and the stores read it there.
+    let src = print(&softmax_rows(8192, 4096), "g2").unwrap().source;
+    assert_eq!(src.matches("a0[").count(), 1, "one global load of the input:\n{src}");
+    assert_eq!(src.matches("a1[").count(), 1, "one global store of the output");
+    in_order(
+        &src,
+        &[
+            "__shared__ float keep0[4096]; // v0, kept for later phases",
+            // Phase 1 (max): loaded and kept.
+            "for (long long t = threadIdx.x; t < 4096LL; t += blockDim.x) {",
+            "const float v0 = a0[d0 * 4096 + d1];",
+            "keep0[t] = v0;",
+            "red1[threadIdx.x] = acc1;",
+            // Phase 2 (sum of exp(x - max)) and the stores: from shared memory.
+            "for (long long t = threadIdx.x; t < 4096LL; t += blockDim.x) {",
+            "const float v0 = keep0[t];",
+            "const float v3 = expf(v2);",
+            "for (long long t = threadIdx.x; t < 4096LL; t += blockDim.x) {",
+            "const float v0 = keep0[t];",
+            "a1[d0 * 4096 + d1] = v5;",
+        ],
+    );
+    assert_eq!(src.matches("keep0[t] = v0;").count(), 1, "written once");
+    // At the budget (8192 f32 = 32 KiB) still kept; one element more, every phase reads the
+    // row from global memory, as before.
+    let src = print(&softmax_rows(2, ROW_KEEP_BYTES / 4), "edge").unwrap().source;
+    assert_eq!(src.matches("a0[").count(), 1, "{src}");
+    let src = print(&softmax_rows(2, ROW_KEEP_BYTES / 4 + 1), "long").unwrap().source;
+    assert!(!src.contains("keep"), "{src}");
+    assert_eq!(src.matches("a0[").count(), 3, "{src}");
+}
+
 #[test]
 fn whole_space_reductions_use_one_row() {
     // Mean over everything (f64) and the first maximum of an i32 ([2, 3], axis None).
