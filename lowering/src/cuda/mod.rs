@@ -8,7 +8,9 @@
 //! sums compensated, so that a thread folding a long row stays within a few ulps), a tree in
 //! shared memory combines them, phase after phase as the CPU's `rows` module does
 //! (reductions in order, per-row values, per-row stores by one thread, per-element stores in a
-//! last sweep). A float matrix product is cuBLAS's job: only its epilogue is printed (no entry at
+//! last sweep). A load that several sweeps read is read from global memory by the first and
+//! kept in shared memory for the others while the row fits [`ROW_KEEP_BYTES`] (so a short
+//! softmax row is read once and written once); longer rows read it again in every sweep. A float matrix product is cuBLAS's job: only its epilogue is printed (no entry at
 //! all when there is none), and the caller must have written the product before launching it
 //! ([`CudaSource::library_product`]). An integer product, which cuBLAS cannot wrap as the CPU
 //! does, is printed as a first entry (`product`).
@@ -28,10 +30,10 @@
 //! suggested shape) or memory (allocation, reuse, aliasing). Arguments are declared without
 //! `__restrict__` because the planner may write an output in place over an input.
 
-mod loops;
-mod product;
-mod reduce;
-mod rows;
+mod loops; // map loops
+mod product; // integer matrix products, printed whole
+mod reduce; // one reduction's fold and shared-memory tree
+mod rows; // row kernels: sweeps, phases, loads kept in shared memory
 #[cfg(test)]
 mod tests;
 
