@@ -2,7 +2,7 @@
 //! on the host by g++ through a small header that emulates the CUDA built-ins they use, run on
 //! random inputs, and compared with `braid_devices::cpu::run_kernel` on the same inputs.
 //!
-//! All kernels go into one C++ file and one g++ run (about 7 s on 2 cores). Map loops run with 8
+//! All kernels go into one C++ file and one g++ run (7 to 20 s on 2 cores). Map loops run with 8
 //! threads per block and at most 3 blocks, so the grid-stride loop wraps; row kernels run three
 //! times, with 1, 4 and 32 threads per block ([`ROW_BLOCKS`]): one thread checks the index math,
 //! the expressions and the phases alone; 4 and 32 run the threads of a block as real host
@@ -11,8 +11,9 @@
 //! at a block size other than the printed one (`tests/cuda_kernels.rs` runs them on a GPU at
 //! every block size, with rows of a million elements). The random rows are short, so they keep
 //! their loads in shared memory; [`long_row_cases`] are too long for that budget and take the
-//! multi-pass path. Integer matrix products are printed whole (cuBLAS cannot wrap them); float
-//! ones start from the CPU's product, as they would from cuBLAS's.
+//! multi-pass path, or, being few, are split into segments through scratch memory. Integer
+//! matrix products are printed whole (cuBLAS cannot wrap them); float ones start from the
+//! CPU's product, as they would from cuBLAS's.
 //!
 //! Comparison: integers and bools exactly, floats bit for bit (NaN equals NaN) unless they
 //! derive from f32 `exp`/`tanh` (the CPU's own polynomials, a few ulps from libm's) or from a
@@ -244,7 +245,16 @@ fn cpp_runner(n: usize, src: &cuda::CudaSource, offsets: &[usize], total: usize)
             "  {{\n  auto mem = braid_read(dir + \"/case{n}.bin\", {total});\n  auto p = (unsigned char*)mem.data();"
         );
         for (a, d) in src.params.iter().enumerate() {
-            let _ = writeln!(f, "  auto a{a} = ({}*)(p + {});", cuda::storage_ctype(*d), offsets[a]);
+            match offsets.get(a) {
+                Some(o) => _ = writeln!(f, "  auto a{a} = ({}*)(p + {o});", cuda::storage_ctype(*d)),
+                // Scratch memory (a split row kernel's), filled with garbage.
+                None => {
+                    let words = src.scratch_bytes / 8 + 1;
+                    let _ =
+                        writeln!(f, "  std::vector<unsigned long long> scratch{a}({words}, 0xBAD0BAD0BAD0BAD0ULL);");
+                    let _ = writeln!(f, "  auto a{a} = (unsigned char*)scratch{a}.data();");
+                }
+            }
         }
         let params: Vec<String> = (0..src.params.len()).map(|a| format!("a{a}")).collect();
         for e in &src.entries {
@@ -262,21 +272,34 @@ fn cpp_runner(n: usize, src: &cuda::CudaSource, offsets: &[usize], total: usize)
     f
 }
 
-/// Row kernels whose rows are too long to keep in shared memory (more than
-/// `cuda::ROW_KEEP_BYTES` even of bytes): the multi-pass path. Float inputs not in f32 (the
-/// CPU's f32 sums of long rows, added one by one, are the less accurate side).
+/// Row kernels with long rows, labelled by the path they take: `multi-pass` (as many rows as
+/// `cuda::SPLIT_BELOW_ROWS`, each too long to keep in shared memory: more than
+/// `cuda::ROW_KEEP_BYTES` in 8-byte elements) and `split` (few rows of several
+/// `cuda::SEGMENT`s). Float inputs not in f32: the CPU's f32 sums of long rows, added one by
+/// one, are the less accurate side.
 fn long_row_cases(rng: &mut Rng, first: usize) -> Vec<Case> {
-    let len = cuda::ROW_KEEP_BYTES + 100;
-    let shapes = [(vec![2, len], Some(1)), (vec![len, 2], Some(0)), (vec![len], None)];
+    let (rows, len) = (cuda::SPLIT_BELOW_ROWS, cuda::ROW_KEEP_BYTES / 8 + 100);
+    let split = 2 * cuda::SEGMENT + 100;
+    let shapes = [
+        ("multi-pass", vec![rows, len], Some(1)),
+        ("multi-pass", vec![len, rows], Some(0)),
+        ("split", vec![3, split], Some(1)),
+        ("split", vec![split, 2], Some(0)),
+        ("split", vec![split], None),
+        ("split", vec![2, 3, split / 5], None),
+    ];
     let mut cases = vec![];
-    for (dims, axis) in shapes {
-        while cases.len() % 2 != 0
-            || cases.iter().filter(|c: &&Case| c.label.contains(&format!("{dims:?}"))).count() < 2
-        {
-            let case = rows_case_over(rng, first + cases.len(), &dims, axis, MathLib::Host, false);
-            if case.kernel.args[0].dtype.compute() != DType::F32 {
-                cases.push(case);
-            }
+    for (path, dims, axis) in shapes {
+        for _ in 0..3 {
+            let mut case = loop {
+                let case = rows_case_over(rng, first + cases.len(), &dims, axis, MathLib::Host, false);
+                let d = case.kernel.args[0].dtype;
+                if d.compute() != DType::F32 && (path == "split" || d.size() == 8) {
+                    break case;
+                }
+            };
+            case.label = format!("{path} {}", case.label);
+            cases.push(case);
         }
     }
     cases
@@ -380,9 +403,12 @@ fn printed_kernels_compute_what_the_cpu_computes() {
     let kept = rows.iter().filter(|s| keeps(s)).count();
     eprintln!("cuda_printer: {} row kernels, {kept} keep loads in shared memory", rows.len());
     assert!(kept >= 50, "{kept} of {} row kernels keep their loads", rows.len());
-    let long = format!("{}", cuda::ROW_KEEP_BYTES + 100);
-    let long: Vec<usize> = (0..cases.len()).filter(|&n| cases[n].label.contains(&long)).collect();
-    assert!(long.len() == 6 && long.iter().all(|&n| !keeps(&printed[n].source)), "long rows keep nothing");
+    let path = |p: &str| (0..cases.len()).filter(|&n| cases[n].label.starts_with(p)).collect::<Vec<_>>();
+    let (multi, split) = (path("multi-pass "), path("split "));
+    let one = |n: &usize| !keeps(&printed[*n].source) && printed[*n].entries.len() == 1;
+    assert!(multi.len() == 6 && multi.iter().all(one), "long rows among many: one entry, nothing kept");
+    let segments = |n: &usize| printed[*n].entries.len() >= 2 && printed[*n].scratch_bytes > 0;
+    assert!(split.len() == 12 && split.iter().all(segments), "long rows among few: split");
     eprintln!(
         "cuda_printer: {} kernels; generated in {:.2?}, g++ {:.2?}, run and compared {:.2?}",
         cases.len(),

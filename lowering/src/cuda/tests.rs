@@ -266,11 +266,64 @@ fn a_short_softmax_row_reads_its_input_once_and_a_long_one_per_phase() {
     assert_eq!(src.matches("keep0[t] = v0;").count(), 1, "written once");
     // At the budget (8192 f32 = 32 KiB) still kept; one element more, every phase reads the
     // row from global memory, as before.
-    let src = print(&softmax_rows(2, ROW_KEEP_BYTES / 4), "edge").unwrap().source;
+    let src = print(&softmax_rows(SPLIT_BELOW_ROWS, ROW_KEEP_BYTES / 4), "edge").unwrap().source;
     assert_eq!(src.matches("a0[").count(), 1, "{src}");
-    let src = print(&softmax_rows(2, ROW_KEEP_BYTES / 4 + 1), "long").unwrap().source;
+    let src = print(&softmax_rows(SPLIT_BELOW_ROWS, ROW_KEEP_BYTES / 4 + 1), "long").unwrap().source;
     assert!(!src.contains("keep"), "{src}");
     assert_eq!(src.matches("a0[").count(), 3, "{src}");
+}
+
+#[test]
+fn long_rows_among_few_rows_are_split_into_segments() {
+    // Two rows of 3 segments: per reduction, partial results per segment and a combination per
+    // row, through scratch memory; then the stores, a block per segment.
+    let len = 2 * SEGMENT + 1;
+    let p = print(&softmax_rows(2, len), "sm").unwrap();
+    let launches: Vec<(&str, Launch)> = p.entries.iter().map(|e| (e.name.as_str(), e.launch)).collect();
+    let (segs, t) = (Launch::Rows { rows: 6, threads: 256 }, Launch::Rows { rows: 2, threads: 256 });
+    assert_eq!(
+        launches,
+        [
+            ("sm_rows_partial1", segs),
+            ("sm_rows_combine1", t),
+            ("sm_rows_partial4", segs),
+            ("sm_rows_combine4", t),
+            ("sm_rows_finish", segs)
+        ]
+    );
+    // Scratch: 6 partials and 2 values per reduction, regions aligned to 8 bytes.
+    assert_eq!(p.scratch_bytes, 2 * (24 + 8));
+    assert_eq!(p.params, [DType::F32, DType::F32, DType::U8]);
+    in_order(
+        &p.source,
+        &[
+            "void sm_rows_partial1(const float* a0, float* a1, unsigned char* a2) {",
+            "const long long row = blockIdx.x / 3;",
+            "const long long seg = blockIdx.x % 3;",
+            "const long long end = seg * 2731LL + 2731LL < 8193LL ? seg * 2731LL + 2731LL : 8193LL;",
+            "for (long long t = seg * 2731LL + threadIdx.x; t < end; t += blockDim.x) {",
+            "if (threadIdx.x == 0) {",
+            "((float*)(a2 + 0))[blockIdx.x] = red1[0];",
+            "void sm_rows_combine1(",
+            "for (long long k = threadIdx.x; k < 3LL; k += blockDim.x) {",
+            "const float v0 = ((float*)(a2 + 0))[row * 3 + k];",
+            "if (threadIdx.x == 0) ((float*)(a2 + 24))[row] = red1[0];",
+            "void sm_rows_partial4(",
+            "const float v1 = ((float*)(a2 + 24))[row];",
+            "const float v3 = expf(v2);",
+            "((float*)(a2 + 32))[blockIdx.x] = red4[0];",
+            "void sm_rows_combine4(",
+            "if (threadIdx.x == 0) ((float*)(a2 + 56))[row] = red4[0];",
+            "void sm_rows_finish(",
+            "const float v1 = ((float*)(a2 + 24))[row];",
+            "const float v4 = ((float*)(a2 + 56))[row];",
+            "a1[",
+        ],
+    );
+    assert!(!p.source.contains("keep"), "segments read their input per phase");
+    // As many rows as the GPU has multiprocessors, or short rows: one block per row.
+    assert_eq!(print(&softmax_rows(SPLIT_BELOW_ROWS, len), "many").unwrap().entries.len(), 1);
+    assert_eq!(print(&softmax_rows(1, 2 * SEGMENT - 1), "short").unwrap().entries.len(), 1);
 }
 
 #[test]
