@@ -10,6 +10,10 @@ use super::reduce::reduction;
 use super::*;
 use std::cell::RefCell;
 
+/// Prints live reduction `i` (`op` of node `x`, of dtype `d`) and returns its value's expression
+/// (arguments `out, i, op, x, d`).
+pub(super) type Reduced<'f> = dyn FnMut(&mut String, usize, ReduceOp, usize, DType) -> Result<String, String> + 'f;
+
 /// The CPU's plan of a row kernel, shared by its entries.
 pub(super) struct RowPlan<'a> {
     pub r: &'a RowKernel,
@@ -121,12 +125,7 @@ impl<'a> RowPlan<'a> {
     /// Prints the nodes before `upto` that are constant along the row, in order: reductions
     /// through `reduced` (which prints and returns the value's expression), the others as
     /// expressions (checked even when dead: the CPU evaluates every per-row node).
-    pub fn per_row_values(
-        &self,
-        out: &mut String,
-        upto: usize,
-        reduced: &mut dyn FnMut(&mut String, usize, ReduceOp, usize, DType) -> Result<String, String>,
-    ) -> Result<(), String> {
+    pub fn per_row_values(&self, out: &mut String, upto: usize, reduced: &mut Reduced<'_>) -> Result<(), String> {
         let nodes = &self.r.expr.nodes;
         for (i, n) in nodes.iter().enumerate().take(upto) {
             let ExprOp::Reduce(op, x) = n.op else {
