@@ -250,8 +250,8 @@ pub(super) fn print_rows(
         let ty = ctype(r.expr.nodes[i].dtype);
         let _ = writeln!(out, "  __shared__ {ty} keep{i}[{len}]; // v{i}, kept for later phases");
     }
-    let whole = ["threadIdx.x".to_string(), format!("{len}LL")];
-    let whole = [whole[0].as_str(), whole[1].as_str()];
+    let end = format!("{len}LL");
+    let whole = ["threadIdx.x", end.as_str()];
     p.per_row_values(out, r.expr.nodes.len(), &mut |out, i, op, x, d| {
         reduction(out, i, op, x, d, [len, threads as usize], &|out, body| {
             p.sweep(out, whole, &p.needed(&[x]), &[], body, Some(&keep))
