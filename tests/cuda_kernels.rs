@@ -2,9 +2,11 @@
 //! test's generators (`cuda_printer/cases.rs`) are compiled by NVRTC, run through
 //! `braid_devices::cuda::run_kernel_on_gpu_with` (cuBLAS for float matrix products), and compared
 //! with `braid_devices::cpu::run_kernel` on the same random inputs (never all zeros). Row
-//! kernels run at every block size from 1 thread to the printed one (long rows, of a million
-//! elements and more, at every block size the printer emits: 32 to 256; their float inputs in
-//! f64, see `long_rows_...`), so the shared-memory trees are exercised for real.
+//! kernels run at every block size from 1 thread to the printed one (rows short enough to keep
+//! their loads in shared memory between phases, rows just too long for that, and long rows
+//! among few rows, split into segments; long rows, of a million elements and more, at every
+//! block size the printer emits: 32 to 256; their float inputs in f64, see `long_rows_...`),
+//! so the shared-memory trees and the split passes are exercised for real.
 //!
 //! Tolerances (those of `tests/cuda_printer.rs`): integers and bools exactly, floats bit for bit
 //! (NaN equals NaN) unless derived from a transcendental function (CUDA's `exp`, `log`, `sin`,
@@ -205,14 +207,29 @@ fn row_kernels_match_the_cpu_at_every_block_size() {
     let mut rng = Rng::new(0x20_55);
     let n = if quick() { 40 } else { 150 };
     let mut cases: Vec<Case> = (0..n).map(|i| rows_case(&mut rng, i, MathLib::Cuda)).collect();
-    let lengths: &[usize] =
-        if quick() { &[1, 33, 257, 4097] } else { &[1, 2, 31, 32, 33, 100, 255, 256, 257, 1000, 4097, 70_001] };
+    let lengths: &[usize] = if quick() {
+        &[1, 33, 257, 4097, 8192]
+    } else {
+        &[1, 2, 31, 32, 33, 100, 255, 256, 257, 1000, 4097, 8192, 8193, 70_001]
+    };
+    // Few rows (fewer than `cuda::SPLIT_BELOW_ROWS`): up to 8191 elements one block per row,
+    // longer ones split into segments through scratch memory.
     for &len in lengths {
         let shapes: [(Vec<usize>, Option<usize>); 4] =
             [(vec![3, len], Some(1)), (vec![len, 3], Some(0)), (vec![2, len, 2], Some(1)), (vec![len], None)];
         for (dims, axis) in shapes {
             let specials = len <= 256;
             cases.push(rows_case_over(&mut rng, cases.len(), &dims, axis, MathLib::Cuda, specials));
+        }
+    }
+    // Enough rows not to split: rows kept in shared memory between phases (`cuda::ROW_KEEP_BYTES`:
+    // up to 8192 elements of 4 bytes, 4096 of 8) and rows one element over, which each phase
+    // reads from global memory.
+    let edges: &[usize] = if quick() { &[8192, 8193] } else { &[4096, 4097, 8192, 8193] };
+    for &len in edges {
+        let rows = cuda::SPLIT_BELOW_ROWS;
+        for (dims, axis) in [(vec![rows, len], Some(1)), (vec![len, rows], Some(0))] {
+            cases.push(rows_case_over(&mut rng, cases.len(), &dims, axis, MathLib::Cuda, false));
         }
     }
     check_cases(&h, "row kernels", &cases, |_, threads| powers(1, threads));
@@ -233,6 +250,7 @@ fn long_rows_and_whole_tensor_reductions_match_the_cpu() {
             (vec![2, 3, 400_000], Some(2)),
             (vec![1100, 1000], Some(1)),
             (vec![1000, 1100], Some(0)),
+            (vec![256, 40_000], Some(1)),
         ]
     };
     // Float inputs in f64 only: the CPU's f32 sums of a million elements are off by up to

@@ -2,12 +2,18 @@
 //! on the host by g++ through a small header that emulates the CUDA built-ins they use, run on
 //! random inputs, and compared with `braid_devices::cpu::run_kernel` on the same inputs.
 //!
-//! All kernels go into one C++ file and one g++ run (about 7 s on 2 cores). Map loops run with 8
-//! threads per block and at most 3 blocks, so the grid-stride loop wraps; row kernels run with
-//! ONE thread per block, so the shared-memory tree does nothing: this checks the index math, the
-//! expressions and the phases of a row kernel, not the parallel reduction (`tests/cuda_kernels.rs`
-//! runs them on a GPU at every block size). Integer matrix products are printed whole (cuBLAS
-//! cannot wrap them); float ones start from the CPU's product, as they would from cuBLAS's.
+//! All kernels go into one C++ file and one g++ run (7 to 20 s on 2 cores). Map loops run with 8
+//! threads per block and at most 3 blocks, so the grid-stride loop wraps; row kernels run three
+//! times, with 1, 4 and 32 threads per block ([`ROW_BLOCKS`]): one thread checks the index math,
+//! the expressions and the phases alone; 4 and 32 run the threads of a block as real host
+//! threads meeting at `__syncthreads` (a barrier), so the shared-memory trees combine partial
+//! results and the row elements a kernel keeps in shared memory between phases are read back
+//! at a block size other than the printed one (`tests/cuda_kernels.rs` runs them on a GPU at
+//! every block size, with rows of a million elements). The random rows are short, so they keep
+//! their loads in shared memory; [`long_row_cases`] are too long for that budget and take the
+//! multi-pass path, or, being few, are split into segments through scratch memory. Integer
+//! matrix products are printed whole (cuBLAS cannot wrap them); float ones start from the
+//! CPU's product, as they would from cuBLAS's.
 //!
 //! Comparison: integers and bools exactly, floats bit for bit (NaN equals NaN) unless they
 //! derive from f32 `exp`/`tanh` (the CPU's own polynomials, a few ulps from libm's) or from a
@@ -39,7 +45,10 @@ const HEADER: &str = r#"#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <condition_variable>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 using std::isnan;
 using std::isfinite;
@@ -49,8 +58,22 @@ using std::isfinite;
 #define __restrict__
 #define __shared__ static
 struct braid_dim3 { unsigned x, y, z; };
-static braid_dim3 blockIdx, threadIdx, blockDim, gridDim;
-static inline void __syncthreads() {}
+static thread_local braid_dim3 blockIdx, threadIdx;
+static braid_dim3 blockDim, gridDim;
+// `__syncthreads` for the `n` threads of the block being run (reusable, one generation a use).
+struct braid_barrier {
+  std::mutex m;
+  std::condition_variable cv;
+  unsigned n = 1, waiting = 0, generation = 0;
+  void wait() {
+    std::unique_lock<std::mutex> lock(m);
+    unsigned g = generation;
+    if (++waiting == n) { waiting = 0; ++generation; cv.notify_all(); return; }
+    cv.wait(lock, [&] { return generation != g; });
+  }
+};
+static braid_barrier braid_block;
+static inline void __syncthreads() { braid_block.wait(); }
 static inline float __int_as_float(int b) { float f; std::memcpy(&f, &b, 4); return f; }
 static inline double __longlong_as_double(long long b) { double f; std::memcpy(&f, &b, 8); return f; }
 // x rounded to nearest-even with p significant bits and smallest normal exponent emin.
@@ -116,6 +139,25 @@ template <class F> static void braid_launch(unsigned grid, unsigned block, F f) 
       f();
     }
 }
+// Runs f as every thread of every block: blocks one after another, the threads of a block as
+// concurrent host threads, so that they meet at __syncthreads and share the `__shared__` (static)
+// arrays as a block does.
+template <class F> static void braid_launch_threads(unsigned grid, unsigned block, F f) {
+  gridDim = {grid, 1, 1};
+  blockDim = {block, 1, 1};
+  braid_block.n = block;
+  for (unsigned b = 0; b < grid; ++b) {
+    std::vector<std::thread> threads;
+    for (unsigned t = 0; t < block; ++t)
+      threads.emplace_back([b, t, &f] {
+        blockIdx = {b, 0, 0};
+        threadIdx = {t, 0, 0};
+        f();
+      });
+    for (auto& t : threads) t.join();
+  }
+  braid_block.n = 1;
+}
 "#;
 
 /// Runs `k` on the CPU over copies of `init`; returns every argument's bytes after.
@@ -175,29 +217,92 @@ fn compare(case: &Case, cpu: &[Vec<u8>], got: &[u8]) -> Option<String> {
     None
 }
 
+/// Threads per block the emulated row kernels run with, each run from the case's inputs.
+const ROW_BLOCKS: [u32; 3] = [1, 4, 32];
+
+/// The runs of a case: for a row kernel one per [`ROW_BLOCKS`] (`Some(threads)`), else one.
+fn runs_of(src: &cuda::CudaSource) -> Vec<Option<u32>> {
+    let rows = src.entries.iter().any(|e| matches!(e.launch, Launch::Rows { .. }));
+    if rows { ROW_BLOCKS.iter().map(|&t| Some(t)).collect() } else { vec![None] }
+}
+
+/// The file a run of case `n` writes its arguments to.
+fn out_name(n: usize, run: Option<u32>) -> String {
+    match run {
+        Some(t) => format!("case{n}.t{t}.out"),
+        None => format!("case{n}.out"),
+    }
+}
+
 /// The C++ function that runs case `n` (printed as `src`) over the contents of its file
-/// (`total` bytes, argument `a` at `offsets[a]`) and writes them back.
+/// (`total` bytes, argument `a` at `offsets[a]`) and writes them back, once per run.
 fn cpp_runner(n: usize, src: &cuda::CudaSource, offsets: &[usize], total: usize) -> String {
     let mut f = format!("namespace case{n} {{\n{}}}\n", src.source);
     let _ = writeln!(f, "static void run_case{n}(const std::string& dir) {{\n  std::fputs(\"case{n}\\n\", stderr);");
-    let _ = writeln!(
-        f,
-        "  auto mem = braid_read(dir + \"/case{n}.bin\", {total});\n  auto p = (unsigned char*)mem.data();"
-    );
-    for (a, d) in src.params.iter().enumerate() {
-        let _ = writeln!(f, "  auto a{a} = ({}*)(p + {});", cuda::storage_ctype(*d), offsets[a]);
+    for run in runs_of(src) {
+        let _ = writeln!(
+            f,
+            "  {{\n  auto mem = braid_read(dir + \"/case{n}.bin\", {total});\n  auto p = (unsigned char*)mem.data();"
+        );
+        for (a, d) in src.params.iter().enumerate() {
+            match offsets.get(a) {
+                Some(o) => _ = writeln!(f, "  auto a{a} = ({}*)(p + {o});", cuda::storage_ctype(*d)),
+                // Scratch memory (a split row kernel's), filled with garbage.
+                None => {
+                    let words = src.scratch_bytes / 8 + 1;
+                    let _ =
+                        writeln!(f, "  std::vector<unsigned long long> scratch{a}({words}, 0xBAD0BAD0BAD0BAD0ULL);");
+                    let _ = writeln!(f, "  auto a{a} = (unsigned char*)scratch{a}.data();");
+                }
+            }
+        }
+        let params: Vec<String> = (0..src.params.len()).map(|a| format!("a{a}")).collect();
+        for e in &src.entries {
+            let (launcher, grid, block) = match (e.launch, run) {
+                (Launch::Map { numel, .. }, _) => ("braid_launch", numel.div_ceil(8).min(3), 8),
+                (Launch::Rows { rows, .. }, Some(t)) if t > 1 => ("braid_launch_threads", rows, t),
+                (Launch::Rows { rows, .. }, _) => ("braid_launch", rows, 1),
+            };
+            let (name, params) = (&e.name, params.join(", "));
+            let _ = writeln!(f, "  {launcher}({grid}, {block}, [&] {{ case{n}::{name}({params}); }});");
+        }
+        let _ = writeln!(f, "  braid_write(dir + \"/{}\", mem, {total});\n  }}", out_name(n, run));
     }
-    let params: Vec<String> = (0..src.params.len()).map(|a| format!("a{a}")).collect();
-    for e in &src.entries {
-        let (grid, block) = match e.launch {
-            Launch::Map { numel, .. } => (numel.div_ceil(8).min(3), 8),
-            Launch::Rows { rows, .. } => (rows, 1),
-        };
-        let (name, params) = (&e.name, params.join(", "));
-        let _ = writeln!(f, "  braid_launch({grid}, {block}, [&] {{ case{n}::{name}({params}); }});");
-    }
-    let _ = writeln!(f, "  braid_write(dir + \"/case{n}.out\", mem, {total});\n}}");
+    f.push_str("}\n");
     f
+}
+
+/// Row kernels with long rows, labelled by the path they take: `multi-pass` (as many rows as
+/// `cuda::SPLIT_BELOW_ROWS`, each too long to keep in shared memory: more than
+/// `cuda::ROW_KEEP_BYTES` in 8-byte elements) and `split` (few rows of several
+/// `cuda::SEGMENT`s). Float inputs not in f32: the CPU's f32 sums of long rows, added one by
+/// one, are the less accurate side.
+fn long_row_cases(rng: &mut Rng, first: usize) -> Vec<Case> {
+    let (rows, len) = (cuda::SPLIT_BELOW_ROWS, cuda::ROW_KEEP_BYTES / 8 + 100);
+    let split = 2 * cuda::SEGMENT + 100;
+    let shapes = [
+        ("multi-pass", vec![rows, len], Some(1)),
+        ("multi-pass", vec![len, rows], Some(0)),
+        ("split", vec![3, split], Some(1)),
+        ("split", vec![split, 2], Some(0)),
+        ("split", vec![split], None),
+        ("split", vec![2, 3, split / 5], None),
+    ];
+    let mut cases = vec![];
+    for (path, dims, axis) in shapes {
+        for _ in 0..3 {
+            let mut case = loop {
+                let case = rows_case_over(rng, first + cases.len(), &dims, axis, MathLib::Host, false);
+                let d = case.kernel.args[0].dtype;
+                if d.compute() != DType::F32 && (path == "split" || d.size() == 8) {
+                    break case;
+                }
+            };
+            case.label = format!("{path} {}", case.label);
+            cases.push(case);
+        }
+    }
+    cases
 }
 
 #[test]
@@ -211,6 +316,7 @@ fn printed_kernels_compute_what_the_cpu_computes() {
     let mut cases = vec![edges_case()];
     cases.extend((0..300).map(|n| map_case(&mut rng, n, MathLib::Host)));
     cases.extend((0..150).map(|n| rows_case(&mut rng, n, MathLib::Host)));
+    cases.extend(long_row_cases(&mut rng, 150));
     cases.extend((0..6).map(|n| concat_case(&mut rng, n)));
     cases.extend((0..16).map(|n| matmul_case(&mut rng, n)));
     let dir = std::env::temp_dir().join(format!("braid_cuda_printer_{}", std::process::id()));
@@ -247,7 +353,7 @@ fn printed_kernels_compute_what_the_cpu_computes() {
     let generated = start.elapsed();
     let exe = dir.join("emulated");
     let out = Command::new("g++")
-        .args(["-O1", "-std=c++17", "-fno-builtin", "-ffp-contract=off", "-w", "-I"])
+        .args(["-O1", "-std=c++17", "-pthread", "-fno-builtin", "-ffp-contract=off", "-w", "-I"])
         .arg(&dir)
         // Opt-in: also catch out-of-bounds accesses and undefined behaviour such as signed
         // overflow in the printed code (makes g++ about three times slower).
@@ -277,14 +383,32 @@ fn printed_kernels_compute_what_the_cpu_computes() {
     }
     let mut failures = vec![];
     for (n, case) in cases.iter().enumerate() {
-        let got = std::fs::read(dir.join(format!("case{n}.out"))).unwrap();
-        if let Some(f) = compare(case, &cpu[n], &got) {
-            if failures.len() < 3 {
-                eprintln!("--- {}\n{:#?}\n{}", case.label, case.kernel, printed[n].source);
+        for run in runs_of(&printed[n]) {
+            let got = std::fs::read(dir.join(out_name(n, run))).unwrap();
+            if let Some(f) = compare(case, &cpu[n], &got) {
+                if failures.len() < 3 {
+                    eprintln!("--- {} ({run:?} threads)\n{:#?}\n{}", case.label, case.kernel, printed[n].source);
+                }
+                failures.push(format!("{f} ({run:?} threads per row)"));
+                break;
             }
-            failures.push(f);
         }
     }
+    // Both row paths ran: rows kept in shared memory between phases, and rows read per phase.
+    let rows: Vec<&str> = (printed.iter())
+        .filter(|p| p.entries.iter().any(|e| matches!(e.launch, Launch::Rows { .. })))
+        .map(|p| p.source.as_str())
+        .collect();
+    let keeps = |s: &str| s.contains("__shared__") && s.contains(" keep");
+    let kept = rows.iter().filter(|s| keeps(s)).count();
+    eprintln!("cuda_printer: {} row kernels, {kept} keep loads in shared memory", rows.len());
+    assert!(kept >= 50, "{kept} of {} row kernels keep their loads", rows.len());
+    let path = |p: &str| (0..cases.len()).filter(|&n| cases[n].label.starts_with(p)).collect::<Vec<_>>();
+    let (multi, split) = (path("multi-pass "), path("split "));
+    let one = |n: &usize| !keeps(&printed[*n].source) && printed[*n].entries.len() == 1;
+    assert!(multi.len() == 6 && multi.iter().all(one), "long rows among many: one entry, nothing kept");
+    let segments = |n: &usize| printed[*n].entries.len() >= 2 && printed[*n].scratch_bytes > 0;
+    assert!(split.len() == 12 && split.iter().all(segments), "long rows among few: split");
     eprintln!(
         "cuda_printer: {} kernels; generated in {:.2?}, g++ {:.2?}, run and compared {:.2?}",
         cases.len(),

@@ -130,7 +130,8 @@ impl CudaKernel {
             (None, Body::Matmul(m)) if m.product as usize == self.kernel.args.len() => {
                 m.lhs.batch_offsets.len() * m.m * m.n * m.dtype.size()
             }
-            _ => 0,
+            // A split row kernel's partial results and row values.
+            _ => self.source.scratch_bytes,
         }
     }
 
@@ -159,8 +160,9 @@ impl CudaKernel {
         }
         let mut params = args.to_vec();
         if self.source.params.len() == args.len() + 1 {
-            // The product in scratch memory is the last parameter of the printed entries; a
-            // float plan places it at the start of the scratch memory.
+            // The product in scratch memory (or a split row kernel's scratch) is the last
+            // parameter of the printed entries; a float plan places it at the start of the
+            // scratch memory.
             params.push(scratch);
         }
         if let Some(plan) = &self.matmul {

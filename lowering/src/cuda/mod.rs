@@ -8,7 +8,12 @@
 //! sums compensated, so that a thread folding a long row stays within a few ulps), a tree in
 //! shared memory combines them, phase after phase as the CPU's `rows` module does
 //! (reductions in order, per-row values, per-row stores by one thread, per-element stores in a
-//! last sweep). A float matrix product is cuBLAS's job: only its epilogue is printed (no entry at
+//! last sweep). A load that several sweeps read is read from global memory by the first and
+//! kept in shared memory for the others while the row fits [`ROW_KEEP_BYTES`] (so a short
+//! softmax row is read once and written once); longer rows read it again in every sweep. Long
+//! rows among few rows (a whole-tensor reduction) are split into segments of [`SEGMENT`], a
+//! block each, per reduction a pass of partial results into scratch memory and a pass that
+//! combines them per row, then a last pass for the stores (`split.rs`). A float matrix product is cuBLAS's job: only its epilogue is printed (no entry at
 //! all when there is none), and the caller must have written the product before launching it
 //! ([`CudaSource::library_product`]). An integer product, which cuBLAS cannot wrap as the CPU
 //! does, is printed as a first entry (`product`).
@@ -28,8 +33,11 @@
 //! suggested shape) or memory (allocation, reuse, aliasing). Arguments are declared without
 //! `__restrict__` because the planner may write an output in place over an input.
 
-mod loops;
-mod product;
+mod loops; // map loops
+mod product; // integer matrix products, printed whole
+mod reduce; // one reduction's fold and shared-memory tree
+mod rows; // row kernels: sweeps, phases, loads kept in shared memory
+mod split; // long rows among few rows: segments, partial results in scratch
 #[cfg(test)]
 mod tests;
 
@@ -37,6 +45,8 @@ pub use crate::cexpr::storage_ctype;
 use crate::cexpr::*;
 use loops::*;
 use product::print_int_product;
+use rows::print_rows;
+pub use split::{SEGMENT, SPLIT_BELOW_ROWS};
 
 use crate::kernel::{Body, Kernel, Load, MapLoop, RowKernel, Store, View};
 use braid_graph::expr::{Expr, ExprOp, PrimBinary};
@@ -49,6 +59,11 @@ pub const NVRTC_OPTIONS: &[&str] = &["--std=c++17", "--fmad=false"];
 pub const MAP_BLOCK: u32 = 256;
 /// Most threads per block of a row kernel (its shared arrays are sized for its `threads`).
 pub const MAX_ROW_THREADS: u32 = 256;
+/// Most bytes of shared memory a row kernel spends keeping loaded row elements between its
+/// phases (see `rows.rs`): an f32 row of up to 8192 elements is read from global memory once.
+pub const ROW_KEEP_BYTES: usize = 32 * 1024;
+/// Static shared memory one block may declare (CUDA's limit without a dynamic opt-in).
+const STATIC_SHARED_BYTES: usize = 48 * 1024;
 
 /// A printed kernel: its source and its entry points, in launch order.
 #[derive(Clone, Debug)]
@@ -57,12 +72,16 @@ pub struct CudaSource {
     pub entries: Vec<Entry>,
     /// The parameters of every entry point, in order: the kernel's arguments (`a0`, `a1`, ...),
     /// then, for a matrix product without an argument for it, the scratch buffer holding the
-    /// product (read by the epilogue).
+    /// product (read by the epilogue), or for a split row kernel its scratch bytes.
     pub params: Vec<DType>,
     /// Whether the caller computes the kernel's matrix product (a float product, through a
     /// library such as cuBLAS) into its `product` parameter before launching the entries.
     /// False for every other kernel, integer products included (their first entry computes it).
     pub library_product: bool,
+    /// Bytes of scratch memory a split row kernel's entries share, passed as their last
+    /// parameter (a `u8` in `params`); 0 for every other kernel (a matrix product's scratch is
+    /// the caller's plan).
+    pub scratch_bytes: usize,
 }
 
 /// One `extern "C" __global__` function.
@@ -77,8 +96,8 @@ pub enum Launch {
     /// `numel` indices, one per thread, `block` threads per block suggested; the loop strides
     /// over the grid, so a smaller grid is fine. Nothing to launch when `numel` is 0.
     Map { numel: usize, block: u32 },
-    /// One block per row (`rows` blocks) of `threads` threads (or fewer, a power of two).
-    /// Nothing to launch when `rows` is 0.
+    /// `rows` blocks (one per row, or per segment of a row in a split row kernel) of `threads`
+    /// threads (or fewer, a power of two). Nothing to launch when `rows` is 0.
     Rows { rows: usize, threads: u32 },
 }
 
@@ -104,6 +123,7 @@ pub fn print(kernel: &Kernel, name: &str) -> Result<CudaSource, String> {
     let mut body = String::new();
     let mut entries = Vec::new();
     let mut library_product = false;
+    let mut scratch_bytes = 0;
     let exprs: Vec<&Expr> = match &kernel.body {
         Body::Collective(c) => return Err(format!("{} is a library call (NCCL), not a printed kernel", c.kind.name())),
         Body::Map(loops) => loops.iter().map(|l| &l.expr).collect(),
@@ -117,7 +137,11 @@ pub fn print(kernel: &Kernel, name: &str) -> Result<CudaSource, String> {
                 entries.push(e);
             }
         }
-        Body::Rows(r) => entries.push(print_rows(&mut body, r, &format!("{name}_rows"), &params)?),
+        Body::Rows(r) => {
+            let (e, scratch) = print_rows(&mut body, r, &format!("{name}_rows"), &mut params)?;
+            entries.extend(e);
+            scratch_bytes = scratch;
+        }
         Body::Collective(_) => unreachable!("refused above"),
         Body::Matmul(m) => {
             library_product = m.dtype.is_float();
@@ -145,7 +169,8 @@ pub fn print(kernel: &Kernel, name: &str) -> Result<CudaSource, String> {
     }
     source.push_str(&helpers("__device__ __forceinline__"));
     source.push_str(&body);
-    Ok(CudaSource { source, entries, params: params.iter().map(|p| p.dtype).collect(), library_product })
+    let params = params.iter().map(|p| p.dtype).collect();
+    Ok(CudaSource { source, entries, params, library_product, scratch_bytes })
 }
 
 /// [`check_printable`] against the entry points' parameters.

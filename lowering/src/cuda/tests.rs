@@ -218,6 +218,114 @@ fn a_softmax_row_kernel_runs_the_cpu_phases() {
     assert_eq!(p.source.matches("expf(v2)").count(), 2, "recomputed in the last sweep, as on the CPU");
 }
 
+/// A softmax written as max, sub, exp, sum, div along rows of `len` f32 (its output f32).
+fn softmax_rows(rows: usize, len: usize) -> Kernel {
+    let mut b = ExprBuilder::new();
+    let x = b.load(0, DType::F32);
+    let m = b.reduce(ReduceOp::Max, x);
+    let s = b.sub(x, m);
+    let e = b.exp(s);
+    let sum = b.reduce(ReduceOp::Sum, e);
+    let y = b.div(e, sum);
+    let (dims, n) = ([rows, len], rows * len);
+    let r = RowKernel {
+        dims: dims.as_slice().into(),
+        axis: Some(1),
+        loads: vec![load(0, DType::F32, contiguous(&dims))],
+        expr: b.finish(),
+        stores: vec![store(1, DType::F32, contiguous(&dims), y)],
+    };
+    Kernel { args: args(&[(DType::F32, n), (DType::F32, n)]), inputs: 1, body: Body::Rows(r) }
+}
+
+#[test]
+fn a_short_softmax_row_reads_its_input_once_and_a_long_one_per_phase() {
+    // G2's rows (4096 f32, 16 KiB) fit the budget: the first phase reads each element from
+    // global memory once and keeps it in shared memory; the sum and the stores read it there.
+    let src = print(&softmax_rows(8192, 4096), "g2").unwrap().source;
+    assert_eq!(src.matches("a0[").count(), 1, "one global load of the input:\n{src}");
+    assert_eq!(src.matches("a1[").count(), 1, "one global store of the output");
+    in_order(
+        &src,
+        &[
+            "__shared__ float keep0[4096]; // v0, kept for later phases",
+            // Phase 1 (max): loaded and kept.
+            "for (long long t = threadIdx.x; t < 4096LL; t += blockDim.x) {",
+            "const float v0 = a0[d0 * 4096 + d1];",
+            "keep0[t] = v0;",
+            "red1[threadIdx.x] = acc1;",
+            // Phase 2 (sum of exp(x - max)) and the stores: from shared memory.
+            "for (long long t = threadIdx.x; t < 4096LL; t += blockDim.x) {",
+            "const float v0 = keep0[t];",
+            "const float v3 = expf(v2);",
+            "for (long long t = threadIdx.x; t < 4096LL; t += blockDim.x) {",
+            "const float v0 = keep0[t];",
+            "a1[d0 * 4096 + d1] = v5;",
+        ],
+    );
+    assert_eq!(src.matches("keep0[t] = v0;").count(), 1, "written once");
+    // At the budget (8192 f32 = 32 KiB) still kept; one element more, every phase reads the
+    // row from global memory, as before.
+    let src = print(&softmax_rows(SPLIT_BELOW_ROWS, ROW_KEEP_BYTES / 4), "edge").unwrap().source;
+    assert_eq!(src.matches("a0[").count(), 1, "{src}");
+    let src = print(&softmax_rows(SPLIT_BELOW_ROWS, ROW_KEEP_BYTES / 4 + 1), "long").unwrap().source;
+    assert!(!src.contains("keep"), "{src}");
+    assert_eq!(src.matches("a0[").count(), 3, "{src}");
+}
+
+#[test]
+fn long_rows_among_few_rows_are_split_into_segments() {
+    // Two rows of 3 segments: per reduction, partial results per segment and a combination per
+    // row, through scratch memory; then the stores, a block per segment.
+    let len = 2 * SEGMENT + 1;
+    let p = print(&softmax_rows(2, len), "sm").unwrap();
+    let launches: Vec<(&str, Launch)> = p.entries.iter().map(|e| (e.name.as_str(), e.launch)).collect();
+    let (segs, t) = (Launch::Rows { rows: 6, threads: 256 }, Launch::Rows { rows: 2, threads: 256 });
+    assert_eq!(
+        launches,
+        [
+            ("sm_rows_partial1", segs),
+            ("sm_rows_combine1", t),
+            ("sm_rows_partial4", segs),
+            ("sm_rows_combine4", t),
+            ("sm_rows_finish", segs)
+        ]
+    );
+    // Scratch: 6 partials and 2 values per reduction, regions aligned to 8 bytes.
+    assert_eq!(p.scratch_bytes, 2 * (24 + 8));
+    assert_eq!(p.params, [DType::F32, DType::F32, DType::U8]);
+    in_order(
+        &p.source,
+        &[
+            "void sm_rows_partial1(const float* a0, float* a1, unsigned char* a2) {",
+            "const long long row = blockIdx.x / 3;",
+            "const long long seg = blockIdx.x % 3;",
+            "const long long end = seg * 2731LL + 2731LL < 8193LL ? seg * 2731LL + 2731LL : 8193LL;",
+            "for (long long t = seg * 2731LL + threadIdx.x; t < end; t += blockDim.x) {",
+            "if (threadIdx.x == 0) {",
+            "((float*)(a2 + 0))[blockIdx.x] = red1[0];",
+            "void sm_rows_combine1(",
+            "for (long long k = threadIdx.x; k < 3LL; k += blockDim.x) {",
+            "const float v0 = ((float*)(a2 + 0))[row * 3 + k];",
+            "if (threadIdx.x == 0) ((float*)(a2 + 24))[row] = red1[0];",
+            "void sm_rows_partial4(",
+            "const float v1 = ((float*)(a2 + 24))[row];",
+            "const float v3 = expf(v2);",
+            "((float*)(a2 + 32))[blockIdx.x] = red4[0];",
+            "void sm_rows_combine4(",
+            "if (threadIdx.x == 0) ((float*)(a2 + 56))[row] = red4[0];",
+            "void sm_rows_finish(",
+            "const float v1 = ((float*)(a2 + 24))[row];",
+            "const float v4 = ((float*)(a2 + 56))[row];",
+            "a1[",
+        ],
+    );
+    assert!(!p.source.contains("keep"), "segments read their input per phase");
+    // As many rows as the GPU has multiprocessors, or short rows: one block per row.
+    assert_eq!(print(&softmax_rows(SPLIT_BELOW_ROWS, len), "many").unwrap().entries.len(), 1);
+    assert_eq!(print(&softmax_rows(1, 2 * SEGMENT - 1), "short").unwrap().entries.len(), 1);
+}
+
 #[test]
 fn whole_space_reductions_use_one_row() {
     // Mean over everything (f64) and the first maximum of an i32 ([2, 3], axis None).

@@ -1,0 +1,304 @@
+//! Printing of row kernels: one block per row, phases as the CPU's (`print_rows`), loads that
+//! several phases read kept in shared memory while the row fits (`plan_keep`), and the plan
+//! every entry of a row kernel shares (`RowPlan`), which `split.rs` prints long rows among few
+//! rows with. Must never: depend on the block size beyond its being a power of two no larger
+//! than the printed one (the launcher picks it), or let a thread read a kept element another
+//! thread wrote (each thread reads back the positions it loaded itself, so no barrier is
+//! needed between the phases' sweeps).
+
+use super::reduce::reduction;
+use super::*;
+use std::cell::RefCell;
+
+/// Prints live reduction `i` (`op` of node `x`, of dtype `d`) and returns its value's expression
+/// (arguments `out, i, op, x, d`).
+pub(super) type Reduced<'f> = dyn FnMut(&mut String, usize, ReduceOp, usize, DType) -> Result<String, String> + 'f;
+
+/// The CPU's plan of a row kernel, shared by its entries.
+pub(super) struct RowPlan<'a> {
+    pub r: &'a RowKernel,
+    /// Dimensions along the row (the axis, or all of them) and across rows.
+    pub row_dims: Vec<usize>,
+    pub pos_dims: Vec<usize>,
+    /// Elements per row, and rows.
+    pub len: usize,
+    pub rows: usize,
+    /// Threads per block printed (the shared arrays' size).
+    pub threads: u32,
+    /// Per node: constant along the row (computed once per row).
+    pub per_row: Vec<bool>,
+    /// Per node: read by a store (the others are not printed).
+    pub live: Vec<bool>,
+    /// Per dimension: whether some view or the flat index needs its index variable.
+    pub used: Vec<bool>,
+    /// The flat index of position `t` of the row (for `Index` nodes).
+    pub index: String,
+}
+
+impl<'a> RowPlan<'a> {
+    pub fn new(r: &'a RowKernel, params: &[Param]) -> Result<RowPlan<'a>, String> {
+        check_io(&r.loads, &r.stores, &r.expr, &r.dims, params)?;
+        let (nodes, rank) = (&r.expr.nodes, r.dims.len());
+        let row_dims: Vec<usize> = match r.axis {
+            Some(a) if a < rank => vec![a],
+            Some(a) => return Err(format!("axis {a} of a rank-{rank} row kernel")),
+            None => (0..rank).collect(),
+        };
+        let pos_dims: Vec<usize> = (0..rank).filter(|d| !row_dims.contains(d)).collect();
+        let len: usize = row_dims.iter().map(|&d| r.dims[d]).product();
+        let rows: usize = pos_dims.iter().map(|&d| r.dims[d]).product();
+        let threads = (len.next_power_of_two() as u32).clamp(32, MAX_ROW_THREADS);
+        let mut plan = RowPlan {
+            r,
+            row_dims,
+            pos_dims,
+            len,
+            rows,
+            threads,
+            per_row: vec![false; nodes.len()],
+            live: vec![],
+            used: vec![],
+            index: String::new(),
+        };
+        // Constant along the row: the CPU's plan, node by node and store by store.
+        for (i, n) in nodes.iter().enumerate() {
+            plan.per_row[i] = match n.op {
+                ExprOp::Load(slot) => plan.along(&r.loads[slot as usize].view),
+                ExprOp::Const(_) | ExprOp::ConstInt(_) | ExprOp::Reduce(..) => true,
+                ExprOp::Index => false,
+                op => op.operands().iter().all(|&o| plan.per_row[o]),
+            };
+        }
+        let (live, views) = live(&r.expr, &r.loads, &r.stores);
+        let has_index = nodes.iter().zip(&live).any(|(n, &l)| l && n.op == ExprOp::Index);
+        plan.used = used_dims(&r.dims, &views, has_index);
+        plan.live = live;
+        let flat = View { dims: r.dims.clone(), strides: Shape::new(&r.dims).contiguous_strides(), offset: 0 };
+        plan.index = if r.axis.is_none() { "t".to_string() } else { offset_expr(&flat) };
+        Ok(plan)
+    }
+
+    /// Whether view `v` is constant along the row.
+    fn along(&self, v: &View) -> bool {
+        self.row_dims.iter().all(|&d| v.strides[d] == 0)
+    }
+
+    /// The per-element nodes that `roots` need, in order.
+    pub fn needed(&self, roots: &[usize]) -> Vec<usize> {
+        let (nodes, per_row) = (&self.r.expr.nodes, &self.per_row);
+        let mut need = vec![false; nodes.len()];
+        let mut stack: Vec<usize> = roots.iter().copied().filter(|&x| !per_row[x]).collect();
+        while let Some(i) = stack.pop() {
+            if !std::mem::replace(&mut need[i], true) {
+                stack.extend(nodes[i].op.operands().into_iter().filter(|&o| !per_row[o]));
+            }
+        }
+        (0..nodes.len()).filter(|&i| need[i]).collect()
+    }
+
+    /// The stores of one value per row, and the stores of one value per element.
+    pub fn stores(&self) -> (Vec<&'a Store>, Vec<&'a Store>) {
+        self.r.stores.iter().partition(|s| self.per_row[s.value as usize] && self.along(&s.view))
+    }
+
+    /// The live reductions: (node, op, operand, operand's dtype).
+    pub fn reductions(&self) -> Vec<(usize, ReduceOp, usize, DType)> {
+        let nodes = &self.r.expr.nodes;
+        (0..nodes.len())
+            .filter_map(|i| match nodes[i].op {
+                ExprOp::Reduce(op, x) if self.live[i] => Some((i, op, x as usize, nodes[x as usize].dtype)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Declares the index variables across rows of row `var` (when some view needs them).
+    pub fn position(&self, out: &mut String, var: &str) {
+        if self.pos_dims.iter().any(|&d| self.used[d]) {
+            if var != "row" {
+                let _ = writeln!(out, "  const long long row = {var};");
+            }
+            decompose(out, "  ", "row", &self.r.dims, &self.pos_dims, &self.used);
+        }
+    }
+
+    /// Prints the nodes before `upto` that are constant along the row, in order: reductions
+    /// through `reduced` (which prints and returns the value's expression), the others as
+    /// expressions (checked even when dead: the CPU evaluates every per-row node).
+    pub fn per_row_values(&self, out: &mut String, upto: usize, reduced: &mut Reduced<'_>) -> Result<(), String> {
+        let nodes = &self.r.expr.nodes;
+        for (i, n) in nodes.iter().enumerate().take(upto) {
+            let ExprOp::Reduce(op, x) = n.op else {
+                if self.per_row[i] {
+                    let e = node_expr(Dialect::Cuda, &self.r.expr, &self.r.loads, i, &offset_expr, &self.index)?;
+                    if self.live[i] {
+                        let _ = writeln!(out, "  const {} v{i} = {e};", ctype(n.dtype));
+                    }
+                }
+                continue;
+            };
+            let d = nodes[x as usize].dtype;
+            if d == DType::Bool || n.dtype != if op == ReduceOp::ArgMax { DType::I64 } else { d } {
+                return Err(format!("node {i}: {op:?} of {d} giving {}", n.dtype));
+            }
+            if self.live[i] {
+                let value = reduced(out, i, op, x as usize, d)?;
+                let _ = writeln!(out, "  const {} v{i} = {value};", ctype(n.dtype));
+            }
+        }
+        Ok(())
+    }
+
+    /// A sweep over positions `t` of the row from `from` to `to` (C expressions) in steps of
+    /// the block: per-element nodes `need`, then `body` (which stores through `stores`); it
+    /// declares the index variables along the row that these read. With `keep`, a kept load
+    /// is read from global memory by the first sweep that needs it, from `keep<i>` after.
+    pub fn sweep(
+        &self,
+        out: &mut String,
+        [from, to]: [&str; 2],
+        need: &[usize],
+        stores: &[&Store],
+        body: &str,
+        keep: Option<&Keep>,
+    ) -> Result<(), String> {
+        let (r, nodes) = (self.r, &self.r.expr.nodes);
+        let from_keep = |i: usize| keep.is_some_and(|k| k.kept[i] && k.written.borrow()[i]);
+        let loads = need.iter().filter(|&&i| !from_keep(i)).filter_map(|&i| match nodes[i].op {
+            ExprOp::Load(slot) => Some(&r.loads[slot as usize].view),
+            _ => None,
+        });
+        let views: Vec<&View> = loads.chain(stores.iter().map(|s| &s.view)).collect();
+        let flat = need.iter().any(|&i| nodes[i].op == ExprOp::Index);
+        let _ = writeln!(out, "  for (long long t = {from}; t < {to}; t += blockDim.x) {{");
+        decompose(out, "    ", "t", &r.dims, &self.row_dims, &used_dims(&r.dims, &views, flat));
+        for &i in need {
+            let ty = ctype(nodes[i].dtype);
+            if from_keep(i) {
+                let _ = writeln!(out, "    const {ty} v{i} = keep{i}[t];");
+                continue;
+            }
+            let e = node_expr(Dialect::Cuda, &r.expr, &r.loads, i, &offset_expr, &self.index)?;
+            let _ = writeln!(out, "    const {ty} v{i} = {e};");
+            if let Some(k) = keep.filter(|k| k.kept[i]) {
+                let _ = writeln!(out, "    keep{i}[t] = v{i};");
+                k.written.borrow_mut()[i] = true;
+            }
+        }
+        let _ = writeln!(out, "{body}  }}");
+        Ok(())
+    }
+
+    /// The per-row stores, by the thread for which `who` holds, then the per-element stores in
+    /// a sweep over `range`.
+    pub fn print_stores(
+        &self,
+        out: &mut String,
+        who: &str,
+        range: [&str; 2],
+        keep: Option<&Keep>,
+    ) -> Result<(), String> {
+        let (row_stores, elem_stores) = self.stores();
+        if !row_stores.is_empty() {
+            let _ = writeln!(out, "  if ({who}) {{");
+            for s in row_stores {
+                let _ = writeln!(out, "    {}", store_stmt(s, &offset_expr(&s.view)));
+            }
+            let _ = writeln!(out, "  }}");
+        }
+        if !elem_stores.is_empty() {
+            let roots: Vec<usize> = elem_stores.iter().map(|s| s.value as usize).collect();
+            let body: String =
+                elem_stores.iter().map(|s| format!("    {}\n", store_stmt(s, &offset_expr(&s.view)))).collect();
+            self.sweep(out, range, &self.needed(&roots), &elem_stores, &body, keep)?;
+        }
+        Ok(())
+    }
+}
+
+/// The loads a row kernel keeps in shared memory, and which of them a sweep has read yet.
+pub(super) struct Keep {
+    kept: Vec<bool>,
+    written: RefCell<Vec<bool>>,
+}
+
+/// Prints a row kernel: one entry, one block per row, or for long rows among few rows the
+/// entries of `split.rs`. Returns the entries and the scratch bytes they need (0 but split).
+pub(super) fn print_rows(
+    out: &mut String,
+    r: &RowKernel,
+    name: &str,
+    params: &mut Vec<Param>,
+) -> Result<(Vec<Entry>, usize), String> {
+    let p = RowPlan::new(r, params)?;
+    let (len, rows, threads) = (p.len, p.rows, p.threads);
+    if super::split::splits(&p) {
+        return super::split::print_split(out, &p, name, params);
+    }
+    if rows > i32::MAX as usize {
+        return Err(format!("{rows} rows: more blocks than one launch has"));
+    }
+    let keep = Keep { kept: plan_keep(&p), written: RefCell::new(vec![false; r.expr.nodes.len()]) };
+    let dims = r.dims.as_slice();
+    let _ = match r.axis {
+        Some(a) => writeln!(out, "\n// One block per row of {dims:?} along dim {a} ({len} elements)."),
+        None => writeln!(out, "\n// One block: all of {dims:?} is one row ({len} elements)."),
+    };
+    let _ = writeln!(out, "{} {{", signature(name, params));
+    p.position(out, "blockIdx.x");
+    for i in (0..keep.kept.len()).filter(|&i| keep.kept[i]) {
+        let ty = ctype(r.expr.nodes[i].dtype);
+        let _ = writeln!(out, "  __shared__ {ty} keep{i}[{len}]; // v{i}, kept for later phases");
+    }
+    let end = format!("{len}LL");
+    let whole = ["threadIdx.x", end.as_str()];
+    p.per_row_values(out, r.expr.nodes.len(), &mut |out, i, op, x, d| {
+        reduction(out, i, op, x, d, [len, threads as usize], &|out, body| {
+            p.sweep(out, whole, &p.needed(&[x]), &[], body, Some(&keep))
+        })
+    })?;
+    p.print_stores(out, "threadIdx.x == 0", whole, Some(&keep))?;
+    out.push_str("}\n");
+    Ok((vec![Entry { name: name.into(), launch: Launch::Rows { rows, threads } }], 0))
+}
+
+/// Which loaded per-element nodes the kernel keeps in shared memory (`keep<i>[len]`, indexed by
+/// the position along the row) between its phases: loads that two or more sweeps read (a
+/// reduction's fold and a later one, or the last sweep's stores), in node order, while their
+/// arrays fit in [`ROW_KEEP_BYTES`] and, with the reduction trees, in the static shared memory
+/// of a block. A row that fits is read from global memory once, however many phases it has.
+///
+/// Why shared memory and not registers: each thread of every sweep visits the same positions
+/// (`t = threadIdx.x; t += blockDim.x`), so a thread reads back only what it wrote, with no
+/// barrier, at whatever power-of-two block size the launcher picks; a per-thread register
+/// array would need its length, `ceil(len / blockDim.x)`, fixed when printing, so it would hold
+/// the row only at the printed block size and need a second, multi-pass path for the others.
+/// Shared memory is far faster than the global memory it saves (an f32 row of 4096 elements,
+/// 16 KiB, still lets 8 blocks of 256 threads share a multiprocessor of an H100). Longer rows,
+/// and the loads that one sweep reads, stay as they were: read from global memory per sweep.
+fn plan_keep(p: &RowPlan<'_>) -> Vec<bool> {
+    let nodes = &p.r.expr.nodes;
+    let mut sweeps: Vec<Vec<usize>> = vec![];
+    let mut tree_bytes = 0;
+    for (_, op, x, d) in p.reductions() {
+        sweeps.push(p.needed(&[x]));
+        let idx = if op == ReduceOp::ArgMax { 8 } else { 0 };
+        tree_bytes += p.threads as usize * (d.size() + idx);
+    }
+    let (_, elem_stores) = p.stores();
+    if !elem_stores.is_empty() {
+        sweeps.push(p.needed(&elem_stores.iter().map(|s| s.value as usize).collect::<Vec<_>>()));
+    }
+    let mut reads = vec![0; nodes.len()];
+    sweeps.iter().flatten().for_each(|&i| reads[i] += 1);
+    let mut budget = ROW_KEEP_BYTES.min(STATIC_SHARED_BYTES.saturating_sub(tree_bytes));
+    let mut keep = vec![false; nodes.len()];
+    for (i, n) in nodes.iter().enumerate() {
+        let bytes = p.len * n.dtype.size();
+        if matches!(n.op, ExprOp::Load(_)) && reads[i] >= 2 && p.len > 0 && bytes <= budget {
+            keep[i] = true;
+            budget -= bytes;
+        }
+    }
+    keep
+}
