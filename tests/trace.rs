@@ -7,6 +7,14 @@ use serde_json::Value as Json;
 
 #[test]
 fn a_trace_of_two_streams_shows_them_overlapping() {
+    if braid::testing::test_device().target().name == "wgpu" {
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "skipped: a_trace_of_two_streams_shows_them_overlapping: wgpu runs every stream on its one queue, in issue order, so kernels never overlap there"
+        );
+        return;
+    }
     let path = std::env::temp_dir().join(format!("braid-trace-{}.json", std::process::id()));
     braid::profile::set_trace_file(Some(path.clone()));
     let dev = braid::testing::test_device();

@@ -98,7 +98,11 @@ pub(super) fn unary(op: UnaryOp, dtype: DType, shape: &Shape, x: &RefValue) -> R
     let def = op.def();
     if dtype.is_float() {
         let ulps = super::allowance(def.name, def.ulps);
-        floats(dtype, shape, |i| float_unary(dtype, &def.reference, def.sensitivity, ulps, x.float_at(i)))
+        let abs = super::absolute_allowance(def.name);
+        floats(dtype, shape, |i| {
+            let (v, bound) = float_unary(dtype, &def.reference, def.sensitivity, ulps, x.float_at(i));
+            (v, bound + abs)
+        })
     } else {
         let f = def.reference_int.unwrap_or_else(|| panic!("{} has no integer form ({dtype})", def.name));
         ints(dtype, shape, |i| {

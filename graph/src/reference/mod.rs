@@ -144,6 +144,26 @@ pub fn set_platform_math_ulps(ulps: f64) {
     PLATFORM_MATH_ULPS.store(ulps.max(0.0).to_bits(), std::sync::atomic::Ordering::Relaxed);
 }
 
+/// An absolute error that `sin` and `cos` may add on a platform whose builtins are bounded
+/// absolutely (WGSL on a GPU: its `sin`/`cos` are specified to 2^-11 absolute inside
+/// [-pi, pi]; NVIDIA's Vulkan driver was measured within 2^-22), in addition to their ulps;
+/// 0 unless set by [`set_platform_math_absolute`].
+static PLATFORM_MATH_ABS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Sets the extra absolute allowance of `sin` and `cos` (see [`PLATFORM_MATH_ABS`]).
+pub fn set_platform_math_absolute(abs: f64) {
+    PLATFORM_MATH_ABS.store(abs.max(0.0).to_bits(), std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The extra absolute allowance of op `name` (only `sin` and `cos` have one).
+pub(crate) fn absolute_allowance(name: &str) -> f64 {
+    if matches!(name, "sin" | "cos") {
+        f64::from_bits(PLATFORM_MATH_ABS.load(std::sync::atomic::Ordering::Relaxed))
+    } else {
+        0.0
+    }
+}
+
 /// A table row's allowance plus the platform math allowance if op `name` is platform math.
 pub(crate) fn allowance(name: &str, ulps: f64) -> f64 {
     let platform = matches!(name, "exp" | "log" | "sin" | "cos" | "tanh" | "sigmoid" | "gelu" | "pow");

@@ -304,12 +304,19 @@ fn braid_uniform24(seed: vec2<u32>, i: vec2<u32>) -> f32 {
     ),
     (
         "braid_normal_f32",
-        "// Box-Muller on uniforms 2i (u1 in (0, 1]) and 2i + 1, in f32.
+        "// Box-Muller on uniforms 2i (u1 = 1 - w in (0, 1]) and 2i + 1, in f32. WGSL bounds log
+// only absolutely near 1 and cos only inside [-pi, pi] (a GPU's log(1 - 2^-24) can be off by
+// far more than the value): -log(1 - w) by its series for small w, and
+// cos(2 pi u2) = -cos(2 pi u2 - pi), whose argument lies in [-pi, pi).
 fn braid_normal_f32(seed: vec2<u32>, i: vec2<u32>) -> f32 {
   let i2 = braid_shl64(i, 1u);
-  let u1 = 1.0 - braid_uniform24(seed, i2);
+  let w = braid_uniform24(seed, i2);
   let u2 = braid_uniform24(seed, i2 | vec2<u32>(1u, 0u));
-  return sqrt(-2.0 * log(u1)) * cos(bitcast<f32>(0x40c90fdbu) * u2);
+  var nl = -log(1.0 - w);
+  if (w < 0.03125) {
+    nl = w * (1.0 + w * (0.5 + w * (0.33333334 + w * (0.25 + w * 0.2))));
+  }
+  return sqrt(2.0 * nl) * -cos(fma(bitcast<f32>(0x40c90fdbu), u2, -bitcast<f32>(0x40490fdbu)));
 }",
     ),
     (
