@@ -374,7 +374,8 @@ pub fn reference_program(nodes: Vec<braid::testing::RecordedNode>) -> Vec<ProgNo
 /// (`braid_graph::reference::set_platform_math_ulps`, in half-ulp units).
 ///
 /// On a wgpu GPU (not lavapipe, which computes them in software), `sin` and `cos` may also be
-/// off by an absolute 2^-20 (measured within 2^-22 on the H100's Vulkan driver; WGSL allows 2^-11).
+/// off by an absolute 2^-20 (measured within 2^-22 on the H100's Vulkan driver; WGSL allows
+/// 2^-11), and `exp` by WGSL's `2|x|` ulps more.
 pub fn platform_math(dev: &Device) {
     if dev.target().name == "wgpu" {
         braid_graph::reference::set_platform_math_ulps(32.0);

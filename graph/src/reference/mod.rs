@@ -150,9 +150,16 @@ pub fn set_platform_math_ulps(ulps: f64) {
 /// 0 unless set by [`set_platform_math_absolute`].
 static PLATFORM_MATH_ABS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// Sets the extra absolute allowance of `sin` and `cos` (see [`PLATFORM_MATH_ABS`]).
+/// Sets the extra absolute allowance of `sin` and `cos` (see [`PLATFORM_MATH_ABS`]); a
+/// positive one also marks the platform as a GPU, whose `exp` gets WGSL's `2|x|` ulps more.
 pub fn set_platform_math_absolute(abs: f64) {
     PLATFORM_MATH_ABS.store(abs.max(0.0).to_bits(), std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether the platform allowances are a GPU's (an absolute allowance was set): `exp` then
+/// also gets WGSL's `2|x|` ulps.
+pub(crate) fn platform_is_gpu() -> bool {
+    PLATFORM_MATH_ABS.load(std::sync::atomic::Ordering::Relaxed) != 0
 }
 
 /// The extra absolute allowance of op `name` (only `sin` and `cos` have one).
