@@ -200,6 +200,14 @@ impl Walker<'_, '_> {
         }
         let plan = &job.schedule.kernels[k.index()];
         let kernel = &job.kernels[k.index()];
+        if plan.inputs.len() + plan.outputs.len() != kernel.args.len() {
+            return Err(DeviceError::Internal(format!(
+                "{}: the plan gives {} buffers for a kernel of {} arguments",
+                (job.label)(k),
+                plan.inputs.len() + plan.outputs.len(),
+                kernel.args.len()
+            )));
+        }
         // The argument buffers are held for the call, so a faulty plan can never return memory
         // that a kernel still uses to the pool.
         let mut args: Vec<Buffer> = Vec::with_capacity(kernel.args.len());
