@@ -35,7 +35,10 @@ impl WgpuContext {
     /// Compiles printed WGSL, or takes its pipelines from the cache.
     pub fn compile(&self, source: WgslSource) -> Result<Arc<WgslKernel>, DeviceError> {
         if let Some(k) = self.pipelines.by_source.lock().map_err(poisoned)?.get(&source.source) {
-            return Ok(k.clone());
+            // Two kernels can print the same text yet bind different buffers (an argument or
+            // scratch) and dispatch different shapes: only the compiled pipelines are shared,
+            // the bindings and launch shapes stay the caller's.
+            return Ok(Arc::new(WgslKernel { source, layout: k.layout.clone(), pipelines: k.pipelines.clone() }));
         }
         let fail = |e: String| DeviceError::Kernel(format!("WGSL kernel rejected: {e}"));
         let entries: Vec<wgpu::BindGroupLayoutEntry> = (source.bindings.iter().enumerate())

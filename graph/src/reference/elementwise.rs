@@ -107,7 +107,9 @@ pub(super) fn unary(op: UnaryOp, dtype: DType, shape: &Shape, x: &RefValue) -> R
             let (xv, xe) = x.float_at(i);
             let (v, bound) = float_unary(dtype, &def.reference, def.sensitivity, ulps, (xv, xe));
             let scaled = if exp_scaled { 2.0 * (xv.abs() + xe) * eps * v.abs() } else { 0.0 };
-            (v, bound + abs + scaled)
+            // An infinite (uncertain) part times a zero is NaN: still uncertain.
+            let bound = bound + abs + scaled;
+            (v, if bound.is_nan() { f64::INFINITY } else { bound })
         })
     } else {
         let f = def.reference_int.unwrap_or_else(|| panic!("{} has no integer form ({dtype})", def.name));
