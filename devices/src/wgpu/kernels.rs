@@ -38,6 +38,9 @@ impl WgpuContext {
             // Two kernels can print the same text yet bind different buffers (an argument or
             // scratch) and dispatch different shapes: only the compiled pipelines are shared,
             // the bindings and launch shapes stay the caller's.
+            if k.source == source {
+                return Ok(k.clone());
+            }
             return Ok(Arc::new(WgslKernel { source, layout: k.layout.clone(), pipelines: k.pipelines.clone() }));
         }
         let fail = |e: String| DeviceError::Kernel(format!("WGSL kernel rejected: {e}"));
