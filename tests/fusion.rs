@@ -206,3 +206,26 @@ fn a_linear_layers_weight_update_is_the_epilogue_of_its_gradient() {
     let text = dev.last_schedule().unwrap().to_text();
     assert!(text.contains("matmul+mul+sub "), "{text}");
 }
+
+#[test]
+fn views_before_a_reduction_are_read_in_place() {
+    let dev = braid::testing::test_device();
+    let x = data(&dev, &[64, 256]);
+    // Reshape, transpose, narrow and expand of a stored value fold into the reduction's loads:
+    // one kernel, no copy.
+    let cases = [
+        ("reshape then sum", x.reshape([16384]).sum()),
+        ("reshape then row sums", x.reshape([128, 128]).sum_dim(1, false)),
+        ("reshape then softmax", x.reshape([32, 512]).softmax(-1)),
+        ("transpose then mean", x.t().mean_dim(1, false)),
+        ("narrow then max", x.narrow(1, 16, 128).max()),
+        ("narrow then min of exp", x.narrow(1, 16, 128).exp().min()),
+        ("reshape of a narrow then sum", x.narrow(0, 0, 32).reshape([8192]).sum()),
+        ("expand then sum", x.reshape([1, 64, 256]).expand([4, 64, 256]).sum_dim(0, false)),
+    ];
+    for (name, y) in cases {
+        y.to_vec::<f32>().unwrap();
+        let j = dump(&dev);
+        assert_eq!(kernels(&j), 1, "{name}: {}", dev.last_schedule().unwrap().to_text());
+    }
+}

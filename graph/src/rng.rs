@@ -42,12 +42,14 @@ pub fn normal_uniforms(seed: u64, i: u64, compute: DType) -> (f64, f64) {
 }
 
 /// Standard normal variate `i` by Box-Muller, evaluated in f64 (the reference's formula).
+#[inline]
 pub fn normal_f64(seed: u64, i: u64, compute: DType) -> f64 {
     let (u1, u2) = normal_uniforms(seed, i, compute);
     (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
 }
 
 /// The same variate evaluated in f32 arithmetic (what an f32 kernel computes).
+#[inline]
 pub fn normal_f32(seed: u64, i: u64) -> f32 {
     let (u1, u2) = normal_uniforms(seed, i, DType::F32);
     let (u1, u2) = (u1 as f32, u2 as f32);

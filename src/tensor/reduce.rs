@@ -27,13 +27,17 @@ impl Tensor {
     /// Maximum of all elements (a scalar tensor); NaN if any element is NaN.
     #[track_caller]
     pub fn max(&self) -> Tensor {
-        self.flatten().max_dim(0, false)
+        // One reduction over the whole index space: a flatten first would copy a strided
+        // view, and cut the elementwise work before it out of the reduction's kernel.
+        self.reduce(ReduceOp::Max, None, false)
     }
 
     /// Minimum of all elements (a scalar tensor); NaN if any element is NaN.
     #[track_caller]
     pub fn min(&self) -> Tensor {
-        self.flatten().min_dim(0, false)
+        // One reduction over the whole index space: a flatten first would copy a strided
+        // view, and cut the elementwise work before it out of the reduction's kernel.
+        self.reduce(ReduceOp::Min, None, false)
     }
 
     /// Sum along `dim`; `keepdim` keeps it with size 1.

@@ -6,6 +6,7 @@
 //! It executes exactly what the runtime issues; it never reorders steps or decides lifetimes.
 
 pub mod eval;
+mod keep;
 pub mod map;
 pub mod matmul;
 pub mod native;

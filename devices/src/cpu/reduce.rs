@@ -1,7 +1,11 @@
 //! Running reductions for row kernels: one accumulator per inner position of a row, folded a
-//! chunk at a time. Sums and extremes over contiguous rows fold in many independent lanes so
-//! the loops vectorise and do not wait on one register. This module never reads buffers and
-//! never decides what to reduce (see `rows`).
+//! chunk at a time. Sums, extremes, argmax and integer reductions over contiguous rows fold in
+//! many independent lanes so the loops vectorise and do not wait on one register; float sums
+//! are compensated (Kahan) chunk by chunk; `merge` is the ordered combine of a row split across
+//! threads. Every fold gives what the element-by-element loop gives (the first index of a
+//! maximum, NaN sticky), up to the order of a float sum. This module reads buffers only through
+//! `add_contiguous`, whose caller checked the run, and never decides what to reduce (see
+//! `rows`).
 
 use super::eval::{Reg, dispatch_simd};
 use super::rows::inner_runs;
@@ -103,6 +107,26 @@ fn fold_float<T: Copy + PartialOrd + std::ops::Add<Output = T> + std::ops::Sub<O
             };
             acc[0] = m;
         }
+        ReduceOp::ArgMax if inner == 1 => {
+            // The best value in lanes first (NaN sticky), then, only if it beats the row's so
+            // far, the first position holding it: what the one-by-one loop below picks (the
+            // first NaN, else the first occurrence of a strictly larger maximum).
+            if is_nan(acc[0]) {
+                return;
+            }
+            let m = fold_lanes(v, acc[0], |a, x| if x > a || is_nan(x) { x } else { a });
+            let at = if is_nan(m) {
+                v.iter().position(|&x| is_nan(x))
+            } else if m > acc[0] {
+                v.iter().position(|&x| x == m)
+            } else {
+                None
+            };
+            if let Some(t) = at {
+                acc[0] = v[t];
+                idx[0] = (c + t) as i64;
+            }
+        }
         ReduceOp::Max | ReduceOp::Min | ReduceOp::ArgMax => {
             let better = |x: T, a: T| if op == ReduceOp::Min { x < a } else { x > a };
             for (t, &x) in v.iter().enumerate() {
@@ -118,15 +142,34 @@ fn fold_float<T: Copy + PartialOrd + std::ops::Add<Output = T> + std::ops::Sub<O
 
 /// Folds `v[..m]` into integer accumulators (sums wrap).
 #[inline(always)]
-fn fold_int<T: Copy + Ord>(
+fn fold_int<T: Copy + Ord + Default>(
     op: ReduceOp,
     acc: &mut [T],
     idx: &mut [i64],
     v: &[T],
     c: usize,
     inner: usize,
-    wrapping_add: impl Fn(T, T) -> T,
+    wrapping_add: impl Fn(T, T) -> T + Copy,
 ) {
+    if inner == 1 {
+        // In lanes: integer sums wrap and extremes are exact, so any order gives the same value.
+        match op {
+            ReduceOp::Sum | ReduceOp::Mean => acc[0] = wrapping_add(acc[0], fold_lanes(v, T::default(), wrapping_add)),
+            ReduceOp::Max => acc[0] = fold_lanes(v, acc[0], |a, x| a.max(x)),
+            ReduceOp::Min => acc[0] = fold_lanes(v, acc[0], |a, x| a.min(x)),
+            ReduceOp::ArgMax => {
+                // The first occurrence of a strictly larger maximum, as in the loop below.
+                let m = fold_lanes(v, acc[0], |a, x| a.max(x));
+                if m > acc[0]
+                    && let Some(t) = v.iter().position(|&x| x == m)
+                {
+                    acc[0] = m;
+                    idx[0] = (c + t) as i64;
+                }
+            }
+        }
+        return;
+    }
     for (t, &x) in v.iter().enumerate() {
         let j = (c + t) % inner;
         match op {
@@ -251,6 +294,37 @@ impl Acc {
         }
     }
 
+    /// Folds the `m` elements of a buffer at `ptr` (flat row positions `c..c + m`, contiguous
+    /// in memory) in, `chunk` at a time: exactly the folds [`add`](Acc::add) makes after
+    /// gathering chunks of that width, so the same bits, without the copy into a register.
+    /// Returns false (and folds nothing) when the buffer's type is not the accumulator's (a
+    /// half-precision load is widened by a gather).
+    ///
+    /// # Safety
+    /// `ptr` must point at `m` readable elements of type `dtype`.
+    pub(super) unsafe fn add_contiguous(
+        &mut self,
+        (ptr, dtype): (*const u8, DType),
+        c: usize,
+        m: usize,
+        inner: usize,
+        chunk: usize,
+    ) -> bool {
+        // SAFETY: the caller promises `m` elements of type `dtype` at `ptr`.
+        let v = unsafe {
+            match dtype {
+                DType::F32 => Slice::F32(std::slice::from_raw_parts(ptr as *const f32, m)),
+                DType::F64 => Slice::F64(std::slice::from_raw_parts(ptr as *const f64, m)),
+                DType::I32 => Slice::I32(std::slice::from_raw_parts(ptr as *const i32, m)),
+                DType::I64 => Slice::I64(std::slice::from_raw_parts(ptr as *const i64, m)),
+                DType::U8 => Slice::U8(std::slice::from_raw_parts(ptr, m)),
+                _ => return false,
+            }
+        };
+        let acc = self;
+        dispatch_simd!(fold_contiguous(acc: &mut Acc, v: Slice<'_>, c: usize, inner: usize, chunk: usize) -> bool)
+    }
+
     /// Folds `v[..m]` (flat row positions `c..`) in, compiled for each vector level: it is
     /// called from a closure, and closures do not inherit their caller's target features.
     pub(super) fn add(&mut self, v: &Reg, c: usize, m: usize, inner: usize) {
@@ -274,5 +348,46 @@ fn acc_add(acc: &mut Acc, v: &Reg, c: usize, m: usize, inner: usize) {
         (Reg::I64(a), _, Reg::I64(v)) => fold_int(op, a, idx, &v[..m], c, inner, i64::wrapping_add),
         (Reg::U8(a), _, Reg::U8(v)) => fold_int(op, a, idx, &v[..m], c, inner, u8::wrapping_add),
         _ => unreachable!("the accumulator has the operand's type"),
+    }
+}
+
+/// A run of buffer elements, borrowed in their own type.
+enum Slice<'a> {
+    F32(&'a [f32]),
+    F64(&'a [f64]),
+    I32(&'a [i32]),
+    I64(&'a [i64]),
+    U8(&'a [u8]),
+}
+
+/// The body of [`Acc::add_contiguous`].
+#[inline(always)]
+fn fold_contiguous(acc: &mut Acc, v: Slice<'_>, c: usize, inner: usize, chunk: usize) -> bool {
+    let (op, idx) = (acc.op, &mut acc.idx);
+    let chunk = chunk.max(1);
+    macro_rules! each_chunk {
+        ($all:expr, |$v:ident, $at:ident| $fold:expr) => {{
+            for (k, $v) in $all.chunks(chunk).enumerate() {
+                let $at = c + k * chunk;
+                $fold;
+            }
+            true
+        }};
+    }
+    match (&mut acc.vals, &mut acc.comp, v) {
+        (Reg::F32(a), Reg::F32(k), Slice::F32(v)) => {
+            each_chunk!(v, |v, at| fold_float(op, a, k, idx, v, at, inner, f32::is_nan, f32::is_finite))
+        }
+        (Reg::F64(a), Reg::F64(k), Slice::F64(v)) => {
+            each_chunk!(v, |v, at| fold_float(op, a, k, idx, v, at, inner, f64::is_nan, f64::is_finite))
+        }
+        (Reg::I32(a), _, Slice::I32(v)) => {
+            each_chunk!(v, |v, at| fold_int(op, a, idx, v, at, inner, i32::wrapping_add))
+        }
+        (Reg::I64(a), _, Slice::I64(v)) => {
+            each_chunk!(v, |v, at| fold_int(op, a, idx, v, at, inner, i64::wrapping_add))
+        }
+        (Reg::U8(a), _, Slice::U8(v)) => each_chunk!(v, |v, at| fold_int(op, a, idx, v, at, inner, u8::wrapping_add)),
+        _ => false,
     }
 }

@@ -5,10 +5,16 @@
 //! reduction needs a chunk at a time, then one pass for per-element outputs. Values that are
 //! constant along the row (reductions, and what depends only on them, on constants or on loads
 //! with stride 0 along the axis) are computed once per row, for each position across the row's
-//! inner dimensions. A row of a softmax is read three times, from cache. Rows are split across
-//! rayon. Nothing here plans or allocates device memory.
+//! inner dimensions. A row of a softmax is read three times, from cache; on rows longer than
+//! one chunk, per-element values a later pass needs are kept in a per-thread scratch (`keep`)
+//! rather than recomputed, and a reduction of a contiguous load alone folds straight from the
+//! buffer. Rows are spread across rayon's threads; fewer than [`MIN_ROWS`] long rows are each
+//! split across them (`split`), reductions with few rows along a non-last axis re-tiled
+//! ([`retile`]). Nothing here plans or allocates device memory, and nothing here may make a
+//! result depend on the number of threads.
 
 use super::eval::{Reg, dispatch_simd, eval_node};
+use super::keep;
 use super::map::{ArgPtr, CHUNK, Shared, check_io, gather, prefetch, scatter, store_fence};
 use super::reduce::Acc;
 use braid_graph::DType;
@@ -40,6 +46,9 @@ pub struct Plan {
     pub(super) inner: usize,
     /// The kernel to run instead of the one planned (see [`retile`]).
     retiled: Option<Box<RowKernel>>,
+    /// Rows longer than a chunk and up to [`keep::KEEP_ROW`] positions: values kept from pass to
+    /// pass instead of recomputed.
+    keep: Option<keep::KeepPlan>,
 }
 
 fn plan_for(k: &RowKernel) -> Plan {
@@ -114,11 +123,25 @@ fn plan_for(k: &RowKernel) -> Plan {
             }
         }
     }
-    let (outer_dims, len, inner) = match d {
+    let (outer_dims, len, inner): (Vec<usize>, usize, usize) = match d {
         Some(d) => (k.dims[..d].to_vec(), k.dims[d], k.dims[d + 1..].iter().product()),
         None => (Vec::new(), k.dims.iter().product(), 1),
     };
-    Plan { per_row, row_stores, phases, last_phase, broadcast, outer_dims, len, inner, retiled: None }
+    let row = len * inner;
+    let keep = if row > WHOLE_ROW && row <= keep::KEEP_ROW && !phases.is_empty() {
+        let mut roots: Vec<Vec<usize>> = phases
+            .iter()
+            .map(|&(r, _)| match nodes[r].op {
+                ExprOp::Reduce(_, x) => vec![x as usize],
+                _ => unreachable!("phases are reductions"),
+            })
+            .collect();
+        roots.push(elem_roots);
+        keep::plan(k, &per_row, &roots)
+    } else {
+        None
+    };
+    Plan { per_row, row_stores, phases, last_phase, broadcast, outer_dims, len, inner, retiled: None, keep }
 }
 
 /// Plans a row kernel, first re-tiling it when it has too few rows to split across threads
@@ -153,12 +176,16 @@ fn retile(k: &RowKernel) -> Option<RowKernel> {
         return None;
     }
     // The widest block (a multiple of 8 lanes) that leaves enough rows and, where possible,
-    // rows that fit one chunk.
+    // rows that fit one chunk. Rows too long for that are read in runs of the block's width,
+    // one run per step along the axis: then the widest block that leaves enough rows (runs of
+    // 1 KiB stream from memory; runs of 32 bytes waste half of every cache line).
     let rest = k.dims[d] * (inner / cols);
+    let enough = |w: usize| cols.is_multiple_of(w) && outer * (cols / w) >= MIN_ROWS;
     let width = [64usize, 32, 16, 8]
         .into_iter()
-        .filter(|&w| cols.is_multiple_of(w) && outer * (cols / w) >= MIN_ROWS)
+        .filter(|&w| enough(w))
         .find(|&w| rest * w <= WHOLE_ROW)
+        .or_else(|| [256usize, 128, 64, 32, 16, 8].into_iter().find(|&w| enough(w)))
         .or_else(|| [8usize, 16, 32, 64].into_iter().find(|&w| cols.is_multiple_of(w) && cols / w >= 2))?;
     let blocks = cols / width;
     let split = |v: &View| -> View {
@@ -210,6 +237,10 @@ pub(super) fn row_offset(view: &View, axis: Option<usize>, o: usize, outer_dims:
     offset as usize
 }
 
+/// For [`sweep`]: the values a pass copies from and into the scratch of kept values (fill,
+/// save, the scratch registers), if any.
+pub(super) type Kept<'a> = Option<(&'a [usize], &'a [usize], &'a mut [Reg])>;
+
 /// Runs a row kernel with its plan (from [`plan`]).
 pub fn run_rows(k: &RowKernel, p: &Plan, args: &[ArgPtr]) -> Result<(), String> {
     let k = p.retiled.as_deref().unwrap_or(k);
@@ -244,6 +275,11 @@ pub fn run_rows(k: &RowKernel, p: &Plan, args: &[ArgPtr]) -> Result<(), String> 
         .try_for_each(|t| run_range(k, p, shared, t * per_task, ((t + 1) * per_task).min(outer)))
 }
 
+/// Row positions per chunk of a longer row: wider than a map loop's chunk, since each chunk
+/// pays per-node costs (dispatch, broadcasts), and narrow enough that a softmax's registers
+/// stay in the first-level cache (4 x 256 measured best on the 2-core machine).
+pub(super) const LONG_CHUNK: usize = 4 * CHUNK;
+
 /// Rows up to this many elements are evaluated as one chunk, so values computed for one
 /// reduction stay in registers for the next (no recomputation).
 const WHOLE_ROW: usize = 4096;
@@ -258,7 +294,8 @@ fn run_range(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: usize) 
 fn run_range_impl(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: usize) -> Result<(), String> {
     let nodes = &k.expr.nodes;
     let row = p.len * p.inner;
-    let width = if row <= WHOLE_ROW { row.max(1) } else { CHUNK };
+    let width = if row <= WHOLE_ROW { row.max(1) } else { LONG_CHUNK };
+    let mut kept = p.keep.as_ref().map(|kp| keep::take(k, kp, row));
     let mut chunk: Vec<Reg> = nodes.iter().map(|n| Reg::new(n.dtype, width)).collect();
     let mut rowv: Vec<Reg> = nodes.iter().map(|n| Reg::new(n.dtype, p.inner)).collect();
     let mut offsets = vec![0isize; width.max(p.inner)];
@@ -305,13 +342,26 @@ fn run_range_impl(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: us
         }
         done.iter_mut().for_each(|d| *d = false);
         fresh.iter_mut().for_each(|f| *f = false);
-        for ((r, need), acc) in p.phases.iter().zip(&mut accs) {
+        for (q, ((r, need), acc)) in p.phases.iter().zip(&mut accs).enumerate() {
+            let (need, keeping) = match (&p.keep, kept.as_deref_mut()) {
+                (Some(kp), Some(regs)) => (&kp.need[q][..], Some((&kp.fill[q][..], &kp.save[q][..], regs))),
+                _ => (&need[..], None),
+            };
             // The per-row values this reduction's operand may use.
             eval_row_values(k, p, args, o, *r, &mut rowv, &mut done, &mut offsets)?;
             let ExprOp::Reduce(_, x) = nodes[*r].op else { unreachable!("phases are reductions") };
             acc.reset();
+            let saves = keeping.as_ref().is_some_and(|(_, save, _)| !save.is_empty());
+            if row > WHOLE_ROW
+                && !saves
+                && fold_load(k, args, need, x as usize, &load_views, acc, (0, row), p.inner, width)
+            {
+                acc.finish(p.len, &mut rowv[*r]);
+                done[*r] = true;
+                continue;
+            }
             let scratch = (&mut chunk[..], &mut offsets[..], &load_views[..]);
-            sweep(k, p, args, o, need, scratch, &rowv, &mut fresh, &done, (0, row), |c, m, regs| {
+            sweep(k, p, args, o, need, scratch, &rowv, &mut fresh, &done, (0, row), keeping, |c, m, regs| {
                 acc.add(&regs[x as usize], c, m, p.inner);
             })?;
             acc.finish(p.len, &mut rowv[*r]);
@@ -325,7 +375,12 @@ fn run_range_impl(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: us
         }
         if !elem_stores.is_empty() {
             let scratch = (&mut chunk[..], &mut offsets[..], &load_views[..]);
-            sweep(k, p, args, o, &p.last_phase, scratch, &rowv, &mut fresh, &done, (0, row), |c, m, regs| {
+            let q = p.phases.len();
+            let (need, keeping) = match (&p.keep, kept.as_deref_mut()) {
+                (Some(kp), Some(regs)) => (&kp.need[q][..], Some((&kp.fill[q][..], &kp.save[q][..], regs))),
+                _ => (&p.last_phase[..], None),
+            };
+            sweep(k, p, args, o, need, scratch, &rowv, &mut fresh, &done, (0, row), keeping, |c, m, regs| {
                 for (s, view) in elem_stores.iter().zip(&store_views) {
                     // SAFETY: as above.
                     unsafe {
@@ -335,10 +390,43 @@ fn run_range_impl(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: us
             })?;
         }
     }
+    if let Some(regs) = kept {
+        keep::give_back(regs);
+    }
     // Streaming stores (large outputs) are weakly ordered: make them visible before the task
     // reports done.
     store_fence();
     Ok(())
+}
+
+/// A reduction whose operand is a load alone, through a view contiguous along the row, folds
+/// row positions `from..to` straight from the buffer, `width` at a time: the same chunks and
+/// the same bits as through a gather, without the copy. False when it does not apply (nothing
+/// folded).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) fn fold_load(
+    k: &RowKernel,
+    args: Shared<'_>,
+    need: &[usize],
+    x: usize,
+    views: &[Option<View>],
+    acc: &mut Acc,
+    (from, to): (usize, usize),
+    inner: usize,
+    width: usize,
+) -> bool {
+    let (ExprOp::Load(slot), [only], Some(view)) = (k.expr.nodes[x].op, need, &views[x]) else { return false };
+    if *only != x || !view.is_contiguous() {
+        return false;
+    }
+    let arg = args.0[k.loads[slot as usize].arg as usize];
+    // SAFETY: `check_io` checked the view against the buffer's length, so the row's positions
+    // `from..to` are in bounds; the buffer holds `arg.dtype` elements.
+    unsafe {
+        let start = arg.ptr.add((view.offset + from) * arg.dtype.size());
+        acc.add_contiguous((start, arg.dtype), from, to - from, inner, width)
+    }
 }
 
 /// Computes the per-row nodes (other than reductions) below `limit` that are not done yet; all
@@ -374,7 +462,9 @@ pub(super) fn eval_row_values(
 
 /// One pass over row `o`: evaluates `need` (per-element nodes) a chunk at a time, with per-row
 /// operands broadcast, and hands each chunk to `each(start, len, registers)`. `views` holds
-/// row `o`'s view for each load node read per element.
+/// row `o`'s view for each load node read per element. With `keeping = (fill, save, scratch)`,
+/// the `fill` nodes of each chunk are copied from the row-sized `scratch` first and the `save`
+/// nodes copied into it after (see `keep`).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub(super) fn sweep(
@@ -388,6 +478,7 @@ pub(super) fn sweep(
     fresh: &mut [bool],
     done: &[bool],
     (from, to): (usize, usize),
+    mut keeping: Kept<'_>,
     mut each: impl FnMut(usize, usize, &[Reg]),
 ) -> Result<(), String> {
     let row = p.len * p.inner;
@@ -404,6 +495,11 @@ pub(super) fn sweep(
                 fresh[b] = whole;
             }
         }
+        if let Some((fill, _, scratch)) = keeping.as_ref() {
+            for &i in fill.iter() {
+                keep::copy(&scratch[i], c, &mut chunk[i], 0, m);
+            }
+        }
         for &i in need {
             if whole && fresh[i] {
                 continue;
@@ -416,6 +512,11 @@ pub(super) fn sweep(
                     unsafe { gather(view, arg, c, m, &mut chunk[i], offsets) };
                 }
                 _ => eval_node(&k.expr.nodes[i], i, chunk, m, o * row + c)?,
+            }
+        }
+        if let Some((_, save, scratch)) = keeping.as_mut() {
+            for &i in save.iter() {
+                keep::copy(&chunk[i], 0, &mut scratch[i], c, m);
             }
         }
         each(c, m, chunk);

@@ -10,19 +10,31 @@
 use super::eval::{Reg, dispatch_simd};
 use super::map::{CHUNK, Shared, scatter, store_fence};
 use super::reduce::Acc;
-use super::rows::{Plan, eval_row_values, row_offset, row_view, scatter_simd, sweep};
+use super::rows::{LONG_CHUNK, Plan, eval_row_values, fold_load, row_offset, row_view, scatter_simd, sweep};
 use braid_graph::expr::ExprOp;
 use braid_lowering::{RowKernel, Store, View};
 use rayon::prelude::*;
 
-/// Row positions per segment (a multiple of the chunk, so chunks line up as on one thread).
+/// Row positions per segment at least (a multiple of the chunk, so chunks line up as on one
+/// thread).
 const SEGMENT: usize = 64 * CHUNK;
+
+/// Row positions per chunk of a segment (as for long rows on one thread).
+const SPLIT_CHUNK: usize = LONG_CHUNK;
+
+/// The segment length for a row of `row` positions: at least [`SEGMENT`], and long rows in
+/// about 256 segments (up to 16 x [`SEGMENT`]) so that a task's fixed cost stays small next to
+/// its work. A function of the row's length only, never of the number of threads.
+fn segment_len(row: usize) -> usize {
+    (row / 256).clamp(SEGMENT, 16 * SEGMENT) / SPLIT_CHUNK * SPLIT_CHUNK
+}
 
 /// Runs row `o` of a row kernel split across threads.
 pub(super) fn run_row(k: &RowKernel, p: &Plan, args: Shared<'_>, o: usize) -> Result<(), String> {
     let nodes = &k.expr.nodes;
     let row = p.len * p.inner;
-    let segments: Vec<(usize, usize)> = (0..row).step_by(SEGMENT).map(|a| (a, (a + SEGMENT).min(row))).collect();
+    let seg = segment_len(row);
+    let segments: Vec<(usize, usize)> = (0..row).step_by(seg).map(|a| (a, (a + seg).min(row))).collect();
     let mut rowv: Vec<Reg> = nodes.iter().map(|n| Reg::new(n.dtype, p.inner)).collect();
     let mut done = vec![false; nodes.len()];
     let mut offsets = vec![0isize; p.inner.max(1)];
@@ -112,12 +124,15 @@ fn reduce_segment(
         x: usize,
     ) -> Result<(), String> {
         let nodes = &k.expr.nodes;
-        let mut chunk: Vec<Reg> = nodes.iter().map(|n| Reg::new(n.dtype, CHUNK)).collect();
-        let mut offsets = vec![0isize; CHUNK];
-        let mut fresh = vec![false; nodes.len()];
         let views = load_views(k, p, o);
+        if fold_load(k, args, need, x, &views, acc, range, p.inner, SPLIT_CHUNK) {
+            return Ok(());
+        }
+        let mut chunk: Vec<Reg> = nodes.iter().map(|n| Reg::new(n.dtype, SPLIT_CHUNK)).collect();
+        let mut offsets = vec![0isize; SPLIT_CHUNK];
+        let mut fresh = vec![false; nodes.len()];
         let scratch = (&mut chunk[..], &mut offsets[..], &views[..]);
-        sweep(k, p, args, o, need, scratch, rowv, &mut fresh, done, range, |c, m, regs| {
+        sweep(k, p, args, o, need, scratch, rowv, &mut fresh, done, range, None, |c, m, regs| {
             acc.add(&regs[x], c, m, p.inner)
         })
     }
@@ -149,12 +164,12 @@ fn store_segment(
         stores: &[(&Store, View)],
     ) -> Result<(), String> {
         let nodes = &k.expr.nodes;
-        let mut chunk: Vec<Reg> = nodes.iter().map(|n| Reg::new(n.dtype, CHUNK)).collect();
-        let (mut offsets, mut store_offsets) = (vec![0isize; CHUNK], vec![0isize; CHUNK]);
+        let mut chunk: Vec<Reg> = nodes.iter().map(|n| Reg::new(n.dtype, SPLIT_CHUNK)).collect();
+        let (mut offsets, mut store_offsets) = (vec![0isize; SPLIT_CHUNK], vec![0isize; SPLIT_CHUNK]);
         let mut fresh = vec![false; nodes.len()];
         let views = load_views(k, p, o);
         let scratch = (&mut chunk[..], &mut offsets[..], &views[..]);
-        sweep(k, p, args, o, &p.last_phase, scratch, rowv, &mut fresh, done, range, |c, m, regs| {
+        sweep(k, p, args, o, &p.last_phase, scratch, rowv, &mut fresh, done, range, None, |c, m, regs| {
             for (s, view) in stores {
                 // SAFETY: checked by `rows::run_rows`; segments write disjoint row positions.
                 unsafe {
