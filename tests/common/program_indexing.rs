@@ -157,7 +157,9 @@ impl Gen<'_> {
                     self.rng.below(n) as f64
                 }
             })
-            .map(|v: f64| if dtype == DType::U8 && v < 0.0 { 255.0 } else { v })
+            // u8 holds neither -1 nor a class number above 255: both become 255 (in range
+            // when there are more than 255 classes), as the tensor will hold them.
+            .map(|v: f64| if dtype == DType::U8 && !(0.0..=255.0).contains(&v) { 255.0 } else { v })
             .collect();
         let leaf = self.h.data(dtype, shape, values);
         self.live.push(leaf);
@@ -185,7 +187,12 @@ impl Gen<'_> {
     }
 
     fn reference_only(&mut self, node: ProgNode) -> usize {
-        self.h.push_node(node, None, "(reference only)".into())
+        let line = match &node {
+            ProgNode::Op { op, inputs, .. } => format!("(reference only) {op:?} {inputs:?}"),
+            ProgNode::Indexing { op, inputs, .. } => format!("(reference only) {op:?} {inputs:?}"),
+            _ => "(reference only)".into(),
+        };
+        self.h.push_node(node, None, line)
     }
 
     fn push_result(&mut self, node: ProgNode, t: Tensor, name: &str) {
