@@ -60,6 +60,10 @@ impl ChunkAllocator for DeviceChunks {
             tracing::warn!(target: TRACE_TARGET, "returning a device chunk: {e}");
         }
     }
+
+    fn keeps_idle_chunks(&self) -> bool {
+        true
+    }
 }
 
 /// Pinned host chunks from `cuMemHostAlloc`.
@@ -82,6 +86,10 @@ impl ChunkAllocator for PinnedChunks {
         if let Err(e) = unsafe { free_host_chunk(&self.0, addr as *mut u8) } {
             tracing::warn!(target: TRACE_TARGET, "returning a pinned chunk: {e}");
         }
+    }
+
+    fn keeps_idle_chunks(&self) -> bool {
+        true
     }
 }
 

@@ -5,7 +5,8 @@
 //! Allocation takes an exact-size free slice first, then the smallest free slice that is large
 //! enough (splitting off the rest), and only then asks the system for a new chunk (as
 //! Burn-Compute does). Freed slices merge with free neighbours. Wholly free chunks are kept for
-//! reuse up to a cap and returned to the system beyond it. The pool accounts truthfully:
+//! reuse up to a cap and returned to the system beyond it (a GPU's pools keep them all until
+//! trimmed: giving a chunk back waits for the whole GPU). The pool accounts truthfully:
 //! `in_use` is the bytes of live slices (after alignment), `reserved` the bytes of chunks held.
 //! It never reads or writes the memory it hands out (poisoning freed memory is the buffer's job).
 //!
@@ -45,6 +46,15 @@ pub trait ChunkAllocator: Send + Sync {
     /// # Safety
     /// No slice of the chunk is in use any more.
     unsafe fn free_chunk(&self, addr: u64, bytes: usize);
+    /// Whether wholly free chunks stay in the pool until [`Pool::trim`] instead of going back
+    /// beyond the cap. A GPU's allocator says yes: returning a chunk waits for the whole GPU
+    /// and taking it again costs a fresh allocation (page-locking, for pinned host memory: an
+    /// offloading step that gave its chunks back stalled the GPU for about 70 ms per 512 MiB
+    /// chunk on the H100). Such a pool is trimmed by `Device::trim_memory` and before it
+    /// reports out of memory.
+    fn keeps_idle_chunks(&self) -> bool {
+        false
+    }
 }
 
 /// Host memory from the global allocator (the CPU device's memory and its offload space).
@@ -180,7 +190,7 @@ impl<A: ChunkAllocator> Pool<A> {
             st.persistent -= slice.size;
             st.chunks[slice.chunk].as_mut().expect("live chunk").free.insert(0, slice.size);
             // Kept for the next version of this size, within the same cap as other idle chunks.
-            if idle_bytes(&st) > KEEP_FREE.max(st.in_use) {
+            if self.over_cap(&st) {
                 let c = st.chunks[slice.chunk].take().expect("live chunk");
                 st.reserved -= c.size;
                 // SAFETY: the chunk has no live slice.
@@ -212,13 +222,19 @@ impl<A: ChunkAllocator> Pool<A> {
             st.by_size.remove(&(s, slice.chunk, o));
         }
         st.by_size.insert((size, slice.chunk, offset));
-        if whole && idle_bytes(&st) > KEEP_FREE.max(st.in_use) {
+        if whole && self.over_cap(&st) {
             let c = st.chunks[slice.chunk].take().expect("live chunk");
             st.by_size.remove(&(c.size, slice.chunk, 0));
             st.reserved -= c.size;
             // SAFETY: the chunk has no live slices.
             unsafe { self.chunks.free_chunk(c.addr, c.size) };
         }
+    }
+
+    /// Whether the wholly free chunks exceed what the pool keeps (see [`KEEP_FREE`] and
+    /// [`ChunkAllocator::keeps_idle_chunks`]).
+    fn over_cap(&self, st: &State) -> bool {
+        !self.chunks.keeps_idle_chunks() && idle_bytes(st) > KEEP_FREE.max(st.in_use)
     }
 
     /// Returns every wholly free chunk to the system.
@@ -364,6 +380,48 @@ mod tests {
             pool.free(p);
         }
         assert!(pool.stats().reserved <= KEEP_FREE as u64 + (2 << 20), "{:?}", pool.stats());
+    }
+
+    /// Host memory that says it keeps idle chunks (as a GPU's allocators do), counting what
+    /// goes back.
+    #[derive(Default)]
+    struct Keeping(std::sync::atomic::AtomicUsize);
+
+    impl ChunkAllocator for Keeping {
+        fn alloc_chunk(&self, bytes: usize) -> Option<u64> {
+            HostMemory.alloc_chunk(bytes)
+        }
+        unsafe fn free_chunk(&self, addr: u64, bytes: usize) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            // SAFETY: the caller's contract.
+            unsafe { HostMemory.free_chunk(addr, bytes) }
+        }
+        fn keeps_idle_chunks(&self) -> bool {
+            true
+        }
+    }
+
+    #[test]
+    fn a_keeping_allocator_gets_chunks_back_only_when_trimmed() {
+        let pool = Pool::new(Keeping::default());
+        let big = KEEP_FREE / 2;
+        // More idle bytes than the cap: a host pool would return some of them.
+        let slices: Vec<_> = (0..4).map(|_| pool.alloc(big).unwrap()).collect();
+        let addrs: Vec<u64> = slices.iter().map(|s| s.addr).collect();
+        slices.into_iter().for_each(|s| pool.free(s));
+        assert_eq!(pool.chunks.0.load(std::sync::atomic::Ordering::Relaxed), 0, "nothing went back");
+        assert_eq!(pool.stats().reserved, 4 * big as u64);
+        // The next step's requests are served from the kept chunks.
+        let again: Vec<_> = (0..4).map(|_| pool.alloc(big).unwrap()).collect();
+        let mut got: Vec<u64> = again.iter().map(|s| s.addr).collect();
+        let mut want = addrs;
+        got.sort();
+        want.sort();
+        assert_eq!(got, want);
+        again.into_iter().for_each(|s| pool.free(s));
+        pool.trim();
+        assert_eq!(pool.chunks.0.load(std::sync::atomic::Ordering::Relaxed), 4);
+        assert_eq!(pool.stats().reserved, 0);
     }
 
     #[test]

@@ -125,8 +125,11 @@ pub(super) fn binary(op: BinaryOp, dtype: DType, shape: &Shape, a: &RefValue, b:
     let (ia, ib) = (broadcast_map(&a.shape, shape), broadcast_map(&b.shape, shape));
     if dtype.is_float() {
         let ulps = super::allowance(def.name, def.ulps);
+        let pow_scaled = def.name == "pow" && super::platform_is_gpu();
         floats(dtype, shape, |i| {
-            float_binary(dtype, &def.reference, def.sensitivity, ulps, a.float_at(ia[i]), b.float_at(ib[i]))
+            let (x, y) = (a.float_at(ia[i]), b.float_at(ib[i]));
+            let r = float_binary(dtype, &def.reference, def.sensitivity, ulps, x, y);
+            if pow_scaled { gpu_pow_bound(dtype, r, x, y) } else { r }
         })
     } else {
         let f = def.reference_int.unwrap_or_else(|| panic!("{} has no integer form ({dtype})", def.name));
@@ -144,13 +147,12 @@ pub(super) fn binary_scalar(op: BinaryOp, dtype: DType, x: &RefValue, s: f64, sc
     if dtype.is_float() {
         let sc = (dtype.compute().round_f64(s), 0.0);
         let (f, sens, ulps) = (&def.reference, def.sensitivity, super::allowance(def.name, def.ulps));
+        let pow_scaled = def.name == "pow" && super::platform_is_gpu();
         floats(dtype, shape, |i| {
             let xi = x.float_at(i);
-            if scalar_first {
-                float_binary(dtype, f, sens, ulps, sc, xi)
-            } else {
-                float_binary(dtype, f, sens, ulps, xi, sc)
-            }
+            let (l, r) = if scalar_first { (sc, xi) } else { (xi, sc) };
+            let result = float_binary(dtype, f, sens, ulps, l, r);
+            if pow_scaled { gpu_pow_bound(dtype, result, l, r) } else { result }
         })
     } else {
         let f = def.reference_int.unwrap_or_else(|| panic!("{} has no integer form ({dtype})", def.name));
@@ -161,6 +163,19 @@ pub(super) fn binary_scalar(op: BinaryOp, dtype: DType, x: &RefValue, s: f64, sc
             (dtype.wrap_int(r), int_bound(&[e]))
         })
     }
+}
+
+/// `pow(x, y)` on a GPU: WGSL computes it as `exp2(y * log2(x))`, whose `exp2` is bounded to
+/// `3 + 2|t|` ulps of its argument `t = y * log2(|x|)` (the `log2` error, scaled by `|y|`,
+/// shows up the same way). The `2|t|` part is added to the bound `float_binary` gave.
+fn gpu_pow_bound(dtype: DType, (v, bound): (f64, f64), (x, ex): (f64, f64), (y, ey): (f64, f64)) -> (f64, f64) {
+    if x == 0.0 || !v.is_finite() {
+        return (v, bound);
+    }
+    let t = (y.abs() + ey) * (x.abs().log2().abs() + ex / x.abs());
+    let extra = 2.0 * t * dtype.compute().epsilon() * v.abs();
+    let bound = bound + extra;
+    (v, if bound.is_nan() { f64::INFINITY } else { bound })
 }
 
 /// Whether a comparison of `x ± ex` with `y ± ey` is decided: both exact, a NaN (every
