@@ -88,6 +88,11 @@ fn peers(opts: &Options, ids: &[&str]) -> Result<Vec<PeerRow>, String> {
 }
 
 fn main() {
+    // `RUST_LOG=braid::kernel=debug` shows each kernel's host issue time, for example.
+    if std::env::var_os("RUST_LOG").is_some() {
+        let filter = tracing_subscriber::EnvFilter::from_default_env();
+        let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    }
     let opts = options();
     let dev = &opts.device;
     let wanted = |id: &str| opts.only.as_ref().is_none_or(|o| o.iter().any(|x| x == id));
