@@ -1,0 +1,188 @@
+//! A device's recorded graph under its lock: the value state of each node ([`Value`]), the
+//! bookkeeping of recording ([`State`]), the guard that releases other engines' handles after
+//! the lock is let go ([`Locked`]), and the collection of nodes nobody can read any more
+//! ([`collect`]).
+//!
+//! Must never: run device work or take another engine's lock (see the engine's invariants in
+//! `mod.rs`); a node leaves the graph here only when no handle, dependent or flush needs it.
+
+use super::Engine;
+use super::marks;
+use crate::error::Result;
+use crate::lock;
+use braid_devices::Buffer;
+use braid_graph::{Graph, Node, NodeId, StreamId};
+use hashbrown::HashMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+/// The value state of a node (`None` in the graph means pending).
+pub(crate) enum Value {
+    /// Host data not yet on the device (`from_vec`); uploaded by the first flush or read that
+    /// needs it, so recording never waits for the device.
+    Host(Arc<[u8]>),
+    /// Being computed by a flush; wait on the ticket.
+    InFlight(Arc<Ticket>),
+    /// Computed.
+    Ready(Buffer),
+    /// A user event that has been reached.
+    Done,
+    /// A device value donated to a running flush (nothing else reads it): the flush owns the
+    /// buffer and frees it after its last reader, or writes a new version over it in place.
+    /// (Donated host data keeps `Host`.)
+    Lent,
+    /// Donated to a flush that failed after freeing or overwriting it: the pending work that needed it cannot
+    /// run again (reads of it report this reason).
+    Lost(String),
+    /// A value or event of another device (see [`Remote`]).
+    Remote(Remote),
+}
+
+/// A leaf standing for a node of another engine: the input of a `to_device`, or an event of
+/// another device that a stream of this one waits for. Until it is resolved (its buffer
+/// fetched, its event reached) it holds one handle on the source node, released through the
+/// engine's deferred releases, never under this engine's lock.
+pub(crate) struct Remote {
+    pub(crate) source: Arc<Engine>,
+    pub(crate) node: NodeId,
+    /// The source's buffer once fetched (`None` for an event, or before).
+    pub(crate) fetched: Option<Buffer>,
+    /// For an event: whether it was reached.
+    pub(crate) reached: bool,
+    pub(crate) event: bool,
+}
+
+impl Remote {
+    /// Whether the flush can go ahead without asking the source engine again.
+    pub(super) fn resolved(&self) -> bool {
+        self.fetched.is_some() || self.reached
+    }
+}
+
+/// Completion of one flush: readers of its values wait here.
+#[derive(Default)]
+pub(crate) struct Ticket {
+    done: Mutex<Option<Result<()>>>,
+    cv: Condvar,
+}
+
+impl Ticket {
+    pub(crate) fn finish(&self, result: Result<()>) {
+        *lock(&self.done) = Some(result);
+        self.cv.notify_all();
+    }
+
+    pub(crate) fn wait(&self) -> Result<()> {
+        let mut done = lock(&self.done);
+        while done.is_none() {
+            done = self.cv.wait(done).unwrap_or_else(|p| p.into_inner());
+        }
+        done.clone().expect("checked")
+    }
+}
+
+/// One device's recorded graph and its bookkeeping.
+pub(crate) struct State {
+    pub(crate) graph: Graph<Value>,
+    /// Nodes whose value is neither computed nor being computed.
+    pub(crate) pending: usize,
+    pub(crate) flushes: u64,
+    /// Recording order of the next node.
+    pub(super) seq: u64,
+    /// Per stream: nodes of events (each with a handle counted for this list) that work
+    /// recorded on it from now on must wait for.
+    pub(super) waits: HashMap<StreamId, Vec<NodeId>>,
+    /// Scratch of the flush being walked and extracted.
+    pub(super) marks: marks::Marks,
+    /// Handles on other engines' nodes to release once this lock is let go.
+    pub(super) deferred: Vec<(Arc<Engine>, NodeId)>,
+    /// Per group: the latest collective recorded here, with its recording order (see
+    /// `collective.rs`).
+    pub(super) last_collective: HashMap<u64, (NodeId, u64)>,
+}
+
+/// The engine's state under its lock. Handles on other engines' nodes that were dropped
+/// meanwhile are released when the guard goes, after the lock is let go.
+pub(crate) struct Locked<'a>(pub(super) Option<MutexGuard<'a, State>>);
+
+impl std::ops::Deref for Locked<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        self.0.as_ref().expect("held until dropped")
+    }
+}
+
+impl std::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        self.0.as_mut().expect("held until dropped")
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        let Some(mut guard) = self.0.take() else { return };
+        let deferred = std::mem::take(&mut guard.deferred);
+        drop(guard);
+        for (engine, node) in deferred {
+            engine.release(node);
+        }
+    }
+}
+
+impl State {
+    /// Adds a node, stamping its recording order.
+    pub(super) fn add(&mut self, mut node: Node<Value>, inputs: &[NodeId]) -> NodeId {
+        node.seq = self.seq;
+        self.seq += 1;
+        self.graph.add(node, inputs)
+    }
+
+    /// Orders node `id` (just recorded on `stream`) after the events its stream waits for.
+    /// Events already reached are forgotten.
+    pub(super) fn apply_waits(&mut self, id: NodeId, stream: StreamId) {
+        let Some(events) = self.waits.remove(&stream) else { return };
+        let reached = |st: &State, e: NodeId| match &st.graph.node(e).value {
+            Some(Value::Done) => true,
+            Some(Value::Remote(r)) => r.reached,
+            _ => false,
+        };
+        let (done, waiting): (Vec<NodeId>, Vec<NodeId>) = events.into_iter().partition(|&e| reached(self, e));
+        for &e in &waiting {
+            self.graph.add_control(e, id);
+        }
+        if !waiting.is_empty() {
+            self.waits.insert(stream, waiting);
+        }
+        for e in done {
+            self.drop_handle(e);
+        }
+    }
+
+    /// Drops one handle of `id` and releases whatever that makes unreachable.
+    pub(super) fn drop_handle(&mut self, id: NodeId) {
+        self.graph.node_mut(id).handles -= 1;
+        collect(self, [id]);
+    }
+}
+
+/// Removes every node reachable from `start` (towards inputs) that nobody can read any more:
+/// no handle, no dependent node, not in flight. Freed buffers go back to their pool; handles
+/// on other engines' nodes are released once the lock is let go.
+pub(crate) fn collect(st: &mut State, start: impl IntoIterator<Item = NodeId>) {
+    let mut candidates: smallvec::SmallVec<[NodeId; 16]> = start.into_iter().collect();
+    while let Some(id) = candidates.pop() {
+        if !st.graph.contains(id) {
+            continue;
+        }
+        let node = st.graph.node(id);
+        if node.handles > 0 || matches!(node.value, Some(Value::InFlight(_))) || st.graph.has_successors(id) {
+            continue;
+        }
+        candidates.extend(st.graph.predecessors(id));
+        let node = st.graph.remove(id).expect("checked");
+        match node.value {
+            None => st.pending -= 1,
+            Some(Value::Remote(r)) if !r.resolved() => st.deferred.push((r.source, r.node)),
+            _ => {}
+        }
+    }
+}
