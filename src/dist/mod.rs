@@ -49,7 +49,7 @@ use crate::engine::{Engine, NewNode};
 use crate::error::{Error, Result};
 use crate::tensor::{Tensor, misuse};
 use braid_devices::collective;
-use braid_graph::{Collective, CollectiveKind, DType, Op, ReduceOp, Shape};
+use braid_graph::{Collective, CollectiveKind, DType, NodeId, Op, ReduceOp, Shape};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -356,6 +356,16 @@ impl Group {
 /// Makes the values of `tensors` exist on their devices now: pending ones computed, host data
 /// uploaded (a flush that uploads host data holds it until it ends), nothing read back.
 fn settle(tensors: &[Tensor]) -> Result<()> {
+    // One flush per device for all of its tensors (a flush per tensor cost one plan each).
+    let mut done: Vec<&Device> = Vec::new();
+    for t in tensors {
+        if done.contains(&t.device()) {
+            continue;
+        }
+        done.push(t.device());
+        let nodes: Vec<NodeId> = tensors.iter().filter(|u| u.device() == t.device()).map(Tensor::node).collect();
+        t.device().engine().flush_nodes(&nodes)?;
+    }
     for t in tensors {
         t.device().engine().materialize(|| t.node())?;
     }
