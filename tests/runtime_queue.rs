@@ -8,7 +8,8 @@
 //! - the runtime never hands a gated free over before the records of the events it names, and
 //!   issues every wait after its record (checked on every call);
 //! - the same holds on one in-order queue with memory reused the moment it is freed (wgpu's
-//!   ordering, `RecordingBackend::single_queue`);
+//!   ordering, `RecordingBackend::single_queue`), and with each stream issued by a thread of
+//!   its own, the calls of different streams racing (CUDA's, `RecordingBackend::issue_threads`);
 //! - the simulation is not vacuous: a schedule whose gated frees lose their gates (which the
 //!   validator would refuse, so it is run on the runtime directly) gives wrong results.
 
@@ -89,6 +90,26 @@ fn random_programs_match_the_reference_on_one_in_order_queue() {
     println!("one queue: {waits} waits, {gated} gated frees, {copies} offload copies");
     assert!(
         gated > 10 && waits > 50 && copies > 10,
+        "too little was exercised: {waits} waits, {gated} gated frees, {copies} copies"
+    );
+}
+
+/// CUDA's driving: each stream issued by a host thread of its own, so the calls of different
+/// streams race; the walker must still hold every wait back until its record was issued and
+/// hand gated frees over only after their records.
+#[test]
+fn random_programs_match_the_reference_when_each_stream_is_issued_on_its_own_thread() {
+    let config = Config { streams: 3, events: true, max_ops: 30, reads_in_middle: false, ..Config::default() };
+    let fused = run_programs_on(RecordingBackend::issue_threads(7), cases() / 2, &config, true, 7);
+    let budgets = Config { streams: 2, events: true, budgets: true, max_ops: 32, ..Config::default() };
+    let offloaded = run_programs_on(RecordingBackend::issue_threads(8), cases() / 4, &budgets, false, 8);
+    let log = fused.log();
+    let gated = count(&log, |l| matches!(l, Logged::FreeAfter { after, .. } if !after.is_empty()));
+    let waits = count(&log, |l| matches!(l, Logged::Wait { .. }));
+    let copies = count(&offloaded.log(), |l| matches!(l, Logged::Copy { .. }));
+    println!("issue threads: {waits} waits, {gated} gated frees, {copies} offload copies");
+    assert!(
+        gated > 10 && waits > 50 && copies > 5,
         "too little was exercised: {waits} waits, {gated} gated frees, {copies} copies"
     );
 }

@@ -59,6 +59,9 @@ pub struct RecordingBackend {
     kernels: AtomicU64,
     /// One in-order queue for all streams, memory reusable at the free (wgpu's model).
     single: bool,
+    /// How the walker drives it: interleaved on one thread, or each stream issued on a
+    /// thread of its own (CUDA's model).
+    driver: Driver,
 }
 
 impl RecordingBackend {
@@ -73,7 +76,16 @@ impl RecordingBackend {
             seed: AtomicU64::new(seed),
             kernels: AtomicU64::new(0),
             single: false,
+            driver: Driver::Interleaved,
         }
+    }
+
+    /// Each stream issued by a host thread of its own ([`Driver::IssueThreads`], CUDA's model):
+    /// the calls of different streams arrive at the same time, in any order.
+    pub fn issue_threads(seed: u64) -> RecordingBackend {
+        let mut b = RecordingBackend::new(seed);
+        b.driver = Driver::IssueThreads;
+        b
     }
 
     /// The fake device with wgpu's ordering (see the module docs): no copy stream, one queue.
@@ -113,7 +125,7 @@ impl Backend for RecordingBackend {
     }
 
     fn driver(&self) -> Driver {
-        Driver::Interleaved
+        self.driver
     }
 
     fn begin<'a>(&'a self, schedule: &'a Schedule, poison: bool) -> Result<Box<dyn Flush + 'a>, DeviceError> {

@@ -1,7 +1,9 @@
 //! One flush on a CUDA device: the runtime's [`Flush`] and [`Queue`] over lanes
 //! (`super::lanes`). Every call only enqueues: a kernel launch (printed entries through
 //! [`CudaKernel::launch`], float products through the lane's cuBLAS handle), a copy, an event
-//! record or wait; the walker issues them all from one thread, each record before its waits.
+//! record or wait. The walker issues each stream's steps on a host thread of its own
+//! ([`crate::runtime::Driver::IssueThreads`]), a wait only after its record; the state the
+//! queues share (the device's lanes and pools, the flush's events) is behind locks.
 //!
 //! A flush holds the device's issue lock from `begin` to its end. At `begin`, each stream of
 //! the flush waits (on the GPU) for markers at the end of every other lane, so the flush comes
@@ -96,6 +98,10 @@ impl<'a> CudaFlush<'a> {
 
 impl Flush for CudaFlush<'_> {
     fn queue(&self, stream: usize) -> Box<dyn Queue + '_> {
+        // The queue is made on the thread that issues its stream: the context is bound there.
+        if let Err(e) = self.backend.shared.gpu.bind() {
+            self.note(e);
+        }
         let lane = self.lanes[stream];
         let braid = self.backend.shared.state().lanes.lanes[lane].braid.unwrap_or(u32::MAX);
         Box::new(CudaQueue { flush: self, index: stream, lane, braid, stream: self.backend.shared.stream(lane) })

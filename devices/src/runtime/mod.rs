@@ -6,9 +6,9 @@
 //! is like: its [`Target`]), a [`Flush`] (the events of one flush) and a [`Queue`] (one stream of
 //! one flush: allocate, free, free after events, record, wait, copy, launch a kernel, run a
 //! library call). It says how its queues are driven ([`Driver`]): the CPU runs each stream on a
-//! thread and its queues do the work before returning; GPU backends have one thread issue every
-//! stream's steps, in an order where each event's record precedes its waits, and their queues
-//! only enqueue. Everything else (which buffer is where, when host data is uploaded, when a
+//! thread and its queues do the work before returning; GPU backends' queues only enqueue, each
+//! stream issued on a thread of its own (CUDA) or all of them by one thread (wgpu), and a wait
+//! is issued only after its event's record. Everything else (which buffer is where, when host data is uploaded, when a
 //! gated free may go ahead, what happens when a step fails) is the walker's ([`execute`]), so it
 //! is written once and tested once, with a recording queue, for every backend.
 //!
@@ -34,9 +34,15 @@ pub enum Driver {
     /// event is recorded, and an event is recorded once the work before it is done. The CPU.
     Threads,
     /// One thread issues every stream's steps, in an order where each event's record is issued
-    /// before any wait for it; queues enqueue work and return at once (CUDA streams, wgpu
-    /// submissions). A wait is issued only after its record.
+    /// before any wait for it; queues enqueue work and return at once (wgpu submissions, whose
+    /// one queue takes work from one thread). A wait is issued only after its record.
     Interleaved,
+    /// Each stream's steps are issued on a thread of their own (the first stream's on the
+    /// calling thread) and queues enqueue work and return at once (CUDA streams); the walker
+    /// holds a wait back until its record has been issued. When issuing costs more host time
+    /// than the device takes to run the work (many small kernels), streams are issued in
+    /// parallel instead of taking turns on one thread.
+    IssueThreads,
 }
 
 /// A device runtime: its memory, host transfers, and one [`Flush`] per executed schedule.
@@ -187,7 +193,7 @@ pub struct Job<'a> {
 }
 
 /// One timed step of a flush (see [`Job::profile`]). With [`Driver::Threads`] the times are
-/// when the work ran; with [`Driver::Interleaved`] they are when it was issued, unless the
+/// when the work ran; with the other drivers they are when it was issued, unless the
 /// backend replaces them with device times ([`Flush::device_times`]).
 #[derive(Clone, Debug)]
 pub struct Span {

@@ -5,7 +5,8 @@
 //! hands ungated frees to the stream's queue at once and gated ones to the flush once every
 //! gating event has been recorded, and turns any failure (an `Err`, or a panic, which would be a
 //! bug in braid) into one error for the flush while failing every event, so no stream waits
-//! forever. Streams are driven as the backend asks ([`Driver`]): on threads of their own, or
+//! forever. Streams are driven as the backend asks ([`Driver`]): on threads of their own (for
+//! a backend whose queues only enqueue, a wait is held back until its record was issued), or
 //! interleaved on this thread so that every record is issued before its waits.
 //!
 //! It executes exactly the schedule's steps in each stream's order; it never reorders a stream.
@@ -14,7 +15,7 @@ use super::{Backend, Call, Driver, Flush, Input, Job, Outcome, Queue};
 use crate::{Buffer, DeviceError};
 use braid_scheduler::{BufferId, EventId, Step, StreamSchedule};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex, MutexGuard};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -44,6 +45,10 @@ struct Walker<'a, 'j> {
     /// Host data of inputs uploaded when first used, by `BufferId`.
     uploads: Vec<Mutex<Option<std::sync::Arc<[u8]>>>>,
     gates: Mutex<Gates>,
+    /// Signalled when an event is recorded or the flush fails (for held-back waits).
+    gate_changed: Condvar,
+    /// Whether a wait is held back until its record was issued ([`Driver::IssueThreads`]).
+    hold_waits: bool,
     abort: AtomicBool,
     error: Mutex<Option<DeviceError>>,
 }
@@ -53,6 +58,21 @@ impl Walker<'_, '_> {
         lock(&self.error).get_or_insert(e);
         self.abort.store(true, Ordering::SeqCst);
         self.flush.fail();
+        // Taken so that a thread between its check and its wait cannot miss the signal.
+        drop(lock(&self.gates));
+        self.gate_changed.notify_all();
+    }
+
+    /// Blocks until event `e`'s record was issued; `false` when the flush failed first.
+    fn await_record(&self, e: EventId) -> bool {
+        let mut gates = lock(&self.gates);
+        while !gates.recorded[e.index()] {
+            if self.failed() {
+                return false;
+            }
+            gates = self.gate_changed.wait(gates).unwrap_or_else(|p| p.into_inner());
+        }
+        true
     }
 
     fn failed(&self) -> bool {
@@ -115,7 +135,7 @@ impl Walker<'_, '_> {
                 queue.record(*e);
                 self.recorded(*e);
             }
-            Step::Wait(e) => return Ok(queue.wait(*e)),
+            Step::Wait(e) => return Ok((!self.hold_waits || self.await_record(*e)) && queue.wait(*e)),
             Step::Copy { from, to, .. } => {
                 let (src, dst) = (self.buffer(*from, queue)?, self.buffer(*to, queue)?);
                 if src.bytes() != dst.bytes() {
@@ -160,6 +180,9 @@ impl Walker<'_, '_> {
         let ready: Vec<PendingFree> = {
             let mut gates = lock(&self.gates);
             gates.recorded[e.index()] = true;
+            if self.hold_waits {
+                self.gate_changed.notify_all();
+            }
             let mut ready = Vec::new();
             let mut i = 0;
             while i < gates.pending.len() {
@@ -304,6 +327,8 @@ pub fn execute(backend: &dyn Backend, mut job: Job<'_>) -> Outcome {
         table: (0..schedule.buffers.len()).map(|_| Mutex::new(None)).collect(),
         uploads: (0..schedule.buffers.len()).map(|_| Mutex::new(None)).collect(),
         gates: Mutex::new(Gates { recorded: vec![false; schedule.events.len()], pending: Vec::new() }),
+        gate_changed: Condvar::new(),
+        hold_waits: backend.driver() == Driver::IssueThreads,
         abort: AtomicBool::new(false),
         error: Mutex::new(None),
     };
@@ -321,8 +346,8 @@ pub fn execute(backend: &dyn Backend, mut job: Job<'_>) -> Outcome {
             let mut queues: Vec<Box<dyn Queue + '_>> = (0..streams).map(|s| flush.queue(s)).collect();
             walker.interleave(&mut queues);
         }
-        Driver::Threads if streams == 1 => walker.run_stream(0, flush.queue(0).as_mut()),
-        Driver::Threads => {
+        Driver::Threads | Driver::IssueThreads if streams == 1 => walker.run_stream(0, flush.queue(0).as_mut()),
+        Driver::Threads | Driver::IssueThreads => {
             let bodies: Vec<Box<dyn Fn() + Sync + '_>> =
                 (0..streams).map(|s| Box::new(move || walker.run_stream(s, flush.queue(s).as_mut())) as _).collect();
             let no_thread = || walker.fail(DeviceError::Unavailable("no thread could be started for a stream".into()));

@@ -1,4 +1,5 @@
-//! Persistent worker threads for [`Driver::Threads`](super::Driver::Threads) backends: a flush
+//! Persistent worker threads for [`Driver::Threads`](super::Driver::Threads) and
+//! [`Driver::IssueThreads`](super::Driver::IssueThreads) backends: a flush
 //! with several streams runs each extra stream on a worker that outlives the flush, instead of
 //! starting a thread every time.
 //!
