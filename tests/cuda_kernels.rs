@@ -6,7 +6,8 @@
 //! their loads in shared memory between phases, rows just too long for that, and long rows
 //! among few rows, split into segments; long rows, of a million elements and more, at every
 //! block size the printer emits: 32 to 256; their float inputs in f64, see `long_rows_...`),
-//! so the shared-memory trees and the split passes are exercised for real.
+//! so the combines of the reductions (warp shuffles, one entry per warp in shared memory) and the
+//! split passes are exercised for real.
 //!
 //! Tolerances (those of `tests/cuda_printer.rs`): integers and bools exactly, floats bit for bit
 //! (NaN equals NaN) unless derived from a transcendental function (CUDA's `exp`, `log`, `sin`,
@@ -27,6 +28,8 @@
 #[path = "cuda_printer/cases.rs"]
 mod cases;
 mod common;
+#[path = "cuda_printer/warps.rs"]
+mod warps;
 
 use braid_devices::DeviceError;
 use braid_devices::cpu::run_kernel;
@@ -207,6 +210,7 @@ fn row_kernels_match_the_cpu_at_every_block_size() {
     let mut rng = Rng::new(0x20_55);
     let n = if quick() { 40 } else { 150 };
     let mut cases: Vec<Case> = (0..n).map(|i| rows_case(&mut rng, i, MathLib::Cuda)).collect();
+    cases.push(warps::warps_case());
     let lengths: &[usize] = if quick() {
         &[1, 33, 257, 4097, 8192]
     } else {

@@ -6,10 +6,12 @@
 //! threads per block and at most 3 blocks, so the grid-stride loop wraps; row kernels run three
 //! times, with 1, 4 and 32 threads per block ([`ROW_BLOCKS`]): one thread checks the index math,
 //! the expressions and the phases alone; 4 and 32 run the threads of a block as real host
-//! threads meeting at `__syncthreads` (a barrier), so the shared-memory trees combine partial
-//! results and the row elements a kernel keeps in shared memory between phases are read back
-//! at a block size other than the printed one (`tests/cuda_kernels.rs` runs them on a GPU at
-//! every block size, with rows of a million elements). The random rows are short, so they keep
+//! threads meeting at `__syncthreads` (a barrier; warp shuffles are emulated through it), so the
+//! combines of partial results run as on a GPU and the row elements a kernel keeps in shared
+//! memory between phases are read back at a block size other than the printed one; the `warps`
+//! case (ties and NaN across lanes and warps) also runs with 64 and 256, more than one warp
+//! (`tests/cuda_kernels.rs` runs them on a GPU at every block size, with rows of a million
+//! elements). The random rows are short, so they keep
 //! their loads in shared memory; [`long_row_cases`] are too long for that budget and take the
 //! multi-pass path, or, being few, are split into segments through scratch memory. Integer
 //! matrix products are printed whole (cuBLAS cannot wrap them); float ones start from the
@@ -28,6 +30,8 @@
 #[path = "cuda_printer/cases.rs"]
 mod cases;
 mod common;
+#[path = "cuda_printer/warps.rs"]
+mod warps;
 
 use cases::*;
 
@@ -40,7 +44,7 @@ use std::fmt::Write;
 use std::process::Command;
 
 /// What the printed kernels need from CUDA, for g++: qualifiers, thread coordinates as host
-/// globals, bit casts, and correctly rounded f16/bf16 conversions.
+/// globals, barriers and warp shuffles, bit casts, and correctly rounded f16/bf16 conversions.
 const HEADER: &str = r#"#include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -74,6 +78,34 @@ struct braid_barrier {
 };
 static braid_barrier braid_block;
 static inline void __syncthreads() { braid_block.wait(); }
+// Warp shuffles, for a block whose threads all call them together (the printed combines do):
+// each thread writes its value to its slot, meets the others at the barrier, reads its source
+// lane's slot and meets them again before the slots are reused. Aborts where CUDA leaves the
+// result undefined: a lane outside `mask` calling, or reading a lane outside it.
+static unsigned long long braid_slots[1024];
+template <class T> static T braid_shuffle(unsigned mask, T v, unsigned src) {
+  static_assert(sizeof(T) <= 8, "a shuffle moves at most 64 bits");
+  unsigned lane = threadIdx.x % 32;
+  if (!(mask >> lane & 1) || !(mask >> src % 32 & 1) || src >= blockDim.x) {
+    std::fprintf(stderr, "shuffle by lane %u of lane %u outside mask %x\n", lane, src % 32, mask);
+    std::abort();
+  }
+  std::memcpy(&braid_slots[threadIdx.x], &v, sizeof(T));
+  __syncthreads();
+  T r;
+  std::memcpy(&r, &braid_slots[src], sizeof(T));
+  __syncthreads();
+  return r;
+}
+// `width` splits the warp into segments of that many lanes (a power of two up to 32).
+template <class T> static T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+  unsigned in_segment = threadIdx.x % 32 % (unsigned)width;
+  return braid_shuffle(mask, v, in_segment + delta < (unsigned)width ? threadIdx.x + delta : threadIdx.x);
+}
+template <class T> static T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
+  unsigned in_segment = threadIdx.x % 32 % (unsigned)width;
+  return braid_shuffle(mask, v, threadIdx.x - in_segment + (unsigned)src % (unsigned)width);
+}
 static inline float __int_as_float(int b) { float f; std::memcpy(&f, &b, 4); return f; }
 static inline double __longlong_as_double(long long b) { double f; std::memcpy(&f, &b, 8); return f; }
 // x rounded to nearest-even with p significant bits and smallest normal exponent emin.
@@ -219,11 +251,15 @@ fn compare(case: &Case, cpu: &[Vec<u8>], got: &[u8]) -> Option<String> {
 
 /// Threads per block the emulated row kernels run with, each run from the case's inputs.
 const ROW_BLOCKS: [u32; 3] = [1, 4, 32];
+/// The same for the `warps` case, which also combines across warps (slow in the emulation: a
+/// shuffle is two barriers of every thread of the block).
+const WARP_BLOCKS: [u32; 5] = [1, 4, 32, 64, 256];
 
 /// The runs of a case: for a row kernel one per [`ROW_BLOCKS`] (`Some(threads)`), else one.
-fn runs_of(src: &cuda::CudaSource) -> Vec<Option<u32>> {
+fn runs_of(case: &Case, src: &cuda::CudaSource) -> Vec<Option<u32>> {
     let rows = src.entries.iter().any(|e| matches!(e.launch, Launch::Rows { .. }));
-    if rows { ROW_BLOCKS.iter().map(|&t| Some(t)).collect() } else { vec![None] }
+    let blocks: &[u32] = if case.label.starts_with("warps") { &WARP_BLOCKS } else { &ROW_BLOCKS };
+    if rows { blocks.iter().map(|&t| Some(t)).collect() } else { vec![None] }
 }
 
 /// The file a run of case `n` writes its arguments to.
@@ -236,10 +272,10 @@ fn out_name(n: usize, run: Option<u32>) -> String {
 
 /// The C++ function that runs case `n` (printed as `src`) over the contents of its file
 /// (`total` bytes, argument `a` at `offsets[a]`) and writes them back, once per run.
-fn cpp_runner(n: usize, src: &cuda::CudaSource, offsets: &[usize], total: usize) -> String {
+fn cpp_runner(n: usize, case: &Case, src: &cuda::CudaSource, offsets: &[usize], total: usize) -> String {
     let mut f = format!("namespace case{n} {{\n{}}}\n", src.source);
     let _ = writeln!(f, "static void run_case{n}(const std::string& dir) {{\n  std::fputs(\"case{n}\\n\", stderr);");
-    for run in runs_of(src) {
+    for run in runs_of(case, src) {
         let _ = writeln!(
             f,
             "  {{\n  auto mem = braid_read(dir + \"/case{n}.bin\", {total});\n  auto p = (unsigned char*)mem.data();"
@@ -313,7 +349,7 @@ fn printed_kernels_compute_what_the_cpu_computes() {
     }
     let start = std::time::Instant::now();
     let mut rng = Rng::new(0xC0DA);
-    let mut cases = vec![edges_case()];
+    let mut cases = vec![edges_case(), warps::warps_case()];
     cases.extend((0..300).map(|n| map_case(&mut rng, n, MathLib::Host)));
     cases.extend((0..150).map(|n| rows_case(&mut rng, n, MathLib::Host)));
     cases.extend(long_row_cases(&mut rng, 150));
@@ -340,7 +376,7 @@ fn printed_kernels_compute_what_the_cpu_computes() {
             file[*o..*o + b.len()].copy_from_slice(b);
         }
         std::fs::write(dir.join(format!("case{n}.bin")), file).unwrap();
-        main.push_str(&cpp_runner(n, &src, &offsets, total));
+        main.push_str(&cpp_runner(n, case, &src, &offsets, total));
         let _ = writeln!(runs, "  run_case{n}(dir);");
         cpu.push(after);
         printed.push(src);
@@ -383,7 +419,7 @@ fn printed_kernels_compute_what_the_cpu_computes() {
     }
     let mut failures = vec![];
     for (n, case) in cases.iter().enumerate() {
-        for run in runs_of(&printed[n]) {
+        for run in runs_of(case, &printed[n]) {
             let got = std::fs::read(dir.join(out_name(n, run))).unwrap();
             if let Some(f) = compare(case, &cpu[n], &got) {
                 if failures.len() < 3 {

@@ -5,8 +5,9 @@
 //! names. A map loop runs one thread per index (a grid-stride loop, so any grid covers it). A
 //! row kernel runs one block per row, a row being every index that differs only along the axis
 //! (the whole space without one): the threads stride over the row folding their elements (float
-//! sums compensated, so that a thread folding a long row stays within a few ulps), a tree in
-//! shared memory combines them, phase after phase as the CPU's `rows` module does
+//! sums compensated, so that a thread folding a long row stays within a few ulps), warp shuffles
+//! and one barrier combine them (each warp by shuffles, then the warps' results through a shared
+//! array of one entry per warp: `reduce.rs`), phase after phase as the CPU's `rows` module does
 //! (reductions in order, per-row values, per-row stores by one thread, per-element stores in a
 //! last sweep). A load that several sweeps read is read from global memory by the first and
 //! kept in shared memory for the others while the row fits [`ROW_KEEP_BYTES`] (so a short
@@ -35,7 +36,7 @@
 
 mod loops; // map loops
 mod product; // integer matrix products, printed whole
-mod reduce; // one reduction's fold and shared-memory tree
+mod reduce; // one reduction's fold and warp-shuffle combine
 mod rows; // row kernels: sweeps, phases, loads kept in shared memory
 mod split; // long rows among few rows: segments, partial results in scratch
 #[cfg(test)]

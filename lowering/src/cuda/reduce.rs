@@ -1,7 +1,17 @@
-//! The fold and the shared-memory tree of one reduction in a row kernel ([`reduction`]), with
-//! the CPU's identities and its NaN and first-index rules. Must never: depend on the block size
-//! (the tree is correct for any power of two up to the printed one), or read the row itself
-//! (the caller's sweep prints the loop and the values folded).
+//! The fold and the combine of one reduction in a row kernel ([`reduction`]), with the CPU's
+//! identities and its NaN and first-index rules. The combine: each warp folds its lanes' partial
+//! results by `__shfl_down_sync` (no barrier), lane 0 of each warp writes the warp's result to a
+//! shared array of one entry per warp, one `__syncthreads()`, then every warp folds those
+//! entries by shuffles the same way and broadcasts its lane 0's value to its lanes, so that
+//! every thread holds the row's result (`acc<i>`, and `arg<i>` for argmax). A block of one warp
+//! or less skips the shared array and the barrier.
+//!
+//! Must never: depend on the block size beyond its being a power of two from 1 to the printed
+//! one (a partial warp shuffles with a mask of exactly its lanes and a width of its size), let
+//! only some threads of a block reach a shuffle or the barrier (every branch of the combine is
+//! on `blockDim.x`, the same for the whole block), combine in an order that changes from run to
+//! run (the order is a fixed tree), or read the row itself (the caller's sweep prints the loop
+//! and the values folded).
 
 use super::*;
 
@@ -23,7 +33,7 @@ fn identity(op: ReduceOp, d: DType) -> String {
 
 /// Whether candidate `b` (at row position `ib`) replaces the running `a` (at `ia`): the CPU's
 /// rules (NaN wins and sticks; the first of equal maxima wins), order-independent so that the
-/// tree can combine partial results in any order.
+/// combine may pair partial results in any order.
 fn wins(op: ReduceOp, d: DType, [a, b, ia, ib]: [&str; 4]) -> String {
     let better = if op == ReduceOp::Min { format!("{b} < {a}") } else { format!("{b} > {a}") };
     match (op, d.is_float()) {
@@ -38,10 +48,21 @@ fn wins(op: ReduceOp, d: DType, [a, b, ia, ib]: [&str; 4]) -> String {
     }
 }
 
+/// A warp shuffle (`__shfl_sync` or `__shfl_<kind>_sync`, with the combine's `mask` and `lanes`) of `x` of dtype
+/// `d`: types narrower than 32 bits (CUDA's shuffles take 32- and 64-bit values) go through
+/// `unsigned` and back.
+fn shuffle(kind: &str, d: DType, x: &str, arg: &str) -> String {
+    let kind = if kind.is_empty() { String::new() } else { format!("_{kind}") };
+    let call = |x: &str| format!("__shfl{kind}_sync(mask, {x}, {arg}, lanes)");
+    if d.is_float() || d.size() >= 4 { call(x) } else { format!("({})({})", ctype(d), call(&format!("(unsigned){x}"))) }
+}
+
 /// Prints reduction node `i` (`op` of node `x`, of dtype `d`) over a row of `len` elements by a
 /// block of up to `threads` threads: each thread folds the elements it strides over (`sweep`
-/// prints that loop around the fold), then a tree in shared memory combines the threads'
-/// results. Returns the expression of the row's result.
+/// prints that loop around the fold), then warp shuffles and one shared array of an entry per
+/// warp combine the threads' results (see the module docs). Every thread ends with the row's
+/// result in `acc<i>` (a mean's sum), and for argmax its position in `arg<i>`; returns the
+/// expression of the reduction's value.
 pub(super) fn reduction(
     out: &mut String,
     i: usize,
@@ -52,10 +73,11 @@ pub(super) fn reduction(
     sweep: &dyn Fn(&mut String, &str) -> Result<(), String>,
 ) -> Result<String, String> {
     let (ty, arg) = (ctype(d), op == ReduceOp::ArgMax);
+    let warps = threads.div_ceil(32);
     let _ = writeln!(out, "  // Reduction: v{i} = {} of v{x} along the row.", op.name());
-    let _ = writeln!(out, "  __shared__ {ty} red{i}[{threads}];\n  {ty} acc{i} = {};", identity(op, d));
+    let _ = writeln!(out, "  __shared__ {ty} red{i}[{warps}];\n  {ty} acc{i} = {};", identity(op, d));
     if arg {
-        let _ = writeln!(out, "  __shared__ long long idx{i}[{threads}];\n  long long arg{i} = 0;");
+        let _ = writeln!(out, "  __shared__ long long idx{i}[{warps}];\n  long long arg{i} = 0;");
     }
     let (acc, v, at) = (format!("acc{i}"), format!("v{x}"), format!("arg{i}"));
     // Float sums are compensated (Kahan): a thread may fold a million elements of a long row,
@@ -77,30 +99,57 @@ pub(super) fn reduction(
         _ => format!("    if ({}) {{ {acc} = {v}; }}\n", wins(op, d, [&acc, &v, "", ""])),
     };
     sweep(out, &fold)?;
+    // The combine, in a scope of its own. `lanes`: the warp's threads (fewer than 32 in a block
+    // of fewer); `mask`: exactly those lanes.
+    let _ = writeln!(out, "  {{");
+    if kahan {
+        let _ = writeln!(out, "    {acc} = {acc} - cmp{i};");
+    }
+    out.push_str("    const int lanes = blockDim.x < 32u ? (int)blockDim.x : 32;\n");
+    out.push_str("    const unsigned mask = blockDim.x >= 32u ? 0xffffffffu : (1u << blockDim.x) - 1u;\n");
+    // A fixed tree by `__shfl_down_sync` over `levels` values: lane 0 ends with their fold, the
+    // lower lanes' values on the left.
+    let step = match op {
+        ReduceOp::Sum | ReduceOp::Mean => format!("{acc} = {};", binary(PrimBinary::Add, d, &acc, "b")?),
+        _ => {
+            let w = wins(op, d, [&acc, "b", if arg { &at } else { "0" }, if arg { "ib" } else { "0" }]);
+            format!("if ({w}) {{ {acc} = b;{} }}", if arg { format!(" {at} = ib;") } else { String::new() })
+        }
+    };
+    let tree = |out: &mut String, pad: &str, levels: &str| {
+        let _ = writeln!(out, "{pad}for (int s = (int){levels} / 2; s > 0; s /= 2) {{");
+        let _ = writeln!(out, "{pad}  const {ty} b = {};", shuffle("down", d, &acc, "s"));
+        if arg {
+            let _ = writeln!(out, "{pad}  const long long ib = {};", shuffle("down", DType::I64, &at, "s"));
+        }
+        let _ = writeln!(out, "{pad}  {step}\n{pad}}}");
+    };
+    tree(out, "    ", "lanes");
+    // More than one warp (a power of two of them): each warp's lane 0 writes its warp's value,
+    // and every warp folds them in the same order (lane `l` starts from entry `l % warps`).
+    let _ = writeln!(out, "    if (blockDim.x > 32u) {{");
     let _ = writeln!(
         out,
-        "  red{i}[threadIdx.x] = acc{i}{};{}\n  __syncthreads();",
-        if kahan { format!(" - cmp{i}") } else { String::new() },
-        if arg { format!(" idx{i}[threadIdx.x] = arg{i};") } else { String::new() }
+        "      if (threadIdx.x % 32u == 0) {{ red{i}[threadIdx.x / 32u] = {acc};{} }}",
+        if arg { format!(" idx{i}[threadIdx.x / 32u] = {at};") } else { String::new() }
     );
-    let _ = writeln!(out, "  for (unsigned s = blockDim.x / 2; s > 0; s /= 2) {{\n    if (threadIdx.x < s) {{");
-    let (a, b) = (format!("red{i}[threadIdx.x]"), format!("red{i}[threadIdx.x + s]"));
-    match op {
-        ReduceOp::Sum | ReduceOp::Mean => {
-            let _ = writeln!(out, "      {a} = {};", binary(PrimBinary::Add, d, &a, &b)?);
-        }
-        _ => {
-            let (ia, ib) = (format!("idx{i}[threadIdx.x]"), format!("idx{i}[threadIdx.x + s]"));
-            let take = if arg { format!(" {ia} = {ib};") } else { String::new() };
-            let w = wins(op, d, [&a, &b, if arg { &ia } else { "0" }, if arg { &ib } else { "0" }]);
-            let _ = writeln!(out, "      if ({w}) {{ {a} = {b};{take} }}");
-        }
+    let _ = writeln!(out, "      __syncthreads();\n      const unsigned warps = blockDim.x / 32u;");
+    let _ = writeln!(out, "      {acc} = red{i}[threadIdx.x & (warps - 1u)];");
+    if arg {
+        let _ = writeln!(out, "      {at} = idx{i}[threadIdx.x & (warps - 1u)];");
     }
-    let _ = writeln!(out, "    }}\n    __syncthreads();\n  }}");
+    tree(out, "      ", "warps");
+    out.push_str("    }\n");
+    // Every lane takes lane 0's value.
+    let _ = writeln!(out, "    {acc} = {};", shuffle("", d, &acc, "0"));
+    if arg {
+        let _ = writeln!(out, "    {at} = {};", shuffle("", DType::I64, &at, "0"));
+    }
+    out.push_str("  }\n");
     // The CPU divides float means by the length and leaves integer "means" as sums.
     Ok(match op {
-        ReduceOp::ArgMax => format!("idx{i}[0]"),
-        ReduceOp::Mean if d.is_float() => format!("red{i}[0] / {}", float_literal(len as f64, d)),
-        _ => format!("red{i}[0]"),
+        ReduceOp::ArgMax => at,
+        ReduceOp::Mean if d.is_float() => format!("{acc} / {}", float_literal(len as f64, d)),
+        _ => acc,
     })
 }

@@ -265,8 +265,8 @@ pub(super) fn print_rows(
 /// Which loaded per-element nodes the kernel keeps in shared memory (`keep<i>[len]`, indexed by
 /// the position along the row) between its phases: loads that two or more sweeps read (a
 /// reduction's fold and a later one, or the last sweep's stores), in node order, while their
-/// arrays fit in [`ROW_KEEP_BYTES`] and, with the reduction trees, in the static shared memory
-/// of a block. A row that fits is read from global memory once, however many phases it has.
+/// arrays fit in [`ROW_KEEP_BYTES`] and, with the reductions' arrays of one entry per warp, in the
+/// static shared memory of a block. A row that fits is read from global memory once, however many phases it has.
 ///
 /// Why shared memory and not registers: each thread of every sweep visits the same positions
 /// (`t = threadIdx.x; t += blockDim.x`), so a thread reads back only what it wrote, with no
@@ -279,11 +279,11 @@ pub(super) fn print_rows(
 fn plan_keep(p: &RowPlan<'_>) -> Vec<bool> {
     let nodes = &p.r.expr.nodes;
     let mut sweeps: Vec<Vec<usize>> = vec![];
-    let mut tree_bytes = 0;
+    let mut combine_bytes = 0;
     for (_, op, x, d) in p.reductions() {
         sweeps.push(p.needed(&[x]));
         let idx = if op == ReduceOp::ArgMax { 8 } else { 0 };
-        tree_bytes += p.threads as usize * (d.size() + idx);
+        combine_bytes += (p.threads as usize).div_ceil(32) * (d.size() + idx);
     }
     let (_, elem_stores) = p.stores();
     if !elem_stores.is_empty() {
@@ -291,7 +291,7 @@ fn plan_keep(p: &RowPlan<'_>) -> Vec<bool> {
     }
     let mut reads = vec![0; nodes.len()];
     sweeps.iter().flatten().for_each(|&i| reads[i] += 1);
-    let mut budget = ROW_KEEP_BYTES.min(STATIC_SHARED_BYTES.saturating_sub(tree_bytes));
+    let mut budget = ROW_KEEP_BYTES.min(STATIC_SHARED_BYTES.saturating_sub(combine_bytes));
     let mut keep = vec![false; nodes.len()];
     for (i, n) in nodes.iter().enumerate() {
         let bytes = p.len * n.dtype.size();

@@ -107,9 +107,10 @@ pub(super) fn print_split(
             p.sweep(out, range, &p.needed(&[x]), &[], body, None)
         })?;
         let _ = writeln!(out, "  if (threadIdx.x == 0) {{");
-        let _ = writeln!(out, "    {}[blockIdx.x] = red{i}[0];", at(d, slot.partials));
+        // Every thread holds the segment's result (a mean's sum, undivided) after `reduction`.
+        let _ = writeln!(out, "    {}[blockIdx.x] = acc{i};", at(d, slot.partials));
         if arg {
-            let _ = writeln!(out, "    {}[blockIdx.x] = idx{i}[0];", at(DType::I64, slot.positions));
+            let _ = writeln!(out, "    {}[blockIdx.x] = arg{i};", at(DType::I64, slot.positions));
         }
         let _ = writeln!(out, "  }}\n}}");
         // Pass 2: the row's value from its partials (their positions stand for `t`).

@@ -192,22 +192,35 @@ fn a_softmax_row_kernel_runs_the_cpu_phases() {
         &[
             "void softmax_rows(const float* a0, __half* a1, float* a2) {",
             "const long long d0 = row;",
-            // Phase 1: the max, each thread striding over the row, then a tree in shared memory.
-            "__shared__ float red1[32];",
+            // Phase 1: the max, each thread striding over the row, then warp shuffles (a mask of
+            // exactly the block's lanes when it is less than a warp) and, with more than one
+            // warp, one entry per warp in shared memory and one barrier.
+            "__shared__ float red1[1];",
             "for (long long t = threadIdx.x; t < 5LL; t += blockDim.x) {",
             "const float v0 = a0[d0 * 5 + d1];",
             "if (!isnan(acc1) && (v0 > acc1 || isnan(v0))) { acc1 = v0; }",
+            "const int lanes = blockDim.x < 32u ? (int)blockDim.x : 32;",
+            "const unsigned mask = blockDim.x >= 32u ? 0xffffffffu : (1u << blockDim.x) - 1u;",
+            "for (int s = (int)lanes / 2; s > 0; s /= 2) {",
+            "const float b = __shfl_down_sync(mask, acc1, s, lanes);",
+            "if (!isnan(acc1) && (b > acc1 || isnan(b))) { acc1 = b; }",
+            "if (blockDim.x > 32u) {",
+            "if (threadIdx.x % 32u == 0) { red1[threadIdx.x / 32u] = acc1; }",
             "__syncthreads();",
-            "for (unsigned s = blockDim.x / 2; s > 0; s /= 2) {",
-            "const float v1 = red1[0];",
+            "acc1 = red1[threadIdx.x & (warps - 1u)];",
+            "for (int s = (int)warps / 2; s > 0; s /= 2) {",
+            "acc1 = __shfl_sync(mask, acc1, 0, lanes);",
+            "const float v1 = acc1;",
             // Phase 2: the sum of exp(x - max), compensated (Kahan) per thread, the
             // compensation left out once the sum is infinite.
             "float cmp4 = 0.0f;",
             "const float v3 = expf(v2);",
             "{ const float y = v3 - cmp4; const float s = acc4 + y; cmp4 = isfinite(s) ? (s - acc4) - y : 0.0f; acc4 = s; }",
-            "red4[threadIdx.x] = acc4 - cmp4;",
-            "red4[threadIdx.x] = red4[threadIdx.x] + red4[threadIdx.x + s];",
-            "const float v4 = red4[0];",
+            "acc4 = acc4 - cmp4;",
+            "const float b = __shfl_down_sync(mask, acc4, s, lanes);",
+            "acc4 = acc4 + b;",
+            "acc4 = __shfl_sync(mask, acc4, 0, lanes);",
+            "const float v4 = acc4;",
             // Per-row stores by one thread, then per-element ones in a last sweep.
             "if (threadIdx.x == 0) {",
             "a2[d0] = v4;",
@@ -253,7 +266,7 @@ fn a_short_softmax_row_reads_its_input_once_and_a_long_one_per_phase() {
             "for (long long t = threadIdx.x; t < 4096LL; t += blockDim.x) {",
             "const float v0 = a0[d0 * 4096 + d1];",
             "keep0[t] = v0;",
-            "red1[threadIdx.x] = acc1;",
+            "red1[threadIdx.x / 32u] = acc1;",
             // Phase 2 (sum of exp(x - max)) and the stores: from shared memory.
             "for (long long t = threadIdx.x; t < 4096LL; t += blockDim.x) {",
             "const float v0 = keep0[t];",
@@ -264,6 +277,9 @@ fn a_short_softmax_row_reads_its_input_once_and_a_long_one_per_phase() {
         ],
     );
     assert_eq!(src.matches("keep0[t] = v0;").count(), 1, "written once");
+    // Two reductions, a barrier each (for the per-warp entries); the rest is warp shuffles.
+    assert_eq!(src.matches("__syncthreads();").count(), 2, "{src}");
+    assert!(src.contains("__shared__ float red1[8];"), "an entry per warp of 256 threads");
     // At the budget (8192 f32 = 32 KiB) still kept; one element more, every phase reads the
     // row from global memory, as before.
     let src = print(&softmax_rows(SPLIT_BELOW_ROWS, ROW_KEEP_BYTES / 4), "edge").unwrap().source;
@@ -303,17 +319,17 @@ fn long_rows_among_few_rows_are_split_into_segments() {
             "const long long end = seg * 2731LL + 2731LL < 8193LL ? seg * 2731LL + 2731LL : 8193LL;",
             "for (long long t = seg * 2731LL + threadIdx.x; t < end; t += blockDim.x) {",
             "if (threadIdx.x == 0) {",
-            "((float*)(a2 + 0))[blockIdx.x] = red1[0];",
+            "((float*)(a2 + 0))[blockIdx.x] = acc1;",
             "void sm_rows_combine1(",
             "for (long long k = threadIdx.x; k < 3LL; k += blockDim.x) {",
             "const float v0 = ((float*)(a2 + 0))[row * 3 + k];",
-            "if (threadIdx.x == 0) ((float*)(a2 + 24))[row] = red1[0];",
+            "if (threadIdx.x == 0) ((float*)(a2 + 24))[row] = acc1;",
             "void sm_rows_partial4(",
             "const float v1 = ((float*)(a2 + 24))[row];",
             "const float v3 = expf(v2);",
-            "((float*)(a2 + 32))[blockIdx.x] = red4[0];",
+            "((float*)(a2 + 32))[blockIdx.x] = acc4;",
             "void sm_rows_combine4(",
-            "if (threadIdx.x == 0) ((float*)(a2 + 56))[row] = red4[0];",
+            "if (threadIdx.x == 0) ((float*)(a2 + 56))[row] = acc4;",
             "void sm_rows_finish(",
             "const float v1 = ((float*)(a2 + 24))[row];",
             "const float v4 = ((float*)(a2 + 56))[row];",
@@ -346,14 +362,48 @@ fn whole_space_reductions_use_one_row() {
             "for (long long t = threadIdx.x; t < 6LL; t += blockDim.x) {",
             "const long long d0 = t / 3;",
             "const long long d1 = t % 3;",
-            "const double v2 = red2[0] / 6.0;",
+            "const double v2 = acc2 / 6.0;",
             "long long arg3 = 0;",
             "const int v1 = a1[d0 + d1 * 2];",
-            // The first of equal maxima wins, whatever order the tree combines in.
+            // The first of equal maxima wins, whatever order the combine pairs them in: the
+            // positions travel with the values through the shuffles and the per-warp entries.
             "if (v1 > acc3 || (v1 == acc3 && t < arg3)) { acc3 = v1; arg3 = t; }",
-            "const long long v3 = idx3[0];",
+            "const long long ib = __shfl_down_sync(mask, arg3, s, lanes);",
+            "if (b > acc3 || (b == acc3 && ib < arg3)) { acc3 = b; arg3 = ib; }",
+            "idx3[threadIdx.x / 32u] = arg3;",
+            "arg3 = idx3[threadIdx.x & (warps - 1u)];",
+            "arg3 = __shfl_sync(mask, arg3, 0, lanes);",
+            "const long long v3 = arg3;",
             "a2[0] = v2;",
             "a3[0] = v3;",
+        ],
+    );
+}
+
+#[test]
+fn narrow_integers_shuffle_as_unsigned() {
+    // A u8 sum along rows of 40 (it wraps as the CPU's): CUDA has no 8-bit shuffles.
+    let mut b = ExprBuilder::new();
+    let x = b.load(0, DType::U8);
+    let sum = b.reduce(ReduceOp::Sum, x);
+    let r = RowKernel {
+        dims: [2, 40].as_slice().into(),
+        axis: Some(1),
+        loads: vec![load(0, DType::U8, contiguous(&[2, 40]))],
+        expr: b.finish(),
+        stores: vec![store(1, DType::U8, view(&[2, 40], &[1, 0], 0), sum)],
+    };
+    let k = Kernel { args: args(&[(DType::U8, 80), (DType::U8, 2)]), inputs: 1, body: Body::Rows(r) };
+    let p = print(&k, "bytes").unwrap();
+    assert_eq!(p.entries[0].launch, Launch::Rows { rows: 2, threads: 64 });
+    in_order(
+        &p.source,
+        &[
+            "__shared__ unsigned char red1[2];",
+            "const unsigned char b = (unsigned char)(__shfl_down_sync(mask, (unsigned)acc1, s, lanes));",
+            "acc1 = (unsigned char)((int)acc1 + (int)b);",
+            "acc1 = (unsigned char)(__shfl_sync(mask, (unsigned)acc1, 0, lanes));",
+            "const unsigned char v1 = acc1;",
         ],
     );
 }
