@@ -268,6 +268,18 @@ impl Queue for CudaQueue<'_, '_> {
             dst.copy_from_slice(bytes);
             Ok(())
         })?;
+        // Host data is uploaded by the stream that uses it first, and the schedule orders no
+        // other stream after that copy: every other lane of the flush waits for it here, so
+        // its later work (the reads, issued once the walker hands it this buffer) comes after.
+        // Without this, a read on another lane could see the pool's poison (found on the H100:
+        // a scalar read by two streams came back NaN).
+        if self.flush.lanes.len() > 1 {
+            let marker = shared.events.get()?;
+            shared.state().lanes.record(self.lane, marker.clone())?;
+            for &l in self.flush.lanes.iter().filter(|&&l| l != self.lane) {
+                shared.stream(l).wait(marker.event())?;
+            }
+        }
         Ok(Buffer::Cuda(Arc::new(b)))
     }
 

@@ -112,7 +112,9 @@ pub trait Flush: Sync {
 pub trait Queue: Send {
     /// A buffer for `plan` (its space: device or offload memory; exact-size for parameters).
     fn alloc(&mut self, plan: &BufferPlan) -> Result<Buffer, DeviceError>;
-    /// A device buffer holding `bytes` (host data uploaded at its first use).
+    /// A device buffer holding `bytes` (host data uploaded at its first use). The schedule
+    /// orders no other stream after an upload, so the data must be there for every stream of
+    /// the flush that uses the buffer after this call returns (not only for this one).
     fn upload(&mut self, bytes: &[u8]) -> Result<Buffer, DeviceError>;
     /// Gives `buffer` back; nothing on this stream after this point uses it.
     fn free(&mut self, buffer: Buffer);
