@@ -74,24 +74,37 @@ fn random_programs_on_streams_with_events_match_the_reference_on_an_asynchronous
     }
 }
 
+/// Runs three-stream programs with events (fused) and two-stream programs under memory budgets
+/// (offloading) on backends made by `backend` (from a seed), and checks that enough waits, gated
+/// frees and offload copies were exercised (`min_copies` copies at least).
+fn run_mixed(
+    label: &str,
+    backend: impl Fn(u64) -> RecordingBackend,
+    seeds: (u64, u64),
+    budget_runs: u64,
+    min_copies: usize,
+) {
+    let config = Config { streams: 3, events: true, max_ops: 30, reads_in_middle: false, ..Config::default() };
+    let fused = run_programs_on(backend(seeds.0), cases() / 2, &config, true, seeds.0);
+    let budgets = Config { streams: 2, events: true, budgets: true, max_ops: 32, ..Config::default() };
+    let offloaded = run_programs_on(backend(seeds.1), budget_runs, &budgets, false, seeds.1);
+    let log = fused.log();
+    let gated = count(&log, |l| matches!(l, Logged::FreeAfter { after, .. } if !after.is_empty()));
+    let waits = count(&log, |l| matches!(l, Logged::Wait { .. }));
+    let copies = count(&offloaded.log(), |l| matches!(l, Logged::Copy { .. }));
+    println!("{label}: {waits} waits, {gated} gated frees, {copies} offload copies");
+    assert!(
+        gated > 10 && waits > 50 && copies > min_copies,
+        "too little was exercised: {waits} waits, {gated} gated frees, {copies} copies"
+    );
+}
+
 /// wgpu's ordering: every stream on one in-order queue, memory reusable the moment it is freed
 /// (gated or not), uploads and poison fills in issue order. The interleaved walker's issue
 /// order must then respect every event and gated free of the schedule by itself.
 #[test]
 fn random_programs_match_the_reference_on_one_in_order_queue() {
-    let config = Config { streams: 3, events: true, max_ops: 30, reads_in_middle: false, ..Config::default() };
-    let fused = run_programs_on(RecordingBackend::single_queue(5), cases() / 2, &config, true, 5);
-    let budgets = Config { streams: 2, events: true, budgets: true, max_ops: 32, ..Config::default() };
-    let offloaded = run_programs_on(RecordingBackend::single_queue(6), cases() / 2, &budgets, false, 6);
-    let log = fused.log();
-    let gated = count(&log, |l| matches!(l, Logged::FreeAfter { after, .. } if !after.is_empty()));
-    let waits = count(&log, |l| matches!(l, Logged::Wait { .. }));
-    let copies = count(&offloaded.log(), |l| matches!(l, Logged::Copy { .. }));
-    println!("one queue: {waits} waits, {gated} gated frees, {copies} offload copies");
-    assert!(
-        gated > 10 && waits > 50 && copies > 10,
-        "too little was exercised: {waits} waits, {gated} gated frees, {copies} copies"
-    );
+    run_mixed("one queue", RecordingBackend::single_queue, (5, 6), cases() / 2, 10);
 }
 
 /// CUDA's driving: each stream issued by a host thread of its own, so the calls of different
@@ -99,19 +112,7 @@ fn random_programs_match_the_reference_on_one_in_order_queue() {
 /// hand gated frees over only after their records.
 #[test]
 fn random_programs_match_the_reference_when_each_stream_is_issued_on_its_own_thread() {
-    let config = Config { streams: 3, events: true, max_ops: 30, reads_in_middle: false, ..Config::default() };
-    let fused = run_programs_on(RecordingBackend::issue_threads(7), cases() / 2, &config, true, 7);
-    let budgets = Config { streams: 2, events: true, budgets: true, max_ops: 32, ..Config::default() };
-    let offloaded = run_programs_on(RecordingBackend::issue_threads(8), cases() / 4, &budgets, false, 8);
-    let log = fused.log();
-    let gated = count(&log, |l| matches!(l, Logged::FreeAfter { after, .. } if !after.is_empty()));
-    let waits = count(&log, |l| matches!(l, Logged::Wait { .. }));
-    let copies = count(&offloaded.log(), |l| matches!(l, Logged::Copy { .. }));
-    println!("issue threads: {waits} waits, {gated} gated frees, {copies} offload copies");
-    assert!(
-        gated > 10 && waits > 50 && copies > 5,
-        "too little was exercised: {waits} waits, {gated} gated frees, {copies} copies"
-    );
+    run_mixed("issue threads", RecordingBackend::issue_threads, (7, 8), cases() / 4, 5);
 }
 
 #[test]
