@@ -310,7 +310,9 @@ impl Device {
         self.0.engine.backend.target()
     }
 
-    /// Returns cached free memory to the system (the pool keeps freed chunks for reuse).
+    /// Returns cached free memory to the system (the pool keeps freed chunks for reuse: the
+    /// CPU up to a cap, CUDA all of them until this call or until an allocation finds no room,
+    /// since giving a chunk back waits for the whole GPU).
     pub fn trim_memory(&self) {
         self.0.engine.backend.trim()
     }
