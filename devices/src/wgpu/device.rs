@@ -131,13 +131,13 @@ impl WgpuBackend {
         })
     }
 
-    /// The adapter's context (limits, features, pipeline cache).
     /// Whether the adapter is a software rasteriser (lavapipe), whose math builtins are the
     /// host's rather than a GPU's.
     pub fn is_software(&self) -> bool {
         self.context().info.device_type == wgpu::DeviceType::Cpu
     }
 
+    /// The adapter's context (limits, features, pipeline cache).
     pub fn context(&self) -> &Arc<WgpuContext> {
         &self.shared.ctx
     }
