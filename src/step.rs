@@ -33,6 +33,13 @@ const MAX_CAPTURES: usize = 32;
 /// time; a new budget, or arguments of new shapes or dtypes, capture again. Capture a step
 /// while no other thread records work on the same device.
 ///
+/// On CUDA the first replay records the plan into a CUDA graph and every later replay is one
+/// graph launch (the host's cost of a replay no longer grows with its kernels): the arguments
+/// are copied into the graph's own buffers and the outputs out into fresh ones. The graph keeps
+/// the memory of the step's intermediates for as long as the step lives (counted in
+/// `Device::memory`); `BRAID_CUDA_GRAPHS=0` turns graphs off, and replays under a memory
+/// budget, profiled ones and plans over 256 MiB of buffers run as flushes.
+///
 /// ```
 /// use braid::prelude::*;
 /// use braid::Step;

@@ -271,3 +271,56 @@ fn a_training_program_and_its_compiled_kernels() {
         stats.compiled, stats.disk_hits, stats.rejected, stats.memory_hits
     );
 }
+
+/// A step of two streams (a product and row reductions on one, an elementwise chain on the
+/// other) returning two values.
+fn two_stream_step(args: &[Tensor], side: &braid::Stream) -> Vec<Tensor> {
+    let h = args[0].matmul(&args[1]).tanh();
+    let g = side.scope(|| (&args[0] * 0.5).exp() - &args[0]);
+    let r = &h - &h.max_dim(1, true);
+    vec![&r + &g.sum_dim(1, true), (&g * &h).sum()]
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn replayed_steps_run_as_cuda_graphs() {
+    let Some((dev, _turn)) = gpu("replayed_steps_run_as_cuda_graphs") else { return };
+    if std::env::var("BRAID_CUDA_GRAPHS").is_ok_and(|v| v.trim() == "0") {
+        eprintln!("skipped: replayed_steps_run_as_cuda_graphs: BRAID_CUDA_GRAPHS=0 turns graphs off");
+        return;
+    }
+    dev.seed(11);
+    let side = dev.new_stream();
+    let step = braid::Step::new(|a: &[Tensor]| two_stream_step(a, &side));
+    let w = Tensor::randn([64, 64], DType::F32, &dev);
+    let before = backend(&dev).graph_launches();
+    let mut held = Vec::new();
+    for call in 0..6 {
+        let x = Tensor::randn([32, 64], DType::F32, &dev);
+        let out = step.call(&[x.clone(), w.clone()]).unwrap();
+        let eager = two_stream_step(&[x, w.clone()], &side);
+        let expected: Vec<Vec<u32>> = eager.iter().map(bits).collect();
+        assert_eq!(out.iter().map(bits).collect::<Vec<_>>(), expected, "call {call}: a replay equals the eager run");
+        held.push((out, expected));
+        if call == 3 {
+            // The cuBLAS workspaces go back: the graph is stale, the plan runs, and the next
+            // replay records a new graph.
+            dev.trim_memory();
+        }
+    }
+    // Calls 1-3 and 5 launched a graph; call 4 ran the plan (its graph was stale).
+    assert_eq!(backend(&dev).graph_launches() - before, 4, "graph launches");
+    // Every launch gave fresh outputs: the ones held from earlier calls were not overwritten.
+    for (call, (out, expected)) in held.iter().enumerate() {
+        assert_eq!(&out.iter().map(bits).collect::<Vec<_>>(), expected, "call {call}'s outputs, read later");
+    }
+    drop(held);
+    let in_use = dev.memory().in_use;
+    drop(step);
+    let freed = in_use - dev.memory().in_use;
+    println!("graph evidence: 4 of 6 calls launched a CUDA graph; dropping the step freed {freed} bytes it held");
+    assert!(freed > 0, "the graph's memory is given back with the step");
+}

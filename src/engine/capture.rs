@@ -5,7 +5,11 @@
 //! see [`during`]) and flushes what its outputs need in one flush. It keeps that flush's graph
 //! and plan, where each input of the flush comes from (an argument, or host data the function
 //! created), and where each output comes from. A replay binds the arguments' buffers to those
-//! inputs, runs the plan on the runtime, and returns the outputs for the API to wrap.
+//! inputs, runs the plan on the runtime, and returns the outputs for the API to wrap. Where the
+//! backend records device graphs (`Backend::record_graph`, CUDA graphs), the first replay
+//! records the plan into one and later replays launch it; a stale graph is dropped and
+//! recorded again, and a replay that is profiled, has a fault injected or runs under a memory
+//! budget runs the plan as a flush.
 //!
 //! This module must never keep a plan whose replay could differ from running the function
 //! again. A capture fails with [`Error::Capture`] (and nothing is kept) when the function reads
@@ -16,11 +20,12 @@ use super::flush::ExternalData;
 use super::run::{Planned, kernel_label};
 use super::{Engine, State, Value};
 use crate::error::{Error, Result};
+use braid_devices::runtime::{Graph, GraphRun};
 use braid_devices::{Buffer, Input, Job};
 use braid_graph::{DType, Node, NodeId, Op, Shape};
 use braid_scheduler::KernelId;
 use std::cell::Cell;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 thread_local! {
     /// How many captures are running on this thread (reads and flushes are refused inside).
@@ -100,6 +105,17 @@ pub(crate) struct Capture {
     planned: Option<Planned>,
     sources: Vec<Source>,
     outputs: Vec<Output>,
+    /// The plan recorded into a device graph (CUDA graphs), from the first replay on.
+    graph: Mutex<DeviceGraph>,
+}
+
+/// Whether a capture's plan runs as a device graph.
+enum DeviceGraph {
+    /// Not recorded yet (or the last one went stale): the next replay tries.
+    Untried,
+    Recorded(Box<dyn Graph>),
+    /// The device records no graph of this plan (or recording it failed): flushes run it.
+    Refused,
 }
 
 impl Capture {
@@ -145,7 +161,12 @@ impl Engine {
             if walked.order.is_empty() {
                 drop(st);
                 let outputs = outputs.into_iter().map(|o| o.expect("no work, so nothing is computed")).collect();
-                return Ok(Capture { planned: None, sources: Vec::new(), outputs });
+                return Ok(Capture {
+                    planned: None,
+                    sources: Vec::new(),
+                    outputs,
+                    graph: Mutex::new(DeviceGraph::Refused),
+                });
             }
             let mut ex = self.extract(&mut st, &walked.order);
             drop(st);
@@ -180,7 +201,8 @@ impl Engine {
                     }
                 })
                 .collect::<Result<Vec<Output>>>()?;
-            return Ok(Capture { planned: Some(planned), sources, outputs });
+            let graph = Mutex::new(DeviceGraph::Untried);
+            return Ok(Capture { planned: Some(planned), sources, outputs, graph });
         }
     }
 
@@ -208,6 +230,22 @@ impl Engine {
             };
             let label = |k: KernelId| kernel_label(&planned.schedule, &planned.graph, k);
             let sink = self.profile_sink();
+            if fail_at.is_none() && sink.is_none() && self.memory_budget().is_none() {
+                let job = Job {
+                    schedule: &planned.schedule,
+                    kernels: &planned.kernels,
+                    externals: Vec::new(),
+                    label: &label,
+                    poison,
+                    fail_at: None,
+                    flush: number,
+                    profile: None,
+                };
+                if let Some(outputs) = self.launch_graph(c, job, &externals)? {
+                    self.publish_dump(&planned.schedule, &planned.graph, number, None);
+                    return Ok(c.produced(outputs));
+                }
+            }
             let started = std::time::Instant::now();
             let job = Job {
                 schedule: &planned.schedule,
@@ -232,7 +270,46 @@ impl Engine {
             };
             self.publish_dump(&planned.schedule, &planned.graph, number, None);
         }
-        Ok(c.outputs
+        Ok(c.produced(computed))
+    }
+
+    /// Runs a captured plan as a device graph (recorded at its first replay, where the device
+    /// records graphs): the outputs, or `None` when the plan must run as a flush this time.
+    fn launch_graph(&self, c: &Capture, job: Job<'_>, inputs: &[Input]) -> Result<Option<Vec<Buffer>>> {
+        let mut slot = crate::lock(&c.graph);
+        if matches!(*slot, DeviceGraph::Untried) {
+            *slot = match self.backend.record_graph(job) {
+                None => DeviceGraph::Refused,
+                Some(Ok(g)) => DeviceGraph::Recorded(g),
+                Some(Err(e)) => {
+                    tracing::debug!(target: "braid", "a step is not run as a device graph: {e}");
+                    DeviceGraph::Refused
+                }
+            };
+        }
+        let DeviceGraph::Recorded(graph) = &*slot else { return Ok(None) };
+        let buffers: Vec<Buffer> = inputs
+            .iter()
+            .map(|i| match i {
+                Input::Buffer(b) => Ok(b.clone()),
+                Input::Upload(_) => Err(Error::Internal("a step's input is not on the device".into())),
+            })
+            .collect::<Result<_>>()?;
+        match graph.launch(self.backend.as_ref(), &buffers).map_err(|e| self.device_error(e))? {
+            GraphRun::Ran(outputs) => Ok(Some(outputs)),
+            GraphRun::NotNow => Ok(None),
+            GraphRun::Stale => {
+                *slot = DeviceGraph::Untried;
+                Ok(None)
+            }
+        }
+    }
+}
+
+impl Capture {
+    /// What a replay produced, from the buffers of the plan's outputs (`computed`).
+    fn produced(&self, computed: Vec<Buffer>) -> Vec<Produced<'_>> {
+        self.outputs
             .iter()
             .map(|o| match o {
                 Output::Computed { pos, dtype, shape } => {
@@ -241,7 +318,7 @@ impl Engine {
                 Output::Arg(k) => Produced::Arg(*k),
                 Output::Host { bytes, dtype, shape } => Produced::Host { bytes, dtype: *dtype, shape },
             })
-            .collect())
+            .collect()
     }
 }
 

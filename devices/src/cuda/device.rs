@@ -26,7 +26,7 @@ use super::lanes::{TRANSFER, lock};
 use super::launch::CudaKernel;
 use super::queue::CudaFlush;
 use super::shared::{Mem, Shared};
-use crate::runtime::{Backend, Driver, Flush};
+use crate::runtime::{Backend, Driver, Flush, Graph, Job};
 use crate::{Buffer, DeviceError, MemoryStats};
 use braid_graph::{CostModel, DTypes, MemoryKind, Target};
 use braid_lowering::Kernel;
@@ -95,6 +95,10 @@ pub struct CudaBackend {
     prepared: Mutex<Prepared>,
     pub(crate) launched: AtomicU64,
     pub(crate) timeline: Timeline,
+    /// Whether replayed steps are recorded into CUDA graphs (`BRAID_CUDA_GRAPHS=0`: not).
+    pub(crate) graphs: AtomicBool,
+    /// CUDA graphs launched since the device was created.
+    pub(crate) graph_launches: AtomicU64,
 }
 
 /// Kernels ready to launch, by the address of the engine's interned kernel (held, so the
@@ -119,7 +123,8 @@ fn open_gpu(ordinal: usize) -> Result<(Arc<Gpu>, Arc<Compiler>), DeviceError> {
 
 impl CudaBackend {
     /// A new device on GPU `ordinal`: `Err(Unavailable)` naming what is missing when the CUDA
-    /// libraries or the GPU are not there. f32 products use TF32 when `BRAID_TF32=1`.
+    /// libraries or the GPU are not there. f32 products use TF32 when `BRAID_TF32=1`; replayed
+    /// steps run as CUDA graphs unless `BRAID_CUDA_GRAPHS=0`.
     pub fn open(ordinal: usize) -> Result<CudaBackend, DeviceError> {
         let (gpu, compiler) = open_gpu(ordinal)?;
         let tf32 = std::env::var("BRAID_TF32").is_ok_and(|v| v.trim() == "1");
@@ -132,7 +137,20 @@ impl CudaBackend {
             prepared: Mutex::new(HashMap::new()),
             launched: AtomicU64::new(0),
             timeline: Timeline::default(),
+            graphs: AtomicBool::new(std::env::var("BRAID_CUDA_GRAPHS").map_or(true, |v| v.trim() != "0")),
+            graph_launches: AtomicU64::new(0),
         })
+    }
+
+    /// Whether replays of steps captured from now on are recorded into CUDA graphs (on unless
+    /// `BRAID_CUDA_GRAPHS=0`); graphs recorded already stay.
+    pub fn set_graphs(&self, on: bool) {
+        self.graphs.store(on, Ordering::Relaxed);
+    }
+
+    /// CUDA graphs launched so far (replays of recorded steps).
+    pub fn graph_launches(&self) -> u64 {
+        self.graph_launches.load(Ordering::Relaxed)
     }
 
     pub fn gpu(&self) -> &Arc<Gpu> {
@@ -273,5 +291,9 @@ impl Backend for CudaBackend {
 
     fn as_any(&self) -> &dyn std::any::Any {
         self
+    }
+
+    fn record_graph(&self, job: Job<'_>) -> Option<Result<Box<dyn Graph>, DeviceError>> {
+        super::graph::record(self, job)
     }
 }

@@ -14,7 +14,8 @@
 //! - [`harness`]: upload, run, download of one kernel, for tests.
 //! - [`CudaBackend`] (`device`, with `queue`, `shared` and `lanes`): the device runtime the
 //!   engine runs on: lanes of CUDA streams and what the host knows of their progress, memory
-//!   pools whose freed slices wait for the GPU, and the runtime's flush and queues.
+//!   pools whose freed slices wait for the GPU, and the runtime's flush and queues; `graph`:
+//!   replayed steps recorded into CUDA graphs.
 //!
 //! Rules every file here keeps: nothing panics on a run-time failure (every CUDA error becomes
 //! a [`DeviceError`]); no cudarc call is made before [`available`] said its library is there
@@ -29,6 +30,7 @@ pub mod compile;
 pub mod context;
 mod device;
 pub mod disk_cache;
+mod graph;
 pub mod harness;
 mod lanes;
 pub mod launch;

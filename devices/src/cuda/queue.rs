@@ -17,6 +17,11 @@
 //! where its events were recorded (see `super::shared`). A buffer someone else still holds is
 //! only let go of; its last holder's drop frees it.
 //!
+//! A flush opened by [`CudaFlush::record`] captures instead (`super::graph`): the same calls
+//! become nodes and edges of a CUDA graph, nothing is counted on a lane, memory the flush
+//! allocates or frees stays with the graph, and what a graph cannot hold (uploads, copies from
+//! another device, collectives) fails the recording.
+//!
 //! With `RUST_LOG=braid=debug`, each kernel logs one line (target `braid::kernel`) when it is
 //! issued: its label, stream, elements and the time the host took to issue it (the GPU runs it
 //! later; [`super::CudaBackend::set_timeline`] measures GPU time).
@@ -24,10 +29,12 @@
 //! Must never: run anything the schedule does not say, in another order on a stream, or
 //! block the host (but after a failure, or when out of memory).
 
+use super::DriverResult;
 use super::context::{Event, Stream};
 use super::device::CudaBackend;
+use super::graph::Recording;
 use super::lanes::{LaneId, Marker, Point, lock};
-use super::launch::LaunchOptions;
+use super::launch::{CudaKernel, LaunchOptions};
 use super::memory::copy_async;
 use super::shared::{CudaBuffer, Mem};
 use crate::runtime::{Backend as _, Call, Flush, Queue};
@@ -38,6 +45,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 /// One flush: its lanes (by schedule stream), its events, and what went wrong.
+/// How a recorded flush captures: relaxed, so that other threads may allocate and query
+/// events recorded outside the capture meanwhile.
+const CAPTURE_MODE: cudarc::driver::sys::CUstreamCaptureMode =
+    cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+
 pub(crate) struct CudaFlush<'a> {
     backend: &'a CudaBackend,
     _issue: MutexGuard<'a, ()>,
@@ -50,6 +62,8 @@ pub(crate) struct CudaFlush<'a> {
     error: Mutex<Option<DeviceError>>,
     /// Timing events around each kernel of a profiled flush: (stream index, step, start, end).
     times: Mutex<Vec<(usize, usize, Event, Event)>>,
+    /// Set when the flush is recorded into a CUDA graph instead of run (`super::graph`).
+    recording: Option<Recording>,
 }
 
 impl<'a> CudaFlush<'a> {
@@ -58,6 +72,45 @@ impl<'a> CudaFlush<'a> {
         schedule: &Schedule,
         poison: bool,
     ) -> Result<CudaFlush<'a>, DeviceError> {
+        CudaFlush::open(backend, schedule, poison, false)
+    }
+
+    /// A flush whose calls are captured into a CUDA graph rather than run: after the usual
+    /// fence, the first lane begins a capture and every other lane joins it (`super::graph`).
+    pub(crate) fn record(
+        backend: &'a CudaBackend,
+        schedule: &Schedule,
+        poison: bool,
+    ) -> Result<CudaFlush<'a>, DeviceError> {
+        let flush = CudaFlush::open(backend, schedule, poison, true)?;
+        let rec = flush.recording.as_ref().expect("opened for recording");
+        let shared = &backend.shared;
+        let origin = shared.stream(rec.origin);
+        // SAFETY: the stream is alive; relaxed mode, so that other threads' allocations and
+        // queries (of events recorded outside the capture) go on meanwhile.
+        unsafe { cudarc::driver::result::stream::begin_capture(origin.raw(), CAPTURE_MODE) }
+            .or_device("cuStreamBeginCapture")?;
+        let fork = rec.events.get();
+        let joined = fork.and_then(|fork| {
+            fork.event().record(&origin)?;
+            for &l in flush.lanes.iter().filter(|&&l| l != rec.origin) {
+                shared.stream(l).wait(fork.event())?;
+            }
+            Ok(())
+        });
+        if let Err(e) = joined {
+            let _ = rec.end(shared, &[], false);
+            return Err(e);
+        }
+        Ok(flush)
+    }
+
+    /// The recording of a flush opened by [`CudaFlush::record`], after `finish`.
+    pub(crate) fn into_recording(self) -> Recording {
+        self.recording.expect("opened for recording")
+    }
+
+    fn open(backend: &'a CudaBackend, schedule: &Schedule, poison: bool, recording: bool) -> Result<Self, DeviceError> {
         let issue = lock(&backend.issue);
         let shared = &backend.shared;
         shared.gpu.bind()?;
@@ -66,7 +119,10 @@ impl<'a> CudaFlush<'a> {
             let lanes = schedule.streams.iter().map(|s| st.lanes.of_stream(&shared.gpu, s.stream.0));
             lanes.collect::<Result<Vec<LaneId>, DeviceError>>()?
         };
-        let events = (0..schedule.events.len()).map(|_| shared.events.get()).collect::<Result<Vec<_>, _>>()?;
+        let recording = recording.then(|| Recording::new(shared, lanes[0]));
+        // A capture's events never serve outside it: its own, dropped with it.
+        let pool = recording.as_ref().map_or(&shared.events, |r| &r.events);
+        let events = (0..schedule.events.len()).map(|_| pool.get()).collect::<Result<Vec<_>, _>>()?;
         let fence = shared.state().lanes.fence(&shared.events)?;
         for &l in &lanes {
             let stream = shared.stream(l);
@@ -86,6 +142,7 @@ impl<'a> CudaFlush<'a> {
             failed: AtomicBool::new(false),
             error: Mutex::new(None),
             times: Mutex::new(Vec::new()),
+            recording,
         })
     }
 
@@ -108,6 +165,9 @@ impl Flush for CudaFlush<'_> {
     }
 
     fn free_after(&self, buffer: Buffer, stream: usize, after: &[EventId]) {
+        if self.recording.is_some() {
+            return; // the graph keeps it (reused by nothing: other lanes still read it)
+        }
         let Buffer::Cuda(b) = buffer else { return };
         // Another holder frees it when it lets go (gated on everything enqueued by then).
         let Ok(b) = Arc::try_unwrap(b) else { return };
@@ -148,6 +208,15 @@ impl Flush for CudaFlush<'_> {
 
     fn finish(&self, failed: bool) -> Result<(), DeviceError> {
         let shared = &self.backend.shared;
+        if let Some(rec) = &self.recording {
+            // Nothing ran: the capture ends (always, so the lanes leave capture mode).
+            let ok = !failed && !self.failed.load(Ordering::SeqCst);
+            let ended = rec.end(shared, &self.lanes, ok);
+            if let Some(e) = lock(&self.error).take() {
+                return Err(e);
+            }
+            return ended;
+        }
         let mut ended = Ok(());
         for &l in &self.lanes {
             let marker = shared.events.get().and_then(|m| shared.state().lanes.record(l, m));
@@ -197,6 +266,9 @@ impl CudaQueue<'_, '_> {
         let args = call.args.iter().map(|b| ours(self.flush, b).map(|b| b.addr())).collect::<Result<Vec<u64>, _>>()?;
         let blas = if compiled.needs_blas() { Some(shared.blas(self.lane)?) } else { None };
         shared.gpu.bind()?;
+        if let Some(rec) = &self.flush.recording {
+            return self.capture(rec, call, &compiled, blas.as_deref(), &args);
+        }
         let logged = tracing::enabled!(target: "braid::kernel", tracing::Level::DEBUG);
         let t0 = logged.then(Instant::now);
         let span = if call.timed || backend.timeline.on.load(Ordering::Relaxed) {
@@ -245,6 +317,37 @@ impl CudaQueue<'_, '_> {
         }
         Ok(())
     }
+
+    /// Captures a kernel into the flush's graph: its scratch is kept by the graph, and nothing
+    /// is counted (it runs when the graph is launched).
+    fn capture(
+        &self,
+        rec: &Recording,
+        call: &Call<'_>,
+        compiled: &Arc<CudaKernel>,
+        blas: Option<&super::Blas>,
+        args: &[u64],
+    ) -> Result<(), DeviceError> {
+        let shared = &self.flush.backend.shared;
+        let scratch = match compiled.scratch_bytes() {
+            0 => 0,
+            n => rec.alloc(shared, self.lane, n, Mem::Device, false, false)?.addr(),
+        };
+        // SAFETY: as for a launch; the stream is capturing, so this only adds graph nodes, and
+        // the graph keeps the argument and scratch memory for as long as it lives.
+        unsafe { compiled.launch(self.stream.raw(), blas, args, scratch, LaunchOptions::default()) }
+            .map_err(|e| e.in_kernel(&call.describe()))?;
+        lock(&rec.kernels).push(compiled.clone());
+        Ok(())
+    }
+
+    /// `Err` for what a recorded flush cannot do.
+    fn not_while_recording(&self, what: &str) -> Result<(), DeviceError> {
+        match self.flush.recording {
+            Some(_) => Err(DeviceError::Unavailable(format!("{what} cannot be recorded into a CUDA graph"))),
+            None => Ok(()),
+        }
+    }
 }
 
 impl Queue for CudaQueue<'_, '_> {
@@ -257,11 +360,16 @@ impl Queue for CudaQueue<'_, '_> {
             }
         };
         let exact = plan.persistent && mem == Mem::Device;
-        let b = self.flush.backend.shared.buffer(Some(self.lane), plan.bytes, mem, exact, self.flush.poison)?;
+        let shared = &self.flush.backend.shared;
+        if let Some(rec) = &self.flush.recording {
+            return Ok(Buffer::Cuda(rec.alloc(shared, self.lane, plan.bytes, mem, exact, self.flush.poison)?));
+        }
+        let b = shared.buffer(Some(self.lane), plan.bytes, mem, exact, self.flush.poison)?;
         Ok(Buffer::Cuda(Arc::new(b)))
     }
 
     fn upload(&mut self, bytes: &[u8]) -> Result<Buffer, DeviceError> {
+        self.not_while_recording("host data uploaded at its first use")?;
         let shared = &self.flush.backend.shared;
         let b = shared.buffer(Some(self.lane), bytes.len(), Mem::Device, false, self.flush.poison)?;
         shared.write(self.lane, b.addr(), bytes.len(), |dst| {
@@ -285,6 +393,11 @@ impl Queue for CudaQueue<'_, '_> {
 
     fn free(&mut self, buffer: Buffer) {
         let Buffer::Cuda(b) = buffer else { return };
+        if let Some(rec) = &self.flush.recording {
+            // Only this lane used it: a later allocation on the lane may take it.
+            lock(&rec.spare).push((self.lane, b));
+            return;
+        }
         let Ok(b) = Arc::try_unwrap(b) else { return };
         if let Err(e) = self.flush.backend.shared.free_on(self.lane, b, &[]) {
             self.flush.note(e);
@@ -293,6 +406,13 @@ impl Queue for CudaQueue<'_, '_> {
 
     fn record(&mut self, event: EventId) {
         let marker = self.flush.events[event.index()].clone();
+        if self.flush.recording.is_some() {
+            // An edge of the graph: no marker for the pools (the capture runs nothing).
+            if let Err(e) = marker.event().record(&self.stream) {
+                self.flush.note(e);
+            }
+            return;
+        }
         let mut st = self.flush.backend.shared.state();
         let point = st.lanes.point(self.lane);
         let recorded = st.lanes.record(self.lane, marker);
@@ -326,12 +446,17 @@ impl Queue for CudaQueue<'_, '_> {
                 // size (checked by the walker), and the schedule orders their other accesses
                 // around this point of the stream.
                 let r = unsafe { copy_async(dst.addr(), src.addr(), dst.bytes(), self.stream.raw()) };
-                shared.bump(self.lane);
+                if self.flush.recording.is_none() {
+                    shared.bump(self.lane);
+                }
                 r
             }
             // Another device's buffer: read (once its writer is done) into pinned staging,
             // then copied up on this stream.
-            other => shared.write(self.lane, dst.addr(), dst.bytes(), |staging| other.read_into(staging)),
+            other => {
+                self.not_while_recording("a copy from another device")?;
+                shared.write(self.lane, dst.addr(), dst.bytes(), |staging| other.read_into(staging))
+            }
         }
     }
 
@@ -349,6 +474,7 @@ impl Queue for CudaQueue<'_, '_> {
         let braid_lowering::Body::Collective(c) = &call.kernel.body else {
             return Err(DeviceError::Internal(format!("{} is not a collective", call.describe())));
         };
+        self.not_while_recording("a collective")?;
         let group = crate::collective::group(c)?;
         let (input, output) = (ours(self.flush, &call.args[0])?, ours(self.flush, &call.args[1])?);
         let dtype = call.kernel.args[0].dtype;

@@ -131,6 +131,9 @@ pub struct Shared {
     pinned: Pool<PinnedChunks>,
     state: Mutex<State>,
     tf32: bool,
+    /// Bumped whenever the cuBLAS handles and workspaces are given back: a CUDA graph recorded
+    /// before refers to freed workspaces (`super::graph`).
+    blas_epoch: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -151,6 +154,7 @@ impl Shared {
             pinned: Pool::new(PinnedChunks(gpu.clone())),
             state: Mutex::new(state),
             tf32,
+            blas_epoch: std::sync::atomic::AtomicU64::new(0),
         }))
     }
 
@@ -481,11 +485,17 @@ impl Shared {
     /// Destroys the cuBLAS handles and frees their workspaces. The GPU must be idle and no
     /// flush running.
     pub(crate) fn drop_blas(&self) {
+        self.blas_epoch.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let handles = std::mem::take(&mut self.state().blas);
         for (_, b, workspace) in handles {
             drop(b);
             self.device.free(workspace);
         }
+    }
+
+    /// How many times the cuBLAS handles were given back (see `blas_epoch`).
+    pub(crate) fn blas_epoch(&self) -> u64 {
+        self.blas_epoch.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// (live bytes, peak, reserved device bytes).

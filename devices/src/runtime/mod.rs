@@ -12,13 +12,17 @@
 //! gated free may go ahead, what happens when a step fails) is the walker's ([`execute`]), so it
 //! is written once and tested once, with a recording queue, for every backend.
 //!
+//! A backend may also record a schedule into a device graph ([`Backend::record_graph`], CUDA
+//! graphs) that a replayed step launches with one call; the walker records it too
+//! ([`execute_on`] over a flush in recording mode).
+//!
 //! The runtime runs what the schedule says, in its order; it never plans, fuses or reorders.
 
 pub mod pool;
 mod walk;
 mod workers;
 
-pub use walk::execute;
+pub use walk::{execute, execute_on};
 
 use crate::{Buffer, DeviceError, MemoryStats};
 use braid_graph::Target;
@@ -79,6 +83,37 @@ pub trait Backend: Send + Sync {
     }
     /// The backend as `Any`, for options only one backend has (the CPU's compile mode).
     fn as_any(&self) -> &dyn std::any::Any;
+    /// Records `job`'s schedule into a [`Graph`] that later runs it again with one call (a
+    /// CUDA graph), without running it. `job.externals` is ignored: the graph holds buffers
+    /// of its own for the inputs, filled at each [`Graph::launch`]. `None`: this backend
+    /// records no graphs, or not this schedule, or not now (the caller runs the plan as
+    /// usual); `Err`: recording failed, nothing ran, and the device stays usable.
+    fn record_graph(&self, job: Job<'_>) -> Option<Result<Box<dyn Graph>, DeviceError>> {
+        let _ = job;
+        None
+    }
+}
+
+/// A schedule recorded once into one device call ([`Backend::record_graph`]): a launch copies
+/// the inputs into the graph's own buffers, runs every step of every stream with the
+/// schedule's event edges, and copies the outputs into fresh buffers (a caller may still hold
+/// an earlier launch's outputs). Launches are ordered after everything enqueued on the device
+/// before them, and work enqueued later comes after them, like a flush.
+pub trait Graph: Send + Sync {
+    /// Runs the graph on `inputs` (in `schedule.external_buffers` order, of the recorded
+    /// sizes) on `backend` (the one that recorded it).
+    fn launch(&self, backend: &dyn Backend, inputs: &[Buffer]) -> Result<GraphRun, DeviceError>;
+}
+
+/// What a [`Graph::launch`] did.
+pub enum GraphRun {
+    /// It ran: the buffers of `schedule.outputs`, in order.
+    Ran(Vec<Buffer>),
+    /// It cannot run now (the device is timing each kernel): run the plan instead.
+    NotNow,
+    /// It can never run again (memory it refers to was given back, by `Device::trim_memory`):
+    /// drop it, run the plan, and record a new graph if wanted.
+    Stale,
 }
 
 /// One execution of a schedule on a device: its events, and a queue per stream. Shared by the

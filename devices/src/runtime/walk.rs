@@ -299,36 +299,49 @@ impl Walker<'_, '_> {
     }
 }
 
+/// The external buffers of a flush that never started, to give back.
+fn held_inputs(externals: Vec<Input>) -> Vec<Option<Buffer>> {
+    externals
+        .into_iter()
+        .map(|e| match e {
+            Input::Buffer(b) => Some(b),
+            Input::Upload(_) => None,
+        })
+        .collect()
+}
+
+fn mismatched(externals: Vec<Input>) -> Outcome {
+    (Err(DeviceError::Internal("external buffers do not match the schedule".into())), held_inputs(externals))
+}
+
 /// Runs `job` on `backend`: returns the buffers of `schedule.outputs` and the external buffers
 /// still held at the end.
 pub fn execute(backend: &dyn Backend, mut job: Job<'_>) -> Outcome {
+    if job.externals.len() != job.schedule.external_buffers.len() {
+        return mismatched(std::mem::take(&mut job.externals));
+    }
+    match backend.begin(job.schedule, job.poison) {
+        Ok(flush) => execute_on(backend.driver(), flush.as_ref(), job),
+        Err(e) => (Err(e), held_inputs(std::mem::take(&mut job.externals))),
+    }
+}
+
+/// Runs `job` on a flush the backend began itself (a flush recorded into a device graph),
+/// driving its queues as `driver` says: [`execute`] after `Backend::begin`.
+pub fn execute_on(driver: Driver, flush: &dyn Flush, mut job: Job<'_>) -> Outcome {
     let schedule = job.schedule;
     let externals = std::mem::take(&mut job.externals);
-    let held_inputs = |externals: Vec<Input>| {
-        externals
-            .into_iter()
-            .map(|e| match e {
-                Input::Buffer(b) => Some(b),
-                Input::Upload(_) => None,
-            })
-            .collect()
-    };
     if externals.len() != schedule.external_buffers.len() {
-        let error = DeviceError::Internal("external buffers do not match the schedule".into());
-        return (Err(error), held_inputs(externals));
+        return mismatched(externals);
     }
-    let flush = match backend.begin(schedule, job.poison) {
-        Ok(flush) => flush,
-        Err(e) => return (Err(e), held_inputs(externals)),
-    };
     let walker = Walker {
         job: &job,
-        flush: flush.as_ref(),
+        flush,
         table: (0..schedule.buffers.len()).map(|_| Mutex::new(None)).collect(),
         uploads: (0..schedule.buffers.len()).map(|_| Mutex::new(None)).collect(),
         gates: Mutex::new(Gates { recorded: vec![false; schedule.events.len()], pending: Vec::new() }),
         gate_changed: Condvar::new(),
-        hold_waits: backend.driver() == Driver::IssueThreads,
+        hold_waits: driver == Driver::IssueThreads,
         abort: AtomicBool::new(false),
         error: Mutex::new(None),
     };
@@ -340,8 +353,8 @@ pub fn execute(backend: &dyn Backend, mut job: Job<'_>) -> Outcome {
         }
     }
     let streams = schedule.streams.len();
-    let (walker, flush) = (&walker, flush.as_ref());
-    match backend.driver() {
+    let walker = &walker;
+    match driver {
         Driver::Interleaved => {
             let mut queues: Vec<Box<dyn Queue + '_>> = (0..streams).map(|s| flush.queue(s)).collect();
             walker.interleave(&mut queues);

@@ -1,0 +1,300 @@
+//! CUDA graphs for replayed steps: a flush's schedule recorded once by stream capture
+//! ([`record`]) and then run with one `cuGraphLaunch` per replay ([`CudaGraph`]), so that a
+//! step of many small kernels costs the host one launch instead of one per kernel.
+//!
+//! Recording runs the ordinary walker over a flush in *recording* mode (`super::queue`): the
+//! flush's first lane (the *origin*) begins a capture, every other lane joins it by waiting
+//! for an event recorded there, and each queue call is captured instead of run. Kernels and
+//! cuBLAS calls become graph nodes, the schedule's records and waits become edges, and at the
+//! end every lane joins the origin again. Nothing runs on the GPU, no lane counts an
+//! operation, and no marker is recorded (the pools learn nothing from a capture).
+//!
+//! A graph bakes in addresses, so it owns the memory it was recorded with (a [`Recording`]):
+//! every buffer allocated while recording, reused only by a later allocation of the same size
+//! on the same lane after an ungated free (stream order inside the graph keeps that safe);
+//! kernel scratch; the input and output buffers; and the compiled kernels, whose modules stay
+//! loaded. The memory is held while the graph lives and counts as in use. cuBLAS workspaces
+//! are the lanes' own: once `Device::trim_memory` gives them back, a graph is stale.
+//!
+//! A launch is ordered like a flush: the origin lane waits for the end of every other lane,
+//! the inputs are copied into the graph's input buffers, the graph runs, each output is copied
+//! into a fresh buffer (the caller may still hold an earlier launch's outputs), and a marker at
+//! the end tells the pools when it is done. Later flushes wait for that marker.
+//!
+//! What is not recorded ([`record`] says `None`, and the plan runs as a flush): schedules of
+//! one kernel, with collectives, uploads at first use or other devices' buffers, whose
+//! buffers total more than [`GRAPH_MAX_BYTES`]; flushes that are profiled, timed or have a
+//! failure injected; and any schedule when `BRAID_CUDA_GRAPHS=0`.
+//!
+//! Must never: launch a graph whose memory was given back, or let anything but the graph use
+//! the memory it owns.
+
+use super::device::CudaBackend;
+use super::lanes::{EventPool, LaneId, lock};
+use super::launch::CudaKernel;
+use super::memory::copy_async;
+use super::queue::CudaFlush;
+use super::shared::{CudaBuffer, Mem, Shared};
+use super::{DriverResult, TRACE_TARGET};
+use crate::runtime::{Backend, Driver, Graph, GraphRun, Input, Job, execute_on};
+use crate::{Buffer, DeviceError};
+use braid_scheduler::Space;
+use cudarc::driver::result as cu;
+use cudarc::driver::sys;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+/// Schedules whose buffers total more than this are not recorded: a graph keeps all its
+/// intermediates (not only the plan's peak), and a step of large tensors is bound by its
+/// kernels' time, not by launching them.
+pub const GRAPH_MAX_BYTES: u64 = 256 << 20;
+
+/// An instantiated graph (`CUgraphExec`), destroyed on drop.
+struct Exec(sys::CUgraphExec);
+
+// SAFETY: a graph exec is a driver handle usable from any thread bound to its context; launches
+// are serialised by the device's issue lock.
+unsafe impl Send for Exec {}
+unsafe impl Sync for Exec {}
+
+/// What a flush in recording mode collects: the memory and kernels the graph will own.
+pub(crate) struct Recording {
+    /// The lane the capture starts and ends on, and graphs are launched on.
+    pub(crate) origin: LaneId,
+    /// Events of the capture (fork, joins, the schedule's events): never used outside it.
+    pub(crate) events: Arc<EventPool>,
+    /// Every buffer allocated while recording.
+    pub(crate) kept: Mutex<Vec<Arc<CudaBuffer>>>,
+    /// Buffers freed without a gate, by lane: a later allocation of the same size on that lane
+    /// takes one.
+    pub(crate) spare: Mutex<Vec<(LaneId, Arc<CudaBuffer>)>>,
+    pub(crate) kernels: Mutex<Vec<Arc<CudaKernel>>>,
+    /// The instantiated graph, once the capture ended well.
+    exec: Mutex<Option<Exec>>,
+}
+
+impl Recording {
+    pub(crate) fn new(shared: &Shared, origin: LaneId) -> Recording {
+        Recording {
+            origin,
+            events: EventPool::new(&shared.gpu),
+            kept: Mutex::new(Vec::new()),
+            spare: Mutex::new(Vec::new()),
+            kernels: Mutex::new(Vec::new()),
+            exec: Mutex::new(None),
+        }
+    }
+
+    /// A buffer for an allocation on `lane` while recording: a spare one of the same kind, or a
+    /// new one the graph keeps.
+    pub(crate) fn alloc(
+        &self,
+        shared: &Arc<Shared>,
+        lane: LaneId,
+        bytes: usize,
+        mem: Mem,
+        exact: bool,
+        poison: bool,
+    ) -> Result<Arc<CudaBuffer>, DeviceError> {
+        let mut spare = lock(&self.spare);
+        let fits = |(l, b): &(LaneId, Arc<CudaBuffer>)| {
+            *l == lane && b.bytes() == bytes && b.is_pinned() == (mem == Mem::Pinned) && b.is_exact() == exact
+        };
+        if let Some(i) = spare.iter().position(fits) {
+            return Ok(spare.swap_remove(i).1);
+        }
+        drop(spare);
+        let b = Arc::new(shared.buffer(Some(lane), bytes, mem, exact, poison)?);
+        lock(&self.kept).push(b.clone());
+        Ok(b)
+    }
+
+    /// Ends the capture on `origin` (every other lane of `lanes` joined back first) and
+    /// instantiates the graph; `ok` says whether every captured call succeeded.
+    pub(crate) fn end(&self, shared: &Shared, lanes: &[LaneId], ok: bool) -> Result<(), DeviceError> {
+        shared.gpu.bind()?;
+        let origin = shared.stream(self.origin);
+        let mut joined = Ok(());
+        for &l in lanes.iter().filter(|&&l| l != self.origin) {
+            let join = self.events.get().and_then(|m| {
+                m.event().record(&shared.stream(l))?;
+                origin.wait(m.event())
+            });
+            joined = joined.and(join);
+        }
+        // SAFETY: the origin stream is alive and capturing (begun by `CudaFlush::record`).
+        let ended = unsafe { cu::stream::end_capture(origin.raw()) }.or_device("cuStreamEndCapture");
+        let graph = match ended {
+            Ok(g) => g,
+            Err(e) => return Err(joined.err().unwrap_or(e)),
+        };
+        let instantiated = if ok && joined.is_ok() {
+            // SAFETY: `graph` is the valid graph the capture just produced.
+            unsafe { cu::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }.or_device("cuGraphInstantiate")
+        } else {
+            Err(joined.err().unwrap_or_else(|| DeviceError::Internal("a captured step failed".into())))
+        };
+        // SAFETY: the graph is ours; an instantiated exec does not need it.
+        let _ = unsafe { cu::graph::destroy(graph) };
+        *lock(&self.exec) = Some(Exec(instantiated?));
+        Ok(())
+    }
+}
+
+/// A recorded schedule: one `cuGraphLaunch` per replay (see the module docs).
+pub(crate) struct CudaGraph {
+    shared: Arc<Shared>,
+    exec: Exec,
+    origin: LaneId,
+    inputs: Vec<Arc<CudaBuffer>>,
+    outputs: Vec<Arc<CudaBuffer>>,
+    /// The memory and kernels the graph refers to (held, never used by anything else).
+    _kept: Vec<Arc<CudaBuffer>>,
+    _kernels: Vec<Arc<CudaKernel>>,
+    /// braid kernels one launch runs (what `kernels_launched` counts).
+    kernel_count: u64,
+    /// `Shared::blas_epoch` when recorded: the workspaces it uses are given back once it moves.
+    epoch: u64,
+    poison: bool,
+}
+
+/// Records `job`'s schedule into a CUDA graph on `backend` (see the module docs for what is
+/// not recorded: `None`).
+pub(crate) fn record(backend: &CudaBackend, job: Job<'_>) -> Option<Result<Box<dyn Graph>, DeviceError>> {
+    let s = job.schedule;
+    let recordable = backend.graphs.load(Ordering::Relaxed)
+        && !backend.timeline.on.load(Ordering::Relaxed)
+        && job.profile.is_none()
+        && job.fail_at.is_none()
+        && s.kernels.len() >= 2
+        && !job.kernels.iter().any(|k| matches!(k.body, braid_lowering::Body::Collective(_)))
+        && !s.buffers.iter().any(|b| b.upload_at_first_use || b.space == Space::Remote)
+        && s.buffers.iter().map(|b| b.bytes as u64).sum::<u64>() <= GRAPH_MAX_BYTES;
+    recordable.then(|| record_now(backend, job))
+}
+
+fn record_now(backend: &CudaBackend, job: Job<'_>) -> Result<Box<dyn Graph>, DeviceError> {
+    let shared = &backend.shared;
+    let s = job.schedule;
+    shared.gpu.bind()?;
+    let mem = |space: Space| if space == Space::Host { Mem::Pinned } else { Mem::Device };
+    let inputs = (s.external_buffers.iter().map(|b| &s.buffers[b.index()]))
+        .map(|p| shared.buffer(None, p.bytes, mem(p.space), false, job.poison).map(Arc::new))
+        .collect::<Result<Vec<_>, _>>()?;
+    let epoch = shared.blas_epoch();
+    let flush = CudaFlush::record(backend, s, job.poison)?;
+    let externals = inputs.iter().map(|b| Input::Buffer(Buffer::Cuda(b.clone()))).collect();
+    let (outputs, _held) = execute_on(Driver::IssueThreads, &flush, Job { externals, ..job });
+    let recording = flush.into_recording();
+    let outputs = outputs?
+        .into_iter()
+        .map(|b| match b {
+            Buffer::Cuda(b) => Ok(b),
+            other => Err(DeviceError::Internal(format!("a recorded step's output is {other:?}"))),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let exec = lock(&recording.exec).take().ok_or_else(|| DeviceError::Internal("no graph was recorded".into()))?;
+    let kernels = std::mem::take(&mut *lock(&recording.kernels));
+    let kept = std::mem::take(&mut *lock(&recording.kept));
+    let bytes: usize = kept.iter().chain(&inputs).map(|b| b.bytes()).sum();
+    tracing::debug!(
+        target: TRACE_TARGET,
+        kernels = kernels.len(),
+        bytes,
+        streams = s.streams.len(),
+        "recorded a step into a CUDA graph"
+    );
+    Ok(Box::new(CudaGraph {
+        shared: shared.clone(),
+        exec,
+        origin: recording.origin,
+        inputs,
+        outputs,
+        kernel_count: kernels.len() as u64,
+        _kept: kept,
+        _kernels: kernels,
+        epoch,
+        poison: job.poison,
+    }))
+}
+
+impl Graph for CudaGraph {
+    fn launch(&self, backend: &dyn Backend, inputs: &[Buffer]) -> Result<GraphRun, DeviceError> {
+        let backend = match backend.as_any().downcast_ref::<CudaBackend>() {
+            Some(b) if Arc::ptr_eq(&b.shared, &self.shared) => b,
+            _ => return Err(DeviceError::Internal("a CUDA graph launched on another device".into())),
+        };
+        if backend.timeline.on.load(Ordering::Relaxed) {
+            return Ok(GraphRun::NotNow);
+        }
+        let shared = &self.shared;
+        let _issue = lock(&backend.issue);
+        if shared.blas_epoch() != self.epoch {
+            return Ok(GraphRun::Stale);
+        }
+        if inputs.len() != self.inputs.len() {
+            return Err(DeviceError::Internal(format!(
+                "a graph of {} inputs given {}",
+                self.inputs.len(),
+                inputs.len()
+            )));
+        }
+        shared.gpu.bind()?;
+        let origin = shared.stream(self.origin);
+        let fence = shared.state().lanes.fence(&shared.events)?;
+        for (l, m) in &fence {
+            if *l != self.origin {
+                origin.wait(m.event())?;
+            }
+        }
+        let copy = |to: &CudaBuffer, from: &CudaBuffer| -> Result<(), DeviceError> {
+            if to.bytes() == 0 {
+                return Ok(());
+            }
+            // SAFETY: both buffers are live (held by the caller and the graph) and of equal
+            // size; the origin lane comes after every earlier user of either (the fence, or
+            // stream order for the graph's own buffers and fresh outputs).
+            let r = unsafe { copy_async(to.addr(), from.addr(), to.bytes(), origin.raw()) };
+            shared.bump(self.origin);
+            r
+        };
+        for (slot, input) in self.inputs.iter().zip(inputs) {
+            match input {
+                Buffer::Cuda(b) if Arc::ptr_eq(b.shared(), shared) && b.bytes() == slot.bytes() => copy(slot, b)?,
+                other => {
+                    return Err(DeviceError::Internal(format!(
+                        "a graph input of {} bytes given {other:?}",
+                        slot.bytes()
+                    )));
+                }
+            }
+        }
+        // SAFETY: the exec is alive and its memory is held by `self`; the inputs are in place.
+        let launched = unsafe { cu::graph::launch(self.exec.0, origin.raw()) }.or_device("cuGraphLaunch");
+        shared.bump(self.origin);
+        launched?;
+        let mut outputs = Vec::with_capacity(self.outputs.len());
+        for slot in &self.outputs {
+            let mem = if slot.is_pinned() { Mem::Pinned } else { Mem::Device };
+            let fresh = shared.buffer(Some(self.origin), slot.bytes(), mem, false, self.poison)?;
+            copy(&fresh, slot)?;
+            outputs.push(Buffer::Cuda(Arc::new(fresh)));
+        }
+        // A marker at the end: the pools learn when the graph's memory and the inputs are free.
+        let marker = shared.events.get()?;
+        shared.state().lanes.record(self.origin, marker)?;
+        backend.launched.fetch_add(self.kernel_count, Ordering::Relaxed);
+        backend.graph_launches.fetch_add(1, Ordering::Relaxed);
+        Ok(GraphRun::Ran(outputs))
+    }
+}
+
+impl Drop for CudaGraph {
+    fn drop(&mut self) {
+        if self.shared.gpu.bind().is_ok() {
+            // SAFETY: the exec is ours; the driver frees it once launches in flight are done,
+            // and the memory it uses is gated on every lane's point when dropped after it.
+            let _ = unsafe { cu::graph::exec_destroy(self.exec.0) };
+        }
+    }
+}
