@@ -85,11 +85,17 @@ impl<'a> RowPlan<'a> {
 
     /// The per-element nodes that `roots` need, in order.
     pub fn needed(&self, roots: &[usize]) -> Vec<usize> {
+        self.needed_given(roots, &|_| false)
+    }
+
+    /// The per-element nodes that `roots` need when the values for which `given` holds are
+    /// at hand (read back from shared memory, so none of their operands is needed), in order.
+    fn needed_given(&self, roots: &[usize], given: &dyn Fn(usize) -> bool) -> Vec<usize> {
         let (nodes, per_row) = (&self.r.expr.nodes, &self.per_row);
         let mut need = vec![false; nodes.len()];
         let mut stack: Vec<usize> = roots.iter().copied().filter(|&x| !per_row[x]).collect();
         while let Some(i) = stack.pop() {
-            if !std::mem::replace(&mut need[i], true) {
+            if !std::mem::replace(&mut need[i], true) && !given(i) {
                 stack.extend(nodes[i].op.operands().into_iter().filter(|&o| !per_row[o]));
             }
         }
@@ -150,29 +156,34 @@ impl<'a> RowPlan<'a> {
     }
 
     /// A sweep over positions `t` of the row from `from` to `to` (C expressions) in steps of
-    /// the block: per-element nodes `need`, then `body` (which stores through `stores`); it
+    /// the block: the per-element nodes `roots` need, then `body` (which stores through `stores`); it
     /// declares the index variables along the row that these read. With `keep`, a kept load
     /// is read from global memory by the first sweep that needs it, from `keep<i>` after.
     pub fn sweep(
         &self,
         out: &mut String,
         [from, to]: [&str; 2],
-        need: &[usize],
+        roots: &[usize],
         stores: &[&Store],
         body: &str,
         keep: Option<&Keep>,
     ) -> Result<(), String> {
         let (r, nodes) = (self.r, &self.r.expr.nodes);
         let from_keep = |i: usize| keep.is_some_and(|k| k.kept[i] && k.written.borrow()[i]);
+        // A value read back from shared memory needs none of its operands in this sweep.
+        let need = self.needed_given(roots, &from_keep);
         let loads = need.iter().filter(|&&i| !from_keep(i)).filter_map(|&i| match nodes[i].op {
             ExprOp::Load(slot) => Some(&r.loads[slot as usize].view),
             _ => None,
         });
         let views: Vec<&View> = loads.chain(stores.iter().map(|s| &s.view)).collect();
         let flat = need.iter().any(|&i| nodes[i].op == ExprOp::Index);
-        let _ = writeln!(out, "  for (long long t = {from}; t < {to}; t += blockDim.x) {{");
+        // A 32-bit position where the row allows (fewer instructions per element; the row
+        // kernels are bound by instructions issued), and four positions in flight per thread.
+        let ty = if self.len <= i32::MAX as usize { "int" } else { "long long" };
+        let _ = writeln!(out, "  #pragma unroll 4\n  for ({ty} t = {from}; t < {to}; t += blockDim.x) {{");
         decompose(out, "    ", "t", &r.dims, &self.row_dims, &used_dims(&r.dims, &views, flat));
-        for &i in need {
+        for &i in &need {
             let ty = ctype(nodes[i].dtype);
             if from_keep(i) {
                 let _ = writeln!(out, "    const {ty} v{i} = keep{i}[t];");
@@ -210,15 +221,20 @@ impl<'a> RowPlan<'a> {
             let roots: Vec<usize> = elem_stores.iter().map(|s| s.value as usize).collect();
             let body: String =
                 elem_stores.iter().map(|s| format!("    {}\n", store_stmt(s, &offset_expr(&s.view)))).collect();
-            self.sweep(out, range, &self.needed(&roots), &elem_stores, &body, keep)?;
+            self.sweep(out, range, &roots, &elem_stores, &body, keep)?;
         }
         Ok(())
     }
 }
 
-/// The loads a row kernel keeps in shared memory, and which of them a sweep has read yet.
+/// The values a row kernel keeps in shared memory (`keep<i>[t]`), and which of them a sweep
+/// has written yet.
 pub(super) struct Keep {
     kept: Vec<bool>,
+    /// A computed value kept in the array of a kept load (`over[j] = Some(i)`): load `i`'s last
+    /// reader is the sweep that computes `j`, where each thread reads `v<i>` at position `t`
+    /// before it writes `v<j>` there.
+    over: Vec<Option<usize>>,
     written: RefCell<Vec<bool>>,
 }
 
@@ -238,7 +254,8 @@ pub(super) fn print_rows(
     if rows > i32::MAX as usize {
         return Err(format!("{rows} rows: more blocks than one launch has"));
     }
-    let keep = Keep { kept: plan_keep(&p), written: RefCell::new(vec![false; r.expr.nodes.len()]) };
+    let (kept, over) = plan_keep(&p);
+    let keep = Keep { kept, over, written: RefCell::new(vec![false; r.expr.nodes.len()]) };
     let dims = r.dims.as_slice();
     let _ = match r.axis {
         Some(a) => writeln!(out, "\n// One block per row of {dims:?} along dim {a} ({len} elements)."),
@@ -248,13 +265,16 @@ pub(super) fn print_rows(
     p.position(out, "blockIdx.x");
     for i in (0..keep.kept.len()).filter(|&i| keep.kept[i]) {
         let ty = ctype(r.expr.nodes[i].dtype);
-        let _ = writeln!(out, "  __shared__ {ty} keep{i}[{len}]; // v{i}, kept for later phases");
+        let _ = match keep.over[i] {
+            None => writeln!(out, "  __shared__ {ty} keep{i}[{len}]; // v{i}, kept for later phases"),
+            Some(l) => writeln!(out, "  {ty}* const keep{i} = keep{l}; // v{i}, kept over v{l} once v{l} is read"),
+        };
     }
     let end = format!("{len}LL");
     let whole = ["threadIdx.x", end.as_str()];
     p.per_row_values(out, r.expr.nodes.len(), &mut |out, i, op, x, d| {
         reduction(out, i, op, x, d, [len, threads as usize], &|out, body| {
-            p.sweep(out, whole, &p.needed(&[x]), &[], body, Some(&keep))
+            p.sweep(out, whole, &[x], &[], body, Some(&keep))
         })
     })?;
     p.print_stores(out, "threadIdx.x == 0", whole, Some(&keep))?;
@@ -262,11 +282,18 @@ pub(super) fn print_rows(
     Ok((vec![Entry { name: name.into(), launch: Launch::Rows { rows, threads } }], 0))
 }
 
-/// Which loaded per-element nodes the kernel keeps in shared memory (`keep<i>[len]`, indexed by
-/// the position along the row) between its phases: loads that two or more sweeps read (a
-/// reduction's fold and a later one, or the last sweep's stores), in node order, while their
-/// arrays fit in [`ROW_KEEP_BYTES`] and, with the reductions' arrays of one entry per warp, in the
-/// static shared memory of a block. A row that fits is read from global memory once, however many phases it has.
+/// Which per-element values the kernel keeps in shared memory (`keep<i>[len]`, indexed by the
+/// position along the row) between its phases.
+///
+/// Loads that two or more sweeps read (a reduction's fold and a later one, or the last sweep's
+/// stores), in node order, while their arrays fit in [`ROW_KEEP_BYTES`] and, with the
+/// reductions' arrays of one entry per warp, in the static shared memory of a block: a row that
+/// fits is read from global memory once, however many phases it has. Then computed values that
+/// later sweeps would compute again (a softmax's `exp(x - max)`, for its stores), latest first,
+/// where they can take over a kept load's array: once kept, the load's last reader must be the
+/// sweep that computes them. They cost no shared memory (an extra array would lower the blocks
+/// an SM holds, which costs more than the recomputation), and the values read back are the
+/// same bits as recomputed ones.
 ///
 /// Why shared memory and not registers: each thread of every sweep visits the same positions
 /// (`t = threadIdx.x; t += blockDim.x`), so a thread reads back only what it wrote, with no
@@ -276,21 +303,22 @@ pub(super) fn print_rows(
 /// Shared memory is far faster than the global memory it saves (an f32 row of 4096 elements,
 /// 16 KiB, still lets 8 blocks of 256 threads share a multiprocessor of an H100). Longer rows,
 /// and the loads that one sweep reads, stay as they were: read from global memory per sweep.
-fn plan_keep(p: &RowPlan<'_>) -> Vec<bool> {
+fn plan_keep(p: &RowPlan<'_>) -> (Vec<bool>, Vec<Option<usize>>) {
     let nodes = &p.r.expr.nodes;
+    // Each sweep's roots: a reduction's operand, in node order, then the stored values.
     let mut sweeps: Vec<Vec<usize>> = vec![];
     let mut combine_bytes = 0;
     for (_, op, x, d) in p.reductions() {
-        sweeps.push(p.needed(&[x]));
+        sweeps.push(vec![x]);
         let idx = if op == ReduceOp::ArgMax { 8 } else { 0 };
         combine_bytes += (p.threads as usize).div_ceil(32) * (d.size() + idx);
     }
     let (_, elem_stores) = p.stores();
     if !elem_stores.is_empty() {
-        sweeps.push(p.needed(&elem_stores.iter().map(|s| s.value as usize).collect::<Vec<_>>()));
+        sweeps.push(elem_stores.iter().map(|s| s.value as usize).collect());
     }
     let mut reads = vec![0; nodes.len()];
-    sweeps.iter().flatten().for_each(|&i| reads[i] += 1);
+    sweeps.iter().flat_map(|roots| p.needed(roots)).for_each(|i| reads[i] += 1);
     let mut budget = ROW_KEEP_BYTES.min(STATIC_SHARED_BYTES.saturating_sub(combine_bytes));
     let mut keep = vec![false; nodes.len()];
     for (i, n) in nodes.iter().enumerate() {
@@ -300,5 +328,45 @@ fn plan_keep(p: &RowPlan<'_>) -> Vec<bool> {
             budget -= bytes;
         }
     }
-    keep
+    let mut over = vec![None; nodes.len()];
+    for j in (0..nodes.len()).rev() {
+        if keep[j] || p.per_row[j] || matches!(nodes[j].op, ExprOp::Load(_)) {
+            continue;
+        }
+        keep[j] = true;
+        let uses = sweep_uses(p, &sweeps, &keep);
+        let first = uses.iter().position(|u| u.contains(&j));
+        let taken = |i: usize| over.contains(&Some(i));
+        let host = first.filter(|_| uses.iter().filter(|u| u.contains(&j)).count() >= 2).and_then(|f| {
+            // Before `j` (printed first in that sweep, so read before `j` is written over it).
+            (0..j).find(|&i| {
+                keep[i]
+                    && matches!(nodes[i].op, ExprOp::Load(_))
+                    && !taken(i)
+                    && ctype(nodes[i].dtype) == ctype(nodes[j].dtype)
+                    && uses[f].contains(&i)
+                    && uses[f + 1..].iter().all(|u| !u.contains(&i))
+            })
+        });
+        match host {
+            Some(i) => over[j] = Some(i),
+            None => keep[j] = false,
+        }
+    }
+    (keep, over)
+}
+
+/// The nodes each sweep (given by its roots) computes or reads when the values of `keep` are
+/// read back from shared memory by every sweep after the first that computes them (as
+/// `RowPlan::sweep` prints them).
+fn sweep_uses(p: &RowPlan<'_>, sweeps: &[Vec<usize>], keep: &[bool]) -> Vec<Vec<usize>> {
+    let mut written = vec![false; keep.len()];
+    sweeps
+        .iter()
+        .map(|roots| {
+            let uses = p.needed_given(roots, &|i| keep[i] && written[i]);
+            uses.iter().filter(|&&i| keep[i]).for_each(|&i| written[i] = true);
+            uses
+        })
+        .collect()
 }

@@ -103,9 +103,7 @@ pub(super) fn print_split(
         segment(out);
         row_values(out, i)?;
         let _ = writeln!(out, "{end}");
-        reduction(out, i, op, x, d, [len, threads as usize], &|out, body| {
-            p.sweep(out, range, &p.needed(&[x]), &[], body, None)
-        })?;
+        reduction(out, i, op, x, d, [len, threads as usize], &|out, body| p.sweep(out, range, &[x], &[], body, None))?;
         let _ = writeln!(out, "  if (threadIdx.x == 0) {{");
         // Every thread holds the segment's result (a mean's sum, undivided) after `reduction`.
         let _ = writeln!(out, "    {}[blockIdx.x] = acc{i};", at(d, slot.partials));

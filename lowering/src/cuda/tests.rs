@@ -196,7 +196,7 @@ fn a_softmax_row_kernel_runs_the_cpu_phases() {
             // exactly the block's lanes when it is less than a warp) and, with more than one
             // warp, one entry per warp in shared memory and one barrier.
             "__shared__ float red1[1];",
-            "for (long long t = threadIdx.x; t < 5LL; t += blockDim.x) {",
+            "for (int t = threadIdx.x; t < 5LL; t += blockDim.x) {",
             "const float v0 = a0[d0 * 5 + d1];",
             "if (!isnan(acc1) && (v0 > acc1 || isnan(v0))) { acc1 = v0; }",
             "const int lanes = blockDim.x < 32u ? (int)blockDim.x : 32;",
@@ -228,7 +228,20 @@ fn a_softmax_row_kernel_runs_the_cpu_phases() {
             "a1[d0 * 5 + d1] = __float2half_rn(v5);",
         ],
     );
-    assert_eq!(p.source.matches("expf(v2)").count(), 2, "recomputed in the last sweep, as on the CPU");
+    // exp(x - max) is computed once and kept over the input, whose last reader is the sum's
+    // sweep: the last sweep reads it back (the same bits the CPU gets by recomputing it).
+    assert_eq!(p.source.matches("expf(v2)").count(), 1, "{}", p.source);
+    in_order(
+        &p.source,
+        &[
+            "float* const keep3 = keep0; // v3, kept over v0 once v0 is read",
+            "const float v0 = keep0[t];",
+            "const float v3 = expf(v2);",
+            "keep3[t] = v3;",
+            "const float v3 = keep3[t];",
+            "const float v5 = v3 / v4;",
+        ],
+    );
 }
 
 /// A softmax written as max, sub, exp, sum, div along rows of `len` f32 (its output f32).
@@ -263,16 +276,19 @@ fn a_short_softmax_row_reads_its_input_once_and_a_long_one_per_phase() {
         &[
             "__shared__ float keep0[4096]; // v0, kept for later phases",
             // Phase 1 (max): loaded and kept.
-            "for (long long t = threadIdx.x; t < 4096LL; t += blockDim.x) {",
+            "for (int t = threadIdx.x; t < 4096LL; t += blockDim.x) {",
             "const float v0 = a0[d0 * 4096 + d1];",
             "keep0[t] = v0;",
             "red1[threadIdx.x / 32u] = acc1;",
-            // Phase 2 (sum of exp(x - max)) and the stores: from shared memory.
-            "for (long long t = threadIdx.x; t < 4096LL; t += blockDim.x) {",
+            // Phase 2 (sum of exp(x - max)) from shared memory, exp kept over x; the stores
+            // read exp back (four positions in flight per thread in every sweep).
+            "#pragma unroll 4",
+            "for (int t = threadIdx.x; t < 4096LL; t += blockDim.x) {",
             "const float v0 = keep0[t];",
             "const float v3 = expf(v2);",
-            "for (long long t = threadIdx.x; t < 4096LL; t += blockDim.x) {",
-            "const float v0 = keep0[t];",
+            "keep3[t] = v3;",
+            "for (int t = threadIdx.x; t < 4096LL; t += blockDim.x) {",
+            "const float v3 = keep3[t];",
             "a1[d0 * 4096 + d1] = v5;",
         ],
     );
@@ -317,7 +333,7 @@ fn long_rows_among_few_rows_are_split_into_segments() {
             "const long long row = blockIdx.x / 3;",
             "const long long seg = blockIdx.x % 3;",
             "const long long end = seg * 2731LL + 2731LL < 8193LL ? seg * 2731LL + 2731LL : 8193LL;",
-            "for (long long t = seg * 2731LL + threadIdx.x; t < end; t += blockDim.x) {",
+            "for (int t = seg * 2731LL + threadIdx.x; t < end; t += blockDim.x) {",
             "if (threadIdx.x == 0) {",
             "((float*)(a2 + 0))[blockIdx.x] = acc1;",
             "void sm_rows_combine1(",
@@ -359,7 +375,7 @@ fn whole_space_reductions_use_one_row() {
     in_order(
         &p.source,
         &[
-            "for (long long t = threadIdx.x; t < 6LL; t += blockDim.x) {",
+            "for (int t = threadIdx.x; t < 6LL; t += blockDim.x) {",
             "const long long d0 = t / 3;",
             "const long long d1 = t % 3;",
             "const double v2 = acc2 / 6.0;",
@@ -548,4 +564,59 @@ fn an_integer_product_without_batches_prints() {
         Kernel { args: args(&[(DType::I32, 0), (DType::I32, 0), (DType::I32, 0)]), inputs: 2, body: Body::Matmul(m) };
     let p = print(&k, "empty").unwrap();
     declared_before_use(&p.source);
+}
+
+#[test]
+fn a_value_kept_over_the_input_still_leaves_every_stored_value_computed() {
+    // Softmax that also stores x - max: x - max is kept over x (both later sweeps read it),
+    // exp is recomputed from it for the stores, and both stored values are defined there.
+    let mut b = ExprBuilder::new();
+    let x = b.load(0, DType::F32);
+    let m = b.reduce(ReduceOp::Max, x);
+    let s = b.sub(x, m);
+    let e = b.exp(s);
+    let sum = b.reduce(ReduceOp::Sum, e);
+    let y = b.div(e, sum);
+    let dims = [4, 64];
+    let r = RowKernel {
+        dims: dims.as_slice().into(),
+        axis: Some(1),
+        loads: vec![load(0, DType::F32, contiguous(&dims))],
+        expr: b.finish(),
+        stores: vec![store(1, DType::F32, contiguous(&dims), y), store(2, DType::F32, contiguous(&dims), s)],
+    };
+    let k = Kernel {
+        args: args(&[(DType::F32, 256), (DType::F32, 256), (DType::F32, 256)]),
+        inputs: 1,
+        body: Body::Rows(r),
+    };
+    let src = print(&k, "both").unwrap().source;
+    assert!(src.contains("float* const keep2 = keep0; // v2, kept over v0 once v0 is read"), "{src}");
+    let last = &src[src.rfind("for (int t").unwrap()..];
+    in_order(last, &["const float v2 = keep2[t];", "const float v3 = expf(v2);", "a1[", "= v2;"]);
+    assert!(!last.contains("v0"), "{src}");
+    // Softmax storing exp(x - max) beside y: exp is kept over x and both stores read it back.
+    let mut b = ExprBuilder::new();
+    let x = b.load(0, DType::F32);
+    let m = b.reduce(ReduceOp::Max, x);
+    let s = b.sub(x, m);
+    let e = b.exp(s);
+    let sum = b.reduce(ReduceOp::Sum, e);
+    let y = b.div(e, sum);
+    let r = RowKernel {
+        dims: dims.as_slice().into(),
+        axis: Some(1),
+        loads: vec![load(0, DType::F32, contiguous(&dims))],
+        expr: b.finish(),
+        stores: vec![store(1, DType::F32, contiguous(&dims), y), store(2, DType::F32, contiguous(&dims), e)],
+    };
+    let k = Kernel {
+        args: args(&[(DType::F32, 256), (DType::F32, 256), (DType::F32, 256)]),
+        inputs: 1,
+        body: Body::Rows(r),
+    };
+    let src = print(&k, "exp").unwrap().source;
+    let last = &src[src.rfind("for (int t").unwrap()..];
+    in_order(last, &["const float v3 = keep3[t];", "const float v5 = v3 / v4;", "a1[", "a2["]);
+    assert!(!last.contains("expf"), "{src}");
 }
