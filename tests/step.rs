@@ -1,8 +1,11 @@
 //! `braid::Step`: a captured function replays with new arguments and gives exactly what running
 //! it eagerly gives (which is checked against the reference interpreter); captures that a
 //! replay could not honour are refused with `Error::Capture`, and the engine stays usable.
+//! `step/graphs.rs`: replays through a backend that records device graphs (CUDA graphs' model).
 
 mod common;
+#[path = "step/graphs.rs"]
+mod graphs;
 #[path = "../examples/common/micrograd.rs"]
 mod micrograd;
 

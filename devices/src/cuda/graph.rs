@@ -23,8 +23,10 @@
 //!
 //! What is not recorded ([`record`] says `None`, and the plan runs as a flush): schedules of
 //! one kernel, with collectives, uploads at first use or other devices' buffers, whose
-//! buffers total more than [`GRAPH_MAX_BYTES`]; flushes that are profiled, timed or have a
-//! failure injected; and any schedule when `BRAID_CUDA_GRAPHS=0`.
+//! buffers total more than [`GRAPH_MAX_BYTES`]; flushes that are profiled or have a failure
+//! injected, or whose first replay comes while the device's kernel timeline is on; and any
+//! schedule while graphs are off (`BRAID_CUDA_GRAPHS=0`, `CudaBackend::set_graphs`). A graph
+//! recorded earlier does not launch while the timeline is on (the plan runs as a flush).
 //!
 //! Must never: launch a graph whose memory was given back, or let anything but the graph use
 //! the memory it owns.

@@ -86,8 +86,8 @@ pub trait Backend: Send + Sync {
     /// Records `job`'s schedule into a [`Graph`] that later runs it again with one call (a
     /// CUDA graph), without running it. `job.externals` is ignored: the graph holds buffers
     /// of its own for the inputs, filled at each [`Graph::launch`]. `None`: this backend
-    /// records no graphs, or not this schedule, or not now (the caller runs the plan as
-    /// usual); `Err`: recording failed, nothing ran, and the device stays usable.
+    /// records no graph of this schedule (the caller runs the plan as usual, and does not ask
+    /// again for it); `Err`: recording failed, nothing ran, and the device stays usable.
     fn record_graph(&self, job: Job<'_>) -> Option<Result<Box<dyn Graph>, DeviceError>> {
         let _ = job;
         None
