@@ -13,7 +13,8 @@
 //! (`tests/cuda_kernels.rs` runs them on a GPU at every block size, with rows of a million
 //! elements). The random rows are short, so they keep
 //! their loads in shared memory; [`long_row_cases`] are too long for that budget and take the
-//! multi-pass path, or, being few, are split into segments through scratch memory. Integer
+//! multi-pass path, or, being few, are split into segments through scratch memory;
+//! [`column_cases`] run along an axis before the last, as column kernels. Integer
 //! matrix products are printed whole (cuBLAS cannot wrap them); float ones start from the
 //! CPU's product, as they would from cuBLAS's.
 //!
@@ -341,6 +342,21 @@ fn long_row_cases(rng: &mut Rng, first: usize) -> Vec<Case> {
     cases
 }
 
+/// Row kernels along an axis before a last dimension of at least `cuda::COLUMNS`: printed as
+/// column kernels (neighbouring rows a block), a last group of rows partly past the end.
+fn column_cases(rng: &mut Rng, first: usize) -> Vec<Case> {
+    let shapes = [(vec![9, 8], 0), (vec![5, 3, 16], 0), (vec![5, 3, 16], 1), (vec![4, 33], 0), (vec![17, 2, 10], 1)];
+    let mut cases = vec![];
+    for (dims, axis) in shapes {
+        for _ in 0..3 {
+            let mut case = rows_case_over(rng, first + cases.len(), &dims, Some(axis), MathLib::Host, true);
+            case.label = format!("columns {}", case.label);
+            cases.push(case);
+        }
+    }
+    cases
+}
+
 #[test]
 fn printed_kernels_compute_what_the_cpu_computes() {
     if Command::new("g++").arg("--version").output().is_err() {
@@ -353,6 +369,7 @@ fn printed_kernels_compute_what_the_cpu_computes() {
     cases.extend((0..300).map(|n| map_case(&mut rng, n, MathLib::Host)));
     cases.extend((0..150).map(|n| rows_case(&mut rng, n, MathLib::Host)));
     cases.extend(long_row_cases(&mut rng, 150));
+    cases.extend(column_cases(&mut rng, 170));
     cases.extend((0..6).map(|n| concat_case(&mut rng, n)));
     cases.extend((0..16).map(|n| matmul_case(&mut rng, n)));
     let dir = std::env::temp_dir().join(format!("braid_cuda_printer_{}", std::process::id()));

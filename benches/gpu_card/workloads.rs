@@ -183,6 +183,41 @@ pub fn g2(dev: &Device, scale: Scale) -> Row {
         check: format!("max rel. error {err:.1e} (f64 on the host); output {:.1} MiB", (4 * r * c) as f64 / 1048576.0),
         target: "at least as fast as torch.softmax; extra memory = the output",
         against: Some("softmax"),
+        extra: vec![g2_axis0(dev, &x, r, c)],
+    }
+}
+
+/// G2's input summed over its first axis (as a bias gradient is): a reduction along an axis
+/// whose elements lie a row apart, against `x.sum(0)`.
+fn g2_axis0(dev: &Device, x: &Tensor, r: usize, c: usize) -> Row {
+    let run = || {
+        let s = x.sum_dim(0, false);
+        dev.sync().unwrap();
+        s
+    };
+    let (s, peak, kernels) = measured(dev, run);
+    let (xs, ss) = (x.to_vec::<f32>().unwrap(), s.to_vec::<f32>().unwrap());
+    let mut err = 0.0f64;
+    for col in (0..c).step_by(97) {
+        let (want, scale) = (0..r).fold((0.0f64, 0.0f64), |(w, a), row| {
+            let v = xs[row * c + col] as f64;
+            (w + v, a + v.abs())
+        });
+        err = err.max((ss[col] as f64 - want).abs() / scale);
+    }
+    assert!(err < 1e-6, "G2 over axis 0: error {err} relative to the sum of magnitudes");
+    let ms = median_ms(3, 21, || drop(run()));
+    Row {
+        id: "g2-axis0",
+        name: format!("the same [{r}, {c}] summed over axis 0"),
+        ms,
+        bytes: Some(4.0 * (r * c + c) as f64),
+        flops: None,
+        peak_extra: peak,
+        kernels,
+        check: format!("error {err:.1e} of the sum of magnitudes (f64 on the host)"),
+        target: "",
+        against: Some("sum0"),
         extra: Vec::new(),
     }
 }

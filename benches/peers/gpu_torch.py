@@ -113,6 +113,7 @@ def g2():
 
     emit("g2", "eager", lambda: composed(x))
     emit("g2", "softmax", lambda: torch.softmax(x, dim=1))
+    emit("g2", "sum0", lambda: x.sum(dim=0))  # braid's g2-axis0
     f = compiled(composed)
     if f is not None:
         emit("g2", "compile", lambda: f(x))

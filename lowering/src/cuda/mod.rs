@@ -34,6 +34,7 @@
 //! suggested shape) or memory (allocation, reuse, aliasing). Arguments are declared without
 //! `__restrict__` because the planner may write an output in place over an input.
 
+mod columns; // row kernels along an axis before the last: neighbouring rows a block
 mod loops; // map loops
 mod product; // integer matrix products, printed whole
 mod reduce; // one reduction's fold and warp-shuffle combine
@@ -44,6 +45,7 @@ mod tests;
 
 pub use crate::cexpr::storage_ctype;
 use crate::cexpr::*;
+pub use columns::COLUMNS;
 use loops::*;
 use product::print_int_product;
 use rows::print_rows;

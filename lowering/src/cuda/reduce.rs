@@ -6,6 +6,9 @@
 //! every thread holds the row's result (`acc<i>`, and `arg<i>` for argmax). A block of one warp
 //! or less skips the shared array and the barrier.
 //!
+//! A column kernel's reductions ([`column_reduction`]) combine the partial results of a column's
+//! threads through a shared array of an entry per thread, in order.
+//!
 //! Must never: depend on the block size beyond its being a power of two from 1 to the printed
 //! one (a partial warp shuffles with a mask of exactly its lanes and a width of its size), let
 //! only some threads of a block reach a shuffle or the barrier (every branch of the combine is
@@ -75,30 +78,12 @@ pub(super) fn reduction(
     let (ty, arg) = (ctype(d), op == ReduceOp::ArgMax);
     let warps = threads.div_ceil(32);
     let _ = writeln!(out, "  // Reduction: v{i} = {} of v{x} along the row.", op.name());
-    let _ = writeln!(out, "  __shared__ {ty} red{i}[{warps}];\n  {ty} acc{i} = {};", identity(op, d));
+    let _ = writeln!(out, "  __shared__ {ty} red{i}[{warps}];");
     if arg {
-        let _ = writeln!(out, "  __shared__ long long idx{i}[{warps}];\n  long long arg{i} = 0;");
+        let _ = writeln!(out, "  __shared__ long long idx{i}[{warps}];");
     }
-    let (acc, v, at) = (format!("acc{i}"), format!("v{x}"), format!("arg{i}"));
-    // Float sums are compensated (Kahan): a thread may fold a million elements of a long row,
-    // and a plain running sum would lose about sqrt(n) ulps. The compensation `cmp` is what the
-    // last addition lost (negated); it stays 0 once the sum is infinite or NaN.
-    let kahan = matches!(op, ReduceOp::Sum | ReduceOp::Mean) && d.is_float();
-    if kahan {
-        let _ = writeln!(out, "  {ty} cmp{i} = {};", identity(op, d));
-    }
-    let fold = match op {
-        ReduceOp::Sum | ReduceOp::Mean if kahan => format!(
-            "    {{ const {ty} y = {v} - cmp{i}; const {ty} s = {acc} + y; cmp{i} = isfinite(s) ? (s - {acc}) - y : {zero}; {acc} = s; }}\n",
-            zero = identity(op, d)
-        ),
-        ReduceOp::Sum | ReduceOp::Mean => format!("    {acc} = {};\n", binary(PrimBinary::Add, d, &acc, &v)?),
-        ReduceOp::ArgMax => {
-            format!("    if ({}) {{ {acc} = {v}; {at} = t; }}\n", wins(op, d, [&acc, &v, &at, "t"]))
-        }
-        _ => format!("    if ({}) {{ {acc} = {v}; }}\n", wins(op, d, [&acc, &v, "", ""])),
-    };
-    sweep(out, &fold)?;
+    let (acc, at) = (format!("acc{i}"), format!("arg{i}"));
+    let kahan = fold(out, i, op, x, d, sweep)?;
     // The combine, in a scope of its own. `lanes`: the warp's threads (fewer than 32 in a block
     // of fewer); `mask`: exactly those lanes.
     let _ = writeln!(out, "  {{");
@@ -146,10 +131,101 @@ pub(super) fn reduction(
         let _ = writeln!(out, "    {at} = {};", shuffle("", DType::I64, &at, "0"));
     }
     out.push_str("  }\n");
-    // The CPU divides float means by the length and leaves integer "means" as sums.
-    Ok(match op {
-        ReduceOp::ArgMax => at,
-        ReduceOp::Mean if d.is_float() => format!("{acc} / {}", float_literal(len as f64, d)),
-        _ => acc,
-    })
+    Ok(value(i, op, d, len))
+}
+
+/// The expression of reduction `i`'s value once `acc<i>` (and `arg<i>`) hold the row's result:
+/// the CPU divides float means by the length and leaves integer "means" as sums.
+fn value(i: usize, op: ReduceOp, d: DType, len: usize) -> String {
+    match op {
+        ReduceOp::ArgMax => format!("arg{i}"),
+        ReduceOp::Mean if d.is_float() => format!("acc{i} / {}", float_literal(len as f64, d)),
+        _ => format!("acc{i}"),
+    }
+}
+
+/// Declares reduction `i`'s accumulators (`acc<i>`, `arg<i>` for argmax, `cmp<i>` for a float
+/// sum) and prints the thread's fold of the elements it visits (`sweep` prints the loop around
+/// it). Returns whether the sum is compensated (`acc<i> - cmp<i>` is then its value).
+fn fold(
+    out: &mut String,
+    i: usize,
+    op: ReduceOp,
+    x: usize,
+    d: DType,
+    sweep: &dyn Fn(&mut String, &str) -> Result<(), String>,
+) -> Result<bool, String> {
+    let ty = ctype(d);
+    let _ = writeln!(out, "  {ty} acc{i} = {};", identity(op, d));
+    if op == ReduceOp::ArgMax {
+        let _ = writeln!(out, "  long long arg{i} = 0;");
+    }
+    let (acc, v, at) = (format!("acc{i}"), format!("v{x}"), format!("arg{i}"));
+    // Float sums are compensated (Kahan): a thread may fold a million elements of a long row,
+    // and a plain running sum would lose about sqrt(n) ulps. The compensation `cmp` is what the
+    // last addition lost (negated); it stays 0 once the sum is infinite or NaN.
+    let kahan = matches!(op, ReduceOp::Sum | ReduceOp::Mean) && d.is_float();
+    if kahan {
+        let _ = writeln!(out, "  {ty} cmp{i} = {};", identity(op, d));
+    }
+    let fold = match op {
+        ReduceOp::Sum | ReduceOp::Mean if kahan => format!(
+            "    {{ const {ty} y = {v} - cmp{i}; const {ty} s = {acc} + y; cmp{i} = isfinite(s) ? (s - {acc}) - y : {zero}; {acc} = s; }}\n",
+            zero = identity(op, d)
+        ),
+        ReduceOp::Sum | ReduceOp::Mean => format!("    {acc} = {};\n", binary(PrimBinary::Add, d, &acc, &v)?),
+        ReduceOp::ArgMax => {
+            format!("    if ({}) {{ {acc} = {v}; {at} = t; }}\n", wins(op, d, [&acc, &v, &at, "t"]))
+        }
+        _ => format!("    if ({}) {{ {acc} = {v}; }}\n", wins(op, d, [&acc, &v, "", ""])),
+    };
+    sweep(out, &fold)?;
+    Ok(kahan)
+}
+
+/// Prints reduction node `i` of a column kernel (`super::columns`): the `ys` threads of a
+/// column (`cy` = 0..ys) fold the positions they stride over (`sweep`), write their partial
+/// results to a shared array of an entry per thread, and after a barrier each thread folds its
+/// column's entries in order of `cy` (a fixed order), so every thread of the column holds the
+/// row's result; a second barrier lets the array be written again. Returns the value's
+/// expression.
+pub(super) fn column_reduction(
+    out: &mut String,
+    i: usize,
+    op: ReduceOp,
+    x: usize,
+    d: DType,
+    [len, threads]: [usize; 2],
+    sweep: &dyn Fn(&mut String, &str) -> Result<(), String>,
+) -> Result<String, String> {
+    let (ty, arg) = (ctype(d), op == ReduceOp::ArgMax);
+    let _ = writeln!(out, "  // Reduction: v{i} = {} of v{x} along the row, per column.", op.name());
+    let _ = writeln!(out, "  __shared__ {ty} red{i}[{threads}];");
+    if arg {
+        let _ = writeln!(out, "  __shared__ long long idx{i}[{threads}];");
+    }
+    let (acc, at) = (format!("acc{i}"), format!("arg{i}"));
+    if fold(out, i, op, x, d, sweep)? {
+        let _ = writeln!(out, "  {acc} = {acc} - cmp{i};");
+    }
+    let _ = writeln!(
+        out,
+        "  red{i}[threadIdx.x] = {acc};{}\n  __syncthreads();",
+        if arg { format!(" idx{i}[threadIdx.x] = {at};") } else { String::new() }
+    );
+    let step = match op {
+        ReduceOp::Sum | ReduceOp::Mean => format!("{acc} = {};", binary(PrimBinary::Add, d, &acc, "b")?),
+        _ => {
+            let w = wins(op, d, [&acc, "b", if arg { &at } else { "0" }, if arg { "ib" } else { "0" }]);
+            format!("if ({w}) {{ {acc} = b;{} }}", if arg { format!(" {at} = ib;") } else { String::new() })
+        }
+    };
+    let _ = writeln!(out, "  {acc} = red{i}[cx];{}", if arg { format!(" {at} = idx{i}[cx];") } else { String::new() });
+    let _ = writeln!(out, "  for (unsigned k = 1; k < ys; ++k) {{");
+    let _ = writeln!(out, "    const {ty} b = red{i}[k * xw + cx];");
+    if arg {
+        let _ = writeln!(out, "    const long long ib = idx{i}[k * xw + cx];");
+    }
+    let _ = writeln!(out, "    {step}\n  }}\n  __syncthreads();");
+    Ok(value(i, op, d, len))
 }

@@ -31,6 +31,8 @@ pub(super) struct RowPlan<'a> {
     pub live: Vec<bool>,
     /// Per dimension: whether some view or the flat index needs its index variable.
     pub used: Vec<bool>,
+    /// How far a sweep's thread steps along the row (`blockDim.x`; a column kernel's `ys`).
+    pub step: &'static str,
     /// The flat index of position `t` of the row (for `Index` nodes).
     pub index: String,
 }
@@ -58,6 +60,7 @@ impl<'a> RowPlan<'a> {
             per_row: vec![false; nodes.len()],
             live: vec![],
             used: vec![],
+            step: "blockDim.x",
             index: String::new(),
         };
         // Constant along the row: the CPU's plan, node by node and store by store.
@@ -181,7 +184,7 @@ impl<'a> RowPlan<'a> {
         // A 32-bit position where the row allows (fewer instructions per element; the row
         // kernels are bound by instructions issued), and four positions in flight per thread.
         let ty = if self.len <= i32::MAX as usize { "int" } else { "long long" };
-        let _ = writeln!(out, "  #pragma unroll 4\n  for ({ty} t = {from}; t < {to}; t += blockDim.x) {{");
+        let _ = writeln!(out, "  #pragma unroll 4\n  for ({ty} t = {from}; t < {to}; t += {}) {{", self.step);
         decompose(out, "    ", "t", &r.dims, &self.row_dims, &used_dims(&r.dims, &views, flat));
         for &i in &need {
             let ty = ctype(nodes[i].dtype);
@@ -246,10 +249,13 @@ pub(super) fn print_rows(
     name: &str,
     params: &mut Vec<Param>,
 ) -> Result<(Vec<Entry>, usize), String> {
-    let p = RowPlan::new(r, params)?;
+    let mut p = RowPlan::new(r, params)?;
     let (len, rows, threads) = (p.len, p.rows, p.threads);
     if super::split::splits(&p) {
         return super::split::print_split(out, &p, name, params);
+    }
+    if super::columns::columns(&p) {
+        return super::columns::print_columns(out, &mut p, name, params);
     }
     if rows > i32::MAX as usize {
         return Err(format!("{rows} rows: more blocks than one launch has"));
