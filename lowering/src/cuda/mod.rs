@@ -42,6 +42,8 @@ mod rows; // row kernels: sweeps, phases, loads kept in shared memory
 mod split; // long rows among few rows: segments, partial results in scratch
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_rows;
 
 pub use crate::cexpr::storage_ctype;
 use crate::cexpr::*;
