@@ -241,7 +241,13 @@ impl Engine {
                     flush: number,
                     profile: None,
                 };
-                if let Some(outputs) = self.launch_graph(c, job, &externals)? {
+                let launched =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.launch_graph(c, job, &externals)))
+                        .unwrap_or_else(|panic| {
+                            let what = braid_devices::panic_message(panic.as_ref());
+                            Err(Error::Internal(format!("a step's device graph panicked (a bug in braid): {what}")))
+                        });
+                if let Some(outputs) = launched? {
                     self.publish_dump(&planned.schedule, &planned.graph, number, None);
                     return Ok(c.produced(outputs));
                 }

@@ -44,12 +44,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-/// One flush: its lanes (by schedule stream), its events, and what went wrong.
 /// How a recorded flush captures: relaxed, so that other threads may allocate and query
 /// events recorded outside the capture meanwhile.
 const CAPTURE_MODE: cudarc::driver::sys::CUstreamCaptureMode =
     cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
 
+/// One flush: its lanes (by schedule stream), its events, and what went wrong.
 pub(crate) struct CudaFlush<'a> {
     backend: &'a CudaBackend,
     _issue: MutexGuard<'a, ()>,

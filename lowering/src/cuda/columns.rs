@@ -33,6 +33,7 @@ pub(super) fn columns(p: &RowPlan<'_>) -> bool {
     p.r.axis.is_some_and(|a| a + 1 < rank) && p.r.dims[rank - 1] >= COLUMNS && p.rows > 0
 }
 
+/// Prints `p` as one column-kernel entry; returns it (no scratch memory).
 pub(super) fn print_columns(
     out: &mut String,
     p: &mut RowPlan<'_>,
