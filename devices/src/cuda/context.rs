@@ -17,7 +17,8 @@ use crate::DeviceError;
 use cudarc::driver::result as cu;
 use cudarc::driver::sys::{self, CUdevice_attribute, CUevent, CUevent_flags, CUstream};
 use cudarc::driver::{CudaContext, DriverError};
-use std::sync::{Arc, OnceLock};
+use std::cell::Cell;
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 /// Whether the CUDA libraries braid needs can be loaded: `Err(Unavailable)` naming each one
 /// missing. Checked once per process.
@@ -74,6 +75,22 @@ pub struct Gpu {
     pub total_memory: u64,
     /// As `cuDriverGetVersion` gives it: 1000 * major + 10 * minor (13000 for CUDA 13.0).
     pub driver_version: i32,
+    /// Stream captures in progress on this GPU's context (recording CUDA graphs), which a
+    /// context-wide synchronisation must not overlap ([`Gpu::quiet`]).
+    captures: Mutex<u32>,
+    capture_ended: Condvar,
+}
+
+thread_local! {
+    /// Queues of a capture this thread is issuing (see [`issuing_capture`]).
+    static ISSUING_CAPTURE: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Marks (or unmarks) the calling thread as issuing the queue of a stream capture: a
+/// context-wide synchronisation on it fails at once instead of waiting for the capture it is
+/// part of.
+pub(crate) fn issuing_capture(on: bool) {
+    ISSUING_CAPTURE.with(|c| c.set(if on { c.get() + 1 } else { c.get().saturating_sub(1) }));
 }
 
 impl Gpu {
@@ -115,6 +132,8 @@ impl Gpu {
             multiprocessors,
             total_memory: total_memory as u64,
             driver_version,
+            captures: Mutex::new(0),
+            capture_ended: Condvar::new(),
         };
         tracing::debug!(target: TRACE_TARGET, gpu = %gpu.name, ordinal, ?compute_capability, driver_version, "opened");
         Ok(Arc::new(gpu))
@@ -127,9 +146,39 @@ impl Gpu {
     }
 
     /// Waits for all work on every stream of this GPU; reports the first asynchronous error.
+    /// Waits first for stream captures in progress on other threads to end (a context-wide
+    /// synchronisation would break them); on a thread issuing a capture, it is an `Err`.
     pub fn synchronize(&self) -> Result<(), DeviceError> {
-        self.bind()?;
-        cu::ctx::synchronize().or_device("synchronizing the GPU")
+        self.quiet("synchronizing the GPU", || {
+            self.bind()?;
+            cu::ctx::synchronize().or_device("synchronizing the GPU")
+        })
+    }
+
+    /// Runs `f` (`what`: something the driver refuses while a stream of the context is
+    /// capturing, such as a context-wide synchronisation) once no capture is in progress, and
+    /// lets none begin until it returns.
+    pub(crate) fn quiet<T>(&self, what: &str, f: impl FnOnce() -> Result<T, DeviceError>) -> Result<T, DeviceError> {
+        if ISSUING_CAPTURE.with(|c| c.get() > 0) {
+            return Err(DeviceError::Unavailable(format!("{what} while this thread records a CUDA graph")));
+        }
+        let mut captures = self.captures.lock().unwrap_or_else(|p| p.into_inner());
+        while *captures > 0 {
+            captures = self.capture_ended.wait(captures).unwrap_or_else(|p| p.into_inner());
+        }
+        f()
+    }
+
+    /// Counts a stream capture beginning on this context (waits while [`Gpu::quiet`] runs).
+    pub(crate) fn capture_begins(&self) {
+        *self.captures.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+    }
+
+    /// Counts a stream capture ended (whether or not it gave a graph).
+    pub(crate) fn capture_ends(&self) {
+        let mut captures = self.captures.lock().unwrap_or_else(|p| p.into_inner());
+        *captures = captures.saturating_sub(1);
+        self.capture_ended.notify_all();
     }
 
     /// (free, total) device memory in bytes, as the driver sees it (all processes).

@@ -28,6 +28,11 @@
 //! schedule while graphs are off (`BRAID_CUDA_GRAPHS=0`, `CudaBackend::set_graphs`). A graph
 //! recorded earlier does not launch while the timeline is on (the plan runs as a flush).
 //!
+//! While a capture is in progress, context-wide synchronisations of the GPU (any device's on
+//! it: `cuCtxSynchronize`, chunk frees) wait for it to end (`Gpu::quiet`), since the driver
+//! refuses them during a capture; on the threads issuing the capture they fail at once, which
+//! fails the recording (and the plan runs as a flush).
+//!
 //! Must never: launch a graph whose memory was given back, or let anything but the graph use
 //! the memory it owns.
 
@@ -114,9 +119,8 @@ impl Recording {
     /// Ends the capture on `origin` (every other lane of `lanes` joined back first) and
     /// instantiates the graph; `ok` says whether every captured call succeeded.
     pub(crate) fn end(&self, shared: &Shared, lanes: &[LaneId], ok: bool) -> Result<(), DeviceError> {
-        shared.gpu.bind()?;
         let origin = shared.stream(self.origin);
-        let mut joined = Ok(());
+        let mut joined = shared.gpu.bind();
         for &l in lanes.iter().filter(|&&l| l != self.origin) {
             let join = self.events.get().and_then(|m| {
                 m.event().record(&shared.stream(l))?;
@@ -126,6 +130,8 @@ impl Recording {
         }
         // SAFETY: the origin stream is alive and capturing (begun by `CudaFlush::record`).
         let ended = unsafe { cu::stream::end_capture(origin.raw()) }.or_device("cuStreamEndCapture");
+        // On every path: context-wide synchronisations wait for this count to reach 0.
+        shared.gpu.capture_ends();
         let graph = match ended {
             Ok(g) => g,
             Err(e) => return Err(joined.err().unwrap_or(e)),

@@ -55,7 +55,7 @@ pub fn alloc_device_chunk(gpu: &Gpu, bytes: u64) -> Result<CUdeviceptr, DeviceEr
 pub unsafe fn free_device_chunk(gpu: &Gpu, ptr: CUdeviceptr) -> Result<(), DeviceError> {
     gpu.synchronize()?;
     // SAFETY: the caller's contract; nothing queued can still use it after the synchronize.
-    unsafe { cu::free_sync(ptr) }.or_device("cuMemFree")
+    gpu.quiet("returning device memory", || unsafe { cu::free_sync(ptr) }.or_device("cuMemFree"))
 }
 
 /// A new pinned (page-locked) host chunk of `bytes` (at least 1), visible to every context.
@@ -79,7 +79,9 @@ pub fn alloc_host_chunk(gpu: &Gpu, bytes: u64) -> Result<*mut u8, DeviceError> {
 pub unsafe fn free_host_chunk(gpu: &Gpu, ptr: *mut u8) -> Result<(), DeviceError> {
     gpu.synchronize()?;
     // SAFETY: the caller's contract; nothing queued can still use it after the synchronize.
-    unsafe { cu::free_host(ptr as *mut std::ffi::c_void) }.or_device("cuMemFreeHost")
+    gpu.quiet("returning pinned memory", || {
+        unsafe { cu::free_host(ptr as *mut std::ffi::c_void) }.or_device("cuMemFreeHost")
+    })
 }
 
 /// Queues a copy of `bytes` from host memory at `src` to device address `dst` on `stream`.

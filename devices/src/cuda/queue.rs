@@ -86,10 +86,17 @@ impl<'a> CudaFlush<'a> {
         let rec = flush.recording.as_ref().expect("opened for recording");
         let shared = &backend.shared;
         let origin = shared.stream(rec.origin);
+        // Context-wide synchronisations (other devices' on this GPU included) wait until the
+        // capture ends (`Recording::end`).
+        shared.gpu.capture_begins();
         // SAFETY: the stream is alive; relaxed mode, so that other threads' allocations and
         // queries (of events recorded outside the capture) go on meanwhile.
-        unsafe { cudarc::driver::result::stream::begin_capture(origin.raw(), CAPTURE_MODE) }
-            .or_device("cuStreamBeginCapture")?;
+        let begun = unsafe { cudarc::driver::result::stream::begin_capture(origin.raw(), CAPTURE_MODE) }
+            .or_device("cuStreamBeginCapture");
+        if let Err(e) = begun {
+            shared.gpu.capture_ends();
+            return Err(e);
+        }
         let fork = rec.events.get();
         let joined = fork.and_then(|fork| {
             fork.event().record(&origin)?;
@@ -161,6 +168,9 @@ impl Flush for CudaFlush<'_> {
         }
         let lane = self.lanes[stream];
         let braid = self.backend.shared.state().lanes.lanes[lane].braid.unwrap_or(u32::MAX);
+        if self.recording.is_some() {
+            super::context::issuing_capture(true); // until the queue drops
+        }
         Box::new(CudaQueue { flush: self, index: stream, lane, braid, stream: self.backend.shared.stream(lane) })
     }
 
@@ -245,6 +255,14 @@ struct CudaQueue<'f, 'a> {
     lane: LaneId,
     braid: u32,
     stream: Arc<Stream>,
+}
+
+impl Drop for CudaQueue<'_, '_> {
+    fn drop(&mut self) {
+        if self.flush.recording.is_some() {
+            super::context::issuing_capture(false);
+        }
+    }
 }
 
 /// The CUDA buffer of this device that `buffer` is.
