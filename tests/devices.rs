@@ -4,9 +4,8 @@
 mod common;
 
 use braid::prelude::*;
-use braid_devices::runtime::{Driver, Flush};
-use braid_devices::{Backend, Buffer, DeviceError, MemoryStats, cpu::CpuDevice};
-use braid_graph::Target;
+use braid_devices::runtime::Flush;
+use braid_devices::{Backend, DeviceError, cpu::CpuDevice};
 use braid_scheduler::Schedule;
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
@@ -43,12 +42,7 @@ impl Backend for Rendezvous {
     fn name(&self) -> String {
         "rendezvous".into()
     }
-    fn target(&self) -> &Target {
-        self.cpu.target()
-    }
-    fn driver(&self) -> Driver {
-        self.cpu.driver()
-    }
+    common::cpu_backend_methods!();
     fn begin<'a>(&'a self, schedule: &'a Schedule, poison: bool) -> Result<Box<dyn Flush + 'a>, DeviceError> {
         let (count, cv) = &*self.arrived;
         let mut n = count.lock().unwrap();
@@ -60,27 +54,6 @@ impl Backend for Rendezvous {
             return Err(DeviceError::Internal("the other device's flush never overlapped this one".into()));
         }
         self.cpu.begin(schedule, poison)
-    }
-    fn upload(&self, bytes: &[u8], poison: bool) -> Result<Buffer, DeviceError> {
-        self.cpu.upload(bytes, poison)
-    }
-    fn download(&self, buffer: &Buffer) -> Result<Vec<u8>, DeviceError> {
-        self.cpu.download(buffer)
-    }
-    fn memory(&self) -> MemoryStats {
-        self.cpu.memory()
-    }
-    fn reset_peak(&self) {
-        self.cpu.reset_peak()
-    }
-    fn kernels_launched(&self) -> u64 {
-        self.cpu.kernels_launched()
-    }
-    fn trim(&self) {
-        self.cpu.trim()
-    }
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
     }
 }
 

@@ -416,3 +416,40 @@ pub fn check_recorded(targets: &[&Tensor]) -> Result<CheckStats, String> {
     }
     Ok(total)
 }
+
+/// The `Backend` methods a test backend over the CPU device in its field `cpu` passes straight
+/// on (all but `name`, `begin` and whatever the test changes): use inside its `impl Backend`.
+#[allow(unused_macros)]
+macro_rules! cpu_backend_methods {
+    () => {
+        fn target(&self) -> &braid_graph::Target {
+            self.cpu.target()
+        }
+        fn driver(&self) -> braid_devices::runtime::Driver {
+            self.cpu.driver()
+        }
+        fn upload(&self, bytes: &[u8], poison: bool) -> Result<braid_devices::Buffer, braid_devices::DeviceError> {
+            self.cpu.upload(bytes, poison)
+        }
+        fn download(&self, buffer: &braid_devices::Buffer) -> Result<Vec<u8>, braid_devices::DeviceError> {
+            self.cpu.download(buffer)
+        }
+        fn memory(&self) -> braid_devices::MemoryStats {
+            self.cpu.memory()
+        }
+        fn reset_peak(&self) {
+            self.cpu.reset_peak()
+        }
+        fn kernels_launched(&self) -> u64 {
+            self.cpu.kernels_launched()
+        }
+        fn trim(&self) {
+            self.cpu.trim()
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use cpu_backend_methods;

@@ -8,9 +8,8 @@
 use braid::Step;
 use braid::prelude::*;
 use braid_devices::cpu::CpuDevice;
-use braid_devices::runtime::{self, Driver, Flush, Graph, GraphRun, Input, Job};
-use braid_devices::{Backend, Buffer, DeviceError, MemoryStats};
-use braid_graph::Target;
+use braid_devices::runtime::{self, Flush, Graph, GraphRun, Input, Job};
+use braid_devices::{Backend, Buffer, DeviceError};
 use braid_lowering::Kernel;
 use braid_scheduler::Schedule;
 use std::sync::Arc;
@@ -68,35 +67,9 @@ impl Backend for GraphBackend {
     fn name(&self) -> String {
         "graphs".into()
     }
-    fn target(&self) -> &Target {
-        self.cpu.target()
-    }
-    fn driver(&self) -> Driver {
-        self.cpu.driver()
-    }
+    crate::common::cpu_backend_methods!();
     fn begin<'a>(&'a self, schedule: &'a Schedule, poison: bool) -> Result<Box<dyn Flush + 'a>, DeviceError> {
         self.cpu.begin(schedule, poison)
-    }
-    fn upload(&self, bytes: &[u8], poison: bool) -> Result<Buffer, DeviceError> {
-        self.cpu.upload(bytes, poison)
-    }
-    fn download(&self, buffer: &Buffer) -> Result<Vec<u8>, DeviceError> {
-        self.cpu.download(buffer)
-    }
-    fn memory(&self) -> MemoryStats {
-        self.cpu.memory()
-    }
-    fn reset_peak(&self) {
-        self.cpu.reset_peak()
-    }
-    fn kernels_launched(&self) -> u64 {
-        self.cpu.kernels_launched()
-    }
-    fn trim(&self) {
-        self.cpu.trim()
-    }
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
     }
     fn record_graph(&self, job: Job<'_>) -> Option<Result<Box<dyn Graph>, DeviceError>> {
         assert!(job.fail_at.is_none() && job.profile.is_none(), "a graph is never recorded for such a flush");

@@ -5,10 +5,9 @@ use super::tests::{args, contiguous, in_order, load, store, view};
 use super::*;
 use braid_graph::expr::ExprBuilder;
 
-#[test]
-fn a_value_kept_over_the_input_still_leaves_every_stored_value_computed() {
-    // Softmax that also stores x - max: x - max is kept over x (both later sweeps read it),
-    // exp is recomputed from it for the stores, and both stored values are defined there.
+/// A softmax along rows of [4, 64] f32 storing y and, beside it, node `extra` of (x - max,
+/// exp(x - max)).
+fn softmax_also_storing(extra: usize) -> Kernel {
     let mut b = ExprBuilder::new();
     let x = b.load(0, DType::F32);
     let m = b.reduce(ReduceOp::Max, x);
@@ -22,39 +21,25 @@ fn a_value_kept_over_the_input_still_leaves_every_stored_value_computed() {
         axis: Some(1),
         loads: vec![load(0, DType::F32, contiguous(&dims))],
         expr: b.finish(),
-        stores: vec![store(1, DType::F32, contiguous(&dims), y), store(2, DType::F32, contiguous(&dims), s)],
+        stores: vec![
+            store(1, DType::F32, contiguous(&dims), y),
+            store(2, DType::F32, contiguous(&dims), [s, e][extra]),
+        ],
     };
-    let k = Kernel {
-        args: args(&[(DType::F32, 256), (DType::F32, 256), (DType::F32, 256)]),
-        inputs: 1,
-        body: Body::Rows(r),
-    };
-    let src = print(&k, "both").unwrap().source;
+    Kernel { args: args(&[(DType::F32, 256), (DType::F32, 256), (DType::F32, 256)]), inputs: 1, body: Body::Rows(r) }
+}
+
+#[test]
+fn a_value_kept_over_the_input_still_leaves_every_stored_value_computed() {
+    // Softmax that also stores x - max: x - max is kept over x (both later sweeps read it),
+    // exp is recomputed from it for the stores, and both stored values are defined there.
+    let src = print(&softmax_also_storing(0), "both").unwrap().source;
     assert!(src.contains("float* const keep2 = keep0; // v2, kept over v0 once v0 is read"), "{src}");
     let last = &src[src.rfind("for (int t").unwrap()..];
     in_order(last, &["const float v2 = keep2[t];", "const float v3 = expf(v2);", "a1[", "= v2;"]);
     assert!(!last.contains("v0"), "{src}");
     // Softmax storing exp(x - max) beside y: exp is kept over x and both stores read it back.
-    let mut b = ExprBuilder::new();
-    let x = b.load(0, DType::F32);
-    let m = b.reduce(ReduceOp::Max, x);
-    let s = b.sub(x, m);
-    let e = b.exp(s);
-    let sum = b.reduce(ReduceOp::Sum, e);
-    let y = b.div(e, sum);
-    let r = RowKernel {
-        dims: dims.as_slice().into(),
-        axis: Some(1),
-        loads: vec![load(0, DType::F32, contiguous(&dims))],
-        expr: b.finish(),
-        stores: vec![store(1, DType::F32, contiguous(&dims), y), store(2, DType::F32, contiguous(&dims), e)],
-    };
-    let k = Kernel {
-        args: args(&[(DType::F32, 256), (DType::F32, 256), (DType::F32, 256)]),
-        inputs: 1,
-        body: Body::Rows(r),
-    };
-    let src = print(&k, "exp").unwrap().source;
+    let src = print(&softmax_also_storing(1), "exp").unwrap().source;
     let last = &src[src.rfind("for (int t").unwrap()..];
     in_order(last, &["const float v3 = keep3[t];", "const float v5 = v3 / v4;", "a1[", "a2["]);
     assert!(!last.contains("expf"), "{src}");
