@@ -379,6 +379,7 @@ pub fn reference_program(nodes: Vec<braid::testing::RecordedNode>) -> Vec<ProgNo
 pub fn platform_math(dev: &Device) {
     if dev.target().name == "wgpu" {
         braid_graph::reference::set_platform_math_ulps(32.0);
+        braid_graph::reference::set_platform_wgsl(true);
         let software = braid::testing::wgpu_backend(dev).is_some_and(|b| b.is_software());
         if !software {
             braid_graph::reference::set_platform_math_absolute(2f64.powi(-20));

@@ -99,9 +99,9 @@ pub(super) fn unary(op: UnaryOp, dtype: DType, shape: &Shape, x: &RefValue) -> R
     if dtype.is_float() {
         let ulps = super::allowance(def.name, def.ulps);
         let abs = super::absolute_allowance(def.name);
-        // On a GPU, WGSL's `exp` is bounded to 3 + 2|x| ulps (its argument is scaled by
-        // log2(e) in f32 first): the |x| part on top of the platform allowance.
-        let exp_scaled = def.name == "exp" && super::platform_is_gpu();
+        // WGSL's `exp` is bounded to 3 + 2|x| ulps (its argument is scaled by log2(e) in f32
+        // first): the |x| part on top of the platform allowance, on any WGSL platform.
+        let exp_scaled = def.name == "exp" && super::platform_scales_exp();
         let eps = dtype.compute().epsilon();
         floats(dtype, shape, |i| {
             let (xv, xe) = x.float_at(i);
@@ -125,7 +125,7 @@ pub(super) fn binary(op: BinaryOp, dtype: DType, shape: &Shape, a: &RefValue, b:
     let (ia, ib) = (broadcast_map(&a.shape, shape), broadcast_map(&b.shape, shape));
     if dtype.is_float() {
         let ulps = super::allowance(def.name, def.ulps);
-        let pow_scaled = def.name == "pow" && super::platform_is_gpu();
+        let pow_scaled = def.name == "pow" && super::platform_scales_exp();
         floats(dtype, shape, |i| {
             let (x, y) = (a.float_at(ia[i]), b.float_at(ib[i]));
             let r = float_binary(dtype, &def.reference, def.sensitivity, ulps, x, y);
@@ -147,7 +147,7 @@ pub(super) fn binary_scalar(op: BinaryOp, dtype: DType, x: &RefValue, s: f64, sc
     if dtype.is_float() {
         let sc = (dtype.compute().round_f64(s), 0.0);
         let (f, sens, ulps) = (&def.reference, def.sensitivity, super::allowance(def.name, def.ulps));
-        let pow_scaled = def.name == "pow" && super::platform_is_gpu();
+        let pow_scaled = def.name == "pow" && super::platform_scales_exp();
         floats(dtype, shape, |i| {
             let xi = x.float_at(i);
             let (l, r) = if scalar_first { (sc, xi) } else { (xi, sc) };

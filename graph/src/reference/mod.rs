@@ -162,6 +162,22 @@ pub(crate) fn platform_is_gpu() -> bool {
     PLATFORM_MATH_ABS.load(std::sync::atomic::Ordering::Relaxed) != 0
 }
 
+/// Whether the platform runs WGSL (any wgpu adapter, a software one such as lavapipe too):
+/// set by [`set_platform_wgsl`].
+static PLATFORM_WGSL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Marks the platform as WGSL: `exp` gets WGSL's `3 + 2|x|` ulps and `pow` its bound as
+/// `exp2(y * log2(x))`, which the WGSL spec gives every implementation (lavapipe's `exp` was
+/// seen 33 ulps off near x = 84, within that bound and beyond the 32-ulp platform allowance).
+pub fn set_platform_wgsl(on: bool) {
+    PLATFORM_WGSL.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether `exp` and `pow` get WGSL's argument-scaled bounds: a WGSL platform, or a GPU.
+pub(crate) fn platform_scales_exp() -> bool {
+    PLATFORM_WGSL.load(std::sync::atomic::Ordering::Relaxed) || platform_is_gpu()
+}
+
 /// The extra absolute allowance of op `name` (only `sin` and `cos` have one).
 pub(crate) fn absolute_allowance(name: &str) -> f64 {
     if matches!(name, "sin" | "cos") {
