@@ -14,7 +14,9 @@
 //! elements). The random rows are short, so they keep
 //! their loads in shared memory; [`long_row_cases`] are too long for that budget and take the
 //! multi-pass path, or, being few, are split into segments through scratch memory;
-//! [`column_cases`] run along an axis before the last, as column kernels. Integer
+//! [`column_cases`] run along an axis before the last, as column kernels. Kernels with vector
+//! paths (16-byte accesses of neighbouring elements) take them for even case numbers, whose
+//! arguments start 16-byte aligned, and their scalar paths for odd ones ([`layout`]). Integer
 //! matrix products are printed whole (cuBLAS cannot wrap them); float ones start from the
 //! CPU's product, as they would from cuBLAS's.
 //!
@@ -62,6 +64,9 @@ using std::isfinite;
 #define __forceinline__ inline
 #define __restrict__
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(8) uint2 { unsigned x, y; };
 struct braid_dim3 { unsigned x, y, z; };
 static thread_local braid_dim3 blockIdx, threadIdx;
 static braid_dim3 blockDim, gridDim;
@@ -149,14 +154,16 @@ static inline float __bfloat162float(__nv_bfloat16 h) {
   std::memcpy(&f, &b, 4);
   return f;
 }
-static std::vector<unsigned long long> braid_read(const std::string& path, size_t bytes) {
-  std::vector<unsigned long long> mem(bytes / 8 + 1);
+// A case's file in memory, aligned as a device allocation is (to more than a vector access).
+struct alignas(16) braid_line { unsigned char bytes[16]; };
+static std::vector<braid_line> braid_read(const std::string& path, size_t bytes) {
+  std::vector<braid_line> mem(bytes / 16 + 1);
   FILE* f = std::fopen(path.c_str(), "rb");
   if (!f || std::fread(mem.data(), 1, bytes, f) != bytes) { std::fprintf(stderr, "cannot read %s\n", path.c_str()); std::exit(2); }
   std::fclose(f);
   return mem;
 }
-static void braid_write(const std::string& path, const std::vector<unsigned long long>& mem, size_t bytes) {
+static void braid_write(const std::string& path, const std::vector<braid_line>& mem, size_t bytes) {
   FILE* f = std::fopen(path.c_str(), "wb");
   if (!f || std::fwrite(mem.data(), 1, bytes, f) != bytes) { std::fprintf(stderr, "cannot write %s\n", path.c_str()); std::exit(2); }
   std::fclose(f);
@@ -198,13 +205,16 @@ fn run_cpu(k: &Kernel, init: &[Vec<u8>]) -> Result<Vec<Vec<u8>>, String> {
     run_on_copies(k, init, |args| run_kernel(k, args))
 }
 
-/// Byte offsets of each argument in a case's file (each aligned to 8), and the total.
-fn layout(init: &[Vec<u8>]) -> (Vec<usize>, usize) {
+/// Byte offsets of each argument in case `n`'s file, and the total: for even `n` each argument
+/// starts at a multiple of 16 bytes (the printed vector paths run), for odd `n` 8 bytes past one
+/// (no argument is aligned for a vector access, so the kernels' scalar paths run alone).
+fn layout(init: &[Vec<u8>], n: usize) -> (Vec<usize>, usize) {
+    let skew = if n % 2 == 1 { 8 } else { 0 };
     let mut at = 0;
     let mut offsets = vec![];
     for b in init {
-        offsets.push(at);
-        at += b.len().div_ceil(8) * 8;
+        offsets.push(at + skew);
+        at += (skew + b.len()).div_ceil(16) * 16;
     }
     (offsets, at)
 }
@@ -220,8 +230,8 @@ fn close(want: f64, got: f64, storage: DType, approx: bool, floor: f64) -> bool 
 
 /// The first element where the printed kernel's arguments after the run (`got`, the case's
 /// file) differ from the CPU's (`cpu`), if any.
-fn compare(case: &Case, cpu: &[Vec<u8>], got: &[u8]) -> Option<String> {
-    let (offsets, _) = layout(&case.init);
+fn compare(case: &Case, n: usize, cpu: &[Vec<u8>], got: &[u8]) -> Option<String> {
+    let (offsets, _) = layout(&case.init, n);
     let (loops, rows): (Vec<&MapLoop>, Option<&RowKernel>) = match &case.kernel.body {
         Body::Map(l) => (l.iter().collect(), None),
         Body::Rows(r) => (vec![], Some(r)),
@@ -387,7 +397,7 @@ fn printed_kernels_compute_what_the_cpu_computes() {
         let src = cuda::print(&case.kernel, &format!("case{n}")).unwrap_or_else(|e| panic!("{}: {e}", case.label));
         let mut init = case.init.clone();
         case.from_cpu.iter().for_each(|&a| init[a] = after[a].clone());
-        let (offsets, total) = layout(&init);
+        let (offsets, total) = layout(&init, n);
         let mut file = vec![0u8; total];
         for (o, b) in offsets.iter().zip(&init) {
             file[*o..*o + b.len()].copy_from_slice(b);
@@ -406,7 +416,16 @@ fn printed_kernels_compute_what_the_cpu_computes() {
     let generated = start.elapsed();
     let exe = dir.join("emulated");
     let out = Command::new("g++")
-        .args(["-O1", "-std=c++17", "-pthread", "-fno-builtin", "-ffp-contract=off", "-w", "-I"])
+        .args([
+            "-O1",
+            "-std=c++17",
+            "-pthread",
+            "-fno-builtin",
+            "-ffp-contract=off",
+            "-fno-strict-aliasing",
+            "-w",
+            "-I",
+        ])
         .arg(&dir)
         // Opt-in: also catch out-of-bounds accesses and undefined behaviour such as signed
         // overflow in the printed code (makes g++ about three times slower).
@@ -438,7 +457,7 @@ fn printed_kernels_compute_what_the_cpu_computes() {
     for (n, case) in cases.iter().enumerate() {
         for run in runs_of(case, &printed[n]) {
             let got = std::fs::read(dir.join(out_name(n, run))).unwrap();
-            if let Some(f) = compare(case, &cpu[n], &got) {
+            if let Some(f) = compare(case, n, &cpu[n], &got) {
                 if failures.len() < 3 {
                     eprintln!("--- {} ({run:?} threads)\n{:#?}\n{}", case.label, case.kernel, printed[n].source);
                 }
@@ -456,6 +475,10 @@ fn printed_kernels_compute_what_the_cpu_computes() {
     let kept = rows.iter().filter(|s| keeps(s)).count();
     eprintln!("cuda_printer: {} row kernels, {kept} keep loads in shared memory", rows.len());
     assert!(kept >= 50, "{kept} of {} row kernels keep their loads", rows.len());
+    // Vector paths were printed (and run by the even cases, whose arguments are aligned).
+    let vector = printed.iter().filter(|p| p.source.contains("const bool vec = ")).count();
+    eprintln!("cuda_printer: {vector} kernels with a vector path");
+    assert!(vector >= 100, "{vector} of {} kernels have a vector path", printed.len());
     let path = |p: &str| (0..cases.len()).filter(|&n| cases[n].label.starts_with(p)).collect::<Vec<_>>();
     let (multi, split) = (path("multi-pass "), path("split "));
     let one = |n: &usize| !keeps(&printed[*n].source) && printed[*n].entries.len() == 1;

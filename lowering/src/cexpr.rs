@@ -198,13 +198,7 @@ pub(crate) fn node_expr(
             if d != l.dtype.compute() {
                 return bad(&format!("loads a {} argument", l.dtype));
             }
-            let x = format!("a{}[{}]", l.arg, offset(&l.view));
-            match l.dtype {
-                DType::F16 => format!("__half2float({x})"),
-                DType::BF16 => format!("__bfloat162float({x})"),
-                DType::Bool => format!("{x} != 0"),
-                _ => x,
-            }
+            load_value(l.dtype, &format!("a{}[{}]", l.arg, offset(&l.view)))
         }
         ExprOp::Const(bits) if d.is_float() => float_literal(f64::from_bits(bits), d),
         ExprOp::ConstInt(v) if !d.is_float() => int_literal(v, d),
@@ -317,15 +311,30 @@ pub(crate) fn live<'a>(expr: &Expr, loads: &'a [Load], stores: &'a [Store]) -> (
     (live, views)
 }
 
+/// The statement storing `s` at element `offset` of its argument.
 pub(crate) fn store_stmt(s: &Store, offset: &str) -> String {
+    format!("a{}[{offset}] = {};", s.arg, stored_value(s))
+}
+
+/// The value `s` stores, converted to its storage type.
+pub(crate) fn stored_value(s: &Store) -> String {
     let v = format!("v{}", s.value);
-    let v = match s.dtype {
+    match s.dtype {
         DType::F16 => format!("__float2half_rn({v})"),
         DType::BF16 => format!("__float2bfloat16_rn({v})"),
         DType::Bool => format!("(unsigned char){v}"),
         _ => v,
-    };
-    format!("a{}[{offset}] = {v};", s.arg)
+    }
+}
+
+/// The compute value of `raw`, an element of a `d` argument in its storage type.
+pub(crate) fn load_value(d: DType, raw: &str) -> String {
+    match d {
+        DType::F16 => format!("__half2float({raw})"),
+        DType::BF16 => format!("__bfloat162float({raw})"),
+        DType::Bool => format!("{raw} != 0"),
+        _ => raw.to_string(),
+    }
 }
 
 /// Helpers every printed source starts with, each function declared with `qual`: conversions

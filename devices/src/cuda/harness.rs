@@ -96,12 +96,13 @@ pub fn run_compiled_on_gpu(
             )));
         }
     }
-    // One chunk for every argument and the scratch memory, each part aligned to 256 bytes.
+    // One chunk for every argument and the scratch memory, each part aligned to 256 bytes
+    // (the arguments `options.skew` bytes past that).
     let mut offsets = vec![];
     let mut total = 0usize;
     for bytes in args.iter() {
-        offsets.push(total);
-        total += bytes.len().next_multiple_of(256);
+        offsets.push(total + options.skew);
+        total += (options.skew + bytes.len()).next_multiple_of(256);
     }
     let scratch_at = total;
     total += compiled.scratch_bytes();

@@ -32,6 +32,10 @@ pub struct LaunchOptions {
     /// Threads per block of row kernels: `None` for the printed number; otherwise a power of
     /// two no larger than it.
     pub row_threads: Option<u32>,
+    /// Bytes past an aligned address at which the test harness (`harness.rs`) places every
+    /// argument; ignored by launches themselves, 0 in the engine. 8 keeps every element
+    /// aligned but no argument aligned for a vector access, so kernels take their scalar paths.
+    pub skew: usize,
 }
 
 /// Launches the entries of `src` from `module` on `stream`, in order, over `params` (one device

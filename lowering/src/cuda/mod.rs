@@ -2,7 +2,10 @@
 //!
 //! Each map loop and the row kernel becomes one `extern "C" __global__` function; the caller
 //! launches them in the order of [`CudaSource::entries`], each with the shape its [`Launch`]
-//! names. A map loop runs one thread per index (a grid-stride loop, so any grid covers it). A
+//! names. A map loop runs one thread per index (a grid-stride loop, so any grid covers it), or
+//! where its views are contiguous one thread per chunk of up to 16 bytes of each, read and
+//! written with one access (`vector.rs`; the scalar loop does the rest, and all of it when an
+//! argument's address is not aligned when the kernel runs). A
 //! row kernel runs one block per row, a row being every index that differs only along the axis
 //! (the whole space without one): the threads stride over the row folding their elements (float
 //! sums compensated, so that a thread folding a long row stays within a few ulps), warp shuffles
@@ -44,6 +47,7 @@ mod split; // long rows among few rows: segments, partial results in scratch
 mod tests;
 #[cfg(test)]
 mod tests_rows;
+mod vector; // 16-byte loads and stores of neighbouring elements, checked for alignment at run time
 
 pub use crate::cexpr::storage_ctype;
 use crate::cexpr::*;
@@ -98,7 +102,8 @@ pub struct Entry {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Launch {
-    /// `numel` indices, one per thread, `block` threads per block suggested; the loop strides
+    /// `numel` threads' worth of work (the loop's indices, or for a loop with a vector path its
+    /// chunks of neighbouring indices), `block` threads per block suggested; the loop strides
     /// over the grid, so a smaller grid is fine. Nothing to launch when `numel` is 0.
     Map { numel: usize, block: u32 },
     /// `rows` blocks (one per row, or per segment of a row in a split row kernel) of `threads`

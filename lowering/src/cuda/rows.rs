@@ -7,6 +7,7 @@
 //! needed between the phases' sweeps).
 
 use super::reduce::reduction;
+use super::vector::{aligned, chunk_args, copy_chunk, declare_chunk, read_chunk, width};
 use super::*;
 use std::cell::RefCell;
 
@@ -35,6 +36,21 @@ pub(super) struct RowPlan<'a> {
     pub step: &'static str,
     /// The flat index of position `t` of the row (for `Index` nodes).
     pub index: String,
+    /// The vector path of the sweeps (a plain row kernel's only; see [`RowVector`]).
+    vector: Option<RowVector>,
+}
+
+/// The vector path of a row kernel's sweeps, taken when the kernel's `vec` test finds its
+/// arguments aligned: each thread visits chunks of `width` neighbouring positions, `t0 =
+/// threadIdx.x * width` and on by `blockDim.x * width` (the same in every sweep, so a thread
+/// still reads back only the kept positions it wrote), reading the row-contiguous loads and
+/// writing the row-contiguous stores a chunk at a time (`vector.rs`), and its kept values too.
+pub(super) struct RowVector {
+    width: usize,
+    /// Per expression node: a load read as chunks.
+    loads: Vec<bool>,
+    /// Per store (of the kernel's `stores`): written as chunks.
+    stores: Vec<bool>,
 }
 
 impl<'a> RowPlan<'a> {
@@ -62,6 +78,7 @@ impl<'a> RowPlan<'a> {
             used: vec![],
             step: "blockDim.x",
             index: String::new(),
+            vector: None,
         };
         // Constant along the row: the CPU's plan, node by node and store by store.
         for (i, n) in nodes.iter().enumerate() {
@@ -159,10 +176,54 @@ impl<'a> RowPlan<'a> {
     }
 
     /// A sweep over positions `t` of the row from `from` to `to` (C expressions) in steps of
-    /// the block: the per-element nodes `roots` need, then `body` (which stores through `stores`); it
-    /// declares the index variables along the row that these read. With `keep`, a kept load
-    /// is read from global memory by the first sweep that needs it, from `keep<i>` after.
+    /// the block: the per-element nodes `roots` need, the per-element `stores`, then `body`; it
+    /// declares the index variables along the row that these read. With `keep`, a kept value
+    /// is read from global memory (or computed) by the first sweep that needs it, from
+    /// `keep<i>` after. With a vector path, the kernel's `vec` picks it or this loop.
     pub fn sweep(
+        &self,
+        out: &mut String,
+        range: [&str; 2],
+        roots: &[usize],
+        stores: &[&Store],
+        body: &str,
+        keep: Option<&Keep>,
+    ) -> Result<(), String> {
+        let Some(v) = &self.vector else {
+            return self.scalar_sweep(out, range, roots, stores, body, keep);
+        };
+        // Both paths print the same kept values as written: the state after one is the state
+        // before the other.
+        let before = keep.map(|k| k.written.borrow().clone());
+        out.push_str("  if (vec) {\n");
+        self.vector_sweep(out, v, range[1], roots, stores, body, keep)?;
+        if let (Some(k), Some(b)) = (keep, before) {
+            *k.written.borrow_mut() = b;
+        }
+        out.push_str("  } else {\n");
+        self.scalar_sweep(out, range, roots, stores, body, keep)?;
+        out.push_str("  }\n");
+        Ok(())
+    }
+
+    /// What a sweep computes: the nodes `roots` need given the values read back from shared
+    /// memory (for which the returned test holds), and the loads among them.
+    fn sweep_needs(&self, roots: &[usize], keep: Option<&Keep>) -> (Vec<usize>, impl Fn(usize) -> bool, Vec<usize>) {
+        let k = keep.map(|k| (k.kept.clone(), k.written.borrow().clone()));
+        let from_keep = move |i: usize| k.as_ref().is_some_and(|(kept, written)| kept[i] && written[i]);
+        // A value read back from shared memory needs none of its operands in this sweep.
+        let need = self.needed_given(roots, &from_keep);
+        let loads: Vec<usize> = need
+            .iter()
+            .copied()
+            .filter(|&i| !from_keep(i) && matches!(self.r.expr.nodes[i].op, ExprOp::Load(_)))
+            .collect();
+        (need, from_keep, loads)
+    }
+
+    /// The scalar path of a sweep (the only one without a vector path): one position per
+    /// thread a step, from `from` to `to` by the block.
+    fn scalar_sweep(
         &self,
         out: &mut String,
         [from, to]: [&str; 2],
@@ -172,18 +233,12 @@ impl<'a> RowPlan<'a> {
         keep: Option<&Keep>,
     ) -> Result<(), String> {
         let (r, nodes) = (self.r, &self.r.expr.nodes);
-        let from_keep = |i: usize| keep.is_some_and(|k| k.kept[i] && k.written.borrow()[i]);
-        // A value read back from shared memory needs none of its operands in this sweep.
-        let need = self.needed_given(roots, &from_keep);
-        let loads = need.iter().filter(|&&i| !from_keep(i)).filter_map(|&i| match nodes[i].op {
-            ExprOp::Load(slot) => Some(&r.loads[slot as usize].view),
-            _ => None,
-        });
-        let views: Vec<&View> = loads.chain(stores.iter().map(|s| &s.view)).collect();
+        let (need, from_keep, loads) = self.sweep_needs(roots, keep);
+        let views: Vec<&View> =
+            (loads.iter().map(|&i| self.load_view(i))).chain(stores.iter().map(|s| &s.view)).collect();
         let flat = need.iter().any(|&i| nodes[i].op == ExprOp::Index);
-        // A 32-bit position where the row allows (fewer instructions per element; the row
-        // kernels are bound by instructions issued), and four positions in flight per thread.
-        let ty = if self.len <= i32::MAX as usize { "int" } else { "long long" };
+        // Four positions in flight per thread.
+        let ty = self.position_type();
         let _ = writeln!(out, "  #pragma unroll 4\n  for ({ty} t = {from}; t < {to}; t += {}) {{", self.step);
         decompose(out, "    ", "t", &r.dims, &self.row_dims, &used_dims(&r.dims, &views, flat));
         for &i in &need {
@@ -199,8 +254,110 @@ impl<'a> RowPlan<'a> {
                 k.written.borrow_mut()[i] = true;
             }
         }
+        for s in stores {
+            let _ = writeln!(out, "    {}", store_stmt(s, &offset_expr(&s.view)));
+        }
         let _ = writeln!(out, "{body}  }}");
         Ok(())
+    }
+
+    /// The vector path of a sweep from `threadIdx.x * width` to `to`, a chunk at a time: the
+    /// chunks of its vectorised loads and kept values read first, then per position of the
+    /// chunk what [`Self::scalar_sweep`] prints (vectorised values from their chunks), then
+    /// the chunks of its vectorised stores and newly kept values written.
+    #[allow(clippy::too_many_arguments)]
+    fn vector_sweep(
+        &self,
+        out: &mut String,
+        v: &RowVector,
+        to: &str,
+        roots: &[usize],
+        stores: &[&Store],
+        body: &str,
+        keep: Option<&Keep>,
+    ) -> Result<(), String> {
+        let (r, nodes, w) = (self.r, &self.r.expr.nodes, v.width);
+        let (need, from_keep, loads) = self.sweep_needs(roots, keep);
+        let store_at = |s: &Store| r.stores.iter().position(|x| std::ptr::eq(x, s)).expect("a store of this kernel");
+        let chunked_store = |s: &Store| v.stores[store_at(s)];
+        let scalar_views: Vec<&View> = (loads.iter().filter(|&&i| !v.loads[i]).map(|&i| self.load_view(i)))
+            .chain(stores.iter().filter(|s| !chunked_store(s)).map(|s| &s.view))
+            .collect();
+        let flat = need.iter().any(|&i| nodes[i].op == ExprOp::Index);
+        let ty = self.position_type();
+        let _ = writeln!(
+            out,
+            "  #pragma unroll 2\n  for ({ty} t0 = threadIdx.x * {w}; t0 < {to}; t0 += blockDim.x * {w}) {{"
+        );
+        // The chunks' addresses: position `t0` along the row.
+        let axis = self.row_dims[0];
+        if loads.iter().any(|&i| v.loads[i]) || stores.iter().any(|s| chunked_store(s)) {
+            let _ = writeln!(out, "    const long long d{axis} = t0;");
+        }
+        for &i in loads.iter().filter(|&&i| v.loads[i]) {
+            let ExprOp::Load(slot) = nodes[i].op else { unreachable!("loads are loads") };
+            let ld = &r.loads[slot as usize];
+            let from = format!("a{} + {}", ld.arg, offset_expr(&ld.view));
+            read_chunk(out, "    ", &format!("l{i}"), (storage_ctype(ld.dtype), ld.dtype.size()), w, &from);
+        }
+        let kept_here = |i: usize| keep.is_some_and(|k| k.kept[i]) && !from_keep(i);
+        for &i in &need {
+            let (ty, size) = (ctype(nodes[i].dtype), nodes[i].dtype.size());
+            if from_keep(i) {
+                read_chunk(out, "    ", &format!("r{i}"), (ty, size), w, &format!("keep{i} + t0"));
+            } else if kept_here(i) {
+                declare_chunk(out, "    ", &format!("w{i}"), ty, w);
+            }
+        }
+        for s in stores.iter().filter(|s| chunked_store(s)) {
+            declare_chunk(out, "    ", &format!("s{}", store_at(s)), storage_ctype(s.dtype), w);
+        }
+        let _ = writeln!(out, "    #pragma unroll\n    for (int e = 0; e < {w}; ++e) {{\n    const {ty} t = t0 + e;");
+        decompose(out, "    ", "t", &r.dims, &self.row_dims, &used_dims(&r.dims, &scalar_views, flat));
+        for &i in &need {
+            let ty = ctype(nodes[i].dtype);
+            let e = match nodes[i].op {
+                _ if from_keep(i) => format!("r{i}[e]"),
+                ExprOp::Load(slot) if v.loads[i] => load_value(r.loads[slot as usize].dtype, &format!("l{i}[e]")),
+                _ => node_expr(Dialect::Cuda, &r.expr, &r.loads, i, &offset_expr, &self.index)?,
+            };
+            let _ = writeln!(out, "    const {ty} v{i} = {e};");
+            if kept_here(i) {
+                let _ = writeln!(out, "    w{i}[e] = v{i};");
+            }
+        }
+        for s in stores {
+            let _ = match chunked_store(s) {
+                true => writeln!(out, "    s{}[e] = {};", store_at(s), stored_value(s)),
+                false => writeln!(out, "    {}", store_stmt(s, &offset_expr(&s.view))),
+            };
+        }
+        let _ = writeln!(out, "{body}    }}");
+        for &i in need.iter().filter(|&&i| kept_here(i)) {
+            copy_chunk(out, "    ", &format!("keep{i} + t0"), &format!("w{i}"), nodes[i].dtype.size() * w);
+            keep.expect("kept").written.borrow_mut()[i] = true;
+        }
+        for s in stores.iter().filter(|s| chunked_store(s)) {
+            let at = store_at(s);
+            let to = format!("a{} + {}", s.arg, offset_expr(&s.view));
+            copy_chunk(out, "    ", &to, &format!("s{at}"), s.dtype.size() * w);
+        }
+        out.push_str("  }\n");
+        Ok(())
+    }
+
+    /// The view of load node `i`.
+    fn load_view(&self, i: usize) -> &View {
+        match self.r.expr.nodes[i].op {
+            ExprOp::Load(slot) => &self.r.loads[slot as usize].view,
+            _ => unreachable!("node {i} is not a load"),
+        }
+    }
+
+    /// The C type of positions along the row: 32-bit where the row allows (fewer instructions
+    /// per element; the row kernels are bound by instructions issued).
+    fn position_type(&self) -> &'static str {
+        if self.len <= i32::MAX as usize { "int" } else { "long long" }
     }
 
     /// The per-row stores, by the thread for which `who` holds, then the per-element stores in
@@ -222,9 +379,7 @@ impl<'a> RowPlan<'a> {
         }
         if !elem_stores.is_empty() {
             let roots: Vec<usize> = elem_stores.iter().map(|s| s.value as usize).collect();
-            let body: String =
-                elem_stores.iter().map(|s| format!("    {}\n", store_stmt(s, &offset_expr(&s.view)))).collect();
-            self.sweep(out, range, &roots, &elem_stores, &body, keep)?;
+            self.sweep(out, range, &roots, &elem_stores, "", keep)?;
         }
         Ok(())
     }
@@ -250,17 +405,22 @@ pub(super) fn print_rows(
     params: &mut Vec<Param>,
 ) -> Result<(Vec<Entry>, usize), String> {
     let mut p = RowPlan::new(r, params)?;
-    let (len, rows, threads) = (p.len, p.rows, p.threads);
     if super::split::splits(&p) {
         return super::split::print_split(out, &p, name, params);
     }
     if super::columns::columns(&p) {
         return super::columns::print_columns(out, &mut p, name, params);
     }
-    if rows > i32::MAX as usize {
-        return Err(format!("{rows} rows: more blocks than one launch has"));
+    if p.rows > i32::MAX as usize {
+        return Err(format!("{} rows: more blocks than one launch has", p.rows));
     }
     let (kept, over) = plan_keep(&p);
+    p.vector = plan_vector(&p, &kept);
+    if let Some(v) = &p.vector {
+        // A thread per chunk of the row (the scalar path, if taken, strides over the same block).
+        p.threads = ((p.len / v.width).next_power_of_two() as u32).clamp(32, MAX_ROW_THREADS);
+    }
+    let (len, rows, threads) = (p.len, p.rows, p.threads);
     let keep = Keep { kept, over, written: RefCell::new(vec![false; r.expr.nodes.len()]) };
     let dims = r.dims.as_slice();
     let _ = match r.axis {
@@ -272,9 +432,12 @@ pub(super) fn print_rows(
     for i in (0..keep.kept.len()).filter(|&i| keep.kept[i]) {
         let ty = ctype(r.expr.nodes[i].dtype);
         let _ = match keep.over[i] {
-            None => writeln!(out, "  __shared__ {ty} keep{i}[{len}]; // v{i}, kept for later phases"),
+            None => writeln!(out, "  __shared__ __align__(16) {ty} keep{i}[{len}]; // v{i}, kept for later phases"),
             Some(l) => writeln!(out, "  {ty}* const keep{i} = keep{l}; // v{i}, kept over v{l} once v{l} is read"),
         };
+    }
+    if let Some(v) = &p.vector {
+        let _ = writeln!(out, "  const bool vec = {}; // the vector path's arguments aligned", aligned(&v.args(r)));
     }
     let end = format!("{len}LL");
     let whole = ["threadIdx.x", end.as_str()];
@@ -286,6 +449,50 @@ pub(super) fn print_rows(
     p.print_stores(out, "threadIdx.x == 0", whole, Some(&keep))?;
     out.push_str("}\n");
     Ok((vec![Entry { name: name.into(), launch: Launch::Rows { rows, threads } }], 0))
+}
+
+/// The vector path of a plain row kernel (see [`RowVector`]), if it has one: along one axis
+/// whose length is a multiple of the width, the live per-element loads and the per-element
+/// stores that walk the row with stride 1 from an offset and row strides that are multiples of
+/// the width (so that every row's chunks are aligned when the argument is), at least one of
+/// them; the width fills 16 bytes with the largest of their elements and of the kept values.
+fn plan_vector(p: &RowPlan<'_>, kept: &[bool]) -> Option<RowVector> {
+    let (r, nodes) = (p.r, &p.r.expr.nodes);
+    let [axis] = p.row_dims[..] else { return None };
+    let walks = |v: &View| v.strides[axis] == 1;
+    let load = |i: usize| match nodes[i].op {
+        ExprOp::Load(slot) if p.live[i] && !p.per_row[i] && walks(&r.loads[slot as usize].view) => {
+            Some(&r.loads[slot as usize])
+        }
+        _ => None,
+    };
+    let (_, elem_stores) = p.stores();
+    let per_element = |s: &Store| elem_stores.iter().any(|e| std::ptr::eq(*e, s)) && walks(&s.view);
+    let loaded = (0..nodes.len()).filter_map(|i| load(i).map(|l| l.dtype.size()));
+    let stored = r.stores.iter().filter(|s| per_element(s)).map(|s| s.dtype.size());
+    let kept_sizes = (0..nodes.len()).filter(|&i| kept[i]).map(|i| nodes[i].dtype.size());
+    let width = width(loaded.chain(stored).chain(kept_sizes))?;
+    let rows_aligned = |v: &View| {
+        v.offset.is_multiple_of(width)
+            && (0..v.dims.len())
+                .all(|d| d == axis || v.dims[d] <= 1 || v.strides[d].unsigned_abs().is_multiple_of(width))
+    };
+    let loads: Vec<bool> = (0..nodes.len()).map(|i| load(i).is_some_and(|l| rows_aligned(&l.view))).collect();
+    let stores: Vec<bool> = r.stores.iter().map(|s| per_element(s) && rows_aligned(&s.view)).collect();
+    let any = loads.iter().chain(&stores).any(|&v| v);
+    (any && width > 1 && p.len.is_multiple_of(width)).then_some(RowVector { width, loads, stores })
+}
+
+impl RowVector {
+    /// The arguments read or written as chunks, each with the alignment it needs.
+    fn args(&self, r: &RowKernel) -> Vec<(u16, usize)> {
+        let loads = (r.expr.nodes.iter().enumerate()).filter(|&(i, _)| self.loads[i]).map(|(_, n)| match n.op {
+            ExprOp::Load(slot) => &r.loads[slot as usize],
+            _ => unreachable!("planned from loads"),
+        });
+        let stores = r.stores.iter().zip(&self.stores).filter(|&(_, &v)| v).map(|(s, _)| s);
+        chunk_args(loads, stores, self.width)
+    }
 }
 
 /// Which per-element values the kernel keeps in shared memory (`keep<i>[len]`, indexed by the

@@ -50,7 +50,7 @@ pub(super) fn in_order(text: &str, parts: &[&str]) {
 }
 
 #[test]
-fn a_contiguous_map_is_one_thread_per_element() {
+fn a_contiguous_map_is_one_thread_per_chunk_of_sixteen_bytes() {
     // y = x * 2 + 1
     let mut b = ExprBuilder::new();
     let x = b.load(0, DType::F32);
@@ -61,14 +61,21 @@ fn a_contiguous_map_is_one_thread_per_element() {
     let (x, out) = (load(0, DType::F32, contiguous(&[4])), store(1, DType::F32, contiguous(&[4]), y));
     let k = map(&[(DType::F32, 4), (DType::F32, 4)], 1, &[4], vec![x], b, vec![out]);
     let p = print(&k, "axpb").unwrap();
-    assert_eq!(p.entries, vec![Entry { name: "axpb_loop0".into(), launch: Launch::Map { numel: 4, block: 256 } }]);
     assert_eq!(p.params, vec![DType::F32, DType::F32]);
     assert!(!p.source.contains("#include"), "no half types, no headers");
     in_order(
         &p.source,
         &[
             "extern \"C\" __global__ void axpb_loop0(const float* a0, float* a1) {",
-            "for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < 4LL; i += (long long)gridDim.x * blockDim.x) {",
+            // Contiguous f32: a vector path of 4 indices per thread, x and y a `uint4` each,
+            // when both are aligned; the scalar loop takes whatever it leaves.
+            "const bool vec = (unsigned long long)a0 % 16u == 0 && (unsigned long long)a1 % 16u == 0;",
+            "const long long vec_end = vec ? 4LL : 0LL;",
+            "*reinterpret_cast<uint4*>(l0) = *reinterpret_cast<const uint4*>(a0 + i0);",
+            "const float v0 = l0[e];",
+            "s0[e] = v4;",
+            "*reinterpret_cast<uint4*>(a1 + i0) = *reinterpret_cast<const uint4*>(s0);",
+            "for (long long i = vec_end + (long long)blockIdx.x * blockDim.x + threadIdx.x; i < 4LL; i += (long long)gridDim.x * blockDim.x) {",
             "const float v0 = a0[i];",
             "const float v1 = 2.0f;",
             "const float v2 = v0 * v1;",
@@ -76,6 +83,17 @@ fn a_contiguous_map_is_one_thread_per_element() {
             "a1[i] = v4;",
         ],
     );
+    // A thread per chunk of 4 (the scalar loop strides over whatever grid runs).
+    assert_eq!(p.entries, vec![Entry { name: "axpb_loop0".into(), launch: Launch::Map { numel: 1, block: 256 } }]);
+    // Three elements: no chunk, no vector path; one thread per element.
+    let mut k3 = k.clone();
+    let Body::Map(loops) = &mut k3.body else { unreachable!() };
+    loops[0].dims = [3].as_slice().into();
+    loops[0].loads[0].view = contiguous(&[3]);
+    loops[0].stores[0].view = contiguous(&[3]);
+    let p = print(&k3, "axpb").unwrap();
+    assert!(!p.source.contains("vec"), "{}", p.source);
+    assert_eq!(p.entries[0].launch, Launch::Map { numel: 3, block: 256 });
 }
 
 #[test]
@@ -274,7 +292,7 @@ fn a_short_softmax_row_reads_its_input_once_and_a_long_one_per_phase() {
     in_order(
         &src,
         &[
-            "__shared__ float keep0[4096]; // v0, kept for later phases",
+            "__shared__ __align__(16) float keep0[4096]; // v0, kept for later phases",
             // Phase 1 (max): loaded and kept.
             "for (int t = threadIdx.x; t < 4096LL; t += blockDim.x) {",
             "const float v0 = a0[d0 * 4096 + d1];",

@@ -82,3 +82,46 @@ fn a_reduction_over_the_first_axis_reads_neighbouring_rows_together() {
     );
     assert!(!p.source.contains("__shfl"), "no warp shuffles: a warp spans several columns");
 }
+
+#[test]
+fn softmax_rows_move_sixteen_bytes_at_a_time_where_aligned() {
+    // Rows of 64 f32: a thread per chunk of 4 (32 threads), every sweep over chunks when the
+    // kernel finds its arguments aligned, over single positions otherwise (same threads, same
+    // kept positions). The input and the kept values move as `uint4`s, and so do the stores.
+    let p = print(&softmax_also_storing(1), "exp").unwrap();
+    assert_eq!(p.entries, vec![Entry { name: "exp_rows".into(), launch: Launch::Rows { rows: 4, threads: 32 } }]);
+    let src = &p.source;
+    let chunk =
+        |to: &str, from: &str| format!("*reinterpret_cast<uint4*>({to}) = *reinterpret_cast<const uint4*>({from});");
+    in_order(
+        src,
+        &[
+            "__shared__ __align__(16) float keep0[64];",
+            "const bool vec = (unsigned long long)a0 % 16u == 0 && (unsigned long long)a1 % 16u == 0 && (unsigned long long)a2 % 16u == 0;",
+            // The max: the input a chunk at a time, kept.
+            "if (vec) {",
+            "for (int t0 = threadIdx.x * 4; t0 < 64LL; t0 += blockDim.x * 4) {",
+            &chunk("l0", "a0 + d0 * 64 + d1"),
+            "const float v0 = l0[e];",
+            &chunk("keep0 + t0", "w0"),
+            "} else {",
+            "for (int t = threadIdx.x; t < 64LL; t += blockDim.x) {",
+            // The sum: x read back, exp(x - max) kept over it.
+            &chunk("r0", "keep0 + t0"),
+            &chunk("keep3 + t0", "w3"),
+            // The stores: exp read back, both outputs a chunk at a time.
+            &chunk("r3", "keep3 + t0"),
+            "s0[e] = v5;",
+            &chunk("a1 + d0 * 64 + d1", "s0"),
+            &chunk("a2 + d0 * 64 + d1", "s1"),
+        ],
+    );
+    // A row whose length is not a multiple of 4 has no vector path.
+    let mut odd = softmax_also_storing(1);
+    let Body::Rows(r) = &mut odd.body else { unreachable!() };
+    let dims = [4, 63];
+    r.dims = dims.as_slice().into();
+    r.loads[0].view = contiguous(&dims);
+    r.stores.iter_mut().for_each(|s| s.view = contiguous(&dims));
+    assert!(!print(&odd, "odd").unwrap().source.contains("vec"));
+}

@@ -1,0 +1,76 @@
+//! Vector accesses: where a view reads or writes `width` neighbouring elements that start at a
+//! multiple of `width`, a thread moves them with one access of up to 16 bytes (`uint4`) into a
+//! small aligned array instead of `width` scalar accesses, so that a kernel issues fewer memory
+//! and address instructions per element and keeps more bytes in flight per thread. Map loops
+//! (`loops.rs`) and row kernels (`rows.rs`) print such paths; this module holds what they share:
+//! the chunk arrays and their copies, and the run-time check of the arguments' alignment.
+//!
+//! Whether an argument's address is aligned is known only when the kernel runs (braid's pools
+//! align every buffer to 64 bytes, but a kernel must not rely on that): the printed kernel tests
+//! it once, the same way in every thread, and takes its scalar path when any vectorised argument
+//! is not aligned. Must never: print a vector access whose element offset is not a multiple of
+//! its width (the printers check views; this module only prints), or a chunk wider than 16 bytes.
+
+use super::*;
+
+/// The widest access a thread makes (CUDA's 128-bit loads and stores).
+pub(super) const VECTOR_BYTES: usize = 16;
+
+/// The unsigned type that moves `bytes` (1 to 16, a power of two) in one access.
+fn chunk_type(bytes: usize) -> &'static str {
+    match bytes {
+        16 => "uint4",
+        8 => "uint2",
+        4 => "unsigned int",
+        2 => "unsigned short",
+        _ => "unsigned char",
+    }
+}
+
+/// Elements per vector access for elements of the given sizes in bytes: the largest fills 16
+/// bytes. `None` when there is no element at all.
+pub(super) fn width(sizes: impl IntoIterator<Item = usize>) -> Option<usize> {
+    sizes.into_iter().max().map(|s| VECTOR_BYTES / s.max(1))
+}
+
+/// Declares `name` as an aligned array of `width` elements of C type `ty` (the chunk a vector
+/// access fills or empties).
+pub(super) fn declare_chunk(out: &mut String, pad: &str, name: &str, ty: &str, width: usize) {
+    let _ = writeln!(out, "{pad}__align__(16) {ty} {name}[{width}];");
+}
+
+/// Copies the `bytes` at address `from` to address `to`, both aligned to `bytes`, in one access.
+pub(super) fn copy_chunk(out: &mut String, pad: &str, to: &str, from: &str, bytes: usize) {
+    let c = chunk_type(bytes);
+    let _ = writeln!(out, "{pad}*reinterpret_cast<{c}*>({to}) = *reinterpret_cast<const {c}*>({from});");
+}
+
+/// Declares chunk `name` (`width` elements of C type `ty`, `size` bytes each) and fills it from
+/// address `from` in one access.
+pub(super) fn read_chunk(out: &mut String, pad: &str, name: &str, (ty, size): (&str, usize), width: usize, from: &str) {
+    declare_chunk(out, pad, name, ty, width);
+    copy_chunk(out, pad, name, from, size * width);
+}
+
+/// The run-time test that each argument `(arg, bytes)` starts at a multiple of `bytes` (true
+/// when there is none).
+pub(super) fn aligned(args: &[(u16, usize)]) -> String {
+    let tests: Vec<String> =
+        args.iter().map(|&(a, bytes)| format!("(unsigned long long)a{a} % {bytes}u == 0")).collect();
+    if tests.is_empty() { "true".into() } else { tests.join(" && ") }
+}
+
+/// The arguments of the chunked `loads` and `stores`, each with the alignment its chunks of
+/// `width` elements need, once each.
+pub(super) fn chunk_args<'a>(
+    loads: impl IntoIterator<Item = &'a Load>,
+    stores: impl IntoIterator<Item = &'a Store>,
+    width: usize,
+) -> Vec<(u16, usize)> {
+    let loaded = loads.into_iter().map(|l| (l.arg, l.dtype.size() * width));
+    let mut args: Vec<(u16, usize)> =
+        loaded.chain(stores.into_iter().map(|s| (s.arg, s.dtype.size() * width))).collect();
+    args.sort_unstable();
+    args.dedup();
+    args
+}
