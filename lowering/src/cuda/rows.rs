@@ -355,7 +355,7 @@ impl<'a> RowPlan<'a> {
     }
 
     /// The C type of positions along the row: 32-bit where the row allows (fewer instructions
-    /// per element; the row kernels are bound by instructions issued).
+    /// per element).
     fn position_type(&self) -> &'static str {
         if self.len <= i32::MAX as usize { "int" } else { "long long" }
     }
