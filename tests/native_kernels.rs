@@ -18,7 +18,7 @@ mod common;
 
 use braid::prelude::*;
 use braid_devices::cpu::map::ArgPtr;
-use braid_devices::cpu::native::{NativeKernel, compiler_available};
+use braid_devices::cpu::native::{NativeKernel, SMALL_RUNS, compiler_available};
 use braid_devices::cpu::run_kernel;
 use braid_graph::expr::ExprOp;
 use braid_lowering::{Body, Kernel};
@@ -197,9 +197,34 @@ fn a_device_gives_the_same_bits_compiled_and_interpreted() {
         assert!(waited.elapsed().as_secs() < 120, "the background compile never finished");
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    // Small kernels are interpreted (compiling them would cost more than it saves).
+    // Small kernels run a few times are interpreted (compiling them would cost more than it
+    // saves).
     let before = dev.compiled_kernels_launched();
     let s = (Tensor::randn([1000], DType::F32, &dev).exp() * 2.0).to_vec::<f32>().unwrap();
     assert_eq!(s.len(), 1000);
     assert_eq!(dev.compiled_kernels_launched(), before);
+}
+
+#[test]
+fn a_small_kernel_run_many_times_is_compiled_from_its_sixty_fourth_run() {
+    if skip() {
+        return;
+    }
+    // A replayed step over scalars (C4's shape of work): one small kernel, interpreted for its
+    // first SMALL_RUNS - 1 runs, compiled from the SMALL_RUNS-th (Blocking: compiled then and
+    // there); its values within 1e-5 of Rust's throughout.
+    let dev = Device::new_cpu();
+    dev.set_compile_mode(CompileMode::Blocking);
+    let step = braid::Step::new(|x: &[Tensor]| vec![((&x[0] * 3.0 + 1.0).tanh() * &x[1]).exp()]);
+    let mut rng = Rng::new(64);
+    for run in 1..=SMALL_RUNS + 2 {
+        let (a, b) = (rng.uniform(-2.0, 2.0) as f32, rng.uniform(-2.0, 2.0) as f32);
+        let args = [Tensor::from_vec(vec![a], (), &dev), Tensor::from_vec(vec![b], (), &dev)];
+        let y = step.call(&args).unwrap()[0].item::<f32>().unwrap();
+        let want = ((a * 3.0 + 1.0).tanh() * b).exp();
+        // The capture's run and the replays share the kernel: runs 1 to SMALL_RUNS - 1
+        // interpreted, then compiled.
+        assert_eq!(dev.compiled_kernels_launched(), run.saturating_sub(SMALL_RUNS - 1), "run {run}");
+        assert!((y - want).abs() <= 1e-5 * want.abs().max(1.0), "run {run}: {y} vs {want}");
+    }
 }

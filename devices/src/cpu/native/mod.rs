@@ -8,10 +8,11 @@
 //! [`Native`] decides which kernels to compile and when ([`CompileMode`]): by default in the
 //! background, one at a time on a thread of its own, from a kernel's second run (a kernel that
 //! runs once is not worth a compile) while the interpreter runs it, or from its first run when
-//! an earlier process left its library in the disk cache; only kernels that produce at
-//! least [`MIN_ELEMENTS`] elements (below that, per-kernel overheads dominate and
-//! interpretation costs little) in loops whose last dimension is at least [`MIN_RUN`] long;
-//! never kernels the printer does not print (row kernels, matrix products, half types). Libraries are shared by every device of the process
+//! an earlier process left its library in the disk cache. Small kernels (fewer than
+//! [`MIN_ELEMENTS`] elements, or loops whose last dimension is shorter than [`MIN_RUN`]) wait
+//! for their [`SMALL_RUNS`]th run: a few runs of them cost little interpreted, many runs (a
+//! replayed step) cost the interpreter's per-node dispatch each time. Never kernels the
+//! printer does not print (row kernels, matrix products, half types). Libraries are shared by every device of the process
 //! (keyed by their source) and kept on disk across processes (see `compile`). A kernel whose
 //! compilation fails is interpreted, and the failure logged once.
 //!
@@ -29,11 +30,17 @@ use std::sync::{Arc, Mutex, OnceLock, mpsc};
 
 pub use compile::available as compiler_available;
 
-/// Kernels producing fewer elements than this are always interpreted.
+/// Kernels producing fewer elements than this are small: interpreted until they have run
+/// [`SMALL_RUNS`] times.
 pub const MIN_ELEMENTS: usize = 1 << 16;
-/// Loops whose last dimension (after merging contiguous ones) is shorter than this are
-/// interpreted: the compiled code pays index arithmetic per run of the last dimension.
+/// Loops whose last dimension (after merging contiguous ones) is shorter than this make a
+/// kernel small too: the compiled code pays index arithmetic per run of the last dimension.
 pub const MIN_RUN: usize = 64;
+/// Runs after which a small kernel is compiled as well: one that runs this often (a replayed
+/// `Step`, a training loop's cached plan) spends more time in the interpreter's per-node
+/// dispatch than its library's call costs (C4's step: about 2 us of 4.5 in the interpreter for
+/// 60 nodes over one element), while a kernel that runs a few times is not worth a compile.
+pub const SMALL_RUNS: u64 = 64;
 
 type LoopFn = unsafe extern "C" fn(*const *mut u8, i64, i64);
 
@@ -187,11 +194,12 @@ pub struct Native {
     launches: AtomicU64,
 }
 
-/// An interned kernel (held so its address stays its own) and its library's slot if it is
-/// compiled.
+/// An interned kernel (held so its address stays its own), its runs, and its library's slot
+/// once it is looked for (`None` in it when the kernel is not printed for the host).
 struct KernelEntry {
     _kernel: Arc<Kernel>,
-    slot: Option<Arc<Slot>>,
+    runs: u64,
+    slot: Option<Option<Arc<Slot>>>,
 }
 
 /// Entries kept per device before the table is cleared (as the row-kernel plans are).
@@ -226,14 +234,16 @@ impl Native {
     }
 
     /// The library to run `kernel` with, if it is compiled (and ready); in `Blocking` mode
-    /// this compiles it first, in `Background` mode it queues it.
+    /// this compiles it first, in `Background` mode it queues it. A small kernel (see
+    /// [`MIN_ELEMENTS`]) is looked for only from its [`SMALL_RUNS`]th run.
     pub fn library(&self, kernel: &Arc<Kernel>) -> Option<Arc<NativeKernel>> {
         let mode = self.mode();
         let Body::Map(loops) = &kernel.body else { return None };
-        let long_runs = loops.iter().all(|l| l.dims.last().is_none_or(|&d| d >= MIN_RUN));
-        if mode == CompileMode::Off || kernel.output_elements() < MIN_ELEMENTS || !long_runs {
+        if mode == CompileMode::Off {
             return None;
         }
+        let long_runs = loops.iter().all(|l| l.dims.last().is_none_or(|&d| d >= MIN_RUN));
+        let small = kernel.output_elements() < MIN_ELEMENTS || !long_runs;
         let slot = {
             let mut kernels = self.kernels.lock().unwrap_or_else(|p| p.into_inner());
             if kernels.len() >= MAX_KERNELS {
@@ -241,8 +251,13 @@ impl Native {
             }
             let key = Arc::as_ptr(kernel) as usize;
             let entry =
-                kernels.entry(key).or_insert_with(|| KernelEntry { _kernel: kernel.clone(), slot: slot_for(kernel) });
-            entry.slot.clone()?
+                kernels.entry(key).or_insert_with(|| KernelEntry { _kernel: kernel.clone(), runs: 0, slot: None });
+            entry.runs += 1;
+            if small && entry.runs < SMALL_RUNS {
+                return None;
+            }
+            // Printed once per kernel (the slot is shared by every kernel of the same source).
+            entry.slot.get_or_insert_with(|| slot_for(kernel)).clone()?
         };
         // Runs of this source, by any kernel of any device.
         let runs = slot.runs.fetch_add(1, Ordering::Relaxed) + 1;
