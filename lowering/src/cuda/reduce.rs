@@ -94,13 +94,7 @@ pub(super) fn reduction(
     out.push_str("    const unsigned mask = blockDim.x >= 32u ? 0xffffffffu : (1u << blockDim.x) - 1u;\n");
     // A fixed tree by `__shfl_down_sync` over `levels` values: lane 0 ends with their fold, the
     // lower lanes' values on the left.
-    let step = match op {
-        ReduceOp::Sum | ReduceOp::Mean => format!("{acc} = {};", binary(PrimBinary::Add, d, &acc, "b")?),
-        _ => {
-            let w = wins(op, d, [&acc, "b", if arg { &at } else { "0" }, if arg { "ib" } else { "0" }]);
-            format!("if ({w}) {{ {acc} = b;{} }}", if arg { format!(" {at} = ib;") } else { String::new() })
-        }
-    };
+    let step = combine_step(i, op, d)?;
     let tree = |out: &mut String, pad: &str, levels: &str| {
         let _ = writeln!(out, "{pad}for (int s = (int){levels} / 2; s > 0; s /= 2) {{");
         let _ = writeln!(out, "{pad}  const {ty} b = {};", shuffle("down", d, &acc, "s"));
@@ -132,6 +126,19 @@ pub(super) fn reduction(
     }
     out.push_str("  }\n");
     Ok(value(i, op, d, len))
+}
+
+/// The statement folding a partial result `b` (at position `ib`, for argmax) into reduction
+/// `i`'s `acc<i>` (and `arg<i>`): one step of both combines.
+fn combine_step(i: usize, op: ReduceOp, d: DType) -> Result<String, String> {
+    let (acc, at, arg) = (format!("acc{i}"), format!("arg{i}"), op == ReduceOp::ArgMax);
+    Ok(match op {
+        ReduceOp::Sum | ReduceOp::Mean => format!("{acc} = {};", binary(PrimBinary::Add, d, &acc, "b")?),
+        _ => {
+            let w = wins(op, d, [&acc, "b", if arg { &at } else { "0" }, if arg { "ib" } else { "0" }]);
+            format!("if ({w}) {{ {acc} = b;{} }}", if arg { format!(" {at} = ib;") } else { String::new() })
+        }
+    })
 }
 
 /// The expression of reduction `i`'s value once `acc<i>` (and `arg<i>`) hold the row's result:
@@ -213,13 +220,7 @@ pub(super) fn column_reduction(
         "  red{i}[threadIdx.x] = {acc};{}\n  __syncthreads();",
         if arg { format!(" idx{i}[threadIdx.x] = {at};") } else { String::new() }
     );
-    let step = match op {
-        ReduceOp::Sum | ReduceOp::Mean => format!("{acc} = {};", binary(PrimBinary::Add, d, &acc, "b")?),
-        _ => {
-            let w = wins(op, d, [&acc, "b", if arg { &at } else { "0" }, if arg { "ib" } else { "0" }]);
-            format!("if ({w}) {{ {acc} = b;{} }}", if arg { format!(" {at} = ib;") } else { String::new() })
-        }
-    };
+    let step = combine_step(i, op, d)?;
     let _ = writeln!(out, "  {acc} = red{i}[cx];{}", if arg { format!(" {at} = idx{i}[cx];") } else { String::new() });
     let _ = writeln!(out, "  for (unsigned k = 1; k < ys; ++k) {{");
     let _ = writeln!(out, "    const {ty} b = red{i}[k * xw + cx];");
