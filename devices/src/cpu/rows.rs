@@ -290,14 +290,55 @@ fn run_range(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: usize) 
     dispatch_simd!(run_range_impl(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: usize) -> Result<(), String>)
 }
 
+thread_local! {
+    /// The registers of the last row kernel run on this thread (a chunk's, a row's), reused
+    /// by the next where their dtypes and lengths match: a small model's step runs dozens of
+    /// row kernels over short rows, each of which would otherwise allocate two registers per
+    /// node.
+    static ROW_REGS: std::cell::RefCell<(Vec<Reg>, Vec<Reg>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Makes `regs` one register of `n` values per node of `nodes` (of the node's dtype), keeping
+/// those that already are.
+fn fit_regs(regs: &mut Vec<Reg>, nodes: &[braid_graph::expr::ExprNode], n: usize) {
+    regs.truncate(nodes.len());
+    for (i, node) in nodes.iter().enumerate() {
+        match regs.get_mut(i) {
+            Some(r) if r.fits(node.dtype, n) && r.len() == n => {}
+            Some(r) => *r = Reg::new(node.dtype, n),
+            None => regs.push(Reg::new(node.dtype, n)),
+        }
+    }
+}
+
 #[inline(always)]
 fn run_range_impl(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: usize) -> Result<(), String> {
     let nodes = &k.expr.nodes;
     let row = p.len * p.inner;
     let width = if row <= WHOLE_ROW { row.max(1) } else { LONG_CHUNK };
+    let (mut chunk, mut rowv) = ROW_REGS.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    fit_regs(&mut chunk, nodes, width);
+    fit_regs(&mut rowv, nodes, p.inner);
+    let result = run_rows_with(k, p, args, (from, to), width, &mut chunk, &mut rowv);
+    ROW_REGS.with(|s| *s.borrow_mut() = (chunk, rowv));
+    result
+}
+
+/// [`run_range_impl`] with its registers: `chunk` (`width` values per node) and `rowv` (a row's
+/// per-row values, `p.inner` per node).
+#[inline(always)]
+fn run_rows_with(
+    k: &RowKernel,
+    p: &Plan,
+    args: Shared<'_>,
+    (from, to): (usize, usize),
+    width: usize,
+    chunk: &mut [Reg],
+    rowv: &mut [Reg],
+) -> Result<(), String> {
+    let nodes = &k.expr.nodes;
+    let row = p.len * p.inner;
     let mut kept = p.keep.as_ref().map(|kp| keep::take(k, kp, row));
-    let mut chunk: Vec<Reg> = nodes.iter().map(|n| Reg::new(n.dtype, width)).collect();
-    let mut rowv: Vec<Reg> = nodes.iter().map(|n| Reg::new(n.dtype, p.inner)).collect();
     let mut offsets = vec![0isize; width.max(p.inner)];
     let mut store_offsets = vec![0isize; width.max(p.inner)];
     let mut done = vec![false; nodes.len()];
@@ -348,7 +389,7 @@ fn run_range_impl(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: us
                 _ => (&need[..], None),
             };
             // The per-row values this reduction's operand may use.
-            eval_row_values(k, p, args, o, *r, &mut rowv, &mut done, &mut offsets)?;
+            eval_row_values(k, p, args, o, *r, rowv, &mut done, &mut offsets)?;
             let ExprOp::Reduce(_, x) = nodes[*r].op else { unreachable!("phases are reductions") };
             acc.reset();
             let saves = keeping.as_ref().is_some_and(|(_, save, _)| !save.is_empty());
@@ -361,13 +402,13 @@ fn run_range_impl(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: us
                 continue;
             }
             let scratch = (&mut chunk[..], &mut offsets[..], &load_views[..]);
-            sweep(k, p, args, o, need, scratch, &rowv, &mut fresh, &done, (0, row), keeping, |c, m, regs| {
+            sweep(k, p, args, o, need, scratch, rowv, &mut fresh, &done, (0, row), keeping, |c, m, regs| {
                 acc.add(&regs[x as usize], c, m, p.inner);
             })?;
             acc.finish(p.len, &mut rowv[*r]);
             done[*r] = true;
         }
-        eval_row_values(k, p, args, o, nodes.len(), &mut rowv, &mut done, &mut offsets)?;
+        eval_row_values(k, p, args, o, nodes.len(), rowv, &mut done, &mut offsets)?;
         for s in k.stores.iter().zip(&p.row_stores).filter(|(_, r)| **r).map(|(s, _)| s) {
             let view = row_view(&s.view, k.axis, o, &p.outer_dims, false);
             // SAFETY: checked by `check_io`; different rows write different elements.
@@ -380,7 +421,7 @@ fn run_range_impl(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: us
                 (Some(kp), Some(regs)) => (&kp.need[q][..], Some((&kp.fill[q][..], &kp.save[q][..], regs))),
                 _ => (&p.last_phase[..], None),
             };
-            sweep(k, p, args, o, need, scratch, &rowv, &mut fresh, &done, (0, row), keeping, |c, m, regs| {
+            sweep(k, p, args, o, need, scratch, rowv, &mut fresh, &done, (0, row), keeping, |c, m, regs| {
                 for (s, view) in elem_stores.iter().zip(&store_views) {
                     // SAFETY: as above.
                     unsafe {
