@@ -324,6 +324,21 @@ macro_rules! dispatch_simd {
 }
 pub(super) use dispatch_simd;
 
+/// Makes `regs` one register per node of `nodes` (of the node's dtype) with room for `n` values
+/// (exactly `n` with `exact`), keeping those that already are: kernels reuse the registers of
+/// the last kernel run on their thread instead of allocating them every run (small kernels run
+/// by the hundred per training step).
+pub(super) fn fit_regs(regs: &mut Vec<Reg>, nodes: &[ExprNode], n: usize, exact: bool) {
+    regs.truncate(nodes.len());
+    for (i, node) in nodes.iter().enumerate() {
+        match regs.get_mut(i) {
+            Some(r) if r.fits(node.dtype, n) && (!exact || r.len() == n) => {}
+            Some(r) => *r = Reg::new(node.dtype, n),
+            None => regs.push(Reg::new(node.dtype, n)),
+        }
+    }
+}
+
 /// Evaluates node `node` (at position `idx`) over the first `n` elements. `regs[..idx]` hold
 /// the operands; loads have been filled by the caller. `start` is the chunk's first linear
 /// index. Errors only on an ill-typed expression, which lowering never produces.

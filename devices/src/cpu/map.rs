@@ -5,7 +5,7 @@
 //! against its argument's length, so the unchecked accesses below stay inside their buffers.
 //! This module never allocates device memory and never interprets ops (see `eval`).
 
-use super::eval::{Reg, dispatch_simd, eval_node};
+use super::eval::{Reg, dispatch_simd, eval_node, fit_regs};
 use braid_graph::DType;
 use braid_graph::expr::Expr;
 use braid_graph::expr::ExprOp;
@@ -94,14 +94,7 @@ thread_local! {
 fn run_range_impl(l: &MapLoop, args: Shared<'_>, start: usize, end: usize) -> Result<(), String> {
     let width = CHUNK.min(end - start);
     let (mut regs, mut offsets) = SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));
-    regs.truncate(l.expr.nodes.len());
-    for (i, node) in l.expr.nodes.iter().enumerate() {
-        match regs.get_mut(i) {
-            Some(r) if r.fits(node.dtype, width) => {}
-            Some(r) => *r = Reg::new(node.dtype, width),
-            None => regs.push(Reg::new(node.dtype, width)),
-        }
-    }
+    fit_regs(&mut regs, &l.expr.nodes, width, false);
     offsets.resize(offsets.len().max(width), 0);
     let result = run_chunks(l, args, start, end, width, &mut regs, &mut offsets);
     SCRATCH.with(|s| *s.borrow_mut() = (regs, offsets));

@@ -13,7 +13,7 @@
 //! ([`retile`]). Nothing here plans or allocates device memory, and nothing here may make a
 //! result depend on the number of threads.
 
-use super::eval::{Reg, dispatch_simd, eval_node};
+use super::eval::{Reg, dispatch_simd, eval_node, fit_regs};
 use super::keep;
 use super::map::{ArgPtr, CHUNK, Shared, check_io, gather, prefetch, scatter, store_fence};
 use super::reduce::Acc;
@@ -298,27 +298,15 @@ thread_local! {
     static ROW_REGS: std::cell::RefCell<(Vec<Reg>, Vec<Reg>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// Makes `regs` one register of `n` values per node of `nodes` (of the node's dtype), keeping
-/// those that already are.
-fn fit_regs(regs: &mut Vec<Reg>, nodes: &[braid_graph::expr::ExprNode], n: usize) {
-    regs.truncate(nodes.len());
-    for (i, node) in nodes.iter().enumerate() {
-        match regs.get_mut(i) {
-            Some(r) if r.fits(node.dtype, n) && r.len() == n => {}
-            Some(r) => *r = Reg::new(node.dtype, n),
-            None => regs.push(Reg::new(node.dtype, n)),
-        }
-    }
-}
-
 #[inline(always)]
 fn run_range_impl(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: usize) -> Result<(), String> {
     let nodes = &k.expr.nodes;
     let row = p.len * p.inner;
     let width = if row <= WHOLE_ROW { row.max(1) } else { LONG_CHUNK };
     let (mut chunk, mut rowv) = ROW_REGS.with(|s| std::mem::take(&mut *s.borrow_mut()));
-    fit_regs(&mut chunk, nodes, width);
-    fit_regs(&mut rowv, nodes, p.inner);
+    // Exact lengths: a reduction's result is copied into its whole per-row register.
+    fit_regs(&mut chunk, nodes, width, true);
+    fit_regs(&mut rowv, nodes, p.inner, true);
     let result = run_rows_with(k, p, args, (from, to), width, &mut chunk, &mut rowv);
     ROW_REGS.with(|s| *s.borrow_mut() = (chunk, rowv));
     result

@@ -5,49 +5,26 @@
 //! is not aligned at run time) left to the scalar loop. Must never: assume a grid or block size
 //! (any grid covers the loop).
 
-use super::vector::{aligned, chunk_args, copy_chunk, declare_chunk, read_chunk, width};
+use super::vector::{Vector, aligned, copy_chunk, declare_chunk, read_chunk, width};
 use super::*;
 
-/// Which views of a map loop the vector path accesses a chunk at a time.
-struct MapVector {
-    width: usize,
-    /// Per expression node: a load read as chunks.
-    loads: Vec<bool>,
-    /// Per store: written as chunks.
-    stores: Vec<bool>,
-}
-
-impl MapVector {
-    /// The vector path of `l`, if it has one: the contiguous live loads and the contiguous
-    /// stores, at least one, whose offsets are multiples of the width (the largest element
-    /// fills 16 bytes), over at least one chunk of indices.
-    fn plan(l: &MapLoop, live: &[bool]) -> Option<MapVector> {
-        let nodes = &l.expr.nodes;
-        let load_of = |i: usize| match nodes[i].op {
-            ExprOp::Load(slot) if live[i] && l.loads[slot as usize].view.is_contiguous() => {
-                Some(&l.loads[slot as usize])
-            }
-            _ => None,
-        };
-        let sizes = (0..nodes.len()).filter_map(|i| load_of(i).map(|ld| ld.dtype.size()));
-        let contiguous = |s: &Store| s.view.is_contiguous();
-        let width = width(sizes.chain(l.stores.iter().filter(|s| contiguous(s)).map(|s| s.dtype.size())))?;
-        let loads: Vec<bool> =
-            (0..nodes.len()).map(|i| load_of(i).is_some_and(|ld| ld.view.offset.is_multiple_of(width))).collect();
-        let stores: Vec<bool> = l.stores.iter().map(|s| contiguous(s) && s.view.offset.is_multiple_of(width)).collect();
-        let any = loads.iter().chain(&stores).any(|&v| v);
-        (any && width > 1 && l.numel() >= width).then_some(MapVector { width, loads, stores })
-    }
-
-    /// The arguments the vector path accesses as chunks, each with the alignment it needs.
-    fn args(&self, l: &MapLoop) -> Vec<(u16, usize)> {
-        let loads = (l.expr.nodes.iter().enumerate()).filter(|&(i, _)| self.loads[i]).map(|(_, n)| match n.op {
-            ExprOp::Load(slot) => &l.loads[slot as usize],
-            _ => unreachable!("planned from loads"),
-        });
-        let stores = l.stores.iter().zip(&self.stores).filter(|&(_, &v)| v).map(|(s, _)| s);
-        chunk_args(loads, stores, self.width)
-    }
+/// The vector path of `l`, if it has one: the contiguous live loads and the contiguous
+/// stores, at least one, whose offsets are multiples of the width (the largest element
+/// fills 16 bytes), over at least one chunk of indices.
+fn plan_vector(l: &MapLoop, live: &[bool]) -> Option<Vector> {
+    let nodes = &l.expr.nodes;
+    let load_of = |i: usize| match nodes[i].op {
+        ExprOp::Load(slot) if live[i] && l.loads[slot as usize].view.is_contiguous() => Some(&l.loads[slot as usize]),
+        _ => None,
+    };
+    let sizes = (0..nodes.len()).filter_map(|i| load_of(i).map(|ld| ld.dtype.size()));
+    let contiguous = |s: &Store| s.view.is_contiguous();
+    let width = width(sizes.chain(l.stores.iter().filter(|s| contiguous(s)).map(|s| s.dtype.size())))?;
+    let loads: Vec<bool> =
+        (0..nodes.len()).map(|i| load_of(i).is_some_and(|ld| ld.view.offset.is_multiple_of(width))).collect();
+    let stores: Vec<bool> = l.stores.iter().map(|s| contiguous(s) && s.view.offset.is_multiple_of(width)).collect();
+    let any = loads.iter().chain(&stores).any(|&v| v);
+    (any && width > 1 && l.numel() >= width).then_some(Vector { width, loads, stores })
 }
 
 pub(super) fn print_map(out: &mut String, l: &MapLoop, name: &str, params: &[Param]) -> Result<Entry, String> {
@@ -56,7 +33,7 @@ pub(super) fn print_map(out: &mut String, l: &MapLoop, name: &str, params: &[Par
     let (live, views) = live(&l.expr, &l.loads, &l.stores);
     let strided: Vec<&View> = views.into_iter().filter(|v| !v.is_contiguous()).collect();
     let used = used_dims(&l.dims, &strided, false);
-    let vector = MapVector::plan(l, &live);
+    let vector = plan_vector(l, &live);
     let _ = writeln!(
         out,
         "\n// {numel} indices over dims {:?}, one per thread{}.\n{} {{",
@@ -78,7 +55,7 @@ pub(super) fn print_map(out: &mut String, l: &MapLoop, name: &str, params: &[Par
         out,
         "  for (long long i = {first} + (long long)blockIdx.x * blockDim.x + threadIdx.x; i < {numel}LL; i += (long long)gridDim.x * blockDim.x) {{"
     );
-    let scalar = MapVector { width: 1, loads: vec![false; live.len()], stores: vec![false; l.stores.len()] };
+    let scalar = Vector { width: 1, loads: vec![false; live.len()], stores: vec![false; l.stores.len()] };
     print_index(out, "    ", l, &scalar, &live, &used)?;
     out.push_str("  }\n}\n");
     // A vector path wants a thread per chunk; the scalar loop strides over whatever grid runs.
@@ -88,9 +65,9 @@ pub(super) fn print_map(out: &mut String, l: &MapLoop, name: &str, params: &[Par
 
 /// Prints the vector path: `vec` tests the arguments' alignment once, `vec_end` is the first
 /// index it leaves to the scalar loop (0 when they are not aligned).
-fn print_vector_path(out: &mut String, l: &MapLoop, v: &MapVector, live: &[bool], used: &[bool]) -> Result<(), String> {
+fn print_vector_path(out: &mut String, l: &MapLoop, v: &Vector, live: &[bool], used: &[bool]) -> Result<(), String> {
     let (w, numel, nodes) = (v.width, l.numel(), &l.expr.nodes);
-    let _ = writeln!(out, "  const bool vec = {};", aligned(&v.args(l)));
+    let _ = writeln!(out, "  const bool vec = {};", aligned(&v.args(&l.expr, &l.loads, &l.stores)));
     let _ = writeln!(out, "  const long long vec_end = vec ? {}LL : 0LL;", numel / w * w);
     let _ = writeln!(
         out,
@@ -124,7 +101,7 @@ fn print_index(
     out: &mut String,
     pad: &str,
     l: &MapLoop,
-    v: &MapVector,
+    v: &Vector,
     live: &[bool],
     used: &[bool],
 ) -> Result<(), String> {

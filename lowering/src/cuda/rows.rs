@@ -7,7 +7,7 @@
 //! needed between the phases' sweeps).
 
 use super::reduce::reduction;
-use super::vector::{aligned, chunk_args, copy_chunk, declare_chunk, read_chunk, width};
+use super::vector::{Vector, aligned, copy_chunk, declare_chunk, read_chunk, width};
 use super::*;
 use std::cell::RefCell;
 
@@ -36,21 +36,13 @@ pub(super) struct RowPlan<'a> {
     pub step: &'static str,
     /// The flat index of position `t` of the row (for `Index` nodes).
     pub index: String,
-    /// The vector path of the sweeps (a plain row kernel's only; see [`RowVector`]).
-    vector: Option<RowVector>,
-}
-
-/// The vector path of a row kernel's sweeps, taken when the kernel's `vec` test finds its
-/// arguments aligned: each thread visits chunks of `width` neighbouring positions, `t0 =
-/// threadIdx.x * width` and on by `blockDim.x * width` (the same in every sweep, so a thread
-/// still reads back only the kept positions it wrote), reading the row-contiguous loads and
-/// writing the row-contiguous stores a chunk at a time (`vector.rs`), and its kept values too.
-pub(super) struct RowVector {
-    width: usize,
-    /// Per expression node: a load read as chunks.
-    loads: Vec<bool>,
-    /// Per store (of the kernel's `stores`): written as chunks.
-    stores: Vec<bool>,
+    /// The vector path of the sweeps, a plain row kernel's only, taken when the kernel's `vec`
+    /// test finds its arguments aligned: each thread visits chunks of `width` neighbouring
+    /// positions, `t0 = threadIdx.x * width` and on by `blockDim.x * width` (the same in every
+    /// sweep, so a thread still reads back only the kept positions it wrote), reading the
+    /// row-contiguous loads and writing the row-contiguous stores a chunk at a time, and its
+    /// kept values too.
+    vector: Option<Vector>,
 }
 
 impl<'a> RowPlan<'a> {
@@ -269,7 +261,7 @@ impl<'a> RowPlan<'a> {
     fn vector_sweep(
         &self,
         out: &mut String,
-        v: &RowVector,
+        v: &Vector,
         to: &str,
         roots: &[usize],
         stores: &[&Store],
@@ -437,7 +429,11 @@ pub(super) fn print_rows(
         };
     }
     if let Some(v) = &p.vector {
-        let _ = writeln!(out, "  const bool vec = {}; // the vector path's arguments aligned", aligned(&v.args(r)));
+        let _ = writeln!(
+            out,
+            "  const bool vec = {}; // the vector path's arguments aligned",
+            aligned(&v.args(&r.expr, &r.loads, &r.stores))
+        );
     }
     let end = format!("{len}LL");
     let whole = ["threadIdx.x", end.as_str()];
@@ -451,12 +447,12 @@ pub(super) fn print_rows(
     Ok((vec![Entry { name: name.into(), launch: Launch::Rows { rows, threads } }], 0))
 }
 
-/// The vector path of a plain row kernel (see [`RowVector`]), if it has one: along one axis
+/// The vector path of a plain row kernel (see `RowPlan::vector`), if it has one: along one axis
 /// whose length is a multiple of the width, the live per-element loads and the per-element
 /// stores that walk the row with stride 1 from an offset and row strides that are multiples of
 /// the width (so that every row's chunks are aligned when the argument is), at least one of
 /// them; the width fills 16 bytes with the largest of their elements and of the kept values.
-fn plan_vector(p: &RowPlan<'_>, kept: &[bool]) -> Option<RowVector> {
+fn plan_vector(p: &RowPlan<'_>, kept: &[bool]) -> Option<Vector> {
     let (r, nodes) = (p.r, &p.r.expr.nodes);
     let [axis] = p.row_dims[..] else { return None };
     let walks = |v: &View| v.strides[axis] == 1;
@@ -480,19 +476,7 @@ fn plan_vector(p: &RowPlan<'_>, kept: &[bool]) -> Option<RowVector> {
     let loads: Vec<bool> = (0..nodes.len()).map(|i| load(i).is_some_and(|l| rows_aligned(&l.view))).collect();
     let stores: Vec<bool> = r.stores.iter().map(|s| per_element(s) && rows_aligned(&s.view)).collect();
     let any = loads.iter().chain(&stores).any(|&v| v);
-    (any && width > 1 && p.len.is_multiple_of(width)).then_some(RowVector { width, loads, stores })
-}
-
-impl RowVector {
-    /// The arguments read or written as chunks, each with the alignment it needs.
-    fn args(&self, r: &RowKernel) -> Vec<(u16, usize)> {
-        let loads = (r.expr.nodes.iter().enumerate()).filter(|&(i, _)| self.loads[i]).map(|(_, n)| match n.op {
-            ExprOp::Load(slot) => &r.loads[slot as usize],
-            _ => unreachable!("planned from loads"),
-        });
-        let stores = r.stores.iter().zip(&self.stores).filter(|&(_, &v)| v).map(|(s, _)| s);
-        chunk_args(loads, stores, self.width)
-    }
+    (any && width > 1 && p.len.is_multiple_of(width)).then_some(Vector { width, loads, stores })
 }
 
 /// Which per-element values the kernel keeps in shared memory (`keep<i>[len]`, indexed by the

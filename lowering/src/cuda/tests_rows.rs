@@ -1,32 +1,18 @@
 //! Printer tests of row kernels that keep computed values and of column kernels (split from
 //! `tests.rs`, whose helpers they use).
 
-use super::tests::{args, contiguous, in_order, load, store, view};
+use super::tests::{args, contiguous, in_order, load, softmax_rows, store, view};
 use super::*;
 use braid_graph::expr::ExprBuilder;
 
 /// A softmax along rows of [4, 64] f32 storing y and, beside it, node `extra` of (x - max,
 /// exp(x - max)).
 fn softmax_also_storing(extra: usize) -> Kernel {
-    let mut b = ExprBuilder::new();
-    let x = b.load(0, DType::F32);
-    let m = b.reduce(ReduceOp::Max, x);
-    let s = b.sub(x, m);
-    let e = b.exp(s);
-    let sum = b.reduce(ReduceOp::Sum, e);
-    let y = b.div(e, sum);
-    let dims = [4, 64];
-    let r = RowKernel {
-        dims: dims.as_slice().into(),
-        axis: Some(1),
-        loads: vec![load(0, DType::F32, contiguous(&dims))],
-        expr: b.finish(),
-        stores: vec![
-            store(1, DType::F32, contiguous(&dims), y),
-            store(2, DType::F32, contiguous(&dims), [s, e][extra]),
-        ],
-    };
-    Kernel { args: args(&[(DType::F32, 256), (DType::F32, 256), (DType::F32, 256)]), inputs: 1, body: Body::Rows(r) }
+    let mut k = softmax_rows(4, 64);
+    k.args = args(&[(DType::F32, 256), (DType::F32, 256), (DType::F32, 256)]);
+    let Body::Rows(r) = &mut k.body else { unreachable!("a row kernel") };
+    r.stores.push(store(2, DType::F32, contiguous(&[4, 64]), [2, 3][extra]));
+    k
 }
 
 #[test]

@@ -60,17 +60,29 @@ pub(super) fn aligned(args: &[(u16, usize)]) -> String {
     if tests.is_empty() { "true".into() } else { tests.join(" && ") }
 }
 
-/// The arguments of the chunked `loads` and `stores`, each with the alignment its chunks of
-/// `width` elements need, once each.
-pub(super) fn chunk_args<'a>(
-    loads: impl IntoIterator<Item = &'a Load>,
-    stores: impl IntoIterator<Item = &'a Store>,
-    width: usize,
-) -> Vec<(u16, usize)> {
-    let loaded = loads.into_iter().map(|l| (l.arg, l.dtype.size() * width));
-    let mut args: Vec<(u16, usize)> =
-        loaded.chain(stores.into_iter().map(|s| (s.arg, s.dtype.size() * width))).collect();
-    args.sort_unstable();
-    args.dedup();
-    args
+/// Which of a kernel's loads and stores a vector path accesses a chunk of `width` elements at a
+/// time (map loops and row kernels plan it each their own way).
+pub(super) struct Vector {
+    pub width: usize,
+    /// Per expression node: a load read as chunks.
+    pub loads: Vec<bool>,
+    /// Per store (of the kernel's `stores`): written as chunks.
+    pub stores: Vec<bool>,
+}
+
+impl Vector {
+    /// The arguments read or written as chunks (of `expr`'s loads `loads` and of `stores`), each
+    /// with the alignment its chunks need, once each.
+    pub fn args(&self, expr: &Expr, loads: &[Load], stores: &[Store]) -> Vec<(u16, usize)> {
+        let loaded = (expr.nodes.iter().enumerate()).filter(|&(i, _)| self.loads[i]).map(|(_, n)| match n.op {
+            ExprOp::Load(slot) => &loads[slot as usize],
+            _ => unreachable!("planned from loads"),
+        });
+        let stored = stores.iter().zip(&self.stores).filter(|&(_, &v)| v).map(|(s, _)| s);
+        let sizes = loaded.map(|l| (l.arg, l.dtype.size())).chain(stored.map(|s| (s.arg, s.dtype.size())));
+        let mut args: Vec<(u16, usize)> = sizes.map(|(a, size)| (a, size * self.width)).collect();
+        args.sort_unstable();
+        args.dedup();
+        args
+    }
 }
