@@ -21,7 +21,7 @@ use braid_devices::cpu::map::ArgPtr;
 use braid_devices::cpu::native::{NativeKernel, SMALL_RUNS, compiler_available};
 use braid_devices::cpu::run_kernel;
 use braid_graph::expr::ExprOp;
-use braid_lowering::{Body, Kernel};
+use braid_lowering::{Body, Kernel, Load, Store};
 use cases::*;
 use common::Rng;
 use rayon::prelude::*;
@@ -40,13 +40,21 @@ fn skip() -> bool {
 /// (the host printer does not print half types).
 fn without_half(mut c: Case) -> Case {
     let half = |d: DType| matches!(d, DType::F16 | DType::BF16);
-    let Body::Map(loops) = &mut c.kernel.body else { return c };
-    for n in loops.iter_mut().flat_map(|l| l.expr.nodes.iter_mut()) {
-        if let ExprOp::Cast(to, a) = n.op
-            && half(to)
-        {
-            n.op = ExprOp::Cast(DType::F32, a);
+    let parts: Vec<(&mut braid_graph::expr::Expr, &mut Vec<Load>, &mut Vec<Store>)> = match &mut c.kernel.body {
+        Body::Map(loops) => loops.iter_mut().map(|l| (&mut l.expr, &mut l.loads, &mut l.stores)).collect(),
+        Body::Rows(r) => vec![(&mut r.expr, &mut r.loads, &mut r.stores)],
+        _ => return c,
+    };
+    for (expr, loads, stores) in parts {
+        for n in expr.nodes.iter_mut() {
+            if let ExprOp::Cast(to, a) = n.op
+                && half(to)
+            {
+                n.op = ExprOp::Cast(DType::F32, a);
+            }
         }
+        loads.iter_mut().filter(|x| half(x.dtype)).for_each(|x| x.dtype = DType::F32);
+        stores.iter_mut().filter(|s| half(s.dtype)).for_each(|s| s.dtype = DType::F32);
     }
     for (a, arg) in c.kernel.args.iter_mut().enumerate() {
         if half(arg.dtype) {
@@ -54,10 +62,6 @@ fn without_half(mut c: Case) -> Case {
             c.init[a] = encode(DType::F32, &vals);
             arg.dtype = DType::F32;
         }
-    }
-    for l in loops.iter_mut() {
-        l.loads.iter_mut().filter(|x| half(x.dtype)).for_each(|x| x.dtype = DType::F32);
-        l.stores.iter_mut().filter(|s| half(s.dtype)).for_each(|s| s.dtype = DType::F32);
     }
     c
 }
@@ -115,6 +119,85 @@ fn compiled_kernels_compute_the_interpreters_bits() {
         .collect();
     eprintln!("native_kernels: {} kernels compiled and compared in {:.2?}", cases.len(), start.elapsed());
     assert!(failures.is_empty(), "{} of {} kernels differ:\n{}", failures.len(), cases.len(), failures.join("\n"));
+}
+
+/// Row kernels compiled against the interpreter, bit for bit: every reduction (float sums and
+/// extremes fold in the interpreter's chunks and lanes), softmaxes, layer norms, argmaxes with
+/// one-hots and random numbers, along the last axis and over whole tensors; short rows, rows of
+/// one chunk, rows of several chunks with kept values, rows past the kept length; NaN,
+/// infinities and -0 in the inputs. Kernels the printer leaves to the interpreter (positions
+/// after the axis, rows split across threads) are counted, not compared.
+#[test]
+fn compiled_row_kernels_compute_the_interpreters_bits() {
+    if skip() {
+        return;
+    }
+    use braid_devices::cpu::rows;
+    let start = std::time::Instant::now();
+    let mut rng = Rng::new(0x0520_0555);
+    let mut cases = vec![];
+    for n in 0..160 {
+        let rank = 1 + rng.below(3);
+        let dims: Vec<usize> = (0..rank).map(|_| *rng.pick(&[1, 2, 3, 5, 7, 33])).collect();
+        let axis = match n % 4 {
+            0 => None,
+            1 => Some(rng.below(rank)),
+            _ => Some(rank - 1),
+        };
+        cases.push(rows_case_over(&mut rng, n, &dims, axis, MathLib::Host, true));
+    }
+    // Rows of one chunk (up to 4096), of several chunks (kept values), and past the kept length
+    // in few rows (not split: under 2 x 32Ki positions).
+    let long: [(&[usize], Option<usize>); 7] = [
+        (&[24, 1000], Some(1)),
+        (&[5, 4096], Some(1)),
+        (&[3, 2, 5000], Some(2)),
+        (&[17, 9000], Some(1)),
+        (&[2, 30000], Some(1)),
+        (&[4000], None),
+        (&[2, 70000], Some(1)),
+    ];
+    for (i, (dims, axis)) in long.iter().enumerate() {
+        for j in 0..6 {
+            let specials = j % 2 == 0;
+            cases.push(rows_case_over(&mut rng, 1000 + 10 * i + j, dims, *axis, MathLib::Host, specials));
+        }
+    }
+    let cases: Vec<Case> = cases.into_iter().map(without_half).collect();
+    let results: Vec<Result<Option<String>, String>> = cases
+        .par_iter()
+        .map(|case| {
+            let k = &case.kernel;
+            let Body::Rows(r) = &k.body else { unreachable!("row cases") };
+            let plan = rows::plan(r);
+            if plan.splits() {
+                return Err("split".into());
+            }
+            let planned = Kernel { body: Body::Rows(plan.kernel(r).clone()), ..k.clone() };
+            let native = NativeKernel::build(&planned)?;
+            let want = run_on_copies(k, &case.init, |args| run_kernel(k, args)).unwrap();
+            // SAFETY: `native` was built from the planned kernel.
+            let got = run_on_copies(k, &case.init, |args| unsafe { native.run_rows(plan.kernel(r), args) }).unwrap();
+            Ok(first_difference(case, &want, &got))
+        })
+        .collect();
+    let compared = results.iter().filter(|r| r.is_ok()).count();
+    let failures: Vec<&String> = results.iter().filter_map(|r| r.as_ref().ok()?.as_ref()).collect();
+    let mut left: Vec<&String> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+    left.sort();
+    left.dedup();
+    eprintln!(
+        "native_kernels: {compared} of {} row kernels compiled and compared in {:.2?}; the others interpreted: {left:?}",
+        cases.len(),
+        start.elapsed()
+    );
+    assert!(
+        failures.is_empty(),
+        "{} of {compared} row kernels differ:\n{}",
+        failures.len(),
+        failures.iter().map(|s| s.as_str()).collect::<Vec<_>>().join("\n")
+    );
+    assert!(compared >= 120, "only {compared} row kernels were printed for the host");
 }
 
 /// `x = tanh(x) * x + exp(-x)` over `n` f32s, written in place over `x` (the output argument

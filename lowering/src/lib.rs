@@ -12,6 +12,7 @@ pub mod cuda;
 pub mod host_c;
 pub mod kernel;
 pub mod lower;
+pub mod row_passes;
 pub mod vmath;
 pub mod wgsl;
 

@@ -1,7 +1,7 @@
 //! Values kept across the passes of a long row: a row kernel with several passes (a softmax's
 //! max, then the sum of `exp(x - max)`, then `exp(x - max) / sum` written out) recomputes, on
 //! rows too long to stay in registers, every per-element value a later pass needs. For rows up
-//! to [`KEEP_ROW`] positions this module plans which values to keep instead: each is computed
+//! to [`KEEP_ROW`] positions values are kept instead (planned by `braid_lowering::row_passes`): each is computed
 //! once, saved into a row-sized scratch (one per running task, reused from row to row and, up
 //! to 16 MiB in all, from task to task and kernel to kernel) and copied back by later passes,
 //! which then skip what it was computed from. Loads are gathered again rather than kept (as cheap as a copy).
@@ -10,65 +10,11 @@
 //! the same bits. It never reads or writes kernel buffers.
 
 use super::eval::Reg;
-use braid_graph::expr::ExprOp;
 use braid_lowering::RowKernel;
+use braid_lowering::row_passes::KeepPlan;
 use std::sync::Mutex;
 
-/// Longest row (in positions) whose values are kept: 256Ki f32 values make a 1 MiB scratch.
-pub(super) const KEEP_ROW: usize = 1 << 20;
-
-/// Per pass (the reductions in order, then the per-element outputs): what to evaluate, what to
-/// copy back from the scratch first, what to save into it after.
-pub(super) struct KeepPlan {
-    pub(super) need: Vec<Vec<usize>>,
-    pub(super) fill: Vec<Vec<usize>>,
-    pub(super) save: Vec<Vec<usize>>,
-    /// The nodes kept (scratch registers of a row's length).
-    pub(super) kept: Vec<usize>,
-}
-
-/// Plans the kept values of a kernel whose passes compute `roots` (per pass) from per-element
-/// nodes (`per_row[i]` false); `None` when no pass reads what an earlier one computed.
-pub(super) fn plan(k: &RowKernel, per_row: &[bool], roots: &[Vec<usize>]) -> Option<KeepPlan> {
-    let nodes = &k.expr.nodes;
-    // The pass that evaluated each node.
-    let mut evaluated: Vec<Option<usize>> = vec![None; nodes.len()];
-    let (mut need, mut fill, mut save) = (Vec::new(), Vec::new(), vec![Vec::new(); roots.len()]);
-    for (q, roots) in roots.iter().enumerate() {
-        let mut mark = vec![0u8; nodes.len()]; // 1: evaluate, 2: fill
-        let mut stack: Vec<usize> = roots.iter().copied().filter(|&r| !per_row[r]).collect();
-        while let Some(i) = stack.pop() {
-            if mark[i] != 0 {
-                continue;
-            }
-            if evaluated[i].is_some() && !matches!(nodes[i].op, ExprOp::Load(_)) {
-                mark[i] = 2;
-                continue;
-            }
-            mark[i] = 1;
-            stack.extend(nodes[i].op.operands().into_iter().filter(|&o| !per_row[o]));
-        }
-        let ev: Vec<usize> = (0..nodes.len()).filter(|&i| mark[i] == 1).collect();
-        let fl: Vec<usize> = (0..nodes.len()).filter(|&i| mark[i] == 2).collect();
-        for &i in &fl {
-            let p = evaluated[i].expect("filled nodes were evaluated before");
-            if !save[p].contains(&i) {
-                save[p].push(i);
-            }
-        }
-        for &i in &ev {
-            evaluated[i] = Some(q);
-        }
-        need.push(ev);
-        fill.push(fl);
-    }
-    let mut kept: Vec<usize> = save.iter().flatten().copied().collect();
-    kept.sort_unstable();
-    if kept.is_empty() {
-        return None;
-    }
-    Some(KeepPlan { need, fill, save, kept })
-}
+pub(super) use braid_lowering::row_passes::KEEP_ROW;
 
 /// Scratch register sets given back by finished tasks, for the next (any kernel's): a set is
 /// allocated (and its pages faulted in) about once per thread rather than once per task.

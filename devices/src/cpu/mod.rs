@@ -157,20 +157,30 @@ impl CpuDevice {
 
     /// Runs `kernel`, preparing it once per distinct (interned) kernel.
     fn run(&self, kernel: &Arc<Kernel>, args: &[ArgPtr]) -> Result<(), String> {
-        if let Some(lib) = self.native.library(kernel) {
-            // SAFETY: `library` gives the library printed from this very kernel.
-            return unsafe { lib.run(kernel, args) };
-        }
-        let Body::Rows(r) = &kernel.body else { return run_prepared(kernel, None, args) };
-        let key = Arc::as_ptr(kernel) as usize;
-        let plan = {
-            let mut prep = self.prepared.lock().unwrap_or_else(|p| p.into_inner());
-            if prep.rows.len() >= MAX_PREPARED {
-                prep.rows.clear();
+        let plan = match &kernel.body {
+            Body::Rows(r) => {
+                let key = Arc::as_ptr(kernel) as usize;
+                let mut prep = self.prepared.lock().unwrap_or_else(|p| p.into_inner());
+                if prep.rows.len() >= MAX_PREPARED {
+                    prep.rows.clear();
+                }
+                Some((r, prep.rows.entry(key).or_insert_with(|| (kernel.clone(), Arc::new(rows::plan(r)))).1.clone()))
             }
-            prep.rows.entry(key).or_insert_with(|| (kernel.clone(), Arc::new(rows::plan(r)))).1.clone()
+            _ => None,
         };
-        run_prepared(kernel, Some(&plan), args)
+        // Rows split across threads keep the interpreter's split (and its combine).
+        let planned_rows = plan.as_ref().filter(|(_, p)| !p.splits()).map(|(r, p)| p.kernel(r));
+        if let Some(lib) = self.native.library(kernel, planned_rows) {
+            // SAFETY: `library` gives the library printed from this very kernel (its rows as
+            // planned).
+            return unsafe {
+                match planned_rows {
+                    Some(r) => lib.run_rows(r, args),
+                    None => lib.run(kernel, args),
+                }
+            };
+        }
+        run_prepared(kernel, plan.as_ref().map(|(_, p)| &**p), args)
     }
 
     /// A buffer of `bytes`; with `poison`, its memory is filled with 0xFF bytes (NaN for floats)

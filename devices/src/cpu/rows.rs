@@ -19,7 +19,8 @@ use super::map::{ArgPtr, CHUNK, Shared, check_io, gather, prefetch, scatter, sto
 use super::reduce::Acc;
 use braid_graph::DType;
 use braid_graph::expr::ExprOp;
-use braid_lowering::{RowKernel, Store, View};
+use braid_lowering::row_passes::{KeepPlan, RowPasses, keep_plan};
+use braid_lowering::{RowKernel, View};
 use rayon::prelude::*;
 use smallvec::SmallVec;
 
@@ -48,66 +49,15 @@ pub struct Plan {
     retiled: Option<Box<RowKernel>>,
     /// Rows longer than a chunk and up to [`keep::KEEP_ROW`] positions: values kept from pass to
     /// pass instead of recomputed.
-    keep: Option<keep::KeepPlan>,
+    keep: Option<KeepPlan>,
 }
 
 fn plan_for(k: &RowKernel) -> Plan {
     let nodes = &k.expr.nodes;
     let d = k.axis;
-    let mut per_row = vec![false; nodes.len()];
-    for (i, n) in nodes.iter().enumerate() {
-        per_row[i] = match n.op {
-            ExprOp::Load(slot) => {
-                let v = &k.loads[slot as usize].view;
-                match d {
-                    Some(d) => v.strides[d] == 0,
-                    None => v.strides.iter().all(|&s| s == 0),
-                }
-            }
-            ExprOp::Const(_) | ExprOp::ConstInt(_) | ExprOp::Reduce(..) => true,
-            ExprOp::Index => false,
-            ExprOp::Random { operand, .. } => per_row[operand as usize],
-            ExprOp::Unary(_, a) | ExprOp::Cast(_, a) => per_row[a as usize],
-            ExprOp::Binary(_, a, b) | ExprOp::Cmp(_, a, b) => per_row[a as usize] && per_row[b as usize],
-            ExprOp::Select(c, a, b) => per_row[c as usize] && per_row[a as usize] && per_row[b as usize],
-        };
-    }
-    // The per-element nodes needed to compute `roots`, in order.
-    let needed = |roots: &[usize]| -> Vec<usize> {
-        let mut need = vec![false; nodes.len()];
-        let mut stack: Vec<usize> = roots.iter().copied().filter(|&r| !per_row[r]).collect();
-        while let Some(i) = stack.pop() {
-            if std::mem::replace(&mut need[i], true) {
-                continue;
-            }
-            for o in nodes[i].op.operands() {
-                if !per_row[o] {
-                    stack.push(o);
-                }
-            }
-        }
-        (0..nodes.len()).filter(|&i| need[i]).collect()
-    };
-    let phases: Vec<(usize, Vec<usize>)> = nodes
-        .iter()
-        .enumerate()
-        .filter_map(|(i, n)| match n.op {
-            ExprOp::Reduce(_, x) => Some((i, needed(&[x as usize]))),
-            _ => None,
-        })
-        .collect();
-    // Written once per row: a per-row value through a view constant along the row. (A
-    // per-element value through such a view only happens when rows have one element.)
-    let row_store = |s: &Store| {
-        per_row[s.value as usize]
-            && match d {
-                Some(d) => s.view.strides[d] == 0,
-                None => s.view.strides.iter().all(|&x| x == 0),
-            }
-    };
-    let row_stores: Vec<bool> = k.stores.iter().map(row_store).collect();
-    let elem_roots: Vec<usize> = k.stores.iter().filter(|s| !row_store(s)).map(|s| s.value as usize).collect();
-    let last_phase = needed(&elem_roots);
+    let passes = RowPasses::of(k);
+    let roots = passes.roots(k);
+    let RowPasses { per_row, row_stores, phases, elem_roots, last_phase } = passes;
     // Per-row values read by per-element nodes, reduced themselves (a value constant along the
     // axis, like a broadcast load), or stored over the whole row are broadcast into each chunk.
     let mut broadcast: Vec<usize> = elem_roots.iter().copied().filter(|&v| per_row[v]).collect();
@@ -129,19 +79,24 @@ fn plan_for(k: &RowKernel) -> Plan {
     };
     let row = len * inner;
     let keep = if row > WHOLE_ROW && row <= keep::KEEP_ROW && !phases.is_empty() {
-        let mut roots: Vec<Vec<usize>> = phases
-            .iter()
-            .map(|&(r, _)| match nodes[r].op {
-                ExprOp::Reduce(_, x) => vec![x as usize],
-                _ => unreachable!("phases are reductions"),
-            })
-            .collect();
-        roots.push(elem_roots);
-        keep::plan(k, &per_row, &roots)
+        keep_plan(k, &per_row, &roots)
     } else {
         None
     };
     Plan { per_row, row_stores, phases, last_phase, broadcast, outer_dims, len, inner, retiled: None, keep }
+}
+
+impl Plan {
+    /// The kernel this plan runs: `k` (the kernel planned) or its re-tiled form.
+    pub fn kernel<'a>(&'a self, k: &'a RowKernel) -> &'a RowKernel {
+        self.retiled.as_deref().unwrap_or(k)
+    }
+
+    /// Whether its rows are few and long enough to be split across threads (see `split`):
+    /// such kernels are always interpreted (the split's combine is the interpreter's).
+    pub fn splits(&self) -> bool {
+        self.outer_dims.iter().product::<usize>() < MIN_ROWS && self.len * self.inner >= 2 * TASK
+    }
 }
 
 /// Plans a row kernel, first re-tiling it when it has too few rows to split across threads
@@ -260,7 +215,7 @@ pub fn run_rows(k: &RowKernel, p: &Plan, args: &[ArgPtr]) -> Result<(), String> 
     }
     let shared = Shared(args);
     let row = p.len * p.inner;
-    if outer < MIN_ROWS && row >= 2 * TASK {
+    if p.splits() {
         // Few long rows (a whole-tensor reduction, a long softmax row): each row is split
         // across threads instead (the split depends on sizes only, so results do not depend on
         // the number of threads).
@@ -275,14 +230,12 @@ pub fn run_rows(k: &RowKernel, p: &Plan, args: &[ArgPtr]) -> Result<(), String> 
         .try_for_each(|t| run_range(k, p, shared, t * per_task, ((t + 1) * per_task).min(outer)))
 }
 
-/// Row positions per chunk of a longer row: wider than a map loop's chunk, since each chunk
-/// pays per-node costs (dispatch, broadcasts), and narrow enough that a softmax's registers
-/// stay in the first-level cache (4 x 256 measured best on the 2-core machine).
-pub(super) const LONG_CHUNK: usize = 4 * CHUNK;
-
-/// Rows up to this many elements are evaluated as one chunk, so values computed for one
-/// reduction stay in registers for the next (no recomputation).
-const WHOLE_ROW: usize = 4096;
+/// Rows are folded in chunks ([`chunk_width`]) of up to [`WHOLE_ROW`] positions (the whole row:
+/// values computed for one reduction stay in registers for the next) or of [`LONG_CHUNK`]: wider
+/// than a map loop's chunk, since each chunk pays per-node costs (dispatch, broadcasts), and
+/// narrow enough that a softmax's registers stay in the first-level cache.
+pub(super) use braid_lowering::row_passes::{LONG_CHUNK, WHOLE_ROW, chunk_width};
+const _: () = assert!(LONG_CHUNK == 4 * CHUNK);
 
 /// Rows `from..to`, compiled for each vector level (the loops in here vectorise; see
 /// [`dispatch_simd`]).
@@ -302,7 +255,7 @@ thread_local! {
 fn run_range_impl(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: usize) -> Result<(), String> {
     let nodes = &k.expr.nodes;
     let row = p.len * p.inner;
-    let width = if row <= WHOLE_ROW { row.max(1) } else { LONG_CHUNK };
+    let width = chunk_width(row);
     let (mut chunk, mut rowv) = ROW_REGS.with(|s| std::mem::take(&mut *s.borrow_mut()));
     // Exact lengths: a reduction's result is copied into its whole per-row register.
     fit_regs(&mut chunk, nodes, width, true);

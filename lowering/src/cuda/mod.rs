@@ -44,7 +44,7 @@ mod reduce; // one reduction's fold and warp-shuffle combine
 mod rows; // row kernels: sweeps, phases, loads kept in shared memory
 mod split; // long rows among few rows: segments, partial results in scratch
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 #[cfg(test)]
 mod tests_rows;
 mod vector; // 16-byte loads and stores of neighbouring elements, checked for alignment at run time

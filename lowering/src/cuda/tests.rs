@@ -265,7 +265,7 @@ fn a_softmax_row_kernel_runs_the_cpu_phases() {
 /// A softmax written as max, sub, exp, sum, div along rows of `len` f32 (its output f32).
 /// A softmax along rows of [rows, len] f32 as composed ops: nodes x (0), max (1), x - max (2),
 /// exp (3), sum (4), y (5); y stored to argument 1.
-pub(super) fn softmax_rows(rows: usize, len: usize) -> Kernel {
+pub(crate) fn softmax_rows(rows: usize, len: usize) -> Kernel {
     let mut b = ExprBuilder::new();
     let x = b.load(0, DType::F32);
     let m = b.reduce(ReduceOp::Max, x);

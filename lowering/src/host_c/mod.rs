@@ -22,10 +22,14 @@
 //! no NaNs, or to evaluate math functions itself. `tests/native_kernels.rs` compiles about 150
 //! random kernels and compares every output bit with the evaluator's (NaN payloads aside).
 //!
-//! Not printed (an `Err`, and the CPU interprets the kernel): row kernels, matrix products,
-//! and kernels touching f16 or bf16. The printer only prints: compiling, caching and loading
+//! Row kernels whose rows are walked with one stride are printed by [`rows`] (one entry point
+//! over a range of rows).
+//!
+//! Not printed (an `Err`, and the CPU interprets the kernel): other row kernels (see [`rows`]),
+//! matrix products, and kernels touching f16 or bf16. The printer only prints: compiling, caching and loading
 //! are the device's (`braid_devices::cpu::native`).
 
+mod rows;
 #[cfg(test)]
 mod tests;
 
@@ -48,14 +52,18 @@ pub const CC_OPTIONS: &[&str] =
 /// Elements computed per block into the local arrays (they stay in L1).
 pub const BLOCK: usize = 256;
 
-/// A printed kernel: its source and its entry points, one per map loop, in order.
+/// A printed kernel: its source and its entry points, one per map loop, in order, or one for a
+/// row kernel.
 #[derive(Clone, Debug)]
 pub struct HostSource {
     pub source: String,
     pub entries: Vec<String>,
+    /// For a row kernel, the bytes of scratch each running call of its entry point needs (see
+    /// `rows`); `None` for map loops.
+    pub row_scratch: Option<usize>,
 }
 
-/// Prints `kernel` (a kernel of map loops) as host C; entry points are named after `name` (a C
+/// Prints `kernel` (map loops, or a row kernel `rows` prints) as host C; entry points are named after `name` (a C
 /// identifier). f32 outputs of at least `stream_bytes` written contiguously are written with
 /// non-temporal stores. Errors on what is not printed (see the module docs) and on IR the CPU
 /// would reject too.
@@ -65,27 +73,40 @@ pub fn print(kernel: &Kernel, name: &str, stream_bytes: usize) -> Result<HostSou
     if !ident {
         return Err(format!("kernel name {name:?} is not a C identifier"));
     }
-    let Body::Map(loops) = &kernel.body else {
-        return Err("only kernels of map loops are printed for the host".into());
-    };
     let half = |d: DType| matches!(d, DType::F16 | DType::BF16);
     if let Some(a) = kernel.args.iter().find(|a| half(a.dtype)) {
         return Err(format!("an argument of {} (half types are not printed for the host)", a.dtype));
     }
+    let half_cast =
+        |e: &braid_graph::expr::Expr| e.nodes.iter().any(|n| matches!(n.op, ExprOp::Cast(to, _) if half(to)));
     let mut body = String::new();
     let mut entries = vec![];
-    for (k, l) in loops.iter().enumerate() {
-        if l.expr.nodes.iter().any(|n| matches!(n.op, ExprOp::Cast(to, _) if half(to))) {
-            return Err("a cast to a half type (not printed for the host)".into());
+    let mut row_scratch = None;
+    match &kernel.body {
+        Body::Map(loops) => {
+            for (k, l) in loops.iter().enumerate() {
+                if half_cast(&l.expr) {
+                    return Err("a cast to a half type (not printed for the host)".into());
+                }
+                let entry = format!("{name}_loop{k}");
+                print_loop(&mut body, l, &entry, kernel, stream_bytes)?;
+                entries.push(entry);
+            }
         }
-        let entry = format!("{name}_loop{k}");
-        print_loop(&mut body, l, &entry, kernel, stream_bytes)?;
-        entries.push(entry);
+        Body::Rows(r) => {
+            if half_cast(&r.expr) {
+                return Err("a cast to a half type (not printed for the host)".into());
+            }
+            let entry = format!("{name}_rows");
+            row_scratch = Some(rows::print_rows(&mut body, r, kernel, &entry, stream_bytes)?.scratch);
+            entries.push(entry);
+        }
+        _ => return Err("only map loops and row kernels are printed for the host".into()),
     }
     let mut source = format!("// braid kernel `{name}`: host C ({}).\n", CC_OPTIONS.join(" "));
     source.push_str(&prelude());
     source.push_str(&body);
-    Ok(HostSource { source, entries })
+    Ok(HostSource { source, entries, row_scratch })
 }
 
 /// Headers, bit casts, braid's conversions and random numbers, `exp` and `tanh`, and the

@@ -53,3 +53,49 @@ fn what_is_not_printed_is_an_error() {
     loops[0].loads[0].view.offset = 1; // one past the end
     assert!(print(&k, "k", 1 << 20).unwrap_err().contains("reaches elements"));
 }
+
+#[test]
+fn a_softmax_row_kernel_keeps_exp_folds_in_the_interpreters_lanes_and_streams_its_output() {
+    let k = crate::cuda::tests::softmax_rows(2048, 1024);
+    let src = print(&k, "c2", 4 << 20).unwrap();
+    assert_eq!(src.entries, ["c2_rows"]);
+    // exp(x - max), kept for the last pass: one row of 1024 f32 of scratch.
+    assert_eq!(src.row_scratch, Some(4096));
+    let s = &src.source;
+    let in_order = |parts: &[&str]| {
+        let mut at = 0;
+        for p in parts {
+            let found = s[at..].find(p).unwrap_or_else(|| panic!("{p:?} not after byte {at} of:\n{s}"));
+            at += found + p.len();
+        }
+    };
+    in_order(&[
+        "void c2_rows(unsigned char *const *args, long long from, long long to, unsigned char *scratch)",
+        "float *const k3 = (float *)(scratch + 0);",
+        // Pass 1: the max, folded in 64 lanes as it is loaded (NaN sticky).
+        "l[j] = ((v0) > (l[j]) || (v0) != (v0)) ? (v0) : (l[j]);",
+        "const float v1 = acc1;",
+        // Pass 2: exp(x - max) computed, kept and summed; the chunk's sum added with compensation.
+        "const float v3 = braid_expf(v2);",
+        "k3[p] = v3;",
+        "l[j] = l[j] + v3;",
+        "comp4 = __builtin_isfinite(sum) ? (sum - acc4) - y : 0;",
+        // Last pass: exp read back, divided, streamed out.
+        "const float v3 = k3[p];",
+        "const float v5 = v3 / v4;",
+        "braid_stream_f32(a1 + w0 + c, t0, m);",
+        "_mm_sfence();",
+    ]);
+    assert_eq!(s.matches("braid_expf(v2)").count(), 1, "exp computed once per element:\n{s}");
+}
+
+#[test]
+fn row_kernels_with_positions_after_the_axis_are_left_to_the_interpreter() {
+    let mut k = crate::cuda::tests::softmax_rows(8, 16);
+    let Body::Rows(r) = &mut k.body else { unreachable!() };
+    r.axis = Some(0);
+    for v in r.loads.iter_mut().map(|l| &mut l.view).chain(r.stores.iter_mut().map(|s| &mut s.view)) {
+        v.strides[0] = 16;
+    }
+    assert!(print(&k, "k", 1 << 20).unwrap_err().contains("16 positions after the axis"));
+}

@@ -1,5 +1,5 @@
-//! Compiled CPU kernels: a kernel of map loops printed as host C
-//! ([`braid_lowering::host_c`]), built by the system's C compiler into a shared library, loaded,
+//! Compiled CPU kernels: a kernel of map loops, or a row kernel walked with one stride, printed
+//! as host C ([`braid_lowering::host_c`]), built by the system's C compiler into a shared library, loaded,
 //! and run over rayon tasks like the interpreter's loops. They compute the same values as the
 //! interpreter, bit for bit except for the payload of a NaN (checked by
 //! `tests/native_kernels.rs`), so a kernel may run interpreted until its library is ready and
@@ -12,7 +12,8 @@
 //! [`MIN_ELEMENTS`] elements, or loops whose last dimension is shorter than [`MIN_RUN`]) wait
 //! for their [`SMALL_RUNS`]th run: a few runs of them cost little interpreted, many runs (a
 //! replayed step) cost the interpreter's per-node dispatch each time. Never kernels the
-//! printer does not print (row kernels, matrix products, half types). Libraries are shared by every device of the process
+//! printer does not print (matrix products, half types, rows with positions after the axis),
+//! nor rows split across threads (see `rows::Plan::splits`). Libraries are shared by every device of the process
 //! (keyed by their source) and kept on disk across processes (see `compile`). A kernel whose
 //! compilation fails is interpreted, and the failure logged once.
 //!
@@ -22,9 +23,11 @@ mod compile;
 
 use super::CompileMode;
 use super::map::{ArgPtr, check_io, in_tasks};
-use braid_lowering::{Body, Kernel, host_c};
+use super::rows::TASK;
+use braid_lowering::{Body, Kernel, RowKernel, host_c};
 use hashbrown::HashMap;
 use libloading::Library;
+use rayon::prelude::*;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, mpsc};
 
@@ -43,12 +46,23 @@ pub const MIN_RUN: usize = 64;
 pub const SMALL_RUNS: u64 = 64;
 
 type LoopFn = unsafe extern "C" fn(*const *mut u8, i64, i64);
+/// A row kernel's entry point: arguments, rows `from..to`, scratch.
+type RowsFn = unsafe extern "C" fn(*const *mut u8, i64, i64, *mut u8);
 
-/// A loaded library and its entry points, one per map loop of the kernel it was printed from.
+/// A loaded library and its entry points: one per map loop of the kernel it was printed from,
+/// or one for its rows.
 pub struct NativeKernel {
     loops: Vec<LoopFn>,
-    /// Keeps the code of `loops` mapped.
+    /// A row kernel's entry point and the scratch bytes each call needs.
+    rows: Option<(RowsFn, usize)>,
+    /// Keeps the code of `loops` and `rows` mapped.
     _lib: Library,
+}
+
+thread_local! {
+    /// The scratch of compiled row kernels run on this thread (kept values), reused from call
+    /// to call; in `u64`s so that it is aligned for every element type.
+    static ROW_SCRATCH: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Non-temporal stores for f32 outputs of at least this many bytes, as the interpreter's.
@@ -72,6 +86,46 @@ impl NativeKernel {
     /// The library of `src` if the disk cache holds it already; compiles nothing.
     fn cached(src: &host_c::HostSource) -> Option<NativeKernel> {
         entries(src, compile::cached(&src.source)?).ok()
+    }
+
+    /// Runs row kernel `r` over `args`, rows spread over rayon's threads as the interpreter
+    /// spreads them (never split: see `rows::Plan::splits`).
+    ///
+    /// # Safety
+    /// `r` must print to the source this library was built from, as for [`run`](Self::run).
+    pub unsafe fn run_rows(&self, r: &RowKernel, args: &[ArgPtr]) -> Result<(), String> {
+        let Some((f, scratch)) = self.rows else { return Err("a compiled kernel of map loops run as rows".into()) };
+        check_io(&r.loads, &r.stores, &r.expr, args)?;
+        let (outer, row): (usize, usize) = match r.axis {
+            Some(d) => (r.dims[..d].iter().product(), r.dims[d..].iter().product()),
+            None => (1, r.dims.iter().product()),
+        };
+        if outer == 0 {
+            return Ok(());
+        }
+        let ptrs: Vec<*mut u8> = args.iter().map(|a| a.ptr).collect();
+        let ptrs = Ptrs(&ptrs);
+        let words = scratch.div_ceil(8);
+        // SAFETY: the code was printed from `r` (the caller's promise), whose accesses were just
+        // checked; different rows never write the same element, and each call has a scratch
+        // of its own of the size the printer asked for.
+        let call = |from: usize, to: usize| {
+            ROW_SCRATCH.with(|s| {
+                let mut s = s.borrow_mut();
+                if s.len() < words {
+                    s.resize(words, 0);
+                }
+                unsafe { f(ptrs.base(), from as i64, to as i64, s.as_mut_ptr() as *mut u8) };
+            });
+            Ok::<(), String>(())
+        };
+        let per_task = (TASK / row.max(1)).max(1);
+        if outer <= per_task {
+            return call(0, outer);
+        }
+        (0..outer.div_ceil(per_task))
+            .into_par_iter()
+            .try_for_each(|t| call(t * per_task, ((t + 1) * per_task).min(outer)))
     }
 
     /// Runs `kernel` over `args`.
@@ -107,6 +161,12 @@ impl NativeKernel {
 
 /// The kernel of `lib`'s entry points for `src`.
 fn entries(src: &host_c::HostSource, lib: Library) -> Result<NativeKernel, String> {
+    if let (Some(scratch), [e]) = (src.row_scratch, &src.entries[..]) {
+        // SAFETY: the printer declared this entry with exactly the `RowsFn` signature.
+        let f = unsafe { lib.get::<RowsFn>(e.as_bytes()) };
+        let f = f.map(|f| *f).map_err(|err| format!("entry {e} not found: {err}"))?;
+        return Ok(NativeKernel { loops: vec![], rows: Some((f, scratch)), _lib: lib });
+    }
     let loops = (src.entries.iter())
         .map(|e| {
             // SAFETY: the printer declared this entry with exactly the `LoopFn` signature.
@@ -114,7 +174,7 @@ fn entries(src: &host_c::HostSource, lib: Library) -> Result<NativeKernel, Strin
             f.map(|f| *f).map_err(|err| format!("entry {e} not found: {err}"))
         })
         .collect::<Result<_, _>>()?;
-    Ok(NativeKernel { loops, _lib: lib })
+    Ok(NativeKernel { loops, rows: None, _lib: lib })
 }
 
 /// Argument pointers shared with rayon tasks (see `map::Shared` for why that is sound).
@@ -235,15 +295,22 @@ impl Native {
 
     /// The library to run `kernel` with, if it is compiled (and ready); in `Blocking` mode
     /// this compiles it first, in `Background` mode it queues it. A small kernel (see
-    /// [`MIN_ELEMENTS`]) is looked for only from its [`SMALL_RUNS`]th run.
-    pub fn library(&self, kernel: &Arc<Kernel>) -> Option<Arc<NativeKernel>> {
+    /// [`MIN_ELEMENTS`]) is looked for only from its [`SMALL_RUNS`]th run. A row kernel is
+    /// compiled as `rows` (the kernel its plan runs; `None`: interpreted).
+    pub fn library(&self, kernel: &Arc<Kernel>, rows: Option<&RowKernel>) -> Option<Arc<NativeKernel>> {
         let mode = self.mode();
-        let Body::Map(loops) = &kernel.body else { return None };
         if mode == CompileMode::Off {
             return None;
         }
-        let long_runs = loops.iter().all(|l| l.dims.last().is_none_or(|&d| d >= MIN_RUN));
-        let small = kernel.output_elements() < MIN_ELEMENTS || !long_runs;
+        let small = match &kernel.body {
+            Body::Map(loops) => {
+                let long_runs = loops.iter().all(|l| l.dims.last().is_none_or(|&d| d >= MIN_RUN));
+                kernel.output_elements() < MIN_ELEMENTS || !long_runs
+            }
+            // A row's per-row work is a few scalars in compiled code, so short rows are fine.
+            Body::Rows(_) => rows?.dims.iter().product::<usize>() < MIN_ELEMENTS,
+            _ => return None,
+        };
         let slot = {
             let mut kernels = self.kernels.lock().unwrap_or_else(|p| p.into_inner());
             if kernels.len() >= MAX_KERNELS {
@@ -257,7 +324,7 @@ impl Native {
                 return None;
             }
             // Printed once per kernel (the slot is shared by every kernel of the same source).
-            entry.slot.get_or_insert_with(|| slot_for(kernel)).clone()?
+            entry.slot.get_or_insert_with(|| slot_for(kernel, rows)).clone()?
         };
         // Runs of this source, by any kernel of any device.
         let runs = slot.runs.fetch_add(1, Ordering::Relaxed) + 1;
@@ -280,11 +347,18 @@ impl Native {
     }
 }
 
-/// The slot of `kernel`'s source, or `None` when it is not printed for the host or there is no
-/// compiler.
-fn slot_for(kernel: &Kernel) -> Option<Arc<Slot>> {
+/// The slot of `kernel`'s source (with body `rows` for a row kernel), or `None` when it is not
+/// printed for the host or there is no compiler.
+fn slot_for(kernel: &Kernel, rows: Option<&RowKernel>) -> Option<Arc<Slot>> {
     compile::available().ok()?;
-    let source = host_c::print(kernel, "braid_kernel", STREAM_BYTES).ok()?;
+    let source = match (&kernel.body, rows) {
+        (Body::Rows(_), Some(r)) => {
+            let planned = Kernel { args: kernel.args.clone(), inputs: kernel.inputs, body: Body::Rows(r.clone()) };
+            host_c::print(&planned, "braid_kernel", STREAM_BYTES)
+        }
+        _ => host_c::print(kernel, "braid_kernel", STREAM_BYTES),
+    };
+    let source = source.ok()?;
     let mut slots = slots().lock().unwrap_or_else(|p| p.into_inner());
     if slots.len() >= MAX_KERNELS {
         // Forget every slot; kernels holding one keep its library loaded.
@@ -306,7 +380,8 @@ mod tests {
             eprintln!("native: SKIPPED, no C compiler: {e}");
             return;
         }
-        let source = host_c::HostSource { source: "this is not C;\n".into(), entries: vec!["f".into()] };
+        let source =
+            host_c::HostSource { source: "this is not C;\n".into(), entries: vec!["f".into()], row_scratch: None };
         let err = NativeKernel::load(&source).err().expect("a compile error");
         assert!(err.contains("failed") && err.contains("error"), "{err}");
         // A slot whose compile failed stays failed (and its kernel interpreted), without retrying.
@@ -321,7 +396,8 @@ mod tests {
             eprintln!("native: SKIPPED, no C compiler");
             return;
         }
-        let source = host_c::HostSource { source: "void g(void) {}\n".into(), entries: vec!["f".into()] };
+        let source =
+            host_c::HostSource { source: "void g(void) {}\n".into(), entries: vec!["f".into()], row_scratch: None };
         let err = NativeKernel::load(&source).err().expect("a missing entry point");
         assert!(err.contains("entry f not found"), "{err}");
     }
