@@ -148,7 +148,7 @@ fn compiled_row_kernels_compute_the_interpreters_bits() {
     }
     // Rows of one chunk (up to 4096), of several chunks (kept values), and past the kept length
     // in few rows (not split: under 2 x 32Ki positions).
-    let long: [(&[usize], Option<usize>); 7] = [
+    let long: [(&[usize], Option<usize>); 8] = [
         (&[24, 1000], Some(1)),
         (&[5, 4096], Some(1)),
         (&[3, 2, 5000], Some(2)),
@@ -156,6 +156,8 @@ fn compiled_row_kernels_compute_the_interpreters_bits() {
         (&[2, 30000], Some(1)),
         (&[4000], None),
         (&[2, 70000], Some(1)),
+        // Enough rows not to be split, a scratch of over 1 MiB for f64 (allocated per call).
+        (&[16, 140_000], Some(1)),
     ];
     for (i, (dims, axis)) in long.iter().enumerate() {
         for j in 0..6 {

@@ -59,9 +59,13 @@ pub struct NativeKernel {
     _lib: Library,
 }
 
+/// The largest scratch kept by a thread between calls (1 MiB); larger ones are freed after use.
+const KEPT_SCRATCH_WORDS: usize = (1 << 20) / 8;
+
 thread_local! {
     /// The scratch of compiled row kernels run on this thread (kept values), reused from call
-    /// to call; in `u64`s so that it is aligned for every element type.
+    /// to call up to [`KEPT_SCRATCH_WORDS`]; in `u64`s so that it is aligned for every element
+    /// type.
     static ROW_SCRATCH: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
@@ -110,13 +114,18 @@ impl NativeKernel {
         // checked; different rows never write the same element, and each call has a scratch
         // of its own of the size the printer asked for.
         let call = |from: usize, to: usize| {
-            ROW_SCRATCH.with(|s| {
-                let mut s = s.borrow_mut();
+            let run = |s: &mut Vec<u64>| {
                 if s.len() < words {
                     s.resize(words, 0);
                 }
                 unsafe { f(ptrs.base(), from as i64, to as i64, s.as_mut_ptr() as *mut u8) };
-            });
+            };
+            if words <= KEPT_SCRATCH_WORDS {
+                ROW_SCRATCH.with(|s| run(&mut s.borrow_mut()));
+            } else {
+                // Long rows: a scratch of their own, freed after (their work dwarfs its cost).
+                run(&mut Vec::new());
+            }
             Ok::<(), String>(())
         };
         let per_task = (TASK / row.max(1)).max(1);
