@@ -419,6 +419,40 @@ fn c5(dev: &Device) -> (f64, String) {
     (t, line)
 }
 
+/// C5 as a captured `braid::Step` (the counterpart of `jax.jit`): the step takes the parameters,
+/// the causal mask and one-hot tokens and targets as arguments, and returns the loss and the
+/// updated parameters (SGD, lr 0.1, as the op-by-op C5), which the next step is called with.
+fn c5_step(dev: &Device) -> (f64, String) {
+    let model = mini_gpt::MiniGpt::new(dev, 5);
+    let mut params: Vec<Tensor> = model.params().iter().cloned().collect();
+    let n = params.len();
+    let step = braid::Step::new(move |args: &[Tensor]| mini_gpt::sgd_step(args, n, 0.1));
+    let tokens = mini_gpt::tokens();
+    let ctx = mini_gpt::CONTEXT;
+    let mut at = 0;
+    let mut run = |params: &mut Vec<Tensor>| {
+        at = (at + 7) % (tokens.len() - ctx - 1);
+        let args = model.step_args(params, &tokens[at..at + ctx], &tokens[at + 1..at + ctx + 1]);
+        let mut out = step.call(&args).unwrap();
+        dev.sync().unwrap();
+        *params = out.split_off(1);
+        out.pop().unwrap()
+    };
+    let first: Vec<f32> = (0..40).map(|_| run(&mut params).item::<f32>().unwrap()).collect();
+    let (early, late) = (first[..10].iter().sum::<f32>() / 10.0, first[30..].iter().sum::<f32>() / 10.0);
+    assert!(late < early, "C5 step loss does not fall: {early} -> {late}");
+    let t = median(20, 201, || {
+        run(&mut params);
+    });
+    let line = format!(
+        "C5 mini_gpt as a captured braid::Step (parameters in, loss and updated parameters out, sync): {:.2} ms per step, {} kernel(s), {} capture(s); loss {early:.3} -> {late:.3} over 40 steps",
+        t * 1e3,
+        dev.last_schedule().unwrap().kernel_count(),
+        step.captures()
+    );
+    (t, line)
+}
+
 /// G5 at CPU scale: an activation-heavy MLP training step (8 x `tanh(h @ W)`, batch 4096,
 /// width 128, f32, SGD) without a budget and with half its planned peak as the device budget:
 /// peak device memory and step time, and the results checked equal.
@@ -527,6 +561,7 @@ fn main() {
     }
     if all || which == "c5" {
         println!("{}", c5(&dev).1);
+        println!("{}", c5_step(&dev).1);
         peers("c5").iter().for_each(|l| println!("{l}"));
     }
     if all || which == "offload" {

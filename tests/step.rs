@@ -8,6 +8,8 @@ mod common;
 mod graphs;
 #[path = "../examples/common/micrograd.rs"]
 mod micrograd;
+#[path = "../examples/common/mini_gpt.rs"]
+mod mini_gpt;
 
 use micrograd::micrograd;
 
@@ -314,4 +316,42 @@ fn replays_hold_no_memory_once_their_outputs_are_dropped() {
     assert_eq!(dev.memory().in_use, before);
     // The dump of a replay is the captured schedule.
     assert_eq!(Some(dev.last_schedule().unwrap().kernel_count()), step.kernel_count(std::slice::from_ref(&x)));
+}
+
+/// A training step of a real model captured: the mini GPT's forward, backward and SGD update as
+/// one `Step` (parameters in, loss and updated parameters out, as `jax.jit` steps are written)
+/// gives the losses of the same steps run op by op with `braid::optim::Sgd`, captured once.
+#[test]
+fn a_captured_transformer_training_step_gives_the_op_by_op_losses() {
+    let dev = braid::testing::test_device();
+    let (tokens, ctx) = (mini_gpt::tokens(), mini_gpt::CONTEXT);
+    let window = |i: usize| (&tokens[7 * i..7 * i + ctx], &tokens[7 * i + 1..7 * i + ctx + 1]);
+    let model = mini_gpt::MiniGpt::new(&dev, 5);
+    let params = model.params();
+    let mut opt = braid::optim::Sgd::new(0.1);
+    let eager: Vec<f32> = (0..4)
+        .map(|i| {
+            let loss = model.loss(window(i).0, window(i).1);
+            let grads = loss.backward().unwrap();
+            braid::optim::Optimizer::update(&mut opt, &params, &grads);
+            loss.item::<f32>().unwrap()
+        })
+        .collect();
+
+    let model = mini_gpt::MiniGpt::new(&dev, 5);
+    let mut params: Vec<Tensor> = model.params().iter().cloned().collect();
+    let n = params.len();
+    let step = Step::new(move |args: &[Tensor]| mini_gpt::sgd_step(args, n, 0.1));
+    let captured: Vec<f32> = (0..4)
+        .map(|i| {
+            let mut out = step.call(&model.step_args(&params, window(i).0, window(i).1)).unwrap();
+            params = out.split_off(1);
+            out[0].item::<f32>().unwrap()
+        })
+        .collect();
+    assert_eq!(step.captures(), 1);
+    assert!(eager[3] < eager[0], "the loss falls: {eager:?}");
+    for (e, c) in eager.iter().zip(&captured) {
+        assert!((e - c).abs() <= 1e-5 * e.abs(), "op by op {eager:?}, captured {captured:?}");
+    }
 }

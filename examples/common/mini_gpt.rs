@@ -112,15 +112,58 @@ impl MiniGpt {
         self.batch_loss(tokens, targets)
     }
 
+    /// The arguments of [`sgd_step`] for `params` (in [`params`](Self::params)' order) and a
+    /// window of `tokens` and their `targets`.
+    #[allow(dead_code)] // used by the bench card and tests/step.rs, not by the example
+    pub fn step_args(&self, params: &[Tensor], tokens: &[usize], targets: &[usize]) -> Vec<Tensor> {
+        let mut args = params.to_vec();
+        args.extend([self.causal_mask.clone(), self.one_hot(tokens), self.one_hot(targets)]);
+        args
+    }
+
+    /// The same model over `tensors` (in [`params`](Self::params)' order) with the causal mask
+    /// `mask`: how a captured `braid::Step` builds the model from its arguments.
+    #[allow(dead_code)] // used by `sgd_step`, not by the example
+    pub fn from_tensors(tensors: &[Tensor], mask: &Tensor) -> MiniGpt {
+        let mut next = tensors.iter().cloned();
+        let mut take = || next.next().expect("as many tensors as the model has parameters");
+        let token_embedding = Embedding { weight: take() };
+        let position_embedding = take();
+        let norm = |take: &mut dyn FnMut() -> Tensor| LayerNorm { weight: take(), bias: take(), eps: 1e-5 };
+        let linear = |take: &mut dyn FnMut() -> Tensor, bias: bool| Linear { weight: take(), bias: bias.then(take) };
+        let layers = (0..LAYERS)
+            .map(|_| Layer {
+                ln1: norm(&mut take),
+                query: linear(&mut take, false),
+                key: linear(&mut take, false),
+                value: linear(&mut take, false),
+                proj: linear(&mut take, true),
+                ln2: norm(&mut take),
+                ff1: linear(&mut take, true),
+                ff2: linear(&mut take, true),
+            })
+            .collect();
+        let ln_final = norm(&mut take);
+        let head = linear(&mut take, true);
+        let device = mask.device().clone();
+        MiniGpt { token_embedding, position_embedding, layers, ln_final, head, causal_mask: mask.clone(), device }
+    }
+
     /// The mean loss over a batch of sequences, concatenated (`CONTEXT` tokens each).
     pub fn batch_loss(&self, tokens: &[usize], targets: &[usize]) -> Tensor {
         assert!(tokens.len() == targets.len() && tokens.len().is_multiple_of(CONTEXT) && !tokens.is_empty());
-        let (b, t) = (tokens.len() / CONTEXT, CONTEXT);
+        self.loss_of_one_hot(&self.one_hot(tokens), &self.one_hot(targets))
+    }
+
+    /// The mean loss over a batch given as one-hot rows of its tokens and targets (`[b * CONTEXT,
+    /// VOCAB]` each).
+    pub fn loss_of_one_hot(&self, tokens: &Tensor, targets: &Tensor) -> Tensor {
+        let (b, t) = (tokens.shape().dims()[0] / CONTEXT, CONTEXT);
         let head_size = D_MODEL / HEADS;
         // [b * t, d] -> [b, heads, t, head_size]
         let heads = |x: &Tensor| x.reshape([b, t, HEADS, head_size]).permute(&[0, 2, 1, 3]);
         let positions = self.position_embedding.expand([b, t, D_MODEL]).reshape([b * t, D_MODEL]);
-        let mut x = &self.one_hot(tokens).matmul(&self.token_embedding.weight) + &positions;
+        let mut x = &tokens.matmul(&self.token_embedding.weight) + &positions;
         for l in &self.layers {
             let h = l.ln1.forward(&x);
             let (q, k, v) = (heads(&l.query.forward(&h)), heads(&l.key.forward(&h)), heads(&l.value.forward(&h)));
@@ -131,9 +174,24 @@ impl MiniGpt {
             x = &x + &l.ff2.forward(&ff);
         }
         let logits = self.head.forward(&self.ln_final.forward(&x));
-        let picked = &self.one_hot(targets) * &logits.log_softmax(1);
+        let picked = targets * &logits.log_softmax(1);
         picked.sum() * (-1.0 / (b * t) as f64)
     }
+}
+
+/// One SGD step as a function of its arguments, to capture in a `braid::Step` (the counterpart of
+/// a `jax.jit`-compiled step): `args` are the `n` parameters, the causal mask and one-hot tokens
+/// and targets ([`MiniGpt::step_args`]); returns the loss and every parameter updated to
+/// `p - lr * grad`, which the next call takes.
+#[allow(dead_code)] // used by the bench card and tests/step.rs, not by the example
+pub fn sgd_step(args: &[Tensor], n: usize, lr: f64) -> Vec<Tensor> {
+    let params: Vec<Tensor> = args[..n].iter().map(|p| p.detach().requires_grad()).collect();
+    let model = MiniGpt::from_tensors(&params, &args[n]);
+    let loss = model.loss_of_one_hot(&args[n + 1], &args[n + 2]);
+    let grads = loss.backward().expect("the loss has gradients");
+    let updated: Vec<Tensor> =
+        braid::no_grad(|| params.iter().map(|p| p - &(grads.get(p).expect("a gradient per parameter") * lr)).collect());
+    std::iter::once(loss.detach()).chain(updated).collect()
 }
 
 /// Text to learn from (public domain: the opening of Shakespeare's sonnet 18 and of Hamlet's
