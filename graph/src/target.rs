@@ -123,6 +123,7 @@ impl Target {
     }
 
     /// `Ok` when kernels of this target compute with `dtype`; otherwise why not.
+    #[inline]
     pub fn check_dtype(&self, dtype: DType) -> Result<(), String> {
         if self.dtypes.contains(dtype) {
             Ok(())

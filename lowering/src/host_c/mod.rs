@@ -135,8 +135,10 @@ fn prelude() -> String {
 static inline float __int_as_float(int b) {{ float f; __builtin_memcpy(&f, &b, 4); return f; }}
 static inline double __longlong_as_double(long long b) {{ double f; __builtin_memcpy(&f, &b, 8); return f; }}
 {helpers}
-// braid's f32 exp and tanh (braid_lowering::vmath), step for step.
-static inline float braid_expf(float x) {{
+// braid's f32 exp and tanh (braid_lowering::vmath), step for step. Every helper is inlined
+// (a kernel of many nodes is past gcc's inlining limits, and a call per element would keep its
+// loop from being vectorised).
+static inline __attribute__((always_inline)) float braid_expf(float x) {{
   x = x < {lo} ? {lo} : x;
   x = x > {hi} ? {hi} : x;
   const float t = __builtin_fmaf(x, {log2e}, {round});
@@ -154,7 +156,7 @@ static inline float braid_expf(float x) {{
   __builtin_memcpy(&p2, &b2, 4);
   return e * p1 * p2;
 }}
-static inline float braid_tanhf(float x) {{
+static inline __attribute__((always_inline)) float braid_tanhf(float x) {{
   const float a = __builtin_fabsf(x), z = x * x;
   const float p = {tanh_poly};
   const float small = __builtin_fmaf(x * z, p, x);
@@ -175,7 +177,7 @@ static inline void braid_stream_f32(float *dst, const float *src, int n) {{
   for (; i < n; i++) dst[i] = src[i];
 }}
 "#,
-        helpers = helpers("static inline")
+        helpers = helpers("static inline __attribute__((always_inline))")
     )
 }
 

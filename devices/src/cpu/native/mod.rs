@@ -13,7 +13,8 @@
 //! for their [`SMALL_RUNS`]th run: a few runs of them cost little interpreted, many runs (a
 //! replayed step) cost the interpreter's per-node dispatch each time. Never kernels the
 //! printer does not print (matrix products, half types, rows with positions after the axis),
-//! nor rows split across threads (see `rows::Plan::splits`). Libraries are shared by every device of the process
+//! nor rows split across threads (see `rows::Plan::splits`), nor kernels of more than
+//! [`MAX_NODES`] expression nodes. Libraries are shared by every device of the process
 //! (keyed by their source) and kept on disk across processes (see `compile`). A kernel whose
 //! compilation fails is interpreted, and the failure logged once.
 //!
@@ -44,6 +45,14 @@ pub const MIN_RUN: usize = 64;
 /// dispatch than its library's call costs (C4's step: about 2 us of 4.5 in the interpreter for
 /// 60 nodes over one element), while a kernel that runs a few times is not worth a compile.
 pub const SMALL_RUNS: u64 = 64;
+
+/// Kernels of more expression nodes than this (all loops together) stay interpreted: the
+/// compiler takes seconds over their thousands of lines (on a thread that competes with the
+/// program's), and a loop body that large is no longer vectorised, while the interpreter's
+/// per-node dispatch is already small next to each node's work over a chunk. (A 10,000-node
+/// random graph, O2's, fuses into kernels of about 2,500 nodes: compiled, its flush ran 2.4x
+/// slower.)
+pub const MAX_NODES: usize = 1024;
 
 type LoopFn = unsafe extern "C" fn(*const *mut u8, i64, i64);
 /// A row kernel's entry point: arguments, rows `from..to`, scratch.
@@ -311,15 +320,22 @@ impl Native {
         if mode == CompileMode::Off {
             return None;
         }
-        let small = match &kernel.body {
+        let (small, nodes) = match &kernel.body {
             Body::Map(loops) => {
                 let long_runs = loops.iter().all(|l| l.dims.last().is_none_or(|&d| d >= MIN_RUN));
-                kernel.output_elements() < MIN_ELEMENTS || !long_runs
+                let nodes = loops.iter().map(|l| l.expr.nodes.len()).sum();
+                (kernel.output_elements() < MIN_ELEMENTS || !long_runs, nodes)
             }
             // A row's per-row work is a few scalars in compiled code, so short rows are fine.
-            Body::Rows(_) => rows?.dims.iter().product::<usize>() < MIN_ELEMENTS,
+            Body::Rows(_) => {
+                let r = rows?;
+                (r.dims.iter().product::<usize>() < MIN_ELEMENTS, r.expr.nodes.len())
+            }
             _ => return None,
         };
+        if nodes > MAX_NODES {
+            return None;
+        }
         let slot = {
             let mut kernels = self.kernels.lock().unwrap_or_else(|p| p.into_inner());
             if kernels.len() >= MAX_KERNELS {
