@@ -313,3 +313,34 @@ fn a_small_kernel_run_many_times_is_compiled_from_its_sixty_fourth_run() {
         assert!((y - want).abs() <= 1e-5 * want.abs().max(1.0), "run {run}: {y} vs {want}");
     }
 }
+
+#[test]
+fn a_kernel_of_more_than_max_nodes_stays_interpreted() {
+    if skip() {
+        return;
+    }
+    // Compiling thousands of nodes takes the compiler seconds and gives a loop too large to
+    // vectorise: such kernels are interpreted (the same values either way).
+    let dev = Device::new_cpu();
+    dev.set_compile_mode(CompileMode::Blocking);
+    let x = Tensor::randn([1 << 17], DType::F32, &dev);
+    x.to_vec::<f32>().unwrap();
+    let before = dev.compiled_kernels_launched();
+    let chain = |ops: usize| {
+        let mut y = x.clone();
+        for i in 0..ops {
+            y = if i % 2 == 0 { y.tanh() } else { &y * 1.01 };
+        }
+        y.to_vec::<f32>().unwrap().iter().sum::<f32>()
+    };
+    chain(8);
+    assert_eq!(dev.compiled_kernels_launched(), before + 1, "a short chain runs compiled");
+    let long = chain(braid_devices::cpu::native::MAX_NODES);
+    assert_eq!(
+        dev.compiled_kernels_launched(),
+        before + 1,
+        "a chain of {} nodes runs interpreted",
+        braid_devices::cpu::native::MAX_NODES
+    );
+    assert!(long.is_finite());
+}
