@@ -123,10 +123,12 @@ fn compiled_kernels_compute_the_interpreters_bits() {
 
 /// Row kernels compiled against the interpreter, bit for bit: every reduction (float sums and
 /// extremes fold in the interpreter's chunks and lanes), softmaxes, layer norms, argmaxes with
-/// one-hots and random numbers, along the last axis and over whole tensors; short rows, rows of
-/// one chunk, rows of several chunks with kept values, rows past the kept length; NaN,
-/// infinities and -0 in the inputs. Kernels the printer leaves to the interpreter (positions
-/// after the axis, rows split across threads) are counted, not compared.
+/// one-hots and random numbers, along the last axis, along other axes (positions after the
+/// axis, re-tiled column blocks) and over whole tensors; short rows, rows of one chunk, rows of
+/// several chunks with kept values, rows past the kept length; NaN, infinities and -0 in the
+/// inputs. Kernels the printer leaves to the interpreter (positions
+/// after the axis that do not merge into one stride, rows split across threads) are counted, not
+/// compared.
 #[test]
 fn compiled_row_kernels_compute_the_interpreters_bits() {
     if skip() {
@@ -148,7 +150,7 @@ fn compiled_row_kernels_compute_the_interpreters_bits() {
     }
     // Rows of one chunk (up to 4096), of several chunks (kept values), and past the kept length
     // in few rows (not split: under 2 x 32Ki positions).
-    let long: [(&[usize], Option<usize>); 8] = [
+    let long: [(&[usize], Option<usize>); 11] = [
         (&[24, 1000], Some(1)),
         (&[5, 4096], Some(1)),
         (&[3, 2, 5000], Some(2)),
@@ -158,6 +160,11 @@ fn compiled_row_kernels_compute_the_interpreters_bits() {
         (&[2, 70000], Some(1)),
         // Enough rows not to be split, a scratch of over 1 MiB for f64 (allocated per call).
         (&[16, 140_000], Some(1)),
+        // Reductions along a non-last axis: re-tiled into column blocks, or (enough rows) as
+        // they are.
+        (&[300, 512], Some(0)),
+        (&[4, 50, 256], Some(1)),
+        (&[20, 7, 130], Some(1)),
     ];
     for (i, (dims, axis)) in long.iter().enumerate() {
         for j in 0..6 {

@@ -29,6 +29,7 @@
 //! matrix products, and kernels touching f16 or bf16. The printer only prints: compiling, caching and loading
 //! are the device's (`braid_devices::cpu::native`).
 
+mod columns;
 mod rows;
 #[cfg(test)]
 mod tests;

@@ -16,7 +16,7 @@
 //! axis (`inner > 1`), whole-tensor rows through views that do not merge into one dimension,
 //! means of integers, reductions of bools.
 
-use super::along;
+use super::{along, columns};
 use crate::cexpr::*;
 use crate::kernel::{Kernel, RowKernel, View};
 use crate::row_passes::{KEEP_ROW, KeepPlan, RowPasses, chunk_width, keep_plan};
@@ -40,15 +40,17 @@ pub struct RowsSource {
 fn row_stride(view: &View, r: &RowKernel) -> Option<isize> {
     match r.axis {
         Some(d) => Some(view.strides[d]),
-        None => {
-            // Row-major positions over every dimension: one stride when the dimensions of
-            // extent > 1 nest contiguously.
-            let walked: Vec<(usize, isize)> =
-                r.dims.iter().zip(&view.strides).filter(|(e, _)| **e > 1).map(|(&e, &s)| (e, s)).collect();
-            let ok = walked.windows(2).all(|w| w[0].1 == w[1].1 * w[1].0 as isize);
-            ok.then(|| walked.last().map_or(0, |w| w.1))
-        }
+        None => merged_stride(&r.dims, &view.strides),
     }
+}
+
+/// The one stride that walks row-major positions over `dims` with `strides`, when the
+/// dimensions of extent > 1 nest contiguously.
+fn merged_stride(dims: &[usize], strides: &[isize]) -> Option<isize> {
+    let walked: Vec<(usize, isize)> =
+        dims.iter().zip(strides).filter(|(e, _)| **e > 1).map(|(&e, &s)| (e, s)).collect();
+    let ok = walked.windows(2).all(|w| w[0].1 == w[1].1 * w[1].0 as isize);
+    ok.then(|| walked.last().map_or(0, |w| w.1))
 }
 
 /// The element offset of `view` at position 0 of row `o`, in terms of the row's indices
@@ -83,14 +85,25 @@ pub(super) fn print_rows(
         Some(d) => return Err(format!("axis {d} of a {}-dimensional row kernel", r.dims.len())),
         None => (r.dims.iter().product(), 1, &[]),
     };
-    if inner != 1 {
+    if inner > columns::MAX_INNER {
         return Err(format!("rows with {inner} positions after the axis (interpreted)"));
     }
-    let views = r.loads.iter().map(|l| &l.view).chain(r.stores.iter().map(|s| &s.view));
-    let strides: Vec<isize> = views
+    let views: Vec<&View> = r.loads.iter().map(|l| &l.view).chain(r.stores.iter().map(|s| &s.view)).collect();
+    let strides: Vec<isize> = (views.iter())
         .map(|v| row_stride(v, r).ok_or_else(|| format!("view {v:?} does not walk the row with one stride")))
         .collect::<Result<_, _>>()?;
     let (load_strides, store_strides) = strides.split_at(r.loads.len());
+    // With positions after the axis: each view's stride along those (merged into one).
+    let inner_strides: Vec<isize> = match r.axis {
+        Some(d) if inner > 1 => (views.iter())
+            .map(|v| {
+                let dims = &r.dims[d + 1..];
+                merged_stride(dims, &v.strides[d + 1..])
+                    .ok_or_else(|| format!("view {v:?} does not walk the positions after the axis with one stride"))
+            })
+            .collect::<Result<_, _>>()?,
+        _ => vec![0; views.len()],
+    };
     // Two rows writing one element would race across tasks.
     for s in &r.stores {
         let repeats = (0..r.dims.len()).any(|d| Some(d) != r.axis && r.dims[d] > 1 && s.view.strides[d] == 0);
@@ -119,12 +132,13 @@ pub(super) fn print_rows(
         .collect();
     roots.push(passes.elem_roots.clone());
     // Without kept values, every pass evaluates all it needs.
-    let keep = (if len <= KEEP_ROW { keep_plan(r, &passes.per_row, &roots) } else { None }).unwrap_or_else(|| {
-        let need = (passes.phases.iter().filter(|(q, _)| live[*q]).map(|(_, n)| n.clone()))
-            .chain([passes.last_phase.clone()])
-            .collect();
-        KeepPlan { need, fill: vec![vec![]; roots.len()], save: vec![vec![]; roots.len()], kept: vec![] }
-    });
+    let keep =
+        (if len * inner <= KEEP_ROW { keep_plan(r, &passes.per_row, &roots) } else { None }).unwrap_or_else(|| {
+            let need = (passes.phases.iter().filter(|(q, _)| live[*q]).map(|(_, n)| n.clone()))
+                .chain([passes.last_phase.clone()])
+                .collect();
+            KeepPlan { need, fill: vec![vec![]; roots.len()], save: vec![vec![]; roots.len()], kept: vec![] }
+        });
     let pass = |q: usize| (&keep.need[q][..], &keep.fill[q][..], &keep.save[q][..]);
     let _ = writeln!(
         out,
@@ -146,7 +160,7 @@ pub(super) fn print_rows(
     for &i in &keep.kept {
         let t = ctype(nodes[i].dtype);
         let _ = writeln!(out, "  {t} *const k{i} = ({t} *)(scratch + {scratch});");
-        scratch += (len * nodes[i].dtype.compute().size()).next_multiple_of(64);
+        scratch += (len * inner * nodes[i].dtype.compute().size()).next_multiple_of(64);
     }
     if scratch == 0 {
         out.push_str("  (void)scratch;\n");
@@ -169,6 +183,12 @@ pub(super) fn print_rows(
     }
     for (s, store) in r.stores.iter().enumerate() {
         let _ = writeln!(out, "    const long long w{s} = {};", row_start(&store.view, r));
+    }
+    if inner > 1 {
+        let c = columns::Columns { r, len, inner, load_strides, store_strides, inner_strides: &inner_strides };
+        c.body(out, &passes, &live, &phases, &keep)?;
+        out.push_str("  }\n}\n");
+        return Ok(RowsSource { scratch });
     }
     // Loads through equal views share one row start, whatever their arguments.
     let offset = |v: &View| {
@@ -391,7 +411,7 @@ impl Printer<'_> {
 }
 
 /// The least (`max` false) or greatest value of integer type `d`.
-fn int_bound(d: DType, max: bool) -> i64 {
+pub(super) fn int_bound(d: DType, max: bool) -> i64 {
     match (d, max) {
         (DType::I32, false) => i32::MIN as i64,
         (DType::I32, true) => i32::MAX as i64,
@@ -403,7 +423,7 @@ fn int_bound(d: DType, max: bool) -> i64 {
 }
 
 /// The unsigned C type integer sums of `d` wrap in.
-fn unsigned(d: DType) -> &'static str {
+pub(super) fn unsigned(d: DType) -> &'static str {
     match d {
         DType::I64 => "unsigned long long",
         DType::I32 => "unsigned int",
