@@ -22,10 +22,10 @@
 //! no NaNs, or to evaluate math functions itself. `tests/native_kernels.rs` compiles about 150
 //! random kernels and compares every output bit with the evaluator's (NaN payloads aside).
 //!
-//! Row kernels whose rows are walked with one stride are printed by [`rows`] (one entry point
-//! over a range of rows).
+//! Row kernels whose rows are walked with one stride are printed by `rows` (one entry point
+//! over a range of rows; `columns` for positions after the axis).
 //!
-//! Not printed (an `Err`, and the CPU interprets the kernel): other row kernels (see [`rows`]),
+//! Not printed (an `Err`, and the CPU interprets the kernel): other row kernels (see `rows`),
 //! matrix products, and kernels touching f16 or bf16. The printer only prints: compiling, caching and loading
 //! are the device's (`braid_devices::cpu::native`).
 

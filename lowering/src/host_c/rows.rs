@@ -1,6 +1,6 @@
-//! Host C printing of row kernels whose rows are walked with one stride (reductions along the
-//! last axis with nothing after it, or over a whole tensor whose views merge into one
-//! dimension): one entry point
+//! Host C printing of row kernels whose rows are walked with one stride (reductions along an
+//! axis, or over a whole tensor whose views merge into one dimension; positions after the axis,
+//! if any, merged into one more stride and printed by [`super::columns`]): one entry point
 //! `void NAME_rows(unsigned char *const *args, long long from, long long to, unsigned char *scratch)`
 //! that computes rows `from..to`, so the caller spreads rows over threads as it likes.
 //!
@@ -12,9 +12,10 @@
 //! to the row's sum with compensation), so float sums, maxima and minima come out bit for bit
 //! as interpreted; argmax and integer reductions are exact in any order and fold one by one.
 //!
-//! Not printed (an `Err`, and the CPU interprets the kernel): rows with positions after the
-//! axis (`inner > 1`), whole-tensor rows through views that do not merge into one dimension,
-//! means of integers, reductions of bools.
+//! Not printed (an `Err`, and the CPU interprets the kernel): views whose positions do not
+//! merge into one stride along the axis and one after it, more than
+//! [`super::columns::MAX_INNER`] positions after the axis, means of integers, reductions of
+//! bools.
 
 use super::{along, columns};
 use crate::cexpr::*;
