@@ -19,6 +19,7 @@ thread_local! {
 }
 
 /// The stream work recorded now on this thread goes to, on `device`.
+#[inline]
 pub(crate) fn current_stream(device: DeviceId) -> StreamId {
     SCOPES.with(|s| s.borrow().iter().rev().find(|(d, _)| *d == device).map_or(StreamId(0), |&(_, st)| st))
 }
@@ -39,6 +40,8 @@ pub(crate) fn with_stream<R>(device: DeviceId, stream: StreamId, f: impl FnOnce(
 
 /// Records `op` over the versions `inputs` name on `engine`'s current stream; with
 /// `version_of`, the new node becomes that tensor's version. Returns the node with one handle.
+/// (Inlined: the op and shape are moved once, into the engine's node.)
+#[inline]
 pub(crate) fn record(
     engine: &Engine,
     op: Op,

@@ -118,8 +118,12 @@ impl std::ops::DerefMut for Locked<'_> {
 }
 
 impl Drop for Locked<'_> {
+    #[inline]
     fn drop(&mut self) {
         let Some(mut guard) = self.0.take() else { return };
+        if guard.deferred.is_empty() {
+            return;
+        }
         let deferred = std::mem::take(&mut guard.deferred);
         drop(guard);
         for (engine, node) in deferred {
@@ -178,8 +182,11 @@ pub(crate) fn collect(st: &mut State, start: impl IntoIterator<Item = NodeId>) {
             continue;
         }
         candidates.extend(st.graph.predecessors(id));
-        let node = st.graph.remove(id).expect("checked");
-        match node.value {
+        // The value taken out first: the node itself (144 bytes) is dropped where petgraph
+        // hands it back, rather than moved up the stack.
+        let value = st.graph.node_mut(id).value.take();
+        st.graph.remove(id);
+        match value {
             None => st.pending -= 1,
             Some(Value::Remote(r)) if !r.resolved() => st.deferred.push((r.source, r.node)),
             _ => {}
