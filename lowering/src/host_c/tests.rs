@@ -90,12 +90,27 @@ fn a_softmax_row_kernel_keeps_exp_folds_in_the_interpreters_lanes_and_streams_it
 }
 
 #[test]
-fn row_kernels_with_positions_after_the_axis_are_left_to_the_interpreter() {
-    let mut k = crate::cuda::tests::softmax_rows(8, 16);
-    let Body::Rows(r) = &mut k.body else { unreachable!() };
-    r.axis = Some(0);
-    for v in r.loads.iter_mut().map(|l| &mut l.view).chain(r.stores.iter_mut().map(|s| &mut s.view)) {
-        v.strides[0] = 16;
+fn row_kernels_along_a_non_last_axis_step_along_it_and_across_the_positions_after_it() {
+    // A softmax over dim 0 of [8, 16]: 16 positions after the axis, per-row values as arrays.
+    let along_dim0 = |rows: usize, cols: usize| {
+        let mut k = crate::cuda::tests::softmax_rows(rows, cols);
+        let Body::Rows(r) = &mut k.body else { unreachable!() };
+        r.axis = Some(0);
+        for v in r.loads.iter_mut().map(|l| &mut l.view).chain(r.stores.iter_mut().map(|s| &mut s.view)) {
+            v.strides[0] = cols as isize;
+        }
+        k
+    };
+    let s = print(&along_dim0(8, 16), "k", 1 << 20).unwrap().source;
+    for part in [
+        "float acc1[16];",
+        "for (long long a = 0; a < 8LL; a++) {",
+        "for (int ii = 0; ii < 16; ii++) {",
+        "pr1[ii] = acc1[ii];",
+    ] {
+        assert!(s.contains(part), "{part:?} in:\n{s}");
     }
-    assert!(print(&k, "k", 1 << 20).unwrap_err().contains("16 positions after the axis"));
+    // More positions after the axis than per-row arrays hold on the stack: interpreted.
+    let err = print(&along_dim0(2, columns::MAX_INNER + 1), "k", 1 << 20).unwrap_err();
+    assert!(err.contains("positions after the axis"), "{err}");
 }
