@@ -163,8 +163,9 @@ impl Device {
 
     /// Sets when this device compiles kernels to machine code; `BRAID_CPU_COMPILE` sets it
     /// when the device is created (`background` by default). The CPU device compiles kernels of
-    /// fused elementwise work producing at least 65,536 elements (smaller ones once they have
-    /// run 64 times, as a replayed [`Step`](crate::Step)'s do) with the system's C compiler
+    /// fused elementwise work producing at least 65,536 elements and reductions over at least
+    /// 65,536 positions (smaller ones once they have run 64 times, as a replayed
+    /// [`Step`](crate::Step)'s do; never kernels of more than 1,024 expression nodes) with the system's C compiler
     /// (`cc`, or `BRAID_CC`), keeping the libraries in a disk cache (`BRAID_KERNEL_CACHE`, else
     /// `~/.cache/braid/kernels`); without a compiler, every kernel is interpreted. Compiled or
     /// interpreted, a kernel computes the same bits (but for the payload of a NaN), so the mode

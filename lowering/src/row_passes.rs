@@ -65,10 +65,11 @@ impl RowPasses {
         RowPasses { per_row, row_stores, phases, elem_roots, last_phase }
     }
 
-    /// The values each pass computes: the operand of each reduction, then the per-element
-    /// stores' values.
-    pub fn roots(&self, k: &RowKernel) -> Vec<Vec<usize>> {
+    /// The values each pass computes: the operand of each reduction `pass(node)` keeps (all of
+    /// them, or the live ones), then the per-element stores' values.
+    pub fn roots(&self, k: &RowKernel, pass: impl Fn(usize) -> bool) -> Vec<Vec<usize>> {
         let mut roots: Vec<Vec<usize>> = (self.phases.iter())
+            .filter(|&&(r, _)| pass(r))
             .map(|&(r, _)| match k.expr.nodes[r].op {
                 ExprOp::Reduce(_, x) => vec![x as usize],
                 _ => unreachable!("phases are reductions"),

@@ -56,7 +56,7 @@ fn plan_for(k: &RowKernel) -> Plan {
     let nodes = &k.expr.nodes;
     let d = k.axis;
     let passes = RowPasses::of(k);
-    let roots = passes.roots(k);
+    let roots = passes.roots(k, |_| true);
     let RowPasses { per_row, row_stores, phases, elem_roots, last_phase } = passes;
     // Per-row values read by per-element nodes, reduced themselves (a value constant along the
     // axis, like a broadcast load), or stored over the whole row are broadcast into each chunk.

@@ -66,15 +66,8 @@ impl Columns<'_> {
             }
         };
         let elements = |out: &mut String, indent: &str, q: usize| {
-            for &i in &keep.fill[q] {
-                let _ = writeln!(out, "{indent}const {} v{i} = k{i}[p];", ctype(nodes[i].dtype));
-            }
-            for &i in &keep.need[q] {
-                let _ = writeln!(out, "{indent}const {} v{i} = {};", ctype(nodes[i].dtype), exprs[i]);
-            }
-            for &i in &keep.save[q] {
-                let _ = writeln!(out, "{indent}k{i}[p] = v{i};");
-            }
+            let pass = (&keep.need[q][..], &keep.fill[q][..], &keep.save[q][..]);
+            super::rows::print_elements(out, indent, nodes, &exprs, pass);
         };
         let per_row = |i: usize| passes.per_row[i] && live[i] && !matches!(nodes[i].op, ExprOp::Reduce(..));
         // Per-row values as soon as their reductions are done, as the interpreter computes them.
@@ -102,14 +95,7 @@ impl Columns<'_> {
             let ExprOp::Reduce(op, x) = nodes[red].op else { unreachable!("phases are reductions") };
             let d = nodes[x as usize].dtype;
             let t = ctype(d);
-            let init = match (op, d.is_float()) {
-                (ReduceOp::Sum | ReduceOp::Mean, true) => float_literal(0.0, d),
-                (ReduceOp::Sum | ReduceOp::Mean, false) => "0".into(),
-                (ReduceOp::Max | ReduceOp::ArgMax, true) => float_literal(f64::NEG_INFINITY, d),
-                (ReduceOp::Min, true) => float_literal(f64::INFINITY, d),
-                (ReduceOp::Max | ReduceOp::ArgMax, false) => int_literal(super::rows::int_bound(d, false), d),
-                (ReduceOp::Min, false) => int_literal(super::rows::int_bound(d, true), d),
-            };
+            let init = super::rows::reduction_init(op, d);
             let acc = format!("acc{red}[ii]");
             let at = format!("at{red}[ii]");
             let fold = match (op, d.is_float()) {

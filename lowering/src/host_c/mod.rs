@@ -99,7 +99,7 @@ pub fn print(kernel: &Kernel, name: &str, stream_bytes: usize) -> Result<HostSou
                 return Err("a cast to a half type (not printed for the host)".into());
             }
             let entry = format!("{name}_rows");
-            row_scratch = Some(rows::print_rows(&mut body, r, kernel, &entry, stream_bytes)?.scratch);
+            row_scratch = Some(rows::print_rows(&mut body, r, kernel, &entry, stream_bytes)?);
             entries.push(entry);
         }
         _ => return Err("only map loops and row kernels are printed for the host".into()),

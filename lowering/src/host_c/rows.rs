@@ -6,7 +6,7 @@
 //!
 //! Each row runs the passes of [`crate::row_passes`] as the CPU interpreter does: the per-row
 //! values as scalars, one pass per reduction, then the per-element stores; values a later pass
-//! needs are kept in `scratch` ([`RowsSource::scratch`] bytes per running call) instead of
+//! needs are kept in `scratch` (as many bytes per running call as [`print_rows`] returns) instead of
 //! recomputed. A pass folds its row in the interpreter's chunks ([`chunk_width`]) and each chunk
 //! in its lanes (four accumulators of 16 lanes, then the lanes in order, then the chunk added
 //! to the row's sum with compensation), so float sums, maxima and minima come out bit for bit
@@ -29,12 +29,6 @@ use std::fmt::Write;
 const FOLD_BLOCK: usize = 64;
 /// Lanes per accumulator (as `braid_devices::cpu::reduce::fold_lanes`).
 const LANES: usize = 16;
-
-/// What the printed entry point of a row kernel needs from its caller besides arguments.
-pub struct RowsSource {
-    /// Bytes of scratch per running call (kept values), 64-byte aligned; 0 when none.
-    pub scratch: usize,
-}
 
 /// The stride along the row of `view` (rows walked with one stride), or `None` when its row
 /// positions are not one stride apart.
@@ -67,14 +61,15 @@ fn row_start(view: &View, r: &RowKernel) -> String {
     s
 }
 
-/// Prints row kernel `r` of `kernel` as the entry point `name`.
+/// Prints row kernel `r` of `kernel` as the entry point `name`; returns the bytes of scratch
+/// each running call needs (kept values, 64-byte aligned; 0 when none).
 pub(super) fn print_rows(
     out: &mut String,
     r: &RowKernel,
     kernel: &Kernel,
     name: &str,
     stream_bytes: usize,
-) -> Result<RowsSource, String> {
+) -> Result<usize, String> {
     let arg = |a: u16| kernel.args.get(a as usize).map(|p| (p.dtype, p.len, a as usize >= kernel.inputs));
     check_printable(&r.loads, &r.stores, &r.expr, &r.dims, arg)?;
     if let Some(x) = r.loads.iter().find(|x| x.arg as usize >= kernel.inputs) {
@@ -124,14 +119,7 @@ pub(super) fn print_rows(
             _ => {}
         }
     }
-    let mut roots: Vec<Vec<usize>> = phases
-        .iter()
-        .map(|&q| match nodes[q].op {
-            ExprOp::Reduce(_, x) => vec![x as usize],
-            _ => unreachable!("phases are reductions"),
-        })
-        .collect();
-    roots.push(passes.elem_roots.clone());
+    let roots = passes.roots(r, |q| live[q]);
     // Without kept values, every pass evaluates all it needs.
     let keep =
         (if len * inner <= KEEP_ROW { keep_plan(r, &passes.per_row, &roots) } else { None }).unwrap_or_else(|| {
@@ -189,7 +177,7 @@ pub(super) fn print_rows(
         let c = columns::Columns { r, len, inner, load_strides, store_strides, inner_strides: &inner_strides };
         c.body(out, &passes, &live, &phases, &keep)?;
         out.push_str("  }\n}\n");
-        return Ok(RowsSource { scratch });
+        return Ok(scratch);
     }
     // Loads through equal views share one row start, whatever their arguments.
     let offset = |v: &View| {
@@ -262,7 +250,7 @@ pub(super) fn print_rows(
         out.push_str("#if defined(__SSE__)\n  _mm_sfence();\n#endif\n");
     }
     out.push_str("}\n");
-    Ok(RowsSource { scratch })
+    Ok(scratch)
 }
 
 /// Prints the passes of one row kernel.
@@ -274,19 +262,8 @@ struct Printer<'a> {
 }
 
 impl Printer<'_> {
-    /// The statements computing the per-element nodes `need` at position `p` (kept `fill`
-    /// nodes first, from the scratch), then keeping the `save` nodes.
-    fn elements(&self, out: &mut String, indent: &str, (need, fill, save): (&[usize], &[usize], &[usize])) {
-        let nodes = &self.r.expr.nodes;
-        for &i in fill {
-            let _ = writeln!(out, "{indent}const {} v{i} = k{i}[p];", ctype(nodes[i].dtype));
-        }
-        for &i in need {
-            let _ = writeln!(out, "{indent}const {} v{i} = {};", ctype(nodes[i].dtype), self.exprs[i]);
-        }
-        for &i in save {
-            let _ = writeln!(out, "{indent}k{i}[p] = v{i};");
-        }
+    fn elements(&self, out: &mut String, indent: &str, pass: (&[usize], &[usize], &[usize])) {
+        print_elements(out, indent, &self.r.expr.nodes, self.exprs, pass);
     }
 
     /// A pass folding reduction node `red` over the row, then declaring `v{red}`.
@@ -296,14 +273,7 @@ impl Printer<'_> {
         let d = nodes[x as usize].dtype;
         let (t, len, width) = (ctype(d), self.len, chunk_width(self.len));
         let float = d.is_float();
-        let init = match (op, float) {
-            (ReduceOp::Sum | ReduceOp::Mean, true) => float_literal(0.0, d),
-            (ReduceOp::Sum | ReduceOp::Mean, false) => "0".into(),
-            (ReduceOp::Max | ReduceOp::ArgMax, true) => float_literal(f64::NEG_INFINITY, d),
-            (ReduceOp::Min, true) => float_literal(f64::INFINITY, d),
-            (ReduceOp::Max | ReduceOp::ArgMax, false) => int_literal(int_bound(d, false), d),
-            (ReduceOp::Min, false) => int_literal(int_bound(d, true), d),
-        };
+        let init = reduction_init(op, d);
         let _ = writeln!(out, "    {t} acc{red} = {init}, comp{red} = 0;\n    long long at{red} = 0;");
         let _ = writeln!(
             out,
@@ -411,8 +381,40 @@ impl Printer<'_> {
     }
 }
 
+/// The statements computing the per-element nodes `need` (with their expressions `exprs`) at
+/// position `p`: kept `fill` nodes first, from the scratch, then keeping the `save` nodes.
+pub(super) fn print_elements(
+    out: &mut String,
+    indent: &str,
+    nodes: &[braid_graph::expr::ExprNode],
+    exprs: &[String],
+    (need, fill, save): (&[usize], &[usize], &[usize]),
+) {
+    for &i in fill {
+        let _ = writeln!(out, "{indent}const {} v{i} = k{i}[p];", ctype(nodes[i].dtype));
+    }
+    for &i in need {
+        let _ = writeln!(out, "{indent}const {} v{i} = {};", ctype(nodes[i].dtype), exprs[i]);
+    }
+    for &i in save {
+        let _ = writeln!(out, "{indent}k{i}[p] = v{i};");
+    }
+}
+
+/// The identity a reduction `op` of operand type `d` starts from.
+pub(super) fn reduction_init(op: ReduceOp, d: DType) -> String {
+    match (op, d.is_float()) {
+        (ReduceOp::Sum | ReduceOp::Mean, true) => float_literal(0.0, d),
+        (ReduceOp::Sum | ReduceOp::Mean, false) => "0".into(),
+        (ReduceOp::Max | ReduceOp::ArgMax, true) => float_literal(f64::NEG_INFINITY, d),
+        (ReduceOp::Min, true) => float_literal(f64::INFINITY, d),
+        (ReduceOp::Max | ReduceOp::ArgMax, false) => int_literal(int_bound(d, false), d),
+        (ReduceOp::Min, false) => int_literal(int_bound(d, true), d),
+    }
+}
+
 /// The least (`max` false) or greatest value of integer type `d`.
-pub(super) fn int_bound(d: DType, max: bool) -> i64 {
+fn int_bound(d: DType, max: bool) -> i64 {
     match (d, max) {
         (DType::I32, false) => i32::MIN as i64,
         (DType::I32, true) => i32::MAX as i64,
