@@ -71,6 +71,9 @@ pub(crate) struct Faults {
 pub(crate) struct Engine {
     pub(crate) id: DeviceId,
     pub(crate) backend: Arc<dyn Backend>,
+    /// The element types the backend computes with (its target's, copied here so that
+    /// recording checks a result's dtype without a call through the backend).
+    pub(crate) dtypes: braid_graph::DTypes,
     state: Mutex<State>,
     pub(crate) plans: Mutex<cache::PlanCache>,
     pub(crate) last_schedule: Mutex<Option<ScheduleDump>>,
@@ -136,6 +139,7 @@ impl Engine {
         let mut engines = lock(&ENGINES);
         let engine = Arc::new(Engine {
             id: DeviceId(engines.len() as u32),
+            dtypes: backend.target().dtypes,
             backend,
             state: Mutex::new(State {
                 graph: Graph::new(),

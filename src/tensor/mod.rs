@@ -91,7 +91,9 @@ impl Tensor {
         if !addressable {
             misuse(op.name(), &format!("a result of shape {shape} and dtype {dtype} is too large to address"), &[]);
         }
-        supported(op.name(), dtype, device);
+        if !device.engine().dtypes.contains(dtype) {
+            supported(op.name(), dtype, device);
+        }
         let stream = current_stream(device.id());
         let mut tracker = Tracker::new(&op, inputs, None, (&shape, dtype, device, stream));
         let mut track =
