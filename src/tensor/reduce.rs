@@ -99,13 +99,15 @@ impl Tensor {
         self.dim(op, dim)
     }
 
-    /// `exp(x - max) / sum(exp(x - max))` along `dim` (floats).
+    /// `exp(x - max) / sum(exp(x - max))` along `dim` (floats), computed as
+    /// `exp(x - max) * recip(sum(...))`: one division per row and a product per element, as
+    /// PyTorch's softmax does (within an ulp or two of dividing each element).
     #[track_caller]
     pub fn softmax(&self, dim: impl Dim) -> Tensor {
         let dim = self.float_dim("softmax", dim);
         let shifted = self - &self.max_dim(dim, true);
         let e = shifted.exp();
-        &e / &e.sum_dim(dim, true)
+        &e * &e.sum_dim(dim, true).recip()
     }
 
     /// `x - max - log(sum(exp(x - max)))` along `dim` (floats).
