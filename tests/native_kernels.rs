@@ -351,3 +351,37 @@ fn a_kernel_of_more_than_max_nodes_stays_interpreted() {
     );
     assert!(long.is_finite());
 }
+
+/// Matrix products with elementwise epilogues: a layer's `relu(x w + b)` and its mask (the
+/// product overwritten in place, a bool output beside it), a product kept as an output beside
+/// its epilogue's result, and a transposed operand; every product of 65,536 elements (large
+/// enough to be compiled from its first run).
+fn products(dev: &Device, seed: u64) -> Vec<Vec<u8>> {
+    dev.seed(seed);
+    let x = Tensor::randn([256, 160], DType::F32, dev);
+    let w = Tensor::randn([160, 256], DType::F32, dev);
+    let b = Tensor::randn([256], DType::F32, dev);
+    let h = &x.matmul(&w) + &b;
+    let kept = x.matmul(&w);
+    let scaled = (&kept * 0.5).tanh();
+    let transposed = (x.matmul(&x.t()) - 1.0).exp();
+    let bytes = |t: &Tensor| t.to_vec::<f32>().unwrap().iter().flat_map(|v| v.to_bits().to_le_bytes()).collect();
+    let mask = h.gt(&Tensor::zeros([], DType::F32, dev)).to_vec::<bool>().unwrap();
+    vec![bytes(&h.relu()), mask.iter().map(|&m| m as u8).collect(), bytes(&kept), bytes(&scaled), bytes(&transposed)]
+}
+
+#[test]
+fn matrix_product_epilogues_run_compiled_with_the_interpreters_bits() {
+    if skip() {
+        return;
+    }
+    let dev = Device::new_cpu();
+    dev.set_compile_mode(CompileMode::Off);
+    let interpreted = products(&dev, 11);
+    dev.set_compile_mode(CompileMode::Blocking);
+    let compiled = products(&dev, 11);
+    assert!(dev.compiled_kernels_launched() >= 3, "{} kernels ran compiled", dev.compiled_kernels_launched());
+    for (i, (a, b)) in interpreted.iter().zip(&compiled).enumerate() {
+        assert!(a == b, "output {i} differs between the interpreted and the compiled epilogue");
+    }
+}

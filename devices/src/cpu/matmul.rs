@@ -5,7 +5,7 @@
 
 use super::map::{ArgPtr, run_loop};
 use braid_graph::DType;
-use braid_lowering::{MatmulKernel, MatmulOperand};
+use braid_lowering::{Arg, Body, Kernel, MapLoop, MatmulKernel, MatmulOperand};
 use gemm::Parallelism;
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -90,8 +90,18 @@ fn check_operand(op: &MatmulOperand, arg: &ArgPtr, rows: usize, cols: usize, dty
 }
 
 /// Runs a matrix-product kernel: checks its operands, computes every batch's product into
-/// the product argument (or scratch memory), then runs the epilogue.
+/// the product argument (or scratch memory), then runs the epilogue (interpreted).
 pub fn run_matmul(k: &MatmulKernel, args: &[ArgPtr]) -> Result<(), String> {
+    run_matmul_with(k, args, run_loop)
+}
+
+/// [`run_matmul`] with the epilogue run by `epilogue(loop, args)`, where `args` are the
+/// kernel's arguments followed, when the product goes to scratch memory, by that scratch.
+pub fn run_matmul_with(
+    k: &MatmulKernel,
+    args: &[ArgPtr],
+    epilogue: impl FnOnce(&MapLoop, &[ArgPtr]) -> Result<(), String>,
+) -> Result<(), String> {
     let get = |i: u16| args.get(i as usize).copied().ok_or_else(|| format!("matmul argument {i} missing"));
     let (lhs, rhs) = (get(k.lhs.arg)?, get(k.rhs.arg)?);
     if k.rhs.batch_offsets.len() != k.lhs.batch_offsets.len() {
@@ -132,11 +142,37 @@ pub fn run_matmul(k: &MatmulKernel, args: &[ArgPtr]) -> Result<(), String> {
             DType::Bool => return Err("matmul of bool is rejected when recorded".into()),
         }
     }
-    if let Some(epilogue) = &k.epilogue {
-        run_loop(epilogue, &all)?;
+    if let Some(l) = &k.epilogue {
+        epilogue(l, &all)?;
     }
     drop(scratch);
     Ok(())
+}
+
+/// The epilogue of matrix-product kernel `kernel` (whose body is `k`) as a kernel of one map
+/// loop, so that it can be compiled like any other. Its first argument is the product, an input
+/// here (it is complete before the epilogue starts); the matrix kernel's arguments follow, one
+/// place later. An epilogue may overwrite the product in place (each index reads and writes
+/// the same element: the product's loads and stores share one view); `None` when it writes to
+/// the product otherwise (that kernel stays interpreted).
+pub fn epilogue_kernel(kernel: &Kernel, k: &MatmulKernel, epilogue: &MapLoop) -> Option<Kernel> {
+    let mut l = epilogue.clone();
+    let mut product_views = (l.loads.iter().filter(|x| x.arg == k.product).map(|x| &x.view))
+        .chain(l.stores.iter().filter(|s| s.arg == k.product).map(|s| &s.view));
+    let first = product_views.next();
+    let in_place = l.stores.iter().any(|s| s.arg == k.product);
+    if in_place && product_views.any(|v| Some(v) != first) {
+        return None;
+    }
+    for x in &mut l.loads {
+        x.arg = if x.arg == k.product { 0 } else { x.arg + 1 };
+    }
+    for s in &mut l.stores {
+        s.arg += 1;
+    }
+    let product = Arg { dtype: k.dtype, len: k.lhs.batch_offsets.len() * k.m * k.n };
+    let args = std::iter::once(product).chain(kernel.args.iter().cloned()).collect();
+    Some(Kernel { args, inputs: kernel.inputs + 1, body: Body::Map(vec![l]) })
 }
 
 /// The batches of one product: shapes, operand addresses and strides, per-batch offsets, and

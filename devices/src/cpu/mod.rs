@@ -22,7 +22,7 @@ use crate::runtime::pool::{HostMemory, Pool, Slice};
 use crate::runtime::{Backend, Driver, Flush};
 use crate::{Buffer, DeviceError, MemoryStats};
 use braid_graph::Target;
-use braid_lowering::{Body, Kernel};
+use braid_lowering::{Body, Kernel, MatmulKernel};
 use braid_scheduler::{BufferPlan, Schedule, Space};
 use map::ArgPtr;
 use std::ptr::NonNull;
@@ -157,6 +157,9 @@ impl CpuDevice {
 
     /// Runs `kernel`, preparing it once per distinct (interned) kernel.
     fn run(&self, kernel: &Arc<Kernel>, args: &[ArgPtr]) -> Result<(), String> {
+        if let Body::Matmul(m) = &kernel.body {
+            return self.run_matmul(kernel, m, args);
+        }
         let plan = match &kernel.body {
             Body::Rows(r) => {
                 let key = Arc::as_ptr(kernel) as usize;
@@ -181,6 +184,36 @@ impl CpuDevice {
             };
         }
         run_prepared(kernel, plan.as_ref().map(|(_, p)| &**p), args)
+    }
+
+    /// Runs a matrix-product kernel; its epilogue runs as compiled code once the map kernel
+    /// made of it (`matmul::epilogue_kernel`, prepared once per interned kernel) is compiled,
+    /// interpreted until then.
+    fn run_matmul(&self, kernel: &Arc<Kernel>, m: &MatmulKernel, args: &[ArgPtr]) -> Result<(), String> {
+        let Some(l) = &m.epilogue else { return matmul::run_matmul(m, args) };
+        let epilogue = {
+            let key = Arc::as_ptr(kernel) as usize;
+            let mut prep = self.prepared.lock().unwrap_or_else(|p| p.into_inner());
+            if prep.epilogues.len() >= MAX_PREPARED {
+                prep.epilogues.clear();
+            }
+            let entry = (prep.epilogues.entry(key))
+                .or_insert_with(|| (kernel.clone(), matmul::epilogue_kernel(kernel, m, l).map(Arc::new)));
+            entry.1.clone()
+        };
+        matmul::run_matmul_with(m, args, |l, all| {
+            let compiled = epilogue.as_ref().and_then(|e| Some((e, self.native.library(e, None)?)));
+            match compiled {
+                Some((e, lib)) => {
+                    // The epilogue kernel's arguments: the product, then the matrix kernel's.
+                    let product = *all.get(m.product as usize).ok_or("matmul product missing")?;
+                    let with_product: Vec<ArgPtr> = std::iter::once(product).chain(args.iter().copied()).collect();
+                    // SAFETY: `library` gives the library printed from this very kernel.
+                    unsafe { lib.run(e, &with_product) }
+                }
+                None => map::run_loop(l, all),
+            }
+        })
     }
 
     /// A buffer of `bytes`; with `poison`, its memory is filled with 0xFF bytes (NaN for floats)
@@ -271,6 +304,8 @@ fn run_prepared(kernel: &Kernel, row_plan: Option<&rows::Plan>, args: &[ArgPtr])
 #[derive(Default)]
 struct Prepared {
     rows: hashbrown::HashMap<usize, (Arc<Kernel>, Arc<rows::Plan>)>,
+    /// Matrix-product kernels' epilogues as kernels of their own (`matmul::epilogue_kernel`).
+    epilogues: hashbrown::HashMap<usize, (Arc<Kernel>, Option<Arc<Kernel>>)>,
 }
 
 const MAX_PREPARED: usize = 4096;

@@ -182,6 +182,12 @@ static inline void braid_stream_f32(float *dst, const float *src, int n) {{
     )
 }
 
+/// The C type of an array of `d` values in a block or a row's scratch: a compute type, but bytes
+/// for bools (gcc does not vectorise a loop that stores into a `bool` array).
+fn array_ctype(d: DType) -> &'static str {
+    if d == DType::Bool { "unsigned char" } else { ctype(d) }
+}
+
 /// `base + k * stride`: element `k` of a run starting at `base`.
 fn along(base: &str, k: &str, stride: isize) -> String {
     match stride {
@@ -244,7 +250,7 @@ fn print_loop(out: &mut String, l: &MapLoop, name: &str, kernel: &Kernel, stream
         "    for (long long jb = 0; jb < run; jb += {BLOCK}) {{\n      const int n = run - jb < {BLOCK} ? (int)(run - jb) : {BLOCK};"
     );
     for (s, store) in l.stores.iter().enumerate() {
-        let t = ctype(l.expr.nodes[store.value as usize].dtype);
+        let t = array_ctype(l.expr.nodes[store.value as usize].dtype);
         let _ = writeln!(out, "      {t} t{s}[{BLOCK}] __attribute__((aligned(64)));");
     }
     let _ = writeln!(out, "      for (int jj = 0; jj < n; jj++) {{\n        const long long k = jb + jj;");

@@ -17,7 +17,7 @@
 //! [`super::columns::MAX_INNER`] positions after the axis, means of integers, reductions of
 //! bools.
 
-use super::{along, columns};
+use super::{along, array_ctype, columns};
 use crate::cexpr::*;
 use crate::kernel::{Kernel, RowKernel, View};
 use crate::row_passes::{KEEP_ROW, KeepPlan, RowPasses, chunk_width, keep_plan};
@@ -147,7 +147,7 @@ pub(super) fn print_rows(
     }
     let mut scratch = 0;
     for &i in &keep.kept {
-        let t = ctype(nodes[i].dtype);
+        let t = array_ctype(nodes[i].dtype);
         let _ = writeln!(out, "  {t} *const k{i} = ({t} *)(scratch + {scratch});");
         scratch += (len * inner * nodes[i].dtype.compute().size()).next_multiple_of(64);
     }
@@ -220,7 +220,7 @@ pub(super) fn print_rows(
             BLOCK = super::BLOCK
         );
         for &s in &elem {
-            let t = ctype(nodes[r.stores[s].value as usize].dtype);
+            let t = array_ctype(nodes[r.stores[s].value as usize].dtype);
             let _ = writeln!(out, "      {t} t{s}[{}] __attribute__((aligned(64)));", super::BLOCK);
         }
         out.push_str("      for (int j = 0; j < m; j++) {\n        const long long p = c + j;\n");
