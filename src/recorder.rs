@@ -38,12 +38,15 @@ pub(crate) fn with_stream<R>(device: DeviceId, stream: StreamId, f: impl FnOnce(
     f()
 }
 
-/// Records `op` over the versions `inputs` name on `engine`'s current stream; with
-/// `version_of`, the new node becomes that tensor's version. Returns the node with one handle.
-/// (Inlined: the op and shape are moved once, into the engine's node.)
+/// Records `op` over the versions `inputs` name on `stream` of `engine` (the caller's
+/// [`current_stream`], looked up once for its gradient bookkeeping too); with `version_of`, the
+/// new node becomes that tensor's version. Returns the node with one handle. (Inlined: the op
+/// and shape are moved once, into the engine's node.)
 #[inline]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn record(
     engine: &Engine,
+    stream: StreamId,
     op: Op,
     dtype: DType,
     shape: Shape,
@@ -51,7 +54,6 @@ pub(crate) fn record(
     version_of: Option<&AtomicU32>,
     track: Option<Track<'_>>,
 ) -> NodeId {
-    let stream = current_stream(engine.id);
     engine.record(NewNode { op, dtype, shape, stream }, inputs, version_of, track)
 }
 

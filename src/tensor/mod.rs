@@ -111,7 +111,7 @@ impl Tensor {
             ),
             _ => {
                 let cells: smallvec::SmallVec<[&AtomicU32; 3]> = inputs.iter().map(|t| &t.0.node).collect();
-                recorder::record(device.engine(), op, dtype, shape.clone(), &cells, None, track)
+                recorder::record(device.engine(), stream, op, dtype, shape.clone(), &cells, None, track)
             }
         };
         let t = Tensor::from_node(id, shape, dtype, device.clone());
@@ -137,7 +137,7 @@ impl Tensor {
         let mut track =
             tracker.as_mut().map(|t| move |r: &mut Retainer<'_>, ids: &[NodeId], out: NodeId| t.run(r, ids, out));
         let track = track.as_mut().map(|c| c as Track<'_>);
-        recorder::record(device.engine(), op, dtype, shape.clone(), &cells, Some(&self.0.node), track);
+        recorder::record(device.engine(), stream, op, dtype, shape.clone(), &cells, Some(&self.0.node), track);
     }
 
     /// Marks this tensor as a leaf whose gradient `backward` computes, and returns it (the
