@@ -114,3 +114,24 @@ fn row_kernels_along_a_non_last_axis_step_along_it_and_across_the_positions_afte
     let err = print(&along_dim0(2, columns::MAX_INNER + 1), "k", 1 << 20).unwrap_err();
     assert!(err.contains("positions after the axis"), "{err}");
 }
+
+#[test]
+fn bools_are_computed_into_byte_blocks() {
+    // `y = x > 0` over f32s into a bool output: gcc leaves a loop that stores into a `bool`
+    // array scalar, so the block a loop computes into holds bytes.
+    let mut b = ExprBuilder::default();
+    let x = b.load(0, DType::F32);
+    let zero = b.constant(0.0, DType::F32);
+    let y = b.cmp(braid_graph::expr::PrimCmp::Gt, x, zero);
+    let n = 4096;
+    let l = MapLoop {
+        dims: smallvec![n],
+        loads: vec![Load { arg: 0, dtype: DType::F32, view: contiguous(n) }],
+        expr: b.finish(),
+        stores: vec![Store { arg: 1, dtype: DType::Bool, view: contiguous(n), value: y }],
+    };
+    let args = vec![Arg { dtype: DType::F32, len: n }, Arg { dtype: DType::Bool, len: n }];
+    let k = Kernel { args, inputs: 1, body: Body::Map(vec![l]) };
+    let s = print(&k, "m", 4 << 20).unwrap().source;
+    assert!(s.contains("unsigned char t0[256]") && !s.contains("bool t0["), "{s}");
+}
