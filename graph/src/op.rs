@@ -6,7 +6,6 @@
 
 use crate::table::{BinaryOp, CompareOp, UnaryOp};
 use serde::{Deserialize, Serialize};
-use smallvec::SmallVec;
 use std::fmt;
 
 /// An f64 that is compared and hashed by its bits, so that ops holding scalars can key caches.
@@ -103,7 +102,9 @@ pub enum Op {
     Matmul,
     /// Same elements, the node's shape.
     Reshape,
-    Permute(SmallVec<[usize; 4]>),
+    /// The node's dimension `i` is input dimension `perm[i]`. (Boxed: the largest variant sets
+    /// the size of every recorded node, and graph nodes are moved whole.)
+    Permute(Box<[usize]>),
     /// Broadcast to the node's shape.
     Expand,
     Narrow {

@@ -15,6 +15,11 @@ use braid_graph::{Graph, Node, NodeId, StreamId};
 use hashbrown::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
+// Graph nodes are moved whole when added and removed (petgraph hands a removed node back by
+// value); at 128 bytes or less those moves are a few vector copies, above it a call to memcpy
+// on every record and every release.
+const _: () = assert!(std::mem::size_of::<Node<Value>>() <= 128);
+
 /// The value state of a node (`None` in the graph means pending).
 pub(crate) enum Value {
     /// Host data not yet on the device (`from_vec`); uploaded by the first flush or read that
