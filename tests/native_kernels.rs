@@ -126,9 +126,9 @@ fn compiled_kernels_compute_the_interpreters_bits() {
 /// one-hots and random numbers, along the last axis, along other axes (positions after the
 /// axis, re-tiled column blocks) and over whole tensors; short rows, rows of one chunk, rows of
 /// several chunks with kept values, rows past the kept length; NaN, infinities and -0 in the
-/// inputs. Kernels the printer leaves to the interpreter (positions
-/// after the axis that do not merge into one stride, rows split across threads) are counted, not
-/// compared.
+/// inputs. Kernels the printer leaves to the interpreter (more positions after the axis than
+/// `MAX_INNER`, views that do not walk a row with one stride, rows split across threads) are
+/// counted, not compared.
 #[test]
 fn compiled_row_kernels_compute_the_interpreters_bits() {
     if skip() {

@@ -187,7 +187,7 @@ pub(crate) fn collect(st: &mut State, start: impl IntoIterator<Item = NodeId>) {
             continue;
         }
         candidates.extend(st.graph.predecessors(id));
-        // The value taken out first: the node itself (144 bytes) is dropped where petgraph
+        // The value taken out first: the node itself (128 bytes) is dropped where petgraph
         // hands it back, rather than moved up the stack.
         let value = st.graph.node_mut(id).value.take();
         st.graph.remove(id);
