@@ -7,6 +7,9 @@
 //! - O3 `replay_1k_nodes`: flushing a 1,000-node graph structurally identical to an earlier one
 //!   (the plan comes from the cache), recording excluded; everything else (extracting the
 //!   subgraph, the structural key, execution, install) included.
+//! - O1 `release_10k_consumers`: dropping 10,000 pending results of one input, oldest first
+//!   (the order a `Vec<Tensor>` drops in), reported per result. Was quadratic in the number of
+//!   results while the graph kept singly linked edge lists.
 //!
 //! Run: `cargo bench --bench overhead`. Per-node figures: divide by 10,000 (criterion reports
 //! the time per flush; `Throughput::Elements` prints nodes per second).
@@ -192,5 +195,20 @@ fn replay_1k(c: &mut Criterion) {
     assert!(hits > misses, "the replays hit the plan cache ({hits} hits, {misses} misses)");
 }
 
-criterion_group!(overhead, record_one_op, schedule_10k, flush_10k, replay_1k);
+fn release_10k_consumers(c: &mut Criterion) {
+    braid::set_max_pending_nodes(0); // keep the results pending
+    let cpu = Device::cpu();
+    let x = Tensor::from_vec(vec![1.0f32; 64], [64], &cpu);
+    let y = Tensor::from_vec(vec![2.0f32; 64], [64], &cpu);
+    let mut g = c.benchmark_group("O1");
+    g.throughput(Throughput::Elements(NODES as u64));
+    g.sample_size(20);
+    g.bench_function("release_10k_consumers", |b| {
+        b.iter_batched(|| (0..NODES).map(|_| &x + &y).collect::<Vec<Tensor>>(), drop, BatchSize::PerIteration)
+    });
+    g.finish();
+    braid::set_max_pending_nodes(braid::DEFAULT_MAX_PENDING);
+}
+
+criterion_group!(overhead, record_one_op, release_10k_consumers, schedule_10k, flush_10k, replay_1k);
 criterion_main!(overhead);

@@ -3,7 +3,7 @@
 //! What a recorded computation *is*: element types ([`DType`], [`Element`]), shapes with NumPy
 //! broadcasting ([`Shape`]), operations ([`Op`]) and the op table they come from
 //! ([`table`]), the scalar expression language kernels are written in ([`expr`]), shape and
-//! dtype inference ([`infer`]), the recorded graph on petgraph ([`Graph`]) and the extracted
+//! dtype inference ([`infer`]), the recorded graph ([`Graph`]) and the extracted
 //! subgraph of one flush ([`FlushGraph`]), and what a backend is like ([`Target`]).
 //!
 //! This crate never executes anything and never decides what runs where; fusion, scheduling,

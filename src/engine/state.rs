@@ -15,7 +15,7 @@ use braid_graph::{Graph, Node, NodeId, StreamId};
 use hashbrown::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-// Graph nodes are moved whole when added and removed (petgraph hands a removed node back by
+// Graph nodes are moved whole when added and removed (the graph hands a removed node back by
 // value); at 128 bytes or less those moves are a few vector copies, above it a call to memcpy
 // on every record and every release.
 const _: () = assert!(std::mem::size_of::<Node<Value>>() <= 128);
@@ -187,7 +187,7 @@ pub(crate) fn collect(st: &mut State, start: impl IntoIterator<Item = NodeId>) {
             continue;
         }
         candidates.extend(st.graph.predecessors(id));
-        // The value taken out first: the node itself (128 bytes) is dropped where petgraph
+        // The value taken out first: the node itself (128 bytes) is dropped where the graph
         // hands it back, rather than moved up the stack.
         let value = st.graph.node_mut(id).value.take();
         st.graph.remove(id);
