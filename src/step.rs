@@ -3,6 +3,7 @@
 
 use crate::device::Device;
 use crate::engine::capture::{self, Capture, Produced};
+use crate::engine::env::FlushEnv;
 use crate::error::{Error, Result};
 use crate::lock;
 use crate::recorder;
@@ -178,9 +179,15 @@ fn capture(device: &Device, args: &[Tensor], f: impl FnOnce() -> Vec<Tensor>) ->
 fn replay(device: &Device, c: &Capture, args: &[Tensor]) -> Result<Vec<Tensor>> {
     capture::refuse_while_capturing("running a step")?;
     let engine = device.engine();
-    let buffers: Vec<Buffer> =
-        if c.runs() { args.iter().map(Tensor::materialize).collect::<Result<_>>()? } else { Vec::new() };
-    let produced = engine.replay(c, &buffers)?;
+    // Read once for the whole step: the arguments' uploads and the replay.
+    let env = FlushEnv::for_replay()?;
+    let poison = Some(engine.poison_under(&env));
+    let buffers: Vec<Buffer> = if c.runs() {
+        args.iter().map(|a| engine.materialize_with(|| a.node(), poison)).collect::<Result<_>>()?
+    } else {
+        Vec::new()
+    };
+    let produced = engine.replay(c, &buffers, &env)?;
     drop(buffers);
     Ok(produced
         .into_iter()

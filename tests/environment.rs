@@ -27,4 +27,23 @@ fn unknown_values_and_unwritable_dump_directories_are_errors_of_the_read() {
         unsafe { std::env::remove_var(name) };
     }
     assert_eq!(y.to_vec::<f32>().unwrap(), vec![3.0, 6.0]);
+
+    // A replayed step is a flush too: it reads the variables a replay uses (`BRAID_POISON`,
+    // `BRAID_DUMP`, `BRAID_TRACE`) once, when it starts.
+    let step = braid::Step::new(|x: &[Tensor]| vec![&x[0] * 3.0]);
+    let arg = || Tensor::from_vec(vec![1.0f32, 2.0], [2], &dev);
+    assert_eq!(step.call(&[arg()]).unwrap()[0].to_vec::<f32>().unwrap(), vec![3.0, 6.0]);
+    for (name, value, accepted) in cases.into_iter().filter(|c| matches!(c.0, "BRAID_POISON" | "BRAID_DUMP")) {
+        unsafe { std::env::set_var(name, value) };
+        match step.call(&[arg()]) {
+            Err(Error::Environment { name: n, reason, .. }) => {
+                assert_eq!(n, name);
+                assert!(reason.contains(accepted), "step, {name}: {reason}");
+            }
+            other => panic!("step, {name}={value}: expected an environment error, got {other:?}"),
+        }
+        unsafe { std::env::remove_var(name) };
+    }
+    assert_eq!(step.call(&[arg()]).unwrap()[0].to_vec::<f32>().unwrap(), vec![3.0, 6.0]);
+    assert_eq!(step.captures(), 1, "the failed calls kept the captured plan");
 }

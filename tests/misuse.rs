@@ -220,3 +220,30 @@ fn indexing_misuse_names_the_op_and_its_operands_at_the_call() {
     let msg = panic_message(|| drop(x.cross_entropy(&Tensor::zeros([3], DType::F32, &cpu))));
     assert_mentions(&msg, &["cross_entropy", "integer", &at(line)]);
 }
+
+/// `item` reads one element of every dtype (from the device's buffer, without a vector), the
+/// same as `to_vec`; a wrong type is a dtype mismatch, not a misread.
+#[test]
+fn item_reads_one_element_of_every_dtype() {
+    let cpu = dev();
+    fn check<T: Element + PartialEq + std::fmt::Debug>(cpu: &Device, v: T) {
+        let x = Tensor::from_vec(vec![v], (), cpu);
+        let computed = x.to_dtype(DType::F64).to_dtype(T::DTYPE); // a kernel's output, not an upload
+        for t in [&x, &computed] {
+            assert_eq!(t.item::<T>().unwrap(), v, "{}", T::DTYPE);
+            assert_eq!(t.item::<T>().unwrap(), t.to_vec::<T>().unwrap()[0]);
+        }
+        if T::DTYPE != DType::F64 {
+            assert!(matches!(x.item::<f64>(), Err(Error::DTypeMismatch { .. })), "{}", T::DTYPE);
+        }
+    }
+    check(&cpu, -2.5f32);
+    check(&cpu, 1.0e300f64);
+    check(&cpu, -7i32);
+    check(&cpu, -(1i64 << 40));
+    check(&cpu, 200u8);
+    check(&cpu, true);
+    check(&cpu, half::f16::from_f32(-0.375));
+    check(&cpu, half::bf16::from_f32(3.5));
+    assert!(matches!(Tensor::from_vec(vec![1.0f32], (), &cpu).item::<f64>(), Err(Error::DTypeMismatch { .. })));
+}

@@ -191,8 +191,23 @@ pub trait Element: sealed::Sealed + Copy + Send + Sync + fmt::Debug + PartialEq 
     const DTYPE: DType;
     /// Writes the native-endian bytes of `values` to `out`.
     fn write_bytes(values: &[Self], out: &mut Vec<u8>);
+    /// `values` as native-endian bytes, in one allocation.
+    fn to_bytes(values: &[Self]) -> std::sync::Arc<[u8]> {
+        let size = Self::DTYPE.size();
+        // SAFETY: zeroed bytes are initialised `u8`s.
+        let mut bytes = unsafe { std::sync::Arc::<[u8]>::new_zeroed_slice(values.len() * size).assume_init() };
+        let out = std::sync::Arc::get_mut(&mut bytes).expect("a new allocation has one owner");
+        for (chunk, &v) in out.chunks_exact_mut(size).zip(values) {
+            v.write_one(chunk);
+        }
+        bytes
+    }
+    /// Writes `self` as native-endian bytes into `out` (exactly the dtype's size).
+    fn write_one(self, out: &mut [u8]);
     /// Reads values back from native-endian bytes (length must be a multiple of the size).
     fn read_bytes(bytes: &[u8]) -> Vec<Self>;
+    /// The first value of native-endian `bytes` (at least one value long).
+    fn read_one(bytes: &[u8]) -> Self;
     /// The value as f64 (bools as 0/1).
     fn to_f64(self) -> f64;
     /// The nearest value of this type (see [`DType::round_f64`]).
@@ -241,6 +256,13 @@ macro_rules! element {
                 const N: usize = std::mem::size_of::<$t>();
                 bytes.chunks_exact(N).map(|c| <$t>::from_ne_bytes(c.try_into().expect("chunk of N bytes"))).collect()
             }
+            fn write_one(self, out: &mut [u8]) {
+                out.copy_from_slice(&self.to_ne_bytes());
+            }
+            fn read_one(bytes: &[u8]) -> Self {
+                const N: usize = std::mem::size_of::<$t>();
+                <$t>::from_ne_bytes(bytes[..N].try_into().expect("N bytes"))
+            }
             fn to_f64(self) -> f64 {
                 let f: fn($t) -> f64 = $to;
                 f(self)
@@ -269,6 +291,12 @@ impl Element for bool {
     }
     fn read_bytes(bytes: &[u8]) -> Vec<Self> {
         bytes.iter().map(|&b| b != 0).collect()
+    }
+    fn read_one(bytes: &[u8]) -> Self {
+        bytes[0] != 0
+    }
+    fn write_one(self, out: &mut [u8]) {
+        out[0] = self as u8;
     }
     fn to_f64(self) -> f64 {
         self as u8 as f64

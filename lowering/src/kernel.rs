@@ -176,20 +176,7 @@ pub fn check_access(
     expr: &Expr,
     arg: impl Fn(u16) -> Option<(DType, usize)>,
 ) -> Result<(), String> {
-    let access = |what: &str, a: u16, dtype: DType, view: &View| -> Result<(), String> {
-        let (have, len) = arg(a).ok_or_else(|| format!("{what} of argument {a}, which does not exist"))?;
-        if have != dtype {
-            return Err(format!("{what} of {dtype} through argument {a} of {have}"));
-        }
-        match view.extent() {
-            Some((lo, hi)) if lo < 0 || hi >= len as isize => {
-                Err(format!("{what} view {view:?} reaches elements {lo}..={hi} of argument {a} of {len} elements"))
-            }
-            _ => Ok(()),
-        }
-    };
-    loads.iter().try_for_each(|l| access("load", l.arg, l.dtype, &l.view))?;
-    stores.iter().try_for_each(|s| access("store", s.arg, s.dtype, &s.view))?;
+    check_args(loads, stores, arg)?;
     for node in &expr.nodes {
         if let ExprOp::Load(slot) = node.op {
             let load = loads.get(slot as usize).ok_or("expression reads a missing load slot")?;
@@ -205,4 +192,25 @@ pub fn check_access(
         }
     }
     Ok(())
+}
+
+/// The part of [`check_access`] that depends on the arguments: each load and store names an
+/// existing argument of its dtype through a view that lies within it. Enough before running
+/// code printed from a loop that passed [`check_access`] (compiled code never reads the
+/// expression again).
+pub fn check_args(loads: &[Load], stores: &[Store], arg: impl Fn(u16) -> Option<(DType, usize)>) -> Result<(), String> {
+    let access = |what: &str, a: u16, dtype: DType, view: &View| -> Result<(), String> {
+        let (have, len) = arg(a).ok_or_else(|| format!("{what} of argument {a}, which does not exist"))?;
+        if have != dtype {
+            return Err(format!("{what} of {dtype} through argument {a} of {have}"));
+        }
+        match view.extent() {
+            Some((lo, hi)) if lo < 0 || hi >= len as isize => {
+                Err(format!("{what} view {view:?} reaches elements {lo}..={hi} of argument {a} of {len} elements"))
+            }
+            _ => Ok(()),
+        }
+    };
+    loads.iter().try_for_each(|l| access("load", l.arg, l.dtype, &l.view))?;
+    stores.iter().try_for_each(|s| access("store", s.arg, s.dtype, &s.view))
 }

@@ -16,5 +16,7 @@ pub mod row_passes;
 pub mod vmath;
 pub mod wgsl;
 
-pub use kernel::{Arg, Body, Kernel, Load, MapLoop, MatmulKernel, MatmulOperand, RowKernel, Store, View, check_access};
+pub use kernel::{
+    Arg, Body, Kernel, Load, MapLoop, MatmulKernel, MatmulOperand, RowKernel, Store, View, check_access, check_args,
+};
 pub use lower::Lowering;

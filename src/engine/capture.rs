@@ -16,6 +16,7 @@
 //! a value while it is recorded, needs a tensor that is not an argument, keeps a tensor it does
 //! not return, or records an event.
 
+use super::env::FlushEnv;
 use super::flush::ExternalData;
 use super::run::{Planned, kernel_label};
 use super::{Engine, State, Value};
@@ -168,7 +169,7 @@ impl Engine {
                     graph: Mutex::new(DeviceGraph::Refused),
                 });
             }
-            let mut ex = self.extract(&mut st, &walked.order);
+            let mut ex = self.extract(&mut st, &walked.order, super::env::FlushEnv::for_flush()?);
             drop(st);
             // Inputs stay with the step: nothing of them is handed to the flush to free.
             let mut sources = Vec::with_capacity(ex.graph.externals.len());
@@ -207,11 +208,11 @@ impl Engine {
     }
 
     /// Runs a captured step on the buffers of its arguments: one execution of the kept plan.
-    pub(crate) fn replay<'c>(&self, c: &'c Capture, args: &[Buffer]) -> Result<Vec<Produced<'c>>> {
+    pub(crate) fn replay<'c>(&self, c: &'c Capture, args: &[Buffer], env: &FlushEnv) -> Result<Vec<Produced<'c>>> {
         refuse_while_capturing("running a step")?;
         let mut computed: Vec<Buffer> = Vec::new();
         if let Some(planned) = &c.planned {
-            let poison = self.poison_enabled();
+            let poison = self.poison_under(env);
             let externals = c
                 .sources
                 .iter()
@@ -229,7 +230,7 @@ impl Engine {
                 st.flushes
             };
             let label = |k: KernelId| kernel_label(&planned.schedule, &planned.graph, k);
-            let sink = self.profile_sink();
+            let sink = self.profile_sink(env);
             if fail_at.is_none() && sink.is_none() && self.memory_budget().is_none() {
                 let job = Job {
                     schedule: &planned.schedule,
@@ -248,7 +249,7 @@ impl Engine {
                             Err(Error::Internal(format!("a step's device graph panicked (a bug in braid): {what}")))
                         });
                 if let Some(outputs) = launched? {
-                    self.publish_dump(&planned.schedule, &planned.graph, number, None);
+                    self.publish_dump(&planned.schedule, &planned.graph, number, None, env);
                     return Ok(c.produced(outputs));
                 }
             }
@@ -266,7 +267,7 @@ impl Engine {
             let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 braid_devices::runtime::execute(self.backend.as_ref(), job).0
             }));
-            self.keep_profile(number, sink, started);
+            self.keep_profile(number, sink, started, env);
             computed = match run {
                 Ok(result) => result.map_err(|e| self.device_error(e))?,
                 Err(panic) => {
@@ -274,7 +275,7 @@ impl Engine {
                     return Err(Error::Internal(format!("a step's replay panicked (a bug in braid): {what}")));
                 }
             };
-            self.publish_dump(&planned.schedule, &planned.graph, number, None);
+            self.publish_dump(&planned.schedule, &planned.graph, number, None, env);
         }
         Ok(c.produced(computed))
     }

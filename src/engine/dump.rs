@@ -15,7 +15,7 @@ struct Live {
     schedule: Arc<Schedule>,
     graph: Arc<FlushGraph>,
     flush: u64,
-    device: String,
+    device: Arc<str>,
     not_run: Option<String>,
 }
 
@@ -35,7 +35,7 @@ impl ScheduleDump {
         schedule: Arc<Schedule>,
         graph: Arc<FlushGraph>,
         flush: u64,
-        device: String,
+        device: Arc<str>,
         not_run: Option<String>,
     ) -> ScheduleDump {
         let live = Live { schedule, graph, flush, device, not_run };

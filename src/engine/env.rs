@@ -21,22 +21,55 @@ pub(crate) fn flag(name: &'static str) -> Result<Option<bool>> {
     }
 }
 
-/// Checks every `BRAID_*` variable a flush reads (`BRAID_POISON`, `BRAID_FUSION`,
-/// `BRAID_VALIDATE`, `BRAID_CPU_COMPILE`, `BRAID_DUMP`).
-pub(crate) fn check() -> Result<()> {
-    for name in ["BRAID_POISON", "BRAID_FUSION", "BRAID_VALIDATE"] {
-        flag(name)?;
+/// The `BRAID_*` settings one flush runs with, each variable read once when the flush starts
+/// (a read is a lock and a walk of the environment: a replayed step is only a few of them).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct FlushEnv {
+    /// `BRAID_POISON`, when set.
+    pub(crate) poison: Option<bool>,
+    /// `BRAID_FUSION`, when set.
+    pub(crate) fusion: Option<bool>,
+    /// `BRAID_VALIDATE=1`.
+    pub(crate) validate: bool,
+    /// Where this flush's dump goes (`BRAID_DUMP` or the program's choice), checked writable.
+    pub(crate) dump: Option<PathBuf>,
+    /// Where this flush's trace goes (`BRAID_TRACE` or the program's choice).
+    pub(crate) trace: Option<PathBuf>,
+}
+
+impl FlushEnv {
+    /// Reads and checks every `BRAID_*` variable a flush reads (`BRAID_POISON`, `BRAID_FUSION`,
+    /// `BRAID_VALIDATE`, `BRAID_CPU_COMPILE`, `BRAID_DUMP`, `BRAID_TRACE`).
+    pub(crate) fn for_flush() -> Result<FlushEnv> {
+        let poison = flag("BRAID_POISON")?;
+        let fusion = flag("BRAID_FUSION")?;
+        let validate = flag("BRAID_VALIDATE")?.unwrap_or(false);
+        if let Ok(value) = std::env::var("BRAID_CPU_COMPILE")
+            && !matches!(
+                value.trim().to_ascii_lowercase().as_str(),
+                "" | "off" | "0" | "false" | "background" | "blocking"
+            )
+        {
+            let reason = "expected off, background or blocking".into();
+            return Err(Error::Environment { name: "BRAID_CPU_COMPILE", value, reason });
+        }
+        Ok(FlushEnv { poison, fusion, validate, ..FlushEnv::destinations()? })
     }
-    if let Ok(value) = std::env::var("BRAID_CPU_COMPILE")
-        && !matches!(value.trim().to_ascii_lowercase().as_str(), "" | "off" | "0" | "false" | "background" | "blocking")
-    {
-        let reason = "expected off, background or blocking".into();
-        return Err(Error::Environment { name: "BRAID_CPU_COMPILE", value, reason });
+
+    /// What replaying a captured plan reads: `BRAID_POISON`, `BRAID_DUMP` and `BRAID_TRACE`
+    /// (its fusion, validation and kernels were settled when it was captured).
+    pub(crate) fn for_replay() -> Result<FlushEnv> {
+        Ok(FlushEnv { poison: flag("BRAID_POISON")?, ..FlushEnv::destinations()? })
     }
-    if let Some(dir) = super::dump::dir() {
-        writable(&dir)?;
+
+    /// The dump and trace destinations, the dump directory checked writable.
+    fn destinations() -> Result<FlushEnv> {
+        let dump = super::dump::dir();
+        if let Some(dir) = &dump {
+            writable(dir)?;
+        }
+        Ok(FlushEnv { dump, trace: super::profile::trace_path(), ..FlushEnv::default() })
     }
-    Ok(())
 }
 
 /// `Ok` when dump files can be written in `dir` (created if missing); checked once per directory.

@@ -5,6 +5,7 @@
 //! without this lock. Then `extract` builds the flush graph, marks its nodes in flight and
 //! hands donated inputs to the flush; `run` (without the lock) plans and executes it.
 
+use super::env::FlushEnv;
 use super::marks::Marks;
 use super::{Engine, State, Ticket, Value};
 use crate::error::{Error, Result};
@@ -29,6 +30,8 @@ pub(super) struct Extracted {
     pub(super) externals: Vec<ExternalData>,
     pub(super) ticket: Arc<Ticket>,
     pub(super) number: u64,
+    /// The `BRAID_*` settings it runs with.
+    pub(super) env: FlushEnv,
 }
 
 /// What the walk found: pending nodes needed by the targets, inputs first; tickets of in-flight
@@ -47,7 +50,7 @@ impl Engine {
     pub(crate) fn flush_nodes(&self, targets: &[NodeId]) -> Result<()> {
         super::capture::refuse_while_capturing("a flush or sync")?;
         // A variable braid does not understand fails the read before anything is taken out.
-        super::env::check()?;
+        let env = super::env::FlushEnv::for_flush()?;
         let mut lost_target: Option<String> = None;
         loop {
             let mut st = self.state();
@@ -86,7 +89,7 @@ impl Engine {
             if walked.order.is_empty() {
                 return lost_target.map_or(Ok(()), |r| Err(Error::ValueLost(r)));
             }
-            let extracted = self.extract(&mut st, &walked.order);
+            let extracted = self.extract(&mut st, &walked.order, env);
             drop(st);
             self.run(extracted)?;
             return lost_target.map_or(Ok(()), |r| Err(Error::ValueLost(r)));
@@ -148,7 +151,7 @@ impl Engine {
     }
 
     /// Builds the flush graph of `order` and marks its nodes in flight.
-    pub(super) fn extract(&self, st: &mut State, order: &[NodeId]) -> Extracted {
+    pub(super) fn extract(&self, st: &mut State, order: &[NodeId], env: FlushEnv) -> Extracted {
         let budgeted = self.memory_budget().is_some();
         let target = self.backend.target();
         let State { graph: recorded, marks, .. } = st;
@@ -240,7 +243,7 @@ impl Engine {
         st.pending -= order.len();
         st.flushes += 1;
         debug_assert!(graph.is_topological());
-        Extracted { graph, externals, ticket, number: st.flushes }
+        Extracted { graph, externals, ticket, number: st.flushes, env }
     }
 }
 

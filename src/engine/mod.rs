@@ -24,7 +24,7 @@ pub(crate) mod cache;
 pub(crate) mod capture;
 mod collective;
 pub(crate) mod dump;
-mod env;
+pub(crate) mod env;
 mod flush;
 mod marks;
 pub(crate) mod profile;
@@ -74,6 +74,8 @@ pub(crate) struct Engine {
     /// The element types the backend computes with (its target's, copied here so that
     /// recording checks a result's dtype without a call through the backend).
     pub(crate) dtypes: braid_graph::DTypes,
+    /// The backend's name, made once (every flush's dump carries it).
+    pub(crate) name: Arc<str>,
     state: Mutex<State>,
     pub(crate) plans: Mutex<cache::PlanCache>,
     pub(crate) last_schedule: Mutex<Option<ScheduleDump>>,
@@ -140,6 +142,7 @@ impl Engine {
         let engine = Arc::new(Engine {
             id: DeviceId(engines.len() as u32),
             dtypes: backend.target().dtypes,
+            name: backend.name().into(),
             backend,
             state: Mutex::new(State {
                 graph: Graph::new(),
@@ -167,7 +170,7 @@ impl Engine {
 
     /// The device's name, for messages.
     pub(crate) fn name(&self) -> String {
-        self.backend.name()
+        self.name.to_string()
     }
 
     /// Converts a device failure into the public error.
@@ -181,6 +184,17 @@ impl Engine {
 
     pub(crate) fn fusion_enabled(&self) -> bool {
         lock(&self.settings.fusion).unwrap_or_else(|| env::flag("BRAID_FUSION").ok().flatten().unwrap_or(true))
+    }
+
+    /// Whether a flush run under `env` poisons freed memory (the device's setting, else the
+    /// variable's).
+    pub(crate) fn poison_under(&self, env: &env::FlushEnv) -> bool {
+        lock(&self.settings.poison).unwrap_or(env.poison.unwrap_or(false))
+    }
+
+    /// Whether a flush run under `env` fuses.
+    pub(crate) fn fusion_under(&self, env: &env::FlushEnv) -> bool {
+        lock(&self.settings.fusion).unwrap_or(env.fusion.unwrap_or(true))
     }
 
     pub(crate) fn memory_budget(&self) -> Option<u64> {
@@ -406,6 +420,12 @@ impl Engine {
 
     /// The value of `id`, computing it first if needed.
     pub(crate) fn materialize(&self, id: impl Fn() -> NodeId) -> Result<Buffer> {
+        self.materialize_with(id, None)
+    }
+
+    /// [`Engine::materialize`], an upload poisoning its buffer's memory when freed as `poison`
+    /// says (read from the device and the environment when `None`).
+    pub(crate) fn materialize_with(&self, id: impl Fn() -> NodeId, poison: Option<bool>) -> Result<Buffer> {
         capture::refuse_while_capturing("a read")?;
         loop {
             let st = self.state();
@@ -415,8 +435,10 @@ impl Engine {
                 Some(Value::Host(bytes)) => {
                     let bytes = bytes.clone();
                     drop(st);
-                    let buffer =
-                        self.backend.upload(&bytes, self.poison_enabled()).map_err(|e| self.device_error(e))?;
+                    let buffer = self
+                        .backend
+                        .upload(&bytes, poison.unwrap_or_else(|| self.poison_enabled()))
+                        .map_err(|e| self.device_error(e))?;
                     Engine::install_upload(&mut self.state(), node_id, &buffer);
                     return Ok(buffer);
                 }

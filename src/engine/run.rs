@@ -9,6 +9,7 @@
 
 use super::cache::{Plan, PlanCache};
 use super::dump::{self, ScheduleDump};
+use super::env::FlushEnv;
 use super::flush::{ExternalData, Extracted};
 use super::{Engine, State, Value, collect};
 use crate::error::{Error, Result};
@@ -83,7 +84,8 @@ impl Engine {
         if self.backend.target().copy_stream {
             braid_scheduler::transfers_to_copy_stream(&mut graph);
         }
-        let (graph, schedule, kernels, checked) = self.plan(graph);
+        let env = ex.env;
+        let (graph, schedule, kernels, checked) = self.plan(graph, &env);
         let label = |k: KernelId| kernel_label(&schedule, &graph, k);
         // The job takes the external buffers (moved, not cloned: a donated one must have no other
         // owner for its memory to return when the schedule frees it).
@@ -95,7 +97,7 @@ impl Engine {
             .filter(|(_, (e, data))| e.donated && matches!(data, ExternalData::Device(_)))
             .map(|(i, (e, _))| (i, e.id))
             .collect();
-        let poison = self.poison_enabled();
+        let poison = self.poison_under(&env);
         let (prepared, upload_failed) = self.inputs(&graph, std::mem::take(inputs), poison);
         let mut ran = false;
         let (result, mut lent) = match (checked, upload_failed) {
@@ -104,7 +106,7 @@ impl Engine {
             (Ok(()), None) => {
                 let _s = tracing::debug_span!(target: "braid::flush", "execute", kernels = kernels.len()).entered();
                 let fail_at = lock(&self.faults).fail_at.take().map(KernelId);
-                let sink = self.profile_sink();
+                let sink = self.profile_sink(&env);
                 let started = std::time::Instant::now();
                 let job = Job {
                     schedule: &schedule,
@@ -117,13 +119,13 @@ impl Engine {
                     profile: sink.as_ref(),
                 };
                 let (result, held) = braid_devices::runtime::execute(self.backend.as_ref(), job);
-                self.keep_profile(ex.number, sink, started);
+                self.keep_profile(ex.number, sink, started, &env);
                 ran = true;
                 (result.map_err(|e| self.device_error(e)), held)
             }
         };
         let not_run = (!ran).then(|| result.as_ref().err().map(|e| e.to_string())).flatten();
-        self.publish_dump(&schedule, &graph, ex.number, not_run);
+        self.publish_dump(&schedule, &graph, ex.number, not_run, &env);
 
         let mut st = self.state();
         for (id, buffer) in &prepared.uploaded {
@@ -153,9 +155,13 @@ impl Engine {
     /// The flush's plan: a cached one of the same structure (not with a test's rewrite), or a
     /// new one (fusion, scheduling with offloads, validation, lowering), cached when valid.
     #[allow(clippy::type_complexity)]
-    fn plan(&self, graph: FlushGraph) -> (Arc<FlushGraph>, Arc<Schedule>, Arc<[Arc<Kernel>]>, Result<()>) {
+    fn plan(
+        &self,
+        graph: FlushGraph,
+        env: &FlushEnv,
+    ) -> (Arc<FlushGraph>, Arc<Schedule>, Arc<[Arc<Kernel>]>, Result<()>) {
         let graph = Arc::new(graph);
-        let fusion_on = self.fusion_enabled();
+        let fusion_on = self.fusion_under(env);
         let rewrite = lock(&self.faults).rewrite.clone();
         let budget = self.memory_budget();
         let key = rewrite.is_none().then(|| PlanCache::key(&graph, fusion_on, budget));
@@ -173,7 +179,7 @@ impl Engine {
             rewrite(&mut schedule);
         }
         let schedule = Arc::new(schedule);
-        let checked = placed.and_then(|()| check(&schedule, &graph));
+        let checked = placed.and_then(|()| check(&schedule, &graph, env.validate));
         let lowering = Lowering::new(&graph, &schedule.fusion);
         let kernels: Arc<[Arc<Kernel>]> = {
             let mut cache = lock(&self.plans);
@@ -222,9 +228,8 @@ impl Engine {
     }
 
     /// Where the runtime records step times, when profiling is on or a trace is written.
-    pub(super) fn profile_sink(&self) -> Option<std::sync::Mutex<Vec<braid_devices::runtime::Span>>> {
-        let on = self.settings.profiling.load(std::sync::atomic::Ordering::Relaxed)
-            || super::profile::trace_path().is_some();
+    pub(super) fn profile_sink(&self, env: &FlushEnv) -> Option<std::sync::Mutex<Vec<braid_devices::runtime::Span>>> {
+        let on = self.settings.profiling.load(std::sync::atomic::Ordering::Relaxed) || env.trace.is_some();
         on.then(|| std::sync::Mutex::new(Vec::new()))
     }
 
@@ -234,11 +239,12 @@ impl Engine {
         number: u64,
         sink: Option<std::sync::Mutex<Vec<braid_devices::runtime::Span>>>,
         started: std::time::Instant,
+        env: &FlushEnv,
     ) {
         let Some(sink) = sink else { return };
         let spans = sink.into_inner().unwrap_or_else(|p| p.into_inner());
         let profile = super::profile::Profile::new(number, self.name(), spans, self.backend.memory().peak);
-        if let Some(path) = super::profile::trace_path() {
+        if let Some(path) = env.trace.clone() {
             super::profile::append(path, self.id.0, &self.name(), &profile, started);
         }
         *lock(&self.last_profile) = Some(profile);
@@ -252,10 +258,11 @@ impl Engine {
         graph: &Arc<FlushGraph>,
         number: u64,
         not_run: Option<String>,
+        env: &FlushEnv,
     ) {
-        let dump = ScheduleDump::live(schedule.clone(), graph.clone(), number, self.name(), not_run);
-        if let Some(dir) = dump::dir() {
-            dump::write_files(&dir, &dump);
+        let dump = ScheduleDump::live(schedule.clone(), graph.clone(), number, self.name.clone(), not_run);
+        if let Some(dir) = &env.dump {
+            dump::write_files(dir, &dump);
         }
         *lock(&self.last_schedule) = Some(dump);
     }
@@ -361,8 +368,8 @@ fn place_offloads(
 /// Checks a schedule before it runs: fully (every hazard) in debug builds or with
 /// `BRAID_VALIDATE=1`; otherwise only that every wait can be satisfied, so that a bad schedule
 /// is an error and never a hang.
-fn check(schedule: &Schedule, graph: &FlushGraph) -> Result<()> {
-    let full = cfg!(debug_assertions) || super::env::flag("BRAID_VALIDATE").ok().flatten().unwrap_or(false);
+fn check(schedule: &Schedule, graph: &FlushGraph, validate: bool) -> Result<()> {
+    let full = cfg!(debug_assertions) || validate;
     let hazards = if full {
         braid_scheduler::validate(schedule, graph).err().unwrap_or_default()
     } else {

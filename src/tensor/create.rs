@@ -30,10 +30,8 @@ impl Tensor {
                 &[("data", format!("{} {} values", data.len(), T::DTYPE))],
             );
         }
-        let mut bytes = Vec::new();
-        T::write_bytes(data, &mut bytes);
         super::supported("from_vec", T::DTYPE, device);
-        let id = recorder::record_host(device.engine(), T::DTYPE, shape.clone(), bytes.into());
+        let id = recorder::record_host(device.engine(), T::DTYPE, shape.clone(), T::to_bytes(data));
         Tensor::from_node(id, shape, T::DTYPE, device.clone())
     }
 

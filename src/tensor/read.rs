@@ -36,7 +36,16 @@ impl Tensor {
         if self.numel() != 1 {
             return Err(Error::NotAScalar { shape: self.shape().clone(), numel: self.numel() });
         }
-        Ok(self.to_vec::<T>()?[0])
+        if T::DTYPE != self.dtype() {
+            return Err(Error::DTypeMismatch { tensor: self.dtype(), requested: T::DTYPE });
+        }
+        let buffer = self.materialize()?;
+        let engine = self.device().engine();
+        // Every dtype is at most 8 bytes: read into the stack, not a vector.
+        let mut bytes = [0u8; 8];
+        let bytes = &mut bytes[..self.dtype().size()];
+        engine.backend.download_into(&buffer, bytes).map_err(|e| engine.device_error(e))?;
+        Ok(T::read_one(bytes))
     }
 
     /// Computes the current version (if needed) and returns its buffer.

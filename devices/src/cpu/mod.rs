@@ -339,6 +339,14 @@ impl Backend for CpuDevice {
         }
     }
 
+    fn download_into(&self, buffer: &Buffer, dst: &mut [u8]) -> Result<(), DeviceError> {
+        match buffer {
+            Buffer::Cpu(_) => buffer.read_into(dst),
+            #[allow(unreachable_patterns)]
+            other => Err(DeviceError::Internal(format!("the CPU cannot download another device's buffer ({other:?})"))),
+        }
+    }
+
     fn memory(&self) -> MemoryStats {
         self.pool.stats()
     }

@@ -10,6 +10,7 @@ use super::{CpuBuffer, CpuDevice, map::ArgPtr};
 use crate::runtime::{Call, Flush, Queue};
 use crate::{Buffer, DeviceError};
 use braid_scheduler::{BufferPlan, EventId, Schedule};
+use smallvec::SmallVec;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
@@ -99,7 +100,7 @@ impl CpuQueue<'_, '_> {
     /// Runs a kernel (interpreted, compiled, or a matrix product through `gemm`) and logs it.
     fn run(&self, call: &Call<'_>) -> Result<(), DeviceError> {
         let device = self.flush.device;
-        let args: Vec<ArgPtr> = (call.args.iter().zip(&call.kernel.args))
+        let args: SmallVec<[ArgPtr; 16]> = (call.args.iter().zip(&call.kernel.args))
             .map(|(b, a)| cpu(b).map(|b| ArgPtr { ptr: b.ptr(), len: a.len, dtype: a.dtype }))
             .collect::<Result<_, _>>()?;
         let timed = tracing::enabled!(target: "braid::kernel", tracing::Level::DEBUG);

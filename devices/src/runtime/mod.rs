@@ -64,6 +64,16 @@ pub trait Backend: Send + Sync {
     fn upload(&self, bytes: &[u8], poison: bool) -> Result<Buffer, DeviceError>;
     /// Copies a buffer's bytes to the host, once the work that writes it is done.
     fn download(&self, buffer: &Buffer) -> Result<Vec<u8>, DeviceError>;
+    /// [`Backend::download`] into `dst` (exactly the buffer's length), without allocating
+    /// where the backend can (reading one value, above all).
+    fn download_into(&self, buffer: &Buffer, dst: &mut [u8]) -> Result<(), DeviceError> {
+        let bytes = self.download(buffer)?;
+        if bytes.len() != dst.len() {
+            return Err(DeviceError::Internal(format!("a download of {} bytes into {}", bytes.len(), dst.len())));
+        }
+        dst.copy_from_slice(&bytes);
+        Ok(())
+    }
     /// Blocks until the work enqueued on the device so far is done, and reports a failure
     /// that happened meanwhile (`Device::sync`, `Event::synchronize`). A backend whose flushes
     /// do their work before they return (the CPU) has nothing to wait for.

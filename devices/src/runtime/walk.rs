@@ -37,13 +37,18 @@ struct Gates {
 }
 
 /// State shared by the streams of one flush.
+#[derive(Default)]
+struct Slot {
+    buffer: Option<Buffer>,
+    upload: Option<std::sync::Arc<[u8]>>,
+}
+
 struct Walker<'a, 'j> {
     job: &'a Job<'j>,
     flush: &'a dyn Flush,
-    /// Buffer of each `BufferId`.
-    table: Vec<Mutex<Option<Buffer>>>,
-    /// Host data of inputs uploaded when first used, by `BufferId`.
-    uploads: Vec<Mutex<Option<std::sync::Arc<[u8]>>>>,
+    /// By `BufferId`: its buffer, and an input's host data until it is uploaded (when first
+    /// used).
+    table: Vec<Mutex<Slot>>,
     gates: Mutex<Gates>,
     /// Signalled when an event is recorded or the flush fails (for held-back waits).
     gate_changed: Condvar,
@@ -122,11 +127,11 @@ impl Walker<'_, '_> {
         match step {
             Step::Alloc(b) => {
                 let buffer = queue.alloc(&schedule.buffers[b.index()])?;
-                *lock(&self.table[b.index()]) = Some(buffer);
+                lock(&self.table[b.index()]).buffer = Some(buffer);
             }
             Step::Free { buffer, after } if after.is_empty() => {
-                drop(lock(&self.uploads[buffer.index()]).take());
-                if let Some(b) = lock(&self.table[buffer.index()]).take() {
+                let slot = std::mem::take(&mut *lock(&self.table[buffer.index()]));
+                if let Some(b) = slot.buffer {
                     queue.free(b);
                 }
             }
@@ -155,12 +160,12 @@ impl Walker<'_, '_> {
     /// The buffer `b` holds now, uploading an input's host data the first time it is used.
     fn buffer(&self, b: BufferId, queue: &mut dyn Queue) -> Result<Buffer, DeviceError> {
         let mut slot = lock(&self.table[b.index()]);
-        if slot.is_none()
-            && let Some(bytes) = lock(&self.uploads[b.index()]).take()
+        if slot.buffer.is_none()
+            && let Some(bytes) = slot.upload.take()
         {
-            *slot = Some(queue.upload(&bytes)?);
+            slot.buffer = Some(queue.upload(&bytes)?);
         }
-        slot.clone().ok_or_else(|| DeviceError::Internal(format!("{b} is used but not allocated")))
+        slot.buffer.clone().ok_or_else(|| DeviceError::Internal(format!("{b} is used but not allocated")))
     }
 
     /// A free gated on `after`: goes to the flush once every one of them is recorded.
@@ -204,8 +209,8 @@ impl Walker<'_, '_> {
     }
 
     fn release(&self, buffer: BufferId, stream: usize, after: &[EventId]) {
-        drop(lock(&self.uploads[buffer.index()]).take());
-        if let Some(b) = lock(&self.table[buffer.index()]).take() {
+        let slot = std::mem::take(&mut *lock(&self.table[buffer.index()]));
+        if let Some(b) = slot.buffer {
             self.flush.free_after(b, stream, after);
         }
     }
@@ -233,7 +238,7 @@ impl Walker<'_, '_> {
         }
         // The argument buffers are held for the call, so a faulty plan can never return memory
         // that a kernel still uses to the pool.
-        let mut args: Vec<Buffer> = Vec::with_capacity(kernel.args.len());
+        let mut args: smallvec::SmallVec<[Buffer; 8]> = smallvec::SmallVec::with_capacity(kernel.args.len());
         for (b, a) in plan.inputs.iter().chain(&plan.outputs).zip(&kernel.args) {
             let buffer = self.buffer(*b, queue)?;
             if buffer.bytes() != a.len * a.dtype.size() {
@@ -337,8 +342,7 @@ pub fn execute_on(driver: Driver, flush: &dyn Flush, mut job: Job<'_>) -> Outcom
     let walker = Walker {
         job: &job,
         flush,
-        table: (0..schedule.buffers.len()).map(|_| Mutex::new(None)).collect(),
-        uploads: (0..schedule.buffers.len()).map(|_| Mutex::new(None)).collect(),
+        table: (0..schedule.buffers.len()).map(|_| Mutex::default()).collect(),
         gates: Mutex::new(Gates { recorded: vec![false; schedule.events.len()], pending: Vec::new() }),
         gate_changed: Condvar::new(),
         hold_waits: driver == Driver::IssueThreads,
@@ -348,8 +352,8 @@ pub fn execute_on(driver: Driver, flush: &dyn Flush, mut job: Job<'_>) -> Outcom
     // The table owns the external buffers: a donated one is freed by the schedule.
     for (b, ext) in schedule.external_buffers.iter().zip(externals) {
         match ext {
-            Input::Buffer(buffer) => *lock(&walker.table[b.index()]) = Some(buffer),
-            Input::Upload(bytes) => *lock(&walker.uploads[b.index()]) = Some(bytes),
+            Input::Buffer(buffer) => lock(&walker.table[b.index()]).buffer = Some(buffer),
+            Input::Upload(bytes) => lock(&walker.table[b.index()]).upload = Some(bytes),
         }
     }
     let streams = schedule.streams.len();
@@ -383,7 +387,7 @@ pub fn execute_on(driver: Driver, flush: &dyn Flush, mut job: Job<'_>) -> Outcom
             }
         }
     }
-    let held = schedule.external_buffers.iter().map(|b| lock(&walker.table[b.index()]).clone()).collect();
+    let held = schedule.external_buffers.iter().map(|b| lock(&walker.table[b.index()]).buffer.clone()).collect();
     if let Some(e) = lock(&walker.error).take() {
         return (Err(e), held);
     }
@@ -391,7 +395,10 @@ pub fn execute_on(driver: Driver, flush: &dyn Flush, mut job: Job<'_>) -> Outcom
         .outputs
         .iter()
         .map(|(_, b)| {
-            lock(&walker.table[b.index()]).clone().ok_or_else(|| DeviceError::Internal(format!("output {b} was freed")))
+            lock(&walker.table[b.index()])
+                .buffer
+                .clone()
+                .ok_or_else(|| DeviceError::Internal(format!("output {b} was freed")))
         })
         .collect();
     (outputs, held)

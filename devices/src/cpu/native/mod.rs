@@ -23,12 +23,13 @@
 mod compile;
 
 use super::CompileMode;
-use super::map::{ArgPtr, check_io, in_tasks};
+use super::map::{ArgPtr, in_tasks};
 use super::rows::TASK;
-use braid_lowering::{Body, Kernel, RowKernel, host_c};
+use braid_lowering::{Body, Kernel, RowKernel, check_args, host_c};
 use hashbrown::HashMap;
 use libloading::Library;
 use rayon::prelude::*;
+use smallvec::SmallVec;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, mpsc};
 
@@ -108,7 +109,7 @@ impl NativeKernel {
     /// `r` must print to the source this library was built from, as for [`run`](Self::run).
     pub unsafe fn run_rows(&self, r: &RowKernel, args: &[ArgPtr]) -> Result<(), String> {
         let Some((f, scratch)) = self.rows else { return Err("a compiled kernel of map loops run as rows".into()) };
-        check_io(&r.loads, &r.stores, &r.expr, args)?;
+        check_args(&r.loads, &r.stores, |a| args.get(a as usize).map(|p| (p.dtype, p.len)))?;
         let (outer, row): (usize, usize) = match r.axis {
             Some(d) => (r.dims[..d].iter().product(), r.dims[d..].iter().product()),
             None => (1, r.dims.iter().product()),
@@ -116,7 +117,7 @@ impl NativeKernel {
         if outer == 0 {
             return Ok(());
         }
-        let ptrs: Vec<*mut u8> = args.iter().map(|a| a.ptr).collect();
+        let ptrs: SmallVec<[*mut u8; 16]> = args.iter().map(|a| a.ptr).collect();
         let ptrs = Ptrs(&ptrs);
         let words = scratch.div_ceil(8);
         // SAFETY: the code was printed from `r` (the caller's promise), whose accesses were just
@@ -157,11 +158,12 @@ impl NativeKernel {
         if loops.len() != self.loops.len() || args.len() != kernel.args.len() {
             return Err("a compiled kernel run with another kernel's loops or arguments".into());
         }
-        let ptrs: Vec<*mut u8> = args.iter().map(|a| a.ptr).collect();
+        let ptrs: SmallVec<[*mut u8; 16]> = args.iter().map(|a| a.ptr).collect();
         let ptrs = Ptrs(&ptrs);
         for (l, &f) in loops.iter().zip(&self.loops) {
-            // Every view within its argument, with the dtypes the printed code assumes.
-            check_io(&l.loads, &l.stores, &l.expr, args)?;
+            // Every view within its argument, with the dtypes the printed code assumes (its
+            // expression was checked when it was printed).
+            check_args(&l.loads, &l.stores, |a| args.get(a as usize).map(|p| (p.dtype, p.len)))?;
             // SAFETY: the code was printed from `l` (the caller's promise), whose accesses were
             // just checked; tasks cover disjoint index ranges, and different indices never write
             // the same element.
