@@ -7,8 +7,17 @@ use smallvec::SmallVec;
 use std::fmt;
 
 /// The dimensions of a tensor. `()` is a scalar (rank 0, one element).
-#[derive(Clone, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[derive(PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 pub struct Shape(SmallVec<[usize; 4]>);
+
+// By hand: `SmallVec`'s own `clone` pushes element by element through its generic `extend`
+// (about a hundred instructions for a short shape, and every recorded op clones a few);
+// `from_slice` copies the `usize`s at once.
+impl Clone for Shape {
+    fn clone(&self) -> Shape {
+        Shape(SmallVec::from_slice(&self.0))
+    }
+}
 
 impl Shape {
     pub fn new(dims: &[usize]) -> Shape {
