@@ -227,8 +227,15 @@ fn indexing_misuse_names_the_op_and_its_operands_at_the_call() {
 fn item_reads_one_element_of_every_dtype() {
     let cpu = dev();
     fn check<T: Element + PartialEq + std::fmt::Debug>(cpu: &Device, v: T) {
+        let dtypes = cpu.target().dtypes;
+        if !dtypes.contains(T::DTYPE) {
+            println!("skipped: {} has no {} (item of it is not tested here)", cpu.name(), T::DTYPE);
+            return;
+        }
         let x = Tensor::from_vec(vec![v], (), cpu);
-        let computed = x.to_dtype(DType::F64).to_dtype(T::DTYPE); // a kernel's output, not an upload
+        // A kernel's output, not an upload (through a dtype that holds every value below).
+        let wide = if dtypes.contains(DType::F64) { DType::F64 } else { DType::F32 };
+        let computed = x.to_dtype(wide).to_dtype(T::DTYPE);
         for t in [&x, &computed] {
             assert_eq!(t.item::<T>().unwrap(), v, "{}", T::DTYPE);
             assert_eq!(t.item::<T>().unwrap(), t.to_vec::<T>().unwrap()[0]);
