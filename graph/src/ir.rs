@@ -241,11 +241,13 @@ impl<V> Graph<V> {
         let mut control = SmallVec::new();
         for e in &self.slots[id.index()].ins {
             match e.edge {
+                // Edges are stored in the order they were added, so slots come in order unless a
+                // removal moved one; then `end()` fills the gap until its slot's edge comes.
+                Edge::Data(slot) if slot as usize == data.len() => data.push(e.from),
                 Edge::Data(slot) => {
-                    // Slots are 0..n, each once, so every filler `end()` is overwritten.
                     let slot = slot as usize;
-                    if data.len() <= slot {
-                        data.resize(slot + 1, NodeId::end());
+                    while data.len() <= slot {
+                        data.push(NodeId::end());
                     }
                     data[slot] = e.from;
                 }

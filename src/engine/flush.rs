@@ -296,7 +296,11 @@ pub(super) fn walk(st: &mut State, targets: &[NodeId]) -> Walked {
             }
         }
     }
-    // Recording order: a topological order, and each stream's program order.
-    order.sort_unstable_by_key(|&id| graph.node(id).seq);
+    // Recording order: a topological order, and each stream's program order. Sorted as (seq,
+    // id) pairs: a key looked up in the graph at every comparison costs more than the sort.
+    let mut keyed: Vec<(u64, NodeId)> = order.iter().map(|&id| (graph.node(id).seq, id)).collect();
+    keyed.sort_unstable_by_key(|&(seq, _)| seq);
+    order.clear();
+    order.extend(keyed.into_iter().map(|(_, id)| id));
     Walked { order, waits, lost, remotes }
 }
