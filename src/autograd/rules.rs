@@ -299,7 +299,8 @@ impl Val {
 /// [`Diff`] over tensors and unrecorded constants; a constant is recorded (once per value) only
 /// when an op needs it as a tensor.
 struct TensorDiff {
-    values: Vec<Val>,
+    /// On the stack: one derivative rule pushes a handful of values.
+    values: SmallVec<[Val; 8]>,
     dtype: DType,
     device: crate::device::Device,
     /// Constants recorded so far, by bits (the zeros of a relu's mask and its select are one).
@@ -308,7 +309,12 @@ struct TensorDiff {
 
 impl TensorDiff {
     fn new(node: &GradNode) -> TensorDiff {
-        TensorDiff { values: Vec::new(), dtype: node.out_dtype, device: node.device.clone(), recorded: SmallVec::new() }
+        TensorDiff {
+            values: SmallVec::new(),
+            dtype: node.out_dtype,
+            device: node.device.clone(),
+            recorded: SmallVec::new(),
+        }
     }
 
     fn push(&mut self, t: Tensor) -> Dv {

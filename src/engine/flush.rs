@@ -248,13 +248,16 @@ impl Engine {
 }
 
 pub(super) fn walk(st: &mut State, targets: &[NodeId]) -> Walked {
+    // Sized for the pending nodes up front (a small flush grew these one doubling at a time),
+    // up to a bound: a read of one value among many pending ones walks few of them.
+    let pending = st.pending.min(4096);
     let State { graph, marks, .. } = st;
     marks.start(graph.node_bound());
-    let mut order = Vec::new();
+    let mut order = Vec::with_capacity(pending);
     let mut waits: Vec<Arc<Ticket>> = Vec::new();
     let mut lost: Vec<(NodeId, String)> = Vec::new();
     let mut remotes: Vec<NodeId> = Vec::new();
-    let mut stack: Vec<(NodeId, bool)> = Vec::new();
+    let mut stack: Vec<(NodeId, bool)> = Vec::with_capacity(pending + targets.len());
     for &t in targets {
         match graph.contains(t).then(|| &graph.node(t).value) {
             Some(None) => stack.push((t, false)),
