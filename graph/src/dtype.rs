@@ -190,7 +190,13 @@ mod sealed {
 pub trait Element: sealed::Sealed + Copy + Send + Sync + fmt::Debug + PartialEq + 'static {
     const DTYPE: DType;
     /// Writes the native-endian bytes of `values` to `out`.
-    fn write_bytes(values: &[Self], out: &mut Vec<u8>);
+    fn write_bytes(values: &[Self], out: &mut Vec<u8>) {
+        let (start, size) = (out.len(), Self::DTYPE.size());
+        out.resize(start + values.len() * size, 0);
+        for (chunk, &v) in out[start..].chunks_exact_mut(size).zip(values) {
+            v.write_one(chunk);
+        }
+    }
     /// `values` as native-endian bytes, in one allocation.
     fn to_bytes(values: &[Self]) -> std::sync::Arc<[u8]> {
         let size = Self::DTYPE.size();
@@ -246,12 +252,6 @@ macro_rules! element {
         impl sealed::Sealed for $t {}
         impl Element for $t {
             const DTYPE: DType = $d;
-            fn write_bytes(values: &[Self], out: &mut Vec<u8>) {
-                out.reserve(values.len() * std::mem::size_of::<$t>());
-                for v in values {
-                    out.extend_from_slice(&v.to_ne_bytes());
-                }
-            }
             fn read_bytes(bytes: &[u8]) -> Vec<Self> {
                 const N: usize = std::mem::size_of::<$t>();
                 bytes.chunks_exact(N).map(|c| <$t>::from_ne_bytes(c.try_into().expect("chunk of N bytes"))).collect()
@@ -286,9 +286,6 @@ element!(u8, DType::U8, |v| v as f64, |v| v as i64 as u8);
 impl sealed::Sealed for bool {}
 impl Element for bool {
     const DTYPE: DType = DType::Bool;
-    fn write_bytes(values: &[Self], out: &mut Vec<u8>) {
-        out.extend(values.iter().map(|&b| b as u8));
-    }
     fn read_bytes(bytes: &[u8]) -> Vec<Self> {
         bytes.iter().map(|&b| b != 0).collect()
     }
@@ -368,6 +365,8 @@ mod tests {
             T::write_bytes(vals, &mut bytes);
             assert_eq!(bytes.len(), vals.len() * T::DTYPE.size());
             assert_eq!(T::read_bytes(&bytes), vals);
+            assert_eq!(&*T::to_bytes(vals), bytes.as_slice());
+            assert_eq!(T::read_one(&bytes), vals[0]);
         }
         check(&[1.5f32, -2.25]);
         check(&[1.5f64, -2.25]);

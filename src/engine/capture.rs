@@ -140,6 +140,8 @@ impl Engine {
     /// Flushes what the captured function's outputs (`out_ids`, recorded since `start`, from
     /// arguments `arg_nodes`) need, in one flush, and keeps it as a capture.
     pub(crate) fn capture(&self, start: u64, arg_nodes: &[NodeId], out_ids: &[NodeId]) -> Result<Capture> {
+        // Read before the lock is taken, as a flush reads it.
+        let env = FlushEnv::for_flush()?;
         loop {
             let mut st = self.state();
             let walked = super::flush::walk(&mut st, out_ids);
@@ -169,7 +171,7 @@ impl Engine {
                     graph: Mutex::new(DeviceGraph::Refused),
                 });
             }
-            let mut ex = self.extract(&mut st, &walked.order, super::env::FlushEnv::for_flush()?);
+            let mut ex = self.extract(&mut st, &walked.order, env);
             drop(st);
             // Inputs stay with the step: nothing of them is handed to the flush to free.
             let mut sources = Vec::with_capacity(ex.graph.externals.len());

@@ -253,7 +253,8 @@ pub(super) fn walk(st: &mut State, targets: &[NodeId]) -> Walked {
     let pending = st.pending.min(4096);
     let State { graph, marks, .. } = st;
     marks.start(graph.node_bound());
-    let mut order = Vec::with_capacity(pending);
+    // (seq, id): sorted by recording order at the end.
+    let mut order: Vec<(u64, NodeId)> = Vec::with_capacity(pending);
     let mut waits: Vec<Arc<Ticket>> = Vec::new();
     let mut lost: Vec<(NodeId, String)> = Vec::new();
     let mut remotes: Vec<NodeId> = Vec::new();
@@ -280,7 +281,7 @@ pub(super) fn walk(st: &mut State, targets: &[NodeId]) -> Walked {
                     marks.set(id, Marks::LOST);
                     lost.push((id, r));
                 }
-                None => order.push(id),
+                None => order.push((graph.node(id).seq, id)),
             }
             continue;
         }
@@ -299,11 +300,8 @@ pub(super) fn walk(st: &mut State, targets: &[NodeId]) -> Walked {
             }
         }
     }
-    // Recording order: a topological order, and each stream's program order. Sorted as (seq,
-    // id) pairs: a key looked up in the graph at every comparison costs more than the sort.
-    let mut keyed: Vec<(u64, NodeId)> = order.iter().map(|&id| (graph.node(id).seq, id)).collect();
-    keyed.sort_unstable_by_key(|&(seq, _)| seq);
-    order.clear();
-    order.extend(keyed.into_iter().map(|(_, id)| id));
-    Walked { order, waits, lost, remotes }
+    // Recording order: a topological order, and each stream's program order. Keys carried
+    // along: one looked up in the graph at every comparison cost more than the sort.
+    order.sort_unstable_by_key(|&(seq, _)| seq);
+    Walked { order: order.into_iter().map(|(_, id)| id).collect(), waits, lost, remotes }
 }
