@@ -218,9 +218,9 @@ fn in_place_and_streamed_outputs_match() {
     }
     use braid_graph::expr::ExprBuilder;
     use braid_lowering::{Arg, Load, MapLoop, Store, View};
-    // 5 MiB of f32: the output is written with non-temporal stores; the offset makes the
-    // stores start off a 64-byte boundary.
-    let n = (5 << 20) / 4 + 13;
+    // Past the size from which outputs are written with non-temporal stores; the offset makes
+    // the stores start off a 64-byte boundary.
+    let n = braid_devices::cpu::map::stream_bytes() / 4 + (1 << 18) + 13;
     let view = View { dims: [n - 3].as_slice().into(), strides: [1].as_slice().into(), offset: 3 };
     let mut b = ExprBuilder::new();
     let x = b.load(0, DType::F32);
@@ -251,6 +251,94 @@ fn in_place_and_streamed_outputs_match() {
     assert!(want[..3] == init[..3] && want[3..] != init[3..], "the interpreter updated the buffer in place");
     let diff = want.iter().zip(&got).position(|(a, b)| a.to_bits() != b.to_bits());
     assert_eq!(diff, None, "first differing element");
+}
+
+/// `exp` and `tanh` where their steps change course: around `exp`'s range limits (inputs
+/// beyond them are not clamped, the result is replaced at the end), at the subnormal results,
+/// at tanh's switch between its two formulas, and far out (huge magnitudes, infinities, NaN):
+/// compiled and interpreted give the same bits, and the limits give 0 and infinity.
+#[test]
+fn exp_and_tanh_match_at_their_edges() {
+    if skip() {
+        return;
+    }
+    use braid_graph::expr::ExprBuilder;
+    use braid_lowering::{Arg, Load, MapLoop, Store, View, vmath};
+    let mut xs = vec![f32::NAN, f32::INFINITY, f32::NEG_INFINITY, f32::MAX, f32::MIN, 1e30, -1e30, 0.0, -0.0];
+    // Every float within 2,000 steps of each limit, both signs.
+    let around = [vmath::EXP_RANGE[0], vmath::EXP_RANGE[1], -87.34, 88.72, vmath::TANH_SMALL, 44.4, 9.0];
+    for &c in &around {
+        for v in [c, -c] {
+            let b = v.to_bits() as i64;
+            xs.extend((b - 2000..=b + 2000).map(|u| f32::from_bits(u as u32)));
+        }
+    }
+    let mut rng = Rng::new(11);
+    xs.extend((0..20_000).map(|_| rng.uniform(-1.0, 1.0) as f32 * 10f32.powi(rng.below(40) as i32 - 10)));
+    let n = xs.len();
+    let view = View { dims: [n].as_slice().into(), strides: [1].as_slice().into(), offset: 0 };
+    let mut b = ExprBuilder::new();
+    let x = b.load(0, DType::F32);
+    let (e, t) = (b.exp(x), b.tanh(x));
+    let store = |arg, value| Store { arg, dtype: DType::F32, view: view.clone(), value };
+    let l = MapLoop {
+        dims: view.dims.clone(),
+        loads: vec![Load { arg: 0, dtype: DType::F32, view: view.clone() }],
+        expr: b.finish(),
+        stores: vec![store(1, e), store(2, t)],
+    };
+    let k = Kernel { args: vec![Arg { dtype: DType::F32, len: n }; 3], inputs: 1, body: Body::Map(vec![l]) };
+    let native = NativeKernel::build(&k).unwrap();
+    let run = |compiled: bool| {
+        let (mut x, mut e, mut t) = (xs.clone(), vec![0f32; n], vec![0f32; n]);
+        let ptr = |v: &mut Vec<f32>| ArgPtr { ptr: v.as_mut_ptr() as *mut u8, len: n, dtype: DType::F32 };
+        let args = [ptr(&mut x), ptr(&mut e), ptr(&mut t)];
+        // SAFETY: `native` was built from `k`.
+        let r = if compiled { unsafe { native.run(&k, &args) } } else { run_kernel(&k, &args) };
+        r.unwrap();
+        (e, t)
+    };
+    let ((want_e, want_t), (got_e, got_t)) = (run(false), run(true));
+    for (name, want, got) in [("exp", &want_e, &got_e), ("tanh", &want_t, &got_t)] {
+        let diff = (0..n).find(|&i| want[i].to_bits() != got[i].to_bits() && !(want[i].is_nan() && got[i].is_nan()));
+        assert_eq!(diff.map(|i| (xs[i], want[i], got[i])), None, "{name}: input, interpreted, compiled");
+    }
+    for (i, &x) in xs.iter().enumerate() {
+        let e = want_e[i];
+        match x {
+            x if x.is_nan() => assert!(e.is_nan() && want_t[i].is_nan()),
+            x if x > vmath::EXP_RANGE[1] => assert_eq!(e, f32::INFINITY, "exp({x})"),
+            x if x < vmath::EXP_RANGE[0] => assert_eq!(e, 0.0, "exp({x})"),
+            x if ((x as f64).exp() as f32).is_infinite() => assert_eq!(e, f32::INFINITY, "exp({x})"),
+            x => assert!((e as f64 - (x as f64).exp()).abs() <= (x as f64).exp() * 2e-7 + 1.5e-45, "exp({x}) = {e}"),
+        }
+    }
+}
+
+/// A softmax whose output is past the streaming size (written with non-temporal stores from a
+/// block) and one below it (stored as computed): compiled, both give the interpreter's bits.
+#[test]
+fn row_kernels_streamed_and_stored_directly_give_the_interpreters_bits() {
+    if skip() {
+        return;
+    }
+    let cols = 1024;
+    let big = braid_devices::cpu::map::stream_bytes() / (4 * cols) + 3;
+    for rows in [big, 517] {
+        let run = |mode: CompileMode| {
+            let dev = Device::new_cpu();
+            dev.set_compile_mode(mode);
+            dev.seed(5);
+            let x = Tensor::randn([rows, cols], DType::F32, &dev) * 4.0;
+            let y = x.softmax(1).to_vec::<f32>().unwrap();
+            (y, dev.compiled_kernels_launched())
+        };
+        let ((want, none), (got, launched)) = (run(CompileMode::Off), run(CompileMode::Blocking));
+        assert_eq!(none, 0);
+        assert!(launched >= 1, "{rows} rows: the softmax ran compiled");
+        let diff = want.iter().zip(&got).position(|(a, b)| a.to_bits() != b.to_bits());
+        assert_eq!(diff, None, "{rows} rows: first differing element");
+    }
 }
 
 /// `gelu(x * w + b) * sigmoid(x)` with `b` broadcast along rows, and a tanh: C1's chain on a

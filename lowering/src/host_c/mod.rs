@@ -114,7 +114,7 @@ pub fn print(kernel: &Kernel, name: &str, stream_bytes: usize) -> Result<HostSou
 /// streaming copy.
 fn prelude() -> String {
     let f = |v: f32| float_literal(v as f64, DType::F32);
-    let [lo, hi] = vmath::EXP_CLAMP.map(f);
+    let [lo, hi] = vmath::EXP_RANGE.map(f);
     let (log2e, round) = (f(std::f32::consts::LOG2_E), f(vmath::ROUND));
     let (ln2_hi, ln2_lo) = (f(vmath::LN2_HI), f(vmath::LN2_LO));
     let horner = |coeffs: &[f32], var: &str| {
@@ -140,22 +140,22 @@ static inline double __longlong_as_double(long long b) {{ double f; __builtin_me
 // (a kernel of many nodes is past gcc's inlining limits, and a call per element would keep its
 // loop from being vectorised).
 static inline __attribute__((always_inline)) float braid_expf(float x) {{
-  x = x < {lo} ? {lo} : x;
-  x = x > {hi} ? {hi} : x;
   const float t = __builtin_fmaf(x, {log2e}, {round});
   const float n = t - {round};
-  int32_t tb;
-  __builtin_memcpy(&tb, &t, 4);
-  const int32_t ni = (int32_t)((uint32_t)tb - 0x4B400000u);
+  uint32_t ni;
+  __builtin_memcpy(&ni, &t, 4);
+  ni -= 0x4B400000u;
   const float r = __builtin_fmaf(-n, {ln2_lo}, __builtin_fmaf(-n, {ln2_hi}, x));
   const float p = {exp_poly};
   const float e = p * (r * r) + r + 1.0f;
-  const int32_t n1 = ni >> 1, n2 = ni - n1;
-  const uint32_t b1 = (uint32_t)(n1 + 127) << 23, b2 = (uint32_t)(n2 + 127) << 23;
+  const uint32_t n1 = (uint32_t)((int32_t)ni >> 1), n2 = ni - n1;
+  const uint32_t b1 = (n1 + 127u) << 23, b2 = (n2 + 127u) << 23;
   float p1, p2;
   __builtin_memcpy(&p1, &b1, 4);
   __builtin_memcpy(&p2, &b2, 4);
-  return e * p1 * p2;
+  const float y = e * p1 * p2;
+  const float y_hi = x > {hi} ? __builtin_inff() : y;
+  return x < {lo} ? 0.0f : y_hi;
 }}
 static inline __attribute__((always_inline)) float braid_tanhf(float x) {{
   const float a = __builtin_fabsf(x), z = x * x;

@@ -87,6 +87,14 @@ fn a_softmax_row_kernel_keeps_exp_folds_in_the_interpreters_lanes_and_streams_it
         "_mm_sfence();",
     ]);
     assert_eq!(s.matches("braid_expf(v2)").count(), 1, "exp computed once per element:\n{s}");
+
+    // Below the streaming size: stored as computed, into an output declared `restrict`.
+    let s = print(&k, "c2", 16 << 20).unwrap().source;
+    assert!(s.contains("float *restrict const a1 = (float *)args[1];"), "{s}");
+    assert!(
+        s.contains("a1[w0 + p] = v5;") && !s.contains("braid_stream_f32(a1") && !s.contains("_mm_sfence();\n}"),
+        "{s}"
+    );
 }
 
 #[test]

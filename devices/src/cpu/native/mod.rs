@@ -79,14 +79,11 @@ thread_local! {
     static ROW_SCRATCH: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Non-temporal stores for f32 outputs of at least this many bytes, as the interpreter's.
-const STREAM_BYTES: usize = super::map::STREAM_BYTES;
-
 impl NativeKernel {
     /// Prints `kernel`, compiles it (or finds it in the disk cache) and loads it, on the calling
     /// thread.
     pub fn build(kernel: &Kernel) -> Result<NativeKernel, String> {
-        let src = host_c::print(kernel, "braid_kernel", STREAM_BYTES)?;
+        let src = host_c::print(kernel, "braid_kernel", super::map::stream_bytes())?;
         Self::load(&src)
     }
 
@@ -381,9 +378,9 @@ fn slot_for(kernel: &Kernel, rows: Option<&RowKernel>) -> Option<Arc<Slot>> {
     let source = match (&kernel.body, rows) {
         (Body::Rows(_), Some(r)) => {
             let planned = Kernel { args: kernel.args.clone(), inputs: kernel.inputs, body: Body::Rows(r.clone()) };
-            host_c::print(&planned, "braid_kernel", STREAM_BYTES)
+            host_c::print(&planned, "braid_kernel", super::map::stream_bytes())
         }
-        _ => host_c::print(kernel, "braid_kernel", STREAM_BYTES),
+        _ => host_c::print(kernel, "braid_kernel", super::map::stream_bytes()),
     };
     let source = source.ok()?;
     let mut slots = slots().lock().unwrap_or_else(|p| p.into_inner());
