@@ -127,6 +127,11 @@ pub fn limit_cpu_simd(level: CpuSimd) -> CpuSimd {
     braid_devices::cpu::eval::limit_simd(level)
 }
 
+/// The CPU device under `device`, when it is one: compile and graph statistics.
+pub fn cpu_backend(device: &Device) -> Option<&braid_devices::cpu::CpuDevice> {
+    device.engine().backend.as_any().downcast_ref()
+}
+
 /// The CUDA runtime under `device`, when it is a CUDA device: kernel timelines from CUDA
 /// events, compile statistics, pinned memory.
 #[cfg(feature = "cuda")]

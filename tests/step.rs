@@ -298,6 +298,42 @@ fn a_failed_replay_is_an_error_and_the_next_one_runs() {
     assert_eq!(step.call(std::slice::from_ref(&x)).unwrap()[0].item::<f32>().unwrap(), 2.0);
 }
 
+/// On the CPU, a replay of one stream runs as a CPU graph (its steps in order, without the
+/// walker) and gives the eager bits; a step of two streams keeps running through the walker,
+/// whose threads run its streams at the same time.
+#[test]
+fn cpu_replays_of_one_stream_run_as_graphs() {
+    let dev = Device::new_cpu();
+    let launches = || braid::testing::cpu_backend(&dev).unwrap().graph_launches();
+    let step = Step::new(micrograd_step);
+    let mut rng = Rng::new(5);
+    for call in 0..5 {
+        let args = [scalar(rng.uniform(-3.0, 3.0), &dev), scalar(rng.uniform(-3.0, 3.0), &dev)];
+        let before = launches();
+        let out = step.call(&args).unwrap();
+        // The first call captures (and runs the flush); every later one launches the graph.
+        assert_eq!(launches() - before, (call > 0) as u64, "call {call}");
+        let eager = micrograd_step(&args);
+        for (r, e) in out.iter().zip(&eager) {
+            assert_eq!(bits(r), bits(e), "call {call}");
+        }
+    }
+    let side = dev.new_stream();
+    let two = Step::new(|a: &[Tensor]| {
+        let h = side.scope(|| (&a[0] * 2.0).exp());
+        vec![&h + &(&a[1] * 3.0)]
+    });
+    let before = launches();
+    for _ in 0..3 {
+        let args = [scalar(rng.uniform(-1.0, 1.0), &dev), scalar(rng.uniform(-1.0, 1.0), &dev)];
+        let out = two.call(&args).unwrap();
+        let want = (value(&args[0]) * 2.0).exp() + value(&args[1]) * 3.0;
+        assert!((value(&out[0]) - want).abs() <= 1e-12 * want.abs());
+    }
+    assert!(dev.last_schedule().unwrap().dump().streams.len() >= 2, "the step used two streams");
+    assert_eq!(launches(), before, "a step of two streams runs through the walker");
+}
+
 #[test]
 fn replays_hold_no_memory_once_their_outputs_are_dropped() {
     let dev = braid::testing::test_device();

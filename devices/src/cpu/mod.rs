@@ -6,6 +6,7 @@
 //! It executes exactly what the runtime issues; it never reorders steps or decides lifetimes.
 
 pub mod eval;
+mod graph;
 mod keep;
 pub mod map;
 pub mod matmul;
@@ -117,6 +118,8 @@ pub struct CpuDevice {
     pool: Arc<Pool>,
     host_pool: Arc<Pool>,
     kernels: AtomicU64,
+    /// Replays run as CPU graphs ([`graph`]).
+    graph_launches: AtomicU64,
     prepared: std::sync::Mutex<Prepared>,
     native: native::Native,
 }
@@ -128,6 +131,7 @@ impl Default for CpuDevice {
             pool: Arc::new(Pool::new(HostMemory)),
             host_pool: Arc::new(Pool::new(HostMemory)),
             kernels: AtomicU64::new(0),
+            graph_launches: AtomicU64::new(0),
             prepared: Default::default(),
             native: Default::default(),
         }
@@ -153,6 +157,11 @@ impl CpuDevice {
     /// Kernels run as compiled code since the device was created.
     pub fn compiled_kernels_launched(&self) -> u64 {
         self.native.launches()
+    }
+
+    /// How many replayed steps ran as CPU graphs (without the walker; see [`graph`]).
+    pub fn graph_launches(&self) -> u64 {
+        self.graph_launches.load(Ordering::Relaxed)
     }
 
     /// Runs `kernel`, preparing it once per distinct (interned) kernel.
@@ -184,6 +193,32 @@ impl CpuDevice {
             };
         }
         run_prepared(kernel, plan.as_ref().map(|(_, p)| &**p), args)
+    }
+
+    /// Runs `kernel` as [`CpuDevice::run`] does, but for a kernel of map loops keeps its compiled
+    /// library in `compiled` once there is one and runs it from there (a replayed step runs the
+    /// same kernels thousands of times: looking the library up each time is a lock and a hash).
+    fn run_keeping(
+        &self,
+        kernel: &Arc<Kernel>,
+        args: &[ArgPtr],
+        compiled: &std::sync::OnceLock<Arc<native::NativeKernel>>,
+    ) -> Result<(), String> {
+        if !matches!(kernel.body, Body::Map(_)) || self.native.mode() == CompileMode::Off {
+            return self.run(kernel, args);
+        }
+        let lib = match compiled.get() {
+            Some(lib) => {
+                self.native.count_launch();
+                lib
+            }
+            None => match self.native.library(kernel, None) {
+                Some(lib) => compiled.get_or_init(|| lib),
+                None => return run_prepared(kernel, None, args),
+            },
+        };
+        // SAFETY: the library was printed from this very kernel (`library` gave it for it).
+        unsafe { lib.run(kernel, args) }
     }
 
     /// Runs a matrix-product kernel; its epilogue runs as compiled code once the map kernel
@@ -366,6 +401,13 @@ impl Backend for CpuDevice {
 
     fn persistent_memory(&self) -> u64 {
         self.pool.persistent()
+    }
+
+    fn record_graph(
+        &self,
+        job: crate::runtime::Job<'_>,
+    ) -> Option<Result<Box<dyn crate::runtime::Graph>, DeviceError>> {
+        graph::record(self, job)
     }
 
     fn as_any(&self) -> &dyn std::any::Any {

@@ -6,13 +6,14 @@
 //!
 //! A queue never decides what runs; it only does what it is handed.
 
+use super::native::NativeKernel;
 use super::{CpuBuffer, CpuDevice, map::ArgPtr};
 use crate::runtime::{Call, Flush, Queue};
 use crate::{Buffer, DeviceError};
 use braid_scheduler::{BufferPlan, EventId, Schedule};
 use smallvec::SmallVec;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -99,29 +100,57 @@ fn cpu(buffer: &Buffer) -> Result<&Arc<CpuBuffer>, DeviceError> {
 impl CpuQueue<'_, '_> {
     /// Runs a kernel (interpreted, compiled, or a matrix product through `gemm`) and logs it.
     fn run(&self, call: &Call<'_>) -> Result<(), DeviceError> {
-        let device = self.flush.device;
         let args: SmallVec<[ArgPtr; 16]> = (call.args.iter().zip(&call.kernel.args))
             .map(|(b, a)| cpu(b).map(|b| ArgPtr { ptr: b.ptr(), len: a.len, dtype: a.dtype }))
             .collect::<Result<_, _>>()?;
-        let timed = tracing::enabled!(target: "braid::kernel", tracing::Level::DEBUG);
-        let t0 = timed.then(Instant::now);
-        device.run(call.kernel, &args).map_err(|e| DeviceError::Kernel(format!("{}: {e}", call.describe())))?;
-        device.kernels.fetch_add(1, Ordering::Relaxed);
-        if let Some(t0) = t0 {
-            let secs = t0.elapsed().as_secs_f64();
-            tracing::debug!(
-                target: "braid::kernel",
-                "flush {} {} s{} {} elems {:.1} us {:.2} GB/s",
-                call.flush,
-                call.describe(),
-                call.stream,
-                call.kernel.output_elements(),
-                secs * 1e6,
-                call.kernel.bytes_moved() as f64 / secs.max(1e-9) / 1e9
-            );
-        }
-        Ok(())
+        run_logged(self.flush.device, call.kernel, &args, &|| call.describe(), call.flush, call.stream, None)
     }
+}
+
+/// Runs `kernel` over `args` on `device` (keeping its compiled library in `compiled`, if
+/// given: see `CpuDevice::run_keeping`), counts it, and logs its time at
+/// `RUST_LOG=braid::kernel=debug` (`describe` names it).
+pub(super) fn run_logged(
+    device: &CpuDevice,
+    kernel: &Arc<braid_lowering::Kernel>,
+    args: &[ArgPtr],
+    describe: &dyn Fn() -> String,
+    flush: u64,
+    stream: u32,
+    compiled: Option<&OnceLock<Arc<NativeKernel>>>,
+) -> Result<(), DeviceError> {
+    let timed = tracing::enabled!(target: "braid::kernel", tracing::Level::DEBUG);
+    let t0 = timed.then(Instant::now);
+    let ran = match compiled {
+        Some(compiled) => device.run_keeping(kernel, args, compiled),
+        None => device.run(kernel, args),
+    };
+    ran.map_err(|e| DeviceError::Kernel(format!("{}: {e}", describe())))?;
+    device.kernels.fetch_add(1, Ordering::Relaxed);
+    if let Some(t0) = t0 {
+        let secs = t0.elapsed().as_secs_f64();
+        tracing::debug!(
+            target: "braid::kernel",
+            "flush {flush} {} s{stream} {} elems {:.1} us {:.2} GB/s",
+            describe(),
+            kernel.output_elements(),
+            secs * 1e6,
+            kernel.bytes_moved() as f64 / secs.max(1e-9) / 1e9
+        );
+    }
+    Ok(())
+}
+
+/// Copies `from` (a CPU buffer, or another device's for a transfer) into the CPU buffer `to`,
+/// of as many bytes (the caller checks).
+pub(super) fn copy(from: &Buffer, to: &Buffer) -> Result<(), DeviceError> {
+    let dst = cpu(to)?;
+    // SAFETY: the destination is held for the copy and nothing else accesses it now (the
+    // validated schedule orders every other access around this step); it holds as many
+    // bytes as the source.
+    let dst = unsafe { std::slice::from_raw_parts_mut(dst.ptr(), dst.bytes()) };
+    // Another device's buffer (a transfer) or one of ours: read where it is.
+    from.read_into(dst)
 }
 
 impl Queue for CpuQueue<'_, '_> {
@@ -146,13 +175,7 @@ impl Queue for CpuQueue<'_, '_> {
     }
 
     fn copy(&mut self, from: &Buffer, to: &Buffer) -> Result<(), DeviceError> {
-        let dst = cpu(to)?;
-        // SAFETY: the destination is held for the copy and nothing else accesses it now (the
-        // validated schedule orders every other access around this step); it holds as many
-        // bytes as the source (the walker checks).
-        let dst = unsafe { std::slice::from_raw_parts_mut(dst.ptr(), dst.bytes()) };
-        // Another device's buffer (a transfer) or one of ours: read where it is.
-        from.read_into(dst)
+        copy(from, to)
     }
 
     fn launch(&mut self, call: &Call<'_>) -> Result<(), DeviceError> {

@@ -306,6 +306,11 @@ impl Native {
     }
 
     /// Kernels run compiled so far.
+    /// Counts a launch of a library its caller kept from an earlier [`Native::library`].
+    pub fn count_launch(&self) {
+        self.launches.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub fn launches(&self) -> u64 {
         self.launches.load(Ordering::Relaxed)
     }
