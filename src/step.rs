@@ -146,7 +146,7 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Step<F> {
 
     /// The capture whose signature `args` on `device` match.
     fn find(&self, device: &Device, args: &[Tensor]) -> Option<Arc<Capture>> {
-        let nodes: Vec<NodeId> = args.iter().map(Tensor::node).collect();
+        let nodes: smallvec::SmallVec<[NodeId; 8]> = args.iter().map(Tensor::node).collect();
         lock(&self.captures).iter().find(|(s, _)| s.matches(device, args, &nodes)).map(|(_, c)| c.clone())
     }
 }
@@ -182,10 +182,10 @@ fn replay(device: &Device, c: &Capture, args: &[Tensor]) -> Result<Vec<Tensor>> 
     // Read once for the whole step: the arguments' uploads and the replay.
     let env = FlushEnv::for_replay()?;
     let poison = Some(engine.poison_under(&env));
-    let buffers: Vec<Buffer> = if c.runs() {
+    let buffers: smallvec::SmallVec<[Buffer; 8]> = if c.runs() {
         args.iter().map(|a| engine.materialize_with(|| a.node(), poison)).collect::<Result<_>>()?
     } else {
-        Vec::new()
+        smallvec::SmallVec::new()
     };
     let produced = engine.replay(c, &buffers, &env)?;
     drop(buffers);

@@ -224,7 +224,7 @@ impl Engine {
                         self.backend.upload(bytes, poison).map(Input::Buffer).map_err(|e| self.device_error(e))
                     }
                 })
-                .collect::<Result<Vec<Input>>>()?;
+                .collect::<Result<smallvec::SmallVec<[Input; 8]>>>()?;
             let fail_at = crate::lock(&self.faults).fail_at.take().map(KernelId);
             let number = {
                 let mut st = self.state();
@@ -259,7 +259,7 @@ impl Engine {
             let job = Job {
                 schedule: &planned.schedule,
                 kernels: &planned.kernels,
-                externals,
+                externals: externals.into_vec(),
                 label: &label,
                 poison,
                 fail_at,
@@ -297,7 +297,7 @@ impl Engine {
             };
         }
         let DeviceGraph::Recorded(graph) = &*slot else { return Ok(None) };
-        let buffers: Vec<Buffer> = inputs
+        let buffers: smallvec::SmallVec<[Buffer; 8]> = inputs
             .iter()
             .map(|i| match i {
                 Input::Buffer(b) => Ok(b.clone()),
