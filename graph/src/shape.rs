@@ -11,17 +11,26 @@ use std::fmt;
 pub struct Shape(SmallVec<[usize; 4]>);
 
 // By hand: `SmallVec`'s own `clone` pushes element by element through its generic `extend`
-// (about a hundred instructions for a short shape, and every recorded op clones a few);
-// `from_slice` copies the `usize`s at once.
+// (about a hundred instructions for a short shape, and every recorded op clones a few).
 impl Clone for Shape {
     fn clone(&self) -> Shape {
-        Shape(SmallVec::from_slice(&self.0))
+        Shape::new(&self.0)
     }
 }
 
 impl Shape {
     pub fn new(dims: &[usize]) -> Shape {
-        Shape(SmallVec::from_slice(dims))
+        // Up to four dimensions are stored inline, copied as one array (`from_slice` calls
+        // `memcpy` for any length, a scalar's zero included).
+        let inline = match *dims {
+            [] => [0; 4],
+            [a] => [a, 0, 0, 0],
+            [a, b] => [a, b, 0, 0],
+            [a, b, c] => [a, b, c, 0],
+            [a, b, c, d] => [a, b, c, d],
+            _ => return Shape(SmallVec::from_slice(dims)),
+        };
+        Shape(SmallVec::from_buf_and_len(inline, dims.len()))
     }
 
     pub fn scalar() -> Shape {

@@ -133,23 +133,26 @@ impl Drop for GradNode {
     /// Releases a chain of recorded ops iteratively: a history of a million ops (a running sum
     /// kept with gradients on) would otherwise be freed by a million nested drops.
     fn drop(&mut self) {
-        let mut stack: Vec<Arc<GradNode>> = take_node_sources(&mut self.inputs);
-        while let Some(node) = stack.pop() {
-            if let Ok(mut last) = Arc::try_unwrap(node) {
-                stack.extend(take_node_sources(&mut last.inputs));
+        let mut stack: SmallVec<[Arc<GradNode>; 8]> = SmallVec::new();
+        take_node_sources(&mut self.inputs, &mut stack);
+        while let Some(mut node) = stack.pop() {
+            // The last owner empties the node in place (moving it out of its `Arc` would copy
+            // it whole); dropping it then releases nothing recursively.
+            if let Some(last) = Arc::get_mut(&mut node) {
+                take_node_sources(&mut last.inputs, &mut stack);
             }
         }
     }
 }
 
-fn take_node_sources(inputs: &mut [InputSlot]) -> Vec<Arc<GradNode>> {
-    inputs
-        .iter_mut()
-        .filter_map(|slot| match slot.source.take() {
-            Some(GradSource::Node(n)) => Some(n),
-            _ => None,
-        })
-        .collect()
+/// Moves the gradient nodes `inputs` hold onto `stack`.
+fn take_node_sources(inputs: &mut [InputSlot], stack: &mut SmallVec<[Arc<GradNode>; 8]>) {
+    for slot in inputs {
+        // A leaf's source is dropped here, as before.
+        if let Some(GradSource::Node(n)) = slot.source.take() {
+            stack.push(n);
+        }
+    }
 }
 
 /// Marks `t` as a leaf whose gradient [`Grads`] collects. Misuse (checked by the caller):
