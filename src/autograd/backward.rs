@@ -156,7 +156,7 @@ impl Tensor {
         }
         no_grad(|| {
             // d loss / d loss = 1, kept as a constant until an op needs it as a tensor.
-            let mut pending: HashMap<*const GradNode, Val> = HashMap::new();
+            let mut pending: HashMap<*const GradNode, Val> = HashMap::with_capacity(nodes.len().min(4096));
             let seed_at = (self.shape(), self.dtype(), self.device());
             route(&root, Val::S(1.0), seed_at, &mut pending, grads);
             let current = crate::recorder::current_stream(self.device().id());
@@ -185,8 +185,9 @@ impl Tensor {
 /// Every `GradNode` reachable from `root`, latest first (a valid order for the backward pass:
 /// a node is recorded after all of its inputs).
 fn reachable(root: &GradSource) -> Vec<Arc<GradNode>> {
-    let mut seen: HashMap<*const GradNode, Arc<GradNode>> = HashMap::new();
-    let mut stack: Vec<Arc<GradNode>> = Vec::new();
+    // Sized for a small graph at once (growing rehashes every entry, several times over).
+    let mut seen: HashMap<*const GradNode, Arc<GradNode>> = HashMap::with_capacity(64);
+    let mut stack: Vec<Arc<GradNode>> = Vec::with_capacity(64);
     if let GradSource::Node(n) = root {
         stack.push(n.clone());
     }

@@ -100,7 +100,7 @@ impl Engine {
     pub(crate) fn flush_all(&self) -> Result<()> {
         let (targets, tickets): (Vec<NodeId>, Vec<Arc<Ticket>>) = {
             let st = self.state();
-            let mut targets = Vec::new();
+            let mut targets = Vec::with_capacity(st.pending.min(4096));
             let mut tickets = Vec::new();
             for id in st.graph.node_ids() {
                 match &st.graph.node(id).value {
