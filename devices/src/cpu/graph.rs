@@ -8,7 +8,8 @@
 //! the calling thread, each done before the next starts, so every event is reached when it is
 //! recorded and every gated free may go at once. The graph keeps exactly the schedule's steps
 //! and order (allocations, frees, kernels, copies); it owns nothing between launches, so it is
-//! never stale, and memory is taken from and given back to the pool as a flush would.
+//! never stale, and memory is taken from and given back to the pool as a flush would (poisoned
+//! when freed if the flush it was recorded from poisoned, as CUDA graphs keep theirs).
 //!
 //! Not recorded ([`record`] says `None`, and the plan runs through the walker): schedules of
 //! several streams (their kernels run at the same time on threads of their own), with
