@@ -334,6 +334,41 @@ fn cpu_replays_of_one_stream_run_as_graphs() {
     assert_eq!(launches(), before, "a step of two streams runs through the walker");
 }
 
+/// One step called from several threads at once: every replay gets its own arguments' results
+/// (a device graph is launched outside the capture's lock, so replays may overlap).
+#[test]
+fn replays_of_one_step_from_several_threads_keep_their_results_apart() {
+    let dev = braid::testing::test_device();
+    let step = Step::new(|a: &[Tensor]| vec![(&a[0] * 2.0 + &a[1]).exp().sum_dim(1, false)]);
+    let shape = [8, 64];
+    let make = |seed: u64| {
+        let mut rng = Rng::new(seed);
+        let mut t = || {
+            let v: Vec<f32> = (0..shape[0] * shape[1]).map(|_| rng.uniform(-1.0, 1.0) as f32).collect();
+            Tensor::from_vec(v, shape, &dev)
+        };
+        [t(), t()]
+    };
+    drop(step.call(&make(1)).unwrap());
+    std::thread::scope(|scope| {
+        for thread in 0..4u64 {
+            let (step, make) = (&step, &make);
+            scope.spawn(move || {
+                for call in 0..25 {
+                    let args = make(100 * thread + call);
+                    let out = step.call(&args).unwrap();
+                    let eager = (&args[0] * 2.0 + &args[1]).exp().sum_dim(1, false);
+                    assert_eq!(bits32(&out[0]), bits32(&eager), "thread {thread}, call {call}");
+                }
+            });
+        }
+    });
+}
+
+fn bits32(t: &Tensor) -> Vec<u32> {
+    t.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+}
+
 #[test]
 fn replays_hold_no_memory_once_their_outputs_are_dropped() {
     let dev = braid::testing::test_device();

@@ -114,7 +114,7 @@ pub(crate) struct Capture {
 enum DeviceGraph {
     /// Not recorded yet (or the last one went stale): the next replay tries.
     Untried,
-    Recorded(Box<dyn Graph>),
+    Recorded(Arc<dyn Graph>),
     /// The device records no graph of this plan (or recording it failed): flushes run it.
     Refused,
 }
@@ -285,18 +285,24 @@ impl Engine {
     /// Runs a captured plan as a device graph (recorded at its first replay, where the device
     /// records graphs): the outputs, or `None` when the plan must run as a flush this time.
     fn launch_graph(&self, c: &Capture, job: Job<'_>, inputs: &[Input]) -> Result<Option<Vec<Buffer>>> {
-        let mut slot = crate::lock(&c.graph);
-        if matches!(*slot, DeviceGraph::Untried) {
-            *slot = match self.backend.record_graph(job) {
-                None => DeviceGraph::Refused,
-                Some(Ok(g)) => DeviceGraph::Recorded(g),
-                Some(Err(e)) => {
-                    tracing::debug!(target: "braid", "a step is not run as a device graph: {e}");
-                    DeviceGraph::Refused
-                }
-            };
-        }
-        let DeviceGraph::Recorded(graph) = &*slot else { return Ok(None) };
+        // The graph is taken out of the capture's slot and launched without holding it, so that
+        // replays of one step from several threads run at the same time where the device lets
+        // them (a CPU graph keeps nothing between launches; CUDA orders its launches itself).
+        let graph = {
+            let mut slot = crate::lock(&c.graph);
+            if matches!(*slot, DeviceGraph::Untried) {
+                *slot = match self.backend.record_graph(job) {
+                    None => DeviceGraph::Refused,
+                    Some(Ok(g)) => DeviceGraph::Recorded(Arc::from(g)),
+                    Some(Err(e)) => {
+                        tracing::debug!(target: "braid", "a step is not run as a device graph: {e}");
+                        DeviceGraph::Refused
+                    }
+                };
+            }
+            let DeviceGraph::Recorded(graph) = &*slot else { return Ok(None) };
+            graph.clone()
+        };
         let buffers: smallvec::SmallVec<[Buffer; 8]> = inputs
             .iter()
             .map(|i| match i {
@@ -308,7 +314,11 @@ impl Engine {
             GraphRun::Ran(outputs) => Ok(Some(outputs)),
             GraphRun::NotNow => Ok(None),
             GraphRun::Stale => {
-                *slot = DeviceGraph::Untried;
+                let mut slot = crate::lock(&c.graph);
+                // Unless another replay already replaced it.
+                if matches!(&*slot, DeviceGraph::Recorded(g) if Arc::ptr_eq(g, &graph)) {
+                    *slot = DeviceGraph::Untried;
+                }
                 Ok(None)
             }
         }
