@@ -9,7 +9,8 @@
 //! rounding), and `2^n` built from exponent bits in two steps so subnormal results are right.
 //! Inputs outside [`EXP_RANGE`] are not clamped first: the steps run on them as they are and
 //! the result is replaced at the end (two compares and two selects, where clamping costs four
-//! compares: a clamp that keeps NaN is not one `max` instruction). `tanh`: an odd polynomial below 0.625 in magnitude, `1 - 2 / (e^(2|x|) + 1)` above.
+//! compares: a clamp that keeps NaN is not one `max` instruction). `tanh`: an odd polynomial
+//! below 0.625 in magnitude, `1 - 2 / (e^(2|x|) + 1)` above.
 //! The range reduction and the polynomials use fused multiply-adds (`mul_add`, one rounding):
 //! the FMA instructions at the AVX2 and AVX-512 levels, libm's correctly rounded `fmaf` on the
 //! baseline (slow, but the same bits), so results are the same bits at every vector level. The

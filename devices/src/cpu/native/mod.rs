@@ -305,12 +305,12 @@ impl Native {
         self.mode.store(mode as u8, Ordering::Relaxed);
     }
 
-    /// Kernels run compiled so far.
     /// Counts a launch of a library its caller kept from an earlier [`Native::library`].
     pub fn count_launch(&self) {
         self.launches.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Kernels run compiled so far.
     pub fn launches(&self) -> u64 {
         self.launches.load(Ordering::Relaxed)
     }
