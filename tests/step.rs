@@ -426,3 +426,30 @@ fn a_captured_transformer_training_step_gives_the_op_by_op_losses() {
         assert!((e - c).abs() <= 1e-5 * e.abs(), "op by op {eager:?}, captured {captured:?}");
     }
 }
+
+/// Every replay publishes its own dump as the device's last schedule (a replay renumbers the
+/// previous one in place when nobody holds it); a dump the program holds keeps its number.
+#[test]
+fn each_replay_is_the_last_schedule_with_its_own_flush_number() {
+    let dev = braid::testing::test_device();
+    let step = Step::new(|x: &[Tensor]| vec![(&x[0] * 2.0).exp()]);
+    let x = scalar(0.5, &dev);
+    step.call(std::slice::from_ref(&x)).unwrap();
+    step.call(std::slice::from_ref(&x)).unwrap();
+    let held = dev.last_schedule().unwrap();
+    let (n, json) = (held.flush(), held.to_json());
+    step.call(std::slice::from_ref(&x)).unwrap();
+    let next = dev.last_schedule().unwrap();
+    assert_eq!((held.flush(), held.to_json()), (n, json.clone()), "a held dump keeps its number and text");
+    assert_eq!(next.flush(), n + 1);
+    assert_eq!(next.kernel_count(), held.kernel_count());
+    drop((held, next));
+    for k in 2..5 {
+        step.call(std::slice::from_ref(&x)).unwrap();
+        let last = dev.last_schedule().unwrap();
+        assert_eq!(last.flush(), n + k);
+        let renumbered = json.replace(&format!("\"flush\": {n},"), &format!("\"flush\": {},", n + k));
+        assert_ne!(renumbered, json, "the JSON names the flush");
+        assert_eq!(last.to_json(), renumbered, "only the number changes");
+    }
+}

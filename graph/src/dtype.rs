@@ -199,14 +199,11 @@ pub trait Element: sealed::Sealed + Copy + Send + Sync + fmt::Debug + PartialEq 
     }
     /// `values` as native-endian bytes, in one allocation.
     fn to_bytes(values: &[Self]) -> std::sync::Arc<[u8]> {
-        let size = Self::DTYPE.size();
-        // SAFETY: zeroed bytes are initialised `u8`s.
-        let mut bytes = unsafe { std::sync::Arc::<[u8]>::new_zeroed_slice(values.len() * size).assume_init() };
-        let out = std::sync::Arc::get_mut(&mut bytes).expect("a new allocation has one owner");
-        for (chunk, &v) in out.chunks_exact_mut(size).zip(values) {
-            v.write_one(chunk);
-        }
-        bytes
+        // SAFETY: every `Element` (the trait is sealed) is plain data without padding whose
+        // memory is its native-endian encoding, the bytes `write_one` writes (a test checks
+        // each type); so its values can be read as `size_of_val` bytes.
+        let bytes = unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values)) };
+        std::sync::Arc::from(bytes)
     }
     /// Writes `self` as native-endian bytes into `out` (exactly the dtype's size).
     fn write_one(self, out: &mut [u8]);
@@ -306,6 +303,26 @@ impl Element for bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `to_bytes` reads each type's memory; it must be the encoding `write_one` writes.
+    #[test]
+    fn to_bytes_is_the_encoding_write_one_writes() {
+        fn check<T: Element>(values: &[T]) {
+            let mut written = Vec::new();
+            T::write_bytes(values, &mut written);
+            assert_eq!(&*T::to_bytes(values), &written[..], "{}", T::DTYPE);
+            assert_eq!(std::mem::size_of::<T>(), T::DTYPE.size(), "{}", T::DTYPE);
+        }
+        check(&[1.5f32, -0.0, f32::NAN, 3e-39]);
+        check(&[2.25f64, -7.0, f64::INFINITY]);
+        check(&[-3i32, i32::MAX]);
+        check(&[i64::MIN, 42i64]);
+        check(&[0u8, 7, 255]);
+        check(&[true, false, true]);
+        check(&[f16::from_f32(1.5), f16::from_f32(-65504.0)]);
+        check(&[bf16::from_f32(3.0), bf16::from_f32(-1e30)]);
+        check::<f32>(&[]);
+    }
 
     /// The nearest value (ties to even) among the finite values of a 16-bit format, by exact
     /// comparison with the midpoints in f64; infinity past the overflow midpoint.

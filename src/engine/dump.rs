@@ -42,6 +42,20 @@ impl ScheduleDump {
         ScheduleDump(Arc::new(Source { live: Some(live), built: OnceLock::new() }))
     }
 
+    /// Makes this dump the one of flush `flush`, in place, when it describes the same plan
+    /// (`schedule` over `graph`, run) and nobody else holds it: a replayed step publishes a
+    /// dump per call, and only its number changes. `false` when a new dump must be made.
+    pub(crate) fn renumber(&mut self, schedule: &Arc<Schedule>, graph: &Arc<FlushGraph>, flush: u64) -> bool {
+        let Some(source) = Arc::get_mut(&mut self.0) else { return false };
+        let Some(live) = &mut source.live else { return false };
+        if !Arc::ptr_eq(&live.schedule, schedule) || !Arc::ptr_eq(&live.graph, graph) || live.not_run.is_some() {
+            return false;
+        }
+        live.flush = flush;
+        source.built = OnceLock::new();
+        true
+    }
+
     /// Reads a dump written as JSON (for example by `BRAID_DUMP`); the error says what is
     /// wrong with the text.
     pub fn from_json(text: &str) -> Result<ScheduleDump, String> {

@@ -260,11 +260,16 @@ impl Engine {
         not_run: Option<String>,
         env: &FlushEnv,
     ) {
-        let dump = ScheduleDump::live(schedule.clone(), graph.clone(), number, self.name.clone(), not_run);
+        let mut last = lock(&self.last_schedule);
+        let renumbered = not_run.is_none() && last.as_mut().is_some_and(|d| d.renumber(schedule, graph, number));
+        if !renumbered {
+            *last = Some(ScheduleDump::live(schedule.clone(), graph.clone(), number, self.name.clone(), not_run));
+        }
         if let Some(dir) = &env.dump {
+            let dump = last.clone().expect("published above");
+            drop(last);
             dump::write_files(dir, &dump);
         }
-        *lock(&self.last_schedule) = Some(dump);
     }
 }
 
