@@ -95,6 +95,18 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Collects into a `SmallVec` element by element: `collect` reserves for the iterator's size
+/// hint first, out of line, which costs more than pushing the one to three inputs of an op
+/// (a recorded op collects several such lists).
+#[inline]
+pub(crate) fn small<A: smallvec::Array>(items: impl IntoIterator<Item = A::Item>) -> smallvec::SmallVec<A> {
+    let mut v = smallvec::SmallVec::new();
+    for item in items {
+        v.push(item);
+    }
+    v
+}
+
 /// The README's code blocks are compiled and run as doctests.
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]

@@ -223,7 +223,7 @@ fn differentiable(op: &Op) -> bool {
 /// Which inputs (given which of them need gradients) and whether the output the derivative of
 /// `op` reads.
 fn saves(op: &Op, needs: &[bool]) -> (SmallVec<[bool; 3]>, bool) {
-    let all = |on: bool| needs.iter().map(|_| on).collect::<SmallVec<[bool; 3]>>();
+    let all = |on: bool| SmallVec::<[bool; 3]>::from_elem(on, needs.len());
     match op {
         Op::Unary(u) => (all(u.def().saves.inputs()), u.def().saves.output()),
         Op::Binary(b) | Op::BinaryScalar { op: b, .. } => (all(b.def().saves.inputs()), b.def().saves.output()),
@@ -289,41 +289,34 @@ impl<'a> Tracker<'a> {
     /// the output's.
     pub(crate) fn run(&mut self, retainer: &mut Retainer<'_>, ids: &[NodeId], out: NodeId) {
         let sources: SmallVec<[Option<GradSource>; 3]> =
-            self.inputs.iter().map(|t| t.grad_meta().lock().unwrap_or_else(|p| p.into_inner()).clone()).collect();
+            crate::small(self.inputs.iter().map(|t| t.grad_meta().lock().unwrap_or_else(|p| p.into_inner()).clone()));
         let tracked = grad_enabled()
             && self.out_dtype.is_float()
             && differentiable(&self.op)
             && sources.iter().any(Option::is_some);
         let new = if tracked {
-            let needs: SmallVec<[bool; 3]> = sources.iter().map(Option::is_some).collect();
+            let needs: SmallVec<[bool; 3]> = crate::small(sources.iter().map(Option::is_some));
             let (save_inputs, save_output) = saves(&self.op, &needs);
-            let inputs: SmallVec<[Option<Tensor>; 3]> = self
-                .inputs
-                .iter()
-                .zip(ids)
-                .zip(&save_inputs)
-                .map(|((t, &id), &save)| {
-                    save.then(|| {
-                        retainer.retain(id);
-                        Tensor::from_node(id, t.shape().clone(), t.dtype(), t.device().clone())
-                    })
-                })
-                .collect();
-            let output = save_output.then(|| {
-                retainer.retain(out);
-                Tensor::from_node(out, self.out_shape.clone(), self.out_dtype, self.device.clone())
-            });
-            let slots = self
-                .inputs
-                .iter()
-                .zip(sources)
-                .map(|(t, source)| InputSlot {
+            // The saved inputs and the input slots in one pass, element by element (see
+            // `crate::small`).
+            let mut inputs: SmallVec<[Option<Tensor>; 3]> = SmallVec::new();
+            let mut slots: SmallVec<[InputSlot; 3]> = SmallVec::new();
+            for (((t, &id), &save), source) in self.inputs.iter().zip(ids).zip(&save_inputs).zip(sources) {
+                inputs.push(save.then(|| {
+                    retainer.retain(id);
+                    Tensor::from_node(id, t.shape().clone(), t.dtype(), t.device().clone())
+                }));
+                slots.push(InputSlot {
                     source,
                     shape: t.shape().clone(),
                     dtype: t.dtype(),
                     device: t.device().clone(),
-                })
-                .collect();
+                });
+            }
+            let output = save_output.then(|| {
+                retainer.retain(out);
+                Tensor::from_node(out, self.out_shape.clone(), self.out_dtype, self.device.clone())
+            });
             Some(GradSource::Node(Arc::new(GradNode {
                 op: self.op.clone(),
                 seq: NEXT_SEQ.fetch_add(1, Ordering::Relaxed),

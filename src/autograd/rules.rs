@@ -10,7 +10,7 @@ use crate::tensor::Tensor;
 use braid_graph::diff::{Diff, Dv};
 use braid_graph::table::{BinaryOp, CompareOp, UnaryOp};
 use braid_graph::{DType, Op, ReduceOp, Shape};
-use smallvec::SmallVec;
+use smallvec::{SmallVec, smallvec};
 
 type InputGrads = SmallVec<[Option<Val>; 3]>;
 
@@ -53,7 +53,7 @@ pub(super) fn forget_transposed() {
 /// its output. Elementwise derivatives keep constants unrecorded (a loss's seed of 1, its
 /// halves and doubles) until an op needs them as tensors; other rules record them first.
 pub(super) fn input_grads(node: &GradNode, saved: &Saved, g: &Val) -> InputGrads {
-    let needs: SmallVec<[bool; 3]> = node.inputs.iter().map(|s| s.source.is_some()).collect();
+    let needs: SmallVec<[bool; 3]> = crate::small(node.inputs.iter().map(|s| s.source.is_some()));
     let input = |i: usize| saved.inputs[i].clone().expect("the derivative's saved input");
     let output = || saved.output.clone().expect("the derivative's saved output");
     let elementwise = |d: &mut TensorDiff, i: usize| d.push_saved(saved.inputs.get(i).cloned().flatten());
@@ -64,7 +64,7 @@ pub(super) fn input_grads(node: &GradNode, saved: &Saved, g: &Val) -> InputGrads
             let y = d.push_saved(saved.output.clone());
             let gv = d.push_val(g.clone());
             let r = (u.def().grad)(&mut d, x, y, gv);
-            SmallVec::from_iter([Some(d.take(r))])
+            smallvec![Some(d.take(r))]
         }
         Op::Binary(b) => {
             let mut d = TensorDiff::new(node);
@@ -74,7 +74,7 @@ pub(super) fn input_grads(node: &GradNode, saved: &Saved, g: &Val) -> InputGrads
             let gv = d.push_val(g.clone());
             let ga = needs[0].then(|| (b.def().grad_lhs)(&mut d, a, bb, y, gv));
             let gb = needs[1].then(|| (b.def().grad_rhs)(&mut d, a, bb, y, gv));
-            SmallVec::from_iter([ga.map(|v| d.take(v)), gb.map(|v| d.take(v))])
+            smallvec![ga.map(|v| d.take(v)), gb.map(|v| d.take(v))]
         }
         Op::BinaryScalar { op, scalar, scalar_first } => {
             let mut d = TensorDiff::new(node);
@@ -87,11 +87,11 @@ pub(super) fn input_grads(node: &GradNode, saved: &Saved, g: &Val) -> InputGrads
             } else {
                 (op.def().grad_lhs)(&mut d, x, s, y, gv)
             };
-            SmallVec::from_iter([Some(d.take(r))])
+            smallvec![Some(d.take(r))]
         }
         _ => {
             let g = g.to_tensor(&node.out_shape, node.out_dtype, &node.device);
-            other_grads(node, &needs, &g, input, output).into_iter().map(|t| t.map(Val::T)).collect()
+            crate::small(other_grads(node, &needs, &g, input, output).into_iter().map(|t| t.map(Val::T)))
         }
     };
     for (slot, grad) in node.inputs.iter().zip(grads.iter_mut()) {
@@ -126,18 +126,14 @@ fn other_grads(
         Op::Select => {
             let cond = input(0);
             let zero = Tensor::zeros((), g.dtype(), g.device());
-            SmallVec::from_iter([
-                None,
-                needs[1].then(|| cond.select(g, &zero)),
-                needs[2].then(|| cond.select(&zero, g)),
-            ])
+            smallvec![None, needs[1].then(|| cond.select(g, &zero)), needs[2].then(|| cond.select(&zero, g))]
         }
         Op::Clamp { .. } => {
             // Where the value passed through unchanged (NaN compares unequal: no gradient).
             let zero = Tensor::zeros((), g.dtype(), g.device());
-            SmallVec::from_iter([Some(output().eq(&input(0)).select(g, &zero))])
+            smallvec![Some(output().eq(&input(0)).select(g, &zero))]
         }
-        Op::Cast => SmallVec::from_iter([Some(g.to_dtype(node.inputs[0].dtype))]),
+        Op::Cast => smallvec![Some(g.to_dtype(node.inputs[0].dtype))],
         Op::Reduce { op, dim, keepdim } => {
             let in_shape = &node.inputs[0].shape;
             let g_keep = keep_reduced_dim(g, *dim, *keepdim, in_shape.rank());
@@ -159,7 +155,7 @@ fn other_grads(
                 }
                 ReduceOp::ArgMax => unreachable!("argmax is not differentiable"),
             };
-            SmallVec::from_iter([Some(r)])
+            smallvec![Some(r)]
         }
         Op::Matmul => {
             let rank = |t: &Tensor| t.rank();
@@ -182,22 +178,22 @@ fn other_grads(
                     a.transpose(rank(&a) - 2, rank(&a) - 1).matmul(g)
                 }
             });
-            SmallVec::from_iter([ga, gb])
+            smallvec![ga, gb]
         }
-        Op::Reshape => SmallVec::from_iter([Some(g.reshape(node.inputs[0].shape.clone()))]),
+        Op::Reshape => smallvec![Some(g.reshape(node.inputs[0].shape.clone()))],
         Op::Permute(perm) => {
             if is_last_two_swap(perm)
                 && let Some(own) = take_transposed(g)
             {
-                return SmallVec::from_iter([Some(own)]);
+                return smallvec![Some(own)];
             }
             let mut inverse = vec![0; perm.len()];
             for (i, &p) in perm.iter().enumerate() {
                 inverse[p] = i;
             }
-            SmallVec::from_iter([Some(g.permute(&inverse))])
+            smallvec![Some(g.permute(&inverse))]
         }
-        Op::Expand | Op::Contiguous => SmallVec::from_iter([Some(g.clone())]),
+        Op::Expand | Op::Contiguous => smallvec![Some(g.clone())],
         Op::Narrow { dim, start, len } => {
             let full = &node.inputs[0].shape;
             let mut parts = Vec::new();
@@ -215,7 +211,7 @@ fn other_grads(
                 parts.push(zeros(after));
             }
             let refs: Vec<&Tensor> = parts.iter().collect();
-            SmallVec::from_iter([Some(if refs.len() == 1 { g.clone() } else { Tensor::cat(&refs, *dim) })])
+            smallvec![Some(if refs.len() == 1 { g.clone() } else { Tensor::cat(&refs, *dim) })]
         }
         Op::Cat { dim } => {
             let mut offset = 0;
@@ -229,7 +225,7 @@ fn other_grads(
                 })
                 .collect()
         }
-        Op::ToDevice => SmallVec::from_iter([Some(g.to_device(&node.inputs[0].device))]),
+        Op::ToDevice => smallvec![Some(g.to_device(&node.inputs[0].device))],
         op => unreachable!("{} is not differentiable", op.name()),
     }
 }

@@ -213,7 +213,7 @@ impl Engine {
                 });
                 inputs.push(ValueRef::External(e));
             }
-            let after = control.into_iter().filter_map(|p| marks.node_place(p)).collect();
+            let after = crate::small(control.into_iter().filter_map(|p| marks.node_place(p)));
             let keep = n.handles > 0 || recorded.successors(id).any(|s| marks.node_place(s).is_none());
             graph.nodes.push(FlushNode {
                 id,

@@ -218,7 +218,7 @@ impl Engine {
         let _span = tracing::trace_span!(target: "braid::record", "record", op = new.op.name()).entered();
         let mut st = self.state();
         let nodes: smallvec::SmallVec<[NodeId; 3]> =
-            inputs.iter().map(|cell| NodeId::new(cell.load(Ordering::Relaxed) as usize)).collect();
+            crate::small(inputs.iter().map(|cell| NodeId::new(cell.load(Ordering::Relaxed) as usize)));
         let id = self.add_recorded(&mut st, new, &nodes, version_of, track);
         self.finish_record(st);
         id

@@ -177,7 +177,7 @@ impl State {
 /// no handle, no dependent node, not in flight. Freed buffers go back to their pool; handles
 /// on other engines' nodes are released once the lock is let go.
 pub(crate) fn collect(st: &mut State, start: impl IntoIterator<Item = NodeId>) {
-    let mut candidates: smallvec::SmallVec<[NodeId; 16]> = start.into_iter().collect();
+    let mut candidates: smallvec::SmallVec<[NodeId; 16]> = crate::small(start);
     while let Some(id) = candidates.pop() {
         if !st.graph.contains(id) {
             continue;

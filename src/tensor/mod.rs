@@ -110,7 +110,7 @@ impl Tensor {
                 track,
             ),
             _ => {
-                let cells: smallvec::SmallVec<[&AtomicU32; 3]> = inputs.iter().map(|t| &t.0.node).collect();
+                let cells: smallvec::SmallVec<[&AtomicU32; 3]> = crate::small(inputs.iter().map(|t| &t.0.node));
                 recorder::record(device.engine(), stream, op, dtype, shape.clone(), &cells, None, track)
             }
         };
@@ -129,7 +129,7 @@ impl Tensor {
         if let Err(problem) = autograd::check_in_place(self) {
             misuse(name, problem, &[("self", self.describe())]);
         }
-        let cells: smallvec::SmallVec<[&AtomicU32; 3]> = inputs.iter().map(|t| &t.0.node).collect();
+        let cells: smallvec::SmallVec<[&AtomicU32; 3]> = crate::small(inputs.iter().map(|t| &t.0.node));
         let device = &self.0.device;
         let stream = current_stream(device.id());
         let (shape, dtype) = (&self.0.shape, self.0.dtype);
