@@ -29,8 +29,8 @@ pub(crate) struct Plan {
     pub(crate) kernels: Arc<[Arc<Kernel>]>,
 }
 
-/// The structure of a flush graph, written out.
-pub(crate) type Key = Arc<[u8]>;
+/// The structure of a flush graph, written out (kept shared once a plan is stored under it).
+type Key = Arc<[u8]>;
 
 #[derive(Default)]
 pub(crate) struct PlanCache {
@@ -43,8 +43,9 @@ pub(crate) struct PlanCache {
 }
 
 impl PlanCache {
-    /// The structural key of a flush graph.
-    pub(crate) fn key(graph: &FlushGraph, fusion: bool, budget: Option<u64>) -> Key {
+    /// The structural key of a flush graph (a lookup needs only its bytes: a hit, the usual
+    /// case, copies it nowhere).
+    pub(crate) fn key(graph: &FlushGraph, fusion: bool, budget: Option<u64>) -> Vec<u8> {
         let mut w = KeyWriter(Vec::with_capacity(64 + 112 * graph.nodes.len() + 48 * graph.externals.len()));
         fusion.hash(&mut w);
         budget.hash(&mut w);
@@ -66,10 +67,10 @@ impl PlanCache {
             e.stream.hash(&mut w);
             (e.donated, e.persistent, e.overwritable).hash(&mut w);
         }
-        w.0.into()
+        w.0
     }
 
-    pub(crate) fn get(&mut self, key: &Key) -> Option<Arc<Plan>> {
+    pub(crate) fn get(&mut self, key: &[u8]) -> Option<Arc<Plan>> {
         let hit = self.plans.get(key).cloned();
         if hit.is_some() {
             self.hits += 1
@@ -79,7 +80,8 @@ impl PlanCache {
         hit
     }
 
-    pub(crate) fn insert(&mut self, key: Key, plan: Arc<Plan>) {
+    pub(crate) fn insert(&mut self, key: Vec<u8>, plan: Arc<Plan>) {
+        let key: Key = key.into();
         if self.plans.insert(key.clone(), plan).is_none() {
             self.key_bytes += key.len();
             self.order.push_back(key);
