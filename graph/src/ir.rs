@@ -113,7 +113,9 @@ pub struct Graph<V> {
 struct Slot<V> {
     node: Option<Node<V>>,
     ins: SmallVec<[In; 4]>,
-    outs: SmallVec<[Out; 2]>,
+    // Four inline: a value read by three or four ops (a leaf of a small model, an activation
+    // and its derivatives) is common, and a spilled list costs an allocation per growth.
+    outs: SmallVec<[Out; 4]>,
 }
 
 /// An incoming edge: from `from`, whose `outs[at]` is the mirror entry.
