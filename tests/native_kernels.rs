@@ -209,8 +209,10 @@ fn compiled_row_kernels_compute_the_interpreters_bits() {
     assert!(compared >= 120, "only {compared} row kernels were printed for the host");
 }
 
-/// `x = tanh(x) * x + exp(-x)` over `n` f32s, written in place over `x` (the output argument
-/// aliases the input, as the planner's in-place updates do), checked both ways on the same data.
+/// Past the streaming size, written in place over `x` (the output argument aliases the input,
+/// as the planner's in-place updates do), checked both ways on the same data: `x * x + x`
+/// (memory-bound: streamed after each block) and `tanh(x) * x + exp(-x)` (compute-bound where
+/// the CPU has 8 or fewer f32 lanes: stored directly from the vectorised loop).
 #[test]
 fn in_place_and_streamed_outputs_match() {
     if skip() {
@@ -218,39 +220,47 @@ fn in_place_and_streamed_outputs_match() {
     }
     use braid_graph::expr::ExprBuilder;
     use braid_lowering::{Arg, Load, MapLoop, Store, View};
-    // Past the size from which outputs are written with non-temporal stores; the offset makes
-    // the stores start off a 64-byte boundary.
+    // Past the size from which outputs leave the cache; the offset makes the stores start off
+    // a 64-byte boundary.
     let n = braid_devices::cpu::map::stream_bytes() / 4 + (1 << 18) + 13;
     let view = View { dims: [n - 3].as_slice().into(), strides: [1].as_slice().into(), offset: 3 };
-    let mut b = ExprBuilder::new();
-    let x = b.load(0, DType::F32);
-    let t = b.tanh(x);
-    let tx = b.mul(t, x);
-    let nx = b.neg(x);
-    let e = b.exp(nx);
-    let y = b.add(tx, e);
-    let l = MapLoop {
-        dims: view.dims.clone(),
-        loads: vec![Load { arg: 0, dtype: DType::F32, view: view.clone() }],
-        expr: b.finish(),
-        stores: vec![Store { arg: 1, dtype: DType::F32, view, value: y }],
-    };
-    let k = Kernel { args: vec![Arg { dtype: DType::F32, len: n }; 2], inputs: 1, body: Body::Map(vec![l]) };
     let mut rng = Rng::new(3);
     let init: Vec<f32> = (0..n).map(|_| rng.uniform(-20.0, 20.0) as f32).collect();
-    let native = NativeKernel::build(&k).unwrap();
-    let run = |compiled: bool| {
-        let mut buf = init.clone();
-        let p = ArgPtr { ptr: buf.as_mut_ptr() as *mut u8, len: n, dtype: DType::F32 };
-        // SAFETY: `native` was built from `k`.
-        let r = if compiled { unsafe { native.run(&k, &[p, p]) } } else { run_kernel(&k, &[p, p]) };
-        r.unwrap();
-        buf
-    };
-    let (want, got) = (run(false), run(true));
-    assert!(want[..3] == init[..3] && want[3..] != init[3..], "the interpreter updated the buffer in place");
-    let diff = want.iter().zip(&got).position(|(a, b)| a.to_bits() != b.to_bits());
-    assert_eq!(diff, None, "first differing element");
+    for heavy in [false, true] {
+        let mut b = ExprBuilder::new();
+        let x = b.load(0, DType::F32);
+        let y = if heavy {
+            let t = b.tanh(x);
+            let tx = b.mul(t, x);
+            let nx = b.neg(x);
+            let e = b.exp(nx);
+            b.add(tx, e)
+        } else {
+            let xx = b.mul(x, x);
+            b.add(xx, x)
+        };
+        let l = MapLoop {
+            dims: view.dims.clone(),
+            loads: vec![Load { arg: 0, dtype: DType::F32, view: view.clone() }],
+            expr: b.finish(),
+            stores: vec![Store { arg: 1, dtype: DType::F32, view: view.clone(), value: y }],
+        };
+        assert_eq!(braid_lowering::host_c::compute_bound(&l, 8), heavy);
+        let k = Kernel { args: vec![Arg { dtype: DType::F32, len: n }; 2], inputs: 1, body: Body::Map(vec![l]) };
+        let native = NativeKernel::build(&k).unwrap();
+        let run = |compiled: bool| {
+            let mut buf = init.clone();
+            let p = ArgPtr { ptr: buf.as_mut_ptr() as *mut u8, len: n, dtype: DType::F32 };
+            // SAFETY: `native` was built from `k`.
+            let r = if compiled { unsafe { native.run(&k, &[p, p]) } } else { run_kernel(&k, &[p, p]) };
+            r.unwrap();
+            buf
+        };
+        let (want, got) = (run(false), run(true));
+        assert!(want[..3] == init[..3] && want[3..] != init[3..], "the interpreter updated the buffer in place");
+        let diff = want.iter().zip(&got).position(|(a, b)| a.to_bits() != b.to_bits());
+        assert_eq!(diff, None, "first differing element (compute-bound: {heavy})");
+    }
 }
 
 /// `exp` and `tanh` where their steps change course: around `exp`'s range limits (inputs

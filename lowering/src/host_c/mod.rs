@@ -10,7 +10,13 @@
 //! expression per element, in registers), then written out: large contiguous f32 outputs with
 //! non-temporal stores, which skip reading each line before overwriting it. As the CPU
 //! evaluator does a chunk at a time, every load of a block happens before its stores, so an
-//! output written in place over an input reads the input's old values.
+//! output written in place over an input reads the input's old values. A loop whose arithmetic
+//! outweighs its memory traffic at the target's vector width ([`compute_bound`]) stores its
+//! large outputs directly from the vectorised loop instead: the stores then drain while the
+//! next elements are computed, where a burst of streaming stores per block stalls the
+//! arithmetic (C1's chain on an AVX2 machine: about 12% faster). Each element's loads still
+//! come before its store, which is all an in-place update needs (the planner writes in place
+//! over an input read at the output's own indices only).
 //!
 //! The printed code computes what the CPU evaluator computes, **bit for bit** except for the
 //! payload of a NaN (the compiler may swap the operands of `+` and `*`, and the result of two NaN
@@ -35,7 +41,7 @@ mod rows;
 mod tests;
 
 use crate::cexpr::*;
-use crate::kernel::{Body, Kernel, MapLoop, View};
+use crate::kernel::{Body, Kernel, MapLoop, Store, View};
 use crate::vmath;
 use braid_graph::DType;
 use braid_graph::expr::ExprOp;
@@ -64,11 +70,21 @@ pub struct HostSource {
     pub row_scratch: Option<usize>,
 }
 
+/// The machine the printed code is tuned for (never what it computes: every target gives the
+/// same bits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostTarget {
+    /// f32 outputs of at least this many bytes written contiguously are not kept in cache:
+    /// streamed (non-temporal stores), or stored directly by a [`compute_bound`] loop.
+    pub stream_bytes: usize,
+    /// f32 lanes of the vector level the code is compiled for (8 for AVX2, 16 for AVX-512).
+    pub f32_lanes: usize,
+}
+
 /// Prints `kernel` (map loops, or a row kernel `rows` prints) as host C; entry points are named after `name` (a C
-/// identifier). f32 outputs of at least `stream_bytes` written contiguously are written with
-/// non-temporal stores. Errors on what is not printed (see the module docs) and on IR the CPU
-/// would reject too.
-pub fn print(kernel: &Kernel, name: &str, stream_bytes: usize) -> Result<HostSource, String> {
+/// identifier), the code tuned for `target`. Errors on what is not printed (see the module
+/// docs) and on IR the CPU would reject too.
+pub fn print(kernel: &Kernel, name: &str, target: HostTarget) -> Result<HostSource, String> {
     let ident = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
         && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
     if !ident {
@@ -90,7 +106,7 @@ pub fn print(kernel: &Kernel, name: &str, stream_bytes: usize) -> Result<HostSou
                     return Err("a cast to a half type (not printed for the host)".into());
                 }
                 let entry = format!("{name}_loop{k}");
-                print_loop(&mut body, l, &entry, kernel, stream_bytes)?;
+                print_loop(&mut body, l, &entry, kernel, target)?;
                 entries.push(entry);
             }
         }
@@ -99,7 +115,7 @@ pub fn print(kernel: &Kernel, name: &str, stream_bytes: usize) -> Result<HostSou
                 return Err("a cast to a half type (not printed for the host)".into());
             }
             let entry = format!("{name}_rows");
-            row_scratch = Some(rows::print_rows(&mut body, r, kernel, &entry, stream_bytes)?);
+            row_scratch = Some(rows::print_rows(&mut body, r, kernel, &entry, target.stream_bytes)?);
             entries.push(entry);
         }
         _ => return Err("only map loops and row kernels are printed for the host".into()),
@@ -199,7 +215,33 @@ fn along(base: &str, k: &str, stride: isize) -> String {
     }
 }
 
-fn print_loop(out: &mut String, l: &MapLoop, name: &str, kernel: &Kernel, stream_bytes: usize) -> Result<(), String> {
+/// Whether `l`'s arithmetic per element outweighs its memory traffic on a machine of `f32_lanes`
+/// lanes: vector operations per element (an `exp` about 25, a `tanh` 40, a division or square
+/// root 4, a libm call, which runs one element at a time, 200) over the lanes, against half
+/// the bytes loaded and stored per element. Fitted to two measurements of C1's chain (about 70
+/// operations, 12 bytes): compute-bound with AVX2's 8 lanes (its streaming stores cost 12%),
+/// at the memory floor with AVX-512's 16 (stop 30, BENCHMARKS.md).
+pub fn compute_bound(l: &MapLoop, f32_lanes: usize) -> bool {
+    use braid_graph::expr::{PrimBinary, PrimUnary};
+    let ops: usize = (l.expr.nodes.iter())
+        .map(|n| match n.op {
+            ExprOp::Load(_) | ExprOp::Const(_) | ExprOp::ConstInt(_) => 0,
+            ExprOp::Unary(PrimUnary::Exp, _) if n.dtype == DType::F32 => 25,
+            ExprOp::Unary(PrimUnary::Tanh, _) if n.dtype == DType::F32 => 40,
+            ExprOp::Unary(PrimUnary::Exp | PrimUnary::Tanh | PrimUnary::Log | PrimUnary::Sin | PrimUnary::Cos, _) => {
+                200
+            }
+            ExprOp::Binary(PrimBinary::Pow, ..) => 200,
+            ExprOp::Unary(PrimUnary::Sqrt, _) | ExprOp::Binary(PrimBinary::Div, ..) => 4,
+            ExprOp::Random { .. } => 20,
+            _ => 1,
+        })
+        .sum();
+    let bytes: usize = l.loads.iter().map(|x| x.dtype.size()).chain(l.stores.iter().map(|s| s.dtype.size())).sum();
+    2 * ops >= f32_lanes * bytes
+}
+
+fn print_loop(out: &mut String, l: &MapLoop, name: &str, kernel: &Kernel, target: HostTarget) -> Result<(), String> {
     let arg = |a: u16| kernel.args.get(a as usize).map(|p| (p.dtype, p.len, a as usize >= kernel.inputs));
     check_printable(&l.loads, &l.stores, &l.expr, &l.dims, arg)?;
     // Lowering never produces these; both would make results depend on how indices are split
@@ -249,9 +291,21 @@ fn print_loop(out: &mut String, l: &MapLoop, name: &str, kernel: &Kernel, stream
         out,
         "    for (long long jb = 0; jb < run; jb += {BLOCK}) {{\n      const int n = run - jb < {BLOCK} ? (int)(run - jb) : {BLOCK};"
     );
-    for (s, store) in l.stores.iter().enumerate() {
+    // Large contiguous f32 outputs leave the cache: streamed after each block, or stored
+    // directly by a loop whose arithmetic hides the stores.
+    let large = |s: &Store| {
+        s.dtype == DType::F32 && s.view.is_contiguous() && kernel.args[s.arg as usize].len * 4 >= target.stream_bytes
+    };
+    let direct = compute_bound(l, target.f32_lanes);
+    let direct = |s: &Store| direct && large(s);
+    for (s, store) in l.stores.iter().enumerate().filter(|(_, s)| !direct(s)) {
         let t = array_ctype(l.expr.nodes[store.value as usize].dtype);
         let _ = writeln!(out, "      {t} t{s}[{BLOCK}] __attribute__((aligned(64)));");
+    }
+    if l.stores.iter().any(direct) {
+        // An output may be an input updated in place (read at the same index only): each
+        // element's loads come before its store, in vector lanes too.
+        out.push_str("      #pragma GCC ivdep\n");
     }
     let _ = writeln!(out, "      for (int jj = 0; jj < n; jj++) {{\n        const long long k = jb + jj;");
     // Loads through equal views share one base offset, whatever their arguments.
@@ -267,14 +321,17 @@ fn print_loop(out: &mut String, l: &MapLoop, name: &str, kernel: &Kernel, stream
         }
     }
     for (s, store) in l.stores.iter().enumerate() {
-        let _ = writeln!(out, "        t{s}[jj] = v{};", store.value);
+        if direct(store) {
+            let _ = writeln!(out, "        a{}[w{s} + k] = v{};", store.arg, store.value);
+        } else {
+            let _ = writeln!(out, "        t{s}[jj] = v{};", store.value);
+        }
     }
     out.push_str("      }\n");
     let mut streams = false;
-    for (s, store) in l.stores.iter().enumerate() {
+    for (s, store) in l.stores.iter().enumerate().filter(|(_, s)| !direct(s)) {
         let a = store.arg;
-        let big = kernel.args[a as usize].len * 4 >= stream_bytes;
-        if store.dtype == DType::F32 && store.view.is_contiguous() && big {
+        if large(store) {
             streams = true;
             let _ = writeln!(out, "      braid_stream_f32(a{a} + w{s} + jb, t{s}, n);");
         } else {

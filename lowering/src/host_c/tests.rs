@@ -9,6 +9,11 @@ fn contiguous(n: usize) -> View {
     View { dims: smallvec![n], strides: smallvec![1], offset: 0 }
 }
 
+/// An AVX2 machine whose outputs of `stream_bytes` or more leave the cache.
+fn at(stream_bytes: usize) -> HostTarget {
+    HostTarget { stream_bytes, f32_lanes: 8 }
+}
+
 /// `y = exp(x) * 2` over `n` f32s.
 fn exp_kernel(n: usize) -> Kernel {
     let mut b = ExprBuilder::default();
@@ -28,7 +33,7 @@ fn exp_kernel(n: usize) -> Kernel {
 
 #[test]
 fn one_entry_per_loop_with_braids_exp_and_streaming_stores_when_large() {
-    let src = print(&exp_kernel(1 << 20), "k7", 4 << 20).unwrap();
+    let src = print(&exp_kernel(1 << 20), "k7", at(4 << 20)).unwrap();
     assert_eq!(src.entries, ["k7_loop0"]);
     let s = &src.source;
     assert!(s.contains("void k7_loop0(unsigned char *const *args, long long start, long long end)"), "{s}");
@@ -38,7 +43,7 @@ fn one_entry_per_loop_with_braids_exp_and_streaming_stores_when_large() {
     // The polynomial's constants are vmath's, as hexadecimal floats.
     assert!(s.contains(&float_literal(vmath::EXP_POLY[0] as f64, DType::F32)), "{s}");
     // Below the threshold: plain stores, no fence.
-    let small = print(&exp_kernel(1000), "k", 4 << 20).unwrap().source;
+    let small = print(&exp_kernel(1000), "k", at(4 << 20)).unwrap().source;
     assert!(small.contains("a1[w0 + (jb + jj)] = t0[jj];") && !small.contains("_mm_sfence();\n#endif\n}"), "{small}");
 }
 
@@ -46,18 +51,18 @@ fn one_entry_per_loop_with_braids_exp_and_streaming_stores_when_large() {
 fn what_is_not_printed_is_an_error() {
     let mut k = exp_kernel(16);
     k.args[0].dtype = DType::F16;
-    assert!(print(&k, "k", 1 << 20).unwrap_err().contains("half types"));
-    assert!(print(&exp_kernel(16), "9k", 1 << 20).unwrap_err().contains("identifier"));
+    assert!(print(&k, "k", at(1 << 20)).unwrap_err().contains("half types"));
+    assert!(print(&exp_kernel(16), "9k", at(1 << 20)).unwrap_err().contains("identifier"));
     let mut k = exp_kernel(16);
     let Body::Map(loops) = &mut k.body else { unreachable!() };
     loops[0].loads[0].view.offset = 1; // one past the end
-    assert!(print(&k, "k", 1 << 20).unwrap_err().contains("reaches elements"));
+    assert!(print(&k, "k", at(1 << 20)).unwrap_err().contains("reaches elements"));
 }
 
 #[test]
 fn a_softmax_row_kernel_keeps_exp_folds_in_the_interpreters_lanes_and_streams_its_output() {
     let k = crate::cuda::tests::softmax_rows(2048, 1024);
-    let src = print(&k, "c2", 4 << 20).unwrap();
+    let src = print(&k, "c2", at(4 << 20)).unwrap();
     assert_eq!(src.entries, ["c2_rows"]);
     // exp(x - max), kept for the last pass: one row of 1024 f32 of scratch.
     assert_eq!(src.row_scratch, Some(4096));
@@ -89,7 +94,7 @@ fn a_softmax_row_kernel_keeps_exp_folds_in_the_interpreters_lanes_and_streams_it
     assert_eq!(s.matches("braid_expf(v2)").count(), 1, "exp computed once per element:\n{s}");
 
     // Below the streaming size: stored as computed, into an output declared `restrict`.
-    let s = print(&k, "c2", 16 << 20).unwrap().source;
+    let s = print(&k, "c2", at(16 << 20)).unwrap().source;
     assert!(s.contains("float *restrict const a1 = (float *)args[1];"), "{s}");
     assert!(
         s.contains("a1[w0 + p] = v5;") && !s.contains("braid_stream_f32(a1") && !s.contains("_mm_sfence();\n}"),
@@ -109,7 +114,7 @@ fn row_kernels_along_a_non_last_axis_step_along_it_and_across_the_positions_afte
         }
         k
     };
-    let s = print(&along_dim0(8, 16), "k", 1 << 20).unwrap().source;
+    let s = print(&along_dim0(8, 16), "k", at(1 << 20)).unwrap().source;
     for part in [
         "float acc1[16];",
         "for (long long a = 0; a < 8LL; a++) {",
@@ -119,7 +124,7 @@ fn row_kernels_along_a_non_last_axis_step_along_it_and_across_the_positions_afte
         assert!(s.contains(part), "{part:?} in:\n{s}");
     }
     // More positions after the axis than per-row arrays hold on the stack: interpreted.
-    let err = print(&along_dim0(2, columns::MAX_INNER + 1), "k", 1 << 20).unwrap_err();
+    let err = print(&along_dim0(2, columns::MAX_INNER + 1), "k", at(1 << 20)).unwrap_err();
     assert!(err.contains("positions after the axis"), "{err}");
 }
 
@@ -140,6 +145,61 @@ fn bools_are_computed_into_byte_blocks() {
     };
     let args = vec![Arg { dtype: DType::F32, len: n }, Arg { dtype: DType::Bool, len: n }];
     let k = Kernel { args, inputs: 1, body: Body::Map(vec![l]) };
-    let s = print(&k, "m", 4 << 20).unwrap().source;
+    let s = print(&k, "m", at(4 << 20)).unwrap().source;
     assert!(s.contains("unsigned char t0[256]") && !s.contains("bool t0["), "{s}");
+}
+
+/// C1's chain, `gelu(x * w + 1) * sigmoid(x)` as braid composes it (two `exp`s, two divisions),
+/// over `n` f32s.
+fn chain_kernel(n: usize) -> Kernel {
+    use braid_graph::expr::PrimBinary::{Add, Div, Mul};
+    let mut b = ExprBuilder::default();
+    let (x, w) = (b.load(0, DType::F32), b.load(1, DType::F32));
+    let c = |b: &mut ExprBuilder, v: f64| b.constant(v, DType::F32);
+    let (one, k1, k3) = (c(&mut b, 1.0), c(&mut b, -1.5957691), c(&mut b, -0.0713548));
+    let xw = b.binary(Mul, x, w);
+    let u = b.binary(Add, xw, one);
+    let uu = b.binary(Mul, u, u);
+    let t = b.binary(Mul, k3, uu);
+    let t = b.binary(Add, k1, t);
+    let z = b.binary(Mul, u, t);
+    let e = b.unary(PrimUnary::Exp, z);
+    let d = b.binary(Add, one, e);
+    let gelu = b.binary(Div, u, d);
+    let nx = b.unary(PrimUnary::Neg, x);
+    let e2 = b.unary(PrimUnary::Exp, nx);
+    let d2 = b.binary(Add, one, e2);
+    let sig = b.binary(Div, one, d2);
+    let y = b.binary(Mul, gelu, sig);
+    let l = MapLoop {
+        dims: smallvec![n],
+        loads: vec![
+            Load { arg: 0, dtype: DType::F32, view: contiguous(n) },
+            Load { arg: 1, dtype: DType::F32, view: contiguous(n) },
+        ],
+        expr: b.finish(),
+        stores: vec![Store { arg: 2, dtype: DType::F32, view: contiguous(n), value: y }],
+    };
+    Kernel { args: vec![Arg { dtype: DType::F32, len: n }; 3], inputs: 2, body: Body::Map(vec![l]) }
+}
+
+#[test]
+fn a_compute_bound_chain_stores_its_large_output_directly_at_eight_lanes_and_streams_it_at_sixteen() {
+    let k = chain_kernel(1 << 22);
+    let Body::Map(loops) = &k.body else { unreachable!() };
+    assert!(compute_bound(&loops[0], 8) && !compute_bound(&loops[0], 16));
+    // One exp and a product per element: memory-bound at either width.
+    let Body::Map(light) = exp_kernel(16).body else { unreachable!() };
+    assert!(!compute_bound(&light[0], 8) && !compute_bound(&light[0], 16));
+
+    let avx2 = print(&k, "c1", at(4 << 20)).unwrap().source;
+    assert!(avx2.contains("#pragma GCC ivdep") && avx2.contains("a2[w0 + k] = v"), "{avx2}");
+    assert!(
+        !avx2.contains("braid_stream_f32(a2") && !avx2.contains("t0[") && !avx2.contains("_mm_sfence();\n#endif\n}")
+    );
+    let avx512 = print(&k, "c1", HostTarget { stream_bytes: 4 << 20, f32_lanes: 16 }).unwrap().source;
+    assert!(avx512.contains("braid_stream_f32(a2 + w0 + jb, t0, n);") && !avx512.contains("ivdep"), "{avx512}");
+    // Below the streaming size the output stays in cache, written from the block as before.
+    let small = print(&chain_kernel(1000), "c1", at(4 << 20)).unwrap().source;
+    assert!(small.contains("a2[w0 + (jb + jj)] = t0[jj];") && !small.contains("ivdep"), "{small}");
 }

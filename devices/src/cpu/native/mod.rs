@@ -83,7 +83,7 @@ impl NativeKernel {
     /// Prints `kernel`, compiles it (or finds it in the disk cache) and loads it, on the calling
     /// thread.
     pub fn build(kernel: &Kernel) -> Result<NativeKernel, String> {
-        let src = host_c::print(kernel, "braid_kernel", super::map::stream_bytes())?;
+        let src = host_c::print(kernel, "braid_kernel", host_target())?;
         Self::load(&src)
     }
 
@@ -376,6 +376,17 @@ impl Native {
     }
 }
 
+/// What this machine's kernels are printed for: its streaming size and the vector level they
+/// are compiled at (`compile`'s flags).
+fn host_target() -> host_c::HostTarget {
+    let f32_lanes = match super::eval::simd() {
+        super::eval::Simd::Avx512 => 16,
+        super::eval::Simd::Avx2 => 8,
+        super::eval::Simd::Baseline => 4,
+    };
+    host_c::HostTarget { stream_bytes: super::map::stream_bytes(), f32_lanes }
+}
+
 /// The slot of `kernel`'s source (with body `rows` for a row kernel), or `None` when it is not
 /// printed for the host or there is no compiler.
 fn slot_for(kernel: &Kernel, rows: Option<&RowKernel>) -> Option<Arc<Slot>> {
@@ -383,9 +394,9 @@ fn slot_for(kernel: &Kernel, rows: Option<&RowKernel>) -> Option<Arc<Slot>> {
     let source = match (&kernel.body, rows) {
         (Body::Rows(_), Some(r)) => {
             let planned = Kernel { args: kernel.args.clone(), inputs: kernel.inputs, body: Body::Rows(r.clone()) };
-            host_c::print(&planned, "braid_kernel", super::map::stream_bytes())
+            host_c::print(&planned, "braid_kernel", host_target())
         }
-        _ => host_c::print(kernel, "braid_kernel", super::map::stream_bytes()),
+        _ => host_c::print(kernel, "braid_kernel", host_target()),
     };
     let source = source.ok()?;
     let mut slots = slots().lock().unwrap_or_else(|p| p.into_inner());
