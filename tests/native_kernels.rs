@@ -210,15 +210,16 @@ fn compiled_row_kernels_compute_the_interpreters_bits() {
 }
 
 /// Past the streaming size, written in place over `x` (the output argument aliases the input,
-/// as the planner's in-place updates do), checked both ways on the same data: `x * x + x`
-/// (memory-bound: streamed after each block) and `tanh(x) * x + exp(-x)` (compute-bound where
-/// the CPU has 8 or fewer f32 lanes: stored directly from the vectorised loop).
+/// as the planner's in-place updates do), beside a second f32 output and a bool one, checked
+/// both ways on the same data: `x * x + x` (memory-bound: the f32 outputs streamed after each
+/// block) and `tanh(x) * x + exp(-x)` (compute-bound where the CPU has 8 or fewer f32 lanes:
+/// the f32 outputs stored directly from the vectorised loop, the bool one from its block).
 #[test]
 fn in_place_and_streamed_outputs_match() {
     if skip() {
         return;
     }
-    use braid_graph::expr::ExprBuilder;
+    use braid_graph::expr::{ExprBuilder, PrimCmp};
     use braid_lowering::{Arg, Load, MapLoop, Store, View};
     // Past the size from which outputs leave the cache; the offset makes the stores start off
     // a 64-byte boundary.
@@ -229,37 +230,48 @@ fn in_place_and_streamed_outputs_match() {
     for heavy in [false, true] {
         let mut b = ExprBuilder::new();
         let x = b.load(0, DType::F32);
-        let y = if heavy {
+        let (y, other) = if heavy {
             let t = b.tanh(x);
             let tx = b.mul(t, x);
             let nx = b.neg(x);
             let e = b.exp(nx);
-            b.add(tx, e)
+            (b.add(tx, e), e)
         } else {
             let xx = b.mul(x, x);
-            b.add(xx, x)
+            (b.add(xx, x), xx)
         };
+        let zero = b.constant(0.0, DType::F32);
+        let negative = b.cmp(PrimCmp::Lt, x, zero);
+        let store = |arg: u16, dtype: DType, value| Store { arg, dtype, view: view.clone(), value };
         let l = MapLoop {
             dims: view.dims.clone(),
             loads: vec![Load { arg: 0, dtype: DType::F32, view: view.clone() }],
             expr: b.finish(),
-            stores: vec![Store { arg: 1, dtype: DType::F32, view: view.clone(), value: y }],
+            stores: vec![store(1, DType::F32, y), store(2, DType::F32, other), store(3, DType::Bool, negative)],
         };
         assert_eq!(braid_lowering::host_c::compute_bound(&l, 8), heavy);
-        let k = Kernel { args: vec![Arg { dtype: DType::F32, len: n }; 2], inputs: 1, body: Body::Map(vec![l]) };
+        let mut args = vec![Arg { dtype: DType::F32, len: n }; 3];
+        args.push(Arg { dtype: DType::Bool, len: n });
+        let k = Kernel { args, inputs: 1, body: Body::Map(vec![l]) };
         let native = NativeKernel::build(&k).unwrap();
         let run = |compiled: bool| {
-            let mut buf = init.clone();
+            let (mut buf, mut other, mut flags) = (init.clone(), vec![f32::NAN; n], vec![7u8; n]);
             let p = ArgPtr { ptr: buf.as_mut_ptr() as *mut u8, len: n, dtype: DType::F32 };
+            let o = ArgPtr { ptr: other.as_mut_ptr() as *mut u8, len: n, dtype: DType::F32 };
+            let f = ArgPtr { ptr: flags.as_mut_ptr(), len: n, dtype: DType::Bool };
             // SAFETY: `native` was built from `k`.
-            let r = if compiled { unsafe { native.run(&k, &[p, p]) } } else { run_kernel(&k, &[p, p]) };
+            let r = if compiled { unsafe { native.run(&k, &[p, p, o, f]) } } else { run_kernel(&k, &[p, p, o, f]) };
             r.unwrap();
-            buf
+            (buf, other, flags)
         };
         let (want, got) = (run(false), run(true));
-        assert!(want[..3] == init[..3] && want[3..] != init[3..], "the interpreter updated the buffer in place");
-        let diff = want.iter().zip(&got).position(|(a, b)| a.to_bits() != b.to_bits());
-        assert_eq!(diff, None, "first differing element (compute-bound: {heavy})");
+        assert!(want.0[..3] == init[..3] && want.0[3..] != init[3..], "the interpreter updated the buffer in place");
+        assert!(want.1[3..].iter().all(|v| !v.is_nan()) && want.2[3..].iter().all(|&f| f < 2));
+        for (what, w, g) in [("in place", &want.0, &got.0), ("beside", &want.1, &got.1)] {
+            let diff = w.iter().zip(g).position(|(a, b)| a.to_bits() != b.to_bits());
+            assert_eq!(diff, None, "first differing element of the output {what} (compute-bound: {heavy})");
+        }
+        assert!(want.2 == got.2, "the bool output (compute-bound: {heavy})");
     }
 }
 
