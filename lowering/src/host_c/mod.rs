@@ -14,7 +14,7 @@
 //! outweighs its memory traffic at the target's vector width ([`compute_bound`]) stores its
 //! large outputs directly from the vectorised loop instead: the stores then drain while the
 //! next elements are computed, where a burst of streaming stores per block stalls the
-//! arithmetic (C1's chain on an AVX2 machine: about 12% faster). Each element's loads still
+//! arithmetic (C1's chain on an AVX2 machine: about 10% faster). Each element's loads still
 //! come before its store, which is all an in-place update needs (the planner writes in place
 //! over an input read at the output's own indices only).
 //!
@@ -219,7 +219,7 @@ fn along(base: &str, k: &str, stride: isize) -> String {
 /// lanes: vector operations per element (an `exp` about 25, a `tanh` 40, a division or square
 /// root 4, a libm call, which runs one element at a time, 200) over the lanes, against half
 /// the bytes loaded and stored per element. Fitted to two measurements of C1's chain (about 70
-/// operations, 12 bytes): compute-bound with AVX2's 8 lanes (its streaming stores cost 12%),
+/// operations, 12 bytes): compute-bound with AVX2's 8 lanes (streaming its output: about 10% slower),
 /// at the memory floor with AVX-512's 16 (stop 30, BENCHMARKS.md).
 pub fn compute_bound(l: &MapLoop, f32_lanes: usize) -> bool {
     use braid_graph::expr::{PrimBinary, PrimUnary};
