@@ -233,6 +233,9 @@ pub fn compute_bound(l: &MapLoop, f32_lanes: usize) -> bool {
             }
             ExprOp::Binary(PrimBinary::Pow, ..) => 200,
             ExprOp::Unary(PrimUnary::Sqrt, _) | ExprOp::Binary(PrimBinary::Div, ..) => 4,
+            // Normal variates call libm's `logf`, `cosf` and `sqrtf`; uniform ones are integer
+            // mixing, about 20 operations.
+            ExprOp::Random { dist: braid_graph::expr::Distribution::Normal, .. } => 200,
             ExprOp::Random { .. } => 20,
             _ => 1,
         })

@@ -191,6 +191,18 @@ fn a_compute_bound_chain_stores_its_large_output_directly_at_eight_lanes_and_str
     // One exp and a product per element: memory-bound at either width.
     let Body::Map(light) = exp_kernel(16).body else { unreachable!() };
     assert!(!compute_bound(&light[0], 8) && !compute_bound(&light[0], 16));
+    // Normal variates (libm calls per element): compute-bound at either width; uniform ones
+    // (integer mixing) at 8 lanes only.
+    for (dist, at_16) in
+        [(braid_graph::expr::Distribution::Normal, true), (braid_graph::expr::Distribution::Uniform, false)]
+    {
+        let mut b = ExprBuilder::default();
+        let i = b.index();
+        let r = b.random(7, dist, i, DType::F32);
+        let store = Store { arg: 0, dtype: DType::F32, view: contiguous(16), value: r };
+        let l = MapLoop { dims: smallvec![16], loads: vec![], expr: b.finish(), stores: vec![store] };
+        assert!(compute_bound(&l, 8) && compute_bound(&l, 16) == at_16, "{dist:?}");
+    }
 
     let avx2 = print(&k, "c1", at(4 << 20)).unwrap().source;
     assert!(avx2.contains("#pragma GCC ivdep") && avx2.contains("a2[w0 + k] = v"), "{avx2}");
