@@ -77,6 +77,8 @@ fn a_softmax_row_kernel_keeps_exp_folds_in_the_interpreters_lanes_and_streams_it
     in_order(&[
         "void c2_rows(unsigned char *const *args, long long from, long long to, unsigned char *scratch)",
         "float *const k3 = (float *)(scratch + 0);",
+        // The next row's 64 lines requested before this row's passes.
+        "if (o + 1 < to) for (long long q = 0; q < 1024LL; q += 16) __builtin_prefetch(a0 + o0 + 1024LL + q);",
         // Pass 1: the max, folded in 64 lanes as it is loaded (NaN sticky).
         "l[j] = ((v0) > (l[j]) || (v0) != (v0)) ? (v0) : (l[j]);",
         "const float v1 = acc1;",
@@ -92,6 +94,11 @@ fn a_softmax_row_kernel_keeps_exp_folds_in_the_interpreters_lanes_and_streams_it
         "_mm_sfence();",
     ]);
     assert_eq!(s.matches("braid_expf(v2)").count(), 1, "exp computed once per element:\n{s}");
+    // Rows of 64 f32 (256 bytes) and rows past 4,096 positions are left to the hardware's streamer.
+    for (rows, len) in [(2048, 64), (16, 1 << 16)] {
+        let s = print(&crate::cuda::tests::softmax_rows(rows, len), "k", at(4 << 20)).unwrap().source;
+        assert!(!s.contains("__builtin_prefetch(a0"), "{s}");
+    }
 
     // Below the streaming size: stored as computed, into an output declared `restrict`.
     let s = print(&k, "c2", at(16 << 20)).unwrap().source;
