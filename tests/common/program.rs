@@ -90,6 +90,10 @@ pub fn run(seed: u64, dev: &Device, cfg: &Config) -> Result<CheckStats, String> 
             g.read(i).map_err(|e| format!("read failed: {e}\nprogram:\n{}", g.h.listing.join("\n")))?;
         }
     }
+    // A replayed seed (`BRAID_PROPTEST_SEED`) shows its program, checked or not.
+    if std::env::var_os("BRAID_PROPTEST_SEED").is_some() {
+        println!("program:\n{}", g.h.listing.join("\n"));
+    }
     g.h.check()
 }
 

@@ -187,15 +187,19 @@ fn comparison_certain((x, ex): (f64, f64), (y, ey): (f64, f64)) -> bool {
     x.is_nan() || y.is_nan() || (ex == 0.0 && ey == 0.0) || x + ex < y - ey || y + ey < x - ex
 }
 
+/// `a op b` elementwise. A value compared with itself (`x >= x`: both operands are one node,
+/// so one buffer) is decided whenever the value is bounded, however wide its interval: the
+/// device compares each element with its own bits.
 pub(super) fn compare(op: CompareOp, shape: &Shape, a: &RefValue, b: &RefValue) -> RefValue {
     let f = op.def().reference;
     let (ia, ib) = (broadcast_map(&a.shape, shape), broadcast_map(&b.shape, shape));
     let c = a.dtype.compute();
+    let itself = std::ptr::eq(a, b);
     ints(DType::Bool, shape, |i| {
         if a.dtype.is_float() {
             let ((x, ex), (y, ey)) = (a.float_at(ia[i]), b.float_at(ib[i]));
             let (ex, ey) = (read_err(x, ex, c), read_err(y, ey, c));
-            let certain = comparison_certain((x, ex), (y, ey));
+            let certain = if itself { ex.is_finite() } else { comparison_certain((x, ex), (y, ey)) };
             (f(x, y) as i64, if certain { 0.0 } else { UNCERTAIN })
         } else {
             // Exact for any i64: a comparison depends only on the order of its operands.

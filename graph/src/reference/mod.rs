@@ -53,6 +53,7 @@
 //!
 //! - **Compare**: certain when both inputs are exact, when one is NaN, or when the intervals
 //!   `a ± ea` and `b ± eb` are disjoint (then every comparison is decided); otherwise uncertain.
+//!   A node compared with itself (`x >= x`) is certain whenever its bound is finite.
 //! - **Select** with an uncertain condition: `max(e_chosen, |chosen - other| + e_other)` when both
 //!   branches are finite and certain (0 for equal integers or equal non-finite values), else
 //!   uncertain.

@@ -272,6 +272,30 @@ fn lt_of_nearly_equal_inexact_values_is_uncertain() {
 }
 
 #[test]
+fn an_inexact_value_compared_with_itself_is_certain_unless_unbounded() {
+    let mut p = Prog::new();
+    let a = p.data(DType::F32, &[3], &[0.1, 3.0, 2.0]);
+    let scale = Op::BinaryScalar { op: BinaryOp::Mul, scalar: Scalar(3.0), scalar_first: false };
+    let x = p.op(scale, DType::F32, &[3], &[a]);
+    let b = p.data(DType::F32, &[3], &[0.3, 1.0, 1.0]);
+    let d = p.op(Op::Binary(BinaryOp::Sub), DType::F32, &[3], &[x, b]);
+    // log of 0.1 * 3 - 0.3, an interval around 0: unbounded.
+    let y = p.op(Op::Unary(UnaryOp::Log), DType::F32, &[3], &[d]);
+    let ge = p.op(Op::Compare(CompareOp::Ge), DType::Bool, &[3], &[x, x]);
+    let ne = p.op(Op::Compare(CompareOp::Ne), DType::Bool, &[3], &[y, y]);
+    let other = p.op(Op::Compare(CompareOp::Ge), DType::Bool, &[3], &[x, b]);
+    let r = evaluate(&p.0);
+    assert!(r[x].bound(0) > 0.0 && r[y].bound(1) > 0.0, "inexact values");
+    assert!(r[y].is_uncertain(0) && !r[y].is_uncertain(1));
+    assert_eq!(r[ge].check(&[1.0, 1.0, 1.0]), Ok(CheckStats { checked: 3, uncertain: 0 }));
+    assert!(r[ge].check(&[0.0, 1.0, 1.0]).is_err(), "x >= x is true for a bounded x");
+    assert_eq!(r[ne].check(&[1.0, 0.0, 0.0]), Ok(CheckStats { checked: 2, uncertain: 1 }));
+    assert!(r[ne].check(&[0.0, 1.0, 0.0]).is_err(), "y != y is false for a bounded y");
+    // Two different nodes are still compared through their intervals.
+    assert!(r[other].is_uncertain(0) && !r[other].is_uncertain(1));
+}
+
+#[test]
 fn check_accepts_within_the_bound_and_explains_mismatches() {
     let mut p = Prog::new();
     let x = p.data(DType::F32, &[2, 3], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
