@@ -94,7 +94,6 @@ fn random_programs_on_streams_match_the_reference_without_fusion() {
     run_suite(cases() / 2, &config, false);
 }
 
-/// Larger shapes, so kernels run several chunks and parallel tasks.
 /// Random budgets (and offload hints) on random programs, on streams with user events:
 /// offloaded schedules give the reference's results and plan within the budget, and budgets out
 /// of reach are errors the engine recovers from.
@@ -106,9 +105,17 @@ fn random_programs_under_memory_budgets_match_the_reference() {
     let offloaded = program::BUDGET_STATS[0].load(Ordering::Relaxed);
     let out_of_reach = program::BUDGET_STATS[1].load(Ordering::Relaxed);
     println!("reads whose flush offloaded: {offloaded}; budgets out of reach (then raised): {out_of_reach}");
-    assert!(offloaded >= (cases() / 100) as usize && out_of_reach >= (cases() / 100) as usize);
+    // Not vacuous: some flushes offloaded, some budgets were out of reach. Per 1,000 programs,
+    // 15-33 reads offloaded on wgpu (lavapipe) and about 33 on the CPU; budgets out of reach,
+    // about 155 and 220.
+    let least = (cases() / 200) as usize;
+    assert!(
+        offloaded >= least && out_of_reach >= least,
+        "too little exercised: {offloaded} reads offloaded, {out_of_reach} budgets out of reach (want {least} each)"
+    );
 }
 
+/// Larger shapes, so kernels run several chunks and parallel tasks.
 #[test]
 fn random_programs_with_large_shapes_match_the_reference() {
     let config = Config { max_rank: 3, max_dim: 48, max_ops: 10, ..Config::default() };
