@@ -177,12 +177,12 @@ pub(super) fn print_rows(
         let _ = writeln!(out, "    const long long w{s} = {};", row_start(&store.view, r));
     }
     if inner == 1 {
-        // The next row's lines requested now (the interpreter, `cpu::rows`, does so for every row): this row's
-        // later passes read the cache only, and the hardware's streamer, which runs ahead of
-        // the reads it sees, would otherwise find the next row only as its first pass reads it
-        // (C2's rows of 4 KiB: about 7% faster). Rows under 1 KiB are left to the streamer, and
-        // rows past `WHOLE_ROW` positions too (their passes are long streams of their own, and
-        // the next row would not stay in cache).
+        // The next row's lines requested now (the interpreter, `cpu::rows`, does so for every
+        // row): this row's later passes read the cache only, and the hardware's streamer, which
+        // runs ahead of the reads it sees, would otherwise find the next row only as its first
+        // pass reads it (C2's rows of 4 KiB: about 7% faster). Rows under 1 KiB are left to the
+        // streamer, and rows past `WHOLE_ROW` positions too (their passes are long streams of
+        // their own, and the next row would not stay in cache).
         let prefetched = |(s, l): &(usize, &Load)| {
             load_strides[*s] == 1 && l.view.is_contiguous() && len * l.dtype.size() >= 1024 && len <= WHOLE_ROW
         };
