@@ -25,10 +25,14 @@ const MAX_CAPTURES: usize = 32;
 /// - it reads only its arguments and tensors it creates itself (constants, `from_vec`);
 /// - it does not read values (`to_vec`, `item`, `sync`) while it is recorded;
 /// - it returns every tensor it makes that should outlive it (no in-place updates of tensors
-///   from outside, no tensors stored elsewhere), and records no user events.
+///   from outside, arguments included, and no tensors stored elsewhere): a training step
+///   returns the new parameters, or their gradients, and the caller assigns them;
+/// - it makes no random tensors (every replay would draw the numbers of the capture: pass
+///   them as arguments), and records and waits for no user events.
 ///
 /// A capture that breaks these rules returns [`Error::Capture`] saying which, and keeps
-/// nothing. The outputs carry no gradient history: a step that trains computes its gradients
+/// nothing; the in-place updates and waits it refuses are not done, so tensors and streams
+/// from outside the step are as they were (the device's random sequence too). The outputs carry no gradient history: a step that trains computes its gradients
 /// inside, with `backward`, and returns them. The plan is the one a flush of the same work
 /// would run (same kernels, same results), planned under the device's memory budget of the
 /// time; a new budget, or arguments of new shapes or dtypes, capture again. Capture a step
@@ -162,7 +166,7 @@ fn capture(device: &Device, args: &[Tensor], f: impl FnOnce() -> Vec<Tensor>) ->
     }
     let arg_nodes: Vec<NodeId> = args.iter().map(Tensor::node).collect();
     let start = engine.next_seq();
-    let outs = capture::during(f)?;
+    let outs = capture::during(device.id(), start, f)?;
     if let Some(t) = outs.iter().find(|t| t.device() != device) {
         return Err(Error::Capture(format!("an output is on {}, the arguments on {device}", t.device())));
     }

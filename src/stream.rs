@@ -7,6 +7,7 @@
 //! stream wait for it, ordering what data does not.
 
 use crate::device::Device;
+use crate::engine::capture;
 use crate::error::Result;
 use crate::recorder;
 use braid_graph::{NodeId, StreamId};
@@ -41,18 +42,30 @@ impl Stream {
     /// Marks the current point of this stream: the event is reached once everything recorded on
     /// the stream so far has run.
     pub fn record_event(&self) -> Event {
+        // Recorded all the same (the function goes on), but the capture fails.
+        capture::refuse(|| {
+            "recording a user event inside a step while it is captured: a replay records no events".into()
+        });
         let node = self.device.engine().record_event(self.id);
         Event(Arc::new(EventInner { node, stream: self.clone() }))
     }
 
     /// Work recorded on this stream from now on runs only after `event` is reached.
     pub fn wait_event(&self, event: &Event) {
+        let refused = capture::refuse(|| {
+            "waiting for an event inside a step while it is captured: a replay waits for no events".into()
+        });
+        if refused.is_some() {
+            // Not done: a failed capture leaves the stream as it was.
+            return;
+        }
         let source = event.0.stream.device.engine();
         self.device.engine().wait_event(self.id, source, event.0.node);
     }
 
     /// Flushes everything pending on this stream and waits for it.
     pub fn synchronize(&self) -> Result<()> {
+        capture::refuse_while_capturing("a stream's synchronize")?;
         self.record_event().synchronize()
     }
 

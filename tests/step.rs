@@ -266,13 +266,13 @@ fn captures_a_replay_could_not_honour_are_refused_and_the_engine_stays_usable() 
     let closes_over_pending = Step::new(|a: &[Tensor]| vec![&a[0] * &pending]);
     assert!(capture_error(closes_over_pending.call(std::slice::from_ref(&x))).contains("recorded before it"));
 
-    // An in-place update of an argument (a replay would not update it).
+    // An in-place update of an argument (a replay would not update it): refused, and not done.
     let updates = Step::new(|a: &[Tensor]| {
         a[0].add_assign(&(&a[0] * 2.0));
         vec![&a[0] + 1.0]
     });
     let u = Tensor::from_vec(vec![1.0f32, 2.0], [2], &dev);
-    assert!(capture_error(updates.call(std::slice::from_ref(&u))).contains("does not return"));
+    assert!(capture_error(updates.call(std::slice::from_ref(&u))).contains("in-place update (add_assign)"));
 
     // Calls that do not name a device.
     let empty = Step::new(|_: &[Tensor]| Vec::new());
@@ -282,9 +282,67 @@ fn captures_a_replay_could_not_honour_are_refused_and_the_engine_stays_usable() 
     assert_eq!(reads.captures() + closes_over.captures() + updates.captures(), 0);
     assert_eq!((&x * &w).to_vec::<f32>().unwrap(), vec![3.0, 8.0]);
     assert_eq!(pending.to_vec::<f32>().unwrap(), vec![4.0, 5.0]);
-    assert_eq!(u.to_vec::<f32>().unwrap(), vec![3.0, 6.0]);
+    assert_eq!(u.to_vec::<f32>().unwrap(), vec![1.0, 2.0]);
     let ok = Step::new(|a: &[Tensor]| vec![&a[0] * &a[1]]);
     assert_eq!(ok.call(&[x, w]).unwrap()[0].to_vec::<f32>().unwrap(), vec![3.0, 8.0]);
+}
+
+#[test]
+fn what_a_replay_would_not_do_again_is_refused_and_leaves_the_outside_as_it_was() {
+    let dev = braid::testing::test_device();
+    let p = Tensor::from_vec(vec![1.0f32, 2.0], [2], &dev);
+    let outside = Tensor::from_vec(vec![10.0f32, 20.0], [2], &dev);
+
+    // An optimizer's update of an argument that is also returned: the first call would update
+    // it and every replay would not.
+    let trains = Step::new(|a: &[Tensor]| {
+        let w = a[0].detach().requires_grad();
+        let grads = (&w * &w).sum().backward().unwrap();
+        braid::no_grad(|| a[0].sub_assign(&(&grads.get(&w).unwrap() * 0.1)));
+        vec![a[0].clone()]
+    });
+    assert!(capture_error(trains.call(std::slice::from_ref(&p))).contains("in-place update (sub_assign)"));
+    // A tensor from outside, updated in place and not returned.
+    let leaks = Step::new(|a: &[Tensor]| {
+        outside.add_assign(&a[0]);
+        vec![&a[0] * 2.0]
+    });
+    assert!(capture_error(leaks.call(std::slice::from_ref(&p))).contains("from outside the step"));
+
+    // Random tensors: every replay would draw the capture's numbers. The device's sequence
+    // does not move, so the next draw is the one a fresh seed gives.
+    dev.seed(7);
+    let draws = Step::new(|a: &[Tensor]| vec![&Tensor::randn([2], DType::F32, a[0].device()) + &a[0]]);
+    assert!(capture_error(draws.call(std::slice::from_ref(&p))).contains("randn inside a step"));
+    let uniform = Step::new(|a: &[Tensor]| vec![&Tensor::rand([2], 0.0, 1.0, DType::F32, a[0].device()) + &a[0]]);
+    assert!(capture_error(uniform.call(std::slice::from_ref(&p))).contains("rand inside a step"));
+    let after = Tensor::randn([3], DType::F32, &dev).to_vec::<f32>().unwrap();
+    dev.seed(7);
+    assert_eq!(after, Tensor::randn([3], DType::F32, &dev).to_vec::<f32>().unwrap());
+
+    // User events: a replay records and waits for none; a refused wait is not done.
+    let side = dev.new_stream();
+    let records = Step::new(|a: &[Tensor]| {
+        let _ = a[0].stream().record_event();
+        vec![&a[0] * 2.0]
+    });
+    assert!(capture_error(records.call(std::slice::from_ref(&p))).contains("recording a user event"));
+    let never = side.record_event();
+    let waits = Step::new(|a: &[Tensor]| {
+        Stream::current(a[0].device()).wait_event(&never);
+        vec![&a[0] * 2.0]
+    });
+    assert!(capture_error(waits.call(std::slice::from_ref(&p))).contains("waiting for an event"));
+
+    // Nothing outside changed, nothing was kept, and the default stream waits for no event.
+    assert_eq!(p.to_vec::<f32>().unwrap(), vec![1.0, 2.0]);
+    assert_eq!(outside.to_vec::<f32>().unwrap(), vec![10.0, 20.0]);
+    let steps = [&trains.captures(), &leaks.captures(), &draws.captures(), &records.captures(), &waits.captures()];
+    assert!(steps.iter().all(|&&c| c == 0));
+    let later = &p * 3.0;
+    assert_eq!(later.to_vec::<f32>().unwrap(), vec![3.0, 6.0]);
+    let schedule = dev.last_schedule().unwrap();
+    assert!(schedule.dump().events.is_empty(), "the refused wait was done:\n{}", schedule.to_text());
 }
 
 #[test]

@@ -14,7 +14,10 @@
 //! This module must never keep a plan whose replay could differ from running the function
 //! again. A capture fails with [`Error::Capture`] (and nothing is kept) when the function reads
 //! a value while it is recorded, needs a tensor that is not an argument, keeps a tensor it does
-//! not return, or records an event.
+//! not return, updates a tensor from outside the step in place, makes a random tensor (every
+//! replay would draw the capture's numbers), or records or waits for a user event. The updates
+//! and waits are refused when they are recorded and not done, so that a failed capture leaves
+//! every tensor and stream from outside the step as it was.
 
 use super::env::FlushEnv;
 use super::flush::ExternalData;
@@ -23,9 +26,10 @@ use super::{Engine, State, Value};
 use crate::error::{Error, Result};
 use braid_devices::runtime::{Graph, GraphRun};
 use braid_devices::{Buffer, Input, Job};
-use braid_graph::{DType, Node, NodeId, Op, Shape};
+use braid_graph::{DType, DeviceId, Node, NodeId, Op, Shape};
 use braid_scheduler::KernelId;
 use std::cell::Cell;
+use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex};
 
 thread_local! {
@@ -34,6 +38,8 @@ thread_local! {
     /// The first thing refused inside the running capture: the capture fails with it even if
     /// the function ignored the `Err`.
     static REFUSED: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+    /// The running capture's device, and the recording order its work starts at.
+    static START: Cell<Option<(DeviceId, u64)>> = const { Cell::new(None) };
 }
 
 /// Whether this thread is inside a capture.
@@ -44,30 +50,53 @@ pub(crate) fn capturing() -> bool {
 /// `Err` inside a capture: `what` (a read, a sync, a flush) would make the step depend on a
 /// value of this one run.
 pub(crate) fn refuse_while_capturing(what: &str) -> Result<()> {
-    if capturing() {
-        let message = format!(
+    let refused = refuse(|| {
+        format!(
             "{what} inside a step while it is captured: a replay would not do it again, so the step's \
              work must not depend on it (read values outside the step, or pass them as arguments)"
-        );
-        REFUSED.with(|r| r.borrow_mut().get_or_insert_with(|| message.clone()).clone());
-        return Err(Error::Capture(message));
+        )
+    });
+    match refused {
+        Some(message) => Err(Error::Capture(message)),
+        None => Ok(()),
     }
-    Ok(())
 }
 
-/// Runs the step's function `f` as a capture on this thread: reads, syncs and flushes inside
-/// are refused, and the first refusal fails the capture even if `f` ignored the `Err`.
-pub(crate) fn during<R>(f: impl FnOnce() -> R) -> Result<R> {
-    struct Restore;
+/// Inside a capture: fails it with `message` (unless something was refused first) and returns
+/// the message; `None` outside a capture. For what the function did that a replay would not
+/// do again, or that would change something outside the step.
+pub(crate) fn refuse(message: impl FnOnce() -> String) -> Option<String> {
+    if !capturing() {
+        return None;
+    }
+    let message = message();
+    REFUSED.with(|r| r.borrow_mut().get_or_insert_with(|| message.clone()).clone());
+    Some(message)
+}
+
+/// Inside a capture: whether the version of a tensor on `engine` that `cell` names was
+/// recorded outside the step (before the capture started, or on another device).
+pub(crate) fn from_outside(engine: &Engine, cell: &AtomicU32) -> bool {
+    let Some((device, start)) = START.with(Cell::get) else { return false };
+    device != engine.id || engine.with_state(|st| st.graph.node(super::current(cell)).seq < start)
+}
+
+/// Runs the step's function `f` as a capture on this thread of the work recorded on `device`
+/// from recording order `start` on: reads, syncs and flushes inside are refused, and so are
+/// in-place updates of tensors from outside the step, random tensors and user events; the
+/// first refusal fails the capture even if `f` ignored the `Err`.
+pub(crate) fn during<R>(device: DeviceId, start: u64, f: impl FnOnce() -> R) -> Result<R> {
+    struct Restore(Option<(DeviceId, u64)>);
     impl Drop for Restore {
         fn drop(&mut self) {
             CAPTURING.with(|c| c.set(c.get() - 1));
+            START.with(|s| s.set(self.0));
         }
     }
     CAPTURING.with(|c| c.set(c.get() + 1));
     REFUSED.with(|r| r.borrow_mut().take());
     let out = {
-        let _restore = Restore;
+        let _restore = Restore(START.with(|s| s.replace(Some((device, start)))));
         f()
     };
     match REFUSED.with(|r| r.borrow_mut().take()) {

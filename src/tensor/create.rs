@@ -73,7 +73,7 @@ impl Tensor {
                 &[("shape", shape.to_string())],
             );
         }
-        let seed = device.next_seed();
+        let seed = seed_outside_capture("rand", device);
         Tensor::record(Op::Rand { lo: Scalar(lo), hi: Scalar(hi), seed }, dtype, shape, device, &[])
     }
 
@@ -84,7 +84,19 @@ impl Tensor {
         if !dtype.is_float() {
             misuse("randn", &format!("needs a float dtype, got {dtype}"), &[("shape", shape.to_string())]);
         }
-        let seed = device.next_seed();
+        let seed = seed_outside_capture("randn", device);
         Tensor::record(Op::Randn { seed }, dtype, shape, device, &[])
     }
+}
+
+/// The device's next seed, or inside a step's capture a refusal (every replay would draw the
+/// capture's numbers) and a seed that leaves the device's sequence as it was.
+fn seed_outside_capture(op: &str, device: &Device) -> u64 {
+    let refused = crate::engine::capture::refuse(|| {
+        format!(
+            "{op} inside a step while it is captured: every replay would draw the numbers of the capture; \
+             make random tensors outside the step and pass them as arguments"
+        )
+    });
+    if refused.is_some() { 0 } else { device.next_seed() }
 }

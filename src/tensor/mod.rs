@@ -16,6 +16,7 @@ mod reduce;
 
 use crate::autograd::{self, GradSource, Tracker};
 use crate::device::Device;
+use crate::engine::capture;
 use crate::recorder::{self, Retainer, Track, current_stream};
 use crate::stream::Stream;
 pub use dims::Dim;
@@ -128,6 +129,17 @@ impl Tensor {
     pub(crate) fn record_new_version(&self, name: &str, op: Op, inputs: &[&Tensor]) {
         if let Err(problem) = autograd::check_in_place(self) {
             misuse(name, problem, &[("self", self.describe())]);
+        }
+        if capture::capturing() && capture::from_outside(self.0.device.engine(), &self.0.node) {
+            // Not recorded: a failed capture leaves the tensor as it was.
+            capture::refuse(|| {
+                format!(
+                    "an in-place update ({name}) of a tensor from outside the step (an argument, or a tensor \
+                     made before it): a replay would not update it; return the new value as an output and \
+                     assign it outside the step"
+                )
+            });
+            return;
         }
         let cells: smallvec::SmallVec<[&AtomicU32; 3]> = crate::small(inputs.iter().map(|t| &t.0.node));
         let device = &self.0.device;
