@@ -229,3 +229,29 @@ fn views_before_a_reduction_are_read_in_place() {
         assert_eq!(kernels(&j), 1, "{name}: {}", dev.last_schedule().unwrap().to_text());
     }
 }
+
+#[test]
+fn tens_of_thousands_of_views_in_a_row_fold_on_a_spawned_threads_stack() {
+    // Folding resolves a chain of views without recursion: 20,000 views in a row, and the
+    // backward pass through them, on a spawned thread (2 MiB of stack, where a recursion
+    // through 5,000 views overflowed).
+    let dev = braid::testing::test_device();
+    let run = move || {
+        let w = data(&dev, &[2, 3]).requires_grad();
+        let mut x = w.clone();
+        for _ in 0..5_000 {
+            x = x.t().contiguous().reshape([3, 2]).t();
+        }
+        let y = &x * 2.0;
+        let grad = (&y * &y).sum().backward().unwrap().get(&w).unwrap();
+        (y.to_vec::<f32>().unwrap(), grad.to_vec::<f32>().unwrap(), w.to_vec::<f32>().unwrap())
+    };
+    let (y, grad, w) = std::thread::spawn(run).join().unwrap();
+    // The views only move elements around: the same values come out, in some order.
+    let sorted = |mut v: Vec<f32>| {
+        v.sort_by(f32::total_cmp);
+        v
+    };
+    assert_eq!(sorted(y), sorted(w.iter().map(|v| v * 2.0).collect()));
+    assert_eq!(sorted(grad), sorted(w.iter().map(|v| v * 8.0).collect()));
+}

@@ -65,29 +65,41 @@ impl<'a> Lowering<'a> {
         Lowering { graph, folded }
     }
 
-    /// Resolves a read of `v` through folded constants and movement.
+    /// Resolves a read of `v` through folded constants and movement: the chain of folded nodes
+    /// is walked down to what it reads, then its views are applied from there up, without
+    /// recursion (a program may fold tens of thousands of views in a row).
     fn source(&self, v: ValueRef) -> Source {
-        match v {
-            ValueRef::Node(j) if self.folded[j] => {
-                let node = &self.graph.nodes[j];
-                if let Op::Full(x) = node.op {
-                    return Source::Const(node.dtype.round_f64(x.0), node.dtype);
-                }
-                match self.source(node.inputs[0]) {
-                    Source::Const(x, _) => Source::Const(x, node.dtype),
-                    Source::Value(u, view) => {
-                        let view = match &node.op {
-                            Op::Permute(p) => view.permute(p),
-                            Op::Expand => view.broadcast_to(&node.shape),
-                            Op::Narrow { dim, start, len } => view.narrow(*dim, *start, *len),
-                            _ => view.reshape(&node.shape).expect("fusion folds only views that exist"),
-                        };
-                        Source::Value(u, view)
+        let mut chain: SmallVec<[usize; 8]> = SmallVec::new();
+        let mut at = v;
+        let mut source = loop {
+            match at {
+                ValueRef::Node(j) if self.folded[j] => {
+                    let node = &self.graph.nodes[j];
+                    if let Op::Full(x) = node.op {
+                        break Source::Const(node.dtype.round_f64(x.0), node.dtype);
                     }
+                    chain.push(j);
+                    at = node.inputs[0];
                 }
+                v => break Source::Value(v, View::contiguous(self.graph.meta(v).1)),
             }
-            v => Source::Value(v, View::contiguous(self.graph.meta(v).1)),
+        };
+        for &j in chain.iter().rev() {
+            let node = &self.graph.nodes[j];
+            source = match source {
+                Source::Const(x, _) => Source::Const(x, node.dtype),
+                Source::Value(u, view) => {
+                    let view = match &node.op {
+                        Op::Permute(p) => view.permute(p),
+                        Op::Expand => view.broadcast_to(&node.shape),
+                        Op::Narrow { dim, start, len } => view.narrow(*dim, *start, *len),
+                        _ => view.reshape(&node.shape).expect("fusion folds only views that exist"),
+                    };
+                    Source::Value(u, view)
+                }
+            };
         }
+        source
     }
 
     /// Lowers `seg`. Arguments are the segment's inputs, then its outputs.
