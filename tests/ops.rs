@@ -349,6 +349,40 @@ fn composites_match_the_formulas() {
 }
 
 #[test]
+fn half_precision_composites_compute_in_f32_and_rows_of_nothing_give_empty_results() {
+    let dev = braid::testing::test_device();
+    let read = |t: &Tensor| t.to_dtype(DType::F32).to_vec::<f32>().unwrap();
+    let of = |v: &[f32], dt: DType| Tensor::from_vec(v.to_vec(), [v.len()], &dev).to_dtype(dt);
+    if dev.target().dtypes.contains(DType::F16) {
+        // A deviation of 500 squares past f16's largest value (65,504): computed in f16, the
+        // variance is infinite and the row 0. PyTorch gives [-1, 1].
+        assert_eq!(read(&of(&[0.0, 1000.0], DType::F16).layer_norm(0, 1e-5)), vec![-1.0, 1.0]);
+        // 70,000 equal values: their sum of exponentials overflows f16 (PyTorch: 1.4305e-5 each).
+        let p = read(&Tensor::zeros([1, 70_000], DType::F16, &dev).softmax(1));
+        assert!(p.iter().all(|&p| (p - 1.4305115e-5).abs() < 1e-8), "{:?}", &p[..4]);
+        let lp = read(&Tensor::zeros([1, 70_000], DType::F16, &dev).log_softmax(1));
+        assert!(lp.iter().all(|&l| (l - (1.0f32 / 70_000.0).ln()).abs() < 1e-2), "{:?}", &lp[..4]);
+        if dev.target().dtypes.contains(DType::I64) {
+            let target = Tensor::from_vec(vec![3i64, 5], [2], &dev);
+            let loss = read(&Tensor::zeros([2, 70_000], DType::F16, &dev).cross_entropy(&target))[0];
+            assert!((loss - 70_000f32.ln()).abs() < 1e-2, "{loss}");
+        }
+    }
+    if dev.target().dtypes.contains(DType::BF16) {
+        // [1000, 1001, 1002, 1003] is [1000, 1000, 1000, 1004] in bf16; a bf16 mean (1000) would
+        // skew the centring. PyTorch: [-0.5781, -0.5781, -0.5781, 1.7344].
+        let ln = read(&of(&[1000.0, 1001.0, 1002.0, 1003.0], DType::BF16).layer_norm(0, 1e-5));
+        assert_eq!(ln, vec![-0.578125, -0.578125, -0.578125, 1.734375]);
+    }
+    // Softmax over rows of no values: an empty result of the same shape (the maximum of no
+    // values does not exist), as in PyTorch.
+    let empty = Tensor::zeros([3, 0], DType::F32, &dev);
+    assert_eq!(empty.softmax(1).dims(), &[3, 0]);
+    assert_eq!(empty.t().log_softmax(0).dims(), &[0, 3]);
+    assert!(empty.softmax(-1).to_vec::<f32>().unwrap().is_empty());
+}
+
+#[test]
 fn numpy_semantics_pinned_by_hand() {
     let dev = braid::testing::test_device();
     let i = |v: Vec<i32>, s: &[usize]| Tensor::from_vec(v, s, &dev);

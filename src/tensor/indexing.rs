@@ -251,12 +251,15 @@ impl Tensor {
         // Recorded first, so that fusion grows one row kernel from the comparison on (the
         // class numbers are a kernel of their own before it).
         let hit = target.unsqueeze(rank - 1).eq(&Tensor::arange(0, classes as i64, self.device()));
-        // The maximum only shifts the exponentials; the loss does not depend on it.
-        let shifted = self - &self.max_dim(rank - 1, true).detach();
-        let logsumexp = shifted.exp().sum_dim(rank - 1, false).log();
-        let zero = Tensor::zeros((), self.dtype(), self.device());
-        let picked = hit.select(&shifted, &zero).sum_dim(rank - 1, false);
-        (&logsumexp - &picked).mean()
+        // f16 and bf16 logits in f32, as in `log_softmax`.
+        self.in_f32(|x| {
+            // The maximum only shifts the exponentials; the loss does not depend on it.
+            let shifted = x - &x.max_dim(rank - 1, true).detach();
+            let logsumexp = shifted.exp().sum_dim(rank - 1, false).log();
+            let zero = Tensor::zeros((), x.dtype(), x.device());
+            let picked = hit.select(&shifted, &zero).sum_dim(rank - 1, false);
+            (&logsumexp - &picked).mean()
+        })
     }
 }
 

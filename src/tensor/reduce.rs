@@ -2,7 +2,7 @@
 //! latter recorded as the primitive ops they are made of.
 
 use super::{Dim, Tensor, inferred, same_device};
-use braid_graph::{Op, ReduceOp, infer};
+use braid_graph::{DType, Op, ReduceOp, infer};
 
 impl Tensor {
     #[track_caller]
@@ -101,30 +101,59 @@ impl Tensor {
 
     /// `exp(x - max) / sum(exp(x - max))` along `dim` (floats), computed as
     /// `exp(x - max) * recip(sum(...))`: one division per row and a product per element, as
-    /// PyTorch's softmax does (within an ulp or two of dividing each element).
+    /// PyTorch's softmax does (within an ulp or two of dividing each element). f16 and bf16
+    /// are computed in f32 and rounded once (see [`Tensor::layer_norm`]).
     #[track_caller]
     pub fn softmax(&self, dim: impl Dim) -> Tensor {
         let dim = self.float_dim("softmax", dim);
-        let shifted = self - &self.max_dim(dim, true);
-        let e = shifted.exp();
-        &e * &e.sum_dim(dim, true).recip()
+        if self.shape().dims()[dim] == 0 {
+            return self.empty_result();
+        }
+        self.in_f32(|x| {
+            let shifted = x - &x.max_dim(dim, true);
+            let e = shifted.exp();
+            &e * &e.sum_dim(dim, true).recip()
+        })
     }
 
-    /// `x - max - log(sum(exp(x - max)))` along `dim` (floats).
+    /// `x - max - log(sum(exp(x - max)))` along `dim` (floats; f16 and bf16 computed in f32).
     #[track_caller]
     pub fn log_softmax(&self, dim: impl Dim) -> Tensor {
         let dim = self.float_dim("log_softmax", dim);
-        let shifted = self - &self.max_dim(dim, true);
-        &shifted - &shifted.exp().sum_dim(dim, true).log()
+        if self.shape().dims()[dim] == 0 {
+            return self.empty_result();
+        }
+        self.in_f32(|x| {
+            let shifted = x - &x.max_dim(dim, true);
+            &shifted - &shifted.exp().sum_dim(dim, true).log()
+        })
     }
 
     /// `(x - mean) / sqrt(var + eps)` along `dim`, with the biased variance (no affine
-    /// parameters; multiply and add them yourself).
+    /// parameters; multiply and add them yourself). f16 and bf16 are computed in f32 and the
+    /// result rounded once, as PyTorch does: in f16 a squared deviation above 256 is infinite
+    /// (and the whole row 0), and a bf16 mean keeps 8 bits.
     #[track_caller]
     pub fn layer_norm(&self, dim: impl Dim, eps: f64) -> Tensor {
         let dim = self.float_dim("layer_norm", dim);
-        let centered = self - &self.mean_dim(dim, true);
-        let var = centered.square().mean_dim(dim, true);
-        &centered * &(var + eps).rsqrt()
+        self.in_f32(|x| {
+            let centered = x - &x.mean_dim(dim, true);
+            let var = centered.square().mean_dim(dim, true);
+            &centered * &(var + eps).rsqrt()
+        })
+    }
+
+    /// `f` of this tensor, in f32 when it is f16 or bf16 (the result rounded back once).
+    pub(super) fn in_f32(&self, f: impl FnOnce(&Tensor) -> Tensor) -> Tensor {
+        match self.dtype() {
+            DType::F16 | DType::BF16 => f(&self.to_dtype(DType::F32)).to_dtype(self.dtype()),
+            _ => f(self),
+        }
+    }
+
+    /// The result of a row-wise composite over rows of no values: as empty as `self` (a new
+    /// tensor, so that updating it in place leaves `self` alone).
+    fn empty_result(&self) -> Tensor {
+        self * 1.0
     }
 }
