@@ -184,6 +184,27 @@ fn max_shares_the_gradient_between_ties() {
 }
 
 #[test]
+fn maximum_and_minimum_split_the_gradient_of_a_tie() {
+    // As PyTorch: each operand gets half where they are equal, so maximum(x, x) passes the
+    // gradient on whole, and relu written as maximum(x, 0) has slope 1/2 at 0.
+    let dev = cpu();
+    let a = wide(&[1.0, 2.0, 3.0], [3], &dev).requires_grad();
+    let b = wide(&[1.0, 0.0, 4.0], [3], &dev).requires_grad();
+    let w = wide(&[2.0, 3.0, 5.0], [3], &dev);
+    let g = (&a.maximum(&b) * &w).sum().backward().unwrap();
+    assert_eq!(g.get(&a).unwrap().wide_vec(), vec![1.0, 3.0, 0.0]);
+    assert_eq!(g.get(&b).unwrap().wide_vec(), vec![1.0, 0.0, 5.0]);
+    let g = (&a.minimum(&b) * &w).sum().backward().unwrap();
+    assert_eq!(g.get(&a).unwrap().wide_vec(), vec![1.0, 0.0, 5.0]);
+    assert_eq!(g.get(&b).unwrap().wide_vec(), vec![1.0, 3.0, 0.0]);
+    let g = (&a.maximum(&a) * &w).sum().backward().unwrap();
+    assert_eq!(g.get(&a).unwrap().wide_vec(), vec![2.0, 3.0, 5.0]);
+    let z = wide(&[0.0, -1.0, 2.0], [3], &dev).requires_grad();
+    let g = z.binary_scalar(BinaryOp::Maximum, 0.0, false).sum().backward().unwrap();
+    assert_eq!(g.get(&z).unwrap().wide_vec(), vec![0.5, 0.0, 1.0]);
+}
+
+#[test]
 fn matrix_products_with_broadcast_batches() {
     let mut rng = Rng::new(5);
     for (sa, sb) in [

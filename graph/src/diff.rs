@@ -135,6 +135,18 @@ pub(crate) fn pow_grad_exponent(d: &mut dyn Diff, a: Dv, b: Dv, y: Dv, g: Dv) ->
     d.select(at_zero, masked, r)
 }
 
+/// The share of `g` that operand `x` of `maximum(x, y)` (`wins` = `Gt`) or `minimum(x, y)`
+/// (`Lt`) gets: all of it where `x` wins, half where the two tie (as PyTorch splits it, so
+/// that `maximum(x, x)` passes `g` on whole), none where `y` wins or either is NaN.
+pub(crate) fn extremum_grad(d: &mut dyn Diff, wins: CompareOp, x: Dv, y: Dv, g: Dv) -> Dv {
+    let won = d.compare(wins, x, y);
+    let tie = d.compare(CompareOp::Eq, x, y);
+    let half = d.scale(g, 0.5);
+    let z = d.zeros_like(g);
+    let tied = d.select(tie, half, z);
+    d.select(won, g, tied)
+}
+
 /// `d/dx |x|` times `g`: the sign of `x` (zero at zero).
 pub(crate) fn abs_grad(d: &mut dyn Diff, x: Dv, g: Dv) -> Dv {
     let z = d.zeros_like(x);

@@ -11,7 +11,7 @@
 //! crate builds its methods.
 
 #[allow(unused_imports)]
-use crate::diff::{Diff, Dv, Saves, abs_grad, gelu_grad, pow_grad_base, pow_grad_exponent};
+use crate::diff::{Diff, Dv, Saves, abs_grad, extremum_grad, gelu_grad, pow_grad_base, pow_grad_exponent};
 use crate::expr::{ExprBuilder, ExprId, PrimBinary, PrimCmp, PrimUnary};
 
 /// Which dtypes an op accepts.
@@ -231,13 +231,13 @@ macro_rules! binary_ops {
             Maximum { method: maximum, doc: "Elementwise maximum; NaN if either is NaN.", dtypes: Numeric,
                 reference: nan_max, reference_int: Some(|a, b| a.max(b)),
                 kernel: |bd, a, b| bd.max(a, b), sensitivity: Extremum, ulps: 0.0,
-                grad_lhs: |d, a, b, _, g| { let m = d.compare(CompareOp::Ge, a, b); d.mask(m, g) },
-                grad_rhs: |d, a, b, _, g| { let m = d.compare(CompareOp::Lt, a, b); d.mask(m, g) }, saves: Inputs };
+                grad_lhs: |d, a, b, _, g| extremum_grad(d, CompareOp::Gt, a, b, g),
+                grad_rhs: |d, a, b, _, g| extremum_grad(d, CompareOp::Gt, b, a, g), saves: Inputs };
             Minimum { method: minimum, doc: "Elementwise minimum; NaN if either is NaN.", dtypes: Numeric,
                 reference: nan_min, reference_int: Some(|a, b| a.min(b)),
                 kernel: |bd, a, b| bd.min(a, b), sensitivity: Extremum, ulps: 0.0,
-                grad_lhs: |d, a, b, _, g| { let m = d.compare(CompareOp::Le, a, b); d.mask(m, g) },
-                grad_rhs: |d, a, b, _, g| { let m = d.compare(CompareOp::Gt, a, b); d.mask(m, g) }, saves: Inputs };
+                grad_lhs: |d, a, b, _, g| extremum_grad(d, CompareOp::Lt, a, b, g),
+                grad_rhs: |d, a, b, _, g| extremum_grad(d, CompareOp::Lt, b, a, g), saves: Inputs };
         }
     };
 }
