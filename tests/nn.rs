@@ -93,7 +93,10 @@ fn a_training_loop_over_params_saves_and_loads_by_name() {
     let mut other = Params::new();
     other.push("missing", &m1.weight);
     assert!(matches!(other.load(&path), Err(Error::Io(m)) if m.contains("missing")));
+    // No parameters: the file is still read, so a missing one is an error too.
+    assert!(Params::new().load(&path).is_ok());
     std::fs::remove_file(&path).unwrap();
+    assert!(matches!(Params::new().load(&path), Err(Error::Io(m)) if m.contains("cannot read")));
 }
 
 #[path = "../examples/common/char_lm.rs"]

@@ -83,10 +83,9 @@ impl Params {
     /// (an in-place update of each, so the layers holding them see the loaded values). A
     /// missing name, or a shape or dtype that differs, is an `Err` and nothing is changed.
     pub fn load(&self, path: impl AsRef<std::path::Path>) -> crate::Result<()> {
-        let device = match self.entries.first() {
-            Some((_, t)) => t.device().clone(),
-            None => return Ok(()),
-        };
+        // With no parameters the file is still read and checked (onto the CPU, as host data
+        // that is never uploaded): a missing or broken file is an `Err` either way.
+        let device = self.entries.first().map_or_else(Device::cpu, |(_, t)| t.device().clone());
         let loaded = crate::io::load(path, &device)?;
         for (name, t) in self.named() {
             match loaded.get(name) {
