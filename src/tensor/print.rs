@@ -101,7 +101,13 @@ impl fmt::Display for Tensor {
         };
         let cells = values.formatted();
         let mut body = String::new();
-        nested(&mut body, &cells, self.dims(), 0, "tensor(".len(), self.numel() > SUMMARISE_ABOVE);
+        if self.numel() == 0 {
+            // No values: `[]` whatever the rank (the shape says which empty tensor), as
+            // PyTorch prints it; nested brackets would read as another shape.
+            body.push_str("[]");
+        } else {
+            nested(&mut body, &cells, self.dims(), 0, "tensor(".len(), self.numel() > SUMMARISE_ABOVE);
+        }
         write!(f, "tensor({body}, {tail})")
     }
 }
@@ -129,6 +135,9 @@ mod tests {
         assert_eq!(big.to_string(), want);
         let tiny = Tensor::from_vec(vec![1e-6f64, 1.0, f64::NAN], [3], &dev);
         assert_eq!(tiny.to_string(), format!("tensor([1.0000e-6,  1.0000e0,       nan], {})", tail("[3]", "f64")));
+        // An empty tensor of any rank prints `[]`; the shape says which.
+        let empty = Tensor::zeros([2, 0, 3], DType::F32, &dev);
+        assert_eq!(empty.to_string(), format!("tensor([], {})", tail("[2, 0, 3]", "f32")));
         // Debug never flushes.
         let pending = &t * 2.0;
         let before = dev.kernels_launched();
