@@ -65,7 +65,8 @@ pub fn tanh(x: f32) -> f32 {
     let z = x * x;
     let c = TANH_POLY;
     let p = c[0].mul_add(z, c[1]).mul_add(z, c[2]).mul_add(z, c[3]).mul_add(z, c[4]);
-    let small = (x * z).mul_add(p, x);
+    // The sign copied back for -0, where `x z p + x` rounds to +0 (the sign is x's anyway).
+    let small = (x * z).mul_add(p, x).copysign(x);
     let e = exp(2.0 * a);
     let large = (1.0 - 2.0 / (e + 1.0)).copysign(x);
     if a < TANH_SMALL { small } else { large }
@@ -124,6 +125,6 @@ mod tests {
         assert_eq!(tanh(f32::INFINITY), 1.0);
         assert_eq!(tanh(-50.0), -1.0);
         assert!(tanh(f32::NAN).is_nan());
-        assert_eq!(tanh(0.0), 0.0);
+        assert_eq!((tanh(0.0).to_bits(), tanh(-0.0).to_bits()), (0.0f32.to_bits(), (-0.0f32).to_bits()));
     }
 }

@@ -176,7 +176,7 @@ static inline __attribute__((always_inline)) float braid_expf(float x) {{
 static inline __attribute__((always_inline)) float braid_tanhf(float x) {{
   const float a = __builtin_fabsf(x), z = x * x;
   const float p = {tanh_poly};
-  const float small = __builtin_fmaf(x * z, p, x);
+  const float small = __builtin_copysignf(__builtin_fmaf(x * z, p, x), x);
   const float e = braid_expf(2.0f * a);
   const float large = __builtin_copysignf(1.0f - 2.0f / (e + 1.0f), x);
   return a < {small} ? small : large;
