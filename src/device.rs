@@ -19,6 +19,12 @@ pub use braid_devices::cpu::CompileMode;
 #[derive(Clone)]
 pub struct Device(pub(crate) Arc<DeviceInner>);
 
+// Handles may cross `catch_unwind` as they are: a caught panic leaves the engine usable (misuse
+// panics before anything is recorded, and the engine's locks recover from poisoning), as the
+// API promises. The same holds for `Tensor`, `Stream` and `Event`.
+impl std::panic::UnwindSafe for Device {}
+impl std::panic::RefUnwindSafe for Device {}
+
 pub(crate) struct DeviceInner {
     /// The device's engine: its recorded graph, flushes and runtime.
     pub(crate) engine: Arc<Engine>,

@@ -96,6 +96,12 @@ impl fmt::Debug for Stream {
 #[derive(Clone)]
 pub struct Event(pub(crate) Arc<EventInner>);
 
+// See `Device`: handles cross `catch_unwind` as they are.
+impl std::panic::UnwindSafe for Stream {}
+impl std::panic::RefUnwindSafe for Stream {}
+impl std::panic::UnwindSafe for Event {}
+impl std::panic::RefUnwindSafe for Event {}
+
 pub(crate) struct EventInner {
     /// The event's node in the recorded graph (one handle counted for this event).
     pub(crate) node: NodeId,

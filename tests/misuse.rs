@@ -254,3 +254,20 @@ fn item_reads_one_element_of_every_dtype() {
     check(&cpu, half::bf16::from_f32(3.5));
     assert!(matches!(Tensor::from_vec(vec![1.0f32], (), &cpu).item::<f64>(), Err(Error::DTypeMismatch { .. })));
 }
+
+#[test]
+fn handles_cross_catch_unwind_as_they_are() {
+    // No `AssertUnwindSafe` needed: devices, tensors, streams and events are `UnwindSafe`, as
+    // a caught misuse panic leaves the engine usable.
+    let dev = dev();
+    let (a, b) = (Tensor::ones([2], DType::F32, &dev), Tensor::ones([3], DType::F32, &dev));
+    let stream = dev.new_stream();
+    let event = stream.record_event();
+    let caught = catch_unwind(|| {
+        stream.wait_event(&event);
+        &a + &b
+    });
+    assert!(caught.is_err());
+    assert_eq!((&a + &a).to_vec::<f32>().unwrap(), vec![2.0, 2.0]);
+    event.synchronize().unwrap();
+}

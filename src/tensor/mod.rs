@@ -35,6 +35,10 @@ use std::sync::{Arc, Mutex};
 #[derive(Clone)]
 pub struct Tensor(Arc<TensorInner>);
 
+// See `Device`: handles cross `catch_unwind` as they are.
+impl std::panic::UnwindSafe for Tensor {}
+impl std::panic::RefUnwindSafe for Tensor {}
+
 struct TensorInner {
     /// The node of the current version. Written only under the engine lock.
     node: AtomicU32,
