@@ -104,6 +104,35 @@ fn the_pending_graph_is_bounded() {
 }
 
 #[test]
+fn automatic_flushes_that_fail_back_off_and_nothing_is_lost() {
+    let _t = turn();
+    let dev = braid::testing::test_device();
+    let old = braid::max_pending_nodes();
+    braid::set_max_pending_nodes(50);
+    // Every flush fails (the budget is out of reach): the work stays pending, and the next
+    // automatic flush waits for twice as many pending nodes instead of coming at every op.
+    dev.set_memory_budget(Some(1));
+    let mut x = data(&dev, 16);
+    for _ in 0..2_000 {
+        x = &x * 1.01 + 0.01;
+    }
+    let attempts = dev.last_schedule().map_or(0, |s| s.flush());
+    braid::set_max_pending_nodes(old);
+    assert!((1..=12).contains(&attempts), "{attempts} automatic flushes while recording 4,000 ops");
+    assert!(matches!(x.to_vec::<f32>(), Err(Error::MemoryBudget { .. })));
+    // Within the budget again, the same tensor computes.
+    dev.set_memory_budget(None);
+    let got = x.to_vec::<f32>().unwrap();
+    let mut expect: Vec<f32> = (0..16).map(|i| i as f32 * 0.5 - 1.0).collect();
+    for _ in 0..2_000 {
+        expect.iter_mut().for_each(|v| *v = *v * 1.01 + 0.01);
+    }
+    for (g, e) in got.iter().zip(&expect) {
+        assert!((g - e).abs() <= 1e-3 * (1.0 + e.abs()), "{g} vs {e}");
+    }
+}
+
+#[test]
 fn in_place_updates_are_new_versions() {
     let _t = turn();
     let dev = braid::testing::test_device();

@@ -147,6 +147,7 @@ impl Engine {
             state: Mutex::new(State {
                 graph: Graph::new(),
                 pending: 0,
+                auto_flush_after: 0,
                 flushes: 0,
                 seq: 0,
                 waits: HashMap::new(),
@@ -253,14 +254,21 @@ impl Engine {
     }
 
     /// Lets the lock go and, past the bound on pending nodes, flushes (not inside a capture:
-    /// the step's work must stay pending until its own flush).
+    /// the step's work must stay pending until its own flush). After an automatic flush fails,
+    /// the next one waits until twice as many nodes are pending: the work of a failed flush
+    /// stays pending (its read reports the error), and flushing it again at every op would make
+    /// recording quadratic.
     fn finish_record(&self, st: Locked<'_>) {
         let limit = MAX_PENDING.load(Ordering::Relaxed);
-        let over = limit != 0 && st.pending > limit && !capture::capturing();
+        let over = limit != 0 && st.pending > limit.max(st.auto_flush_after) && !capture::capturing();
         drop(st);
         if over {
             // The new node has its handle counted, so the flush keeps it.
-            if let Err(e) = self.flush_all() {
+            let failed = self.flush_all().err();
+            let mut st = self.state();
+            st.auto_flush_after = if failed.is_some() { st.pending.saturating_mul(2) } else { 0 };
+            drop(st);
+            if let Some(e) = failed {
                 tracing::warn!(target: "braid::flush", "automatic flush failed (the read will report it): {e}");
             }
         }

@@ -90,6 +90,8 @@ pub(crate) struct State {
     pub(crate) graph: Graph<Value>,
     /// Nodes whose value is neither computed nor being computed.
     pub(crate) pending: usize,
+    /// While automatic flushes fail: the pending count the next one waits for (0 otherwise).
+    pub(crate) auto_flush_after: usize,
     pub(crate) flushes: u64,
     /// Recording order of the next node.
     pub(super) seq: u64,
