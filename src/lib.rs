@@ -61,7 +61,7 @@ pub use braid_graph::{DType, Element, Shape, Target};
 /// Inspecting scheduled graphs: [`ScheduleDump`] (what `device.last_schedule()` returns), dump
 /// files (`BRAID_DUMP=DIR` or [`dump::set_dir`]) and the recorded graph as DOT.
 pub mod dump {
-    pub use crate::engine::dump::{ScheduleDump, set_dir};
+    pub use crate::engine::dump::{ScheduleDump, file_stem, set_dir};
 
     /// Every device's recorded graph (pending and materialised nodes that are still alive) as
     /// Graphviz DOT.

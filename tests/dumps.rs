@@ -62,7 +62,7 @@ fn dumps_show_streams_events_and_gated_frees_and_inspect_validates_them() {
     y.to_vec::<f32>().unwrap();
     braid::dump::set_dir(None);
     let last = dev.last_schedule().unwrap();
-    let stem = dir.join(format!("flush-{:06}", last.flush()));
+    let stem = dir.join(braid::dump::file_stem(&dev, last.flush()));
     let json_path = stem.with_extension("json");
     let text = std::fs::read_to_string(&json_path).expect("the dump file was written");
     assert_eq!(text, last.to_json(), "the file and last_schedule() agree");
@@ -175,4 +175,25 @@ fn dumps_say_what_did_not_run_and_name_streams_events_and_reasons() {
     r.to_vec::<f32>().unwrap();
     let text = dev.last_schedule().unwrap().to_text();
     assert!(!text.contains("Some(") && !text.contains("None"), "{text}");
+}
+
+#[test]
+fn devices_sharing_a_dump_directory_keep_their_own_files() {
+    let _t = turn();
+    let dir = tmp_dir("two-devices");
+    let (a, b) = (braid::testing::test_device(), braid::testing::test_device());
+    braid::dump::set_dir(Some(dir.clone()));
+    (Tensor::ones([4], DType::F32, &a) * 2.0).to_vec::<f32>().unwrap();
+    (Tensor::ones([8], DType::F32, &b).exp().sum()).to_vec::<f32>().unwrap();
+    braid::dump::set_dir(None);
+    // Flush numbers count per device: both devices' first flushes have the same number here,
+    // and each keeps its files.
+    let (da, db) = (a.last_schedule().unwrap(), b.last_schedule().unwrap());
+    let (sa, sb) = (braid::dump::file_stem(&a, da.flush()), braid::dump::file_stem(&b, db.flush()));
+    assert_ne!(sa, sb);
+    for (stem, dump) in [(sa, da), (sb, db)] {
+        let text = std::fs::read_to_string(dir.join(&stem).with_extension("json")).unwrap();
+        assert_eq!(text, dump.to_json(), "{stem}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -125,8 +125,8 @@ impl std::fmt::Debug for ScheduleDump {
 /// `Some(dir)` set by [`set_dir`]; `None` inside means "explicitly off".
 static DIR_OVERRIDE: Mutex<Option<Option<PathBuf>>> = Mutex::new(None);
 
-/// Makes every flush write `DIR/flush-NNNNNN.{json,txt,dot}` (`None` turns it off). Overrides
-/// `BRAID_DUMP`.
+/// Makes every flush write `DIR/flush-NNNNNN.{json,txt,dot}` (`None` turns it off; devices
+/// after the program's first add their number, see [`file_stem`]). Overrides `BRAID_DUMP`.
 pub fn set_dir(dir: Option<PathBuf>) {
     *lock(&DIR_OVERRIDE) = Some(dir);
 }
@@ -139,10 +139,25 @@ pub(crate) fn dir() -> Option<PathBuf> {
     std::env::var_os("BRAID_DUMP").filter(|v| !v.is_empty()).map(PathBuf::from)
 }
 
-/// Writes the three files of a dump; failures are logged, never fatal (a dump must not break
-/// the computation it describes).
-pub(crate) fn write_files(dir: &std::path::Path, dump: &ScheduleDump) {
-    let stem = dir.join(format!("flush-{:06}", dump.flush()));
+/// The name (without extension) of the dump files of flush number `flush` on `device`:
+/// `flush-NNNNNN` for the first device the program made, `flush-NNNNNN-dK` for its device
+/// number K after that, so that devices writing to one directory never overwrite each other's
+/// dumps (flush numbers count per device).
+pub fn file_stem(device: &crate::Device, flush: u64) -> String {
+    stem(device.engine().id, flush)
+}
+
+fn stem(device: braid_graph::DeviceId, flush: u64) -> String {
+    match device.0 {
+        0 => format!("flush-{flush:06}"),
+        k => format!("flush-{flush:06}-d{k}"),
+    }
+}
+
+/// Writes the three files of a dump of `device`; failures are logged, never fatal (a dump must
+/// not break the computation it describes).
+pub(crate) fn write_files(dir: &std::path::Path, device: braid_graph::DeviceId, dump: &ScheduleDump) {
+    let stem = dir.join(stem(device, dump.flush()));
     let result = std::fs::create_dir_all(dir).and_then(|_| {
         std::fs::write(stem.with_extension("json"), dump.to_json())?;
         std::fs::write(stem.with_extension("txt"), dump.to_text())?;

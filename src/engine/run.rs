@@ -268,7 +268,7 @@ impl Engine {
         if let Some(dir) = &env.dump {
             let dump = last.clone().expect("published above");
             drop(last);
-            dump::write_files(dir, &dump);
+            dump::write_files(dir, self.id, &dump);
         }
     }
 }
