@@ -12,7 +12,7 @@ fn unknown_values_and_unwritable_dump_directories_are_errors_of_the_read() {
     let cases = [
         ("BRAID_FUSION", "maybe", "expected 1 or 0"),
         ("BRAID_POISON", "2", "expected 1 or 0"),
-        ("BRAID_CPU_COMPILE", "sometimes", "off, background or blocking"),
+        ("BRAID_CPU_COMPILE", "sometimes", "off, background (also on, 1) or blocking"),
         ("BRAID_DUMP", "/proc/braid-cannot-write-here", "cannot be written"),
     ];
     for (name, value, accepted) in cases {
@@ -27,6 +27,13 @@ fn unknown_values_and_unwritable_dump_directories_are_errors_of_the_read() {
         unsafe { std::env::remove_var(name) };
     }
     assert_eq!(y.to_vec::<f32>().unwrap(), vec![3.0, 6.0]);
+    // `BRAID_CPU_COMPILE` takes the yes/no spellings of the other variables too (`1` is the
+    // default, background).
+    for value in ["1", "on", "no"] {
+        unsafe { std::env::set_var("BRAID_CPU_COMPILE", value) };
+        assert_eq!((&y + 1.0).to_vec::<f32>().unwrap(), vec![4.0, 7.0], "BRAID_CPU_COMPILE={value}");
+    }
+    unsafe { std::env::remove_var("BRAID_CPU_COMPILE") };
 
     // A replayed step is a flush too: it reads the variables a replay uses (`BRAID_POISON`,
     // `BRAID_DUMP`, `BRAID_TRACE`) once, when it starts.

@@ -47,10 +47,10 @@ impl FlushEnv {
         if let Ok(value) = std::env::var("BRAID_CPU_COMPILE")
             && !matches!(
                 value.trim().to_ascii_lowercase().as_str(),
-                "" | "off" | "0" | "false" | "background" | "blocking"
+                "" | "off" | "0" | "false" | "no" | "on" | "1" | "true" | "yes" | "background" | "blocking"
             )
         {
-            let reason = "expected off, background or blocking".into();
+            let reason = "expected off, background (also on, 1) or blocking".into();
             return Err(Error::Environment { name: "BRAID_CPU_COMPILE", value, reason });
         }
         Ok(FlushEnv { poison, fusion, validate, ..FlushEnv::destinations()? })

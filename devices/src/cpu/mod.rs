@@ -45,10 +45,11 @@ pub enum CompileMode {
 }
 
 impl CompileMode {
-    /// The mode `BRAID_CPU_COMPILE` asks for (unset or unknown values give `Background`).
+    /// The mode `BRAID_CPU_COMPILE` asks for (`1`/`on`/`true` are the default, `Background`;
+    /// unset or unknown values give it too: a flush reports unknown ones).
     pub fn from_env() -> CompileMode {
         match std::env::var("BRAID_CPU_COMPILE").map(|v| v.trim().to_ascii_lowercase()).as_deref() {
-            Ok("0" | "off" | "false") => CompileMode::Off,
+            Ok("0" | "off" | "false" | "no") => CompileMode::Off,
             Ok("blocking") => CompileMode::Blocking,
             _ => CompileMode::Background,
         }
