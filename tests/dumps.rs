@@ -105,6 +105,30 @@ fn dumps_show_streams_events_and_gated_frees_and_inspect_validates_them() {
     let (ok, out, err) = inspect(&bad_path);
     assert!(!ok && out.contains("hazard") && out.contains("stream"), "{out}{err}");
     assert!(!err.contains("panicked"), "{err}");
+
+    // Dumps that contradict themselves (edited by hand, written by something else): each is
+    // named, and the exit status is 1.
+    let edits: [(&str, fn(&mut Json)); 5] = [
+        ("does not list", |j| j["buffers"] = Json::Array(vec![])),
+        ("is listed twice", |j| {
+            let first = j["buffers"][0].clone();
+            j["buffers"].as_array_mut().unwrap().push(first);
+        }),
+        ("which the dump does not have", |j| j["events"][0]["stream"] = 77.into()),
+        ("fusion summary counts", |j| j["fusion"]["kernels"] = 99.into()),
+        ("names kernel k99", |j| {
+            let offload = serde_json::json!({"buffer": "b0", "to": "b1", "back_before": "k99"});
+            j["offloads"] = Json::Array(vec![offload]);
+        }),
+    ];
+    for (expect, edit) in edits {
+        let mut edited = json.clone();
+        edit(&mut edited);
+        std::fs::write(&bad_path, serde_json::to_string(&edited).unwrap()).unwrap();
+        let (ok, out, err) = inspect(&bad_path);
+        assert!(!ok && out.contains("inconsistenc") && out.contains(expect), "{expect}: {out}{err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -271,6 +271,78 @@ impl Dump {
         self.fusion.kernels as usize
     }
 
+    /// What in the dump contradicts itself (a file edited or written by something else): ids
+    /// named twice, steps naming buffers or events it does not list, events of streams it
+    /// does not have, kernels of no nodes, offloads of unknown buffers or kernels, a kernel
+    /// count that is not the streams'. Empty for every dump braid writes.
+    pub fn inconsistencies(&self) -> Vec<String> {
+        let mut found = Vec::new();
+        let mut unique = |what: &str, ids: Vec<&str>| {
+            let mut seen = std::collections::HashSet::new();
+            for id in ids {
+                if !seen.insert(id) {
+                    found.push(format!("{what} {id} is listed twice"));
+                }
+            }
+        };
+        let stream_ids: Vec<String> = self.streams.iter().map(|s| s.id.to_string()).collect();
+        unique("stream", stream_ids.iter().map(String::as_str).collect());
+        unique("buffer", self.buffers.iter().map(|b| b.id.as_str()).collect());
+        unique("event", self.events.iter().map(|e| e.id.as_str()).collect());
+        let steps = || self.streams.iter().flat_map(|s| &s.steps);
+        let kernel_ids: Vec<&str> = steps()
+            .filter_map(|st| match st {
+                DumpStep::Kernel { id, .. } => Some(id.as_str()),
+                _ => None,
+            })
+            .collect();
+        unique("kernel", kernel_ids.clone());
+        let buffer = |b: &String| self.buffers.iter().any(|x| &x.id == b);
+        let event = |e: &String| self.events.iter().any(|x| &x.id == e);
+        let missing = |what: &str, id: &String, known: bool, step: &str| {
+            (!known).then(|| format!("{step} names {what} {id}, which the dump does not list"))
+        };
+        for step in steps() {
+            match step {
+                DumpStep::Kernel { id, nodes, inputs, outputs, .. } => {
+                    found.extend(inputs.iter().chain(outputs).filter_map(|b| missing("buffer", b, buffer(b), id)));
+                    if nodes.is_empty() {
+                        found.push(format!("kernel {id} computes no nodes"));
+                    }
+                }
+                DumpStep::Alloc { buffer: b } => found.extend(missing("buffer", b, buffer(b), "an alloc")),
+                DumpStep::Free { buffer: b, after } => {
+                    found.extend(missing("buffer", b, buffer(b), "a free"));
+                    found.extend(after.iter().filter_map(|e| missing("event", e, event(e), "a free")));
+                }
+                DumpStep::Record { event: e } => found.extend(missing("event", e, event(e), "a record")),
+                DumpStep::Wait { event: e } => found.extend(missing("event", e, event(e), "a wait")),
+                DumpStep::Copy { from, to, .. } => {
+                    found.extend([from, to].into_iter().filter_map(|b| missing("buffer", b, buffer(b), "a copy")));
+                }
+            }
+        }
+        for e in &self.events {
+            if !self.streams.iter().any(|s| s.id == e.stream) {
+                found.push(format!("event {} is on stream {}, which the dump does not have", e.id, e.stream));
+            }
+        }
+        for o in &self.offloads {
+            found.extend(missing("buffer", &o.buffer, buffer(&o.buffer), "an offload"));
+            found.extend(missing("buffer", &o.to, buffer(&o.to), "an offload"));
+            let before = o.back_before == "end" || kernel_ids.contains(&o.back_before.as_str());
+            found.extend(missing("kernel", &o.back_before, before, "an offload"));
+        }
+        if kernel_ids.len() as u64 != self.fusion.kernels {
+            found.push(format!(
+                "the streams run {} kernel(s) but the fusion summary counts {}",
+                kernel_ids.len(),
+                self.fusion.kernels
+            ));
+        }
+        found
+    }
+
     /// One line per step, stream after stream.
     pub fn to_text(&self) -> String {
         let mut s = String::new();

@@ -1,8 +1,9 @@
 //! The `braid` command: tools around the engine.
 //!
 //! `braid inspect FILE.json` prints a summary of a schedule dump (written with
-//! `BRAID_DUMP=DIR`) and re-runs the validator on it; exit status 1 if the file cannot be read
-//! as a dump or the validator finds a hazard.
+//! `BRAID_DUMP=DIR`), checks that it does not contradict itself and re-runs the validator on
+//! it; exit status 1 if the file cannot be read as a dump, contradicts itself, or the validator
+//! finds a hazard.
 
 use braid::ScheduleDump;
 use clap::{Parser, Subcommand};
@@ -70,6 +71,14 @@ fn inspect(file: &std::path::Path, steps: bool) -> Result<(), String> {
     }
     if steps {
         print!("{}", d.to_text());
+    }
+    let inconsistent = d.inconsistencies();
+    if !inconsistent.is_empty() {
+        println!("dump: {} inconsistenc{}", inconsistent.len(), if inconsistent.len() == 1 { "y" } else { "ies" });
+        for i in &inconsistent {
+            println!("  {i}");
+        }
+        return Err(format!("the dump contradicts itself in {} place(s)", inconsistent.len()));
     }
     let program = braid_scheduler::Program::from_dump(d)?;
     match braid_scheduler::validate::check(&program) {

@@ -188,6 +188,10 @@ impl Gen<'_> {
                         if s.to_json().contains("\"d2h\"") {
                             BUDGET_STATS[0].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         }
+                        let problems = s.dump().inconsistencies();
+                        if !problems.is_empty() {
+                            return Err(Error::Internal(format!("the dump contradicts itself: {problems:?}")));
+                        }
                         if let Some(b) = self.h.dev.memory_budget()
                             && s.planned_peak_bytes() > b
                         {
