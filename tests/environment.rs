@@ -14,6 +14,7 @@ fn unknown_values_and_unwritable_dump_directories_are_errors_of_the_read() {
         ("BRAID_POISON", "2", "expected 1 or 0"),
         ("BRAID_CPU_COMPILE", "sometimes", "off, background (also on, 1) or blocking"),
         ("BRAID_DUMP", "/proc/braid-cannot-write-here", "cannot be written"),
+        ("BRAID_TRACE", "/proc/braid-cannot-write-here/trace.json", "cannot be written"),
     ];
     for (name, value, accepted) in cases {
         unsafe { std::env::set_var(name, value) };

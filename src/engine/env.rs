@@ -1,9 +1,9 @@
 //! The `BRAID_*` environment variables a flush reads, checked when it starts: a value braid does
 //! not understand is an `Error::Environment` naming the accepted values (never silently ignored),
-//! and a dump directory that cannot be written is one too, before anything runs.
+//! and a dump directory or trace file that cannot be written is one too, before anything runs.
 //!
 //! Variables are read when a flush starts, never cached at program start (API.md), except
-//! which dump directories were already found writable.
+//! which dump directories and trace files were already found writable.
 
 use crate::error::{Error, Result};
 use crate::lock;
@@ -62,36 +62,47 @@ impl FlushEnv {
         Ok(FlushEnv { poison: flag("BRAID_POISON")?, ..FlushEnv::destinations()? })
     }
 
-    /// The dump and trace destinations, the dump directory checked writable.
+    /// The dump and trace destinations, the dump directory and the trace file checked writable.
     fn destinations() -> Result<FlushEnv> {
         let dump = super::dump::dir();
         if let Some(dir) = &dump {
-            writable(dir)?;
+            checked_once(dir, "BRAID_DUMP", "dump files cannot be written there", |dir| {
+                let probe = dir.join(format!(".braid-probe-{}", std::process::id()));
+                std::fs::create_dir_all(dir)
+                    .and_then(|()| std::fs::write(&probe, b""))
+                    .and_then(|()| std::fs::remove_file(&probe))
+            })?;
         }
-        Ok(FlushEnv { dump, trace: super::profile::trace_path(), ..FlushEnv::default() })
+        let trace = super::profile::trace_path();
+        if let Some(file) = &trace {
+            checked_once(file, "BRAID_TRACE", "the trace file cannot be written", |file| {
+                std::fs::OpenOptions::new().create(true).append(true).open(file).map(drop)
+            })?;
+        }
+        Ok(FlushEnv { dump, trace, ..FlushEnv::default() })
     }
 }
 
-/// `Ok` when dump files can be written in `dir` (created if missing); checked once per directory.
-fn writable(dir: &PathBuf) -> Result<()> {
+/// `Ok` when `probe` succeeds on `path` (a dump directory, a trace file), checked once per
+/// path; else an error naming the variable `name`.
+fn checked_once(
+    path: &PathBuf,
+    name: &'static str,
+    problem: &str,
+    probe: impl FnOnce(&PathBuf) -> std::io::Result<()>,
+) -> Result<()> {
     static CHECKED: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
-    if lock(&CHECKED).contains(dir) {
+    if lock(&CHECKED).contains(path) {
         return Ok(());
     }
-    let probe = dir.join(format!(".braid-probe-{}", std::process::id()));
-    let result = std::fs::create_dir_all(dir)
-        .and_then(|()| std::fs::write(&probe, b""))
-        .and_then(|()| std::fs::remove_file(&probe));
-    match result {
+    match probe(path) {
         Ok(()) => {
-            lock(&CHECKED).push(dir.clone());
+            lock(&CHECKED).push(path.clone());
             Ok(())
         }
-        Err(e) => Err(Error::Environment {
-            name: "BRAID_DUMP",
-            value: dir.display().to_string(),
-            reason: format!("dump files cannot be written there: {e}"),
-        }),
+        Err(e) => {
+            Err(Error::Environment { name, value: path.display().to_string(), reason: format!("{problem}: {e}") })
+        }
     }
 }
 
