@@ -153,3 +153,49 @@ fn no_adapter_is_an_err_naming_what_was_tried() {
     println!("{line}");
     assert!(line.contains("unavailable") && line.to_lowercase().contains(missing), "{line}");
 }
+
+#[test]
+fn products_of_broadcast_batches_compute_their_offsets() {
+    // [40, 1] batches against [1, 40] ones: 1,600 products whose operand offsets the shader
+    // computes from the batch index (a table of them per invocation made 900 batches lose the
+    // device on lavapipe).
+    let Some(gpu) = wgpu() else { return };
+    let cpu = Device::new_cpu();
+    let n = 40;
+    let a: Vec<f32> = (0..n * 6).map(|i| ((i * 7) % 11) as f32 - 5.0).collect();
+    let b: Vec<f32> = (0..n * 6).map(|i| ((i * 5) % 13) as f32 - 6.0).collect();
+    let product = |d: &Device| {
+        let x = Tensor::from_vec(a.clone(), [n, 1, 2, 3], d);
+        let y = Tensor::from_vec(b.clone(), [1, n, 3, 2], d);
+        x.matmul(&y).to_vec::<f32>().unwrap()
+    };
+    // Small integers: every product and sum is exact, so the two devices agree exactly.
+    assert_eq!(product(&gpu), product(&cpu));
+}
+
+#[test]
+fn pow_has_cs_special_cases_and_exact_squares() {
+    let Some(gpu) = wgpu() else { return };
+    let cpu = Device::new_cpu();
+    let (inf, nan) = (f32::INFINITY, f32::NAN);
+    let xs = [-inf, inf, -0.0, 0.0, -1.0, 1.0, -2.5, 2.5, nan, f32::MAX, 1e19, -3.0e-3];
+    let ys = [-inf, -2.5, -2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 2.5, 3.0, inf, nan];
+    let (x, y): (Vec<f32>, Vec<f32>) = xs.iter().flat_map(|&x| ys.iter().map(move |&y| (x, y))).unzip();
+    let pow = |d: &Device| {
+        let (a, b) = (Tensor::from_vec(x.clone(), [x.len()], d), Tensor::from_vec(y.clone(), [y.len()], d));
+        a.pow(&b).to_vec::<f32>().unwrap()
+    };
+    let (want, got) = (pow(&cpu), pow(&gpu));
+    for i in 0..x.len() {
+        let (w, g) = (want[i], got[i]);
+        // Zeros, infinities, NaN, and x^1, x^2 exactly; other values within WGSL's few ulps,
+        // and a subnormal result may be flushed to zero (WGSL allows it).
+        let exact = w.is_nan() || w == 0.0 || w.is_infinite() || y[i] == 1.0 || y[i] == 2.0;
+        let ok = if exact {
+            w.to_bits() == g.to_bits() || (w.is_nan() && g.is_nan())
+        } else {
+            (g - w).abs() <= 1e-5 * w.abs() || (w.abs() < f32::MIN_POSITIVE && g == 0.0)
+        };
+        assert!(ok, "pow({}, {}): cpu {w}, wgpu {g}", x[i], y[i]);
+    }
+}

@@ -53,19 +53,24 @@ fn braid_tanh(x: f32) -> f32 {
 fn braid_pow(x: f32, y: f32) -> f32 {
   if (y == 0.0 || x == 1.0) { return 1.0; }
   if (braid_isnan(x) || braid_isnan(y)) { return x + y; }
+  // Exact, as C's are (WGSL's pow is exp2(y log2 x), a few ulps off and infinite near MAX).
+  if (y == 1.0) { return x; }
+  if (y == 2.0) { return x * x; }
   let ay = abs(y);
+  let ax = abs(x);
   let integer = ay >= 16777216.0 || (ay < 16777216.0 && trunc(y) == y);
   let odd = ay < 16777216.0 && integer && (u32(ay) & 1u) == 1u;
   let negative = (bitcast<u32>(x) >> 31u) == 1u;
-  if (negative && x != 0.0 && !integer && ay != bitcast<f32>(0x7f800000u)) { return bitcast<f32>(0x7fc00000u); }
-  let ax = abs(x);
+  // A finite negative base to a finite non-integer power; -inf to one is +inf or +0.
+  let inf = bitcast<f32>(0x7f800000u);
+  if (negative && x != 0.0 && ax != inf && !integer && ay != inf) { return bitcast<f32>(0x7fc00000u); }
   var r: f32;
   if (ax == 0.0) {
     r = select(0.0, bitcast<f32>(0x7f800000u), y < 0.0);
-  } else if (ax == bitcast<f32>(0x7f800000u)) {
-    r = select(bitcast<f32>(0x7f800000u), 0.0, y < 0.0);
-  } else if (ay == bitcast<f32>(0x7f800000u)) {
-    r = select(select(0.0, bitcast<f32>(0x7f800000u), (ax > 1.0) == (y > 0.0)), 1.0, ax == 1.0);
+  } else if (ax == inf) {
+    r = select(inf, 0.0, y < 0.0);
+  } else if (ay == inf) {
+    r = select(select(0.0, inf, (ax > 1.0) == (y > 0.0)), 1.0, ax == 1.0);
   } else {
     r = pow(ax, y);
   }

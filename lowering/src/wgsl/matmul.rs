@@ -3,8 +3,8 @@
 //! Each workgroup computes a 16 x 16 tile of one batch's `m x n` product, one output per
 //! thread: it walks `k` in steps of 16, each thread loading one element of each operand's
 //! tile into workgroup memory, and adds the tile's products in order of `k`. Operands are
-//! read through their strides and per-batch offsets (an arithmetic progression of offsets is
-//! computed, any other list is a table in the shader). f32 (and f16/bf16 widened to f32)
+//! read through their strides and per-batch offsets, computed from the batch index (the
+//! broadcast batch dimensions, recovered from the offsets the lowering lists). f32 (and f16/bf16 widened to f32)
 //! accumulate in f32; i32 and u8 wrap. The product is written contiguously (`[batch, m, n]`)
 //! to its argument or to a scratch binding, rounded to its storage type.
 
@@ -38,28 +38,62 @@ fn check_operand(op: &MatmulOperand, m: &Module<'_>, rows: usize, cols: usize, d
     Ok(())
 }
 
-/// The element offset of batch `b`'s matrix: a formula for an arithmetic progression, else a
-/// lookup in a table declared in `decls`.
-fn batch_offset(decls: &mut String, name: &str, offsets: &[usize]) -> String {
-    let step = offsets.get(1).map_or(0, |&o| o as i128 - offsets[0] as i128);
-    let progression = offsets.windows(2).all(|w| w[1] as i128 - w[0] as i128 == step);
-    if progression {
-        match step {
-            0 => format!("{}u", offsets[0]),
-            s if s > 0 => format!("({}u + b * {s}u)", offsets[0]),
-            s => format!("({}u - b * {}u)", offsets[0], -s),
+/// The element offset of batch `b`'s matrix: a formula (see [`batch_levels`]), else, for a
+/// list no formula gives (never produced by braid's lowering), a lookup in a table declared
+/// in `decls`.
+pub(super) fn batch_offset(decls: &mut String, name: &str, offsets: &[usize]) -> String {
+    if let Some((first, levels)) = batch_levels(offsets) {
+        let mut e = format!("({first}u");
+        for (div, n, step) in levels {
+            let index = match (div, div * n == offsets.len()) {
+                (1, true) => "b".to_string(),
+                (1, false) => format!("(b % {n}u)"),
+                (d, true) => format!("(b / {d}u)"),
+                (d, false) => format!("((b / {d}u) % {n}u)"),
+            };
+            let sign = if step < 0 { '-' } else { '+' };
+            let _ = write!(e, " {sign} {index} * {}u", step.unsigned_abs());
         }
-    } else {
-        let list: Vec<String> = offsets.iter().map(|o| format!("{o}u")).collect();
-        let _ = writeln!(
-            decls,
-            "var<private> {name}: array<u32, {}> = array<u32, {}>({});",
-            offsets.len(),
-            offsets.len(),
-            list.join(", ")
-        );
-        format!("{name}[b]")
+        return e + ")";
     }
+    let list: Vec<String> = offsets.iter().map(|o| format!("{o}u")).collect();
+    let _ = writeln!(
+        decls,
+        "var<private> {name}: array<u32, {}> = array<u32, {}>({});",
+        offsets.len(),
+        offsets.len(),
+        list.join(", ")
+    );
+    format!("{name}[b]")
+}
+
+/// `offsets` as `first + sum of ((b / div) % n) * step` over levels `(div, n, step)`, innermost
+/// first: the batch dimensions of a broadcast product (a `[n, 1]` batch against a `[1, n]`
+/// one reads `[0, 0, .., 4, 4, ..]` and `[0, 4, 8, .., 0, 4, ..]`), recovered from the offsets
+/// the lowering lists, so that the shader computes them instead of copying a table of one
+/// entry per batch into every invocation's private memory (which made a product of 900
+/// batches lose the device). `None` when no such levels give the list.
+pub(super) fn batch_levels(offsets: &[usize]) -> Option<(usize, Vec<(usize, usize, i128)>)> {
+    let first = *offsets.first()?;
+    // The offsets at b = j * div, for the levels not yet found, relative to the first.
+    let mut starts: Vec<i128> = offsets.iter().map(|&o| o as i128 - first as i128).collect();
+    let (mut levels, mut div) = (Vec::new(), 1usize);
+    while starts.len() > 1 {
+        let len = starts.len();
+        let step = starts[1] - starts[0];
+        // The innermost level left: the longest blocks that each step by `step` (the whole
+        // list when it is one progression; a shorter block that works would split one batch
+        // dimension into several levels).
+        let evenly =
+            |n: usize| starts.chunks(n).all(|c| c.iter().enumerate().all(|(i, &v)| v - c[0] == i as i128 * step));
+        let n = (2..=len).rev().find(|&n| len % n == 0 && evenly(n))?;
+        if step != 0 {
+            levels.push((div, n, step));
+        }
+        starts = starts.iter().step_by(n).copied().collect();
+        div *= n;
+    }
+    Some((first, levels))
 }
 
 /// The offset of element (`row`, `col`) from `base` with strides `rs`, `cs` (u32, wrapping).

@@ -81,3 +81,25 @@ fn bindings_are_the_arguments_then_scratch_then_zero() {
     // An empty loop has nothing to dispatch.
     assert!(print(&double(DType::F32, &[0]), &Features::default()).unwrap().entries.is_empty());
 }
+
+#[test]
+fn batch_offsets_of_broadcast_products_are_computed_not_tabled() {
+    // [n, 1] x [1, n] batches of 2 x 2 matrices: the left operand repeats each matrix n times,
+    // the right one cycles; a transposed batch steps backwards; a prime count stays one level.
+    let n = 30;
+    let lhs: Vec<usize> = (0..n * n).map(|b| (b / n) * 4).collect();
+    let rhs: Vec<usize> = (0..n * n).map(|b| (b % n) * 4).collect();
+    let flipped: Vec<usize> = (0..6 * 5).map(|b| 100 - (b / 5) * 12 + (b % 5) * 2).collect();
+    let prime: Vec<usize> = (0..7).map(|b| 3 + b * 5).collect();
+    for offsets in [lhs, rhs, flipped, prime, vec![9]] {
+        let (first, levels) = matmul::batch_levels(&offsets).expect("a broadcast batch has levels");
+        assert!(levels.len() <= 2, "{levels:?}");
+        for (b, &want) in offsets.iter().enumerate() {
+            let got = levels.iter().fold(first as i128, |o, &(div, n, step)| o + ((b / div) % n) as i128 * step);
+            assert_eq!(got, want as i128, "batch {b} of {levels:?}");
+        }
+        let mut decls = String::new();
+        let e = matmul::batch_offset(&mut decls, "lhs_batch", &offsets);
+        assert!(decls.is_empty() && !e.contains('['), "{e}\n{decls}");
+    }
+}
