@@ -108,7 +108,8 @@ fn dumps_show_streams_events_and_gated_frees_and_inspect_validates_them() {
 
     // Dumps that contradict themselves (edited by hand, written by something else): each is
     // named, and the exit status is 1.
-    let edits: [(&str, fn(&mut Json)); 5] = [
+    type Edit = fn(&mut Json);
+    let edits: [(&str, Edit); 5] = [
         ("does not list", |j| j["buffers"] = Json::Array(vec![])),
         ("is listed twice", |j| {
             let first = j["buffers"][0].clone();

@@ -67,13 +67,16 @@ pub(super) fn batch_offset(decls: &mut String, name: &str, offsets: &[usize]) ->
     format!("{name}[b]")
 }
 
+/// One level of batch offsets: `((b / div) % n) * step`.
+pub(super) type BatchLevel = (usize, usize, i128);
+
 /// `offsets` as `first + sum of ((b / div) % n) * step` over levels `(div, n, step)`, innermost
 /// first: the batch dimensions of a broadcast product (a `[n, 1]` batch against a `[1, n]`
 /// one reads `[0, 0, .., 4, 4, ..]` and `[0, 4, 8, .., 0, 4, ..]`), recovered from the offsets
 /// the lowering lists, so that the shader computes them instead of copying a table of one
 /// entry per batch into every invocation's private memory (which made a product of 900
 /// batches lose the device). `None` when no such levels give the list.
-pub(super) fn batch_levels(offsets: &[usize]) -> Option<(usize, Vec<(usize, usize, i128)>)> {
+pub(super) fn batch_levels(offsets: &[usize]) -> Option<(usize, Vec<BatchLevel>)> {
     let first = *offsets.first()?;
     // The offsets at b = j * div, for the levels not yet found, relative to the first.
     let mut starts: Vec<i128> = offsets.iter().map(|&o| o as i128 - first as i128).collect();
@@ -86,7 +89,7 @@ pub(super) fn batch_levels(offsets: &[usize]) -> Option<(usize, Vec<(usize, usiz
         // dimension into several levels).
         let evenly =
             |n: usize| starts.chunks(n).all(|c| c.iter().enumerate().all(|(i, &v)| v - c[0] == i as i128 * step));
-        let n = (2..=len).rev().find(|&n| len % n == 0 && evenly(n))?;
+        let n = (2..=len).rev().find(|&n| len.is_multiple_of(n) && evenly(n))?;
         if step != 0 {
             levels.push((div, n, step));
         }
