@@ -32,11 +32,12 @@ const MAX_CAPTURES: usize = 32;
 ///
 /// A capture that breaks these rules returns [`Error::Capture`] saying which, and keeps
 /// nothing; the in-place updates and waits it refuses are not done, so tensors and streams
-/// from outside the step are as they were (the device's random sequence too). The outputs carry no gradient history: a step that trains computes its gradients
-/// inside, with `backward`, and returns them. The plan is the one a flush of the same work
-/// would run (same kernels, same results), planned under the device's memory budget of the
-/// time; a new budget, or arguments of new shapes or dtypes, capture again. Capture a step
-/// while no other thread records work on the same device.
+/// from outside the step are as they were (the device's random sequence too). The outputs
+/// carry no gradient history: a step that trains computes its gradients inside, with
+/// `backward`, and returns them. The plan is the one a flush of the same work would run (same
+/// kernels, same results), planned under the device's memory budget of the time; a new
+/// budget, or arguments of new shapes or dtypes, capture again. Capture a step while no other
+/// thread records work on the same device.
 ///
 /// On CUDA the first replay records the plan into a CUDA graph and every later replay is one
 /// graph launch (the host's cost of a replay no longer grows with its kernels): the arguments

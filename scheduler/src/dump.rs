@@ -276,29 +276,33 @@ impl Dump {
     /// does not have, kernels of no nodes, offloads of unknown buffers or kernels, a kernel
     /// count that is not the streams'. Empty for every dump braid writes.
     pub fn inconsistencies(&self) -> Vec<String> {
+        use std::collections::HashSet;
         let mut found = Vec::new();
-        let mut unique = |what: &str, ids: Vec<&str>| {
-            let mut seen = std::collections::HashSet::new();
+        // The set of `ids`, each one listed twice reported.
+        let mut set = |what: &str, ids: Vec<String>| {
+            let mut seen = HashSet::new();
             for id in ids {
-                if !seen.insert(id) {
+                if seen.contains(&id) {
                     found.push(format!("{what} {id} is listed twice"));
                 }
+                seen.insert(id);
             }
+            seen
         };
-        let stream_ids: Vec<String> = self.streams.iter().map(|s| s.id.to_string()).collect();
-        unique("stream", stream_ids.iter().map(String::as_str).collect());
-        unique("buffer", self.buffers.iter().map(|b| b.id.as_str()).collect());
-        unique("event", self.events.iter().map(|e| e.id.as_str()).collect());
+        let streams = set("stream", self.streams.iter().map(|s| s.id.to_string()).collect());
+        let buffers = set("buffer", self.buffers.iter().map(|b| b.id.clone()).collect());
+        let events = set("event", self.events.iter().map(|e| e.id.clone()).collect());
         let steps = || self.streams.iter().flat_map(|s| &s.steps);
-        let kernel_ids: Vec<&str> = steps()
+        let kernel_ids: Vec<String> = steps()
             .filter_map(|st| match st {
-                DumpStep::Kernel { id, .. } => Some(id.as_str()),
+                DumpStep::Kernel { id, .. } => Some(id.clone()),
                 _ => None,
             })
             .collect();
-        unique("kernel", kernel_ids.clone());
-        let buffer = |b: &String| self.buffers.iter().any(|x| &x.id == b);
-        let event = |e: &String| self.events.iter().any(|x| &x.id == e);
+        let kernel_count = kernel_ids.len();
+        let kernels = set("kernel", kernel_ids);
+        let buffer = |b: &String| buffers.contains(b);
+        let event = |e: &String| events.contains(e);
         let missing = |what: &str, id: &String, known: bool, step: &str| {
             (!known).then(|| format!("{step} names {what} {id}, which the dump does not list"))
         };
@@ -323,20 +327,19 @@ impl Dump {
             }
         }
         for e in &self.events {
-            if !self.streams.iter().any(|s| s.id == e.stream) {
+            if !streams.contains(&e.stream.to_string()) {
                 found.push(format!("event {} is on stream {}, which the dump does not have", e.id, e.stream));
             }
         }
         for o in &self.offloads {
             found.extend(missing("buffer", &o.buffer, buffer(&o.buffer), "an offload"));
             found.extend(missing("buffer", &o.to, buffer(&o.to), "an offload"));
-            let before = o.back_before == "end" || kernel_ids.contains(&o.back_before.as_str());
+            let before = o.back_before == "end" || kernels.contains(&o.back_before);
             found.extend(missing("kernel", &o.back_before, before, "an offload"));
         }
-        if kernel_ids.len() as u64 != self.fusion.kernels {
+        if kernel_count as u64 != self.fusion.kernels {
             found.push(format!(
-                "the streams run {} kernel(s) but the fusion summary counts {}",
-                kernel_ids.len(),
+                "the streams run {kernel_count} kernel(s) but the fusion summary counts {}",
                 self.fusion.kernels
             ));
         }

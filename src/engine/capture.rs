@@ -70,12 +70,15 @@ pub(crate) fn refuse(message: impl FnOnce() -> String) -> Option<String> {
         return None;
     }
     let message = message();
-    REFUSED.with(|r| r.borrow_mut().get_or_insert_with(|| message.clone()).clone());
+    REFUSED.with(|r| {
+        r.borrow_mut().get_or_insert_with(|| message.clone());
+    });
     Some(message)
 }
 
 /// Inside a capture: whether the version of a tensor on `engine` that `cell` names was
-/// recorded outside the step (before the capture started, or on another device).
+/// recorded outside the step (before the capture started, or on another device); `false`
+/// outside a capture (one thread-local read, so recording pays nothing more).
 pub(crate) fn from_outside(engine: &Engine, cell: &AtomicU32) -> bool {
     let Some((device, start)) = START.with(Cell::get) else { return false };
     device != engine.id || engine.with_state(|st| st.graph.node(super::current(cell)).seq < start)

@@ -13,11 +13,16 @@ use std::sync::Mutex;
 /// A yes/no variable: `1`/`0` (also `true`/`false`, `on`/`off`); `None` when unset or empty.
 pub(crate) fn flag(name: &'static str) -> Result<Option<bool>> {
     let Ok(value) = std::env::var(name) else { return Ok(None) };
+    yes_no(&value).ok_or_else(|| Error::Environment { name, value, reason: "expected 1 or 0".into() })
+}
+
+/// A yes/no spelling: `Some(None)` for an empty value, `None` for something else.
+fn yes_no(value: &str) -> Option<Option<bool>> {
     match value.trim().to_ascii_lowercase().as_str() {
-        "" => Ok(None),
-        "1" | "true" | "on" | "yes" => Ok(Some(true)),
-        "0" | "false" | "off" | "no" => Ok(Some(false)),
-        _ => Err(Error::Environment { name, value, reason: "expected 1 or 0".into() }),
+        "" => Some(None),
+        "1" | "true" | "on" | "yes" => Some(Some(true)),
+        "0" | "false" | "off" | "no" => Some(Some(false)),
+        _ => None,
     }
 }
 
@@ -45,10 +50,8 @@ impl FlushEnv {
         let fusion = flag("BRAID_FUSION")?;
         let validate = flag("BRAID_VALIDATE")?.unwrap_or(false);
         if let Ok(value) = std::env::var("BRAID_CPU_COMPILE")
-            && !matches!(
-                value.trim().to_ascii_lowercase().as_str(),
-                "" | "off" | "0" | "false" | "no" | "on" | "1" | "true" | "yes" | "background" | "blocking"
-            )
+            && !matches!(value.trim().to_ascii_lowercase().as_str(), "background" | "blocking")
+            && yes_no(&value).is_none()
         {
             let reason = "expected off, background (also on, 1) or blocking".into();
             return Err(Error::Environment { name: "BRAID_CPU_COMPILE", value, reason });
@@ -91,13 +94,14 @@ fn checked_once(
     problem: &str,
     probe: impl FnOnce(&PathBuf) -> std::io::Result<()>,
 ) -> Result<()> {
-    static CHECKED: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
-    if lock(&CHECKED).contains(path) {
+    // Keyed by the variable too: a path fit for a dump directory is no trace file.
+    static CHECKED: Mutex<Vec<(&str, PathBuf)>> = Mutex::new(Vec::new());
+    if lock(&CHECKED).iter().any(|(n, p)| *n == name && p == path) {
         return Ok(());
     }
     match probe(path) {
         Ok(()) => {
-            lock(&CHECKED).push(path.clone());
+            lock(&CHECKED).push((name, path.clone()));
             Ok(())
         }
         Err(e) => {

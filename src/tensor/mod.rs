@@ -134,7 +134,7 @@ impl Tensor {
         if let Err(problem) = autograd::check_in_place(self) {
             misuse(name, problem, &[("self", self.describe())]);
         }
-        if capture::capturing() && capture::from_outside(self.0.device.engine(), &self.0.node) {
+        if capture::from_outside(self.0.device.engine(), &self.0.node) {
             // Not recorded: a failed capture leaves the tensor as it was.
             capture::refuse(|| {
                 format!(

@@ -66,7 +66,7 @@ fn braid_pow(x: f32, y: f32) -> f32 {
   if (negative && x != 0.0 && ax != inf && !integer && ay != inf) { return bitcast<f32>(0x7fc00000u); }
   var r: f32;
   if (ax == 0.0) {
-    r = select(0.0, bitcast<f32>(0x7f800000u), y < 0.0);
+    r = select(0.0, inf, y < 0.0);
   } else if (ax == inf) {
     r = select(inf, 0.0, y < 0.0);
   } else if (ay == inf) {

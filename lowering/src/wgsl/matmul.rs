@@ -4,8 +4,8 @@
 //! thread: it walks `k` in steps of 16, each thread loading one element of each operand's
 //! tile into workgroup memory, and adds the tile's products in order of `k`. Operands are
 //! read through their strides and per-batch offsets, computed from the batch index (the
-//! broadcast batch dimensions, recovered from the offsets the lowering lists). f32 (and f16/bf16 widened to f32)
-//! accumulate in f32; i32 and u8 wrap. The product is written contiguously (`[batch, m, n]`)
+//! broadcast batch dimensions, recovered from the offsets the lowering lists). f32 (and
+//! f16/bf16 widened to f32) accumulate in f32; i32 and u8 wrap. The product is written contiguously (`[batch, m, n]`)
 //! to its argument or to a scratch binding, rounded to its storage type.
 
 use super::*;
