@@ -6,10 +6,14 @@
 
 mod common;
 
+use braid::Tensor;
+use braid_devices::{Backend, DeviceError, cpu::CpuDevice, runtime::Flush};
+use braid_graph::Target;
+use braid_scheduler::Schedule;
 use common::program::{self, Config};
 use proptest::prelude::*;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 fn cases() -> u32 {
     std::env::var("BRAID_PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(5000)
@@ -120,4 +124,59 @@ fn random_programs_under_memory_budgets_match_the_reference() {
 fn random_programs_with_large_shapes_match_the_reference() {
     let config = Config { max_rank: 3, max_dim: 48, max_ops: 10, ..Config::default() };
     run_suite((cases() / 25).max(40), &config, true);
+}
+
+/// The CPU device planned for a target that binds at most `target.max_kernel_buffers` buffers
+/// per kernel (like wgpu on Metal or lavapipe, but tighter): a flush whose schedule has a
+/// kernel binding more fails.
+struct FewBindings {
+    cpu: CpuDevice,
+    target: Target,
+}
+
+impl Backend for FewBindings {
+    fn name(&self) -> String {
+        "cpu".into()
+    }
+    fn target(&self) -> &Target {
+        &self.target
+    }
+    common::cpu_backend_methods!(but_target);
+    fn begin<'a>(&'a self, schedule: &'a Schedule, poison: bool) -> Result<Box<dyn Flush + 'a>, DeviceError> {
+        let limit = self.target.max_kernel_buffers;
+        if let Some(k) = schedule.kernels.iter().find(|k| k.inputs.len() + k.outputs.len() > limit) {
+            let segment = &schedule.fusion.segments[k.segment];
+            return Err(DeviceError::Internal(format!(
+                "kernel {:?} binds {} inputs and {} outputs, over the limit of {limit}: {segment:?}",
+                k.id,
+                k.inputs.len(),
+                k.outputs.len()
+            )));
+        }
+        self.cpu.begin(schedule, poison)
+    }
+}
+
+/// Under a target's limit on a kernel's buffers, fusion stops growing kernels there (however
+/// many of their values are read outside) and `cat` joins many parts in pieces; results still
+/// match the reference.
+#[test]
+fn random_programs_on_a_target_with_few_bindings_match_the_reference() {
+    let target = Target { max_kernel_buffers: 4, ..Target::CPU };
+    let dev = braid::testing::device_with_backend(Arc::new(FewBindings { cpu: CpuDevice::new(), target }));
+    dev.set_poison(true);
+    let config = Config { max_ops: 24, ..Config::default() };
+    for seed in 0..(cases() / 10).max(50) as u64 {
+        program::run(seed, &dev, &config).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+    }
+    // Many values of one kernel read afterwards, and a cat of many parts.
+    let x = Tensor::from_vec((0..64).map(|i| i as f32 * 0.25 - 8.0).collect(), [64], &dev);
+    let powers: Vec<Tensor> = (1..=12).map(|i| &x * i as f64).collect();
+    let joined = Tensor::cat(&powers.iter().collect::<Vec<_>>(), 0);
+    let got = joined.to_vec::<f32>().unwrap();
+    let want: Vec<f32> = (1..=12).flat_map(|i| (0..64).map(move |j| (j as f32 * 0.25 - 8.0) * i as f32)).collect();
+    assert_eq!(got, want);
+    for p in &powers {
+        assert_eq!(p.to_vec::<f32>().unwrap().len(), 64);
+    }
 }

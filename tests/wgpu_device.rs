@@ -38,6 +38,7 @@ fn the_target_comes_from_the_adapter() {
     assert_eq!(t.name, "wgpu");
     let storage = ctx.limits.max_storage_buffers_per_shader_stage as usize;
     assert_eq!(t.max_kernel_inputs, storage.saturating_sub(8).clamp(1, 16));
+    assert_eq!(t.max_kernel_buffers, storage - 1, "one binding is kept for a kernel's scratch");
     for d in [DType::F32, DType::F16, DType::BF16, DType::I32, DType::U8, DType::Bool] {
         assert!(t.dtypes.contains(d), "{d}");
     }
@@ -198,4 +199,22 @@ fn pow_has_cs_special_cases_and_exact_squares() {
         };
         assert!(ok, "pow({}, {}): cpu {w}, wgpu {g}", x[i], y[i]);
     }
+}
+
+#[test]
+fn kernels_bind_no_more_buffers_than_the_adapter_allows() {
+    // 40 values of one input, all read afterwards, would be one horizontally fused kernel of
+    // 41 buffers, and a cat of 40 parts one kernel of 41; lavapipe and Metal bind about 32.
+    let Some(gpu) = wgpu() else { return };
+    let cpu = Device::new_cpu();
+    let run = |d: &Device| {
+        let x = Tensor::from_vec((0..96).map(|i| i as f32 * 0.5 - 20.0).collect(), [96], d);
+        let scaled: Vec<Tensor> = (1..=40).map(|i| &x * i as f64).collect();
+        let joined = Tensor::cat(&scaled.iter().collect::<Vec<_>>(), 0);
+        let joined = joined.to_vec::<f32>().unwrap();
+        let sums: Vec<f32> = scaled.iter().map(|s| s.sum().item::<f32>().unwrap()).collect();
+        (joined, sums)
+    };
+    // Multiples of halves: exact on both devices.
+    assert_eq!(run(&gpu), run(&cpu));
 }

@@ -68,6 +68,9 @@ struct Group {
     inputs: Vec<ValueRef>,
     /// Groups this one reads from.
     deps: Vec<usize>,
+    /// How many of its nodes are outputs so far: kept, or read by a node outside it (one not
+    /// placed yet counts as outside, so this only falls as readers join).
+    exposed: usize,
 }
 
 struct Grouper<'a> {
@@ -78,6 +81,11 @@ struct Grouper<'a> {
     level: Vec<Level>,
     groups: Vec<Group>,
     refused: Vec<Refusal>,
+    /// Per node, its readers (a node reading it twice is listed twice).
+    readers: Vec<Vec<usize>>,
+    /// Per placed node, how many entries of `readers` are not in its group (readers through
+    /// folded movement never are).
+    unjoined_readers: Vec<usize>,
 }
 
 pub(crate) fn run(graph: &FlushGraph, options: &Options) -> Fusion {
@@ -103,13 +111,15 @@ pub(crate) fn run(graph: &FlushGraph, options: &Options) -> Fusion {
         level: vec![Level::Full; n],
         groups: Vec::new(),
         refused: Vec::new(),
+        unjoined_readers: readers.iter().map(Vec::len).collect(),
+        readers,
     };
     for i in 0..n {
         if !g.folded[i] {
             g.place(i);
         }
     }
-    g.finish(&readers)
+    g.finish()
 }
 
 /// Decides which movement and constant nodes are folded into their readers' loads: not kept,
@@ -255,6 +265,7 @@ impl Grouper<'_> {
             waits,
             inputs: Vec::new(),
             deps: Vec::new(),
+            exposed: 0,
         });
         let g = self.groups.len() - 1;
         self.add(g, i);
@@ -270,6 +281,17 @@ impl Grouper<'_> {
 
     /// Puts node `i` into group `g`, recording its outside inputs and dependencies.
     fn add(&mut self, g: usize, i: usize) {
+        // Outputs are counted only for a target that limits buffers (recording stays cheap).
+        if self.options.max_buffers != usize::MAX {
+            let (opens, closes) = self.exposure(g, i);
+            for (_, j, via) in self.producers(i) {
+                if !via && self.group_of[j] == Some(g) {
+                    self.unjoined_readers[j] -= 1;
+                }
+            }
+            let grp = &mut self.groups[g];
+            grp.exposed = grp.exposed + usize::from(opens) - closes;
+        }
         self.group_of[i] = Some(g);
         self.groups[g].nodes.push(i);
         let node = &self.graph.nodes[i];
@@ -299,6 +321,27 @@ impl Grouper<'_> {
                 self.groups[g].deps.push(h);
             }
         }
+    }
+
+    /// What node `i` joining group `g` does to its outputs: whether `i` is one (kept, or read
+    /// by anything: its readers all come later), and how many of the group's outputs it reads
+    /// for the last time from outside (they stop being outputs).
+    fn exposure(&self, g: usize, i: usize) -> (bool, usize) {
+        let node = &self.graph.nodes[i];
+        let opens = node.op != Op::Event && (node.keep || !self.readers[i].is_empty());
+        let mut direct: Vec<usize> = (self.producers(i).into_iter())
+            .filter(|&(_, j, via)| !via && self.group_of[j] == Some(g))
+            .map(|(_, j, _)| j)
+            .collect();
+        direct.sort_unstable();
+        let closes = direct
+            .chunk_by(|a, b| a == b)
+            .filter(|reads| {
+                let j = reads[0];
+                !self.graph.nodes[j].keep && self.unjoined_readers[j] == reads.len()
+            })
+            .count();
+        (opens, closes)
     }
 
     /// Whether group `from` depends (transitively) on group `to`.
@@ -408,6 +451,18 @@ impl Grouper<'_> {
         if grp.inputs.len() + distinct.len() > self.options.max_inputs {
             return Err(format!("kernel input limit {} reached", self.options.max_inputs));
         }
+        // The target's limit on bound buffers: inputs and outputs together.
+        if self.options.max_buffers != usize::MAX {
+            let (opens, closes) = self.exposure(g, i);
+            let outputs = (grp.exposed + usize::from(opens) - closes).max(1);
+            let inputs = grp.inputs.len() + distinct.len();
+            if inputs + outputs > self.options.max_buffers {
+                return Err(format!(
+                    "kernel buffer limit {} reached ({inputs} inputs and {outputs} outputs)",
+                    self.options.max_buffers
+                ));
+            }
+        }
         // No cycle: nothing this node reads from elsewhere may depend on this group.
         for u in &new_inputs {
             if let ValueRef::Node(j) = *u
@@ -423,8 +478,9 @@ impl Grouper<'_> {
         Ok(level)
     }
 
-    fn finish(self, readers: &[Vec<usize>]) -> Fusion {
+    fn finish(self) -> Fusion {
         let graph = self.graph;
+        let readers = &self.readers;
         let n = graph.nodes.len();
         // Topological order of the groups, ties broken by their first node.
         let ng = self.groups.len();

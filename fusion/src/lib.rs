@@ -93,6 +93,9 @@ pub struct Options {
     pub max_reductions: usize,
     /// The target's limit on nodes in one kernel.
     pub max_nodes: usize,
+    /// The target's limit on buffers one kernel binds (inputs and outputs; one more is kept
+    /// for the backend's scratch).
+    pub max_buffers: usize,
 }
 
 impl Options {
@@ -103,6 +106,7 @@ impl Options {
             max_inputs: target.max_kernel_inputs,
             max_reductions: target.max_row_reductions,
             max_nodes: target.max_kernel_nodes,
+            max_buffers: target.max_kernel_buffers,
         }
     }
 }

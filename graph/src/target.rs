@@ -100,6 +100,12 @@ pub struct Target {
     /// time that grows with a kernel's size, so fusion stops growing a kernel there
     /// (`usize::MAX`: no limit).
     pub max_kernel_nodes: usize,
+    /// The most buffers one kernel may bind: its inputs, its outputs and one scratch buffer a
+    /// backend may add (a split reduction's partial results). A backend that binds every
+    /// buffer in a table of fixed size (wgpu: the adapter's storage buffers per shader stage)
+    /// sets it; fusion stops growing a kernel there and a `cat` of more parts is recorded in
+    /// pieces (`usize::MAX`: no limit).
+    pub max_kernel_buffers: usize,
 }
 
 impl Target {
@@ -114,6 +120,7 @@ impl Target {
         copy_stream: false,
         dtypes: DTypes::ALL,
         max_kernel_nodes: usize::MAX,
+        max_kernel_buffers: usize::MAX,
     };
 
     /// Whether this device's kernels read a value held by a device of `source` memory where

@@ -57,6 +57,8 @@ impl Tensor {
     }
 
     /// Concatenates tensors of one dtype and device along `dim` (other dimensions must match).
+    /// On a device that limits the buffers one kernel binds (wgpu), many parts are joined in
+    /// pieces, one kernel each, then the pieces.
     #[track_caller]
     pub fn cat(tensors: &[&Tensor], dim: impl Dim) -> Tensor {
         let Some(first) = tensors.first() else {
@@ -68,6 +70,13 @@ impl Tensor {
         same_device("cat", &operands);
         let parts: Vec<_> = tensors.iter().map(|t| (t.shape(), t.dtype())).collect();
         let (shape, dtype) = inferred("cat", infer::cat(&parts, dim), &operands);
+        // A kernel binds its parts and its result: where the device limits that, more parts
+        // are joined in pieces first (the values are the same; the pieces cost a copy).
+        let per_kernel = first.device().target().max_kernel_buffers.saturating_sub(1).max(2);
+        if tensors.len() > per_kernel {
+            let pieces: Vec<Tensor> = tensors.chunks(per_kernel).map(|c| Tensor::cat(c, dim)).collect();
+            return Tensor::cat(&pieces.iter().collect::<Vec<_>>(), dim);
+        }
         Tensor::record(Op::Cat { dim }, dtype, shape, first.device(), tensors)
     }
 

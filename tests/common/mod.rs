@@ -419,13 +419,17 @@ pub fn check_recorded(targets: &[&Tensor]) -> Result<CheckStats, String> {
 }
 
 /// The `Backend` methods a test backend over the CPU device in its field `cpu` passes straight
-/// on (all but `name`, `begin` and whatever the test changes): use inside its `impl Backend`.
+/// on (all but `name`, `begin` and whatever the test changes): use inside its `impl Backend`;
+/// `cpu_backend_methods!(but_target)` leaves out `target` too, for a backend of another target.
 #[allow(unused_macros)]
 macro_rules! cpu_backend_methods {
     () => {
         fn target(&self) -> &braid_graph::Target {
             self.cpu.target()
         }
+        $crate::common::cpu_backend_methods!(but_target);
+    };
+    (but_target) => {
         fn driver(&self) -> braid_devices::runtime::Driver {
             self.cpu.driver()
         }

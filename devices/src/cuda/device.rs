@@ -61,6 +61,7 @@ pub const CUDA_TARGET: Target = Target {
     copy_stream: true,
     dtypes: DTypes::ALL,
     max_kernel_nodes: usize::MAX,
+    max_kernel_buffers: usize::MAX,
 };
 
 /// Most kernels prepared per device before the table starts over (compiled modules stay with

@@ -74,7 +74,8 @@ fn open_context() -> Result<Arc<WgpuContext>, DeviceError> {
 /// Kernel inputs: every input, output and scratch buffer of a kernel is a storage binding, so
 /// inputs are limited to the adapter's `max_storage_buffers_per_shader_stage` less 8 (room for
 /// the outputs of a horizontally fused kernel and a split reduction's scratch), at most 16
-/// like the other devices. Kernels hold at most [`MAX_KERNEL_NODES`] nodes. The speeds are rough estimates, not measurements: a software
+/// like the other devices; all its buffers (inputs, outputs and one scratch buffer) at most
+/// the adapter's limit (Metal and lavapipe bind about 32). Kernels hold at most [`MAX_KERNEL_NODES`] nodes. The speeds are rough estimates, not measurements: a software
 /// adapter (lavapipe) is taken to be CPU-like, any other a GPU's order of magnitude; offload
 /// copies to host memory wait for the device (wgpu has no host memory the device writes
 /// while the host works), so they are costed as slow.
@@ -112,6 +113,8 @@ pub fn wgpu_target(ctx: &WgpuContext, align: u64) -> Target {
         copy_stream: false,
         dtypes: DTypes::of(&dtypes),
         max_kernel_nodes: MAX_KERNEL_NODES,
+        // Room for the one scratch buffer a kernel may add (`wgsl::print`'s bindings).
+        max_kernel_buffers: storage.saturating_sub(1).max(2),
     }
 }
 
