@@ -324,3 +324,23 @@ fn replayed_steps_run_as_cuda_graphs() {
     println!("graph evidence: 4 of 6 calls launched a CUDA graph; dropping the step freed {freed} bytes it held");
     assert!(freed > 0, "the graph's memory is given back with the step");
 }
+
+#[test]
+fn kernels_of_hundreds_of_buffers_are_split_to_fit_the_parameter_space() {
+    // 600 kept values of one input would be one horizontally fused kernel, and a cat of 1,500
+    // parts one kernel: more device addresses than 4 KiB of kernel parameters hold.
+    let Some((gpu, _turn)) = gpu("kernels_of_hundreds_of_buffers_are_split_to_fit_the_parameter_space") else {
+        return;
+    };
+    let cpu = Device::new_cpu();
+    let run = |d: &Device| {
+        let x = Tensor::from_vec((0..40).map(|i| i as f32 * 0.5 - 10.0).collect(), [40], d);
+        let scaled: Vec<Tensor> = (1..=600).map(|i| &x * i as f64).collect();
+        let parts: Vec<&Tensor> = scaled.iter().cycle().take(1500).collect();
+        let joined = Tensor::cat(&parts, 0).to_vec::<f32>().unwrap();
+        let last = scaled[599].to_vec::<f32>().unwrap();
+        (joined, last)
+    };
+    // Multiples of halves: exact on both devices.
+    assert_eq!(run(&gpu), run(&cpu));
+}

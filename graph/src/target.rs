@@ -103,7 +103,7 @@ pub struct Target {
     /// The most buffers one kernel may bind: its inputs, its outputs and one scratch buffer a
     /// backend may add (a split reduction's partial results). A backend that binds every
     /// buffer in a table of fixed size (wgpu: the adapter's storage buffers per shader stage)
-    /// sets it; fusion stops growing a kernel there and a `cat` of more parts is recorded in
+    /// or passes their addresses in bounded space (CUDA's kernel parameters) sets it; fusion stops growing a kernel there and a `cat` of more parts is recorded in
     /// pieces (`usize::MAX`: no limit).
     pub max_kernel_buffers: usize,
 }

@@ -61,7 +61,9 @@ pub const CUDA_TARGET: Target = Target {
     copy_stream: true,
     dtypes: DTypes::ALL,
     max_kernel_nodes: usize::MAX,
-    max_kernel_buffers: usize::MAX,
+    // One device address per buffer in 4 KiB of kernel parameters (512, one kept for scratch;
+    // drivers since CUDA 12.1 take 32 KiB on Volta and later, the smaller is assumed).
+    max_kernel_buffers: 511,
 };
 
 /// Most kernels prepared per device before the table starts over (compiled modules stay with
