@@ -198,6 +198,27 @@ fn comparisons_select_clamp_and_casts() {
 }
 
 #[test]
+fn clamp_with_an_infinite_bound_clamps_one_side_of_every_numeric_dtype() {
+    let dev = braid::testing::test_device();
+    let mut rng = Rng::new(41);
+    for d in dtypes(&dev).into_iter().filter(|d| d.is_numeric()) {
+        let values = common::random_values(&mut rng, d, 24);
+        let x = common::tensor_from_f64(&values, &Shape::from([24]), d, &dev);
+        let (lo, hi) = (values[3], values[7]);
+        let cases = [(lo, f64::INFINITY), (f64::NEG_INFINITY, hi), (f64::NEG_INFINITY, f64::INFINITY)];
+        for (lo, hi) in cases {
+            let got = floats(&x.clamp(lo, hi).to_dtype(widest_float(&dev)));
+            let want: Vec<f64> = values.iter().map(|&v| v.max(lo).min(hi)).collect();
+            assert_eq!(got, want, "{d}: clamp({lo}, {hi}) of {values:?}");
+        }
+        if d.is_int() {
+            assert_misuse("an infinite lower bound above", || drop(x.clamp(f64::INFINITY, f64::INFINITY)));
+            assert_misuse("a bound between integers", || drop(x.clamp(0.5, f64::INFINITY)));
+        }
+    }
+}
+
+#[test]
 fn reductions_along_every_dimension() {
     let dev = braid::testing::test_device();
     let mut rng = Rng::new(5);

@@ -134,9 +134,29 @@ impl Tensor {
         mask.select(&fill, self)
     }
 
-    /// `min(max(x, lo), hi)`; NaN stays NaN.
+    /// `min(max(x, lo), hi)`; NaN stays NaN. An infinite bound (`f64::NEG_INFINITY`,
+    /// `f64::INFINITY`) clamps on one side only, integer tensors included.
+    ///
+    /// ```
+    /// use braid::prelude::*;
+    /// let cpu = Device::cpu();
+    /// let i = Tensor::from_vec(vec![-3i64, 5, i64::MAX], [3], &cpu);
+    /// assert_eq!(i.clamp(0.0, f64::INFINITY).to_vec::<i64>().unwrap(), vec![0, 5, i64::MAX]);
+    /// ```
     #[track_caller]
     pub fn clamp(&self, lo: f64, hi: f64) -> Tensor {
+        // An integer dtype has no infinity to pass to the kernels: one side is a maximum or a
+        // minimum with the other bound (both compare exactly, as the clamp does).
+        let d = self.dtype();
+        let bound = |v: f64, open: f64| v == open || d.represents(v);
+        let one_sided = lo == f64::NEG_INFINITY || hi == f64::INFINITY;
+        if d.is_int() && one_sided && lo <= hi && bound(lo, f64::NEG_INFINITY) && bound(hi, f64::INFINITY) {
+            return match (lo.is_finite(), hi.is_finite()) {
+                (true, false) => self.binary_scalar(BinaryOp::Maximum, lo, false),
+                (false, true) => self.binary_scalar(BinaryOp::Minimum, hi, false),
+                _ => self.to_dtype(self.dtype()),
+            };
+        }
         let (shape, dtype) = inferred("clamp", infer::clamp(self.shape(), self.dtype(), lo, hi), &[("x", self)]);
         Tensor::record(Op::Clamp { lo: Scalar(lo), hi: Scalar(hi) }, dtype, shape, self.device(), &[self])
     }
