@@ -57,6 +57,7 @@ fn flush_graph() -> FlushGraph {
             persistent: false,
             overwritable: false,
             remote: false,
+            foreign: false,
         });
     }
     for i in 0..NODES {

@@ -123,3 +123,48 @@ fn a_stream_waits_for_another_devices_event() {
     event.synchronize().unwrap();
     assert!((y.to_vec::<f32>().unwrap()[0] - 2f32.exp()).abs() < 1e-6);
 }
+
+/// Another CPU device's value read in place (both address host memory, so `to_device` copies
+/// nothing) lives in that device's memory: it counts in neither this device's planned peak nor
+/// its budget, the dump says so (`"space": "remote"`), and this device never frees, overwrites
+/// or offloads it. Here `b` holds `exp(x)` and the product (524,288 bytes) besides `x`
+/// (262,144 bytes, `a`'s): a budget of 600,000 is reachable only without `x`.
+#[test]
+fn another_cpu_devices_value_read_in_place_takes_none_of_this_devices_memory() {
+    let (a, b) = (Device::new_cpu(), Device::new_cpu());
+    b.set_fusion(true);
+    a.seed(4);
+    let x = Tensor::randn([256, 256], DType::F32, &a);
+    let want = x.to_vec::<f32>().unwrap();
+    let y = {
+        // Dropped before the flush: no tensor names the moved value, so nothing copies it.
+        let moved = x.to_device(&b);
+        (moved.exp().matmul(&moved) + &moved).sum()
+    };
+    b.set_memory_budget(Some(600_000));
+    b.reset_peak();
+    let got = y.item::<f32>().unwrap_or_else(|e| panic!("{e}"));
+    let schedule = b.last_schedule().unwrap();
+    let text = schedule.to_text();
+    assert_eq!(schedule.planned_peak_bytes(), 2 * 262_144, "{text}");
+    assert!(b.memory().peak <= 600_000, "measured {}\n{text}", b.memory().peak);
+    let dump: serde_json::Value = serde_json::from_str(&schedule.to_json()).unwrap();
+    let foreign: Vec<&serde_json::Value> =
+        dump["buffers"].as_array().unwrap().iter().filter(|buf| buf["external"] == true).collect();
+    assert_eq!(foreign.len(), 1, "{text}");
+    assert_eq!(foreign[0]["space"], "remote", "{text}");
+    // Read by the kernels where it is: no step frees it, copies it or writes over it.
+    let id = foreign[0]["id"].as_str().unwrap();
+    for step in dump["streams"].as_array().unwrap().iter().flat_map(|s| s["steps"].as_array().unwrap()) {
+        assert!(step["kind"] != "free" || step["buffer"] != id, "{text}");
+        assert!(step["kind"] != "copy", "{text}");
+        assert!(step["outputs"].as_array().is_none_or(|o| !o.iter().any(|b| b == id)), "{text}");
+    }
+    assert!(schedule.dump().inconsistencies().is_empty(), "{text}");
+    // `a` still holds x, and the result is what one device gives.
+    assert_eq!(x.to_vec::<f32>().unwrap(), want);
+    b.set_memory_budget(None);
+    let alone = Tensor::from_vec(want, [256, 256], &b);
+    let expected = (alone.exp().matmul(&alone) + &alone).sum().item::<f32>().unwrap();
+    assert_eq!(got, expected);
+}

@@ -421,3 +421,49 @@ fn the_measured_peak_stays_within_the_budget_on_one_stream() {
         assert!(dev.memory().peak <= 450_560, "measured {}", dev.memory().peak);
     }
 }
+
+/// `x` is computed first and read again only after a chain of products (by a kernel right
+/// after the last one), so it is idle across the whole chain. With `x`, every product holds
+/// four 262,144-byte buffers (`x`, `w`, its operand and its result); without it, three:
+/// 786,432 bytes, what every kernel but the final sum holds. The copy back cannot hide behind
+/// the last product without `x` being back during it, so it must come after the chain (its
+/// reader waits); a budget of 800,000 is reachable however long the chain, and 700,000 is not,
+/// with the error naming 786,432.
+#[test]
+fn a_value_idle_across_a_chain_of_peaks_stays_out_until_the_last_one() {
+    let run = |dev: &Device, chain: usize, budget: Option<u64>| -> Result<f32> {
+        dev.seed(11);
+        dev.set_memory_budget(budget);
+        dev.reset_peak();
+        // Only the sum outlives the flush: `x`, `w` and the activations are dropped first.
+        let y = {
+            let x = Tensor::randn([256, 256], DType::F32, dev);
+            let w = Tensor::randn([256, 256], DType::F32, dev) * 0.05;
+            let mut h = x.exp();
+            for _ in 0..chain {
+                h = h.matmul(&w).tanh();
+            }
+            (&x * &h.sum_dim(0, true)).sum()
+        };
+        y.item::<f32>()
+    };
+    let lowest = 3 * 262_144;
+    for chain in 1..=5 {
+        let dev = device();
+        let want = run(&dev, chain, None).unwrap();
+        assert_eq!(dev.last_schedule().unwrap().planned_peak_bytes(), 4 * 262_144);
+        let got = run(&dev, chain, Some(800_000)).unwrap_or_else(|e| panic!("chain of {chain}: {e}"));
+        let j = dump(&dev);
+        let text = dev.last_schedule().unwrap().to_text();
+        assert_eq!(j["planned_peak_bytes"].as_u64().unwrap(), lowest, "{text}");
+        assert_eq!(j["offloads"].as_array().unwrap().len(), 1, "{text}");
+        assert!(dev.memory().peak <= 800_000, "measured peak {} (chain of {chain})\n{text}", dev.memory().peak);
+        assert_eq!(got, want, "chain of {chain}");
+        // Below the chain's own three buffers: the error names them and where they are.
+        let err = run(&dev, chain, Some(700_000)).unwrap_err();
+        let Error::MemoryBudget { min_peak, at, .. } = &err else { panic!("{err}") };
+        assert_eq!(*min_peak, lowest, "chain of {chain}: {err}");
+        assert!(at.contains("kernel k"), "{err}");
+        assert_eq!(run(&dev, chain, Some(*min_peak)).unwrap(), want, "chain of {chain}");
+    }
+}

@@ -21,17 +21,20 @@ fn random_graph(rng: &mut Rng) -> FlushGraph {
     let streams = 1 + rng.below(3) as u32;
     let mut g = FlushGraph::default();
     for i in 0..1 + rng.below(3) {
+        // Sometimes another CPU device's value, read in place (never donated).
+        let foreign = i == 1 && rng.chance(0.5);
         g.externals.push(External {
             id: NodeId::new(1000 + i),
             dtype: DType::F32,
             shape: shape.clone(),
-            device: DeviceId(0),
+            device: DeviceId(foreign as u32),
             stream: StreamId(0),
             donated: i % 2 == 0,
             on_host: i == 2,
             persistent: false,
             overwritable: false,
             remote: false,
+            foreign,
         });
     }
     // Sometimes a value of another device, which only transfers read (copy steps).
@@ -48,6 +51,7 @@ fn random_graph(rng: &mut Rng) -> FlushGraph {
             persistent: false,
             overwritable: false,
             remote: true,
+            foreign: false,
         });
     }
     let n = 4 + rng.below(16);

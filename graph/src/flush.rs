@@ -68,11 +68,22 @@ pub struct External {
     /// value read by the CPU, or host memory read by a GPU): only a `to_device` reads it, by a
     /// copy step, and it takes none of this device's memory.
     pub remote: bool,
+    /// Held by another device whose memory this device's kernels read in place (another CPU
+    /// device's buffer: both in host memory, so `to_device` copies nothing). It lives in that
+    /// device's memory, which counts it: it takes none of this device's memory either, and it is
+    /// never donated (this device never frees, overwrites or offloads it).
+    pub foreign: bool,
 }
 
 impl External {
     pub fn bytes(&self) -> usize {
         self.shape.numel() * self.dtype.size()
+    }
+
+    /// Whether the value is in another device's memory (`remote` or `foreign`): no peak or
+    /// budget of this device counts it, and this device only reads it.
+    pub fn held_elsewhere(&self) -> bool {
+        self.remote || self.foreign
     }
 }
 

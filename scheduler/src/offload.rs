@@ -8,13 +8,18 @@
 //! because they outlive the flush; a donated input also from the start of the flush to its
 //! first reader), the largest: it is copied to host memory on the offload stream right after
 //! `a`, its device buffer is given back once that copy is done (the kernel after next waits for
-//! it, so one kernel of compute hides the copy; when the peak is the very next kernel, that one
-//! waits), and it is copied back starting at kernel `c`, early enough that the copy takes no
-//! longer than the kernels `c..b` by the device's cost model, yet after `T`. Values the user
+//! it, so one kernel of compute hides the copy; when the very next kernel is the peak or also
+//! over the budget, that one waits), and it is copied back starting at kernel `c`, early enough
+//! that the copy takes no longer than the kernels `c..b` by the device's cost model, yet after
+//! `T` and after every kernel before `b` that would be over the budget with the value back (a
+//! value is offloaded once, so it stays out wherever it is in the way; past the last such
+//! kernel the copy may no longer be hidden, and its reader waits for it). Values the user
 //! marked with `offload_hint` are offloaded over their longest idle gap whether or not a budget
 //! asks for it. When no idle value is left at the peak, or the flush's inputs alone exceed the
 //! budget when it starts, the budget cannot be met: the error names the smallest peak reached
-//! and where it is.
+//! and where it is. Both placement rules above look only at kernels over the budget, so a larger
+//! budget makes the same choices wherever a kernel stays over it: the peak named is met when it
+//! is the budget.
 //!
 //! This module decides; the planner (`plan`) emits the copies, events and frees. It never
 //! touches memory.
@@ -146,10 +151,16 @@ pub fn choose(
             let at = if peak_at < k { PeakAt::Kernel(KernelId(peak_at as u32)) } else { PeakAt::End };
             return Err(Unreachable { min_peak: peak, at });
         };
-        let back = back_at(peak_at + 1, b, bytes, &cost, model);
         // In unshifted positions: out of memory from last use + 2 (one kernel hides the copy
-        // out) or last use + 1 (the peak is the very next kernel).
-        let release = if a < peak_at { a + 1 } else { a };
+        // out), or last use + 1 when that kernel cannot hold the value within the budget (the
+        // peak itself, or another kernel over the budget).
+        let release = if a < peak_at && live[a] <= budget { a + 1 } else { a };
+        // Back where the cost model hides the copy, but never while a kernel of the gap after
+        // the peak would then go over the budget: those kernels need it out as much as the peak
+        // does, and it could not be taken out again. Past the last of them the copy may no
+        // longer be hidden (its reader waits for it); a budget comes before speed.
+        let hidden = back_at(peak_at + 1, b, bytes, &cost, model);
+        let back = (hidden..b).rev().find(|&t| live[t] > budget).map_or(hidden, |t| t + 1);
         taken[n] = true;
         let last_use = a.checked_sub(1);
         apply(Decision { value: uses[n].value, last_use, release, back_at: back, next_use: b }, bytes, &mut live);
@@ -185,11 +196,14 @@ fn inputs_at_start(base: &Schedule, model: &CostModel) -> u64 {
 
 /// Device memory live while each kernel runs (after its outputs are allocated, before its
 /// inputs are freed), as the planner orders them but counted as the device allocates (rounded
-/// to its granularity), and at the end of the flush (one more entry).
+/// to its granularity), and at the end of the flush (one more entry). A transfer (a copy step,
+/// maybe on a stream without kernels) counts its destination from the first kernel planned
+/// after it.
 fn live_per_kernel(base: &Schedule, model: &CostModel) -> Vec<u64> {
     let k = base.kernels.len();
-    let mut alloc_at = vec![0u64; k];
-    let mut free_after = vec![0u64; k];
+    // One more entry each for the end of the flush (what transfers planned last allocate).
+    let mut alloc_at = vec![0u64; k + 1];
+    let mut free_after = vec![0u64; k + 1];
     let mut start = inputs_at_start(base, model);
     // Inputs uploaded at their first use count from their first reader.
     let mut seen = vec![false; base.buffers.len()];
@@ -211,6 +225,12 @@ fn live_per_kernel(base: &Schedule, model: &CostModel) -> Vec<u64> {
                     alloc_at[kid.index()] += std::mem::take(&mut pending);
                     last = Some(kid.index());
                 }
+                // A transfer, the only copy of a plan without offloads.
+                &Step::Copy { value: ValueRef::Node(n), .. } => {
+                    let t = kernel_after(base, n);
+                    alloc_at[t] += std::mem::take(&mut pending);
+                    last = Some(t);
+                }
                 Step::Free { buffer, .. } => {
                     let bytes = model.allocated(base.buffers[buffer.index()].bytes);
                     match last {
@@ -222,16 +242,22 @@ fn live_per_kernel(base: &Schedule, model: &CostModel) -> Vec<u64> {
             }
         }
     }
+    // The last entry is the end of the flush: its inputs and every value that outlives it,
+    // all in device memory.
     let mut live = Vec::with_capacity(k + 1);
     let mut cur = start;
-    for t in 0..k {
+    for t in 0..=k {
         cur += alloc_at[t];
         live.push(cur);
         cur -= free_after[t];
     }
-    // The end of the flush: its inputs and every value that outlives it, all in device memory.
-    live.push(cur);
     live
+}
+
+/// The first kernel planned after the segment of node `n` (`kernels.len()`: none, the end).
+fn kernel_after(base: &Schedule, n: usize) -> usize {
+    let segment = base.fusion.segments.iter().position(|s| s.nodes.contains(&n));
+    segment.map_or(base.kernels.len(), |si| base.kernels.partition_point(|p| p.segment <= si))
 }
 
 /// For every flush node, then every input of the flush: the kernels that write and read it (a
@@ -305,4 +331,85 @@ fn kernel_seconds(graph: &FlushGraph, base: &Schedule, t: usize, model: &CostMod
 fn byte_size(graph: &FlushGraph, v: ValueRef) -> usize {
     let (dtype, shape) = graph.meta(v);
     dtype.size() * shape.numel()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use braid_graph::{DType, DeviceId, FlushNode, NodeId, Op, ReduceOp, Shape, StreamId};
+
+    fn node(i: usize, op: Op, len: usize, inputs: &[usize]) -> FlushNode {
+        FlushNode {
+            id: NodeId::new(i),
+            op,
+            dtype: DType::F32,
+            shape: if len == 1 { Shape::from([]) } else { Shape::from([len]) },
+            device: DeviceId(0),
+            stream: StreamId(0),
+            inputs: inputs.iter().map(|&j| ValueRef::Node(j)).collect(),
+            after: Default::default(),
+            keep: false,
+            offload_hint: false,
+            persistent: false,
+        }
+    }
+
+    /// `x` (12,288 bytes) is written by k0 and read by k3; k1 holds `x` and `p` (16,384 bytes),
+    /// k2 `x`, `p` and `q` (24,576, the peak). Under a budget of 14,000 `x` must be out during
+    /// k1 as well as k2, so its copy out cannot be hidden behind k1 (which waits for it).
+    #[test]
+    fn a_kernel_over_the_budget_between_the_last_use_and_the_peak_keeps_the_value_out() {
+        let mut graph = FlushGraph::default();
+        graph.nodes.push(node(0, Op::Randn { seed: 1 }, 3072, &[]));
+        graph.nodes.push(node(1, Op::Randn { seed: 2 }, 1024, &[]));
+        // A cast, not written over `p` in place (another dtype).
+        graph.nodes.push(node(2, Op::Cast, 1024, &[1]));
+        graph.nodes[2].dtype = DType::F64;
+        graph.nodes.push(node(3, Op::Reduce { op: ReduceOp::Sum, dim: None, keepdim: false }, 1, &[0]));
+        graph.nodes[3].keep = true;
+        let options = braid_fusion::Options { enabled: false, ..Default::default() };
+        let base = crate::plan(&graph, braid_fusion::segment(&graph, &options));
+        assert_eq!(base.kernels.len(), 4);
+        assert_eq!(live_per_kernel(&base, &CostModel::CPU), [12_288, 16_384, 24_576, 12_352, 64]);
+        let decisions = choose(&graph, &base, Some(14_000), &CostModel::CPU).expect("reachable");
+        let x = Decision { value: ValueRef::Node(0), last_use: Some(0), release: 1, back_at: 3, next_use: 3 };
+        assert_eq!(decisions, [x]);
+        let planned = crate::plan_with_offloads(&graph, base, &decisions);
+        assert!(planned.planned_peak_bytes <= 14_000, "{}", planned.planned_peak_bytes);
+        crate::validate(&planned, &graph).unwrap();
+    }
+
+    /// A transfer on the copy stream (which runs no kernel) takes device memory from the first
+    /// kernel after it, its reader here, until freed after that reader: 64 bytes copied in and
+    /// 128 cast from them during k0, the cast alone at the end.
+    #[test]
+    fn a_transfer_on_the_copy_stream_counts_from_the_kernel_after_it() {
+        let mut graph = FlushGraph::default();
+        graph.externals.push(braid_graph::External {
+            id: NodeId::new(100),
+            dtype: DType::F32,
+            shape: Shape::from([16]),
+            device: DeviceId(1),
+            stream: StreamId(0),
+            donated: false,
+            on_host: false,
+            persistent: false,
+            overwritable: false,
+            remote: true,
+            foreign: false,
+        });
+        let mut copy = node(0, Op::ToDevice, 16, &[]);
+        copy.inputs.push(ValueRef::External(0));
+        copy.stream = crate::COPY_STREAM;
+        graph.nodes.push(copy);
+        graph.nodes.push(node(1, Op::Cast, 16, &[0]));
+        graph.nodes[1].dtype = DType::F64;
+        graph.nodes[1].keep = true;
+        let base = crate::plan(&graph, braid_fusion::segment(&graph, &Default::default()));
+        assert_eq!(base.kernels.len(), 1);
+        assert_eq!(live_per_kernel(&base, &CostModel::CPU), [192, 128]);
+        assert_eq!(base.planned_peak_bytes, 192);
+        let err = choose(&graph, &base, Some(150), &CostModel::CPU).unwrap_err();
+        assert_eq!(err, Unreachable { min_peak: 192, at: PeakAt::Kernel(KernelId(0)) });
+    }
 }

@@ -36,8 +36,9 @@ pub enum Space {
     Device,
     /// Host memory used for offloads.
     Host,
-    /// Another device's memory: an input of the flush that a transfer copies from (it takes
-    /// none of this device's memory).
+    /// Another device's memory: an input of the flush that a transfer copies from, or that this
+    /// device's kernels read in place (another CPU device's buffer). It takes none of this
+    /// device's memory, and this device never writes, frees or offloads it.
     Remote,
 }
 

@@ -3,12 +3,13 @@
 //!
 //! The structural key covers what the plan depends on: every node's op (with its constants),
 //! dtype, shape, stream, inputs, control edges and whether it is kept, hinted for offload or a
-//! parameter; the externals' dtypes, shapes, streams and whether they are donated or parameters; whether
-//! fusion is on and the device's memory budget. Data never enters the key, so the second and
-//! later iterations of a training loop skip fusion, planning, validation and lowering. (A graph
-//! with `rand`/`randn` carries fresh seeds each time and is planned anew.) The key is that
-//! structure written out as bytes and compared whole, so two different graphs never share a
-//! plan; plans are evicted oldest first beyond a count and a total key size.
+//! parameter; the externals' dtypes, shapes, streams and whether they are donated (uploaded at
+//! their first use or not), parameters, or another device's (copied by a transfer, or read in
+//! place); whether fusion is on and the device's memory budget. Data never enters the key, so
+//! the second and later iterations of a training loop skip fusion, planning, validation and
+//! lowering. (A graph with `rand`/`randn` carries fresh seeds each time and is planned anew.) The
+//! key is that structure written out as bytes and compared whole, so two different graphs never
+//! share a plan; plans are evicted oldest first beyond a count and a total key size.
 
 use braid_graph::FlushGraph;
 use braid_lowering::Kernel;
@@ -65,7 +66,7 @@ impl PlanCache {
             e.dtype.hash(&mut w);
             e.shape.hash(&mut w);
             e.stream.hash(&mut w);
-            (e.donated, e.persistent, e.overwritable).hash(&mut w);
+            (e.donated, e.on_host, e.persistent, e.overwritable, e.remote, e.foreign).hash(&mut w);
         }
         w.0
     }

@@ -188,13 +188,15 @@ impl Engine {
                         _ => false,
                     }
                     && recorded.successors(p).all(|s| marks.node_place(s).is_some());
-                let (data, device, remote) = match &pn.value {
-                    Some(Value::Ready(buffer)) => (ExternalData::Device(buffer.clone()), pn.device, false),
-                    Some(Value::Host(bytes)) => (ExternalData::Host(bytes.clone()), pn.device, false),
+                // Another device's value stays in that device's memory: copied by a transfer
+                // (remote), or read where it is (foreign); either way not this device's to count.
+                let (data, device, remote, foreign) = match &pn.value {
+                    Some(Value::Ready(buffer)) => (ExternalData::Device(buffer.clone()), pn.device, false, false),
+                    Some(Value::Host(bytes)) => (ExternalData::Host(bytes.clone()), pn.device, false, false),
                     Some(Value::Remote(r)) => {
                         let buffer = r.fetched.clone().expect("the walk resolves remote leaves first");
-                        let remote = !target.reads_in_place(buffer.memory_kind());
-                        (ExternalData::Device(buffer), r.source.id, remote)
+                        let in_place = target.reads_in_place(buffer.memory_kind());
+                        (ExternalData::Device(buffer), r.source.id, !in_place, in_place)
                     }
                     _ => unreachable!("walk waits for in-flight inputs and takes pending ones"),
                 };
@@ -210,6 +212,7 @@ impl Engine {
                     persistent: matches!(&pn.value, Some(Value::Ready(b)) if b.is_persistent()),
                     overwritable: donated && matches!(pn.value, Some(Value::Ready(_))) && !budgeted,
                     remote,
+                    foreign,
                 });
                 inputs.push(ValueRef::External(e));
             }

@@ -138,17 +138,20 @@ impl<'a> Planner<'a> {
         let mut buffers = Vec::with_capacity(graph.externals.len() + graph.nodes.len());
         let mut live = 0;
         for (i, e) in graph.externals.iter().enumerate() {
+            // Another device's memory (a transfer's source, or read in place): that device
+            // counts it and owns it; this flush only reads it.
+            debug_assert!(!(e.held_elsewhere() && e.donated), "another device's value is never donated");
             buffers.push(BufferPlan {
                 id: BufferId(i as u32),
                 dtype: e.dtype,
                 len: e.shape.numel(),
                 bytes: e.bytes(),
-                space: if e.remote { Space::Remote } else { Space::Device },
+                space: if e.held_elsewhere() { Space::Remote } else { Space::Device },
                 source: BufferSource::External(i),
                 persistent: e.persistent,
                 upload_at_first_use: e.on_host,
             });
-            if !e.on_host && !e.remote {
+            if !e.on_host && !e.held_elsewhere() {
                 live += e.bytes() as u64;
             }
         }
