@@ -93,11 +93,17 @@ impl Tensor {
             .iter()
             .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))
             .is_some_and(|b| b <= isize::MAX as usize);
-        if !addressable {
-            misuse(op.name(), &format!("a result of shape {shape} and dtype {dtype} is too large to address"), &[]);
-        }
-        if !device.engine().dtypes.contains(dtype) {
-            supported(op.name(), dtype, device);
+        if !addressable || !device.engine().dtypes.contains(dtype) {
+            let names: Vec<String> = (0..inputs.len()).map(|i| format!("inputs[{i}]")).collect();
+            let operands: Vec<(&str, String)> =
+                names.iter().map(String::as_str).zip(inputs.iter().map(|t| t.describe())).collect();
+            if !addressable {
+                let problem = format!("a result of shape {shape} and dtype {dtype} is too large to address");
+                misuse(op.name(), &problem, &operands);
+            }
+            if let Err(problem) = device.target().check_dtype(dtype) {
+                misuse(op.name(), &format!("{problem}: {device} cannot hold this result"), &operands);
+            }
         }
         let stream = current_stream(device.id());
         let mut tracker = Tracker::new(&op, inputs, None, (&shape, dtype, device, stream));
@@ -271,14 +277,10 @@ pub(crate) fn misuse(op: &str, problem: &str, operands: &[(&str, String)]) -> ! 
     let at = Location::caller();
     // Inference messages start with the op's name, which the prefix already gives.
     let problem = problem.strip_prefix(op).and_then(|p| p.strip_prefix(": ")).unwrap_or(problem);
-    let operands: Vec<String> = operands.iter().map(|(name, d)| format!("{name}: {d}")).collect();
-    panic!(
-        "braid: invalid {op} at {}:{}:{}: {problem}\n  operands: {}",
-        at.file(),
-        at.line(),
-        at.column(),
-        operands.join(", ")
-    );
+    // An op of no operands (a creation) has no operand line.
+    let list: Vec<String> = operands.iter().map(|(name, d)| format!("{name}: {d}")).collect();
+    let operands = if list.is_empty() { String::new() } else { format!("\n  operands: {}", list.join(", ")) };
+    panic!("braid: invalid {op} at {}:{}:{}: {problem}{operands}", at.file(), at.line(), at.column());
 }
 
 /// Misuse unless `device` computes with `dtype` (a GPU may lack f64, say).
