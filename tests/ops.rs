@@ -258,6 +258,37 @@ fn reductions_along_every_dimension() {
 }
 
 #[test]
+fn dimension_wise_reductions_of_a_scalar_take_dimension_0_or_minus_1_as_pytorch_does() {
+    let dev = braid::testing::test_device();
+    let f = widest_float(&dev);
+    let x = Tensor::full((), -2.5, f, &dev);
+    let one = |t: Tensor| {
+        assert_eq!(t.dims(), &[] as &[usize], "a scalar result");
+        floats(&t)[0]
+    };
+    for keepdim in [false, true] {
+        assert_eq!(one(x.sum_dim(0, keepdim)), -2.5);
+        assert_eq!(one(x.mean_dim(-1, keepdim)), -2.5);
+        assert_eq!(one(x.max_dim(0, keepdim)), -2.5);
+        assert_eq!(one(x.min_dim(-1, keepdim)), -2.5);
+    }
+    assert_eq!(one(x.softmax(0)), 1.0);
+    assert_eq!(one(x.log_softmax(-1)), 0.0);
+    assert_eq!(one(x.layer_norm(0, 1e-5)), 0.0);
+    if dev.target().dtypes.contains(DType::I64) {
+        assert_eq!(x.argmax_dim(0, false).item::<i64>().unwrap(), 0);
+        assert_eq!(x.argmin_dim(-1, true).item::<i64>().unwrap(), 0);
+    }
+    // Gradients flow through: d sum_dim(x, 0) / dx = 1.
+    let leaf = x.detach().requires_grad();
+    let grads = (leaf.sum_dim(0, false) * 3.0).backward().unwrap();
+    assert_eq!(floats(&grads.get(&leaf).unwrap()), vec![3.0]);
+    // Other dimensions stay out of range.
+    assert_misuse("dimension 1 of a scalar", || drop(x.sum_dim(1, false)));
+    assert_misuse("dimension -2 of a scalar", || drop(x.softmax(-2)));
+}
+
+#[test]
 fn matmul_with_broadcast_batches_on_every_numeric_dtype() {
     let dev = braid::testing::test_device();
     let mut rng = Rng::new(6);

@@ -214,6 +214,9 @@ impl Tensor {
     #[track_caller]
     pub fn argmin_dim(&self, dim: impl Dim, keepdim: bool) -> Tensor {
         needs_i64("argmin_dim", &[("x", self)]);
+        if let Some(row) = self.scalar_as_row(dim) {
+            return row.argmin_dim(0, false);
+        }
         let dim = self.dim("argmin_dim", dim);
         let reversed = match self.dtype() {
             d if d.is_float() => -self,

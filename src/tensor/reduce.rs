@@ -43,6 +43,9 @@ impl Tensor {
     /// Sum along `dim`; `keepdim` keeps it with size 1.
     #[track_caller]
     pub fn sum_dim(&self, dim: impl Dim, keepdim: bool) -> Tensor {
+        if let Some(row) = self.scalar_as_row(dim) {
+            return row.sum_dim(0, false);
+        }
         let dim = self.dim("sum_dim", dim);
         self.reduce(ReduceOp::Sum, Some(dim), keepdim)
     }
@@ -50,6 +53,9 @@ impl Tensor {
     /// Mean along `dim` (floats).
     #[track_caller]
     pub fn mean_dim(&self, dim: impl Dim, keepdim: bool) -> Tensor {
+        if let Some(row) = self.scalar_as_row(dim) {
+            return row.mean_dim(0, false);
+        }
         let dim = self.dim("mean_dim", dim);
         self.reduce(ReduceOp::Mean, Some(dim), keepdim)
     }
@@ -57,6 +63,9 @@ impl Tensor {
     /// Maximum along `dim`; NaN if any element is NaN.
     #[track_caller]
     pub fn max_dim(&self, dim: impl Dim, keepdim: bool) -> Tensor {
+        if let Some(row) = self.scalar_as_row(dim) {
+            return row.max_dim(0, false);
+        }
         let dim = self.dim("max_dim", dim);
         self.reduce(ReduceOp::Max, Some(dim), keepdim)
     }
@@ -64,6 +73,9 @@ impl Tensor {
     /// Minimum along `dim`; NaN if any element is NaN.
     #[track_caller]
     pub fn min_dim(&self, dim: impl Dim, keepdim: bool) -> Tensor {
+        if let Some(row) = self.scalar_as_row(dim) {
+            return row.min_dim(0, false);
+        }
         let dim = self.dim("min_dim", dim);
         self.reduce(ReduceOp::Min, Some(dim), keepdim)
     }
@@ -71,6 +83,9 @@ impl Tensor {
     /// Index (I64) of the first maximum along `dim`; a NaN counts as the maximum.
     #[track_caller]
     pub fn argmax_dim(&self, dim: impl Dim, keepdim: bool) -> Tensor {
+        if let Some(row) = self.scalar_as_row(dim) {
+            return row.argmax_dim(0, false);
+        }
         let dim = self.dim("argmax_dim", dim);
         self.reduce(ReduceOp::ArgMax, Some(dim), keepdim)
     }
@@ -105,6 +120,9 @@ impl Tensor {
     /// are computed in f32 and rounded once (see [`Tensor::layer_norm`]).
     #[track_caller]
     pub fn softmax(&self, dim: impl Dim) -> Tensor {
+        if let Some(row) = self.scalar_as_row(dim) {
+            return row.softmax(0).reshape(());
+        }
         let dim = self.float_dim("softmax", dim);
         if self.shape().dims()[dim] == 0 {
             return self.empty_result();
@@ -119,6 +137,9 @@ impl Tensor {
     /// `x - max - log(sum(exp(x - max)))` along `dim` (floats; f16 and bf16 computed in f32).
     #[track_caller]
     pub fn log_softmax(&self, dim: impl Dim) -> Tensor {
+        if let Some(row) = self.scalar_as_row(dim) {
+            return row.log_softmax(0).reshape(());
+        }
         let dim = self.float_dim("log_softmax", dim);
         if self.shape().dims()[dim] == 0 {
             return self.empty_result();
@@ -135,12 +156,22 @@ impl Tensor {
     /// (and the whole row 0), and a bf16 mean keeps 8 bits.
     #[track_caller]
     pub fn layer_norm(&self, dim: impl Dim, eps: f64) -> Tensor {
+        if let Some(row) = self.scalar_as_row(dim) {
+            return row.layer_norm(0, eps).reshape(());
+        }
         let dim = self.float_dim("layer_norm", dim);
         self.in_f32(|x| {
             let centered = x - &x.mean_dim(dim, true);
             let var = centered.square().mean_dim(dim, true);
             &centered * &(var + eps).rsqrt()
         })
+    }
+
+    /// A scalar as a row of one value when `dim` names its dimension as PyTorch counts it (`0`
+    /// or `-1`: dimension-wise ops treat a scalar as one-dimensional there); `None` otherwise.
+    #[track_caller]
+    pub(super) fn scalar_as_row(&self, dim: impl Dim) -> Option<Tensor> {
+        (self.rank() == 0 && dim.resolve(1, false).is_some()).then(|| self.reshape([1]))
     }
 
     /// `f` of this tensor, in f32 when it is f16 or bf16 (the result rounded back once).
