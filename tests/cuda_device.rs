@@ -326,21 +326,28 @@ fn replayed_steps_run_as_cuda_graphs() {
 }
 
 #[test]
-fn kernels_of_hundreds_of_buffers_are_split_to_fit_the_parameter_space() {
-    // 600 kept values of one input would be one horizontally fused kernel, and a cat of 1,500
-    // parts one kernel: more device addresses than 4 KiB of kernel parameters hold.
-    let Some((gpu, _turn)) = gpu("kernels_of_hundreds_of_buffers_are_split_to_fit_the_parameter_space") else {
+fn kernels_of_thousands_of_buffers_are_split_to_fit_the_parameter_space() {
+    // 4,200 kept values of one input would be one horizontally fused kernel, and their cat one
+    // kernel of 4,201 buffers: more device addresses than kernel parameters hold (32 KiB since
+    // CUDA 12.1 on Volta and later, 4 KiB before). Each is split into kernels of at most 511.
+    let Some((gpu, _turn)) = gpu("kernels_of_thousands_of_buffers_are_split_to_fit_the_parameter_space") else {
         return;
     };
     let cpu = Device::new_cpu();
     let run = |d: &Device| {
-        let x = Tensor::from_vec((0..40).map(|i| i as f32 * 0.5 - 10.0).collect(), [40], d);
-        let scaled: Vec<Tensor> = (1..=600).map(|i| &x * i as f64).collect();
-        let parts: Vec<&Tensor> = scaled.iter().cycle().take(1500).collect();
-        let joined = Tensor::cat(&parts, 0).to_vec::<f32>().unwrap();
-        let last = scaled[599].to_vec::<f32>().unwrap();
-        (joined, last)
+        let x = Tensor::from_vec((0..8).map(|i| i as f32 * 0.5 - 2.0).collect(), [8], d);
+        let scaled: Vec<Tensor> = (0..4200).map(|i| &x * (i % 7) as f64).collect();
+        let joined = Tensor::cat(&scaled.iter().collect::<Vec<_>>(), 0).to_vec::<f32>().unwrap();
+        let kernels = d.last_schedule().unwrap().kernel_count();
+        (joined, scaled[4199].to_vec::<f32>().unwrap(), kernels)
     };
     // Multiples of halves: exact on both devices.
-    assert_eq!(run(&gpu), run(&cpu));
+    let (want, got) = (run(&cpu), run(&gpu));
+    assert_eq!((&got.0, &got.1), (&want.0, &want.1));
+    // At least 9 kernels of products (4,200 outputs, 510 a kernel) and 9 of cat pieces.
+    assert!(got.2 >= 18, "{} kernels", got.2);
+    println!(
+        "4,200 outputs of one input and a cat of 4,200 parts: {} kernels",
+        gpu.last_schedule().unwrap().kernel_count()
+    );
 }

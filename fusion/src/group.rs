@@ -69,7 +69,8 @@ struct Group {
     /// Groups this one reads from.
     deps: Vec<usize>,
     /// How many of its nodes are outputs so far: kept, or read by a node outside it (one not
-    /// placed yet counts as outside, so this only falls as readers join).
+    /// placed yet counts as outside: a joining node may add one, and removes those it was the
+    /// last outside reader of).
     exposed: usize,
 }
 

@@ -100,8 +100,8 @@ pub struct Target {
     /// time that grows with a kernel's size, so fusion stops growing a kernel there
     /// (`usize::MAX`: no limit).
     pub max_kernel_nodes: usize,
-    /// The most buffers one kernel may bind: its inputs, its outputs and one scratch buffer a
-    /// backend may add (a split reduction's partial results). A backend that binds every
+    /// The most buffers one kernel may bind: its inputs and outputs (a backend keeps room for
+    /// one scratch buffer more, a split reduction's partial results, beyond this). A backend that binds every
     /// buffer in a table of fixed size (wgpu: the adapter's storage buffers per shader stage)
     /// or passes their addresses in bounded space (CUDA's kernel parameters) sets it; fusion stops growing a kernel there and a `cat` of more parts is recorded in
     /// pieces (`usize::MAX`: no limit).

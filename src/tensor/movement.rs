@@ -57,7 +57,7 @@ impl Tensor {
     }
 
     /// Concatenates tensors of one dtype and device along `dim` (other dimensions must match).
-    /// On a device that limits the buffers one kernel binds (wgpu), many parts are joined in
+    /// On a device that limits the buffers one kernel binds (wgpu, CUDA), many parts are joined in
     /// pieces, one kernel each, then the pieces.
     #[track_caller]
     pub fn cat(tensors: &[&Tensor], dim: impl Dim) -> Tensor {

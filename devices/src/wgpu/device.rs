@@ -72,15 +72,16 @@ fn open_context() -> Result<Arc<WgpuContext>, DeviceError> {
 /// The target of a wgpu adapter with `ctx`'s limits.
 ///
 /// Kernel inputs: every input, output and scratch buffer of a kernel is a storage binding, so
-/// inputs are limited to the adapter's `max_storage_buffers_per_shader_stage` less 8 (room for
+/// inputs are limited to the adapter's storage buffers per stage less 8 (room for
 /// the outputs of a horizontally fused kernel and a split reduction's scratch), at most 16
 /// like the other devices; all its buffers (inputs, outputs and one scratch buffer) at most
-/// the adapter's limit (Metal and lavapipe bind about 32). Kernels hold at most [`MAX_KERNEL_NODES`] nodes. The speeds are rough estimates, not measurements: a software
+/// the adapter's limit (`Features::max_storage_buffers_per_stage`: 32 on lavapipe, 28 on Metal,
+/// whose 29 buffers of a stage include the kernel's uniform). Kernels hold at most [`MAX_KERNEL_NODES`] nodes. The speeds are rough estimates, not measurements: a software
 /// adapter (lavapipe) is taken to be CPU-like, any other a GPU's order of magnitude; offload
 /// copies to host memory wait for the device (wgpu has no host memory the device writes
 /// while the host works), so they are costed as slow.
 pub fn wgpu_target(ctx: &WgpuContext, align: u64) -> Target {
-    let storage = ctx.limits.max_storage_buffers_per_shader_stage as usize;
+    let storage = ctx.features.max_storage_buffers_per_stage as usize;
     let max_kernel_inputs = storage.saturating_sub(8).clamp(1, 16);
     let dtypes: Vec<DType> =
         DType::ALL.into_iter().filter(|&d| braid_lowering::wgsl::supports(d, &ctx.features).is_ok()).collect();

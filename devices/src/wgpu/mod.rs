@@ -132,7 +132,11 @@ impl WgpuContext {
         let features = Features {
             shader_f16,
             max_workgroups_per_dimension: limits.max_compute_workgroups_per_dimension,
-            max_storage_buffers_per_stage: limits.max_storage_buffers_per_shader_stage,
+            // Every kernel also binds one uniform buffer, which Metal counts with the storage
+            // buffers in one limit of the stage's buffers.
+            max_storage_buffers_per_stage: limits
+                .max_storage_buffers_per_shader_stage
+                .min(limits.max_buffers_and_acceleration_structures_per_shader_stage.saturating_sub(1)),
             max_storage_buffer_binding_size: limits.max_storage_buffer_binding_size.min(limits.max_buffer_size),
             max_workgroup_storage_size: limits.max_compute_workgroup_storage_size,
             max_invocations_per_workgroup: limits

@@ -66,6 +66,8 @@ pub struct Features {
     /// The adapter has `shader-f16` (recorded for the device's report; f16 does not need it).
     pub shader_f16: bool,
     pub max_workgroups_per_dimension: u32,
+    /// Storage buffers one kernel may bind: the stage's limit on them, and one fewer than its
+    /// limit on buffers of every kind where it has one (Metal's: the kernel's uniform counts).
     pub max_storage_buffers_per_stage: u32,
     pub max_storage_buffer_binding_size: u64,
     pub max_workgroup_storage_size: u32,
