@@ -351,3 +351,27 @@ fn kernels_of_thousands_of_buffers_are_split_to_fit_the_parameter_space() {
         gpu.last_schedule().unwrap().kernel_count()
     );
 }
+
+#[test]
+fn a_chain_of_twenty_thousand_ops_runs_as_kernels_of_bounded_size() {
+    // One fused kernel of 20,000 nodes overflowed the stack of the CUDA printer (a process
+    // abort) and would take NVRTC minutes; kernels hold at most 512 nodes, as on wgpu.
+    let Some((gpu, _turn)) = gpu("a_chain_of_twenty_thousand_ops_runs_as_kernels_of_bounded_size") else {
+        return;
+    };
+    let cpu = Device::new_cpu();
+    let run = |d: &Device| {
+        let mut x = Tensor::from_vec((0..64).map(|i| i as f32 * 0.25 - 8.0).collect(), [64], d);
+        for i in 0..20_000 {
+            x = if i % 2 == 0 { &x + 1.0 } else { &x * 0.5 };
+        }
+        let started = std::time::Instant::now();
+        let values = x.to_vec::<f32>().unwrap();
+        (values, started.elapsed())
+    };
+    let (want, got) = (run(&cpu), run(&gpu));
+    // x -> (x + 1) / 2 converges to 1; every step is exact in f32 until it rounds the same way
+    // on both devices (one add, one multiply by a power of two).
+    assert_eq!(got.0, want.0);
+    println!("20,000 ops: {:.2?} on the GPU (first read, compiles included), {:.2?} on the CPU", got.1, want.1);
+}

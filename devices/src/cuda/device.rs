@@ -60,7 +60,9 @@ pub const CUDA_TARGET: Target = Target {
     memory: MemoryKind::Device,
     copy_stream: true,
     dtypes: DTypes::ALL,
-    max_kernel_nodes: usize::MAX,
+    // NVRTC compiles every kernel, in time that grows with its size (a chain of 2,000 fused
+    // additions took 1.2 s), and a chain of 20,000 overflowed the printer's stack: as on wgpu.
+    max_kernel_nodes: 512,
     // One device address per buffer in 4 KiB of kernel parameters (512, one kept for scratch;
     // drivers since CUDA 12.1 take 32 KiB on Volta and later, the smaller is assumed).
     max_kernel_buffers: 511,
