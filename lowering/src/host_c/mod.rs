@@ -263,9 +263,14 @@ fn print_loop(out: &mut String, l: &MapLoop, name: &str, kernel: &Kernel, target
     let (live, _) = live(&l.expr, &l.loads, &l.stores);
     let _ = writeln!(out, "\n// {} indices over dims {:?}.", l.numel(), l.dims.as_slice());
     let _ = writeln!(out, "void {name}(unsigned char *const *args, long long start, long long end) {{");
-    for (i, a) in kernel.args.iter().enumerate() {
+    // Only the arguments this loop reads or writes: a kernel of many loops (a cat of 512
+    // parts) would otherwise declare every argument in every loop, source quadratic in parts.
+    let mut used: Vec<u16> = l.loads.iter().map(|x| x.arg).chain(l.stores.iter().map(|s| s.arg)).collect();
+    used.sort_unstable();
+    used.dedup();
+    for i in used.into_iter().map(usize::from) {
         let c = if i < kernel.inputs { "const " } else { "" };
-        let t = storage_ctype(a.dtype);
+        let t = storage_ctype(kernel.args[i].dtype);
         let _ = writeln!(out, "  {c}{t} *const a{i} = ({c}{t} *)args[{i}];");
     }
     let _ = writeln!(out, "  long long i = start;\n  while (i < end) {{");

@@ -222,3 +222,29 @@ fn a_compute_bound_chain_stores_its_large_output_directly_at_eight_lanes_and_str
     let small = print(&chain_kernel(1000), "c1", at(4 << 20)).unwrap().source;
     assert!(small.contains("a2[w0 + (jb + jj)] = t0[jj];") && !small.contains("ivdep"), "{small}");
 }
+
+#[test]
+fn each_loop_declares_only_the_arguments_it_reads_and_writes() {
+    // A cat of 3 parts: three copy loops into one output. Declaring every argument in every
+    // loop made a cat of 512 parts 14.5 MB of C (31 s of compiling).
+    let loops = (0..3u16)
+        .map(|k| {
+            let mut b = ExprBuilder::default();
+            let x = b.load(0, DType::F32);
+            let view = View { dims: smallvec![4], strides: smallvec![1], offset: 4 * k as usize };
+            MapLoop {
+                dims: smallvec![4],
+                loads: vec![Load { arg: k, dtype: DType::F32, view: contiguous(4) }],
+                expr: b.finish(),
+                stores: vec![Store { arg: 3, dtype: DType::F32, view, value: x }],
+            }
+        })
+        .collect();
+    let mut args = vec![Arg { dtype: DType::F32, len: 4 }; 3];
+    args.push(Arg { dtype: DType::F32, len: 12 });
+    let src = print(&Kernel { args, inputs: 3, body: Body::Map(loops) }, "cat", at(usize::MAX)).unwrap();
+    let s = &src.source;
+    let loop1 = &s[s.find("void cat_loop1").unwrap()..s.find("void cat_loop2").unwrap()];
+    assert!(loop1.contains("*)args[1];") && loop1.contains("*)args[3];"), "{loop1}");
+    assert!(!loop1.contains("*)args[0];") && !loop1.contains("*)args[2];"), "{loop1}");
+}
