@@ -165,11 +165,11 @@ fn many_reductions_of_one_input_split_into_several_row_kernels() {
 }
 
 #[test]
-fn cross_entropy_and_gather_are_row_kernels() {
+fn cross_entropy_is_a_row_kernel_and_embedding_a_gather() {
     let dev = braid::testing::test_device();
     if !dev.target().dtypes.contains(DType::I64) {
         eprintln!(
-            "skipped: cross_entropy_and_gather_are_row_kernels: {} has no i64, which the indexing ops need",
+            "skipped: cross_entropy_is_a_row_kernel_and_embedding_a_gather: {} has no i64, which the indexing ops need",
             dev.name()
         );
         return;
@@ -182,11 +182,19 @@ fn cross_entropy_and_gather_are_row_kernels() {
     let text = dev.last_schedule().unwrap().to_text();
     assert_eq!(kernels(&dump(&dev)), 3, "{text}");
     assert!(text.contains("eq+max+sub+exp+sum+log+select+sum+sub "), "{text}");
-    // An embedding lookup: the row numbers, then the comparison, the select and the sum in one.
-    let table = data(&dev, &[20, 8]);
+    // An embedding lookup: one gather kernel, reading a transposed table through its view and
+    // writing the result in the ids' shape (no copy before or after).
+    let table = data(&dev, &[8, 20]);
     let ids = Tensor::from_vec((0..12).map(|i| (i * 5 % 20) as i64).collect::<Vec<_>>(), [3, 4], &dev);
-    ids.embedding(&table).to_vec::<f32>().unwrap();
-    assert_eq!(kernels(&dump(&dev)), 2, "{}", dev.last_schedule().unwrap().to_text());
+    let rows = ids.embedding(&table.t());
+    assert_eq!(rows.dims(), &[3, 4, 8]);
+    let values = rows.to_vec::<f32>().unwrap();
+    let text = dev.last_schedule().unwrap().to_text();
+    assert_eq!(kernels(&dump(&dev)), 1, "{text}");
+    assert!(text.contains("index_select"), "{text}");
+    // Element [0, 1] picked row 5 of the table: column 5 of the stored [8, 20].
+    let column: Vec<f32> = (0..8).map(|f| ((((f * 20 + 5) * 37 % 101) as f32) - 50.0) / 25.0).collect();
+    assert_eq!(values[8..16], column[..]);
 }
 
 #[test]

@@ -83,7 +83,9 @@ fn compare(case: &Case, cpu: &[Vec<u8>], got: &[Vec<u8>], bound: Option<&Bound>,
         Body::Map(l) => (l.iter().collect(), None),
         Body::Rows(r) => (vec![], Some(r)),
         Body::Matmul(m) => (m.epilogue.iter().collect(), None),
-        Body::Collective(_) => unreachable!("the generators make no collectives"),
+        Body::Gather(_) | Body::Scatter(_) | Body::Collective(_) => {
+            unreachable!("the generators make no gathers, scatters (wgpu has no i64) or collectives")
+        }
     };
     let mut approx = vec![false; case.kernel.args.len()];
     for (expr, stores) in loops.iter().map(|l| (&l.expr, &l.stores)).chain(rows.map(|r| (&r.expr, &r.stores))) {

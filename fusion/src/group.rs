@@ -123,6 +123,32 @@ pub(crate) fn run(graph: &FlushGraph, options: &Options) -> Fusion {
     g.finish()
 }
 
+/// Whether reader `r` takes node `i`, a constant of value `v`, as a constant: an expression
+/// does; a scatter-add takes a zero base as no base at all (its sums are the result). Matrix
+/// products and copies need a buffer.
+fn takes_constant(graph: &FlushGraph, r: usize, i: usize, v: f64) -> bool {
+    let reader = &graph.nodes[r];
+    match reader.op {
+        Op::ScatterAdd { .. } => {
+            v == 0.0
+                && reader.inputs[0] == ValueRef::Node(i)
+                && reader.inputs[1..].iter().all(|&x| x != ValueRef::Node(i))
+        }
+        _ => matches!(class(&reader.op), Class::Elementwise | Class::Reduce),
+    }
+}
+
+/// The constant op under a folded movement node `j` (a chain of movement over a `Full`).
+fn underlying_constant(graph: &FlushGraph, mut j: usize) -> &Op {
+    while !matches!(graph.nodes[j].op, Op::Full(_)) {
+        match graph.nodes[j].inputs[0] {
+            ValueRef::Node(k) => j = k,
+            _ => break,
+        }
+    }
+    &graph.nodes[j].op
+}
+
 /// Decides which movement and constant nodes are folded into their readers' loads: not kept,
 /// not ordering anything, and (for movement) expressible as a view of the value underneath.
 fn fold(graph: &FlushGraph, control_pred: &[bool], readers: &[Vec<usize>]) -> Vec<bool> {
@@ -137,10 +163,7 @@ fn fold(graph: &FlushGraph, control_pred: &[bool], readers: &[Vec<usize>]) -> Ve
         match &node.op {
             // A constant folds into readers that evaluate expressions (not into matrix products
             // or copies, which need a buffer).
-            Op::Full(_) => {
-                folded[i] =
-                    readers[i].iter().all(|&r| matches!(class(&graph.nodes[r].op), Class::Elementwise | Class::Reduce));
-            }
+            Op::Full(v) => folded[i] = readers[i].iter().all(|&r| takes_constant(graph, r, i, v.0)),
             // A transfer from memory this device cannot read is a copy, never a view.
             Op::ToDevice if is_transfer(graph, i) => {}
             // A collective reads whole contiguous buffers (NCCL's, a peer's): never a view.
@@ -153,9 +176,8 @@ fn fold(graph: &FlushGraph, control_pred: &[bool], readers: &[Vec<usize>]) -> Ve
                         Some(v) => v.clone(),
                         None => {
                             // Movement of a folded constant is still that constant.
-                            folded[i] = readers[i]
-                                .iter()
-                                .all(|&r| matches!(class(&graph.nodes[r].op), Class::Elementwise | Class::Reduce));
+                            let Op::Full(v) = underlying_constant(graph, j) else { unreachable!("a folded constant") };
+                            folded[i] = readers[i].iter().all(|&r| takes_constant(graph, r, i, v.0));
                             continue;
                         }
                     },

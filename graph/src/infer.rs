@@ -67,6 +67,55 @@ pub fn select(cond: (&Shape, DType), a: (&Shape, DType), b: (&Shape, DType)) -> 
     Ok((broadcast("select", cond.0, &ab)?, a.1))
 }
 
+/// A gather along `dim` of `src` at `index` (see [`Op::Gather`](crate::Op::Gather)).
+pub fn gather(src: (&Shape, DType), index: (&Shape, DType), dim: usize) -> Inferred {
+    if index.1 != DType::I64 {
+        return Err(format!("gather: the index must be i64, got {}", index.1));
+    }
+    let (s, i) = (src.0.dims(), index.0.dims());
+    if dim >= s.len() || s.len() != i.len() || (0..s.len()).any(|d| d != dim && s[d] != i[d]) {
+        return Err(format!(
+            "gather: the index ({}) must have the source's shape ({}) but along dimension {dim}",
+            index.0, src.0
+        ));
+    }
+    Ok((index.0.clone(), src.1))
+}
+
+/// An index selection along `dim` of `src` at `index` (see
+/// [`Op::IndexSelect`](crate::Op::IndexSelect)).
+pub fn index_select(src: (&Shape, DType), index: (&Shape, DType), dim: usize) -> Inferred {
+    if index.1 != DType::I64 {
+        return Err(format!("index_select: the index must be i64, got {}", index.1));
+    }
+    let s = src.0.dims();
+    if dim >= s.len() {
+        return Err(format!("index_select: dimension {dim} of a source of shape {}", src.0));
+    }
+    let dims: Vec<usize> = s[..dim].iter().chain(index.0.dims()).chain(&s[dim + 1..]).copied().collect();
+    Ok((Shape::new(&dims), src.1))
+}
+
+/// A scatter-add along `dim` of `src` at `index` into `base` (see
+/// [`Op::ScatterAdd`](crate::Op::ScatterAdd)).
+pub fn scatter_add(base: (&Shape, DType), index: (&Shape, DType), src: (&Shape, DType), dim: usize) -> Inferred {
+    if index.1 != DType::I64 {
+        return Err(format!("scatter_add: the index must be i64, got {}", index.1));
+    }
+    same_dtype("scatter_add", base.1, src.1)?;
+    check_rule(DTypeRule::Numeric, "scatter_add", base.1)?;
+    let (b, i) = (base.0.dims(), index.0.dims());
+    let fits =
+        dim < b.len() && index.0 == src.0 && b.len() == i.len() && (0..b.len()).all(|d| d == dim || b[d] == i[d]);
+    if !fits {
+        return Err(format!(
+            "scatter_add: the index ({}) and source ({}) must have one shape, the base's ({}) but along dimension {dim}",
+            index.0, src.0, base.0
+        ));
+    }
+    Ok((base.0.clone(), base.1))
+}
+
 pub fn clamp(shape: &Shape, dtype: DType, lo: f64, hi: f64) -> Inferred {
     check_rule(DTypeRule::Numeric, "clamp", dtype)?;
     check_scalar("clamp", dtype, lo)?;

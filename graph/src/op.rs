@@ -115,6 +115,26 @@ pub enum Op {
     Cat {
         dim: usize,
     },
+    /// `out[p] = src[p with dimension `dim` replaced by index[p]]`: inputs `[src, index]`, the
+    /// index `I64` with the node's shape, which equals the source's along every other
+    /// dimension. An index outside `0..src.dims[dim]` reads zero (every dtype's zero bits).
+    Gather {
+        dim: usize,
+    },
+    /// `out[pre.., i.., post..] = src[pre.., index[i..], post..]`: inputs `[src, index]`, the
+    /// index `I64` of any shape, the result the source's shape with dimension `dim` replaced by
+    /// the index's dimensions (`index_select`, `embedding`). An index outside
+    /// `0..src.dims[dim]` reads zero.
+    IndexSelect {
+        dim: usize,
+    },
+    /// `base` plus, at each element, the sum in order along `dim` of the `src` elements whose
+    /// index names it: inputs `[base, index, src]`, the index `I64` of the source's shape, which
+    /// equals the base's along every other dimension (`scatter_add`). An index outside
+    /// `0..base.dims[dim]` adds nothing.
+    ScatterAdd {
+        dim: usize,
+    },
     /// A contiguous copy.
     Contiguous,
     /// A copy to the node's device.
@@ -186,6 +206,9 @@ impl Op {
             Op::Expand => "expand",
             Op::Narrow { .. } => "narrow",
             Op::Cat { .. } => "cat",
+            Op::Gather { .. } => "gather",
+            Op::IndexSelect { .. } => "index_select",
+            Op::ScatterAdd { .. } => "scatter_add",
             Op::Contiguous => "contiguous",
             Op::ToDevice => "to_device",
             Op::Event => "event",

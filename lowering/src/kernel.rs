@@ -125,12 +125,138 @@ pub struct MatmulKernel {
     pub epilogue: Option<MapLoop>,
 }
 
+/// A gather (`Op::Gather`, `Op::IndexSelect`): over the output's index space `dims`, element
+/// `p` reads the index `j = index[p]`, then the source element at `src`'s position for `p` plus
+/// `j * along`, or zero (every dtype's zero bits) where `j` is outside `0..extent`. Both loads
+/// are views over `dims` (the source's with stride 0 where the output's dimensions are the
+/// index's, the index's with stride 0 where they are the source's); the index is `I64`; the
+/// output (argument `out`) is contiguous. Elements are moved whole, never converted, so one
+/// kernel serves every dtype, and the work is one read of the index and one of the source per
+/// element, however long the gathered dimension.
+#[derive(Clone, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+pub struct GatherKernel {
+    pub dims: SmallVec<[usize; 4]>,
+    pub src: Load,
+    pub along: isize,
+    pub extent: usize,
+    pub index: Load,
+    pub out: u16,
+}
+
+impl GatherKernel {
+    pub fn numel(&self) -> usize {
+        self.dims.iter().product()
+    }
+
+    /// The checks every target runs before touching memory: the index is `I64`, both views are
+    /// over `dims`, the output has the source's dtype and the output's length, and every view
+    /// lies within its argument (the source's at every index in `0..extent`).
+    pub fn check(&self, arg: impl Fn(u16) -> Option<(DType, usize)>) -> Result<(), String> {
+        if self.index.dtype != DType::I64 {
+            return Err(format!("a gather's index is {}, not i64", self.index.dtype));
+        }
+        if self.src.view.dims != self.dims || self.index.view.dims != self.dims {
+            return Err(format!(
+                "a gather over {:?} reads views over {:?} and {:?}",
+                self.dims, self.src.view.dims, self.index.view.dims
+            ));
+        }
+        // The source at every index it may read: one more dimension, the gathered one.
+        let mut src = self.src.clone();
+        src.view.dims.push(self.extent);
+        src.view.strides.push(self.along);
+        let out = Store {
+            arg: self.out,
+            dtype: self.src.dtype,
+            view: View::contiguous(&braid_graph::Shape::new(&self.dims)),
+            value: 0,
+        };
+        match arg(self.out) {
+            Some((_, len)) if len != self.numel() => Err(format!("a gather of {} elements into {len}", self.numel())),
+            _ => check_args(&[src, self.index.clone()], &[out], arg),
+        }
+    }
+}
+
+/// A scatter-add (`Op::ScatterAdd`): the output (argument `out`, contiguous over `out_dims`)
+/// is `base + sums`, where each element's sum adds, in order along `dim`, the source elements
+/// whose index names it. Over the source space `dims` (the index's and the source's shape,
+/// equal to `out_dims` but along `dim`), element `p` adds `src[p]` to the sum at `p` with
+/// dimension `dim` replaced by `j = index[p]`, and nothing where `j` is outside
+/// `0..out_dims[dim]`. Sums start from zero and the base is added last (a base of zeros, a
+/// folded constant, is `None`: the sums are the result); each sum is folded by
+/// one thread in order, so the bits do not depend on how many threads run. The dtype (source,
+/// base and output) is one whose arithmetic is its storage's: F32, F64, I32, I64 (wrapping) or
+/// U8 (wrapping); the `scatter_add` of halves runs in F32.
+#[derive(Clone, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+pub struct ScatterKernel {
+    pub dims: SmallVec<[usize; 4]>,
+    pub dim: usize,
+    pub src: Load,
+    pub index: Load,
+    pub base: Option<Load>,
+    pub out_dims: SmallVec<[usize; 4]>,
+    pub out: u16,
+}
+
+impl ScatterKernel {
+    pub fn dtype(&self) -> DType {
+        self.src.dtype
+    }
+
+    /// Rows of the source space: its elements that differ only along `dim`.
+    pub fn rows(&self) -> usize {
+        let k = self.dims[self.dim];
+        self.dims.iter().product::<usize>().checked_div(k).unwrap_or(0)
+    }
+
+    /// The output's stride along `dim` (it is contiguous).
+    pub fn out_along(&self) -> isize {
+        self.out_dims[self.dim + 1..].iter().product::<usize>() as isize
+    }
+
+    /// The checks every target runs before touching memory: the dtype, the shapes, and every
+    /// view within its argument (the output contiguous, of the output's length).
+    pub fn check(&self, arg: impl Fn(u16) -> Option<(DType, usize)>) -> Result<(), String> {
+        let dtype = self.dtype();
+        let base_dtype = self.base.as_ref().map_or(dtype, |b| b.dtype);
+        if !matches!(dtype, DType::F32 | DType::F64 | DType::I32 | DType::I64 | DType::U8) || base_dtype != dtype {
+            return Err(format!("a scatter-add of {dtype} into {base_dtype}"));
+        }
+        if self.index.dtype != DType::I64 {
+            return Err(format!("a scatter-add's index is {}, not i64", self.index.dtype));
+        }
+        let (d, o) = (&self.dims, &self.out_dims);
+        let shapes = self.dim < d.len()
+            && d.len() == o.len()
+            && (0..d.len()).all(|i| i == self.dim || d[i] == o[i])
+            && self.src.view.dims == *d
+            && self.index.view.dims == *d
+            && self.base.as_ref().is_none_or(|b| b.view.dims == *o);
+        if !shapes {
+            return Err(format!("a scatter-add along {} of {d:?} into {o:?}", self.dim));
+        }
+        let numel: usize = o.iter().product();
+        let out = Store { arg: self.out, dtype, view: View::contiguous(&braid_graph::Shape::new(o)), value: 0 };
+        match arg(self.out) {
+            Some((_, len)) if len != numel => Err(format!("a scatter-add of {numel} elements into {len}")),
+            _ => {
+                let loads: Vec<Load> =
+                    [Some(&self.src), Some(&self.index), self.base.as_ref()].into_iter().flatten().cloned().collect();
+                check_args(&loads, &[out], arg)
+            }
+        }
+    }
+}
+
 #[derive(Clone, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
 pub enum Body {
     /// Loops run one after another (a concatenation is one loop per part).
     Map(Vec<MapLoop>),
     Rows(RowKernel),
     Matmul(MatmulKernel),
+    Gather(GatherKernel),
+    Scatter(ScatterKernel),
     /// This device's part of a collective over a group of devices, reading argument 0 (the
     /// whole buffer, contiguous) and writing argument 1: a library call (NCCL, or the host
     /// rendezvous between CPU devices), never printed as a kernel.

@@ -17,6 +17,7 @@ pub mod vmath;
 pub mod wgsl;
 
 pub use kernel::{
-    Arg, Body, Kernel, Load, MapLoop, MatmulKernel, MatmulOperand, RowKernel, Store, View, check_access, check_args,
+    Arg, Body, GatherKernel, Kernel, Load, MapLoop, MatmulKernel, MatmulOperand, RowKernel, ScatterKernel, Store, View,
+    check_access, check_args,
 };
 pub use lower::Lowering;

@@ -5,7 +5,9 @@
 //! their index space, Rows segments a row kernel, Matmul segments a matrix product with its
 //! epilogue, and the rest copies. Lowering is pure: it never allocates buffers or runs anything.
 
-use crate::kernel::{Arg, Body, Kernel, Load, MapLoop, MatmulKernel, MatmulOperand, RowKernel, Store};
+use crate::kernel::{
+    Arg, Body, GatherKernel, Kernel, Load, MapLoop, MatmulKernel, MatmulOperand, RowKernel, ScatterKernel, Store,
+};
 use braid_fusion::{Fusion, Segment, SegmentKind};
 use braid_graph::expr::{Distribution, ExprBuilder, ExprId};
 use braid_graph::{DType, FlushGraph, Op, Shape, ValueRef, View};
@@ -372,6 +374,38 @@ impl<'a> Lowering<'a> {
             l
         };
         match &node.op {
+            Op::Gather { .. } | Op::IndexSelect { .. } => {
+                let (src_arg, src_dtype, src_view) = value_view(node.inputs[0]);
+                let (index_arg, index_dtype, index_view) = value_view(node.inputs[1]);
+                Body::Gather(gather_kernel(
+                    &node.op,
+                    Load { arg: src_arg, dtype: src_dtype, view: src_view },
+                    Load { arg: index_arg, dtype: index_dtype, view: index_view },
+                    &node.shape,
+                    out,
+                ))
+            }
+            Op::ScatterAdd { dim } => {
+                let load = |v: ValueRef| {
+                    let (arg, dtype, view) = value_view(v);
+                    Load { arg, dtype, view }
+                };
+                // A base of zeros is folded (fusion folds only zeros into a scatter-add).
+                let base = match self.source(node.inputs[0]) {
+                    Source::Const(..) => None,
+                    Source::Value(..) => Some(load(node.inputs[0])),
+                };
+                let (index, src) = (load(node.inputs[1]), load(node.inputs[2]));
+                Body::Scatter(ScatterKernel {
+                    dims: index.view.dims.clone(),
+                    dim: *dim,
+                    src,
+                    index,
+                    base,
+                    out_dims: node.shape.dims().into(),
+                    out,
+                })
+            }
             Op::Cat { dim } => {
                 let out_strides = node.shape.contiguous_strides();
                 let mut offset = 0;
@@ -408,4 +442,33 @@ impl<'a> Lowering<'a> {
             }
         }
     }
+}
+
+/// The kernel of a gather (`Op::Gather`) or an index selection (`Op::IndexSelect`) over the
+/// output's shape `dims`: `src` and `index` arrive as views over their own shapes and leave as
+/// views over `dims`, each with stride 0 along the other's dimensions.
+fn gather_kernel(op: &Op, mut src: Load, mut index: Load, shape: &Shape, out: u16) -> GatherKernel {
+    let dims: SmallVec<[usize; 4]> = shape.dims().into();
+    let (along, extent) = match *op {
+        Op::Gather { dim } | Op::IndexSelect { dim } => (src.view.strides[dim], src.view.dims[dim]),
+        _ => unreachable!("{} is not a gather", op.name()),
+    };
+    match *op {
+        Op::Gather { dim } => src.view.strides[dim] = 0,
+        Op::IndexSelect { dim } => {
+            let k = index.view.dims.len();
+            let strides = std::mem::take(&mut src.view.strides);
+            let (pre, post) = (&strides[..dim], &strides[dim + 1..]);
+            src.view.strides =
+                pre.iter().copied().chain(std::iter::repeat_n(0, k)).chain(post.iter().copied()).collect();
+            index.view.strides = std::iter::repeat_n(0, dim)
+                .chain(index.view.strides.iter().copied())
+                .chain(std::iter::repeat_n(0, post.len()))
+                .collect();
+        }
+        _ => unreachable!(),
+    }
+    src.view.dims = dims.clone();
+    index.view.dims = dims.clone();
+    GatherKernel { dims, src, along, extent, index, out }
 }

@@ -210,6 +210,9 @@ fn differentiable(op: &Op) -> bool {
         | Op::Expand
         | Op::Narrow { .. }
         | Op::Cat { .. }
+        | Op::Gather { .. }
+        | Op::IndexSelect { .. }
+        | Op::ScatterAdd { .. }
         | Op::Contiguous
         | Op::ToDevice => true,
         Op::Reduce { op, .. } => *op != ReduceOp::ArgMax,
@@ -232,6 +235,10 @@ fn saves(op: &Op, needs: &[bool]) -> (SmallVec<[bool; 3]>, bool) {
         Op::Reduce { op: ReduceOp::Max | ReduceOp::Min, .. } => (all(true), true),
         // dA = g B^T needs B; dB = A^T g needs A.
         Op::Matmul => (SmallVec::from_slice(&[needs[1], needs[0]]), false),
+        // The source's gradient is scattered to where the index read it.
+        Op::Gather { .. } | Op::IndexSelect { .. } => (SmallVec::from_slice(&[false, needs[0]]), false),
+        // The source's gradient is gathered from where the index sent it.
+        Op::ScatterAdd { .. } => (SmallVec::from_slice(&[false, needs[2], false]), false),
         _ => (all(false), false),
     }
 }

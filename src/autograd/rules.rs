@@ -226,6 +226,29 @@ fn other_grads(
                 .collect()
         }
         Op::ToDevice => smallvec![Some(g.to_device(&node.inputs[0].device))],
+        Op::Gather { dim } => {
+            // Each source element gets the sum of the gradients of the elements that read it.
+            let zeros = Tensor::zeros(node.inputs[0].shape.clone(), g.dtype(), g.device());
+            smallvec![Some(zeros.scatter_add(*dim, &input(1), g)), None]
+        }
+        Op::ScatterAdd { dim } => {
+            // The base's gradient passes through; each source element's is the gradient of
+            // the element it was added to (none where its index was out of range).
+            let src = needs[2].then(|| g.gather(*dim, &input(1)));
+            smallvec![Some(g.clone()), None, src]
+        }
+        Op::IndexSelect { dim } => {
+            // The same scatter, the index's dimensions flattened into one and the index
+            // repeated along the source's other dimensions.
+            let (src, index) = (&node.inputs[0].shape, input(1));
+            let mut flat = src.dims().to_vec();
+            flat[*dim] = index.numel();
+            let mut along = vec![1; src.rank()];
+            along[*dim] = index.numel();
+            let index = index.reshape(along).expand(flat.clone());
+            let zeros = Tensor::zeros(src.clone(), g.dtype(), g.device());
+            smallvec![Some(zeros.scatter_add(*dim, &index, &g.reshape(flat))), None]
+        }
         op => unreachable!("{} is not differentiable", op.name()),
     }
 }

@@ -2,17 +2,21 @@
 //! `cross_entropy`, recorded as the primitive ops they are made of.
 //!
 //! # How indices are computed
-//! A gather is recorded as a **one-hot reduction**: for each output element, the sum over
-//! `j < n` of `select(index == j, src[.., j, ..], 0)`, where `n` is the source's size along
-//! the gathered dimension. Fusion makes this one row kernel (the comparison, the select and the
-//! sum, with the index and source read through their loads' views), so it runs on every
-//! backend through the kernel IR that already exists, and the derivative comes from the
-//! primitives: the gradient of a gather is the same one-hot reduction the other way round, a
-//! deterministic scatter-add (a fixed-order sum per output element, no atomics: the same bits
-//! at any thread count). The price is `n` reads per output element instead of one, which is
-//! what an embedding table of a few hundred rows or a cross-entropy over its classes (a row the
-//! softmax reads anyway) can afford; a gather from a table of tens of thousands of rows wants a
-//! load with a computed index in the kernel IR, which does not exist yet.
+//! `gather`, `index_select` and `embedding` are recorded as one op each (`Op::Gather`,
+//! `Op::IndexSelect`) and run as a **gather kernel**: each output element reads its index,
+//! then the one source element it names, so a lookup costs a read per element however large
+//! the table (the source and index are read through their views: a transposed table or an
+//! expanded index is not copied first). The kernel moves elements whole, so every dtype
+//! (bools, halves) gathers as it is.
+//!
+//! `scatter_add`, and with it the gradient of a lookup, is recorded as one op
+//! (`Op::ScatterAdd`) and runs as a **scatter kernel**: the rows of the source (its elements
+//! that differ only along the dimension) are added in order to the elements their indices
+//! name, each row by one thread, so every element's sum is folded in one order (the same bits
+//! at any thread count, no atomics) and the work is one read of the index and the source per
+//! element. f16 and bf16 sum in f32 and round once. A cross-entropy reads its target's logit
+//! as a **one-hot reduction** (a comparison with the class numbers, a select and a sum) in the
+//! row its softmax reads anyway.
 //!
 //! # Indices out of range
 //! Kernels cannot stop a flush for a bad index, and a read from outside a buffer is undefined
@@ -21,17 +25,17 @@
 //! other's transpose, so gradients stay exact). Negative indices do not count from the end.
 //! PyTorch raises an error instead; braid cannot, without reading the indices back.
 
-use super::{Dim, Tensor, misuse, same_device};
-use braid_graph::DType;
+use super::{Dim, Tensor, inferred, misuse, same_device};
+use braid_graph::{DType, Op, infer};
 
-/// Misuse of `op` on a device that cannot hold i64 (wgpu): the indexing ops compare indices
-/// with an i64 `arange` (and `argmin_dim` gives i64), so they need it.
+/// Misuse of `op` on a device that cannot hold i64 (wgpu): the gather and scatter kernels read
+/// i64 indices, `cross_entropy` compares them with an i64 `arange` and `argmin_dim` gives i64.
 #[track_caller]
 fn needs_i64(op: &str, operands: &[(&str, &Tensor)]) {
     let device = operands[0].1.device();
     if !device.target().dtypes.contains(DType::I64) {
         let problem = format!(
-            "{} has no i64, which {op} needs (it compares indices as i64); run it on a device with i64 (the CPU, CUDA)",
+            "{} has no i64, which {op} needs (its kernels read indices as i64); run it on a device with i64 (the CPU, CUDA)",
             device.name()
         );
         misuse(op, &problem, &describe(operands));
@@ -79,27 +83,21 @@ impl Tensor {
         self.gather_unchecked(dim, &index)
     }
 
-    /// The one-hot reduction behind every gather; `index` is I64 and fits (see `gather`).
+    /// The gather kernel behind `gather`, `index_select` and `embedding`; `index` is I64 and
+    /// fits (see `gather`).
     #[track_caller]
     fn gather_unchecked(&self, dim: usize, index: &Tensor) -> Tensor {
-        if self.dtype() == DType::Bool {
-            // Sums have no bool: gather the bytes.
-            return self.to_dtype(DType::U8).gather_unchecked(dim, index).to_dtype(DType::Bool);
-        }
-        let (rank, n) = (self.rank(), self.dims()[dim]);
         let mut src = self.clone();
-        for d in (0..rank).filter(|&d| d != dim && index.dims()[d] < self.dims()[d]) {
+        for d in (0..self.rank()).filter(|&d| d != dim && index.dims()[d] < self.dims()[d]) {
             src = src.narrow(d, 0, index.dims()[d]);
         }
-        // [.., k, .., n]: the source with `dim` moved last, repeated along the index's `dim`.
-        let mut perm: Vec<usize> = (0..rank).filter(|&d| d != dim).collect();
-        perm.push(dim);
-        let mut wide = index.dims().to_vec();
-        wide.push(n);
-        let src = src.permute(&perm).unsqueeze(dim).expand(wide.as_slice());
-        let hit = index.unsqueeze(rank).eq(&Tensor::arange(0, n as i64, self.device()));
-        let zero = Tensor::zeros((), self.dtype(), self.device());
-        hit.select(&src, &zero).sum_dim(rank, false)
+        let operands = [("x", self), ("index", index)];
+        let (shape, dtype) = inferred(
+            "gather",
+            infer::gather((src.shape(), src.dtype()), (index.shape(), index.dtype()), dim),
+            &operands,
+        );
+        Tensor::record(Op::Gather { dim }, dtype, shape, self.device(), &[&src, index])
     }
 
     /// The slices of this tensor along `dim` that the 1-D integer `index` names, in its order:
@@ -115,11 +113,19 @@ impl Tensor {
             misuse("index_select", "the index must be one-dimensional", &describe(&operands));
         }
         let index = Tensor::index_i64("index_select", index, &operands);
-        let mut at = vec![1; self.rank()];
-        at[dim] = index.numel();
-        let mut out = self.dims().to_vec();
-        out[dim] = index.numel();
-        self.gather_unchecked(dim, &index.reshape(at).expand(out))
+        self.index_select_unchecked(dim, &index)
+    }
+
+    /// The gather kernel behind `index_select` and `embedding`: `index` is I64, of any shape.
+    #[track_caller]
+    fn index_select_unchecked(&self, dim: usize, index: &Tensor) -> Tensor {
+        let operands = [("x", self), ("index", index)];
+        let (shape, dtype) = inferred(
+            "index_select",
+            infer::index_select((self.shape(), self.dtype()), (index.shape(), index.dtype()), dim),
+            &operands,
+        );
+        Tensor::record(Op::IndexSelect { dim }, dtype, shape, self.device(), &[self, index])
     }
 
     /// Looks up rows of `weight` (`[vocabulary, features]`): the result has this integer
@@ -143,30 +149,14 @@ impl Tensor {
             misuse("embedding", "the weight must be [vocabulary, features]", &describe(&operands));
         }
         let ids = Tensor::index_i64("embedding", self, &operands);
-        if weight.dtype() == DType::Bool {
-            return ids.embedding(&weight.to_dtype(DType::U8)).to_dtype(DType::Bool);
-        }
-        // The one-hot reduction over [.., features, vocabulary] directly (not an index_select
-        // of the flattened ids, whose result would need a reshaping copy).
-        let (rank, vocabulary) = (ids.rank(), weight.dims()[0]);
-        let mut wide = ids.dims().to_vec();
-        wide.extend([weight.dims()[1], vocabulary]);
-        let table = weight.permute(&[1, 0]).expand(wide.as_slice());
-        let classes = Tensor::arange(0, vocabulary as i64, self.device());
-        // Over the full shape (the ids repeated per feature), so that one kernel holds the
-        // comparison, the select and the sum.
-        let mut per_feature = wide.clone();
-        per_feature[rank + 1] = 1;
-        let hit = ids.unsqueeze(rank).unsqueeze(rank + 1).expand(per_feature).eq(&classes);
-        let zero = Tensor::zeros((), weight.dtype(), self.device());
-        hit.select(&table, &zero).sum_dim(rank + 1, false)
+        weight.index_select_unchecked(0, &ids)
     }
 
     /// A copy of this tensor with `src[i][j][k]` added at `[index[i][j][k]][j][k]` for
     /// `dim = 0` (and so on), as PyTorch's `scatter_add`: `index` (integers) and `src` have one
     /// shape, which equals this tensor's along every dimension but `dim`. Each element gets
     /// the sum of the `src` elements aimed at it, in index order, then added to it: the same
-    /// bits on every run. An index outside `0..self.dims()[dim]` adds nothing (see the
+    /// bits on every run and at any thread count (f16 and bf16 sum in f32). An index outside `0..self.dims()[dim]` adds nothing (see the
     /// [module docs](self)).
     ///
     /// ```
@@ -195,17 +185,22 @@ impl Tensor {
             misuse("scatter_add", &problem, &describe(&operands));
         }
         let index = Tensor::index_i64("scatter_add", index, &operands);
-        let n = self.dims()[dim];
-        // [.., n, .., k]: for each target position along `dim`, every source position.
-        let mut perm: Vec<usize> = (0..rank).filter(|&d| d != dim).collect();
-        perm.push(dim);
-        let moved = |t: &Tensor| t.permute(&perm).unsqueeze(dim);
-        let mut along = vec![1; rank + 1];
-        along[dim] = n;
-        let targets = Tensor::arange(0, n as i64, self.device()).reshape(along);
-        let hit = moved(&index).eq(&targets);
-        let zero = Tensor::zeros((), self.dtype(), self.device());
-        self + &hit.select(&moved(src), &zero).sum_dim(rank, false)
+        if matches!(self.dtype(), DType::F16 | DType::BF16) {
+            // Summed in f32 and rounded once, as a reduction of halves is.
+            let sums = self.to_dtype(DType::F32).scatter_add(dim, &index, &src.to_dtype(DType::F32));
+            return sums.to_dtype(self.dtype());
+        }
+        let (shape, dtype) = inferred(
+            "scatter_add",
+            infer::scatter_add(
+                (self.shape(), self.dtype()),
+                (index.shape(), index.dtype()),
+                (src.shape(), src.dtype()),
+                dim,
+            ),
+            &operands,
+        );
+        Tensor::record(Op::ScatterAdd { dim }, dtype, shape, self.device(), &[self, &index, src])
     }
 
     /// Index (I64) of the first minimum along `dim`; a NaN counts as the minimum (as

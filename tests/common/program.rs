@@ -412,7 +412,7 @@ impl Gen<'_> {
                 self.h.drop_tensor(x);
                 self.live.retain(|&i| i != x);
             }
-            // The indexing ops compare indices as i64, which wgpu lacks (refused at the call).
+            // The indexing ops read indices as i64, which wgpu lacks (refused at the call).
             100..=105 if self.h.dev.target().dtypes.contains(DType::I64) => self.indexing(x, dtype, &shape),
             _ => {}
         }

@@ -6,6 +6,7 @@
 //! It executes exactly what the runtime issues; it never reorders steps or decides lifetimes.
 
 pub mod eval;
+mod gather;
 mod graph;
 mod keep;
 pub mod map;
@@ -14,6 +15,7 @@ pub mod native;
 mod queue;
 mod reduce;
 pub mod rows;
+mod scatter;
 mod split;
 
 /// braid's f32 `exp` and `tanh` (defined next to the kernel IR, whose host C printer prints them).
@@ -331,6 +333,8 @@ fn run_prepared(kernel: &Kernel, row_plan: Option<&rows::Plan>, args: &[ArgPtr])
             None => rows::run_rows(r, &rows::plan(r), args),
         },
         Body::Matmul(m) => matmul::run_matmul(m, args),
+        Body::Gather(g) => gather::run_gather(g, args),
+        Body::Scatter(s) => scatter::run_scatter(s, args),
         Body::Collective(c) => Err(format!("{} runs through the queue's rendezvous, not as a kernel", c.kind.name())),
     }
 }

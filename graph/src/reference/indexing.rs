@@ -21,6 +21,9 @@ use crate::table::BinaryOp;
 pub enum IndexOp {
     /// Inputs `[src, index]`; the result has the index's shape.
     Gather { dim: usize },
+    /// Inputs `[src, index]`; the result is the source's shape with `dim` replaced by the
+    /// index's shape.
+    IndexSelect { dim: usize },
     /// Inputs `[base, index, src]`; the result has the base's shape.
     ScatterAdd { dim: usize },
     /// Input `[x]`; the first minimum's index along `dim`, NaN counting as the smallest.
@@ -44,6 +47,7 @@ fn target(index: &RefValue, i: usize, n: usize) -> Result<Option<usize>, ()> {
 pub(super) fn eval(op: IndexOp, dtype: DType, shape: &Shape, ins: &[&RefValue]) -> RefValue {
     match op {
         IndexOp::Gather { dim } => gather(dim, dtype, shape, ins[0], ins[1]),
+        IndexOp::IndexSelect { dim } => index_select(dim, dtype, shape, ins[0], ins[1]),
         IndexOp::ScatterAdd { dim } => scatter_add(dim, dtype, shape, ins[0], ins[1], ins[2]),
         IndexOp::ArgMin { dim, keepdim: _ } => argmin(dim, shape, ins[0]),
     }
@@ -51,18 +55,44 @@ pub(super) fn eval(op: IndexOp, dtype: DType, shape: &Shape, ins: &[&RefValue]) 
 
 fn gather(dim: usize, dtype: DType, shape: &Shape, src: &RefValue, index: &RefValue) -> RefValue {
     assert_eq!(shape, &index.shape, "gather: the result has the index's shape");
-    let n = src.shape.dims()[dim];
-    let picks: Vec<Result<Option<usize>, ()>> = (0..shape.numel())
-        .map(|i| {
-            let mut at = unravel(shape, i);
-            target(index, i, n).map(|j| {
-                j.map(|j| {
-                    at[dim] = j;
-                    ravel(&src.shape, &at)
-                })
+    let at = |i: usize, j: usize| {
+        let mut at = unravel(shape, i);
+        at[dim] = j;
+        ravel(&src.shape, &at)
+    };
+    pick(dtype, shape, src, |i| target(index, i, src.shape.dims()[dim]).map(|j| j.map(|j| at(i, j))))
+}
+
+/// `out[pre.., i.., post..] = src[pre.., index[i..], post..]`.
+fn index_select(dim: usize, dtype: DType, shape: &Shape, src: &RefValue, index: &RefValue) -> RefValue {
+    let (k, rank) = (index.shape.rank(), src.shape.rank());
+    assert_eq!(shape.rank(), rank - 1 + k, "index_select: the result's rank");
+    let at = |i: usize| {
+        let out = unravel(shape, i);
+        let index_at = ravel(&index.shape, &out[dim..dim + k]);
+        (out, index_at)
+    };
+    pick(dtype, shape, src, |i| {
+        let (out, index_at) = at(i);
+        target(index, index_at, src.shape.dims()[dim]).map(|j| {
+            j.map(|j| {
+                let pos: Vec<usize> =
+                    out[..dim].iter().copied().chain([j]).chain(out[dim + k..].iter().copied()).collect();
+                ravel(&src.shape, &pos)
             })
         })
-        .collect();
+    })
+}
+
+/// The result of reading, for each output element `i`, the source element `position(i)` names
+/// (zero where it names none, uncertain where the index is).
+fn pick(
+    dtype: DType,
+    shape: &Shape,
+    src: &RefValue,
+    position: impl Fn(usize) -> Result<Option<usize>, ()>,
+) -> RefValue {
+    let picks: Vec<Result<Option<usize>, ()>> = (0..shape.numel()).map(position).collect();
     let bound = |p: &Result<Option<usize>, ()>| match p {
         Err(()) => UNCERTAIN,
         Ok(None) => 0.0,

@@ -246,8 +246,8 @@ pub fn evaluate(program: &[ProgNode]) -> Vec<RefValue> {
 fn eval_op(op: &Op, dtype: DType, shape: &Shape, ins: &[&RefValue]) -> RefValue {
     let arity = match op {
         Op::Input | Op::Full(_) | Op::Arange { .. } | Op::Rand { .. } | Op::Randn { .. } => 0,
-        Op::Binary(_) | Op::Compare(_) | Op::Matmul => 2,
-        Op::Select => 3,
+        Op::Binary(_) | Op::Compare(_) | Op::Matmul | Op::Gather { .. } | Op::IndexSelect { .. } => 2,
+        Op::Select | Op::ScatterAdd { .. } => 3,
         Op::Cat { .. } => ins.len().max(1),
         _ => 1,
     };
@@ -271,6 +271,9 @@ fn eval_op(op: &Op, dtype: DType, shape: &Shape, ins: &[&RefValue]) -> RefValue 
         Op::Cast => elementwise::cast(dtype, ins[0]),
         Op::Reduce { op, dim, .. } => reduce::reduce(*op, *dim, dtype, shape, ins[0]),
         Op::Matmul => reduce::matmul(dtype, shape, ins[0], ins[1]),
+        Op::Gather { dim } => indexing::eval(indexing::IndexOp::Gather { dim: *dim }, dtype, shape, ins),
+        Op::IndexSelect { dim } => indexing::eval(indexing::IndexOp::IndexSelect { dim: *dim }, dtype, shape, ins),
+        Op::ScatterAdd { dim } => indexing::eval(indexing::IndexOp::ScatterAdd { dim: *dim }, dtype, shape, ins),
         Op::Reshape | Op::Contiguous | Op::ToDevice => movement::reshape(ins[0], shape),
         Op::Permute(perm) => movement::permute(ins[0], perm, shape),
         Op::Expand => movement::expand(ins[0], shape),

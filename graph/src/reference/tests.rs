@@ -341,3 +341,21 @@ fn f16_values_are_stored_rounded() {
     assert_eq!((r[big].value(0), r[big].bound(0)), (f64::INFINITY, 0.0));
     assert!(r[big].value(1).is_finite());
 }
+
+#[test]
+fn gather_and_index_select_read_the_named_elements_and_zero_outside() {
+    let mut p = Prog::new();
+    // x = [[0, 1, 2], [3, 4, 5]]
+    let x = p.data(DType::F32, &[2, 3], &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+    let i = p.0.len();
+    p.0.push(ProgNode::IntData { dtype: DType::I64, shape: Shape::new(&[2, 2]), values: vec![2, -1, 0, 3] });
+    let g = p.op(Op::Gather { dim: 1 }, DType::F32, &[2, 2], &[x, i]);
+    // Along dimension 1 at a [2, 2] index: out[r, a, b] = x[r, i[a, b]].
+    let s = p.op(Op::IndexSelect { dim: 1 }, DType::F32, &[2, 2, 2], &[x, i]);
+    // Along dimension 0: rows of x, the index's shape first.
+    let rows = p.op(Op::IndexSelect { dim: 0 }, DType::F32, &[2, 2, 3], &[x, i]);
+    let r = evaluate(&p.0);
+    assert_eq!(r[g].values_f64(), [2.0, 0.0, 3.0, 0.0]);
+    assert_eq!(r[s].values_f64(), [2.0, 0.0, 0.0, 0.0, 5.0, 0.0, 3.0, 0.0]);
+    assert_eq!(r[rows].values_f64(), [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 2.0, 0.0, 0.0, 0.0]);
+}

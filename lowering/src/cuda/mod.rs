@@ -38,10 +38,12 @@
 //! `__restrict__` because the planner may write an output in place over an input.
 
 mod columns; // row kernels along an axis before the last: neighbouring rows a block
+mod gather; // gathers: a computed index per element
 mod loops; // map loops
 mod product; // integer matrix products, printed whole
 mod reduce; // one reduction's fold and warp-shuffle combine
 mod rows; // row kernels: sweeps, phases, loads kept in shared memory
+mod scatter; // scatter-adds: rows of the source folded in order into the output
 mod split; // long rows among few rows: segments, partial results in scratch
 #[cfg(test)]
 pub(crate) mod tests;
@@ -139,6 +141,7 @@ pub fn print(kernel: &Kernel, name: &str) -> Result<CudaSource, String> {
         Body::Map(loops) => loops.iter().map(|l| &l.expr).collect(),
         Body::Rows(r) => vec![&r.expr],
         Body::Matmul(m) => m.epilogue.iter().map(|l| &l.expr).collect(),
+        Body::Gather(_) | Body::Scatter(_) => vec![],
     };
     match &kernel.body {
         Body::Map(loops) => {
@@ -153,6 +156,8 @@ pub fn print(kernel: &Kernel, name: &str) -> Result<CudaSource, String> {
             scratch_bytes = scratch;
         }
         Body::Collective(_) => unreachable!("refused above"),
+        Body::Gather(g) => entries.push(gather::print_gather(&mut body, g, &format!("{name}_gather"), &params)?),
+        Body::Scatter(s) => entries.extend(scatter::print_scatter(&mut body, s, &format!("{name}_scatter"), &params)?),
         Body::Matmul(m) => {
             library_product = m.dtype.is_float();
             if m.product as usize == params.len() {

@@ -585,3 +585,63 @@ fn an_integer_product_without_batches_prints() {
     let p = print(&k, "empty").unwrap();
     declared_before_use(&p.source);
 }
+
+/// A gather over `src`'s dims from argument 0 (`(dtype, length, view)`), `along` and `extent`
+/// the gathered dimension's, by index argument 1 (the same), into argument 2.
+fn gather(src: (DType, usize, View), along: isize, extent: usize, index: (DType, usize, View)) -> Kernel {
+    let (dims, numel) = (src.2.dims.clone(), src.2.dims.iter().product());
+    let a = args(&[(src.0, src.1), (index.0, index.1), (src.0, numel)]);
+    let (src, index) = (load(0, src.0, src.2), load(1, index.0, index.2));
+    let g = crate::kernel::GatherKernel { dims, src, along, extent, index, out: 2 };
+    Kernel { args: a, inputs: 2, body: Body::Gather(g) }
+}
+
+#[test]
+fn a_gather_moves_bits_and_reads_the_source_only_in_range() {
+    // An embedding: a [5, 3] f16 table, ids [2] expanded over the features (stride 0, no `i1`);
+    // an f16 moves as its 16 bits, never through a float (a NaN keeps its payload).
+    let k = gather((DType::F16, 15, view(&[2, 3], &[0, 1], 0)), 3, 5, (DType::I64, 2, view(&[2, 3], &[1, 0], 0)));
+    let p = print(&k, "embed").unwrap();
+    assert_eq!(p.entries, vec![Entry { name: "embed_gather".into(), launch: Launch::Map { numel: 6, block: 256 } }]);
+    in_order(
+        &p.source,
+        &[
+            "void embed_gather(const __half* a0, const long long* a1, __half* a2) {",
+            "const long long i1 = rest % 3LL;",
+            "const long long j = a1[0LL + i0 * 1LL];",
+            "unsigned short v = 0;",
+            "if (j >= 0 && j < 5LL) v = ((const unsigned short*)a0)[0LL + i1 * 1LL + j * 3LL];",
+            "((unsigned short*)a2)[i] = v;",
+        ],
+    );
+    assert!(!p.source.contains("__half2float"), "no conversion of the elements");
+    // Every dtype moves as the unsigned type of its size; offsets and a negative `along` (a
+    // reversed gathered dimension) fold into the positions.
+    for d in DType::ALL {
+        let t = match d.size() {
+            1 => "char",
+            2 => "short",
+            4 => "int",
+            _ => "long long",
+        };
+        let k = gather((d, 9, view(&[2], &[1], 7)), -3, 3, (DType::I64, 4, view(&[2], &[2], 1)));
+        let (p, t) = (print(&k, "g").unwrap(), format!("unsigned {t}"));
+        let read = format!("if (j >= 0 && j < 3LL) v = ((const {t}*)a0)[7LL + i0 * 1LL + j * -3LL];");
+        in_order(&p.source, &["const long long j = a1[1LL + i0 * 2LL];", &format!("{t} v = 0;"), &read]);
+    }
+}
+
+#[test]
+fn a_gather_is_checked_before_it_prints() {
+    let k = |d, src_len, index_len| {
+        gather((DType::F32, src_len, view(&[2, 3], &[0, 1], 0)), 3, 5, (d, index_len, view(&[2, 3], &[1, 0], 0)))
+    };
+    print(&k(DType::I64, 15, 2), "g").unwrap();
+    for d in [DType::I32, DType::U8, DType::F64] {
+        assert!(print(&k(d, 15, 2), "g").unwrap_err().contains("not i64"), "a {d} index");
+    }
+    // The source at the last gathered position (4 * 3 + 2) and the index must lie in their
+    // arguments.
+    assert!(print(&k(DType::I64, 14, 2), "g").unwrap_err().contains("reaches elements 0..=14"));
+    assert!(print(&k(DType::I64, 15, 1), "g").unwrap_err().contains("reaches elements 0..=1"));
+}

@@ -249,6 +249,9 @@ pub fn print(kernel: &Kernel, features: &Features) -> Result<WgslSource, String>
         Body::Rows(r) => rows::print_rows(&mut m, r)?,
         Body::Matmul(mm) => matmul::print_matmul(&mut m, mm)?,
         Body::Collective(c) => return Err(format!("{}: the wgpu device runs no collectives", c.kind.name())),
+        Body::Gather(_) | Body::Scatter(_) => {
+            return Err("gathers and scatters read i64 indices, which the wgpu device does not hold".into());
+        }
     }
     let mut bindings: Vec<Binding> = vec![];
     let mut decls = String::new();
