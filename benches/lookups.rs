@@ -8,6 +8,10 @@
 //! pseudo-random walk over the table, so most rows are read from memory, not cache, at 32,000
 //! rows.
 //!
+//! On the device `BRAID_DEVICE` names (the CPU when unset). On a GPU the plain loops are not
+//! a peer (they run on the host): compare with PyTorch's `F.embedding` and its backward in the
+//! same command instead, `python3 benches/peers/lookups_torch.py --device cuda`.
+//!
 //! Run: `cargo bench --bench lookups` (criterion's group "lookups"; add `-- --quick` for a
 //! short run).
 
@@ -19,7 +23,11 @@ const IDS: usize = 2048;
 const FEATURES: usize = 256;
 
 fn lookups(c: &mut Criterion) {
-    let cpu = Device::cpu();
+    let cpu = Device::from_env().expect("the device BRAID_DEVICE names");
+    let on_host = cpu.name().starts_with("cpu");
+    if !on_host {
+        println!("lookups on {}: the plain host loops are skipped (not a peer of a GPU)", cpu.name());
+    }
     let mut g = c.benchmark_group("lookups");
     g.throughput(Throughput::Bytes((IDS * FEATURES * 4) as u64));
     for vocabulary in [1000usize, 32_000] {
@@ -44,11 +52,13 @@ fn lookups(c: &mut Criterion) {
                 black_box(rows)
             })
         });
-        g.bench_function(BenchmarkId::new("plain_copy_loop", vocabulary), |b| {
-            b.iter(|| {
-                copy_rows(black_box(&mut plain));
-            })
-        });
+        if on_host {
+            g.bench_function(BenchmarkId::new("plain_copy_loop", vocabulary), |b| {
+                b.iter(|| {
+                    copy_rows(black_box(&mut plain));
+                })
+            });
+        }
         // The gradient of the table: the backward of a lookup whose rows' gradient is ones.
         let trained = weight.requires_grad();
         let grad_ones = Tensor::ones([IDS, FEATURES], DType::F32, &cpu);
@@ -73,9 +83,11 @@ fn lookups(c: &mut Criterion) {
                 black_box(grads)
             })
         });
-        g.bench_function(BenchmarkId::new("plain_add_rows_loop", vocabulary), |b| {
-            b.iter(|| add_rows(black_box(&mut sums), black_box(&ones)))
-        });
+        if on_host {
+            g.bench_function(BenchmarkId::new("plain_add_rows_loop", vocabulary), |b| {
+                b.iter(|| add_rows(black_box(&mut sums), black_box(&ones)))
+            });
+        }
     }
     g.finish();
 }

@@ -19,6 +19,9 @@
 //! for row kernels (for `x - mean`) and, for matrix products, to at least `k` times the largest
 //! operand magnitudes (the scale of the dot product's terms, against cancellation).
 //!
+//! Gathers and scatter-adds (`cuda_printer/gathers.rs`, `cuda_printer/scatters.rs`) must
+//! match the CPU byte for byte.
+//!
 //! The disk cache of compiled kernels is tested twice: its validation (truncated, corrupt and
 //! foreign entries) on any machine, and compile/hit/recompile on a GPU.
 //!
@@ -30,6 +33,10 @@
 #[path = "cuda_printer/cases.rs"]
 mod cases;
 mod common;
+#[path = "cuda_printer/gathers.rs"]
+mod gathers;
+#[path = "cuda_printer/scatters.rs"]
+mod scatters;
 #[path = "cuda_printer/warps.rs"]
 mod warps;
 
@@ -111,6 +118,11 @@ fn tolerance(case: &Case) -> (Vec<bool>, f64) {
 
 /// The first difference between the GPU's arguments after the run and the CPU's, if any.
 fn compare(case: &Case, cpu: &[Vec<u8>], gpu: &[Vec<u8>]) -> Option<String> {
+    if matches!(case.kernel.body, Body::Gather(_) | Body::Scatter(_)) {
+        // Byte for byte (a gather's NaN payloads included), the arguments one after another.
+        let offsets: Vec<usize> = (0..gpu.len()).map(|a| gpu[..a].iter().map(Vec::len).sum()).collect();
+        return gathers::differ(case, &offsets, cpu, &gpu.concat());
+    }
     let (approx, floor) = tolerance(case);
     for a in case.kernel.inputs..case.kernel.args.len() {
         let d = case.kernel.args[a].dtype;
@@ -307,6 +319,18 @@ fn matrix_products_match_the_cpu() {
         }
     }
     check_cases(&h, "matrix products", &cases, |_, _| vec![]);
+}
+
+#[test]
+fn gathers_and_scatter_adds_match_the_cpu_bit_for_bit() {
+    // Generated first, so that their coverage is checked on any machine (quick runs too: at
+    // fewer cases, some seeds miss a corner).
+    let mut rng = Rng::new(0x6A7E);
+    let n = if quick() { 100 } else { 300 };
+    let mut cases = gathers::gather_cases(&mut rng, n);
+    cases.extend(scatters::scatter_cases(&mut rng, n));
+    let Some(h) = gpu("gathers and scatter-adds") else { return };
+    check_cases(&h, "gathers and scatter-adds", &cases, |_, _| vec![]);
 }
 
 /// Collects formatted tracing events (the library installs no subscriber; a test may).

@@ -20,7 +20,9 @@
 //! matrix products are printed whole (cuBLAS cannot wrap them); float ones start from the
 //! CPU's product, as they would from cuBLAS's. Gathers ([`gathers`]: every element size,
 //! strided, broadcast and reversed views, indices out of range on both sides) must move the
-//! CPU's bits exactly.
+//! CPU's bits exactly, and scatter-adds ([`scatters`]: every dtype, many source elements to one
+//! output element, views as the gathers', with a base or none) fold each sum in the CPU's order,
+//! to its bits.
 //!
 //! Comparison: integers and bools exactly, floats bit for bit (NaN equals NaN) unless they
 //! derive from f32 `exp`/`tanh` (the CPU's own polynomials, a few ulps from libm's) or from a
@@ -37,6 +39,8 @@ mod cases;
 mod common;
 #[path = "cuda_printer/gathers.rs"]
 mod gathers;
+#[path = "cuda_printer/scatters.rs"]
+mod scatters;
 #[path = "cuda_printer/warps.rs"]
 mod warps;
 
@@ -240,8 +244,8 @@ fn compare(case: &Case, n: usize, cpu: &[Vec<u8>], got: &[u8]) -> Option<String>
         Body::Map(l) => (l.iter().collect(), None),
         Body::Rows(r) => (vec![], Some(r)),
         Body::Matmul(m) => (m.epilogue.iter().collect(), None),
-        Body::Gather(_) => return gathers::differ(case, &offsets, cpu, got),
-        Body::Scatter(_) | Body::Collective(_) => unreachable!("the generators make no scatters or collectives"),
+        Body::Gather(_) | Body::Scatter(_) => return gathers::differ(case, &offsets, cpu, got),
+        Body::Collective(_) => unreachable!("the generators make no collectives"),
     };
     let mut approx = vec![false; case.kernel.args.len()];
     for (expr, stores) in loops.iter().map(|l| (&l.expr, &l.stores)).chain(rows.map(|r| (&r.expr, &r.stores))) {
@@ -388,6 +392,7 @@ fn printed_kernels_compute_what_the_cpu_computes() {
     cases.extend((0..6).map(|n| concat_case(&mut rng, n)));
     cases.extend((0..16).map(|n| matmul_case(&mut rng, n)));
     cases.extend(gathers::gather_cases(&mut rng, 40));
+    cases.extend(scatters::scatter_cases(&mut rng, 40));
     let dir = std::env::temp_dir().join(format!("braid_cuda_printer_{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     for h in ["cuda_fp16.h", "cuda_bf16.h"] {

@@ -117,6 +117,30 @@ fn scatter_rows<T: Add>(s: &ScatterKernel, args: Shared<'_>, first: usize, last:
         .collect();
     let (src_along, index_along, out_along) = (s.src.view.strides[dim], s.index.view.strides[dim], s.out_along());
     let extent = s.out_dims[dim] as i64;
+    // Rows that share their index and lie side by side in the source and the output (an
+    // embedding's gradient, its rows along the features): each position along the dimension
+    // adds one contiguous slice, in the same order per element.
+    let (src0, index0, out0) = starts[0];
+    let lanes = starts.iter().enumerate().all(|(r, &(src_at, index_at, out_at))| {
+        index_at == index0 && src_at == src0 + r as isize && out_at == out0 + r as isize
+    });
+    if lanes {
+        let width = starts.len();
+        for n in 0..s.dims[dim] as isize {
+            // SAFETY: as below, for the `width` rows of this task.
+            unsafe {
+                let j = *index.offset(index0 + n * index_along);
+                if (0..extent).contains(&j) {
+                    let to = out.offset(out0 + j as isize * out_along);
+                    let from = src.offset(src0 + n * src_along);
+                    for r in 0..width {
+                        *to.add(r) = (*to.add(r)).add(*from.add(r));
+                    }
+                }
+            }
+        }
+        return;
+    }
     for n in 0..s.dims[dim] as isize {
         for &(src_at, index_at, out_at) in &starts {
             // SAFETY: `check` put the source and index views within their arguments at every

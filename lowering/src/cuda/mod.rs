@@ -48,6 +48,8 @@ mod split; // long rows among few rows: segments, partial results in scratch
 #[cfg(test)]
 pub(crate) mod tests;
 #[cfg(test)]
+mod tests_gather;
+#[cfg(test)]
 mod tests_rows;
 mod vector; // 16-byte loads and stores of neighbouring elements, checked for alignment at run time
 

@@ -1,0 +1,51 @@
+"""PyTorch peer of braid's benches/lookups.rs: `F.embedding` of 2,048 ids from tables of 1,000 and
+32,000 rows of 256 f32 features, and the table's gradient for a gradient of ones on the rows
+(the backward of the lookup, as braid's bench records it: forward, the product with ones, the
+sum, backward), with the ids braid's bench uses.
+
+Usage: python3 lookups_torch.py --device cuda|cpu
+Prints one line per case: name, vocabulary, median milliseconds (21 runs after 3 warm-ups, each
+synchronised). Exits 1 with a message on stderr when PyTorch is missing.
+"""
+import argparse
+import sys
+
+from timing import median
+
+try:
+    import torch
+    import torch.nn.functional as F
+except ImportError:
+    sys.stderr.write("torch is not installed (pip install torch)\n")
+    sys.exit(1)
+
+args = argparse.ArgumentParser()
+args.add_argument("--device", default="cuda")
+opts = args.parse_args()
+dev = torch.device(opts.device)
+IDS, FEATURES = 2048, 256
+
+
+def sync():
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+for vocabulary in (1000, 32000):
+    table = (torch.arange(vocabulary * FEATURES, device=dev) % 97).float().mul(0.25).sub(12.0)
+    table = table.reshape(vocabulary, FEATURES)
+    ids = torch.tensor([(i * 7919 + 13) % vocabulary for i in range(IDS)], device=dev)
+    ones = torch.ones(IDS, FEATURES, device=dev)
+    trained = table.clone().requires_grad_(True)
+
+    def forward():
+        F.embedding(ids, table)
+        sync()
+
+    def backward():
+        (F.embedding(ids, trained) * ones).sum().backward()
+        trained.grad = None
+        sync()
+
+    print(f"torch embedding {vocabulary} {median(forward, 3, 21) * 1e3:.4f} ms")
+    print(f"torch embedding_backward {vocabulary} {median(backward, 3, 21) * 1e3:.4f} ms")

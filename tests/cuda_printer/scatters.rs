@@ -1,0 +1,310 @@
+//! Scatter-add cases of the CUDA printer test (`Body::Scatter`, part of [`super`]): random
+//! scatter-adds of rank 1 to 3 (some over empty dimensions) along any axis, of every dtype a
+//! scatter-add takes (F32, F64, I32, I64 and U8, the integers wrapping), with 0 to 6 output
+//! positions and 0 to 8 source positions along the scattered dimension, so that many source
+//! elements name one output element and the order of each sum's fold shows in float bits. The
+//! source, the index and the base (or none: zeros) are read through permuted, padded, reversed
+//! and broadcast (stride 0) views with offsets, in a random order of arguments, the base now and
+//! then through the source's argument; an index of stride 0 along the scattered dimension sends
+//! a whole row to one element. Index values are in `-2..extent + 2` (in most cases mostly 0 or
+//! 1), now and then far outside (`i64::MIN`, `i64::MAX`), so indices out of range on both sides
+//! add nothing. Float sources
+//! and bases are finite (moderate values in [-4, 4), now and then much larger ones, whose sums
+//! round differently in another order; no NaN, whose bits a GPU's arithmetic does not keep),
+//! integers random bits; outputs start as random bits (the kernel zeroes them), and are compared
+//! with the CPU's byte for byte ([`super::gathers::differ`]).
+
+use super::cases::{Case, new_case};
+use super::common::Rng;
+use braid_graph::DType;
+use braid_lowering::{Arg, Body, Load, ScatterKernel, View};
+
+/// The dtypes a scatter-add takes; case `n` adds `DTYPES[n % 5]`.
+const DTYPES: [DType; 5] = [DType::F32, DType::F64, DType::I32, DType::I64, DType::U8];
+
+/// A random layout of `dims`: strides in a random order (a transpose), some dimensions padded,
+/// some reversed (a negative stride, the offset moved to their far end), stride 0 where
+/// `zero`; with the view and the length of an argument that holds it (a little more than it
+/// reaches). Empty dimensions are laid out as if of one element (as in `gathers.rs`).
+fn random_layout(rng: &mut Rng, dims: &[usize], zero: &[bool]) -> (View, usize) {
+    let rank = dims.len();
+    let mut order: Vec<usize> = (0..rank).collect();
+    if rng.chance(0.5) {
+        for i in (1..rank).rev() {
+            order.swap(i, rng.below(i + 1));
+        }
+    }
+    let mut strides = vec![0isize; rank];
+    let mut acc = 1;
+    for &d in order.iter().rev() {
+        if zero[d] {
+            continue;
+        }
+        strides[d] = acc as isize;
+        acc *= dims[d].max(1) + if rng.chance(0.25) { 1 + rng.below(2) } else { 0 };
+    }
+    let mut offset = if rng.chance(0.5) { 1 + rng.below(4) } else { 0 };
+    for d in 0..rank {
+        if strides[d] != 0 && rng.chance(0.25) {
+            offset += (dims[d].max(1) - 1) * strides[d] as usize;
+            strides[d] = -strides[d];
+        }
+    }
+    let reach: usize = (0..rank).filter(|&d| strides[d] > 0).map(|d| (dims[d].max(1) - 1) * strides[d] as usize).sum();
+    (View { dims: dims.into(), strides: strides.into(), offset }, offset + reach + 1 + rng.below(3))
+}
+
+/// `n` random elements of dtype `d` as bytes: integers random bits (sums wrap), floats finite,
+/// mostly in [-4, 4) with random low bits, now and then scaled up by a power of two (so that a
+/// sum's rounding depends on its order), and now and then -0.
+fn random_elements(rng: &mut Rng, d: DType, n: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(n * d.size());
+    for _ in 0..n {
+        let scale = |rng: &mut Rng, max: usize| match rng.chance(0.15) {
+            true => 2f64.powi(1 + rng.below(max) as i32),
+            false => 1.0,
+        };
+        match d {
+            DType::F32 => {
+                let x = if rng.chance(0.03) { -0.0 } else { rng.uniform(-4.0, 4.0) * scale(rng, 24) };
+                out.extend((x as f32).to_le_bytes());
+            }
+            DType::F64 => {
+                let x = if rng.chance(0.03) { -0.0 } else { rng.uniform(-4.0, 4.0) * scale(rng, 53) };
+                out.extend(x.to_le_bytes());
+            }
+            _ => out.extend_from_slice(&rng.next().to_le_bytes()[..d.size()]),
+        }
+    }
+    out
+}
+
+/// Random index values for `extent` output positions: mostly in `-2..extent + 2`, now and then
+/// far outside it; in most cases mostly 0 or 1 (many source elements to one element).
+fn random_index(rng: &mut Rng, extent: usize, n: usize) -> Vec<i64> {
+    let far = [i64::MIN, i64::MAX, -(1 << 40), 1 << 40, -1 - extent as i64, 1 + 2 * extent as i64];
+    let hot = rng.chance(0.7);
+    (0..n)
+        .map(|_| match rng.uniform(0.0, 1.0) {
+            x if x < 0.06 => *rng.pick(&far),
+            x if hot && x < 0.85 => rng.below(extent.clamp(1, 2)) as i64,
+            _ => rng.below(extent + 4) as i64 - 2,
+        })
+        .collect()
+}
+
+/// What an input argument of a scatter case holds.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Input {
+    Source,
+    Index,
+    Base,
+}
+
+/// A random scatter-add (see the module docs): arguments its inputs (the source, the index and
+/// the base unless it is none or read through the source's argument) in a random order, then
+/// the output.
+pub(crate) fn scatter_case(rng: &mut Rng, n: usize) -> Case {
+    let d = DTYPES[n % DTYPES.len()];
+    let rank = *rng.pick(&[1, 1, 2, 2, 3, 3]);
+    let dim = rng.below(rank);
+    let mut out_dims: Vec<usize> = (0..rank).map(|_| if rng.chance(0.05) { 0 } else { 1 + rng.below(5) }).collect();
+    // Now and then an empty dimension, no output or no source positions along the scattered
+    // one; else mostly more source positions than output ones.
+    if n % 12 == 9 && rank > 1 {
+        out_dims[(dim + 1) % rank] = 0;
+    }
+    out_dims[dim] = if n % 12 == 7 { 0 } else { *rng.pick(&[1, 1, 2, 2, 3, 4, 5, 6]) };
+    let mut dims = out_dims.clone();
+    dims[dim] = if n % 12 == 8 { 0 } else { *rng.pick(&[1, 2, 3, 4, 5, 6, 7, 7, 8, 8, 8]) };
+    let zero = |rng: &mut Rng, p: f64| (0..rank).map(|_| rng.chance(p)).collect::<Vec<bool>>();
+    let z = zero(rng, 0.15);
+    let (src_view, src_len) = random_layout(rng, &dims, &z);
+    let z = zero(rng, 0.2);
+    let (index_view, index_len) = random_layout(rng, &dims, &z);
+    let with_base = rng.chance(0.7);
+    let z = zero(rng, 0.2);
+    let (base_view, base_len) = random_layout(rng, &out_dims, &z);
+    let shared = with_base && rng.chance(0.2);
+    // The inputs in a random order.
+    let mut inputs = vec![Input::Source, Input::Index];
+    if with_base && !shared {
+        inputs.push(Input::Base);
+    }
+    for i in (1..inputs.len()).rev() {
+        inputs.swap(i, rng.below(i + 1));
+    }
+    let arg_of = |what: Input| inputs.iter().position(|&i| i == what).unwrap() as u16;
+    let base = with_base.then(|| {
+        let arg = if shared { arg_of(Input::Source) } else { arg_of(Input::Base) };
+        Load { arg, dtype: d, view: base_view }
+    });
+    let base_label = match (&base, shared) {
+        (None, _) => "none".to_string(),
+        (Some(b), true) => format!("the source's argument at {:?}+{}", b.view.strides.as_slice(), b.view.offset),
+        (Some(b), false) => format!("{:?}+{}", b.view.strides.as_slice(), b.view.offset),
+    };
+    let label = format!(
+        "scatter {n} ({d}, {dims:?} along {dim} into {}, source {:?}+{}, index {:?}+{}, base {base_label})",
+        out_dims[dim],
+        src_view.strides.as_slice(),
+        src_view.offset,
+        index_view.strides.as_slice(),
+        index_view.offset,
+    );
+    let mut c = new_case(label, inputs.len(), Body::Map(vec![]));
+    for &input in &inputs {
+        let (arg, init) = match input {
+            Input::Source => {
+                let len = if shared { src_len.max(base_len) } else { src_len };
+                (Arg { dtype: d, len }, random_elements(rng, d, len))
+            }
+            Input::Index => {
+                let values = random_index(rng, out_dims[dim], index_len);
+                (Arg { dtype: DType::I64, len: index_len }, values.iter().flat_map(|j| j.to_le_bytes()).collect())
+            }
+            Input::Base => (Arg { dtype: d, len: base_len }, random_elements(rng, d, base_len)),
+        };
+        c.kernel.args.push(arg);
+        c.init.push(init);
+    }
+    let numel: usize = out_dims.iter().product();
+    c.kernel.args.push(Arg { dtype: d, len: numel });
+    c.init.push((0..numel * d.size()).map(|_| rng.next() as u8).collect());
+    let s = ScatterKernel {
+        dims: dims.as_slice().into(),
+        dim,
+        src: Load { arg: arg_of(Input::Source), dtype: d, view: src_view },
+        index: Load { arg: arg_of(Input::Index), dtype: DType::I64, view: index_view },
+        base,
+        out_dims: out_dims.as_slice().into(),
+        out: inputs.len() as u16,
+    };
+    let args = &c.kernel.args;
+    s.check(|a| args.get(a as usize).map(|a| (a.dtype, a.len)))
+        .unwrap_or_else(|e| panic!("{}: the generated scatter-add fails its check: {e}", c.label));
+    c.kernel.body = Body::Scatter(s);
+    c
+}
+
+/// The index values a scatter-add reads, one per source element (row-major over `dims`).
+fn read_indices(c: &Case, s: &ScatterKernel) -> Vec<i64> {
+    let bytes = &c.init[s.index.arg as usize];
+    let mut at = vec![0usize; s.dims.len()];
+    (0..s.dims.iter().product())
+        .map(|p| {
+            let mut rest = p;
+            for d in (0..s.dims.len()).rev() {
+                at[d] = rest % s.dims[d];
+                rest /= s.dims[d];
+            }
+            let o = s.index.view.offset_of(&at) as usize * 8;
+            i64::from_le_bytes(bytes[o..o + 8].try_into().unwrap())
+        })
+        .collect()
+}
+
+/// The most source elements that add to one output element.
+fn most_per_element(c: &Case, s: &ScatterKernel) -> usize {
+    per_element(c, s).into_iter().max().unwrap_or(0)
+}
+
+/// How many source elements add to each output element.
+fn per_element(c: &Case, s: &ScatterKernel) -> Vec<usize> {
+    let numel: usize = s.out_dims.iter().product();
+    let mut count = vec![0; numel];
+    let mut at = vec![0usize; s.dims.len()];
+    let extent = s.out_dims[s.dim] as i64;
+    for (p, j) in read_indices(c, s).into_iter().enumerate() {
+        let mut rest = p;
+        for d in (0..s.dims.len()).rev() {
+            at[d] = rest % s.dims[d];
+            rest /= s.dims[d];
+        }
+        if (0..extent).contains(&j) {
+            at[s.dim] = j as usize;
+            let o: usize = (0..at.len()).fold(0, |o, d| o * s.out_dims[d] + at[d]);
+            count[o] += 1;
+        }
+    }
+    count
+}
+
+/// `count` random scatter-adds ([`scatter_case`]), numbered from 0; asserts that they cover
+/// what the module docs promise, so that another seed or generator cannot quietly lose a corner.
+pub(crate) fn scatter_cases(rng: &mut Rng, count: usize) -> Vec<Case> {
+    let cases: Vec<Case> = (0..count).map(|n| scatter_case(rng, n)).collect();
+    let scatters: Vec<(&Case, &ScatterKernel)> = (cases.iter())
+        .map(|c| match &c.kernel.body {
+            Body::Scatter(s) => (c, s),
+            _ => unreachable!("scatter cases"),
+        })
+        .collect();
+    let missing = std::cell::RefCell::new(vec![]);
+    let any = |what: &str, f: &dyn Fn(&Case, &ScatterKernel) -> bool| {
+        if !scatters.iter().any(|(c, s)| f(c, s)) {
+            missing.borrow_mut().push(what.to_string());
+        }
+    };
+    let numel = |s: &ScatterKernel| s.out_dims.iter().product::<usize>();
+    let permuted = |v: &View| {
+        let s: Vec<usize> = v.strides.iter().map(|s| s.unsigned_abs()).filter(|&s| s != 0).collect();
+        s.windows(2).any(|w| w[0] < w[1])
+    };
+    for d in DTYPES {
+        any(&format!("of {d} adding three or more to one element"), &|c, s| {
+            s.dtype() == d && most_per_element(c, s) >= 3
+        });
+        any(&format!("of {d} with a base"), &|c, s| s.dtype() == d && s.base.is_some() && most_per_element(c, s) >= 2);
+    }
+    // Sums of three or more float elements, whose bits depend on the order of the fold.
+    let folds: usize = (scatters.iter())
+        .filter(|(_, s)| s.dtype().is_float())
+        .map(|(c, s)| per_element(c, s).into_iter().filter(|&k| k >= 3).count())
+        .sum();
+    if folds < 12 {
+        missing.borrow_mut().push(format!("folding three or more floats into 12 elements (only {folds})"));
+    }
+    any("of rank 1", &|c, s| s.dims.len() == 1 && most_per_element(c, s) >= 2);
+    any("of rank 3", &|c, s| s.dims.len() == 3 && most_per_element(c, s) >= 2);
+    any("along the last dimension of several", &|c, s| {
+        s.dims.len() > 1 && s.dim == s.dims.len() - 1 && most_per_element(c, s) >= 2
+    });
+    any("along a dimension before the last", &|c, s| s.dim + 1 < s.dims.len() && most_per_element(c, s) >= 2);
+    any("over an empty dimension other than the scattered one", &|_, s| {
+        (0..s.dims.len()).any(|d| d != s.dim && s.dims[d] == 0)
+    });
+    any("from an empty scattered dimension", &|_, s| s.dims[s.dim] == 0 && numel(s) > 0);
+    any("into an empty scattered dimension", &|_, s| s.out_dims[s.dim] == 0 && s.rows() > 0 && s.dims[s.dim] > 0);
+    any("without a base", &|c, s| s.base.is_none() && most_per_element(c, s) >= 2);
+    any("with a broadcast base", &|_, s| s.base.as_ref().is_some_and(|b| b.view.strides.contains(&0)) && numel(s) > 1);
+    any("with a reversed base", &|_, s| s.base.as_ref().is_some_and(|b| b.view.strides.iter().any(|&x| x < 0)));
+    any("with a permuted base", &|_, s| s.base.as_ref().is_some_and(|b| permuted(&b.view)));
+    any("with a base offset", &|_, s| s.base.as_ref().is_some_and(|b| b.view.offset > 0) && numel(s) > 0);
+    any("with the base in the source's argument", &|_, s| s.base.as_ref().is_some_and(|b| b.arg == s.src.arg));
+    any("with a broadcast source", &|_, s| s.src.view.strides.contains(&0) && s.rows() * s.dims[s.dim] > 1);
+    any("with a source of stride 0 along the scattered dimension", &|_, s| {
+        s.src.view.strides[s.dim] == 0 && s.dims[s.dim] > 1 && s.out_dims[s.dim] > 0
+    });
+    any("with a reversed source", &|_, s| s.src.view.strides.iter().any(|&x| x < 0));
+    any("with a permuted source", &|_, s| permuted(&s.src.view));
+    any("with a source offset", &|_, s| s.src.view.offset > 0 && s.rows() > 0);
+    any("with an index of stride 0 along the scattered dimension", &|c, s| {
+        s.index.view.strides[s.dim] == 0 && s.dims[s.dim] > 1 && most_per_element(c, s) >= 2
+    });
+    any("with an index of stride 0 along another dimension", &|_, s| {
+        (0..s.dims.len()).any(|d| d != s.dim && s.index.view.strides[d] == 0 && s.dims[d] > 1)
+    });
+    any("with a reversed index", &|_, s| s.index.view.strides.iter().any(|&x| x < 0));
+    any("with an index offset", &|_, s| s.index.view.offset > 0 && s.rows() > 0);
+    any("with the index first", &|_, s| s.index.arg == 0);
+    any("with the source last", &|_, s| s.src.arg + 1 == s.out);
+    any("reading a negative index", &|c, s| read_indices(c, s).iter().any(|&j| j < 0));
+    any("reading an index past the end", &|c, s| {
+        read_indices(c, s).iter().any(|&j| j >= s.out_dims[s.dim] as i64) && s.out_dims[s.dim] > 0
+    });
+    any("reading i64::MIN or i64::MAX", &|c, s| read_indices(c, s).iter().any(|&j| j == i64::MIN || j == i64::MAX));
+    let missing = missing.into_inner();
+    assert!(missing.is_empty(), "no scatter case {}", missing.join("; no scatter case "));
+    cases
+}
