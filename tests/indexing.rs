@@ -143,4 +143,17 @@ fn a_lookups_gradient_scatters_into_no_table_of_zeros() {
     assert_eq!(grad[3 * features..4 * features], [2.0; 16]);
     assert_eq!(grad[49_999 * features..], [1.0; 16]);
     assert_eq!(grad.iter().filter(|&&g| g != 0.0).count(), 2 * features);
+    // A bf16 table: the sums run in f32 (4 bytes an element) and are rounded to bf16 (2); no
+    // table of zeros in either type.
+    let table = table.detach().to_dtype(DType::BF16).requires_grad();
+    dev.sync().unwrap();
+    let grads = ids.embedding(&table).sum().backward().unwrap();
+    let grad = grads.get(&table).unwrap();
+    dev.sync().unwrap();
+    let text = dev.last_schedule().unwrap().to_text();
+    let grad = grad.to_dtype(DType::F32).to_vec::<f32>().unwrap();
+    let peak: usize = text.split("planned peak ").nth(1).and_then(|t| t.split(' ').next()).unwrap().parse().unwrap();
+    assert!(peak < 7 * vocabulary * features + 4096, "{text}");
+    assert_eq!(grad[3 * features..4 * features], [2.0; 16]);
+    assert_eq!(grad.iter().filter(|&&g| g != 0.0).count(), 2 * features);
 }

@@ -95,9 +95,9 @@ impl MiniGpt {
     }
 
     /// One-hot rows for token ids. The lookup and the loss are products with these rather than
-    /// `Embedding::forward` and `cross_entropy`: at this size (8 tokens, 65 characters) the
-    /// composites' extra kernels (the class numbers, counted per call) cost C5 about 0.2 ms a
-    /// step (4 kernels more, 262 -> 266), while an uploaded one-hot matrix costs nothing.
+    /// `Embedding::forward` and `cross_entropy`: at this size (8 tokens, 65 characters) an
+    /// uploaded one-hot matrix costs no kernel, where the composites add kernels of their own
+    /// (when lookups were one-hot reductions, 4 a step: C5 about 0.2 ms slower).
     fn one_hot(&self, ids: &[usize]) -> Tensor {
         let mut v = vec![0.0f32; ids.len() * VOCAB];
         for (i, &t) in ids.iter().enumerate() {

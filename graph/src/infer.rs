@@ -104,6 +104,9 @@ pub fn scatter_add(base: (&Shape, DType), index: (&Shape, DType), src: (&Shape, 
     }
     same_dtype("scatter_add", base.1, src.1)?;
     check_rule(DTypeRule::Numeric, "scatter_add", base.1)?;
+    if matches!(base.1, DType::F16 | DType::BF16) {
+        return Err(format!("scatter_add: {} sums run in f32; convert with to_dtype", base.1));
+    }
     let (b, i) = (base.0.dims(), index.0.dims());
     let fits =
         dim < b.len() && index.0 == src.0 && b.len() == i.len() && (0..b.len()).all(|d| d == dim || b[d] == i[d]);

@@ -3,7 +3,8 @@
 //! A kernel reads and writes numbered buffer arguments through strided [`View`]s. Its body is
 //! either a set of map loops (an index space, loads, an expression DAG from
 //! [`braid_graph::expr`], stores), a row kernel (reductions with the elementwise work around
-//! them), or a matrix product with an elementwise epilogue. Targets interpret it (the
+//! them), a matrix product with an elementwise epilogue, a gather, a scatter-add, or a
+//! collective (a library call). Targets interpret it (the
 //! CPU) or print it (CUDA C, WGSL); none of them needs to know which graph ops it came from.
 //! The IR holds no buffers and no data, so kernels can be cached by structure.
 
@@ -155,6 +156,10 @@ impl GatherKernel {
         if self.index.dtype != DType::I64 {
             return Err(format!("a gather's index is {}, not i64", self.index.dtype));
         }
+        let views = [&self.src.view, &self.index.view];
+        if views.iter().any(|v| v.strides.len() != v.dims.len()) || [self.src.arg, self.index.arg].contains(&self.out) {
+            return Err("a gather's views need a stride per dimension, and its output its own argument".into());
+        }
         if self.src.view.dims != self.dims || self.index.view.dims != self.dims {
             return Err(format!(
                 "a gather over {:?} reads views over {:?} and {:?}",
@@ -225,6 +230,10 @@ impl ScatterKernel {
         }
         if self.index.dtype != DType::I64 {
             return Err(format!("a scatter-add's index is {}, not i64", self.index.dtype));
+        }
+        let loads = [Some(&self.src), Some(&self.index), self.base.as_ref()].into_iter().flatten();
+        if loads.clone().any(|l| l.view.strides.len() != l.view.dims.len() || l.arg == self.out) {
+            return Err("a scatter-add's views need a stride per dimension, and its output its own argument".into());
         }
         let (d, o) = (&self.dims, &self.out_dims);
         let shapes = self.dim < d.len()

@@ -3,7 +3,8 @@
 //! Each node's expression comes from the op table; folded movement becomes the view of a load
 //! and folded constants become constants of the expression. Map segments become one loop over
 //! their index space, Rows segments a row kernel, Matmul segments a matrix product with its
-//! epilogue, and the rest copies. Lowering is pure: it never allocates buffers or runs anything.
+//! epilogue, and the rest (Single segments) copies, gathers or scatter-adds. Lowering is pure: it
+//! never allocates buffers or runs anything.
 
 use crate::kernel::{
     Arg, Body, GatherKernel, Kernel, Load, MapLoop, MatmulKernel, MatmulOperand, RowKernel, ScatterKernel, Store,
@@ -350,7 +351,8 @@ impl<'a> Lowering<'a> {
         MatmulKernel { dtype: node.dtype, lhs, rhs, product, m, n, k, epilogue }
     }
 
-    /// Kernels that are not fused: concatenation and materialised movement (copies).
+    /// Kernels that are not fused: concatenation and materialised movement (copies), gathers and
+    /// scatter-adds.
     fn single(&self, seg: &Segment) -> Body {
         let g = self.graph;
         let i = seg.nodes[0];

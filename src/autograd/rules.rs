@@ -228,8 +228,8 @@ fn other_grads(
         Op::ToDevice => smallvec![Some(g.to_device(&node.inputs[0].device))],
         Op::Gather { dim } => {
             // Each source element gets the sum of the gradients of the elements that read it.
-            let zeros = Tensor::zeros(node.inputs[0].shape.clone(), g.dtype(), g.device());
-            smallvec![Some(zeros.scatter_add(*dim, &input(1), g)), None]
+            let zeros = |dtype| Tensor::zeros(node.inputs[0].shape.clone(), dtype, g.device());
+            smallvec![Some(scatter_into_zeros(zeros, *dim, &input(1), g)), None]
         }
         Op::ScatterAdd { dim } => {
             // The base's gradient passes through; each source element's is the gradient of
@@ -246,10 +246,21 @@ fn other_grads(
             let mut along = vec![1; src.rank()];
             along[*dim] = index.numel();
             let index = index.reshape(along).expand(flat.clone());
-            let zeros = Tensor::zeros(src.clone(), g.dtype(), g.device());
-            smallvec![Some(zeros.scatter_add(*dim, &index, &g.reshape(flat))), None]
+            let zeros = |dtype| Tensor::zeros(src.clone(), dtype, g.device());
+            smallvec![Some(scatter_into_zeros(zeros, *dim, &index, &g.reshape(flat))), None]
         }
         op => unreachable!("{} is not differentiable", op.name()),
+    }
+}
+
+/// `g` scatter-added into zeros (made by `zeros(dtype)`); halves in f32, rounded once, so that
+/// the zeros stay a constant the scatter-add folds (no table of zeros is stored).
+fn scatter_into_zeros(zeros: impl Fn(DType) -> Tensor, dim: usize, index: &Tensor, g: &Tensor) -> Tensor {
+    match g.dtype() {
+        d @ (DType::F16 | DType::BF16) => {
+            zeros(DType::F32).scatter_add(dim, index, &g.to_dtype(DType::F32)).to_dtype(d)
+        }
+        d => zeros(d).scatter_add(dim, index, g),
     }
 }
 

@@ -43,8 +43,8 @@ fn needs_i64(op: &str, operands: &[(&str, &Tensor)]) {
 }
 
 impl Tensor {
-    /// Misuse of `op` unless `index` is an integer tensor; returns it as I64 (what the one-hot
-    /// comparison uses).
+    /// Misuse of `op` unless `index` is an integer tensor; returns it as I64 (what the gather and
+    /// scatter kernels read).
     #[track_caller]
     fn index_i64(op: &str, index: &Tensor, operands: &[(&str, &Tensor)]) -> Tensor {
         if !index.dtype().is_int() {
@@ -156,8 +156,8 @@ impl Tensor {
     /// `dim = 0` (and so on), as PyTorch's `scatter_add`: `index` (integers) and `src` have one
     /// shape, which equals this tensor's along every dimension but `dim`. Each element gets
     /// the sum of the `src` elements aimed at it, in index order, then added to it: the same
-    /// bits on every run and at any thread count (f16 and bf16 sum in f32). An index outside `0..self.dims()[dim]` adds nothing (see the
-    /// [module docs](self)).
+    /// bits on every run and at any thread count (f16 and bf16 sum in f32). An index outside
+    /// `0..self.dims()[dim]` adds nothing (see the [module docs](self)).
     ///
     /// ```
     /// use braid::prelude::*;

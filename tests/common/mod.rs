@@ -170,7 +170,8 @@ pub fn call(op: &Op, inputs: &[&Tensor], shape: &Shape, dtype: DType, dev: &Devi
         Op::Matmul => inputs[0].matmul(inputs[1]),
         Op::Gather { dim } => inputs[0].gather(*dim, inputs[1]),
         Op::IndexSelect { dim } if inputs[1].rank() == 1 => inputs[0].index_select(*dim, inputs[1]),
-        Op::IndexSelect { .. } => inputs[1].embedding(inputs[0]),
+        Op::IndexSelect { dim: 0 } => inputs[1].embedding(inputs[0]),
+        Op::IndexSelect { .. } => unreachable!("the API selects along other dimensions with a 1-D index only"),
         Op::ScatterAdd { dim } => inputs[0].scatter_add(*dim, inputs[1], inputs[2]),
         Op::Reshape => inputs[0].reshape(shape.clone()),
         Op::Permute(p) => {

@@ -18,6 +18,13 @@ pub fn run_gather(g: &GatherKernel, args: &[ArgPtr]) -> Result<(), String> {
     if numel == 0 {
         return Ok(());
     }
+    if g.extent == 0 {
+        // Every index is out of range; the source (perhaps empty) is never addressed.
+        let out = args[g.out as usize].ptr;
+        // SAFETY: `check` gave the output `numel` elements.
+        unsafe { std::ptr::write_bytes(out, 0, numel * g.src.dtype.size()) };
+        return Ok(());
+    }
     let shared = Shared(args);
     in_tasks(numel, |start, end| {
         match g.src.dtype.size() {

@@ -1,6 +1,8 @@
-//! Indexing ops, defined directly: an output element reads the element its index names (not
-//! the one-hot reductions braid records for them), so the tests compare two independent
-//! definitions.
+//! Indexing ops, defined directly, element by element: an output element reads the element its
+//! index names, independently of braid's gather and scatter kernels (which walk views and rows),
+//! so the tests compare two independent definitions. A scatter-add of f16/bf16 is modelled as
+//! the sum rounded to the type, then the add; braid sums and adds in f32 and rounds once, which
+//! the bounds cover.
 //!
 //! Semantics (as `braid::Tensor::gather` documents them): an index outside `0..n` reads 0 in a
 //! gather and adds nothing in a scatter-add. Bounds: a gather moves a value and its bound; a
