@@ -1,6 +1,6 @@
 //! "Fusion never slower": shapes where a fused kernel could lose to the ops run one by one (a
-//! whole-tensor reduction, long rows, short rows, a reduction along a non-last axis, an
-//! elementwise chain), each timed fused and unfused (`set_fusion(false)`, as `BRAID_FUSION=0`)
+//! whole-tensor reduction, long rows, short rows, a reduction along a non-last axis, rows of a
+//! transposed view, an elementwise chain), each timed fused and unfused (`set_fusion(false)`, as `BRAID_FUSION=0`)
 //! on one device in the same run, interleaved, reading the same input buffer (two devices' buffers
 //! can differ in speed by 10-15% with nothing else different), with the ratio fused / unfused
 //! printed (the plan cache keeps both plans). Results
@@ -72,6 +72,12 @@ fn cases(quick: bool) -> Vec<Case> {
             name: "non-last axis: (2x).sum over dim 0",
             shape: vec![s(4096, 1024), 4096],
             f: |x| (x * 2.0).sum_dim(0, false),
+        },
+        Case { name: "transposed rows: x.t().softmax", shape: vec![4096, s(1024, 512)], f: |x| x.t().softmax(-1) },
+        Case {
+            name: "transposed rows: x.t().sum over dim 1",
+            shape: vec![4096, s(1024, 512)],
+            f: |x| x.t().sum_dim(1, false),
         },
         Case {
             name: "elementwise chain",

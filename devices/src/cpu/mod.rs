@@ -17,6 +17,7 @@ mod reduce;
 pub mod rows;
 mod scatter;
 mod split;
+mod tile;
 
 /// braid's f32 `exp` and `tanh` (defined next to the kernel IR, whose host C printer prints them).
 pub use braid_lowering::vmath;
@@ -172,6 +173,14 @@ impl CpuDevice {
         if let Body::Matmul(m) = &kernel.body {
             return self.run_matmul(kernel, m, args);
         }
+        let reordered;
+        let kernel = match &kernel.body {
+            Body::Map(loops) if loops.iter().any(tile::reorders) => {
+                reordered = self.reordered_map(kernel);
+                &reordered
+            }
+            _ => kernel,
+        };
         let plan = match &kernel.body {
             Body::Rows(r) => {
                 let key = Arc::as_ptr(kernel) as usize;
@@ -198,6 +207,22 @@ impl CpuDevice {
         run_prepared(kernel, plan.as_ref().map(|(_, p)| &**p), args)
     }
 
+    /// `kernel` (map loops, some of which [`tile::reorders`]) in the order it runs in on the
+    /// CPU, prepared once per interned kernel.
+    fn reordered_map(&self, kernel: &Arc<Kernel>) -> Arc<Kernel> {
+        let Body::Map(loops) = &kernel.body else { return kernel.clone() };
+        let key = Arc::as_ptr(kernel) as usize;
+        let mut prep = self.prepared.lock().unwrap_or_else(|p| p.into_inner());
+        if prep.maps.len() >= MAX_PREPARED {
+            prep.maps.clear();
+        }
+        let entry = prep.maps.entry(key).or_insert_with(|| {
+            let loops = loops.iter().map(|l| tile::map_loop(l).unwrap_or_else(|| l.clone())).collect();
+            (kernel.clone(), Arc::new(Kernel { body: Body::Map(loops), ..(**kernel).clone() }))
+        });
+        entry.1.clone()
+    }
+
     /// Runs `kernel` as [`CpuDevice::run`] does, but for a kernel of map loops keeps its compiled
     /// library in `compiled` once there is one and runs it from there (a replayed step runs the
     /// same kernels thousands of times: looking the library up each time is a lock and a hash).
@@ -207,7 +232,8 @@ impl CpuDevice {
         args: &[ArgPtr],
         compiled: &std::sync::OnceLock<Arc<native::NativeKernel>>,
     ) -> Result<(), String> {
-        if !matches!(kernel.body, Body::Map(_)) || self.native.mode() == CompileMode::Off {
+        let plain = matches!(&kernel.body, Body::Map(loops) if !loops.iter().any(tile::reorders));
+        if !plain || self.native.mode() == CompileMode::Off {
             return self.run(kernel, args);
         }
         let lib = match compiled.get() {
@@ -339,11 +365,13 @@ fn run_prepared(kernel: &Kernel, row_plan: Option<&rows::Plan>, args: &[ArgPtr])
     }
 }
 
-/// Per-kernel preparation kept across runs (today: the plans of row kernels), keyed by the
+/// Per-kernel preparation kept across runs (the plans of row kernels, reordered map kernels), keyed by the
 /// identity of the interned kernel, which the cache holds so the key cannot be reused.
 #[derive(Default)]
 struct Prepared {
     rows: hashbrown::HashMap<usize, (Arc<Kernel>, Arc<rows::Plan>)>,
+    /// Map kernels in the order they run in (`tile::map_loop`).
+    maps: hashbrown::HashMap<usize, (Arc<Kernel>, Arc<Kernel>)>,
     /// Matrix-product kernels' epilogues as kernels of their own (`matmul::epilogue_kernel`).
     epilogues: hashbrown::HashMap<usize, (Arc<Kernel>, Option<Arc<Kernel>>)>,
 }

@@ -9,8 +9,8 @@
 //! one chunk, per-element values a later pass needs are kept in a per-thread scratch (`keep`)
 //! rather than recomputed, and a reduction of a contiguous load alone folds straight from the
 //! buffer. Rows are spread across rayon's threads; fewer than [`MIN_ROWS`] long rows are each
-//! split across them (`split`), reductions with few rows along a non-last axis re-tiled
-//! ([`retile`]). Nothing here plans or allocates device memory, and nothing here may make a
+//! split across them (`split`); a kernel may run in another order of its index space
+//! ([`super::tile::row_kernel`]: transposed rows, few rows along a non-last axis). Nothing here plans or allocates device memory, and nothing here may make a
 //! result depend on the number of threads.
 
 use super::eval::{Reg, dispatch_simd, eval_node, fit_regs};
@@ -22,7 +22,6 @@ use braid_graph::expr::ExprOp;
 use braid_lowering::row_passes::{KeepPlan, RowPasses, keep_plan};
 use braid_lowering::{RowKernel, View};
 use rayon::prelude::*;
-use smallvec::SmallVec;
 
 /// Row elements per parallel task (rows are grouped until a task has about this much work: the CPU target's
 /// work granularity).
@@ -45,7 +44,7 @@ pub struct Plan {
     /// Extent of the axis (the whole space when `None`) and of the dimensions after it.
     pub(super) len: usize,
     pub(super) inner: usize,
-    /// The kernel to run instead of the one planned (see [`retile`]).
+    /// The kernel to run instead of the one planned (see [`super::tile::row_kernel`]).
     retiled: Option<Box<RowKernel>>,
     /// Rows longer than a chunk and up to [`keep::KEEP_ROW`] positions: values kept from pass to
     /// pass instead of recomputed.
@@ -99,10 +98,10 @@ impl Plan {
     }
 }
 
-/// Plans a row kernel, first re-tiling it when it has too few rows to split across threads
-/// (see [`retile`]).
+/// Plans a row kernel, first choosing the order its index space runs in (see
+/// [`super::tile::row_kernel`]).
 pub fn plan(k: &RowKernel) -> Plan {
-    match retile(k) {
+    match super::tile::row_kernel(k) {
         Some(tiled) => Plan { retiled: Some(Box::new(tiled.clone())), ..plan_for(&tiled) },
         None => plan_for(k),
     }
@@ -110,58 +109,6 @@ pub fn plan(k: &RowKernel) -> Plan {
 
 /// Rows needed before a kernel is left as it is: enough to keep every thread busy.
 pub(super) const MIN_ROWS: usize = 16;
-
-/// A reduction along an axis with few rows before it and a wide last dimension (the column sums
-/// of a bias gradient: `[batch, n]` summed over the batch is one row of `batch x n` elements,
-/// run on one thread and too long to stay in cache) is the same kernel over the index space
-/// with the last dimension split into `blocks x width` and the blocks moved in front of the
-/// axis: every block is an independent row of `len x width` elements. Views are strided, so
-/// this only rewrites dims and strides. Kernels that use the flat element index (random
-/// numbers) keep their index space.
-fn retile(k: &RowKernel) -> Option<RowKernel> {
-    let d = k.axis?;
-    let last = k.dims.len() - 1;
-    if d == last || k.expr.nodes.iter().any(|n| matches!(n.op, ExprOp::Index | ExprOp::Random { .. })) {
-        return None;
-    }
-    let outer: usize = k.dims[..d].iter().product();
-    let inner: usize = k.dims[d + 1..].iter().product();
-    let cols = k.dims[last];
-    if outer >= MIN_ROWS || inner < 64 {
-        return None;
-    }
-    // The widest block (a multiple of 8 lanes) that leaves enough rows and, where possible,
-    // rows that fit one chunk. Rows too long for that are read in runs of the block's width,
-    // one run per step along the axis: then the widest block that leaves enough rows (runs of
-    // 1 KiB stream from memory; runs of 32 bytes waste half of every cache line).
-    let rest = k.dims[d] * (inner / cols);
-    let enough = |w: usize| cols.is_multiple_of(w) && outer * (cols / w) >= MIN_ROWS;
-    let width = [64usize, 32, 16, 8]
-        .into_iter()
-        .filter(|&w| enough(w))
-        .find(|&w| rest * w <= WHOLE_ROW)
-        .or_else(|| [256usize, 128, 64, 32, 16, 8].into_iter().find(|&w| enough(w)))
-        .or_else(|| [8usize, 16, 32, 64].into_iter().find(|&w| cols.is_multiple_of(w) && cols / w >= 2))?;
-    let blocks = cols / width;
-    let split = |v: &View| -> View {
-        let s = v.strides[last];
-        let mut dims: SmallVec<[usize; 4]> = v.dims[..d].into();
-        let mut strides: SmallVec<[isize; 4]> = v.strides[..d].into();
-        dims.push(blocks);
-        strides.push(s * width as isize);
-        dims.extend_from_slice(&v.dims[d..last]);
-        strides.extend_from_slice(&v.strides[d..last]);
-        dims.push(width);
-        strides.push(s);
-        View { dims, strides, offset: v.offset }
-    };
-    let mut tiled = k.clone();
-    tiled.dims = split(&View { dims: k.dims.clone(), strides: k.dims.iter().map(|_| 0).collect(), offset: 0 }).dims;
-    tiled.axis = Some(d + 1);
-    tiled.loads.iter_mut().for_each(|l| l.view = split(&l.view));
-    tiled.stores.iter_mut().for_each(|s| s.view = split(&s.view));
-    Some(tiled)
-}
 
 /// The part of `view` that row `o` covers: the axis and what follows it (`row = true`), or only
 /// what follows it at axis position 0 (`row = false`, for per-row values).
