@@ -36,7 +36,7 @@ enum Role {
 /// some reversed (a negative stride, the offset moved to their far end), stride 0 where
 /// `zero`; with the view's offset and a length of the argument that holds it (a little more
 /// than it reaches). Empty dimensions are laid out as if of one element.
-fn layout(rng: &mut Rng, dims: &[usize], zero: &[bool]) -> (Vec<isize>, usize, usize) {
+pub(super) fn layout(rng: &mut Rng, dims: &[usize], zero: &[bool]) -> (Vec<isize>, usize, usize) {
     let rank = dims.len();
     let mut order: Vec<usize> = (0..rank).collect();
     if rng.chance(0.5) {

@@ -22,36 +22,10 @@ use braid_lowering::{Arg, Body, Load, ScatterKernel, View};
 /// The dtypes a scatter-add takes; case `n` adds `DTYPES[n % 5]`.
 const DTYPES: [DType; 5] = [DType::F32, DType::F64, DType::I32, DType::I64, DType::U8];
 
-/// A random layout of `dims`: strides in a random order (a transpose), some dimensions padded,
-/// some reversed (a negative stride, the offset moved to their far end), stride 0 where
-/// `zero`; with the view and the length of an argument that holds it (a little more than it
-/// reaches). Empty dimensions are laid out as if of one element (as in `gathers.rs`).
+/// [`super::gathers::layout`] as a view of `dims`, with the length of an argument that holds it.
 fn random_layout(rng: &mut Rng, dims: &[usize], zero: &[bool]) -> (View, usize) {
-    let rank = dims.len();
-    let mut order: Vec<usize> = (0..rank).collect();
-    if rng.chance(0.5) {
-        for i in (1..rank).rev() {
-            order.swap(i, rng.below(i + 1));
-        }
-    }
-    let mut strides = vec![0isize; rank];
-    let mut acc = 1;
-    for &d in order.iter().rev() {
-        if zero[d] {
-            continue;
-        }
-        strides[d] = acc as isize;
-        acc *= dims[d].max(1) + if rng.chance(0.25) { 1 + rng.below(2) } else { 0 };
-    }
-    let mut offset = if rng.chance(0.5) { 1 + rng.below(4) } else { 0 };
-    for d in 0..rank {
-        if strides[d] != 0 && rng.chance(0.25) {
-            offset += (dims[d].max(1) - 1) * strides[d] as usize;
-            strides[d] = -strides[d];
-        }
-    }
-    let reach: usize = (0..rank).filter(|&d| strides[d] > 0).map(|d| (dims[d].max(1) - 1) * strides[d] as usize).sum();
-    (View { dims: dims.into(), strides: strides.into(), offset }, offset + reach + 1 + rng.below(3))
+    let (strides, offset, len) = super::gathers::layout(rng, dims, zero);
+    (View { dims: dims.into(), strides: strides.into(), offset }, len)
 }
 
 /// `n` random elements of dtype `d` as bytes: integers random bits (sums wrap), floats finite,

@@ -8,7 +8,7 @@
 //! compared with the gathered dimension's extent before the source is read at it. This module
 //! never allocates device memory.
 
-use super::map::{ArgPtr, Shared, in_tasks};
+use super::map::{ArgPtr, Shared, in_tasks, position, unravel};
 use braid_lowering::GatherKernel;
 
 /// Runs one gather. `args` must match the kernel's argument list.
@@ -52,19 +52,12 @@ fn run_range<T: Copy + Default>(g: &GatherKernel, args: Shared<'_>, start: usize
     let (index_step, src_step) = (step(index_view), step(src_view));
     // The multi-index of `start`, and the view offsets there.
     let mut at = vec![0usize; rank];
-    let mut rest = start;
-    for d in (0..rank).rev() {
-        at[d] = rest % dims[d];
-        rest /= dims[d];
-    }
-    let offset = |v: &braid_lowering::View, at: &[usize]| -> isize {
-        v.offset as isize + at.iter().zip(&v.strides).map(|(&i, &s)| i as isize * s).sum::<isize>()
-    };
+    unravel(dims, start, &mut at);
     let mut i = start;
     while i < end {
         let first = at.last().copied().unwrap_or(0);
         let run = (last - first).min(end - i);
-        let (index_at, src_at) = (offset(index_view, &at), offset(src_view, &at));
+        let (index_at, src_at) = (position(index_view, &at), position(src_view, &at));
         // SAFETY: `check` put every view within its argument, the source's at every index in
         // `0..extent`, so the run's index positions are inside the index buffer and, for an
         // index in `0..extent`, its source positions inside the source's; the run's outputs

@@ -57,6 +57,19 @@ pub(super) fn in_tasks(n: usize, f: impl Fn(usize, usize) -> Result<(), String> 
     (0..n.div_ceil(TASK)).into_par_iter().try_for_each(|t| f(t * TASK, ((t + 1) * TASK).min(n)))
 }
 
+/// The position of `at` (a multi-index over `v`'s dims) in `v`'s argument.
+pub(super) fn position(v: &View, at: &[usize]) -> isize {
+    v.offset as isize + at.iter().zip(&v.strides).map(|(&i, &s)| i as isize * s).sum::<isize>()
+}
+
+/// The multi-index of element `i` of `dims`, row-major.
+pub(super) fn unravel(dims: &[usize], mut i: usize, at: &mut [usize]) {
+    for d in (0..dims.len()).rev() {
+        at[d] = i % dims[d];
+        i /= dims[d];
+    }
+}
+
 /// Checks loads, stores and the expression against the arguments before any unchecked access:
 /// dtypes agree, every view lies within its argument, every register has the right type.
 pub(super) fn check_io(loads: &[Load], stores: &[Store], expr: &Expr, args: &[ArgPtr]) -> Result<(), String> {

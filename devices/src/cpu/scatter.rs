@@ -10,7 +10,7 @@
 //! compared with the output's extent before the output is written at it. This module never
 //! allocates device memory.
 
-use super::map::{ArgPtr, Shared, TASK, in_tasks};
+use super::map::{ArgPtr, Shared, TASK, in_tasks, position, unravel};
 use braid_graph::DType;
 use braid_lowering::{Load, ScatterKernel, View};
 use rayon::prelude::*;
@@ -54,19 +54,6 @@ pub fn run_scatter(s: &ScatterKernel, args: &[ArgPtr]) -> Result<(), String> {
         d => return Err(format!("a scatter-add of {d}")),
     }
     Ok(())
-}
-
-/// The position of `at` (a multi-index over `v`'s dims) in `v`'s argument.
-fn position(v: &View, at: &[usize]) -> isize {
-    v.offset as isize + at.iter().zip(&v.strides).map(|(&i, &s)| i as isize * s).sum::<isize>()
-}
-
-/// The multi-index of element `i` of `dims`, row-major.
-fn unravel(dims: &[usize], mut i: usize, at: &mut [usize]) {
-    for d in (0..dims.len()).rev() {
-        at[d] = i % dims[d];
-        i /= dims[d];
-    }
 }
 
 fn run<T: Add>(s: &ScatterKernel, args: Shared<'_>) {

@@ -17,13 +17,6 @@ fn bits_type(size: usize) -> &'static str {
     }
 }
 
-/// The element offset `offset + sum(i<d> * strides[d])` over the indices `i0, i1, ..`.
-fn position(offset: usize, strides: &[isize]) -> String {
-    let mut terms = vec![format!("{offset}LL")];
-    terms.extend(strides.iter().enumerate().filter(|&(_, &s)| s != 0).map(|(d, s)| format!("i{d} * {s}LL")));
-    terms.join(" + ")
-}
-
 pub(super) fn print_gather(out: &mut String, g: &GatherKernel, name: &str, params: &[Param]) -> Result<Entry, String> {
     g.check(|a| params.get(a as usize).map(|p| (p.dtype, p.len)))?;
     if !params[g.out as usize].writable || params[g.src.arg as usize].writable || params[g.index.arg as usize].writable
@@ -40,27 +33,17 @@ pub(super) fn print_gather(out: &mut String, g: &GatherKernel, name: &str, param
         dims.as_slice(),
         signature(name, params)
     );
-    let _ = writeln!(
-        out,
-        "  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < {numel}LL; i += (long long)gridDim.x * blockDim.x) {{"
-    );
-    out.push_str("    long long rest = i;\n");
-    for (d, &n) in dims.iter().enumerate().rev() {
-        if d == 0 {
-            let _ = writeln!(out, "    const long long i0 = rest;");
-        } else {
-            let _ = writeln!(out, "    const long long i{d} = rest % {n}LL;\n    rest /= {n}LL;");
-        }
-    }
+    grid_loop(out, "i", numel);
+    index_vars(out, "i", dims, None);
     let (ix, src) = (&g.index.view, &g.src.view);
-    let _ = writeln!(out, "    const long long j = a{}[{}];", g.index.arg, position(ix.offset, &ix.strides));
+    let _ = writeln!(out, "    const long long j = a{}[{}];", g.index.arg, offset_without(ix, None));
     let _ = writeln!(out, "    {t} v = 0;");
     let _ = writeln!(
         out,
         "    if (j >= 0 && j < {}LL) v = ((const {t}*)a{})[{} + j * {}LL];",
         g.extent,
         g.src.arg,
-        position(src.offset, &src.strides),
+        offset_without(src, None),
         g.along
     );
     let _ = writeln!(out, "    (({t}*)a{})[i] = v;\n  }}\n}}", g.out);

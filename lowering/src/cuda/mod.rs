@@ -202,3 +202,27 @@ fn signature(name: &str, params: &[Param]) -> String {
         .collect();
     format!("extern \"C\" __global__ void {name}({})", list.join(", "))
 }
+
+/// The grid-stride loop header over `n` items named `i`.
+fn grid_loop(out: &mut String, var: &str, n: usize) {
+    let _ = writeln!(
+        out,
+        "  for (long long {var} = (long long)blockIdx.x * blockDim.x + threadIdx.x; {var} < {n}LL; {var} += (long long)gridDim.x * blockDim.x) {{"
+    );
+}
+
+/// Declares `d<k>` for each dimension of `dims` but `skip` (those of extent > 1), decomposing
+/// `var` row-major over them.
+fn index_vars(out: &mut String, var: &str, dims: &[usize], skip: Option<usize>) {
+    let which: Vec<usize> = (0..dims.len()).filter(|&d| Some(d) != skip).collect();
+    decompose(out, "    ", var, dims, &which, &used_dims(dims, &[], true));
+}
+
+/// `view`'s element offset at the indices `d<k>` of [`index_vars`], dimension `skip` left out.
+fn offset_without(view: &View, skip: Option<usize>) -> String {
+    let mut view = view.clone();
+    if let Some(d) = skip {
+        view.strides[d] = 0;
+    }
+    offset_expr(&view)
+}

@@ -20,38 +20,6 @@ fn add(d: DType, a: &str, b: &str) -> String {
     }
 }
 
-/// The grid-stride loop header over `n` items named `i`.
-fn grid_loop(out: &mut String, var: &str, n: usize) {
-    let _ = writeln!(
-        out,
-        "  for (long long {var} = (long long)blockIdx.x * blockDim.x + threadIdx.x; {var} < {n}LL; {var} += (long long)gridDim.x * blockDim.x) {{"
-    );
-}
-
-/// Declares `i<d>` for each dimension of `dims` but `skip`, decomposing `var` row-major.
-fn decompose(out: &mut String, var: &str, dims: &[usize], skip: Option<usize>) {
-    let _ = writeln!(out, "    long long rest = {var};");
-    let kept: Vec<usize> = (0..dims.len()).filter(|&d| Some(d) != skip).collect();
-    for (k, &d) in kept.iter().enumerate().rev() {
-        if k == 0 {
-            let _ = writeln!(out, "    const long long i{d} = rest;");
-        } else {
-            let _ = writeln!(out, "    const long long i{d} = rest % {}LL;\n    rest /= {}LL;", dims[d], dims[d]);
-        }
-    }
-    if kept.is_empty() {
-        out.push_str("    (void)rest;\n");
-    }
-}
-
-/// `offset + sum(i<d> * strides[d])` over the dimensions but `skip`.
-fn position(offset: usize, strides: &[isize], skip: Option<usize>) -> String {
-    let mut terms = vec![format!("{offset}LL")];
-    let used = strides.iter().enumerate().filter(|&(d, &s)| s != 0 && Some(d) != skip);
-    terms.extend(used.map(|(d, s)| format!("i{d} * {s}LL")));
-    terms.join(" + ")
-}
-
 pub(super) fn print_scatter(
     out: &mut String,
     s: &ScatterKernel,
@@ -82,12 +50,14 @@ pub(super) fn print_scatter(
         signature(&format!("{name}_scatter"), params)
     );
     grid_loop(out, "r", rows);
-    decompose(out, "r", &s.dims, Some(dim));
+    index_vars(out, "r", &s.dims, Some(dim));
+    // The output's strides over the source space (the same dims but along `dim`, left out).
     let out_strides = braid_graph::Shape::new(&s.out_dims).contiguous_strides();
+    let out_view = View { dims: s.dims.clone(), strides: out_strides.into_iter().collect(), offset: 0 };
     let (sv, iv) = (&s.src.view, &s.index.view);
-    let _ = writeln!(out, "    const long long src_at = {};", position(sv.offset, &sv.strides, Some(dim)));
-    let _ = writeln!(out, "    const long long index_at = {};", position(iv.offset, &iv.strides, Some(dim)));
-    let _ = writeln!(out, "    const long long out_at = {};", position(0, &out_strides, Some(dim)));
+    let _ = writeln!(out, "    const long long src_at = {};", offset_without(sv, Some(dim)));
+    let _ = writeln!(out, "    const long long index_at = {};", offset_without(iv, Some(dim)));
+    let _ = writeln!(out, "    const long long out_at = {};", offset_without(&out_view, Some(dim)));
     let _ = writeln!(out, "    for (long long n = 0; n < {k}LL; ++n) {{");
     let _ = writeln!(out, "      const long long j = a{}[index_at + n * {}LL];", s.index.arg, iv.strides[dim]);
     let _ = writeln!(out, "      if (j < 0 || j >= {}LL) continue;", s.out_dims[dim]);
@@ -100,8 +70,8 @@ pub(super) fn print_scatter(
     let Some(bl) = &s.base else { return Ok(entries) };
     let _ = writeln!(out, "\n// The base added to the sums.\n{} {{", signature(&format!("{name}_base"), params));
     grid_loop(out, "i", numel);
-    decompose(out, "i", &s.out_dims, None);
-    let base = format!("a{}[{}]", bl.arg, position(bl.view.offset, &bl.view.strides, None));
+    index_vars(out, "i", &s.out_dims, None);
+    let base = format!("a{}[{}]", bl.arg, offset_without(&bl.view, None));
     let _ = writeln!(out, "    a{}[i] = {};\n  }}\n}}", s.out, add(d, &base, &format!("a{}[i]", s.out)));
     entries.push(Entry { name: format!("{name}_base"), launch: Launch::Map { numel, block: MAP_BLOCK } });
     Ok(entries)

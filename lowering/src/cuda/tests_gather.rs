@@ -16,7 +16,7 @@ fn gather(src: (DType, usize, View), along: isize, extent: usize, index: (DType,
 
 #[test]
 fn a_gather_moves_bits_and_reads_the_source_only_in_range() {
-    // An embedding: a [5, 3] f16 table, ids [2] expanded over the features (stride 0, no `i1`);
+    // An embedding: a [5, 3] f16 table, ids [2] expanded over the features (stride 0, no `d1`);
     // an f16 moves as its 16 bits, never through a float (a NaN keeps its payload).
     let k = gather((DType::F16, 15, view(&[2, 3], &[0, 1], 0)), 3, 5, (DType::I64, 2, view(&[2, 3], &[1, 0], 0)));
     let p = print(&k, "embed").unwrap();
@@ -25,10 +25,10 @@ fn a_gather_moves_bits_and_reads_the_source_only_in_range() {
         &p.source,
         &[
             "void embed_gather(const __half* a0, const long long* a1, __half* a2) {",
-            "const long long i1 = rest % 3LL;",
-            "const long long j = a1[0LL + i0 * 1LL];",
+            "const long long d1 = i % 3;",
+            "const long long j = a1[d0];",
             "unsigned short v = 0;",
-            "if (j >= 0 && j < 5LL) v = ((const unsigned short*)a0)[0LL + i1 * 1LL + j * 3LL];",
+            "if (j >= 0 && j < 5LL) v = ((const unsigned short*)a0)[d1 + j * 3LL];",
             "((unsigned short*)a2)[i] = v;",
         ],
     );
@@ -44,8 +44,8 @@ fn a_gather_moves_bits_and_reads_the_source_only_in_range() {
         };
         let k = gather((d, 9, view(&[2], &[1], 7)), -3, 3, (DType::I64, 4, view(&[2], &[2], 1)));
         let (p, t) = (print(&k, "g").unwrap(), format!("unsigned {t}"));
-        let read = format!("if (j >= 0 && j < 3LL) v = ((const {t}*)a0)[7LL + i0 * 1LL + j * -3LL];");
-        in_order(&p.source, &["const long long j = a1[1LL + i0 * 2LL];", &format!("{t} v = 0;"), &read]);
+        let read = format!("if (j >= 0 && j < 3LL) v = ((const {t}*)a0)[7 + d0 + j * -3LL];");
+        in_order(&p.source, &["const long long j = a1[1 + d0 * 2];", &format!("{t} v = 0;"), &read]);
     }
 }
 
@@ -101,15 +101,15 @@ fn a_scatter_adds_rows_in_order_after_zeroing_and_before_the_base() {
             "a3[i] = 0;",
             "void sa_scatter_scatter(",
             "r < 2LL;",
-            "const long long src_at = 0LL + i0 * 3LL;",
-            "const long long out_at = 0LL + i0 * 4LL;",
+            "const long long src_at = d0 * 3;",
+            "const long long out_at = d0 * 4;",
             "for (long long n = 0; n < 3LL; ++n) {",
             "const long long j = a1[index_at + n * 1LL];",
             "if (j < 0 || j >= 4LL) continue;",
             "float* to = a3 + out_at + j * 1LL;",
             "*to = *to + a0[src_at + n * 1LL];",
             "void sa_scatter_base(",
-            "a3[i] = a2[0LL + i1 * 1LL] + a3[i];",
+            "a3[i] = a2[d1] + a3[i];",
         ],
     );
     // A base of zeros: no third entry.
@@ -129,7 +129,7 @@ fn a_scatter_adds_rows_in_order_after_zeroing_and_before_the_base() {
         &p.source,
         &[
             "*to = (int)((unsigned int)(*to) + (unsigned int)(a0[src_at + n * 1LL]));",
-            "a3[i] = (int)((unsigned int)(a2[0LL + i1 * 1LL]) + (unsigned int)(a3[i]));",
+            "a3[i] = (int)((unsigned int)(a2[d1]) + (unsigned int)(a3[i]));",
         ],
     );
     // Halves (added in f32 by the graph) and an index of another dtype are refused.
