@@ -1,7 +1,8 @@
 //! Scatter-add cases of the CUDA printer test (`Body::Scatter`, part of [`super`]): random
 //! scatter-adds of rank 1 to 3 (some over empty dimensions) along any axis, of every dtype a
 //! scatter-add takes (F32, F64, I32, I64 and U8, the integers wrapping), with 0 to 6 output
-//! positions and 0 to 8 source positions along the scattered dimension, so that many source
+//! positions and 0 to 8 source positions along the scattered dimension (now and then 15 to 47: rows
+//! of several of the CUDA printer's batches), so that many source
 //! elements name one output element and the order of each sum's fold shows in float bits. The
 //! source, the index and the base (or none: zeros) are read through permuted, padded, reversed
 //! and broadcast (stride 0) views with offsets, in a random order of arguments, the base now and
@@ -90,7 +91,12 @@ pub(crate) fn scatter_case(rng: &mut Rng, n: usize) -> Case {
     }
     out_dims[dim] = if n % 12 == 7 { 0 } else { *rng.pick(&[1, 1, 2, 2, 3, 4, 5, 6]) };
     let mut dims = out_dims.clone();
-    dims[dim] = if n % 12 == 8 { 0 } else { *rng.pick(&[1, 2, 3, 4, 5, 6, 7, 7, 8, 8, 8]) };
+    dims[dim] = match n % 12 {
+        8 => 0,
+        // Rows of several of the CUDA printer's batches (`SCATTER_BATCH`, 16), ending inside one or at its end.
+        4 | 10 => *rng.pick(&[15, 16, 17, 31, 32, 33, 47]),
+        _ => *rng.pick(&[1, 2, 3, 4, 5, 6, 7, 7, 8, 8, 8]),
+    };
     let zero = |rng: &mut Rng, p: f64| (0..rank).map(|_| rng.chance(p)).collect::<Vec<bool>>();
     let z = zero(rng, 0.15);
     let (src_view, src_len) = random_layout(rng, &dims, &z);

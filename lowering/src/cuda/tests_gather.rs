@@ -90,24 +90,27 @@ fn a_scatter_adds_rows_in_order_after_zeroing_and_before_the_base() {
     let map = |name: &str, numel| Entry { name: name.into(), launch: Launch::Map { numel, block: MAP_BLOCK } };
     let (k, _) = scatter(DType::F32, DType::I64, true);
     let p = print(&k, "sa").unwrap();
-    let (zero, rows, base) = (map("sa_scatter_zero", 8), map("sa_scatter_scatter", 2), map("sa_scatter_base", 8));
+    let (zero, rows, base) = (map("sa_scatter_zero", 8), map("sa_scatter_scatter", 8), map("sa_scatter_base", 8));
     assert_eq!(p.entries, vec![zero.clone(), rows.clone(), base]);
-    // One thread per row folds its elements in order; an index outside the output's extent
-    // along the dimension adds nothing (and reads no source element).
+    // Four threads per row (the output's extent along the dimension), each folding in order the
+    // elements whose index is its own modulo 4, a batch at a time (here the row's 3), the next
+    // batch's indices and values loaded ahead; an index outside the output's extent adds nothing.
     in_order(
         &p.source,
         &[
             "void sa_scatter_zero(const float* a0, const long long* a1, const float* a2, float* a3) {",
             "a3[i] = 0;",
             "void sa_scatter_scatter(",
-            "r < 2LL;",
+            "t < 8LL;",
+            "const long long r = t % 2LL;",
+            "const long long part = t / 2LL;",
             "const long long src_at = d0 * 3;",
             "const long long out_at = d0 * 4;",
-            "for (long long n = 0; n < 3LL; ++n) {",
-            "const long long j = a1[index_at + n * 1LL];",
-            "if (j < 0 || j >= 4LL) continue;",
-            "float* to = a3 + out_at + j * 1LL;",
-            "*to = *to + a0[src_at + n * 1LL];",
+            "next_j[b] = n < 3LL ? a1[index_at + n * 1LL] : -1;",
+            "next_v[b] = n < 3LL && (next_j[b] & 3LL) == part ? a0[src_at + n * 1LL] : (float)0;",
+            "for (long long n0 = 0; n0 < 3LL; n0 += 3) {",
+            "const long long n = n0 + 3 + b;",
+            "if (j[b] >= 0 && j[b] < 4LL && (j[b] & 3LL) == part) a3[out_at + j[b] * 1LL] = a3[out_at + j[b] * 1LL] + v[b];",
             "void sa_scatter_base(",
             "a3[i] = a2[d1] + a3[i];",
         ],
@@ -120,7 +123,7 @@ fn a_scatter_adds_rows_in_order_after_zeroing_and_before_the_base() {
         &p.source,
         &[
             "void sa_scatter_scatter(const float* a0, const long long* a1, float* a2) {",
-            "if (j < 0 || j >= 4LL) continue;",
+            "if (j[b] >= 0 && j[b] < 4LL && (j[b] & 3LL) == part) a2[out_at + j[b] * 1LL] = a2[out_at + j[b] * 1LL] + v[b];",
         ],
     );
     // Integers wrap: they add as unsigned types (no signed overflow).
@@ -128,7 +131,7 @@ fn a_scatter_adds_rows_in_order_after_zeroing_and_before_the_base() {
     in_order(
         &p.source,
         &[
-            "*to = (int)((unsigned int)(*to) + (unsigned int)(a0[src_at + n * 1LL]));",
+            "a3[out_at + j[b] * 1LL] = (int)((unsigned int)(a3[out_at + j[b] * 1LL]) + (unsigned int)(v[b]));",
             "a3[i] = (int)((unsigned int)(a2[d1]) + (unsigned int)(a3[i]));",
         ],
     );
