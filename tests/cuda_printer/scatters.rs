@@ -93,7 +93,8 @@ pub(crate) fn scatter_case(rng: &mut Rng, n: usize) -> Case {
     let mut dims = out_dims.clone();
     dims[dim] = match n % 12 {
         8 => 0,
-        // Rows of several of the CUDA printer's batches (`SCATTER_BATCH`, 16), ending inside one or at its end.
+        // Rows of several of the CUDA printer's batches (`SCATTER_BATCH`, 16), ending inside
+        // one or at its end.
         4 | 10 => *rng.pick(&[15, 16, 17, 31, 32, 33, 47]),
         _ => *rng.pick(&[1, 2, 3, 4, 5, 6, 7, 7, 8, 8, 8]),
     };

@@ -365,8 +365,9 @@ fn run_prepared(kernel: &Kernel, row_plan: Option<&rows::Plan>, args: &[ArgPtr])
     }
 }
 
-/// Per-kernel preparation kept across runs (the plans of row kernels, reordered map kernels), keyed by the
-/// identity of the interned kernel, which the cache holds so the key cannot be reused.
+/// Per-kernel preparation kept across runs (the plans of row kernels, reordered map kernels),
+/// keyed by the identity of the interned kernel, which the cache holds so the key cannot be
+/// reused.
 #[derive(Default)]
 struct Prepared {
     rows: hashbrown::HashMap<usize, (Arc<Kernel>, Arc<rows::Plan>)>,

@@ -10,8 +10,9 @@
 //! rather than recomputed, and a reduction of a contiguous load alone folds straight from the
 //! buffer. Rows are spread across rayon's threads; fewer than [`MIN_ROWS`] long rows are each
 //! split across them (`split`); a kernel may run in another order of its index space
-//! ([`super::tile::row_kernel`]: transposed rows, few rows along a non-last axis). Nothing here plans or allocates device memory, and nothing here may make a
-//! result depend on the number of threads.
+//! ([`super::tile::row_kernel`]: transposed rows, few rows along a non-last axis). Nothing here
+//! plans or allocates device memory, and nothing here may make a result depend on the number
+//! of threads.
 
 use super::eval::{Reg, dispatch_simd, eval_node, fit_regs};
 use super::keep;

@@ -49,7 +49,7 @@ pub(super) fn print_scatter(
     let parts = parts_per_row(rows, s.out_dims[dim]);
     let _ = writeln!(
         out,
-        "\n// {rows} rows of {k} elements, {parts} threads per row, each adding in order the elements whose\n// index is its own modulo {parts}.\n{} {{",
+        "\n// {rows} rows of {k} elements, {parts} threads per row, each its indices modulo {parts}, in order.\n{} {{",
         signature(&format!("{name}_scatter"), params)
     );
     grid_loop(out, "t", rows * parts);
