@@ -7,15 +7,10 @@ Prints one line per case: side, name, median milliseconds (21 runs after 3 warm-
 synchronised). Exits 1 with a message on stderr when PyTorch is missing.
 """
 import argparse
-import sys
 
-from timing import median
+from timing import median, synchronizer, torch_or_exit
 
-try:
-    import torch
-except ImportError:
-    sys.stderr.write("torch is not installed (pip install torch)\n")
-    sys.exit(1)
+torch = torch_or_exit()
 
 args = argparse.ArgumentParser()
 args.add_argument("--device", default="cpu")
@@ -26,11 +21,7 @@ if opts.threads:
 dev = torch.device(opts.device)
 torch.manual_seed(1)
 x = torch.randn(4096, 1024, device=dev)
-
-
-def sync():
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
+sync = synchronizer(torch, dev)
 
 
 cases = [

@@ -8,27 +8,18 @@ Prints one line per case: name, vocabulary, median milliseconds (21 runs after 3
 synchronised). Exits 1 with a message on stderr when PyTorch is missing.
 """
 import argparse
-import sys
 
-from timing import median
+from timing import median, synchronizer, torch_or_exit
 
-try:
-    import torch
-    import torch.nn.functional as F
-except ImportError:
-    sys.stderr.write("torch is not installed (pip install torch)\n")
-    sys.exit(1)
+torch = torch_or_exit()
+import torch.nn.functional as F  # noqa: E402 (after the check that torch is there)
 
 args = argparse.ArgumentParser()
 args.add_argument("--device", default="cuda")
 opts = args.parse_args()
 dev = torch.device(opts.device)
 IDS, FEATURES = 2048, 256
-
-
-def sync():
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
+sync = synchronizer(torch, dev)
 
 
 for vocabulary in (1000, 32000):

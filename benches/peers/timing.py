@@ -1,6 +1,24 @@
 """Timing shared by the peer scripts: the median of repeated calls after a warm-up, as the
-braid bench card times its own workloads."""
+braid bench card times its own workloads; PyTorch imported or a clear exit."""
+import sys
 import time
+
+
+def torch_or_exit():
+    """The `torch` module, or exit 1 with a message on stderr when PyTorch is missing."""
+    try:
+        import torch
+    except ImportError:
+        sys.stderr.write("torch is not installed (pip install torch)\n")
+        sys.exit(1)
+    return torch
+
+
+def synchronizer(torch, dev):
+    """A function that waits for `dev`'s queued work (nothing to wait for on the CPU)."""
+    if dev.type == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
 
 
 def median(f, warm=2, runs=9):

@@ -162,16 +162,20 @@ pub(crate) fn gather_case(rng: &mut Rng, n: usize) -> Case {
 /// The index values a gather reads, one per output element.
 fn read_indices(c: &Case) -> Vec<i64> {
     let Body::Gather(g) = &c.kernel.body else { unreachable!("a gather case") };
-    let bytes = &c.init[g.index.arg as usize];
-    let mut at = vec![0usize; g.dims.len()];
-    (0..g.numel())
+    index_values(&c.init[g.index.arg as usize], &g.dims, &g.index.view)
+}
+
+/// The i64 values `view` reads from `bytes` over `dims`, row-major.
+pub(super) fn index_values(bytes: &[u8], dims: &[usize], view: &View) -> Vec<i64> {
+    let mut at = vec![0usize; dims.len()];
+    (0..dims.iter().product())
         .map(|p| {
             let mut rest = p;
-            for d in (0..g.dims.len()).rev() {
-                at[d] = rest % g.dims[d];
-                rest /= g.dims[d];
+            for d in (0..dims.len()).rev() {
+                at[d] = rest % dims[d];
+                rest /= dims[d];
             }
-            let o = g.index.view.offset_of(&at) as usize * 8;
+            let o = view.offset_of(&at) as usize * 8;
             i64::from_le_bytes(bytes[o..o + 8].try_into().unwrap())
         })
         .collect()

@@ -170,19 +170,7 @@ pub(crate) fn scatter_case(rng: &mut Rng, n: usize) -> Case {
 
 /// The index values a scatter-add reads, one per source element (row-major over `dims`).
 fn read_indices(c: &Case, s: &ScatterKernel) -> Vec<i64> {
-    let bytes = &c.init[s.index.arg as usize];
-    let mut at = vec![0usize; s.dims.len()];
-    (0..s.dims.iter().product())
-        .map(|p| {
-            let mut rest = p;
-            for d in (0..s.dims.len()).rev() {
-                at[d] = rest % s.dims[d];
-                rest /= s.dims[d];
-            }
-            let o = s.index.view.offset_of(&at) as usize * 8;
-            i64::from_le_bytes(bytes[o..o + 8].try_into().unwrap())
-        })
-        .collect()
+    super::gathers::index_values(&c.init[s.index.arg as usize], &s.dims, &s.index.view)
 }
 
 /// The most source elements that add to one output element.
