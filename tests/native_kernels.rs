@@ -20,8 +20,7 @@ use braid::prelude::*;
 use braid_devices::cpu::map::ArgPtr;
 use braid_devices::cpu::native::{NativeKernel, SMALL_RUNS, compiler_available};
 use braid_devices::cpu::run_kernel;
-use braid_graph::expr::ExprOp;
-use braid_lowering::{Body, Kernel, Load, Store};
+use braid_lowering::{Body, Kernel};
 use cases::*;
 use common::Rng;
 use rayon::prelude::*;
@@ -34,36 +33,6 @@ fn skip() -> bool {
             true
         }
     }
-}
-
-/// The case with its f16/bf16 arguments widened to f32 and its casts to them made casts to f32
-/// (the host printer does not print half types).
-fn without_half(mut c: Case) -> Case {
-    let half = |d: DType| matches!(d, DType::F16 | DType::BF16);
-    let parts: Vec<(&mut braid_graph::expr::Expr, &mut Vec<Load>, &mut Vec<Store>)> = match &mut c.kernel.body {
-        Body::Map(loops) => loops.iter_mut().map(|l| (&mut l.expr, &mut l.loads, &mut l.stores)).collect(),
-        Body::Rows(r) => vec![(&mut r.expr, &mut r.loads, &mut r.stores)],
-        _ => return c,
-    };
-    for (expr, loads, stores) in parts {
-        for n in expr.nodes.iter_mut() {
-            if let ExprOp::Cast(to, a) = n.op
-                && half(to)
-            {
-                n.op = ExprOp::Cast(DType::F32, a);
-            }
-        }
-        loads.iter_mut().filter(|x| half(x.dtype)).for_each(|x| x.dtype = DType::F32);
-        stores.iter_mut().filter(|s| half(s.dtype)).for_each(|s| s.dtype = DType::F32);
-    }
-    for (a, arg) in c.kernel.args.iter_mut().enumerate() {
-        if half(arg.dtype) {
-            let vals: Vec<f64> = (0..arg.len).map(|i| element(arg.dtype, &c.init[a], i).unwrap()).collect();
-            c.init[a] = encode(DType::F32, &vals);
-            arg.dtype = DType::F32;
-        }
-    }
-    c
 }
 
 /// The first element where the compiled kernel's arguments differ from the interpreter's.
@@ -105,7 +74,6 @@ fn compiled_kernels_compute_the_interpreters_bits() {
         cases.push(map_case_over(&mut rng, 1000 + n, &dims, MathLib::Host));
     }
     cases.extend((0..6).map(|n| concat_case(&mut rng, n)));
-    let cases: Vec<Case> = cases.into_iter().map(without_half).collect();
     let failures: Vec<String> = cases
         .par_iter()
         .filter_map(|case| {
@@ -117,7 +85,13 @@ fn compiled_kernels_compute_the_interpreters_bits() {
             first_difference(case, &want, &got)
         })
         .collect();
-    eprintln!("native_kernels: {} kernels compiled and compared in {:.2?}", cases.len(), start.elapsed());
+    let half = |c: &&Case| c.kernel.args.iter().any(|a| matches!(a.dtype, DType::F16 | DType::BF16));
+    eprintln!(
+        "native_kernels: {} kernels ({} with f16 or bf16 arguments) compiled and compared in {:.2?}",
+        cases.len(),
+        cases.iter().filter(half).count(),
+        start.elapsed()
+    );
     assert!(failures.is_empty(), "{} of {} kernels differ:\n{}", failures.len(), cases.len(), failures.join("\n"));
 }
 
@@ -172,7 +146,6 @@ fn compiled_row_kernels_compute_the_interpreters_bits() {
             cases.push(rows_case_over(&mut rng, 1000 + 10 * i + j, dims, *axis, MathLib::Host, specials));
         }
     }
-    let cases: Vec<Case> = cases.into_iter().map(without_half).collect();
     let results: Vec<Result<Option<String>, String>> = cases
         .par_iter()
         .map(|case| {
@@ -495,5 +468,92 @@ fn matrix_product_epilogues_run_compiled_with_the_interpreters_bits() {
     assert!(dev.compiled_kernels_launched() >= 3, "{} kernels ran compiled", dev.compiled_kernels_launched());
     for (i, (a, b)) in interpreted.iter().zip(&compiled).enumerate() {
         assert!(a == b, "output {i} differs between the interpreted and the compiled epilogue");
+    }
+}
+
+/// Conversions to and from f16 and bf16, compiled against the interpreter on every value where
+/// rounding can go wrong: for each of the 65,536 values of each half type, its f32 and f64, the
+/// ties half way to the next value, and the numbers just either side of them (in f64 closer to
+/// the tie than f32 can hold, where rounding twice would go wrong); NaNs with payloads,
+/// infinities, the largest finite values and the subnormal range come with them. And every f16
+/// and bf16 bit pattern widened to f32.
+#[test]
+fn half_conversions_match_the_interpreter_on_every_boundary() {
+    if skip() {
+        return;
+    }
+    use braid_graph::expr::ExprBuilder;
+    use braid_lowering::{Arg, Load, MapLoop, Store, View};
+    use half::{bf16, f16};
+    let mut wide: Vec<f64> = vec![];
+    for bits in 0..=u16::MAX {
+        for (v, next) in [
+            (f16::from_bits(bits).to_f64(), f16::from_bits(bits.wrapping_add(1)).to_f64()),
+            (bf16::from_bits(bits).to_f64(), bf16::from_bits(bits.wrapping_add(1)).to_f64()),
+        ] {
+            wide.push(v);
+            if v.is_finite() && next.is_finite() {
+                let tie = (v + next) / 2.0;
+                wide.extend([tie, tie + tie.abs() * 1e-12, tie - tie.abs() * 1e-12]);
+                let t = tie as f32;
+                wide.extend([f32::from_bits(t.to_bits() + 1), f32::from_bits(t.to_bits().max(1) - 1)].map(f64::from));
+            }
+        }
+    }
+    wide.extend([f64::NAN, -f64::NAN, f64::from_bits(0x7ff0_0000_0000_0001), f64::MAX, f64::MIN_POSITIVE, 1e300]);
+    let n = wide.len();
+    let view = View { dims: [n].as_slice().into(), strides: [1].as_slice().into(), offset: 0 };
+    let (mut b, mut stores) = (ExprBuilder::new(), vec![]);
+    let (from_f32, from_f64) = (b.load(0, DType::F32), b.load(1, DType::F64));
+    let (from_f16, from_bf16) = (b.load(2, DType::F16), b.load(3, DType::BF16));
+    let mut args = vec![DType::F32, DType::F64, DType::F16, DType::BF16];
+    let mut store = |dtype: DType, value| {
+        stores.push(Store { arg: args.len() as u16, dtype, view: view.clone(), value });
+        args.push(dtype);
+    };
+    // Stored as a half type straight from f32 (as lowering stores a value it rounded), and
+    // rounded from f64 by a cast.
+    for to in [DType::F16, DType::BF16] {
+        store(to, from_f32);
+        let rounded = b.cast(to, from_f64);
+        store(to, rounded);
+    }
+    // Widened (as loads), and rounded from f32 by a cast and widened again.
+    store(DType::F32, from_f16);
+    store(DType::F32, from_bf16);
+    for to in [DType::F16, DType::BF16] {
+        let rounded = b.cast(to, from_f32);
+        store(DType::F32, rounded);
+    }
+    let loads = [DType::F32, DType::F64, DType::F16, DType::BF16].into_iter().enumerate();
+    let l = MapLoop {
+        dims: view.dims.clone(),
+        loads: loads.map(|(a, dtype)| Load { arg: a as u16, dtype, view: view.clone() }).collect(),
+        expr: b.finish(),
+        stores,
+    };
+    let k =
+        Kernel { args: args.iter().map(|&dtype| Arg { dtype, len: n }).collect(), inputs: 4, body: Body::Map(vec![l]) };
+    let bits: Vec<f64> = (0..n).map(|i| i as u16 as f64).collect();
+    let mut init = vec![encode(DType::F32, &wide), encode(DType::F64, &wide)];
+    // Every bit pattern of the half types (encoded through their bits: NaNs keep their payloads).
+    let every: Vec<u8> = (0..n).flat_map(|i| (i as u16).to_le_bytes()).collect();
+    init.extend([every.clone(), every]);
+    init.extend(args[4..].iter().map(|d| encode(*d, &bits)));
+    let want = run_on_copies(&k, &init, |a| run_kernel(&k, a)).unwrap();
+    // Compiled for the CPU's vector level (F16C's conversions where it has them), and for the
+    // baseline (the printed conversions alone).
+    use braid_devices::cpu::eval::Simd;
+    for level in [Simd::Avx512, Simd::Baseline] {
+        let native = NativeKernel::build_at(&k, level).unwrap();
+        // SAFETY: `native` was built from `k`.
+        let got = run_on_copies(&k, &init, |a| unsafe { native.run(&k, a) }).unwrap();
+        let case = Case {
+            label: format!("half conversions, compiled at {level:?}"),
+            kernel: k.clone(),
+            init: init.clone(),
+            from_cpu: vec![],
+        };
+        assert_eq!(first_difference(&case, &want, &got), None);
     }
 }

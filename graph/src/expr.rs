@@ -204,8 +204,28 @@ impl ExprBuilder {
         self.push(ExprOp::Reduce(op, x), d)
     }
 
+    /// `x` converted to `to` (rounded to it and kept in its compute dtype, for f16 and bf16). A
+    /// rounding to a half type of a value just rounded to it is `x` itself (the same bits).
     pub fn cast(&mut self, to: DType, x: ExprId) -> ExprId {
+        let half = matches!(to, DType::F16 | DType::BF16);
+        if half && matches!(self.expr.nodes[x as usize].op, ExprOp::Cast(t, _) if t == to) {
+            return x;
+        }
         self.push(ExprOp::Cast(to, x), to.compute())
+    }
+
+    /// The node a store of `value` as `storage` may store instead: the f32 operand of a
+    /// rounding to the same half type (storing rounds it once, the same bits as rounding it,
+    /// widening it back and rounding again); otherwise `value`.
+    pub fn stored(&self, value: ExprId, storage: DType) -> ExprId {
+        match self.expr.nodes[value as usize].op {
+            ExprOp::Cast(to, a)
+                if to == storage && matches!(to, DType::F16 | DType::BF16) && self.dtype(a) == DType::F32 =>
+            {
+                a
+            }
+            _ => value,
+        }
     }
 
     // Shorthands used by the op table.

@@ -318,12 +318,16 @@ pub(crate) fn store_stmt(s: &Store, offset: &str) -> String {
 
 /// The value `s` stores, converted to its storage type.
 pub(crate) fn stored_value(s: &Store) -> String {
-    let v = format!("v{}", s.value);
-    match s.dtype {
+    storage_value(s.dtype, &format!("v{}", s.value))
+}
+
+/// `v`, a register of `d`'s compute type, converted to `d`'s storage type.
+pub(crate) fn storage_value(d: DType, v: &str) -> String {
+    match d {
         DType::F16 => format!("__float2half_rn({v})"),
         DType::BF16 => format!("__float2bfloat16_rn({v})"),
         DType::Bool => format!("(unsigned char){v}"),
-        _ => v,
+        _ => v.to_string(),
     }
 }
 

@@ -230,7 +230,7 @@ impl<'a> Lowering<'a> {
                 arg: Self::out_arg(seg, o),
                 dtype: g.nodes[o].dtype,
                 view: View::contiguous(&space),
-                value: map[o].expect("output is in its segment"),
+                value: bld.b.stored(map[o].expect("output is in its segment"), g.nodes[o].dtype),
             })
             .collect();
         let mut l = MapLoop { dims: space.dims().into(), loads: bld.loads, expr: bld.b.finish(), stores };
@@ -276,7 +276,7 @@ impl<'a> Lowering<'a> {
                 arg: Self::out_arg(seg, o),
                 dtype: g.nodes[o].dtype,
                 view: to_full(View::contiguous(&g.nodes[o].shape), &g.nodes[o].shape),
-                value: map[o].expect("output is in its segment"),
+                value: bld.b.stored(map[o].expect("output is in its segment"), g.nodes[o].dtype),
             })
             .collect();
         RowKernel { dims: full.dims().into(), axis, loads: bld.loads, expr: bld.b.finish(), stores }
@@ -341,7 +341,7 @@ impl<'a> Lowering<'a> {
                     arg: Self::out_arg(seg, o),
                     dtype: g.nodes[o].dtype,
                     view: View::contiguous(out),
-                    value: map[o].expect("output is in its segment"),
+                    value: bld.b.stored(map[o].expect("output is in its segment"), g.nodes[o].dtype),
                 })
                 .collect();
             let mut l = MapLoop { dims: out.dims().into(), loads: bld.loads, expr: bld.b.finish(), stores };

@@ -193,6 +193,10 @@ struct Dag {
 
 impl Dag {
     fn add(&mut self, id: ExprId, taint: bool, short: bool) -> ExprId {
+        // The builder returns an existing node for a rounding of a value just rounded.
+        if (id as usize) < self.taint.len() {
+            return id;
+        }
         assert_eq!(id as usize, self.taint.len());
         self.taint.push(taint);
         self.short.push(short);

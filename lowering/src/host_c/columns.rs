@@ -12,8 +12,8 @@ use super::along;
 use crate::cexpr::*;
 use crate::kernel::{RowKernel, View};
 use crate::row_passes::{KeepPlan, RowPasses};
+use braid_graph::ReduceOp;
 use braid_graph::expr::ExprOp;
-use braid_graph::{DType, ReduceOp};
 use std::fmt::Write;
 
 /// The most positions after the axis printed (per-row values are arrays of this many on the
@@ -137,10 +137,6 @@ impl Columns<'_> {
             done.push(red);
         }
         per_row_values(out, &mut done, nodes.len());
-        let stored = |s: &crate::kernel::Store| match s.dtype {
-            DType::Bool => format!("(unsigned char)v{}", s.value),
-            _ => format!("v{}", s.value),
-        };
         let row_stores: Vec<usize> = (0..r.stores.len()).filter(|&s| passes.row_stores[s]).collect();
         if !row_stores.is_empty() {
             let _ = writeln!(out, "    for (int ii = 0; ii < {inner}; ii++) {{");
@@ -148,7 +144,7 @@ impl Columns<'_> {
             for s in row_stores {
                 let store = &r.stores[s];
                 let at = along(&format!("w{s}"), "ii", self.inner_strides[loads + s]);
-                let _ = writeln!(out, "      a{}[{at}] = {};", store.arg, stored(store));
+                let _ = writeln!(out, "      a{}[{at}] = {};", store.arg, stored_value(store));
             }
             out.push_str("    }\n");
         }
@@ -164,7 +160,7 @@ impl Columns<'_> {
                 let store = &r.stores[s];
                 let at =
                     along(&along(&format!("w{s}"), "a", self.store_strides[s]), "ii", self.inner_strides[loads + s]);
-                let _ = writeln!(out, "        a{}[{at}] = {};", store.arg, stored(store));
+                let _ = writeln!(out, "        a{}[{at}] = {};", store.arg, stored_value(store));
             }
             out.push_str("      }\n    }\n");
         }

@@ -31,9 +31,14 @@
 //! Row kernels whose rows are walked with one stride are printed by `rows` (one entry point
 //! over a range of rows; `columns` for positions after the axis).
 //!
-//! Not printed (an `Err`, and the CPU interprets the kernel): other row kernels (see `rows`),
-//! matrix products, and kernels touching f16 or bf16. The printer only prints: compiling, caching and loading
-//! are the device's (`braid_devices::cpu::native`).
+//! f16 and bf16 values are stored as their bits and live in f32 registers, converted by the
+//! branch-free functions of `HALVES` (under the CUDA printer's names, so `cexpr`
+//! prints both); f16 runs along the last dimension are widened and narrowed a block at a time,
+//! with F16C's instructions where the CPU has them.
+//!
+//! Not printed (an `Err`, and the CPU interprets the kernel): other row kernels (see `rows`)
+//! and matrix products. The printer only prints: compiling, caching and loading are the
+//! device's (`braid_devices::cpu::native`).
 
 mod columns;
 mod rows;
@@ -90,30 +95,18 @@ pub fn print(kernel: &Kernel, name: &str, target: HostTarget) -> Result<HostSour
     if !ident {
         return Err(format!("kernel name {name:?} is not a C identifier"));
     }
-    let half = |d: DType| matches!(d, DType::F16 | DType::BF16);
-    if let Some(a) = kernel.args.iter().find(|a| half(a.dtype)) {
-        return Err(format!("an argument of {} (half types are not printed for the host)", a.dtype));
-    }
-    let half_cast =
-        |e: &braid_graph::expr::Expr| e.nodes.iter().any(|n| matches!(n.op, ExprOp::Cast(to, _) if half(to)));
     let mut body = String::new();
     let mut entries = vec![];
     let mut row_scratch = None;
     match &kernel.body {
         Body::Map(loops) => {
             for (k, l) in loops.iter().enumerate() {
-                if half_cast(&l.expr) {
-                    return Err("a cast to a half type (not printed for the host)".into());
-                }
                 let entry = format!("{name}_loop{k}");
                 print_loop(&mut body, l, &entry, kernel, target)?;
                 entries.push(entry);
             }
         }
         Body::Rows(r) => {
-            if half_cast(&r.expr) {
-                return Err("a cast to a half type (not printed for the host)".into());
-            }
             let entry = format!("{name}_rows");
             row_scratch = Some(rows::print_rows(&mut body, r, kernel, &entry, target.stream_bytes)?);
             entries.push(entry);
@@ -151,6 +144,7 @@ fn prelude() -> String {
 #endif
 static inline float __int_as_float(int b) {{ float f; __builtin_memcpy(&f, &b, 4); return f; }}
 static inline double __longlong_as_double(long long b) {{ double f; __builtin_memcpy(&f, &b, 8); return f; }}
+{halves}
 {helpers}
 // braid's f32 exp and tanh (braid_lowering::vmath), step for step. Every helper is inlined
 // (a kernel of many nodes is past gcc's inlining limits, and a call per element would keep its
@@ -194,9 +188,83 @@ static inline void braid_stream_f32(float *dst, const float *src, int n) {{
   for (; i < n; i++) dst[i] = src[i];
 }}
 "#,
+        halves = HALVES,
         helpers = helpers("static inline __attribute__((always_inline))")
     )
 }
+
+/// f16 and bf16 values, stored as their bits, under the names the CUDA printer's expressions
+/// use ([`crate::cexpr`]), converted as `braid_graph::dtype` and the `half` crate convert: to
+/// nearest, ties to even, one rounding from f64 (through f32 rounded to odd), NaN stays NaN.
+/// Written without branches, as integer operations on the bits, so that gcc vectorises the
+/// loops that call them (gcc 12 converts `_Float16` one element at a time, even with F16C).
+/// `tests/native_kernels.rs` checks them against the interpreter; every f32 bit pattern was
+/// checked against F16C's conversion when they were written.
+const HALVES: &str = r#"typedef uint16_t __half;
+typedef uint16_t __nv_bfloat16;
+#define BRAID_INLINE static inline __attribute__((always_inline))
+BRAID_INLINE uint32_t braid_f32_bits(float f) { uint32_t b; __builtin_memcpy(&b, &f, 4); return b; }
+BRAID_INLINE float braid_float(uint32_t b) { float f; __builtin_memcpy(&f, &b, 4); return f; }
+BRAID_INLINE float __half2float(__half h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  // Normal numbers rebias the exponent (15 -> 127), infinities and NaNs keep all ones (NaNs
+  // made quiet), and subnormals are m * 2^-24, exact in f32.
+  const uint32_t normal = sign | ((e + 112u) << 23) | (m << 13);
+  const uint32_t special = sign | 0x7f800000u | (m != 0u ? 0x400000u : 0u) | (m << 13);
+  const uint32_t sub = sign | braid_f32_bits((float)m * 0x1p-24f);
+  const uint32_t bits = e == 0u ? sub : e == 31u ? special : normal;
+  return braid_float(bits);
+}
+BRAID_INLINE __half __float2half_rn(float f) {
+  const uint32_t x = braid_f32_bits(f), sign = (x >> 16) & 0x8000u, a = x & 0x7fffffffu;
+  // A NaN stays quiet with its payload's top bits; from 65520 on (half way from the largest
+  // f16, 65504, to 2^16) the value rounds to infinity.
+  const uint32_t nan = 0x7e00u | ((a >> 13) & 0x3ffu), inf = 0x7c00u;
+  // Normal f16 (from 2^-14): rebias the exponent (127 -> 15) and round off 13 bits, ties to
+  // even; a carry steps the exponent.
+  const uint32_t rebiased = a - 0x38000000u;
+  const uint32_t normal = (rebiased + 0xfffu + ((rebiased >> 13) & 1u)) >> 13;
+  // Subnormal f16 (below 2^-14): adding 0.5 leaves the value's multiples of 2^-24, rounded to
+  // nearest even, in the low bits.
+  const uint32_t sub = braid_f32_bits(braid_float(a) + 0.5f) - 0x3f000000u;
+  const uint32_t bits = a > 0x7f800000u ? nan : a >= 0x477ff000u ? inf : a >= 0x38800000u ? normal : sub;
+  return (__half)(sign | bits);
+}
+// n f16 values to f32 and back, F16C's conversions 8 at a time where the CPU has them (the
+// same bits as the functions above: both round to nearest even and keep NaNs quiet).
+static inline void braid_widen_f16(float *dst, const __half *src, int n) {
+  int i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
+  for (; i < n; i++) dst[i] = __half2float(src[i]);
+}
+static inline void braid_narrow_f16(__half *dst, const float *src, int n) {
+  int i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+  for (; i < n; i++) dst[i] = __float2half_rn(src[i]);
+}
+BRAID_INLINE float __bfloat162float(__nv_bfloat16 b) { return braid_float((uint32_t)b << 16); }
+BRAID_INLINE __nv_bfloat16 __float2bfloat16_rn(float f) {
+  const uint32_t x = braid_f32_bits(f);
+  const uint32_t nan = (x >> 16) | 0x40u, rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+  return (__nv_bfloat16)((x & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+// v rounded to f32 "to odd" (truncated, the last bit set when inexact): rounding that to f16 or
+// bf16 rounds v once.
+BRAID_INLINE float braid_f32_odd(double v) {
+  const float near = (float)v;
+  const uint32_t b = braid_f32_bits(near);
+  const uint32_t truncated = __builtin_fabs((double)near) > __builtin_fabs(v) ? b - 1u : b;
+  const float odd = braid_float(truncated | 1u);
+  return isnan(v) || (double)near == v ? near : odd;
+}
+BRAID_INLINE __half __double2half(double v) { return __float2half_rn(braid_f32_odd(v)); }
+BRAID_INLINE __nv_bfloat16 __double2bfloat16(double v) { return __float2bfloat16_rn(braid_f32_odd(v)); }
+"#;
 
 /// The C type of an array of `d` values in a block or a row's scratch: a compute type, but bytes
 /// for bools (gcc does not vectorise a loop that stores into a `bool` array).
@@ -261,6 +329,7 @@ fn print_loop(out: &mut String, l: &MapLoop, name: &str, kernel: &Kernel, target
     let dim = |d: usize| l.dims.get(d).copied().unwrap_or(1);
     let inner_stride = |v: &View| v.strides.get(rank - 1).copied().unwrap_or(0);
     let (live, _) = live(&l.expr, &l.loads, &l.stores);
+    let read = |slot: usize| (l.expr.nodes.iter().zip(&live)).any(|(n, &on)| on && n.op == ExprOp::Load(slot as u16));
     let _ = writeln!(out, "\n// {} indices over dims {:?}.", l.numel(), l.dims.as_slice());
     let _ = writeln!(out, "void {name}(unsigned char *const *args, long long start, long long end) {{");
     // Only the arguments this loop reads or writes: a kernel of many loops (a cat of 512
@@ -315,6 +384,13 @@ fn print_loop(out: &mut String, l: &MapLoop, name: &str, kernel: &Kernel, target
         // element's loads come before its store, in vector lanes too.
         out.push_str("      #pragma GCC ivdep\n");
     }
+    // f16 loads read along the run are widened a block at a time (F16C's conversion where the
+    // CPU has it: gcc does not vectorise one conversion per element).
+    let widened = |slot: usize| l.loads[slot].dtype == DType::F16 && inner_stride(&l.loads[slot].view) == 1;
+    for (slot, x) in l.loads.iter().enumerate().filter(|&(slot, _)| widened(slot) && read(slot)) {
+        let _ = writeln!(out, "      float h{slot}[{BLOCK}] __attribute__((aligned(64)));");
+        let _ = writeln!(out, "      braid_widen_f16(h{slot}, a{} + o{slot} + jb, n);", x.arg);
+    }
     let _ = writeln!(out, "      for (int jj = 0; jj < n; jj++) {{\n        const long long k = jb + jj;");
     // Loads through equal views share one base offset, whatever their arguments.
     let offset = |v: &View| {
@@ -323,7 +399,12 @@ fn print_loop(out: &mut String, l: &MapLoop, name: &str, kernel: &Kernel, target
     };
     for (i, n) in l.expr.nodes.iter().enumerate() {
         // Checked even when dead: the CPU evaluates every node.
-        let e = node_expr(Dialect::Host, &l.expr, &l.loads, i, &offset, "(i + k)")?;
+        let mut e = node_expr(Dialect::Host, &l.expr, &l.loads, i, &offset, "(i + k)")?;
+        if let ExprOp::Load(slot) = n.op
+            && widened(slot as usize)
+        {
+            e = format!("h{slot}[jj]");
+        }
         if live[i] {
             let _ = writeln!(out, "        const {} v{i} = {e};", ctype(n.dtype));
         }
@@ -343,9 +424,13 @@ fn print_loop(out: &mut String, l: &MapLoop, name: &str, kernel: &Kernel, target
             streams = true;
             let _ = writeln!(out, "      braid_stream_f32(a{a} + w{s} + jb, t{s}, n);");
         } else {
-            let conv = if store.dtype == DType::Bool { "(unsigned char)" } else { "" };
+            if store.dtype == DType::F16 && inner_stride(&store.view) == 1 {
+                let _ = writeln!(out, "      braid_narrow_f16(a{a} + w{s} + jb, t{s}, n);");
+                continue;
+            }
             let at = along(&format!("w{s}"), "(jb + jj)", inner_stride(&store.view));
-            let _ = writeln!(out, "      for (int jj = 0; jj < n; jj++) a{a}[{at}] = {conv}t{s}[jj];");
+            let value = storage_value(store.dtype, &format!("t{s}[jj]"));
+            let _ = writeln!(out, "      for (int jj = 0; jj < n; jj++) a{a}[{at}] = {value};");
         }
     }
     out.push_str("    }\n    i += run;\n  }\n");

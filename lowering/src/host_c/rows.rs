@@ -61,6 +61,10 @@ fn row_start(view: &View, r: &RowKernel) -> String {
     s
 }
 
+/// Longest row (in positions) whose f16 loads are widened once per row into scratch (256 KiB of
+/// f32, which stays in the second-level cache); longer rows convert as they read.
+const WIDENED_ROW: usize = 1 << 16;
+
 /// Prints row kernel `r` of `kernel` as the entry point `name`; returns the bytes of scratch
 /// each running call needs (kept values, 64-byte aligned; 0 when none).
 pub(super) fn print_rows(
@@ -154,6 +158,17 @@ pub(super) fn print_rows(
         let _ = writeln!(out, "  {t} *const k{i} = ({t} *)(scratch + {scratch});");
         scratch += (len * inner * nodes[i].dtype.compute().size()).next_multiple_of(64);
     }
+    // f16 loads along a row (of at most `WIDENED_ROW` positions) are widened to f32 once per
+    // row into scratch (F16C's conversions where the CPU has them; gcc does not vectorise one
+    // conversion per element), and every pass reads the widened row.
+    let read = |slot: usize| (nodes.iter().zip(&live)).any(|(n, &on)| on && n.op == ExprOp::Load(slot as u16));
+    let widened = |slot: usize| {
+        inner == 1 && r.loads[slot].dtype == DType::F16 && load_strides[slot] == 1 && len <= WIDENED_ROW && read(slot)
+    };
+    for slot in (0..r.loads.len()).filter(|&slot| widened(slot)) {
+        let _ = writeln!(out, "  float *const h{slot} = (float *)(scratch + {scratch});");
+        scratch += (len * 4).next_multiple_of(64);
+    }
     if scratch == 0 {
         out.push_str("  (void)scratch;\n");
     }
@@ -175,6 +190,9 @@ pub(super) fn print_rows(
     }
     for (s, store) in r.stores.iter().enumerate() {
         let _ = writeln!(out, "    const long long w{s} = {};", row_start(&store.view, r));
+    }
+    for (slot, load) in r.loads.iter().enumerate().filter(|&(slot, _)| widened(slot)) {
+        let _ = writeln!(out, "    braid_widen_f16(h{slot}, a{} + o{slot}, {len});", load.arg);
     }
     if inner == 1 {
         // The next row's lines requested now (the interpreter, `cpu::rows`, does so for every
@@ -211,6 +229,7 @@ pub(super) fn print_rows(
     let exprs: Vec<String> = (nodes.iter().enumerate())
         .map(|(i, n)| match n.op {
             ExprOp::Reduce(..) => Ok(String::new()),
+            ExprOp::Load(slot) if widened(slot as usize) => Ok(format!("h{slot}[p]")),
             _ => node_expr(Dialect::Host, &r.expr, &r.loads, i, &offset, &index),
         })
         .collect::<Result<_, _>>()?;
@@ -241,6 +260,9 @@ pub(super) fn print_rows(
         let store = &r.stores[s];
         store.dtype == DType::F32 && store_strides[s] == 1 && kernel.args[store.arg as usize].len * 4 >= stream_bytes
     };
+    // f16 outputs written contiguously are narrowed a block at a time (as loads are widened).
+    let narrowed = |s: usize| r.stores[s].dtype == DType::F16 && store_strides[s] == 1;
+    let blocked = |s: usize| streamed(s) || narrowed(s);
     let streams = elem.iter().any(|&s| streamed(s));
     if !elem.is_empty() {
         let _ = writeln!(
@@ -248,7 +270,7 @@ pub(super) fn print_rows(
             "    for (long long c = 0; c < {len}LL; c += {BLOCK}) {{\n      const int m = {len}LL - c < {BLOCK} ? (int)({len}LL - c) : {BLOCK};",
             BLOCK = super::BLOCK
         );
-        for &s in elem.iter().filter(|&&s| streamed(s)) {
+        for &s in elem.iter().filter(|&&s| blocked(s)) {
             let t = array_ctype(nodes[r.stores[s].value as usize].dtype);
             let _ = writeln!(out, "      {t} t{s}[{}] __attribute__((aligned(64)));", super::BLOCK);
         }
@@ -256,17 +278,17 @@ pub(super) fn print_rows(
         p.elements(out, "        ", pass(q));
         for &s in &elem {
             let store = &r.stores[s];
-            if streamed(s) {
+            if blocked(s) {
                 let _ = writeln!(out, "        t{s}[j] = v{};", store.value);
             } else {
-                let conv = if store.dtype == DType::Bool { "(unsigned char)" } else { "" };
                 let at = along(&format!("w{s}"), "p", store_strides[s]);
-                let _ = writeln!(out, "        a{}[{at}] = {conv}v{};", store.arg, store.value);
+                let _ = writeln!(out, "        {}", store_stmt(store, &at));
             }
         }
         out.push_str("      }\n");
-        for &s in elem.iter().filter(|&&s| streamed(s)) {
-            let _ = writeln!(out, "      braid_stream_f32(a{} + w{s} + c, t{s}, m);", r.stores[s].arg);
+        for &s in elem.iter().filter(|&&s| blocked(s)) {
+            let f = if narrowed(s) { "braid_narrow_f16" } else { "braid_stream_f32" };
+            let _ = writeln!(out, "      {f}(a{} + w{s} + c, t{s}, m);", r.stores[s].arg);
         }
         out.push_str("    }\n");
     }

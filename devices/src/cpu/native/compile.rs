@@ -63,17 +63,36 @@ pub fn available() -> Result<(), String> {
 }
 
 /// Instruction-set flags for the vector level the evaluator runs at now, so compiled code uses
-/// what the interpreted code would (every level gives the same bits).
-fn target_flags() -> &'static [&'static str] {
-    if !cfg!(target_arch = "x86_64") {
-        return &[];
-    }
-    match simd() {
-        Simd::Avx512 => {
-            &["-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mprefer-vector-width=512"]
+/// what the interpreted code would (every level gives the same bits), with F16C's f16
+/// conversions where the CPU has them (as every AVX2 CPU does; they give the same bits as the
+/// printed code's own).
+fn target_flags(level: Simd) -> &'static [&'static str] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let f16c = std::arch::is_x86_feature_detected!("f16c");
+        match (level, f16c) {
+            (Simd::Avx512, true) => &[
+                "-mavx2",
+                "-mfma",
+                "-mf16c",
+                "-mavx512f",
+                "-mavx512vl",
+                "-mavx512bw",
+                "-mavx512dq",
+                "-mprefer-vector-width=512",
+            ],
+            (Simd::Avx512, false) => {
+                &["-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mprefer-vector-width=512"]
+            }
+            (Simd::Avx2, true) => &["-mavx2", "-mfma", "-mf16c"],
+            (Simd::Avx2, false) => &["-mavx2", "-mfma"],
+            (Simd::Baseline, _) => &[],
         }
-        Simd::Avx2 => &["-mavx2", "-mfma"],
-        Simd::Baseline => &[],
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = level;
+        &[]
     }
 }
 
@@ -129,7 +148,7 @@ fn process_alive(pid: u32) -> bool {
 pub fn cached(source: &str) -> Option<Library> {
     let cc = toolchain().ok()?;
     let dir = cache_dir().ok()?;
-    let key = key(source, cc, target_flags());
+    let key = key(source, cc, target_flags(simd()));
     let (c_path, so_path) = (dir.join(format!("{key}.c")), dir.join(format!("{key}.so")));
     if !(std::fs::read(&c_path).is_ok_and(|c| c == source.as_bytes()) && so_path.exists()) {
         return None;
@@ -161,11 +180,16 @@ const MAX_FAILURES: u32 = 3;
 /// second to a few seconds). Errors when there is no compiler, when it rejects the source, or
 /// when the library cannot be loaded.
 pub fn build(source: &str, fresh: bool) -> Result<Library, String> {
+    build_for(source, fresh, simd())
+}
+
+/// As [`build`], for vector level `level` (never above the CPU's).
+pub fn build_for(source: &str, fresh: bool, level: Simd) -> Result<Library, String> {
     let cc = toolchain()?;
     if FAILURES.load(Ordering::Relaxed) >= MAX_FAILURES {
         return Err(format!("{MAX_FAILURES} compile failures in a row: compiling is off in this process"));
     }
-    let r = build_with(cc, source, fresh);
+    let r = build_with(cc, source, fresh, level.min(simd()));
     match &r {
         Ok(_) => FAILURES.store(0, Ordering::Relaxed),
         Err(_) => drop(FAILURES.fetch_add(1, Ordering::Relaxed)),
@@ -173,8 +197,8 @@ pub fn build(source: &str, fresh: bool) -> Result<Library, String> {
     r
 }
 
-fn build_with(cc: &Toolchain, source: &str, fresh: bool) -> Result<Library, String> {
-    let flags = target_flags();
+fn build_with(cc: &Toolchain, source: &str, fresh: bool, level: Simd) -> Result<Library, String> {
+    let flags = target_flags(level);
     let dir = cache_dir()?;
     let key = key(source, cc, flags);
     let (c_path, so_path) = (dir.join(format!("{key}.c")), dir.join(format!("{key}.so")));

@@ -12,7 +12,7 @@
 //! [`MIN_ELEMENTS`] elements, or loops whose last dimension is shorter than [`MIN_RUN`]) wait
 //! for their [`SMALL_RUNS`]th run: a few runs of them cost little interpreted, many runs (a
 //! replayed step) cost the interpreter's per-node dispatch each time. Never kernels the
-//! printer does not print (matrix products, half types, rows with positions after the axis),
+//! printer does not print (matrix products, rows not walked with one stride),
 //! nor rows split across threads (see `rows::Plan::splits`), nor kernels of more than
 //! [`MAX_NODES`] expression nodes. Libraries are shared by every device of the process
 //! (keyed by their source) and kept on disk across processes (see `compile`). A kernel whose
@@ -23,6 +23,7 @@
 mod compile;
 
 use super::CompileMode;
+use super::eval::{Simd, simd};
 use super::map::{ArgPtr, in_tasks};
 use super::rows::TASK;
 use braid_lowering::{Body, Kernel, RowKernel, check_args, host_c};
@@ -83,8 +84,15 @@ impl NativeKernel {
     /// Prints `kernel`, compiles it (or finds it in the disk cache) and loads it, on the calling
     /// thread.
     pub fn build(kernel: &Kernel) -> Result<NativeKernel, String> {
-        let src = host_c::print(kernel, "braid_kernel", host_target())?;
+        let src = host_c::print(kernel, "braid_kernel", host_target(simd()))?;
         Self::load(&src)
+    }
+
+    /// As [`build`](Self::build), compiled for vector level `level` (never above the CPU's)
+    /// and compiled now: tests check that every level gives the same bits.
+    pub fn build_at(kernel: &Kernel, level: Simd) -> Result<NativeKernel, String> {
+        let src = host_c::print(kernel, "braid_kernel", host_target(level.min(simd())))?;
+        entries(&src, compile::build_for(&src.source, false, level)?)
     }
 
     /// The library of `src`, from the disk cache or compiled (again, if a cached library lacks
@@ -378,11 +386,11 @@ impl Native {
 
 /// What this machine's kernels are printed for: its streaming size and the vector level they
 /// are compiled at (`compile`'s flags).
-fn host_target() -> host_c::HostTarget {
-    let f32_lanes = match super::eval::simd() {
-        super::eval::Simd::Avx512 => 16,
-        super::eval::Simd::Avx2 => 8,
-        super::eval::Simd::Baseline => 4,
+fn host_target(level: Simd) -> host_c::HostTarget {
+    let f32_lanes = match level {
+        Simd::Avx512 => 16,
+        Simd::Avx2 => 8,
+        Simd::Baseline => 4,
     };
     host_c::HostTarget { stream_bytes: super::map::stream_bytes(), f32_lanes }
 }
@@ -394,9 +402,9 @@ fn slot_for(kernel: &Kernel, rows: Option<&RowKernel>) -> Option<Arc<Slot>> {
     let source = match (&kernel.body, rows) {
         (Body::Rows(_), Some(r)) => {
             let planned = Kernel { args: kernel.args.clone(), inputs: kernel.inputs, body: Body::Rows(r.clone()) };
-            host_c::print(&planned, "braid_kernel", host_target())
+            host_c::print(&planned, "braid_kernel", host_target(simd()))
         }
-        _ => host_c::print(kernel, "braid_kernel", host_target()),
+        _ => host_c::print(kernel, "braid_kernel", host_target(simd())),
     };
     let source = source.ok()?;
     let mut slots = slots().lock().unwrap_or_else(|p| p.into_inner());

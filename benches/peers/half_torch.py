@@ -1,0 +1,44 @@
+"""PyTorch peer of braid's benches/half.rs: over [4096, 1024] f16 and bf16 tensors, an add, an
+`exp`, casts to and from f32, a row sum and a softmax, each beside the same op in f32.
+
+Usage: python3 half_torch.py [--device cpu|cuda] [--threads N]
+Prints one line per case: dtype, name, median milliseconds (21 runs after 3 warm-ups, each
+synchronised). Exits 1 with a message on stderr when PyTorch is missing.
+"""
+import argparse
+
+from timing import median, synchronizer, torch_or_exit
+
+torch = torch_or_exit()
+
+args = argparse.ArgumentParser()
+args.add_argument("--device", default="cpu")
+args.add_argument("--threads", type=int, default=0)
+opts = args.parse_args()
+if opts.threads:
+    torch.set_num_threads(opts.threads)
+dev = torch.device(opts.device)
+torch.manual_seed(1)
+sync = synchronizer(torch, dev)
+
+cases = [
+    ("a + b", lambda a, b, w: a + b),
+    ("exp", lambda a, b, w: a.exp()),
+    ("cast to f32", lambda a, b, w: a.float()),
+    ("cast from f32", lambda a, b, w: w.to(a.dtype)),
+    ("sum_dim(1)", lambda a, b, w: a.sum(1)),
+    ("softmax(-1)", lambda a, b, w: a.softmax(-1)),
+]
+for name, dtype in (("f16", torch.float16), ("bf16", torch.bfloat16), ("f32", torch.float32)):
+    a = torch.randn(4096, 1024, device=dev).to(dtype)
+    b = torch.randn(4096, 1024, device=dev).to(dtype)
+    w = a.float()
+    for case, f in cases:
+        if dtype == torch.float32 and case.startswith("cast"):
+            continue
+
+        def run():
+            f(a, b, w)
+            sync()
+
+        print(f"torch {name} {case} {median(run, 3, 21) * 1e3:.3f} ms")
