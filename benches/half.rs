@@ -1,6 +1,6 @@
 //! Half precision on the device: elementwise work, casts and reductions over `[4096, 1024]`
-//! f16 and bf16 tensors (an add, an `exp`, casts to and from f32, a row sum and a softmax), each
-//! beside the same op in f32, in one run. braid's figures include recording, the flush and its
+//! f16 and bf16 tensors (an add, an `exp`, casts to and from f32, a row sum and a softmax) and a
+//! `[512, 1024] x [1024, 1024]` matrix product, each beside the same op in f32, in one run. braid's figures include recording, the flush and its
 //! kernels (`Device::sync`, no read back). The PyTorch peer is
 //! `python3 benches/peers/half_torch.py` (the same cases and shapes).
 //!
@@ -22,13 +22,15 @@ fn half(c: &mut Criterion) {
     let shape = [4096, 1024];
     let mut g = c.benchmark_group("half precision");
     g.throughput(Throughput::Elements((shape[0] * shape[1]) as u64));
-    let cases: [Case; 6] = [
+    let cases: [Case; 7] = [
         ("a + b", |a, b, _| a + b),
         ("exp", |a, _, _| a.exp()),
         ("cast to f32", |a, _, _| a.to_dtype(DType::F32)),
         ("cast from f32", |a, _, wide| wide.to_dtype(a.dtype())),
         ("sum_dim(1)", |a, _, _| a.sum_dim(1, false)),
         ("softmax(-1)", |a, _, _| a.softmax(-1)),
+        // [512, 1024] x [1024, 1024]: both operands contiguous views of a and b.
+        ("matmul", |a, b, _| a.narrow(0, 0, 512).matmul(&b.narrow(0, 0, 1024))),
     ];
     for dtype in [DType::F16, DType::BF16, DType::F32] {
         let a = Tensor::randn(shape, DType::F32, &dev).to_dtype(dtype);

@@ -212,29 +212,32 @@ macro_rules! wrapping_int {
 }
 wrapping_int!(i32, i64, u8);
 
-/// Half-precision types, computed in f32.
+/// Half-precision types, computed in f32: converted a contiguous run at a time (`half`'s slice
+/// conversions, F16C's instructions where the CPU has them; the same bits as one at a time).
 trait HalfFloat: Copy + Send + Sync + 'static {
     fn widen(self) -> f32;
-    fn narrow(x: f32) -> Self;
+    fn widen_run(src: &[Self], dst: &mut [f32]);
+    fn narrow_run(src: &[f32], dst: &mut [Self]);
 }
 
-impl HalfFloat for f16 {
-    fn widen(self) -> f32 {
-        self.to_f32()
-    }
-    fn narrow(x: f32) -> Self {
-        f16::from_f32(x)
-    }
+macro_rules! half_float {
+    ($($t:ty),*) => {$(
+        impl HalfFloat for $t {
+            fn widen(self) -> f32 {
+                self.to_f32()
+            }
+            fn widen_run(src: &[Self], dst: &mut [f32]) {
+                use half::slice::HalfFloatSliceExt;
+                src.convert_to_f32_slice(dst)
+            }
+            fn narrow_run(src: &[f32], dst: &mut [Self]) {
+                use half::slice::HalfFloatSliceExt;
+                dst.convert_from_f32_slice(src)
+            }
+        }
+    )*};
 }
-
-impl HalfFloat for bf16 {
-    fn widen(self) -> f32 {
-        self.to_f32()
-    }
-    fn narrow(x: f32) -> Self {
-        bf16::from_f32(x)
-    }
-}
+half_float!(f16, bf16);
 
 impl<'k> Batches<'k> {
     fn new(k: &'k MatmulKernel, lhs: ArgPtr, rhs: ArgPtr, out: ArgPtr) -> Batches<'k> {
@@ -301,11 +304,21 @@ impl<'k> Batches<'k> {
     unsafe fn half<T: HalfFloat>(&self) {
         let (m, n, kk) = (self.m, self.n, self.k);
         self.each(|b| unsafe {
+            // Row by row: a contiguous row as one run, a strided one element by element.
             let widen = |p: usize, off: usize, rows: usize, cols: usize, (sr, sc): (isize, isize)| -> Vec<f32> {
                 let base = (p as *const T).add(off);
-                (0..rows * cols)
-                    .map(|i| (*base.offset((i / cols) as isize * sr + (i % cols) as isize * sc)).widen())
-                    .collect()
+                let mut out = vec![0f32; rows * cols];
+                for (i, row) in out.chunks_exact_mut(cols.max(1)).enumerate().take(rows) {
+                    let start = base.offset(i as isize * sr);
+                    if sc == 1 {
+                        T::widen_run(std::slice::from_raw_parts(start, cols), row);
+                    } else {
+                        for (j, d) in row.iter_mut().enumerate() {
+                            *d = (*start.offset(j as isize * sc)).widen();
+                        }
+                    }
+                }
+                out
             };
             let a = widen(self.lhs, self.lhs_offsets[b], m, kk, self.lhs_strides);
             let bm = widen(self.rhs, self.rhs_offsets[b], kk, n, self.rhs_strides);
@@ -314,9 +327,7 @@ impl<'k> Batches<'k> {
                 let (a_strides, b_strides) = ((kk as isize, 1), (n as isize, 1));
                 gemm_into::<f32>(m, n, kk, c.as_mut_ptr(), a.as_ptr(), a_strides, bm.as_ptr(), b_strides, self.inner);
             }
-            for (d, &v) in self.block::<T>(b).iter_mut().zip(&c) {
-                *d = T::narrow(v);
-            }
+            T::narrow_run(&c, self.block::<T>(b));
         })
     }
 
