@@ -6,21 +6,9 @@ Usage: python3 half_torch.py [--device cpu|cuda] [--threads N]
 Prints one line per case: dtype, name, median milliseconds (21 runs after 3 warm-ups, each
 synchronised). Exits 1 with a message on stderr when PyTorch is missing.
 """
-import argparse
+from timing import median, torch_on_device
 
-from timing import median, synchronizer, torch_or_exit
-
-torch = torch_or_exit()
-
-args = argparse.ArgumentParser()
-args.add_argument("--device", default="cpu")
-args.add_argument("--threads", type=int, default=0)
-opts = args.parse_args()
-if opts.threads:
-    torch.set_num_threads(opts.threads)
-dev = torch.device(opts.device)
-torch.manual_seed(1)
-sync = synchronizer(torch, dev)
+torch, dev, sync = torch_on_device()
 
 cases = [
     ("a + b", lambda a, b, w: a + b),

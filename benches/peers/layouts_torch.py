@@ -6,22 +6,10 @@ Usage: python3 layouts_torch.py [--device cpu|cuda] [--threads N]
 Prints one line per case: side, name, median milliseconds (21 runs after 3 warm-ups, each
 synchronised). Exits 1 with a message on stderr when PyTorch is missing.
 """
-import argparse
+from timing import median, torch_on_device
 
-from timing import median, synchronizer, torch_or_exit
-
-torch = torch_or_exit()
-
-args = argparse.ArgumentParser()
-args.add_argument("--device", default="cpu")
-args.add_argument("--threads", type=int, default=0)
-opts = args.parse_args()
-if opts.threads:
-    torch.set_num_threads(opts.threads)
-dev = torch.device(opts.device)
-torch.manual_seed(1)
+torch, dev, sync = torch_on_device()
 x = torch.randn(4096, 1024, device=dev)
-sync = synchronizer(torch, dev)
 
 
 cases = [

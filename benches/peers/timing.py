@@ -1,5 +1,6 @@
 """Timing shared by the peer scripts: the median of repeated calls after a warm-up, as the
 braid bench card times its own workloads; PyTorch imported or a clear exit."""
+import argparse
 import sys
 import time
 
@@ -19,6 +20,21 @@ def synchronizer(torch, dev):
     if dev.type == "cuda":
         return torch.cuda.synchronize
     return lambda: None
+
+
+def torch_on_device():
+    """The common start of a peer script taking `--device` (default cpu) and `--threads` (0:
+    PyTorch's default): returns `torch`, the device and its synchronizer, the seed set to 1."""
+    torch = torch_or_exit()
+    args = argparse.ArgumentParser()
+    args.add_argument("--device", default="cpu")
+    args.add_argument("--threads", type=int, default=0)
+    opts = args.parse_args()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    dev = torch.device(opts.device)
+    torch.manual_seed(1)
+    return torch, dev, synchronizer(torch, dev)
 
 
 def median(f, warm=2, runs=9):

@@ -220,7 +220,7 @@ pub trait Element: sealed::Sealed + Copy + Send + Sync + fmt::Debug + PartialEq 
 /// `v` rounded to the nearest f16 (ties to even), in one rounding. (`half`'s `f16::from_f64`
 /// goes through f32 where the CPU has F16C, rounding twice.)
 pub fn f16_from_f64(v: f64) -> f16 {
-    f16::from_f32(f32_round_to_odd(v))
+    f16::from_bits(f16_bits_from_f32(f32_round_to_odd(v)))
 }
 
 /// `v` rounded to the nearest bf16 (ties to even), in one rounding. (`half`'s
@@ -228,6 +228,50 @@ pub fn f16_from_f64(v: f64) -> f16 {
 /// one bf16 step low.)
 pub fn bf16_from_f64(v: f64) -> bf16 {
     bf16::from_f32(f32_round_to_odd(v))
+}
+
+/// The bits of `v` rounded to the nearest f16 (ties to even; NaNs stay quiet NaNs with their
+/// payload's top bits): what `half::f16::from_f32` gives, in integer operations without
+/// branches, which inline into the CPU's loops and vectorise (`half`'s call per value does
+/// neither). The host C printer's `__float2half_rn` is the same function.
+#[inline(always)]
+pub fn f16_bits_from_f32(v: f32) -> u16 {
+    let x = v.to_bits();
+    let (sign, a) = ((x >> 16) & 0x8000, x & 0x7fff_ffff);
+    let nan = 0x7e00 | ((a >> 13) & 0x3ff);
+    // Normal f16 (from 2^-14): rebias the exponent and round off 13 bits, ties to even.
+    let rebiased = a.wrapping_sub(0x3800_0000);
+    let normal = rebiased.wrapping_add(0xfff + ((rebiased >> 13) & 1)) >> 13;
+    // Subnormal f16: adding 0.5 leaves the multiples of 2^-24, rounded to nearest even.
+    let sub = (f32::from_bits(a) + 0.5).to_bits().wrapping_sub(0x3f00_0000);
+    let bits = if a > 0x7f80_0000 {
+        nan
+    } else if a >= 0x477f_f000 {
+        0x7c00
+    } else if a >= 0x3880_0000 {
+        normal
+    } else {
+        sub
+    };
+    (sign | bits) as u16
+}
+
+/// The f32 value of the f16 whose bits are `h` (exact; NaNs made quiet), as `half::f16::to_f32`
+/// gives it, without branches (see [`f16_bits_from_f32`]).
+#[inline(always)]
+pub fn f32_from_f16_bits(h: u16) -> f32 {
+    let h = h as u32;
+    let (sign, e, m) = ((h & 0x8000) << 16, (h >> 10) & 0x1f, h & 0x3ff);
+    let normal = sign | ((e + 112) << 23) | (m << 13);
+    let special = sign | 0x7f80_0000 | if m != 0 { 0x40_0000 } else { 0 } | (m << 13);
+    let sub = sign | (m as f32 * f32::from_bits(0x3380_0000)).to_bits();
+    f32::from_bits(if e == 0 {
+        sub
+    } else if e == 31 {
+        special
+    } else {
+        normal
+    })
 }
 
 /// `v` as f32 rounded "to odd": truncated towards zero, with the last significand bit set when
@@ -322,6 +366,27 @@ mod tests {
         check(&[f16::from_f32(1.5), f16::from_f32(-65504.0)]);
         check(&[bf16::from_f32(3.0), bf16::from_f32(-1e30)]);
         check::<f32>(&[]);
+    }
+
+    /// The branch-free f16 conversions give `half`'s bits: every f16 widened, and narrowed
+    /// from every f32 on a stride through all bit patterns plus each f16's neighbourhood (its
+    /// value, the ties half way to the next, and the f32s either side of them).
+    #[test]
+    fn branch_free_f16_conversions_are_halfs() {
+        for h in 0..=u16::MAX {
+            assert_eq!(f32_from_f16_bits(h).to_bits(), f16::from_bits(h).to_f32().to_bits(), "{h:#06x}");
+            let (v, next) = (f16::from_bits(h).to_f32(), f16::from_bits(h.wrapping_add(1)).to_f32());
+            let tie = ((v as f64 + next as f64) / 2.0) as f32;
+            for x in
+                [v, tie, f32::from_bits(tie.to_bits().wrapping_add(1)), f32::from_bits(tie.to_bits().wrapping_sub(1))]
+            {
+                assert_eq!(f16_bits_from_f32(x), f16::from_f32(x).to_bits(), "{:#010x}", x.to_bits());
+            }
+        }
+        for bits in (0..=u32::MAX).step_by(997) {
+            let x = f32::from_bits(bits);
+            assert_eq!(f16_bits_from_f32(x), f16::from_f32(x).to_bits(), "{bits:#010x}");
+        }
     }
 
     /// The nearest value (ties to even) among the finite values of a 16-bit format, by exact

@@ -7,7 +7,7 @@
 //! (see `map`).
 
 use super::vmath;
-use braid_graph::dtype::{bf16_from_f64, f16_from_f64};
+use braid_graph::dtype::{bf16_from_f64, f16_bits_from_f32, f16_from_f64, f32_from_f16_bits};
 use braid_graph::expr::{Distribution, ExprNode, ExprOp, PrimBinary, PrimCmp, PrimUnary};
 use braid_graph::{DType, rng};
 
@@ -206,7 +206,11 @@ fn cast(to: DType, x: &Reg, out: &mut Reg, n: usize) {
     };
     match out {
         Reg::F32(o) => match to {
-            DType::F16 => from_any!(&mut o[..n], |a: f64, _| f16_from_f64(a).to_f32()),
+            // From f32 in one rounding, without the detour through f64 (the same bits).
+            DType::F16 => match x {
+                Reg::F32(v) => map1(&v[..n], &mut o[..n], |a| f32_from_f16_bits(f16_bits_from_f32(a))),
+                _ => from_any!(&mut o[..n], |a: f64, _| f16_from_f64(a).to_f32()),
+            },
             DType::BF16 => from_any!(&mut o[..n], |a: f64, _| bf16_from_f64(a).to_f32()),
             // An i64 beyond 2^53 would round twice through f64.
             _ => match x {

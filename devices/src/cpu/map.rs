@@ -10,7 +10,7 @@ use braid_graph::DType;
 use braid_graph::expr::Expr;
 use braid_graph::expr::ExprOp;
 use braid_lowering::{Load, MapLoop, Store, View, check_access};
-use half::{bf16, f16};
+use half::bf16;
 use rayon::prelude::*;
 
 /// Elements evaluated per register pass: the registers of a kernel of a few dozen nodes stay in
@@ -373,7 +373,9 @@ pub(super) unsafe fn gather(view: &View, arg: ArgPtr, start: usize, m: usize, ou
     unsafe {
         match (arg.dtype, out) {
             (DType::F32, Reg::F32(o)) => go(view, arg.ptr as *const f32, start, &mut o[..m], offsets, |v| v),
-            (DType::F16, Reg::F32(o)) => go(view, arg.ptr as *const f16, start, &mut o[..m], offsets, |v| v.to_f32()),
+            (DType::F16, Reg::F32(o)) => {
+                go(view, arg.ptr as *const u16, start, &mut o[..m], offsets, braid_graph::dtype::f32_from_f16_bits)
+            }
             (DType::BF16, Reg::F32(o)) => go(view, arg.ptr as *const bf16, start, &mut o[..m], offsets, |v| v.to_f32()),
             (DType::F64, Reg::F64(o)) => go(view, arg.ptr as *const f64, start, &mut o[..m], offsets, |v| v),
             (DType::I32, Reg::I32(o)) => go(view, arg.ptr as *const i32, start, &mut o[..m], offsets, |v| v),
@@ -428,7 +430,9 @@ pub(super) unsafe fn scatter(view: &View, arg: ArgPtr, start: usize, m: usize, r
                 stream_f32((arg.ptr as *mut f32).add(view.offset + start), &r[..m])
             }
             (DType::F32, Reg::F32(r)) => go(view, arg.ptr as *mut f32, start, &r[..m], offsets, |v| v),
-            (DType::F16, Reg::F32(r)) => go(view, arg.ptr as *mut f16, start, &r[..m], offsets, f16::from_f32),
+            (DType::F16, Reg::F32(r)) => {
+                go(view, arg.ptr as *mut u16, start, &r[..m], offsets, braid_graph::dtype::f16_bits_from_f32)
+            }
             (DType::BF16, Reg::F32(r)) => go(view, arg.ptr as *mut bf16, start, &r[..m], offsets, bf16::from_f32),
             (DType::F64, Reg::F64(r)) => go(view, arg.ptr as *mut f64, start, &r[..m], offsets, |v| v),
             (DType::I32, Reg::I32(r)) => go(view, arg.ptr as *mut i32, start, &r[..m], offsets, |v| v),

@@ -195,7 +195,9 @@ static inline void braid_stream_f32(float *dst, const float *src, int n) {{
 
 /// f16 and bf16 values, stored as their bits, under the names the CUDA printer's expressions
 /// use ([`crate::cexpr`]), converted as `braid_graph::dtype` and the `half` crate convert: to
-/// nearest, ties to even, one rounding from f64 (through f32 rounded to odd), NaN stays NaN.
+/// nearest, ties to even, one rounding from f64 (through f32 rounded to odd), NaN stays NaN
+/// (the f16 ones are `braid_graph::dtype::f16_bits_from_f32` and `f32_from_f16_bits`, step for
+/// step, which the interpreter runs).
 /// Written without branches, as integer operations on the bits, so that gcc vectorises the
 /// loops that call them (gcc 12 converts `_Float16` one element at a time, even with F16C).
 /// `tests/native_kernels.rs` checks them against the interpreter; every f32 bit pattern was

@@ -49,20 +49,19 @@ fn one_entry_per_loop_with_braids_exp_and_streaming_stores_when_large() {
 
 #[test]
 fn f16_runs_are_widened_and_narrowed_a_block_at_a_time() {
-    let mut k = exp_kernel(1000);
-    k.args.iter_mut().for_each(|a| a.dtype = DType::F16);
-    let Body::Map(loops) = &mut k.body else { unreachable!() };
-    loops[0].loads[0].dtype = DType::F16;
-    loops[0].stores[0].dtype = DType::F16;
-    let s = print(&k, "k", at(1 << 20)).unwrap().source;
+    let half = |dtype: DType| {
+        let mut k = exp_kernel(1000);
+        k.args.iter_mut().for_each(|a| a.dtype = dtype);
+        let Body::Map(loops) = &mut k.body else { unreachable!() };
+        loops[0].loads[0].dtype = dtype;
+        loops[0].stores[0].dtype = dtype;
+        print(&k, "k", at(1 << 20)).unwrap().source
+    };
+    let s = half(DType::F16);
     assert!(s.contains("braid_widen_f16(h0, a0 + o0 + jb, n);") && s.contains("v0 = h0[jj];"), "{s}");
     assert!(s.contains("braid_narrow_f16(a1 + w0 + jb, t0, n);"), "{s}");
     // bf16 converts as it goes (a shift).
-    k.args.iter_mut().for_each(|a| a.dtype = DType::BF16);
-    let Body::Map(loops) = &mut k.body else { unreachable!() };
-    loops[0].loads[0].dtype = DType::BF16;
-    loops[0].stores[0].dtype = DType::BF16;
-    let s = print(&k, "k", at(1 << 20)).unwrap().source;
+    let s = half(DType::BF16);
     assert!(s.contains("v0 = __bfloat162float(a0[o0 + k]);") && s.contains("= __float2bfloat16_rn(t0[jj]);"), "{s}");
 }
 

@@ -88,8 +88,8 @@ impl NativeKernel {
         Self::load(&src)
     }
 
-    /// As [`build`](Self::build), compiled for vector level `level` (never above the CPU's)
-    /// and compiled now: tests check that every level gives the same bits.
+    /// As [`build`](Self::build), for vector level `level` (never above the CPU's): tests check
+    /// that every level gives the same bits.
     pub fn build_at(kernel: &Kernel, level: Simd) -> Result<NativeKernel, String> {
         let src = host_c::print(kernel, "braid_kernel", host_target(level.min(simd())))?;
         entries(&src, compile::build_for(&src.source, false, level)?)
