@@ -66,34 +66,22 @@ pub fn available() -> Result<(), String> {
 /// what the interpreted code would (every level gives the same bits), with F16C's f16
 /// conversions where the CPU has them (as every AVX2 CPU does; they give the same bits as the
 /// printed code's own).
-fn target_flags(level: Simd) -> &'static [&'static str] {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let f16c = std::arch::is_x86_feature_detected!("f16c");
-        match (level, f16c) {
-            (Simd::Avx512, true) => &[
-                "-mavx2",
-                "-mfma",
-                "-mf16c",
-                "-mavx512f",
-                "-mavx512vl",
-                "-mavx512bw",
-                "-mavx512dq",
-                "-mprefer-vector-width=512",
-            ],
-            (Simd::Avx512, false) => {
-                &["-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mprefer-vector-width=512"]
-            }
-            (Simd::Avx2, true) => &["-mavx2", "-mfma", "-mf16c"],
-            (Simd::Avx2, false) => &["-mavx2", "-mfma"],
-            (Simd::Baseline, _) => &[],
+fn target_flags(level: Simd) -> Vec<&'static str> {
+    if !cfg!(target_arch = "x86_64") {
+        return vec![];
+    }
+    let mut flags = match level {
+        Simd::Avx512 => {
+            vec!["-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mprefer-vector-width=512"]
         }
+        Simd::Avx2 => vec!["-mavx2", "-mfma"],
+        Simd::Baseline => vec![],
+    };
+    #[cfg(target_arch = "x86_64")]
+    if level != Simd::Baseline && std::arch::is_x86_feature_detected!("f16c") {
+        flags.push("-mf16c");
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = level;
-        &[]
-    }
+    flags
 }
 
 /// Where compiled kernels are kept: created if missing, and checked to be private.
@@ -148,7 +136,7 @@ fn process_alive(pid: u32) -> bool {
 pub fn cached(source: &str) -> Option<Library> {
     let cc = toolchain().ok()?;
     let dir = cache_dir().ok()?;
-    let key = key(source, cc, target_flags(simd()));
+    let key = key(source, cc, &target_flags(simd()));
     let (c_path, so_path) = (dir.join(format!("{key}.c")), dir.join(format!("{key}.so")));
     if !(std::fs::read(&c_path).is_ok_and(|c| c == source.as_bytes()) && so_path.exists()) {
         return None;
@@ -200,7 +188,7 @@ pub fn build_for(source: &str, fresh: bool, level: Simd) -> Result<Library, Stri
 fn build_with(cc: &Toolchain, source: &str, fresh: bool, level: Simd) -> Result<Library, String> {
     let flags = target_flags(level);
     let dir = cache_dir()?;
-    let key = key(source, cc, flags);
+    let key = key(source, cc, &flags);
     let (c_path, so_path) = (dir.join(format!("{key}.c")), dir.join(format!("{key}.so")));
     if !fresh && std::fs::read(&c_path).is_ok_and(|c| c == source.as_bytes()) && so_path.exists() {
         // SAFETY: the library was built by `build` from this very source; loading it runs no
@@ -215,7 +203,7 @@ fn build_with(cc: &Toolchain, source: &str, fresh: bool, level: Simd) -> Result<
     std::fs::write(&tmp_c, source).map_err(|e| format!("cannot write {}: {e}", tmp_c.display()))?;
     let out = Command::new(&cc.cc)
         .args(CC_OPTIONS)
-        .args(flags)
+        .args(&flags)
         .args(LINK_OPTIONS)
         .arg("-o")
         .arg(&tmp_so)
