@@ -263,3 +263,21 @@ fn tens_of_thousands_of_views_in_a_row_fold_on_a_spawned_threads_stack() {
     assert_eq!(sorted(y), sorted(w.iter().map(|v| v * 2.0).collect()));
     assert_eq!(sorted(grad), sorted(w.iter().map(|v| v * 8.0).collect()));
 }
+
+#[test]
+fn a_softmax_over_a_transposed_view_copies_the_view_first_where_the_target_says_so() {
+    let dev = braid::testing::test_device();
+    let x = data(&dev, &[64, 256]);
+    // A reduction alone reads the transposed view in place.
+    let sums = x.t().sum_dim(1, false);
+    sums.to_vec::<f32>().unwrap();
+    assert_eq!(kernels(&dump(&dev)), 1, "{}", dev.last_schedule().unwrap().to_text());
+    // A softmax writes whole rows along the reduced axis: on the CPU the view is copied by a
+    // kernel of its own (a tiled transpose) and the row kernel reads the copy's rows in order.
+    let y = x.t().softmax(-1);
+    let got = y.to_vec::<f32>().unwrap();
+    let want = if dev.target().copies_transposed_rows { 2 } else { 1 };
+    assert_eq!(kernels(&dump(&dev)), want, "{}", dev.last_schedule().unwrap().to_text());
+    let copied = x.t().contiguous().softmax(-1).to_vec::<f32>().unwrap();
+    assert!(got.iter().zip(&copied).all(|(a, b)| (a - b).abs() <= 1e-6), "the same softmax either way");
+}

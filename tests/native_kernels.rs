@@ -18,7 +18,7 @@ mod common;
 
 use braid::prelude::*;
 use braid_devices::cpu::map::ArgPtr;
-use braid_devices::cpu::native::{NativeKernel, SMALL_RUNS, compiler_available};
+use braid_devices::cpu::native::{NativeKernel, SMALL_RUNS};
 use braid_devices::cpu::run_kernel;
 use braid_lowering::{Body, Kernel};
 use cases::*;
@@ -26,33 +26,7 @@ use common::Rng;
 use rayon::prelude::*;
 
 fn skip() -> bool {
-    match compiler_available() {
-        Ok(()) => false,
-        Err(e) => {
-            eprintln!("native_kernels: SKIPPED, no C compiler to compile kernels with: {e}");
-            true
-        }
-    }
-}
-
-/// The first element where the compiled kernel's arguments differ from the interpreter's.
-fn first_difference(case: &Case, want: &[Vec<u8>], got: &[Vec<u8>]) -> Option<String> {
-    for (a, arg) in case.kernel.args.iter().enumerate() {
-        for e in 0..arg.len {
-            let (w, g) = (element(arg.dtype, &want[a], e), element(arg.dtype, &got[a], e));
-            let same = match (w, g) {
-                (Ok(w), Ok(g)) => w.to_bits() == g.to_bits() || (w.is_nan() && g.is_nan()),
-                (w, g) => w == g,
-            };
-            if !same {
-                return Some(format!(
-                    "{}: a{a} ({}) element {e}: interpreted {w:?}, compiled {g:?}",
-                    case.label, arg.dtype
-                ));
-            }
-        }
-    }
-    None
+    no_compiler("native_kernels")
 }
 
 #[test]
@@ -74,17 +48,7 @@ fn compiled_kernels_compute_the_interpreters_bits() {
         cases.push(map_case_over(&mut rng, 1000 + n, &dims, MathLib::Host));
     }
     cases.extend((0..6).map(|n| concat_case(&mut rng, n)));
-    let failures: Vec<String> = cases
-        .par_iter()
-        .filter_map(|case| {
-            let k = &case.kernel;
-            let native = NativeKernel::build(k).unwrap_or_else(|e| panic!("{}: {e}\n{k:#?}", case.label));
-            let want = run_on_copies(k, &case.init, |args| run_kernel(k, args)).unwrap();
-            // SAFETY: `native` was built from `k`.
-            let got = run_on_copies(k, &case.init, |args| unsafe { native.run(k, args) }).unwrap();
-            first_difference(case, &want, &got)
-        })
-        .collect();
+    let failures = compiled_differences(&cases);
     let half = |c: &&Case| c.kernel.args.iter().any(|a| matches!(a.dtype, DType::F16 | DType::BF16));
     eprintln!(
         "native_kernels: {} kernels ({} with f16 or bf16 arguments) compiled and compared in {:.2?}",

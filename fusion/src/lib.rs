@@ -96,6 +96,8 @@ pub struct Options {
     /// The target's limit on buffers one kernel binds (inputs and outputs; one more is kept
     /// for the backend's scratch).
     pub max_buffers: usize,
+    /// The target's [`braid_graph::Target::copies_transposed_rows`].
+    pub copy_transposed_rows: bool,
 }
 
 impl Options {
@@ -107,6 +109,7 @@ impl Options {
             max_reductions: target.max_row_reductions,
             max_nodes: target.max_kernel_nodes,
             max_buffers: target.max_kernel_buffers,
+            copy_transposed_rows: target.copies_transposed_rows,
         }
     }
 }

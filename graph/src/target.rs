@@ -106,6 +106,11 @@ pub struct Target {
     /// or passes their addresses in bounded space (CUDA's kernel parameters) sets it; fusion stops growing a kernel there and a `cat` of more parts is recorded in
     /// pieces (`usize::MAX`: no limit).
     pub max_kernel_buffers: usize,
+    /// Whether a transposed view read by a row kernel that writes whole rows (softmax, layer
+    /// norm over `x.t()`) is copied first, by a kernel of its own, instead of folded into the
+    /// row kernel's loads (fusion's `fold`): where such a row kernel walks its rows across the
+    /// lines of its input and output, and a transposing copy is cheap (the CPU's, tile by tile).
+    pub copies_transposed_rows: bool,
 }
 
 impl Target {
@@ -121,6 +126,7 @@ impl Target {
         dtypes: DTypes::ALL,
         max_kernel_nodes: usize::MAX,
         max_kernel_buffers: usize::MAX,
+        copies_transposed_rows: true,
     };
 
     /// Whether this device's kernels read a value held by a device of `source` memory where

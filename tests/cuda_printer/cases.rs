@@ -405,3 +405,58 @@ pub(crate) fn map_case_over(rng: &mut Rng, n: usize, dims: &[usize], lib: MathLi
     c.kernel.body = Body::Map(vec![MapLoop { dims: dims.into(), loads, expr, stores }]);
     c
 }
+
+/// The first element where a compiled kernel's arguments (`got`) differ from the interpreter's
+/// (`want`), bit for bit but for NaN payloads (the compiled CPU kernels' tests; the printer's
+/// test has its own tolerances).
+#[allow(dead_code)]
+pub(crate) fn first_difference(case: &Case, want: &[Vec<u8>], got: &[Vec<u8>]) -> Option<String> {
+    for (a, arg) in case.kernel.args.iter().enumerate() {
+        for e in 0..arg.len {
+            let (w, g) = (element(arg.dtype, &want[a], e), element(arg.dtype, &got[a], e));
+            let same = match (w, g) {
+                (Ok(w), Ok(g)) => w.to_bits() == g.to_bits() || (w.is_nan() && g.is_nan()),
+                (w, g) => w == g,
+            };
+            if !same {
+                return Some(format!(
+                    "{}: a{a} ({}) element {e}: interpreted {w:?}, compiled {g:?}",
+                    case.label, arg.dtype
+                ));
+            }
+        }
+    }
+    None
+}
+
+/// Whether a compiled CPU kernels' test (`name`) must skip: there is no C compiler (said why).
+#[allow(dead_code)]
+pub(crate) fn no_compiler(name: &str) -> bool {
+    match braid_devices::cpu::native::compiler_available() {
+        Ok(()) => false,
+        Err(e) => {
+            eprintln!("{name}: SKIPPED, no C compiler to compile kernels with: {e}");
+            true
+        }
+    }
+}
+
+/// Each case's kernel compiled for the host (`braid_devices::cpu::native`) and run beside the
+/// interpreter on copies of its inputs, in parallel: the [`first_difference`] of each that
+/// differs.
+#[allow(dead_code)]
+pub(crate) fn compiled_differences(cases: &[Case]) -> Vec<String> {
+    use rayon::prelude::*;
+    cases
+        .par_iter()
+        .filter_map(|case| {
+            let k = &case.kernel;
+            let native = braid_devices::cpu::native::NativeKernel::build(k)
+                .unwrap_or_else(|e| panic!("{}: {e}\n{k:#?}", case.label));
+            let want = run_on_copies(k, &case.init, |args| braid_devices::cpu::run_kernel(k, args)).unwrap();
+            // SAFETY: `native` was built from `k`.
+            let got = run_on_copies(k, &case.init, |args| unsafe { native.run(k, args) }).unwrap();
+            first_difference(case, &want, &got)
+        })
+        .collect()
+}

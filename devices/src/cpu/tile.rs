@@ -61,16 +61,20 @@ const RUN_WIDTHS: [usize; 2] = [16, 8];
 /// A map loop whose last dimension some view walks at a stride (a transposed input or output)
 /// while another dimension `d` is contiguous for it, and that is long enough to matter (more
 /// than 16 positions): the same loop over tiles of `W` positions along `d` and `T` along the
-/// last dimension, `[d / W, last / T, other dims.., W, T]`. In each tile the strided view reads
+/// last dimension, `[last / T, d / W, other dims.., W, T]`. In each tile the strided view reads
 /// (or writes) `T` runs of `W` neighbours, a few cache lines at a time, and views contiguous
-/// along the last dimension walk runs of `T`. `x.t().contiguous()` of a `[4096, 1024]` f32
-/// matrix: 20 ms in row-major order, about 8 ms tiled, on a 2-core Zen 3 (PyTorch: 7.6 ms).
-/// `None` when no view needs it, or when neither dimension divides into such blocks.
+/// along the last dimension walk runs of `T`; the tiles of one block of `T` along the last
+/// dimension come one after another, so the strided view is walked through memory in order
+/// (`T` of its runs along `d` at a time). The host C printer computes such a tile as a whole
+/// (`braid_lowering::host_c`: transposed in registers). `x.t().contiguous()` of a `[4096,
+/// 1024]` f32 matrix: 20 ms in row-major order, about 2 ms tiled and compiled, on a 2-core Zen 3
+/// (PyTorch: 7.1 ms). `None` when no view needs it, or when neither dimension divides into such
+/// blocks.
 pub fn map_loop(l: &MapLoop) -> Option<MapLoop> {
     let (d, w, t) = tiles(l)?;
     let last = l.dims.len() - 1;
     let mut parts =
-        vec![Part { old: d, extent: l.dims[d] / w, step: w }, Part { old: last, extent: l.dims[last] / t, step: t }];
+        vec![Part { old: last, extent: l.dims[last] / t, step: t }, Part { old: d, extent: l.dims[d] / w, step: w }];
     parts.extend((0..last).filter(|&i| i != d).map(|i| Part { old: i, extent: l.dims[i], step: 1 }));
     parts.push(Part { old: d, extent: w, step: 1 });
     parts.push(Part { old: last, extent: t, step: 1 });
@@ -254,9 +258,10 @@ mod tests {
     fn a_transposed_copy_is_tiled_and_visits_every_element_once() {
         let l = copy(&[96, 40], transposed(40, 96));
         let t = map_loop(&l).expect("tiled");
-        // Blocks along the load's contiguous dimension (96 = 3 x 32), then along the last (40 = 5 x 8).
-        assert_eq!(t.dims.as_slice(), &[3, 5, 32, 8]);
-        assert_eq!(t.loads[0].view.strides.as_slice(), &[32, 768, 1, 96]);
+        // Blocks along the last dimension (40 = 5 x 8), then along the load's contiguous one (96 =
+        // 3 x 32), then the tile.
+        assert_eq!(t.dims.as_slice(), &[5, 3, 32, 8]);
+        assert_eq!(t.loads[0].view.strides.as_slice(), &[768, 32, 1, 96]);
         let views = |m: &MapLoop| visits(&m.dims, &[&m.loads[0].view, &m.stores[0].view]);
         assert_eq!(views(&l), views(&t));
         // Already tiled, or contiguous, or not divisible into blocks: left as it is.
@@ -271,7 +276,7 @@ mod tests {
         let load = view(&[6, 24, 40], &[960, 1, 24], 0);
         let l = copy(&[6, 24, 40], load);
         let t = map_loop(&l).expect("tiled");
-        assert_eq!(t.dims.as_slice(), &[3, 5, 6, 8, 8]);
+        assert_eq!(t.dims.as_slice(), &[5, 3, 6, 8, 8]);
         let views = |m: &MapLoop| visits(&m.dims, &[&m.loads[0].view, &m.stores[0].view]);
         assert_eq!(views(&l), views(&t));
     }

@@ -66,6 +66,8 @@ pub const CUDA_TARGET: Target = Target {
     // One device address per buffer in 4 KiB of kernel parameters (512, one kept for scratch;
     // drivers since CUDA 12.1 take 32 KiB on Volta and later, the smaller is assumed).
     max_kernel_buffers: 511,
+    // Not measured on a GPU: the row kernel reads the view as it is.
+    copies_transposed_rows: false,
 };
 
 /// Most kernels prepared per device before the table starts over (compiled modules stay with

@@ -116,6 +116,8 @@ pub fn wgpu_target(ctx: &WgpuContext, align: u64) -> Target {
         max_kernel_nodes: MAX_KERNEL_NODES,
         // Room for the one scratch buffer a kernel may add (`wgsl::print`'s bindings).
         max_kernel_buffers: storage.saturating_sub(1).max(2),
+        // Not measured on a GPU: the row kernel reads the view as it is.
+        copies_transposed_rows: false,
     }
 }
 

@@ -28,8 +28,10 @@
 //! no NaNs, or to evaluate math functions itself. `tests/native_kernels.rs` compiles about 150
 //! random kernels and compares every output bit with the evaluator's (NaN payloads aside).
 //!
-//! Row kernels whose rows are walked with one stride are printed by `rows` (one entry point
-//! over a range of rows; `columns` for positions after the axis).
+//! A loop that transposes (a view walks its last two dimensions column-major) computes whole
+//! tiles at a time instead of runs (`tiles`). Row kernels whose rows are walked with one stride
+//! are printed by `rows` (one entry point over a range of rows; `columns` for positions after
+//! the axis).
 //!
 //! f16 and bf16 values are stored as their bits and live in f32 registers, converted by the
 //! branch-free functions of `HALVES` (under the CUDA printer's names, so `cexpr`
@@ -44,6 +46,7 @@ mod columns;
 mod rows;
 #[cfg(test)]
 mod tests;
+mod tiles;
 
 use crate::cexpr::*;
 use crate::kernel::{Body, Kernel, MapLoop, Store, View};
@@ -145,7 +148,7 @@ fn prelude() -> String {
 static inline float __int_as_float(int b) {{ float f; __builtin_memcpy(&f, &b, 4); return f; }}
 static inline double __longlong_as_double(long long b) {{ double f; __builtin_memcpy(&f, &b, 8); return f; }}
 {halves}
-{helpers}
+{transpose}{helpers}
 // braid's f32 exp and tanh (braid_lowering::vmath), step for step. Every helper is inlined
 // (a kernel of many nodes is past gcc's inlining limits, and a call per element would keep its
 // loop from being vectorised).
@@ -189,6 +192,7 @@ static inline void braid_stream_f32(float *dst, const float *src, int n) {{
 }}
 "#,
         halves = HALVES,
+        transpose = tiles::TRANSPOSE,
         helpers = helpers("static inline __attribute__((always_inline))")
     )
 }
@@ -285,6 +289,14 @@ fn along(base: &str, k: &str, stride: isize) -> String {
     }
 }
 
+/// Indices the printed loop computes between two index decompositions: a whole tile where
+/// it computes `l` a tile at a time (a transposing loop, see `tiles`), else a run along the
+/// last dimension. The CPU compiles loops of short runs only once they have run many times
+/// (their index arithmetic per run eats the gain).
+pub fn run_length(l: &MapLoop) -> usize {
+    tiles::tile_of(l).map_or_else(|| l.dims.last().copied().unwrap_or(1), |(a, b)| a * b)
+}
+
 /// Whether `l`'s arithmetic per element outweighs its memory traffic on a machine of `f32_lanes`
 /// lanes: vector operations per element (an `exp` about 25, a `tanh` 40, a division or square
 /// root 4, a libm call, which runs one element at a time, 200) over the lanes, against half
@@ -365,6 +377,9 @@ fn print_loop(out: &mut String, l: &MapLoop, name: &str, kernel: &Kernel, target
     }
     for (s, store) in l.stores.iter().enumerate() {
         let _ = writeln!(out, "    const long long w{s} = {};", offset_expr(&store.view));
+    }
+    if let Some(tile) = tiles::tile_of(l) {
+        tiles::print_whole_tile(out, l, &live, tile)?;
     }
     let _ = writeln!(
         out,

@@ -266,3 +266,35 @@ fn each_loop_declares_only_the_arguments_it_reads_and_writes() {
     assert!(loop1.contains("*)args[1];") && loop1.contains("*)args[3];"), "{loop1}");
     assert!(!loop1.contains("*)args[0];") && !loop1.contains("*)args[2];"), "{loop1}");
 }
+
+#[test]
+fn a_transposing_loop_is_computed_a_whole_tile_at_a_time() {
+    // `exp` of x.t() for x a contiguous [256, 1024], as the CPU tiles it: [1024 / 64, 256 / 16, 64,
+    // 16], the load contiguous along the tile's columns (second to last), the store along its rows.
+    let transposed = |mut k: Kernel, load: bool| {
+        let Body::Map(loops) = &mut k.body else { unreachable!() };
+        let l = &mut loops[0];
+        l.dims = smallvec![16, 16, 64, 16];
+        let column_major = View { dims: l.dims.clone(), strides: smallvec![64, 16 * 1024, 1, 1024], offset: 0 };
+        let row_major = View { dims: l.dims.clone(), strides: smallvec![64 * 256, 16, 256, 1], offset: 0 };
+        (l.loads[0].view, l.stores[0].view) = if load { (column_major, row_major) } else { (row_major, column_major) };
+        (run_length(l), print(&k, "k", at(1 << 30)).unwrap().source)
+    };
+    let (run, s) = transposed(exp_kernel(1 << 18), true);
+    assert_eq!(run, 1024, "a whole tile between index decompositions");
+    assert!(s.contains("if (d3 == 0 && d2 == 0 && end - i >= 1024LL) {"), "{s}");
+    // Read in place along the columns, computed into a local array, transposed out.
+    assert!(s.contains("const float v0 = a0[o0 + q * 1024 + p];"), "{s}");
+    assert!(s.contains("r0[k] = v3;"), "{s}");
+    assert!(s.contains("braid_transpose32(a1 + w0, 256, r0, 64, 16, 64);"), "{s}");
+    // The transposed store instead: the load transposed in, the store copied out by columns.
+    let (_, s) = transposed(exp_kernel(1 << 18), false);
+    assert!(s.contains("braid_transpose32(l0, 64, a0 + o0, 256, 64, 16);"), "{s}");
+    assert!(s.contains("const float v0 = l0[k];"), "{s}");
+    assert!(s.contains("a1[w0 + q * 1024 + p] = r0[q * 64 + p];"), "{s}");
+    // Nothing transposed: runs along the last dimension, as before.
+    let plain = exp_kernel(1 << 18);
+    let Body::Map(loops) = &plain.body else { unreachable!() };
+    assert_eq!(run_length(&loops[0]), 1 << 18);
+    assert!(!print(&plain, "k", at(1 << 30)).unwrap().source.contains("A whole"));
+}

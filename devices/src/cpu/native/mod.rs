@@ -39,8 +39,9 @@ pub use compile::available as compiler_available;
 /// Kernels producing fewer elements than this are small: interpreted until they have run
 /// [`SMALL_RUNS`] times.
 pub const MIN_ELEMENTS: usize = 1 << 16;
-/// Loops whose last dimension (after merging contiguous ones) is shorter than this make a
-/// kernel small too: the compiled code pays index arithmetic per run of the last dimension.
+/// Loops whose runs ([`host_c::run_length`]: along the last dimension after merging contiguous
+/// ones, or whole tiles of a transposing loop) are shorter than this make a kernel small too:
+/// the compiled code pays index arithmetic per run.
 pub const MIN_RUN: usize = 64;
 /// Runs after which a small kernel is compiled as well: one that runs this often (a replayed
 /// `Step`, a training loop's cached plan) spends more time in the interpreter's per-node
@@ -334,7 +335,7 @@ impl Native {
         }
         let (small, nodes) = match &kernel.body {
             Body::Map(loops) => {
-                let long_runs = loops.iter().all(|l| l.dims.last().is_none_or(|&d| d >= MIN_RUN));
+                let long_runs = loops.iter().all(|l| l.dims.is_empty() || host_c::run_length(l) >= MIN_RUN);
                 let nodes = loops.iter().map(|l| l.expr.nodes.len()).sum();
                 (kernel.output_elements() < MIN_ELEMENTS || !long_runs, nodes)
             }
