@@ -79,6 +79,7 @@ fn cases(quick: bool) -> Vec<Case> {
             shape: vec![4096, s(1024, 512)],
             f: |x| x.t().sum_dim(1, false),
         },
+        Case { name: "transposed whole: x.t().exp().sum", shape: vec![4096, s(1024, 512)], f: |x| x.t().exp().sum() },
         Case {
             name: "elementwise chain",
             shape: vec![s(1 << 25, 1 << 22)],

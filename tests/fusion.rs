@@ -265,7 +265,7 @@ fn tens_of_thousands_of_views_in_a_row_fold_on_a_spawned_threads_stack() {
 }
 
 #[test]
-fn a_softmax_over_a_transposed_view_copies_the_view_first_where_the_target_says_so() {
+fn softmaxes_and_whole_reductions_over_a_transposed_view_copy_it_first_where_the_target_says_so() {
     let dev = braid::testing::test_device();
     let x = data(&dev, &[64, 256]);
     // A reduction alone reads the transposed view in place.
@@ -280,4 +280,22 @@ fn a_softmax_over_a_transposed_view_copies_the_view_first_where_the_target_says_
     assert_eq!(kernels(&dump(&dev)), want, "{}", dev.last_schedule().unwrap().to_text());
     let copied = x.t().contiguous().softmax(-1).to_vec::<f32>().unwrap();
     assert!(got.iter().zip(&copied).all(|(a, b)| (a - b).abs() <= 1e-6), "the same softmax either way");
+    // A reduction over every element reads in the view's order: directly, the view is copied
+    // first; through elementwise work, that work's kernel writes its values in order first.
+    let total = x.t().sum();
+    let got = total.item::<f32>().unwrap();
+    assert_eq!(kernels(&dump(&dev)), want, "{}", dev.last_schedule().unwrap().to_text());
+    let copied = x.t().contiguous().sum().item::<f32>().unwrap();
+    // The same order: the same bits where both plans copy (elsewhere within rounding).
+    let same = |a: f32, b: f32| if want == 2 { a.to_bits() == b.to_bits() } else { (a - b).abs() <= 1e-5 * b.abs() };
+    assert!(same(got, copied), "{got} against {copied}");
+    let total = x.t().exp().sum();
+    let got = total.item::<f32>().unwrap();
+    let j = dump(&dev);
+    assert_eq!(kernels(&j), want, "{}", dev.last_schedule().unwrap().to_text());
+    if dev.target().copies_transposed_rows {
+        assert!(refusals(&j).iter().any(|r| r.contains("reads a transposed view")), "{:?}", refusals(&j));
+    }
+    let copied = x.t().contiguous().exp().sum().item::<f32>().unwrap();
+    assert!(same(got, copied), "{got} against {copied}");
 }

@@ -319,3 +319,40 @@ fn a_download_in_progress_is_never_overwritten_by_an_update() {
     dev.sync().unwrap();
     assert!(dev.last_schedule().unwrap().to_text().contains("in place"));
 }
+
+#[test]
+fn a_view_a_tensor_still_names_is_computed_only_if_it_is_read() {
+    let _t = turn();
+    // Kernel counts of the CPU's plans (the engine's choice is the same on every device).
+    let dev = Device::new_cpu();
+    let values: Vec<f32> = (0..4096).map(|i| (i % 97) as f32 / 16.0 - 3.0).collect();
+    let x = Tensor::from_vec(values.clone(), [64, 64], &dev);
+    x.to_vec::<f32>().unwrap();
+    // The temporary `x.reshape(..)` names the view until the end of the statement, after the
+    // read: the view folds into the sum's loads, nothing copies `x`.
+    let s = x.reshape([4096]).sum().item::<f32>().unwrap();
+    assert_eq!(dev.last_schedule().unwrap().kernel_count(), 1, "{}", dev.last_schedule().unwrap().to_text());
+    assert!((s - values.iter().sum::<f32>()).abs() < 1e-2);
+    // A view that outlives its reader, over a value no tensor names any more: the reader's
+    // read leaves the view pending and its input held (never handed to the flush to free).
+    let v = {
+        let a = &x * 2.0;
+        a.to_vec::<f32>().unwrap();
+        a.t()
+    };
+    let before = dev.kernels_launched();
+    let sums = v.exp().sum_dim(1, false).to_vec::<f32>().unwrap();
+    assert_eq!(dev.kernels_launched() - before, 1, "the row sums alone");
+    let want: Vec<f32> = (0..64).map(|c| (0..64).map(|r| (2.0 * values[r * 64 + c]).exp()).sum()).collect();
+    assert!(sums.iter().zip(&want).all(|(a, b)| (a - b).abs() <= 1e-4 * b.abs()), "{sums:?}");
+    // Read, the view is computed then, from the input it held.
+    let transposed = v.to_vec::<f32>().unwrap();
+    assert_eq!(dev.kernels_launched() - before, 2);
+    assert!((0..4096).all(|i| transposed[i] == 2.0 * values[(i % 64) * 64 + i / 64]));
+    // A sync computes every pending value, views included.
+    let w = x.narrow(0, 8, 16);
+    dev.sync().unwrap();
+    let synced = dev.kernels_launched();
+    assert_eq!(w.to_vec::<f32>().unwrap(), values[8 * 64..24 * 64]);
+    assert_eq!(dev.kernels_launched(), synced, "computed by the sync");
+}

@@ -58,7 +58,7 @@ fn count(log: &[Logged], f: impl Fn(&Logged) -> bool) -> usize {
 
 #[test]
 fn random_programs_on_streams_with_events_match_the_reference_on_an_asynchronous_device() {
-    let config = Config { streams: 2, events: true, max_ops: 30, reads_in_middle: false, ..Config::default() };
+    let config = Config { streams: 2, events: true, max_ops: 40, reads_in_middle: false, ..Config::default() };
     let fused = run_programs(cases(), &config, true, 1);
     let unfused = run_programs(cases() / 2, &config, false, 2);
     for backend in [fused, unfused] {

@@ -78,6 +78,8 @@ struct Grouper<'a> {
     graph: &'a FlushGraph,
     options: &'a Options,
     folded: Vec<bool>,
+    /// Per folded movement node, whether its view is a transpose (see [`transposed`]).
+    transposes: Vec<bool>,
     group_of: Vec<Option<usize>>,
     level: Vec<Level>,
     groups: Vec<Group>,
@@ -103,11 +105,13 @@ pub(crate) fn run(graph: &FlushGraph, options: &Options) -> Fusion {
             }
         }
     }
-    let folded = if options.enabled { fold(graph, options, &control_pred, &readers) } else { vec![false; n] };
+    let (folded, transposes) =
+        if options.enabled { fold(graph, options, &control_pred, &readers) } else { (vec![false; n], vec![false; n]) };
     let mut g = Grouper {
         graph,
         options,
         folded,
+        transposes,
         group_of: vec![None; n],
         level: vec![Level::Full; n],
         groups: Vec::new(),
@@ -140,7 +144,12 @@ fn takes_constant(graph: &FlushGraph, r: usize, i: usize, v: f64) -> bool {
 
 /// Decides which movement and constant nodes are folded into their readers' loads: not kept,
 /// not ordering anything, and (for movement) expressible as a view of the value underneath.
-fn fold(graph: &FlushGraph, options: &Options, control_pred: &[bool], readers: &[Vec<usize>]) -> Vec<bool> {
+fn fold(
+    graph: &FlushGraph,
+    options: &Options,
+    control_pred: &[bool],
+    readers: &[Vec<usize>],
+) -> (Vec<bool>, Vec<bool>) {
     let n = graph.nodes.len();
     let mut folded = vec![false; n];
     // The view of each folded movement node over its underlying value; `None` for constants.
@@ -193,26 +202,45 @@ fn fold(graph: &FlushGraph, options: &Options, control_pred: &[bool], readers: &
             _ => {}
         }
     }
-    folded
+    let transposes = views.iter().map(|v| v.as_ref().is_some_and(transposed)).collect();
+    (folded, transposes)
 }
 
 /// Whether `view`, a transpose (its last dimension walked at a stride, another one contiguous),
 /// is read both by a reduction along its last dimension and by elementwise work over its whole
-/// shape (softmax, layer norm): a row kernel fusing them reads its rows across the view's lines
-/// and writes them across the output's. A transposing copy first, then the row kernel over
-/// contiguous rows, is faster where copies go tile by tile: `x.t().softmax(-1)` of a `[4096,
-/// 1024]` f32 on the CPU (a 2-core Zen 3) 8.5 ms fused, 5.2 copied (2.4 of them the copy).
+/// shape (softmax, layer norm), or by a reduction over every element: a row kernel fusing them
+/// reads its rows across the view's lines (and a softmax writes them across the output's). A
+/// transposing copy first, then the row kernel over contiguous rows, is faster where copies go
+/// tile by tile: `x.t().softmax(-1)` of a `[4096, 1024]` f32 on the CPU (a 2-core Zen 3) 8.5 ms
+/// fused, 5.2 copied (2.4 of them the copy). (Elementwise work over the view that a reduction
+/// over every element reads is kept from that reduction by [`Grouper::check`] instead.)
 fn rows_across_lines(graph: &FlushGraph, readers: &[usize], view: &View) -> bool {
     let Some(last) = view.dims.len().checked_sub(1) else { return false };
-    let contiguous_elsewhere = (0..last).any(|d| view.strides[d] == 1 && view.dims[d] > 1);
-    let transposed = view.strides[last].abs() > 1 && view.dims[last] > 1 && contiguous_elsewhere;
     let reduced_along_last = |r: usize| matches!(graph.nodes[r].op, Op::Reduce { dim: Some(d), .. } if d == last);
     let whole =
         |r: usize| class(&graph.nodes[r].op) == Class::Elementwise && graph.nodes[r].shape.dims() == &view.dims[..];
-    transposed && readers.iter().any(|&r| reduced_along_last(r)) && readers.iter().any(|&r| whole(r))
+    // A reduction over every element reads in the view's order (its bits depend on it): across
+    // lines, one element each (`x.t().sum()`).
+    let everything = |r: usize| matches!(graph.nodes[r].op, Op::Reduce { dim: None, .. });
+    transposed(view)
+        && (readers.iter().any(|&r| everything(r))
+            || readers.iter().any(|&r| reduced_along_last(r)) && readers.iter().any(|&r| whole(r)))
+}
+
+/// Whether `view` walks its last dimension at a stride while another dimension is contiguous.
+fn transposed(view: &View) -> bool {
+    let Some(last) = view.dims.len().checked_sub(1) else { return false };
+    let contiguous_elsewhere = (0..last).any(|d| view.strides[d] == 1 && view.dims[d] > 1);
+    view.strides[last].abs() > 1 && view.dims[last] > 1 && contiguous_elsewhere
 }
 
 impl Grouper<'_> {
+    /// Whether a node of group `g` reads a folded view that is a transpose.
+    fn reads_transposed(&self, g: usize) -> bool {
+        let transposed_input = |v: &ValueRef| matches!(*v, ValueRef::Node(j) if self.folded[j] && self.transposes[j]);
+        self.groups[g].nodes.iter().any(|&k| self.graph.nodes[k].inputs.iter().any(transposed_input))
+    }
+
     /// What node `i` reads: (input position, the node underneath, whether through folding).
     fn producers(&self, i: usize) -> Vec<(usize, usize, bool)> {
         let folded = &self.folded;
@@ -415,7 +443,17 @@ impl Grouper<'_> {
         let level = match (&grp.kind, class(&node.op)) {
             (Kind::Single, _) => return Err("a kernel of this kind does not fuse".into()),
             (Kind::Map(space), Class::Elementwise) if &node.shape == space => Level::Full,
-            (Kind::Map(space), Class::Reduce) if self.graph.meta(node.inputs[0]).1 == space => reduce_level(&node.op),
+            (Kind::Map(space), Class::Reduce) if self.graph.meta(node.inputs[0]).1 == space => {
+                if self.options.copy_transposed_rows
+                    && matches!(node.op, Op::Reduce { dim: None, .. })
+                    && self.reads_transposed(g)
+                {
+                    // Fused, the reduction would read the view in its order, across lines; the
+                    // map kernel writes its values in order first (a tiled loop).
+                    return Err(format!("n{nid} reduces every element of a kernel that reads a transposed view"));
+                }
+                reduce_level(&node.op)
+            }
             (Kind::Rows(full, axis), Class::Elementwise) => {
                 let keep = reduced(full, *axis, true);
                 let flat = reduced(full, *axis, false);

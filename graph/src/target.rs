@@ -107,9 +107,11 @@ pub struct Target {
     /// pieces (`usize::MAX`: no limit).
     pub max_kernel_buffers: usize,
     /// Whether a transposed view read by a row kernel that writes whole rows (softmax, layer
-    /// norm over `x.t()`) is copied first, by a kernel of its own, instead of folded into the
-    /// row kernel's loads (fusion's `fold`): where such a row kernel walks its rows across the
-    /// lines of its input and output, and a transposing copy is cheap (the CPU's, tile by tile).
+    /// norm over `x.t()`) or that reduces every element (`x.t().sum()`, `x.t().exp().sum()`) is
+    /// written in order first, by a kernel of its own (a copy, or the elementwise work over
+    /// it), instead of read by the row kernel in its order (fusion's `fold` and `check`): where
+    /// such a row kernel walks its rows across lines, and a transposing loop is cheap (the
+    /// CPU's, tile by tile).
     pub copies_transposed_rows: bool,
 }
 

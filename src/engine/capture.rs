@@ -203,7 +203,8 @@ impl Engine {
                     graph: Mutex::new(DeviceGraph::Refused),
                 });
             }
-            let mut ex = self.extract(&mut st, &walked.order, env);
+            // Every view a step makes is computed in it (a replay leaves nothing pending).
+            let mut ex = self.extract(&mut st, &walked.order, None, env);
             drop(st);
             // Inputs stay with the step: nothing of them is handed to the flush to free.
             let mut sources = Vec::with_capacity(ex.graph.externals.len());

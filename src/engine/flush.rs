@@ -10,7 +10,7 @@ use super::marks::Marks;
 use super::{Engine, State, Ticket, Value};
 use crate::error::{Error, Result};
 use braid_devices::Buffer;
-use braid_graph::{External, FlushGraph, FlushNode, NodeId, ValueRef};
+use braid_graph::{External, FlushGraph, FlushNode, NodeId, Op, ValueRef};
 use smallvec::SmallVec;
 use std::sync::Arc;
 
@@ -89,7 +89,7 @@ impl Engine {
             if walked.order.is_empty() {
                 return lost_target.map_or(Ok(()), |r| Err(Error::ValueLost(r)));
             }
-            let extracted = self.extract(&mut st, &walked.order, env);
+            let extracted = self.extract(&mut st, &walked.order, Some(targets), env);
             drop(st);
             self.run(extracted)?;
             return lost_target.map_or(Ok(()), |r| Err(Error::ValueLost(r)));
@@ -150,10 +150,18 @@ impl Engine {
         Ok(())
     }
 
-    /// Builds the flush graph of `order` and marks its nodes in flight.
-    pub(super) fn extract(&self, st: &mut State, order: &[NodeId], env: FlushEnv) -> Extracted {
+    /// Builds the flush graph of `order` and marks its nodes in flight. With the flush's
+    /// `targets`, views that stay pending are chosen (see [`lazy_views`]).
+    pub(super) fn extract(
+        &self,
+        st: &mut State,
+        order: &[NodeId],
+        targets: Option<&[NodeId]>,
+        env: FlushEnv,
+    ) -> Extracted {
         let budgeted = self.memory_budget().is_some();
         let target = self.backend.target();
+        let lazy = targets.map_or_else(Vec::new, |t| lazy_views(st, order, t));
         let State { graph: recorded, marks, .. } = st;
         // Each node's place in the flush graph (the walk's marks, same stamp); nodes the walk
         // visited outside `order` keep a mark that is no place.
@@ -187,7 +195,7 @@ impl Engine {
                         Some(Value::Host(_)) => true,
                         _ => false,
                     }
-                    && recorded.successors(p).all(|s| marks.node_place(s).is_some());
+                    && recorded.successors(p).all(|s| marks.node_place(s).is_some() && !lazy.contains(&s));
                 // Another device's value stays in that device's memory: copied by a transfer
                 // (remote), or read where it is (foreign); either way not this device's to count.
                 let (data, device, remote, foreign) = match &pn.value {
@@ -217,7 +225,8 @@ impl Engine {
                 inputs.push(ValueRef::External(e));
             }
             let after = crate::small(control.into_iter().filter_map(|p| marks.node_place(p)));
-            let keep = n.handles > 0 || recorded.successors(id).any(|s| marks.node_place(s).is_none());
+            let keep = (n.handles > 0 && !lazy.contains(&id))
+                || recorded.successors(id).any(|s| marks.node_place(s).is_none());
             graph.nodes.push(FlushNode {
                 id,
                 op: n.op.clone(),
@@ -248,6 +257,43 @@ impl Engine {
         debug_assert!(graph.is_topological());
         Extracted { graph, externals, ticket, number: st.flushes, env }
     }
+}
+
+/// Reads with at most this many targets leave views pending ([`lazy_views`]); a sync (every
+/// pending node a target) computes everything.
+const LAZY_VIEW_TARGETS: usize = 64;
+
+/// The views among `order` that a flush for `targets` leaves pending: a reshape, permute,
+/// expand or narrow that a tensor still names but that is not a target, over a value computed
+/// before this flush (or over such a view). The flush folds it into its readers' loads (not an
+/// output: kept, it would be a copy kernel of its own) and it is pending again afterwards, its
+/// input held by its edge (so never handed to the flush to free), computed if it is ever read.
+/// `x.reshape([n]).sum().item()` would otherwise copy `x`: the temporary `x.reshape(..)` lives
+/// to the end of the statement, after the read.
+fn lazy_views(st: &State, order: &[NodeId], targets: &[NodeId]) -> Vec<NodeId> {
+    let mut lazy: Vec<NodeId> = Vec::new();
+    if targets.len() > LAZY_VIEW_TARGETS {
+        return lazy;
+    }
+    for &id in order {
+        let n = st.graph.node(id);
+        if n.handles == 0 || !matches!(n.op, Op::Reshape | Op::Permute(_) | Op::Expand | Op::Narrow { .. }) {
+            continue;
+        }
+        let (data, control) = st.graph.in_edges(id);
+        let over_computed = match data.as_slice() {
+            [p] => {
+                lazy.contains(p)
+                    || matches!(st.graph.node(*p).value, Some(Value::Ready(_) | Value::Host(_)))
+                        && st.graph.node(*p).device == n.device
+            }
+            _ => false,
+        };
+        if over_computed && control.is_empty() && !targets.contains(&id) {
+            lazy.push(id);
+        }
+    }
+    lazy
 }
 
 pub(super) fn walk(st: &mut State, targets: &[NodeId]) -> Walked {

@@ -402,6 +402,11 @@ fn install(st: &mut State, graph: &FlushGraph, outputs: &[(usize, braid_schedule
             candidates.extend(st.graph.detach_inputs(n.id));
             // Its tensor may have been dropped while it was computed.
             candidates.push(n.id);
+        } else if st.graph.node(n.id).handles > 0 {
+            // A view a tensor names, left pending by the flush (`flush::lazy_views`; no other
+            // node without an output has a handle): computed if it is ever read.
+            st.graph.node_mut(n.id).value = None;
+            st.pending += 1;
         } else {
             // Removing the node removes its edges.
             candidates.extend(st.graph.predecessors(n.id));
