@@ -292,6 +292,16 @@ fn a_transposing_loop_is_computed_a_whole_tile_at_a_time() {
     assert!(s.contains("braid_transpose32(l0, 64, a0 + o0, 256, 64, 16);"), "{s}");
     assert!(s.contains("const float v0 = l0[k];"), "{s}");
     assert!(s.contains("a1[w0 + q * 1024 + p] = r0[q * 64 + p];"), "{s}");
+    // Loads and stores whose tile arrays would take more than 256 KiB of stack: runs instead.
+    let mut many = exp_kernel(1 << 18);
+    let Body::Map(loops) = &mut many.body else { unreachable!() };
+    let l = &mut loops[0];
+    l.dims = smallvec![16, 16, 64, 16];
+    l.loads[0].view = View { dims: l.dims.clone(), strides: smallvec![64, 16 * 1024, 1, 1024], offset: 0 };
+    l.stores[0].view = View { dims: l.dims.clone(), strides: smallvec![64 * 256, 16, 256, 1], offset: 0 };
+    assert_eq!(run_length(l), 1024);
+    l.loads = vec![l.loads[0].clone(); 40];
+    assert_eq!(run_length(l), 16, "40 loads and a store of 1024 elements: 328 KiB");
     // Nothing transposed: runs along the last dimension, as before.
     let plain = exp_kernel(1 << 18);
     let Body::Map(loops) = &plain.body else { unreachable!() };

@@ -28,6 +28,9 @@ use std::fmt::Write;
 /// Indices of the largest tile computed this way: its local arrays, one per store and per
 /// transposed load, stay in L1 (4 KiB each at 32 bits).
 const MAX_TILE: usize = 1024;
+/// Bytes of local arrays a tile may take on the stack (the caller's thread, a rayon worker of 2
+/// MiB, runs it): a loop of more loads and stores than this holds is walked in runs instead.
+const MAX_TILE_ARRAYS: usize = 256 << 10;
 
 /// Transposes a block of 32-bit values (any of them: the bits are moved, never computed with),
 /// 8x8 at a time in AVX registers where the CPU has AVX. Bit moves through `float` vectors keep
@@ -76,15 +79,18 @@ static inline void braid_transpose32(void *dst_, long long dst_stride, const voi
 "#;
 
 /// The tile `(A, B)` of `l`'s last two dimensions, when a view walks them transposed (stride 1
-/// along the second to last, not along the last), the tile is at most [`MAX_TILE`] indices and
-/// the loop does not read the flat element index.
+/// along the second to last, not along the last), the tile is at most [`MAX_TILE`] indices, its
+/// arrays at most [`MAX_TILE_ARRAYS`] bytes, and the loop does not read the flat element index.
 pub(super) fn tile_of(l: &MapLoop) -> Option<(usize, usize)> {
     let rank = l.dims.len();
     let (&b, &a) = (l.dims.last()?, l.dims.get(rank.checked_sub(2)?)?);
     let columns = |v: &View| v.strides[rank - 2] == 1 && v.strides[rank - 1].abs() > 1;
     let transposes = l.loads.iter().map(|x| &x.view).chain(l.stores.iter().map(|s| &s.view)).any(columns);
     let by_index = || l.expr.nodes.iter().any(|n| matches!(n.op, ExprOp::Index | ExprOp::Random { .. }));
-    (transposes && a >= 2 && b >= 2 && a * b <= MAX_TILE && !by_index()).then_some((a, b))
+    // At most 8 bytes an element (f64, i64), an array per load and per store.
+    let arrays = (l.loads.len() + l.stores.len()) * a * b * 8;
+    let fits = a >= 2 && b >= 2 && a * b <= MAX_TILE && arrays <= MAX_TILE_ARRAYS;
+    (transposes && fits && !by_index()).then_some((a, b))
 }
 
 /// Whether `view` walks the tile row-major: contiguous along the last dimension, strided along
