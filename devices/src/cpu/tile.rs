@@ -67,8 +67,8 @@ const RUN_WIDTHS: [usize; 2] = [16, 8];
 /// dimension come one after another, so the strided view is walked through memory in order
 /// (`T` of its runs along `d` at a time). The host C printer computes such a tile as a whole
 /// (`braid_lowering::host_c`: transposed in registers). `x.t().contiguous()` of a `[4096,
-/// 1024]` f32 matrix: 20 ms in row-major order, about 2 ms tiled and compiled, on a 2-core Zen 3
-/// (PyTorch: 7.1 ms). `None` when no view needs it, or when neither dimension divides into such
+/// 1024]` f32 matrix: 20 ms in row-major order, 2-4 ms tiled and compiled, on a 2-core Zen 3
+/// (PyTorch: 6.6-8.0 ms; BENCHMARKS.md). `None` when no view needs it, or when neither dimension divides into such
 /// blocks.
 pub fn map_loop(l: &MapLoop) -> Option<MapLoop> {
     let (d, w, t) = tiles(l)?;

@@ -176,7 +176,8 @@ pub(super) fn print_whole_tile(
             let _ = writeln!(out, "      braid_transpose32(a{arg} + w{s}, {sa}, r{s}, {a}, {b}, {a});");
             continue;
         }
-        // Row-major stores of other types: along the rows in memory order.
+        // Row-major stores of other types along their rows (`q` innermost), the others along
+        // the tile's columns.
         let (outer, inner) = if row_major(&store.view, rank) { (("p", a), ("q", b)) } else { (("q", b), ("p", a)) };
         let at = along(&along(&format!("w{s}"), "q", sb), "p", sa);
         let value = storage_value(store.dtype, &format!("r{s}[q * {a} + p]"));
