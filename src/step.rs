@@ -4,6 +4,7 @@
 use crate::device::Device;
 use crate::engine::capture::{self, Capture, Produced};
 use crate::engine::env::FlushEnv;
+use crate::engine::{Held, HeldValue, reserve_seq};
 use crate::error::{Error, Result};
 use crate::lock;
 use crate::recorder;
@@ -81,26 +82,27 @@ struct Signature {
 }
 
 impl Signature {
-    fn matches(&self, device: &Device, args: &[Tensor], nodes: &[NodeId]) -> bool {
+    fn matches(&self, device: &Device, args: &[Tensor], values: &[u64]) -> bool {
         self.device == *device
             && self.budget == device.memory_budget()
             && self.args.len() == args.len()
             && self.args.iter().zip(args).enumerate().all(|(i, ((dtype, shape, alias), a))| {
-                *dtype == a.dtype() && shape == a.shape() && *alias == first_alias(nodes, i)
+                *dtype == a.dtype() && shape == a.shape() && *alias == first_alias(values, i)
             })
     }
 
-    fn of(device: &Device, args: &[Tensor], nodes: &[NodeId]) -> Signature {
+    fn of(device: &Device, args: &[Tensor], values: &[u64]) -> Signature {
         let args =
-            args.iter().enumerate().map(|(i, a)| (a.dtype(), a.shape().clone(), first_alias(nodes, i))).collect();
+            args.iter().enumerate().map(|(i, a)| (a.dtype(), a.shape().clone(), first_alias(values, i))).collect();
         Signature { device: device.clone(), budget: device.memory_budget(), args }
     }
 }
 
-/// The first argument before `i` that names the same value as argument `i`: a capture reads
-/// such arguments as one input, so a replay must see the same aliasing.
-fn first_alias(nodes: &[NodeId], i: usize) -> Option<usize> {
-    nodes[..i].iter().position(|&n| n == nodes[i])
+/// The first argument before `i` that names the same value as argument `i` (`values` are the
+/// arguments' `Tensor::identity`): a capture reads such arguments as one input, so a replay
+/// must see the same aliasing.
+fn first_alias(values: &[u64], i: usize) -> Option<usize> {
+    values[..i].iter().position(|&n| n == values[i])
 }
 
 impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Step<F> {
@@ -128,8 +130,9 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Step<F> {
         if let Some(c) = self.find(&device, args) {
             return replay(&device, &c, args);
         }
-        let nodes: Vec<NodeId> = args.iter().map(Tensor::node).collect();
-        let signature = Signature::of(&device, args, &nodes);
+        // Recorded first (a held value becomes a leaf), as the capture reads them.
+        let values: Vec<u64> = args.iter().map(|a| a.node().index() as u64).collect();
+        let signature = Signature::of(&device, args, &values);
         let (c, outputs) = capture(&device, args, || (self.f)(args))?;
         let mut captures = lock(&self.captures);
         if captures.len() >= MAX_CAPTURES {
@@ -151,8 +154,8 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Step<F> {
 
     /// The capture whose signature `args` on `device` match.
     fn find(&self, device: &Device, args: &[Tensor]) -> Option<Arc<Capture>> {
-        let nodes: smallvec::SmallVec<[NodeId; 8]> = args.iter().map(Tensor::node).collect();
-        lock(&self.captures).iter().find(|(s, _)| s.matches(device, args, &nodes)).map(|(_, c)| c.clone())
+        let values: smallvec::SmallVec<[u64; 8]> = args.iter().map(Tensor::identity).collect();
+        lock(&self.captures).iter().find(|(s, _)| s.matches(device, args, &values)).map(|(_, c)| c.clone())
     }
 }
 
@@ -188,15 +191,23 @@ fn replay(device: &Device, c: &Capture, args: &[Tensor]) -> Result<Vec<Tensor>> 
     let env = FlushEnv::for_replay()?;
     let poison = Some(engine.poison_under(&env));
     let buffers: smallvec::SmallVec<[Buffer; 8]> = if c.runs() {
-        args.iter().map(|a| engine.materialize_with(|| a.node(), poison)).collect::<Result<_>>()?
+        args.iter().map(|a| a.materialize_with(poison)).collect::<Result<_>>()?
     } else {
         smallvec::SmallVec::new()
     };
     let produced = engine.replay(c, &buffers, &env)?;
     drop(buffers);
+    let held = engine.memory_budget().is_none();
+    let stream = recorder::current_stream(device.id());
     Ok(produced
         .into_iter()
         .map(|p| match p {
+            // Held by the tensor, outside the graph, unless a memory budget is set (the
+            // planner then weighs what the graph holds; see `Tensor::cell`).
+            Produced::Computed { buffer, dtype, shape } if held => {
+                let held = Held { value: HeldValue::Ready(buffer), stream, seq: reserve_seq() };
+                Tensor::from_held(held, shape.clone(), dtype, device.clone())
+            }
             Produced::Computed { buffer, dtype, shape } => {
                 let id = recorder::record_ready(engine, dtype, shape.clone(), buffer);
                 Tensor::from_node(id, shape.clone(), dtype, device.clone())

@@ -62,14 +62,16 @@ pub fn recorded_program(targets: &[&crate::Tensor]) -> crate::Result<(Vec<Record
     if targets.iter().any(|t| *t.device() != device) {
         return Err(crate::Error::Internal("recorded_program: the targets are on different devices".into()));
     }
+    // Recorded before the lock is taken (a held value becomes a leaf under it).
+    let target_nodes: Vec<NodeId> = targets.iter().map(|t| t.node()).collect();
     let engine = device.engine();
     let st = engine.state();
     let mut index: HashMap<NodeId, usize> = HashMap::new();
     let mut program = Vec::new();
     let mut downloads = Vec::new();
     let mut roots = Vec::new();
-    for t in targets {
-        let mut stack = vec![(t.node(), false)];
+    for &target in &target_nodes {
+        let mut stack = vec![(target, false)];
         while let Some((id, expanded)) = stack.pop() {
             if index.contains_key(&id) {
                 continue;
@@ -105,7 +107,7 @@ pub fn recorded_program(targets: &[&crate::Tensor]) -> crate::Result<(Vec<Record
             index.insert(id, program.len());
             program.push(entry);
         }
-        roots.push(index[&t.node()]);
+        roots.push(index[&target]);
     }
     drop(st);
     for (i, buffer) in downloads {

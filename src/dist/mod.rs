@@ -346,7 +346,7 @@ impl Group {
                 let op = Op::Collective(Collective { kind, group, rank: self.0.ranks[i], size });
                 let stream = device.comm_stream().id;
                 let new = NewNode { op, dtype: t.dtype(), shape: shape.clone(), stream };
-                let node = device.engine().record_collective(new, t.version_cell());
+                let node = device.engine().record_collective(new, t.cell());
                 Tensor::from_node(node, shape.clone(), t.dtype(), device.clone())
             })
             .collect()
@@ -367,7 +367,7 @@ fn settle(tensors: &[Tensor]) -> Result<()> {
         t.device().engine().flush_nodes(&nodes)?;
     }
     for t in tensors {
-        t.device().engine().materialize(|| t.node())?;
+        t.materialize()?;
     }
     Ok(())
 }

@@ -166,7 +166,7 @@ impl Capture {
 impl Engine {
     /// The recording order the next node gets (a capture's work is what is recorded from here).
     pub(crate) fn next_seq(&self) -> u64 {
-        self.state().seq
+        super::state::next_seq()
     }
 
     /// Flushes what the captured function's outputs (`out_ids`, recorded since `start`, from

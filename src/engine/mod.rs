@@ -37,7 +37,7 @@ use braid_devices::{Backend, Buffer};
 use braid_graph::{DType, DeviceId, Graph, Node, NodeId, Op, Shape, StreamId};
 use dump::ScheduleDump;
 use hashbrown::HashMap;
-pub(crate) use state::{Locked, Remote, State, Ticket, Value, collect};
+pub(crate) use state::{Held, HeldValue, Locked, Remote, State, Ticket, Value, collect, reserve_seq};
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -149,7 +149,6 @@ impl Engine {
                 pending: 0,
                 auto_flush_after: 0,
                 flushes: 0,
-                seq: 0,
                 waits: HashMap::new(),
                 marks: marks::Marks::default(),
                 deferred: Vec::new(),
@@ -324,6 +323,23 @@ impl Engine {
         node.handles = 1;
         node.value = Some(Value::Ready(buffer));
         self.state().add(node, &[])
+    }
+
+    /// Records a tensor's held value (see `Tensor::cell`) as a leaf at the place in the
+    /// recording order it was made at, and points `cell` at it, unless another thread did
+    /// first.
+    pub(crate) fn attach_held(&self, cell: &AtomicU32, held: &Mutex<Option<Held>>, dtype: DType, shape: &Shape) {
+        let mut st = self.state();
+        // Under the engine lock, then the tensor's: the order every taker of both follows.
+        let mut held = crate::lock(held);
+        if let Some(Held { value, stream, seq }) = held.take() {
+            let mut node = Node::new(Op::Input, dtype, shape.clone(), self.id, stream);
+            node.handles = 1;
+            node.value = Some(value.into());
+            let id = st.graph.add(node, &[]);
+            st.graph.node_mut(id).seq = seq;
+            cell.store(id.index() as u32, Ordering::Release);
+        }
     }
 
     /// Records a user event on `stream`: a node ordered after every pending or running node

@@ -13,6 +13,7 @@ use crate::lock;
 use braid_devices::Buffer;
 use braid_graph::{Graph, Node, NodeId, StreamId};
 use hashbrown::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 // Graph nodes are moved whole when added and removed (the graph hands a removed node back by
@@ -93,8 +94,6 @@ pub(crate) struct State {
     /// While automatic flushes fail: the pending count the next one waits for (0 otherwise).
     pub(crate) auto_flush_after: usize,
     pub(crate) flushes: u64,
-    /// Recording order of the next node.
-    pub(super) seq: u64,
     /// Per stream: nodes of events (each with a handle counted for this list) that work
     /// recorded on it from now on must wait for.
     pub(super) waits: HashMap<StreamId, Vec<NodeId>>,
@@ -139,11 +138,52 @@ impl Drop for Locked<'_> {
     }
 }
 
+/// The recording order (program order) of every device's nodes: one counter for all engines,
+/// so that a tensor made without taking its engine's lock (`Tensor::from_vec`, a replayed
+/// step's output) can take its place in the order when it is made and keep it when it is
+/// recorded later. Only comparisons within one engine mean anything.
+static SEQ: AtomicU64 = AtomicU64::new(1);
+
+/// The recording order the next node gets.
+pub(crate) fn next_seq() -> u64 {
+    SEQ.load(Ordering::Relaxed)
+}
+
+/// Takes a place in the recording order for a node recorded later (see [`SEQ`]).
+pub(crate) fn reserve_seq() -> u64 {
+    SEQ.fetch_add(1, Ordering::Relaxed)
+}
+
+/// A value a tensor holds itself, without a node (see `Tensor::cell`): host data or a
+/// computed buffer, with the stream and the place in the recording order it was made at.
+pub(crate) struct Held {
+    pub(crate) value: HeldValue,
+    pub(crate) stream: StreamId,
+    pub(crate) seq: u64,
+}
+
+/// What a tensor can hold without a node: the two values a leaf can have.
+#[derive(Clone)]
+pub(crate) enum HeldValue {
+    /// Host data not yet on the device (as [`Value::Host`]).
+    Host(Arc<[u8]>),
+    /// A computed buffer (as [`Value::Ready`]).
+    Ready(Buffer),
+}
+
+impl From<HeldValue> for Value {
+    fn from(held: HeldValue) -> Value {
+        match held {
+            HeldValue::Host(bytes) => Value::Host(bytes),
+            HeldValue::Ready(buffer) => Value::Ready(buffer),
+        }
+    }
+}
+
 impl State {
     /// Adds a node, stamping its recording order.
     pub(super) fn add(&mut self, mut node: Node<Value>, inputs: &[NodeId]) -> NodeId {
-        node.seq = self.seq;
-        self.seq += 1;
+        node.seq = reserve_seq();
         self.graph.add(node, inputs)
     }
 

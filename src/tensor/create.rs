@@ -2,6 +2,7 @@
 
 use super::{Tensor, misuse};
 use crate::device::Device;
+use crate::engine::{Held, HeldValue, reserve_seq};
 use crate::recorder;
 use braid_graph::{DType, Element, Op, Scalar, Shape};
 
@@ -31,8 +32,13 @@ impl Tensor {
             );
         }
         super::supported("from_vec", T::DTYPE, device);
-        let id = recorder::record_host(device.engine(), T::DTYPE, shape.clone(), T::to_bytes(data));
-        Tensor::from_node(id, shape, T::DTYPE, device.clone())
+        // Held by the tensor until an op reads it (see `Tensor::cell`).
+        let held = Held {
+            value: HeldValue::Host(T::to_bytes(data)),
+            stream: recorder::current_stream(device.id()),
+            seq: reserve_seq(),
+        };
+        Tensor::from_held(held, shape, T::DTYPE, device.clone())
     }
 
     /// Every element equal to `value` (which must be representable in `dtype`).

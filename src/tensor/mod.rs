@@ -22,6 +22,8 @@ use crate::stream::Stream;
 pub use dims::Dim;
 pub use operators::Scalar;
 
+use crate::engine::{Held, HeldValue};
+use braid_devices::Buffer;
 use braid_graph::{DType, NodeId, Op, Shape};
 use std::fmt;
 use std::panic::Location;
@@ -40,8 +42,17 @@ impl std::panic::UnwindSafe for Tensor {}
 impl std::panic::RefUnwindSafe for Tensor {}
 
 struct TensorInner {
-    /// The node of the current version. Written only under the engine lock.
+    /// The node of the current version, or [`HELD`] while the tensor holds its value itself.
+    /// Written only under the engine lock.
     node: AtomicU32,
+    /// A value no recorded op has read yet (host data from `from_vec`, a replayed step's
+    /// output), held here instead of as a leaf of the graph: making it, reading it and
+    /// dropping it touch neither the graph nor the engine's lock. Anything that needs a node
+    /// (an op reading it, an in-place update, `detach`, marks) records it as a leaf first, at
+    /// the place in the recording order it was made at ([`Tensor::cell`]); it is never held
+    /// again after that. Moved into the graph under the engine lock (the lock order is engine,
+    /// then this; whoever takes this lock alone takes no other while holding it).
+    held: Mutex<Option<Held>>,
     shape: Shape,
     dtype: DType,
     device: Device,
@@ -50,9 +61,16 @@ struct TensorInner {
     grad: Mutex<Option<GradSource>>,
 }
 
+/// The version cell of a tensor that holds its value and has no node yet.
+const HELD: u32 = u32::MAX;
+
 impl Drop for TensorInner {
     fn drop(&mut self) {
-        self.device.engine().release(NodeId::new(self.node.load(Ordering::Relaxed) as usize));
+        // A held value's buffer goes back to its pool with the tensor.
+        let node = *self.node.get_mut();
+        if node != HELD {
+            self.device.engine().release(NodeId::new(node as usize));
+        }
         // The bookkeeping goes with the tensor (autograd counts the tensors that have some).
         autograd::replace_meta(self.grad.get_mut().unwrap_or_else(|p| p.into_inner()), None);
     }
@@ -63,6 +81,7 @@ impl Tensor {
     pub(crate) fn from_node(node: NodeId, shape: Shape, dtype: DType, device: Device) -> Tensor {
         Tensor(Arc::new(TensorInner {
             node: AtomicU32::new(node.index() as u32),
+            held: Mutex::new(None),
             shape,
             dtype,
             device,
@@ -70,18 +89,76 @@ impl Tensor {
         }))
     }
 
+    /// A tensor holding `held` (host data or a computed buffer) without a node until
+    /// something needs one.
+    pub(crate) fn from_held(held: Held, shape: Shape, dtype: DType, device: Device) -> Tensor {
+        Tensor(Arc::new(TensorInner {
+            node: AtomicU32::new(HELD),
+            held: Mutex::new(Some(held)),
+            shape,
+            dtype,
+            device,
+            grad: Mutex::new(None),
+        }))
+    }
+
+    /// What the tensor holds itself (and the stream that made it), when it has no node.
+    pub(crate) fn held(&self) -> Option<(HeldValue, braid_graph::StreamId)> {
+        if self.0.node.load(Ordering::Acquire) != HELD {
+            return None;
+        }
+        crate::lock(&self.0.held).as_ref().map(|h| (h.value.clone(), h.stream))
+    }
+
+    /// Keeps `buffer`, the upload of the host data this tensor holds, unless it no longer holds
+    /// that data (recorded meanwhile: the graph's leaf uploads it on its own).
+    pub(crate) fn keep_upload(&self, buffer: &Buffer) {
+        if let Some(h) = crate::lock(&self.0.held).as_mut()
+            && matches!(h.value, HeldValue::Host(_))
+        {
+            h.value = HeldValue::Ready(buffer.clone());
+        }
+    }
+
     pub(crate) fn grad_meta(&self) -> &Mutex<Option<GradSource>> {
         &self.0.grad
     }
 
-    /// The cell naming the current version (read under the engine lock when recording).
-    pub(crate) fn version_cell(&self) -> &AtomicU32 {
+    /// The cell naming the current version (read under the engine lock when recording),
+    /// recording a held value as a leaf first. Never called under the engine's lock.
+    pub(crate) fn cell(&self) -> &AtomicU32 {
+        if self.0.node.load(Ordering::Acquire) == HELD {
+            self.attach();
+        }
         &self.0.node
     }
 
-    /// The node of the current version.
+    /// The node of the current version (a held value is recorded as a leaf first). Never
+    /// called under the engine's lock.
     pub(crate) fn node(&self) -> NodeId {
+        NodeId::new(self.cell().load(Ordering::Relaxed) as usize)
+    }
+
+    /// The node of the current version as the cell names it, recording nothing: for closures
+    /// run under the engine's lock, once the tensor is known to hold no value itself.
+    pub(crate) fn version(&self) -> NodeId {
         NodeId::new(self.0.node.load(Ordering::Relaxed) as usize)
+    }
+
+    /// Records the held value (if it is still held) as a leaf and points the cell at it.
+    fn attach(&self) {
+        let inner = &*self.0;
+        inner.device.engine().attach_held(&inner.node, &inner.held, inner.dtype, &inner.shape);
+    }
+
+    /// Who this tensor's value is, for telling arguments that are the same value apart
+    /// without recording anything: its node, or for a held value the handle itself (held
+    /// values are never shared between handles that are not clones).
+    pub(crate) fn identity(&self) -> u64 {
+        match self.0.node.load(Ordering::Acquire) {
+            HELD => (1 << 63) | Arc::as_ptr(&self.0) as u64,
+            node => node as u64,
+        }
     }
 
     /// Records `op` over `inputs` (validated by the caller) and returns its tensor. A result
@@ -115,13 +192,13 @@ impl Tensor {
             (Op::ToDevice, [src]) if src.device() != device => recorder::record_transfer(
                 device.engine(),
                 src.device().engine(),
-                &src.0.node,
+                src.cell(),
                 dtype,
                 shape.clone(),
                 track,
             ),
             _ => {
-                let cells: smallvec::SmallVec<[&AtomicU32; 3]> = crate::small(inputs.iter().map(|t| &t.0.node));
+                let cells: smallvec::SmallVec<[&AtomicU32; 3]> = crate::small(inputs.iter().map(|t| t.cell()));
                 recorder::record(device.engine(), stream, op, dtype, shape.clone(), &cells, None, track)
             }
         };
@@ -140,7 +217,7 @@ impl Tensor {
         if let Err(problem) = autograd::check_in_place(self) {
             misuse(name, problem, &[("self", self.describe())]);
         }
-        if capture::from_outside(self.0.device.engine(), &self.0.node) {
+        if capture::from_outside(self.0.device.engine(), self.cell()) {
             // Not recorded: a failed capture leaves the tensor as it was.
             capture::refuse(|| {
                 format!(
@@ -151,7 +228,7 @@ impl Tensor {
             });
             return;
         }
-        let cells: smallvec::SmallVec<[&AtomicU32; 3]> = crate::small(inputs.iter().map(|t| &t.0.node));
+        let cells: smallvec::SmallVec<[&AtomicU32; 3]> = crate::small(inputs.iter().map(|t| t.cell()));
         let device = &self.0.device;
         let stream = current_stream(device.id());
         let (shape, dtype) = (&self.0.shape, self.0.dtype);
@@ -159,7 +236,7 @@ impl Tensor {
         let mut track =
             tracker.as_mut().map(|t| move |r: &mut Retainer<'_>, ids: &[NodeId], out: NodeId| t.run(r, ids, out));
         let track = track.as_mut().map(|c| c as Track<'_>);
-        recorder::record(device.engine(), stream, op, dtype, shape.clone(), &cells, Some(&self.0.node), track);
+        recorder::record(device.engine(), stream, op, dtype, shape.clone(), &cells, Some(self.cell()), track);
     }
 
     /// Marks this tensor as a leaf whose gradient `backward` computes, and returns it (the
@@ -179,7 +256,7 @@ impl Tensor {
         if let Err(problem) = autograd::mark_leaf(self) {
             misuse("requires_grad", problem, &[("x", self.describe())]);
         }
-        self.0.device.engine().mark_persistent(&self.0.node);
+        self.0.device.engine().mark_persistent(self.cell());
         self.clone()
     }
 
@@ -193,14 +270,15 @@ impl Tensor {
     /// idle within a flush, and to bring it back in time for its next use, with or without a
     /// memory budget. Typical for activations saved for the backward pass. Returns the tensor.
     pub fn offload_hint(&self) -> Tensor {
-        self.0.device.engine().hint_offload(&self.0.node);
+        self.0.device.engine().hint_offload(self.cell());
         self.clone()
     }
 
     /// A new tensor naming the current value without gradient history (later in-place
     /// updates of either do not reach the other).
     pub fn detach(&self) -> Tensor {
-        let id = self.0.device.engine().retain_current(&self.0.node);
+        // A held value is recorded first, and the copy names its node as for any tensor.
+        let id = self.0.device.engine().retain_current(self.cell());
         Tensor::from_node(id, self.0.shape.clone(), self.0.dtype, self.0.device.clone())
     }
 
@@ -231,7 +309,11 @@ impl Tensor {
 
     /// The stream that produces the current version.
     pub fn stream(&self) -> Stream {
-        Stream::new(self.0.device.clone(), self.0.device.engine().stream_of(&self.0.node))
+        let stream = match self.held() {
+            Some((_, stream)) => stream,
+            None => self.0.device.engine().stream_of(self.cell()),
+        };
+        Stream::new(self.0.device.clone(), stream)
     }
 
     /// The dimension `d` names (negative counts from the end); misuse of `op` when out of range.

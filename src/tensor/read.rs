@@ -1,6 +1,7 @@
 //! Reading values (which flushes what they need) and in-place updates (new versions).
 
 use super::{Tensor, inferred, misuse, same_device};
+use crate::engine::HeldValue;
 use crate::error::{Error, Result};
 use braid_devices::Buffer;
 use braid_graph::table::BinaryOp;
@@ -50,7 +51,29 @@ impl Tensor {
 
     /// Computes the current version (if needed) and returns its buffer.
     pub(crate) fn materialize(&self) -> Result<Buffer> {
-        self.device().engine().materialize(|| self.node())
+        self.materialize_with(None)
+    }
+
+    /// [`Tensor::materialize`], an upload poisoning its buffer's memory when freed as `poison`
+    /// says (read from the device and the environment when `None`).
+    pub(crate) fn materialize_with(&self, poison: Option<bool>) -> Result<Buffer> {
+        match self.held() {
+            Some((HeldValue::Ready(buffer), _)) => {
+                crate::engine::capture::refuse_while_capturing("a read")?;
+                return Ok(buffer);
+            }
+            Some((HeldValue::Host(bytes), _)) => {
+                crate::engine::capture::refuse_while_capturing("a read")?;
+                let engine = self.device().engine();
+                let poison = poison.unwrap_or_else(|| engine.poison_enabled());
+                let buffer = engine.backend.upload(&bytes, poison).map_err(|e| engine.device_error(e))?;
+                self.keep_upload(&buffer);
+                return Ok(buffer);
+            }
+            None => {}
+        }
+        // Not held, so the cell names a node (a value is never held again once recorded).
+        self.device().engine().materialize_with(|| self.version(), poison)
     }
 
     /// Replaces the value with `src` (broadcast to this shape); earlier readers keep the old

@@ -18,15 +18,14 @@
 //! Must never: reorder steps, run a step of a schedule it did not check, or keep a buffer past
 //! the launch.
 
-use super::CpuDevice;
 use super::map::ArgPtr;
-use super::native::NativeKernel;
+use super::{CpuDevice, KeptKernel};
 use crate::runtime::{Backend, Graph, GraphRun, Input, Job};
 use crate::{Buffer, DeviceError};
 use braid_lowering::{Body, Kernel};
 use braid_scheduler::{BufferId, BufferPlan, Step};
 use smallvec::SmallVec;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 /// One step of a recorded schedule, with what it needs resolved.
 enum GraphStep {
@@ -42,8 +41,8 @@ struct GraphKernel {
     args: SmallVec<[usize; 8]>,
     /// The kernel's label (`k3 mul+exp [n12 n13]`), for logs and errors.
     label: String,
-    /// Its compiled library, once it has one.
-    compiled: OnceLock<Arc<NativeKernel>>,
+    /// Its compiled library once it has one, and whether its accesses were checked.
+    kept: KeptKernel,
 }
 
 /// A step's schedule of one stream, resolved for [`CpuGraph::launch`].
@@ -101,7 +100,7 @@ pub(super) fn record(device: &CpuDevice, job: Job<'_>) -> Option<Result<Box<dyn 
                         ))));
                     }
                 }
-                GraphStep::Kernel(GraphKernel { kernel: kernel.clone(), args, label, compiled: OnceLock::new() })
+                GraphStep::Kernel(GraphKernel { kernel: kernel.clone(), args, label, kept: KeptKernel::default() })
             }
         });
     }
@@ -162,8 +161,8 @@ impl Graph for CpuGraph {
                         };
                         args.push(ArgPtr { ptr: buffer.ptr(), len: a.len, dtype: a.dtype });
                     }
-                    let (describe, compiled) = (|| k.label.clone(), Some(&k.compiled));
-                    super::queue::run_logged(device, &k.kernel, &args, &describe, self.flush, self.stream, compiled)?;
+                    let (describe, kept) = (|| k.label.clone(), Some(&k.kept));
+                    super::queue::run_logged(device, &k.kernel, &args, &describe, self.flush, self.stream, kept)?;
                 }
             }
         }

@@ -31,7 +31,7 @@ use braid_scheduler::{BufferPlan, Schedule, Space};
 use map::ArgPtr;
 use std::ptr::NonNull;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// When the CPU compiles kernels to machine code (through the system's C compiler; see
 /// [`native`]). Compiled or interpreted, a kernel computes the same bits (but for the payload of
@@ -113,6 +113,16 @@ impl std::fmt::Debug for CpuBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "CpuBuffer({} B at {:p})", self.bytes, self.ptr())
     }
+}
+
+/// What a recorded graph keeps for one of its kernels between launches (see
+/// `CpuDevice::run_keeping`).
+#[derive(Default)]
+pub(crate) struct KeptKernel {
+    /// Its compiled library, once it has one.
+    compiled: std::sync::OnceLock<Arc<native::NativeKernel>>,
+    /// Whether a compiled run checked the library's accesses against the arguments.
+    checked: AtomicBool,
 }
 
 /// The CPU device runtime. Its pool is the device memory that `memory()` reports and budgets
@@ -224,30 +234,32 @@ impl CpuDevice {
     }
 
     /// Runs `kernel` as [`CpuDevice::run`] does, but for a kernel of map loops keeps its compiled
-    /// library in `compiled` once there is one and runs it from there (a replayed step runs the
-    /// same kernels thousands of times: looking the library up each time is a lock and a hash).
-    fn run_keeping(
-        &self,
-        kernel: &Arc<Kernel>,
-        args: &[ArgPtr],
-        compiled: &std::sync::OnceLock<Arc<native::NativeKernel>>,
-    ) -> Result<(), String> {
+    /// library in `kept` once there is one and runs it from there (a replayed step runs the
+    /// same kernels thousands of times: looking the library up each time is a lock and a hash),
+    /// its accesses checked against the arguments at the first compiled run only: every call
+    /// with the same `kept` passes arguments of the same dtypes and lengths (a recorded graph's
+    /// buffers, planned once).
+    fn run_keeping(&self, kernel: &Arc<Kernel>, args: &[ArgPtr], kept: &KeptKernel) -> Result<(), String> {
         let plain = matches!(&kernel.body, Body::Map(loops) if !loops.iter().any(tile::reorders));
         if !plain || self.native.mode() == CompileMode::Off {
             return self.run(kernel, args);
         }
-        let lib = match compiled.get() {
+        let lib = match kept.compiled.get() {
             Some(lib) => {
                 self.native.count_launch();
                 lib
             }
             None => match self.native.library(kernel, None) {
-                Some(lib) => compiled.get_or_init(|| lib),
+                Some(lib) => kept.compiled.get_or_init(|| lib),
                 None => return run_prepared(kernel, None, args),
             },
         };
-        // SAFETY: the library was printed from this very kernel (`library` gave it for it).
-        unsafe { lib.run(kernel, args) }
+        let check = !kept.checked.load(Ordering::Relaxed);
+        // SAFETY: the library was printed from this very kernel (`library` gave it for it), and
+        // unchecked only after a checked run with arguments like these (the caller's promise).
+        unsafe { lib.run_checking(kernel, args, check) }?;
+        kept.checked.store(true, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Runs a matrix-product kernel; its epilogue runs as compiled code once the map kernel

@@ -6,14 +6,13 @@
 //!
 //! A queue never decides what runs; it only does what it is handed.
 
-use super::native::NativeKernel;
 use super::{CpuBuffer, CpuDevice, map::ArgPtr};
 use crate::runtime::{Call, Flush, Queue};
 use crate::{Buffer, DeviceError};
 use braid_scheduler::{BufferPlan, EventId, Schedule};
 use smallvec::SmallVec;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -107,8 +106,8 @@ impl CpuQueue<'_, '_> {
     }
 }
 
-/// Runs `kernel` over `args` on `device` (keeping its compiled library in `compiled`, if
-/// given: see `CpuDevice::run_keeping`), counts it, and logs its time at
+/// Runs `kernel` over `args` on `device` (keeping its compiled library in `kept`, if given:
+/// see `CpuDevice::run_keeping`), counts it, and logs its time at
 /// `RUST_LOG=braid::kernel=debug` (`describe` names it).
 pub(super) fn run_logged(
     device: &CpuDevice,
@@ -117,12 +116,12 @@ pub(super) fn run_logged(
     describe: &dyn Fn() -> String,
     flush: u64,
     stream: u32,
-    compiled: Option<&OnceLock<Arc<NativeKernel>>>,
+    kept: Option<&super::KeptKernel>,
 ) -> Result<(), DeviceError> {
     let timed = tracing::enabled!(target: "braid::kernel", tracing::Level::DEBUG);
     let t0 = timed.then(Instant::now);
-    let ran = match compiled {
-        Some(compiled) => device.run_keeping(kernel, args, compiled),
+    let ran = match kept {
+        Some(kept) => device.run_keeping(kernel, args, kept),
         None => device.run(kernel, args),
     };
     ran.map_err(|e| DeviceError::Kernel(format!("{}: {e}", describe())))?;

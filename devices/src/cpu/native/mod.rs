@@ -160,6 +160,16 @@ impl NativeKernel {
     /// from, or one differing only in argument lengths): the compiled code accesses memory
     /// through that kernel's views, and only `kernel`'s are checked against `args`.
     pub unsafe fn run(&self, kernel: &Kernel, args: &[ArgPtr]) -> Result<(), String> {
+        // SAFETY: the caller's promise, and the accesses are checked.
+        unsafe { self.run_checking(kernel, args, true) }
+    }
+
+    /// [`NativeKernel::run`], checking `kernel`'s accesses against `args` only when `check`.
+    ///
+    /// # Safety
+    /// As [`NativeKernel::run`]; without `check`, `args` must also have the dtypes and lengths of
+    /// arguments an earlier checked run of `kernel` on this library accepted.
+    pub unsafe fn run_checking(&self, kernel: &Kernel, args: &[ArgPtr], check: bool) -> Result<(), String> {
         let Body::Map(loops) = &kernel.body else { return Err("a compiled kernel of map loops only".into()) };
         if loops.len() != self.loops.len() || args.len() != kernel.args.len() {
             return Err("a compiled kernel run with another kernel's loops or arguments".into());
@@ -169,7 +179,9 @@ impl NativeKernel {
         for (l, &f) in loops.iter().zip(&self.loops) {
             // Every view within its argument, with the dtypes the printed code assumes (its
             // expression was checked when it was printed).
-            check_args(&l.loads, &l.stores, |a| args.get(a as usize).map(|p| (p.dtype, p.len)))?;
+            if check {
+                check_args(&l.loads, &l.stores, |a| args.get(a as usize).map(|p| (p.dtype, p.len)))?;
+            }
             // SAFETY: the code was printed from `l` (the caller's promise), whose accesses were
             // just checked; tasks cover disjoint index ranges, and different indices never write
             // the same element.
