@@ -8,7 +8,9 @@
 //! one else may write to it (a library from it runs in this process). A library is loaded from
 //! the cache only when its `.c` holds exactly the source asked for (so a hash collision cannot
 //! load the wrong code), and files are written under temporary names and renamed, the `.c`
-//! last, so that another process never sees a half-written library. The cache is never pruned:
+//! last, so that another process never sees a half-written library. The compile and the renames
+//! run in a shell that outlives the process, so that a program exiting while its kernels
+//! compile in the background still leaves them for its next run. The cache is never pruned:
 //! deleting it is always safe.
 //!
 //! Compiled code is built only for 64-bit x86 and ARM Unix hosts (where floats are computed in
@@ -110,9 +112,10 @@ fn cache_dir() -> Result<PathBuf, String> {
     Ok(dir)
 }
 
-/// Removes temporary files that compiles of processes no longer running left behind (a process
-/// that exits while a background compile is writing leaves its `KEY.tmpPID.N.{c,so}`). Once
-/// per process.
+/// Removes temporary files left behind by compiles of processes no longer running (a compile
+/// that failed, or was killed with its process), once they are [`STALE_AFTER`] old: a compile
+/// whose process exited may still be running, and renames its files into place when it ends.
+/// Once per process.
 fn sweep_stale(dir: &std::path::Path) {
     let Ok(entries) = std::fs::read_dir(dir) else { return };
     for entry in entries.flatten() {
@@ -120,11 +123,16 @@ fn sweep_stale(dir: &std::path::Path) {
         let Some(pid) = name.split(".tmp").nth(1).and_then(|rest| rest.split('.').next()?.parse::<u32>().ok()) else {
             continue;
         };
-        if pid != std::process::id() && !process_alive(pid) {
+        let old =
+            entry.metadata().and_then(|m| m.modified()).is_ok_and(|t| t.elapsed().is_ok_and(|a| a >= STALE_AFTER));
+        if pid != std::process::id() && old && !process_alive(pid) {
             let _ = std::fs::remove_file(entry.path());
         }
     }
 }
+
+/// How old a dead process's temporary file must be to be swept: far longer than any compile.
+const STALE_AFTER: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// Whether process `pid` is running (on Linux, its `/proc` entry; elsewhere assumed so).
 fn process_alive(pid: u32) -> bool {
@@ -149,6 +157,12 @@ pub fn cached(source: &str) -> Option<Library> {
 /// A shared library, linked against libm (`-lm`, after the source) and bound when loaded, so
 /// that a missing symbol is a load error rather than a crash at the first call.
 const LINK_OPTIONS: &[&str] = &["-shared", "-fPIC", "-Wl,-z,now"];
+
+/// `sh -c` script compiling `$3` into `$2` with compiler `$1` and options `$6..`, then renaming
+/// `$2` to `$4` and `$3` to `$5` (the library first, the source last: see the module docs).
+const COMPILE_AND_RENAME: &str = r#"cc=$1 so=$2 c=$3 final_so=$4 final_c=$5
+shift 5
+"$cc" "$@" -o "$so" "$c" -lm && mv -f "$so" "$final_so" && mv -f "$c" "$final_c""#;
 
 /// A 128-bit hex key of everything that determines the library.
 fn key(source: &str, cc: &Toolchain, flags: &[&str]) -> String {
@@ -201,25 +215,27 @@ fn build_with(cc: &Toolchain, source: &str, fresh: bool, level: Simd) -> Result<
     let tmp = format!("{key}.tmp{}.{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed));
     let (tmp_c, tmp_so) = (dir.join(format!("{tmp}.c")), dir.join(format!("{tmp}.so")));
     std::fs::write(&tmp_c, source).map_err(|e| format!("cannot write {}: {e}", tmp_c.display()))?;
-    let out = Command::new(&cc.cc)
+    // The compile and both renames run in one shell, a child of this process that outlives
+    // it: a program that exits while its kernels compile in the background (a short script)
+    // still leaves them in the cache for its next run.
+    let out = Command::new("/bin/sh")
+        .arg("-c")
+        .arg(COMPILE_AND_RENAME)
+        .arg("sh")
+        .arg(&cc.cc)
+        .args([&tmp_so, &tmp_c, &so_path, &c_path])
         .args(CC_OPTIONS)
         .args(&flags)
         .args(LINK_OPTIONS)
-        .arg("-o")
-        .arg(&tmp_so)
-        .arg(&tmp_c)
-        .arg("-lm")
         .output();
     if !out.as_ref().is_ok_and(|o| o.status.success()) {
         let _ = (std::fs::remove_file(&tmp_so), std::fs::remove_file(&tmp_c));
         let cc = cc.cc.to_string_lossy();
         return Err(match out {
             Ok(o) => format!("{cc} failed ({}):\n{}", o.status, String::from_utf8_lossy(&o.stderr)),
-            Err(e) => format!("cannot run {cc}: {e}"),
+            Err(e) => format!("cannot run {cc} through /bin/sh: {e}"),
         });
     }
-    std::fs::rename(&tmp_so, &so_path).map_err(|e| format!("cannot move {}: {e}", tmp_so.display()))?;
-    std::fs::rename(&tmp_c, &c_path).map_err(|e| format!("cannot move {}: {e}", tmp_c.display()))?;
     // SAFETY: as above, a library just built from the printed source.
     unsafe { Library::new(&so_path) }.map_err(|e| format!("cannot load {}: {e}", so_path.display()))
 }
@@ -229,21 +245,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn stale_temporary_files_of_dead_processes_are_swept() {
+    fn old_temporary_files_of_dead_processes_are_swept() {
         let dir = std::env::temp_dir().join(format!("braid-sweep-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         // pid 0x7fffffff is no running process; ours is; other files are left alone.
         let names = ["abc.tmp2147483646.0.c", "abc.tmp2147483646.1.so", "def.so", "def.c"];
         let ours = format!("ghi.tmp{}.3.c", std::process::id());
+        let long_ago = std::time::SystemTime::now() - STALE_AFTER - std::time::Duration::from_secs(1);
         for n in names.iter().map(|s| s.to_string()).chain([ours.clone()]) {
-            std::fs::write(dir.join(n), b"x").unwrap();
+            std::fs::File::create(dir.join(n)).unwrap().set_modified(long_ago).unwrap();
         }
+        // A dead process's file written just now may belong to a compile still running.
+        let recent = "jkl.tmp2147483646.2.so";
+        std::fs::write(dir.join(recent), b"x").unwrap();
         if cfg!(target_os = "linux") {
             sweep_stale(&dir);
             let mut left: Vec<String> =
                 std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into()).collect();
             left.sort();
-            assert_eq!(left, vec!["def.c".to_string(), "def.so".into(), ours]);
+            assert_eq!(left, vec!["def.c".to_string(), "def.so".into(), ours, recent.into()]);
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }
