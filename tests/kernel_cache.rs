@@ -3,7 +3,7 @@
 //! program finds it and runs it compiled from its first run.
 //!
 //! The test runs this test binary again as the short programs (a child process with
-//! `BRAID_TEST_SHORT_PROGRAM` set, its own cache directory, and a compiler wrapper that takes two
+//! `BRAID_TEST_SHORT_PROGRAM` set, its own cache directory, and a compiler wrapper that takes three
 //! seconds longer, so that the first program exits mid-compile for certain). Skipped, with a
 //! message, when there is no C compiler or no `/bin/sh`.
 
@@ -43,7 +43,7 @@ fn short_program(mode: &str, cache: &Path) -> ! {
         while cache_files(cache).0.is_empty() && t.elapsed() < Duration::from_secs(30) {
             std::thread::sleep(Duration::from_millis(10));
         }
-        std::thread::sleep(Duration::from_millis(300));
+        std::thread::sleep(Duration::from_secs(1));
     } else {
         println!("compiled launches: {}", dev.compiled_kernels_launched());
     }
@@ -80,7 +80,7 @@ fn a_kernel_compiling_when_its_short_program_exits_is_cached_for_the_next_one() 
     std::fs::create_dir_all(&dir).unwrap();
     let cc = dir.join("slow-cc");
     let real = std::env::var("BRAID_CC").unwrap_or_else(|_| "cc".into());
-    std::fs::write(&cc, format!("#!/bin/sh\nsleep 2\nexec {real} \"$@\"\n")).unwrap();
+    std::fs::write(&cc, format!("#!/bin/sh\nsleep 3\nexec {real} \"$@\"\n")).unwrap();
     std::fs::set_permissions(&cc, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
 
     run_child("start", &cache, &cc);
