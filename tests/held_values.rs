@@ -66,6 +66,22 @@ fn held_values_are_made_read_and_dropped_without_the_engine_lock() {
 }
 
 #[test]
+fn reading_host_data_a_tensor_holds_uploads_nothing() {
+    let dev = braid::testing::test_device();
+    let mut rng = Rng::new(9);
+    let data = random(&mut rng, 1 << 18);
+    let t = Tensor::from_vec(data.clone(), [1 << 18], &dev);
+    let before = dev.memory().in_use;
+    assert_eq!(t.to_vec::<f32>().unwrap(), data);
+    let one = Tensor::from_vec(vec![data[7]], (), &dev);
+    assert_eq!(one.item::<f32>().unwrap(), data[7]);
+    assert_eq!(dev.memory().in_use, before, "a read of host data allocated device memory");
+    // Once an op reads it, it is on the device like any input.
+    assert_eq!((&t * 1.0).to_vec::<f32>().unwrap(), data);
+    assert_eq!(t.to_vec::<f32>().unwrap(), data);
+}
+
+#[test]
 fn held_values_read_by_ops_compute_what_the_reference_interpreter_does() {
     let dev = braid::testing::test_device();
     let mut rng = Rng::new(2);

@@ -27,6 +27,9 @@ impl Tensor {
 
     /// The elements' bytes in the dtype's little-endian layout (computed first if needed).
     pub(crate) fn raw_bytes(&self) -> Result<Vec<u8>> {
+        if let Some(bytes) = self.held_host_bytes()? {
+            return Ok(bytes.to_vec());
+        }
         let buffer = self.materialize()?;
         let engine = self.device().engine();
         engine.backend.download(&buffer).map_err(|e| engine.device_error(e))
@@ -40,6 +43,9 @@ impl Tensor {
         if T::DTYPE != self.dtype() {
             return Err(Error::DTypeMismatch { tensor: self.dtype(), requested: T::DTYPE });
         }
+        if let Some(bytes) = self.held_host_bytes()? {
+            return Ok(T::read_one(&bytes));
+        }
         let buffer = self.materialize()?;
         let engine = self.device().engine();
         // Every dtype is at most 8 bytes: read into the stack, not a vector.
@@ -47,6 +53,18 @@ impl Tensor {
         let bytes = &mut bytes[..self.dtype().size()];
         engine.backend.download_into(&buffer, bytes).map_err(|e| engine.device_error(e))?;
         Ok(T::read_one(bytes))
+    }
+
+    /// The host data this tensor holds, if it holds host data (see `Tensor::held`): a read of
+    /// it needs no upload, so it is read where it is.
+    fn held_host_bytes(&self) -> Result<Option<std::sync::Arc<[u8]>>> {
+        match self.held() {
+            Some((HeldValue::Host(bytes), _)) => {
+                crate::engine::capture::refuse_while_capturing("a read")?;
+                Ok(Some(bytes))
+            }
+            _ => Ok(None),
+        }
     }
 
     /// Computes the current version (if needed) and returns its buffer.
