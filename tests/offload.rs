@@ -359,8 +359,9 @@ fn a_lost_value_fails_only_the_work_that_needs_it() {
     let dev = device();
     dev.set_memory_budget(Some(u64::MAX / 2));
     dev.set_fusion(false);
-    let p = Tensor::from_vec(vec![1.0f32; 256], [256], &dev);
-    let q = Tensor::from_vec(vec![2.0f32; 256], [256], &dev);
+    // Computed on the device (a read of host data nothing has used would not upload it).
+    let p = Tensor::from_vec(vec![1.0f32; 256], [256], &dev) * 1.0;
+    let q = Tensor::from_vec(vec![2.0f32; 256], [256], &dev) * 1.0;
     p.to_vec::<f32>().unwrap();
     q.to_vec::<f32>().unwrap();
     p.add_assign(&(&q * 2.0)); // the old p is donated and freed after this update

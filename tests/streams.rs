@@ -155,8 +155,10 @@ fn in_place_updates_reuse_the_buffer() {
     // computed and nobody else reads.
     let dev = braid::testing::test_device();
     dev.set_fusion(false);
-    let x = Tensor::from_vec(vec![0.0f32; 1 << 16], [1 << 16], &dev);
-    let g = Tensor::from_vec(vec![0.5f32; 1 << 16], [1 << 16], &dev);
+    // Computed, so both are on the device before the flush (a read of host data nothing has
+    // used would not upload it).
+    let x = Tensor::from_vec(vec![0.0f32; 1 << 16], [1 << 16], &dev) * 1.0;
+    let g = Tensor::from_vec(vec![0.5f32; 1 << 16], [1 << 16], &dev) * 1.0;
     x.to_vec::<f32>().unwrap();
     g.to_vec::<f32>().unwrap(); // both now on the device
     let held = dev.memory().in_use;
