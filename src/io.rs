@@ -17,7 +17,6 @@
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::recorder;
 use crate::tensor::Tensor;
 use braid_graph::{DType, Shape};
 use safetensors::tensor::{Dtype, SafeTensors, View};
@@ -113,8 +112,7 @@ pub fn load_from_bytes(bytes: &[u8], device: &Device) -> Result<BTreeMap<String,
         if dtype == DType::Bool && data.iter().any(|&b| b > 1) {
             return Err(Error::Io(format!("tensor {name:?}: a bool byte other than 0 or 1")));
         }
-        let node = recorder::record_host(device.engine(), dtype, shape.clone(), data.to_vec().into());
-        out.insert(name, Tensor::from_node(node, shape, dtype, device.clone()));
+        out.insert(name, Tensor::from_host_bytes(data.to_vec().into(), shape, dtype, device));
     }
     Ok(out)
 }

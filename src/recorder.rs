@@ -1,6 +1,7 @@
 //! Recording: how an API call becomes a node in its device's engine. It knows which stream is
 //! current on this thread for each device (the scopes [`crate::Stream::scope`] opens) and
-//! records ops, transfers between devices and host data on that stream.
+//! records ops and transfers between devices on that stream (host data and a replayed step's
+//! outputs are held by their tensors and recorded when first needed: `Tensor::cell`).
 //!
 //! The recorder sits between the tensor API (which validates operands and keeps the handles)
 //! and the engine (which owns the graphs). It never validates, never flushes by itself, and
@@ -68,11 +69,6 @@ pub(crate) fn record_transfer(
 ) -> NodeId {
     let stream = current_stream(dest.id);
     dest.record_transfer(source, source_cell, NewNode { op: Op::ToDevice, dtype, shape, stream }, track)
-}
-
-/// Records a leaf holding host data on `engine`'s current stream.
-pub(crate) fn record_host(engine: &Engine, dtype: DType, shape: Shape, bytes: Arc<[u8]>) -> NodeId {
-    engine.record_host(dtype, shape, current_stream(engine.id), bytes)
 }
 
 /// Records a leaf holding a computed buffer on `engine`'s current stream.

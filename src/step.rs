@@ -4,7 +4,6 @@
 use crate::device::Device;
 use crate::engine::capture::{self, Capture, Produced};
 use crate::engine::env::FlushEnv;
-use crate::engine::{Held, HeldValue, reserve_seq};
 use crate::error::{Error, Result};
 use crate::lock;
 use crate::recorder;
@@ -197,16 +196,14 @@ fn replay(device: &Device, c: &Capture, args: &[Tensor]) -> Result<Vec<Tensor>> 
     };
     let produced = engine.replay(c, &buffers, &env)?;
     drop(buffers);
+    // Computed outputs are held by their tensors, outside the graph, unless a memory budget is
+    // set (the planner then weighs what the graph holds; see `Tensor::cell`).
     let held = engine.memory_budget().is_none();
-    let stream = recorder::current_stream(device.id());
     Ok(produced
         .into_iter()
         .map(|p| match p {
-            // Held by the tensor, outside the graph, unless a memory budget is set (the
-            // planner then weighs what the graph holds; see `Tensor::cell`).
             Produced::Computed { buffer, dtype, shape } if held => {
-                let held = Held { value: HeldValue::Ready(buffer), stream, seq: reserve_seq() };
-                Tensor::from_held(held, shape.clone(), dtype, device.clone())
+                Tensor::from_computed(buffer, shape.clone(), dtype, device)
             }
             Produced::Computed { buffer, dtype, shape } => {
                 let id = recorder::record_ready(engine, dtype, shape.clone(), buffer);
@@ -214,8 +211,7 @@ fn replay(device: &Device, c: &Capture, args: &[Tensor]) -> Result<Vec<Tensor>> 
             }
             Produced::Arg(k) => args[k].detach(),
             Produced::Host { bytes, dtype, shape } => {
-                let id = recorder::record_host(engine, dtype, shape.clone(), bytes.clone());
-                Tensor::from_node(id, shape.clone(), dtype, device.clone())
+                Tensor::from_host_bytes(bytes.clone(), shape.clone(), dtype, device)
             }
         })
         .collect())

@@ -309,20 +309,18 @@ impl Engine {
         id
     }
 
-    /// Records a leaf holding host data (`from_vec`).
-    pub(crate) fn record_host(&self, dtype: DType, shape: Shape, stream: StreamId, bytes: Arc<[u8]>) -> NodeId {
-        let mut node = Node::new(Op::Input, dtype, shape, self.id, stream);
-        node.handles = 1;
-        node.value = Some(Value::Host(bytes));
+    /// Records a leaf holding a computed buffer (an output of a captured step's replay).
+    pub(crate) fn record_ready(&self, dtype: DType, shape: Shape, stream: StreamId, buffer: Buffer) -> NodeId {
+        let node = self.leaf(dtype, shape, stream, Value::Ready(buffer));
         self.state().add(node, &[])
     }
 
-    /// Records a leaf holding a computed buffer (an output of a captured step's replay).
-    pub(crate) fn record_ready(&self, dtype: DType, shape: Shape, stream: StreamId, buffer: Buffer) -> NodeId {
+    /// A leaf of this device holding `value`, with the handle of the tensor that will name it.
+    fn leaf(&self, dtype: DType, shape: Shape, stream: StreamId, value: Value) -> Node<Value> {
         let mut node = Node::new(Op::Input, dtype, shape, self.id, stream);
         node.handles = 1;
-        node.value = Some(Value::Ready(buffer));
-        self.state().add(node, &[])
+        node.value = Some(value);
+        node
     }
 
     /// Records a tensor's held value (see `Tensor::cell`) as a leaf at the place in the
@@ -333,11 +331,10 @@ impl Engine {
         // Under the engine lock, then the tensor's: the order every taker of both follows.
         let mut held = crate::lock(held);
         if let Some(Held { value, stream, seq }) = held.take() {
-            let mut node = Node::new(Op::Input, dtype, shape.clone(), self.id, stream);
-            node.handles = 1;
-            node.value = Some(value.into());
+            let mut node = self.leaf(dtype, shape.clone(), stream, value.into());
+            // Not `State::add`, which would stamp the order of now.
+            node.seq = seq;
             let id = st.graph.add(node, &[]);
-            st.graph.node_mut(id).seq = seq;
             cell.store(id.index() as u32, Ordering::Release);
         }
     }

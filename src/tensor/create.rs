@@ -4,7 +4,9 @@ use super::{Tensor, misuse};
 use crate::device::Device;
 use crate::engine::{Held, HeldValue, reserve_seq};
 use crate::recorder;
+use braid_devices::Buffer;
 use braid_graph::{DType, Element, Op, Scalar, Shape};
+use std::sync::Arc;
 
 impl Tensor {
     /// A tensor holding `data` (row-major) with `shape`. The data moves to the device when a
@@ -32,13 +34,24 @@ impl Tensor {
             );
         }
         super::supported("from_vec", T::DTYPE, device);
-        // Held by the tensor until an op reads it (see `Tensor::cell`).
-        let held = Held {
-            value: HeldValue::Host(T::to_bytes(data)),
-            stream: recorder::current_stream(device.id()),
-            seq: reserve_seq(),
-        };
-        Tensor::from_held(held, shape, T::DTYPE, device.clone())
+        Tensor::from_host_bytes(T::to_bytes(data), shape, T::DTYPE, device)
+    }
+
+    /// A tensor of host data (`bytes` in the dtype's layout, checked by the caller) made on the
+    /// current stream, held by the tensor until something needs a node (see `Tensor::cell`).
+    pub(crate) fn from_host_bytes(bytes: Arc<[u8]>, shape: Shape, dtype: DType, device: &Device) -> Tensor {
+        Tensor::made_holding(HeldValue::Host(bytes), shape, dtype, device)
+    }
+
+    /// A tensor of a buffer computed outside the graph (a replayed step's output), made on the
+    /// current stream and held as [`Tensor::from_host_bytes`] holds host data.
+    pub(crate) fn from_computed(buffer: Buffer, shape: Shape, dtype: DType, device: &Device) -> Tensor {
+        Tensor::made_holding(HeldValue::Ready(buffer), shape, dtype, device)
+    }
+
+    fn made_holding(value: HeldValue, shape: Shape, dtype: DType, device: &Device) -> Tensor {
+        let held = Held { value, stream: recorder::current_stream(device.id()), seq: reserve_seq() };
+        Tensor::from_held(held, shape, dtype, device.clone())
     }
 
     /// Every element equal to `value` (which must be representable in `dtype`).
