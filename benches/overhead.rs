@@ -54,6 +54,7 @@ fn flush_graph() -> FlushGraph {
             stream: StreamId(0),
             donated: false,
             on_host: false,
+            offloaded: false,
             persistent: false,
             overwritable: false,
             remote: false,

@@ -62,6 +62,9 @@ pub use braid_graph::{DType, Element, Shape, Target};
 /// files (`BRAID_DUMP=DIR` or [`dump::set_dir`]) and the recorded graph as DOT.
 pub mod dump {
     pub use crate::engine::dump::{ScheduleDump, file_stem, set_dir};
+    /// An offload's `back_before` in a dump when the value stays in host memory past its flush
+    /// (a later flush that reads it copies it back into device memory first).
+    pub use braid_scheduler::dump::LATER_FLUSH;
 
     /// Every device's recorded graph (pending and materialised nodes that are still alive) as
     /// Graphviz DOT.

@@ -31,6 +31,8 @@ fn random_graph(rng: &mut Rng) -> FlushGraph {
             stream: StreamId(0),
             donated: i % 2 == 0,
             on_host: i == 2,
+            // Sometimes left in host memory by an earlier flush's offload (copied in first).
+            offloaded: i < 2 && !foreign && rng.chance(0.3),
             persistent: false,
             overwritable: false,
             remote: false,
@@ -48,6 +50,7 @@ fn random_graph(rng: &mut Rng) -> FlushGraph {
             stream: StreamId(0),
             donated: false,
             on_host: false,
+            offloaded: false,
             persistent: false,
             overwritable: false,
             remote: true,

@@ -92,6 +92,18 @@ impl Buffer {
         }
     }
 
+    /// Whether the buffer is the device's offload (host) memory rather than its device memory:
+    /// a value an offload left there past its flush.
+    pub fn is_offloaded(&self) -> bool {
+        match self {
+            Buffer::Cpu(b) => b.is_host(),
+            #[cfg(feature = "cuda")]
+            Buffer::Cuda(b) => b.is_pinned(),
+            #[cfg(feature = "wgpu")]
+            Buffer::Wgpu(b) => b.is_host(),
+        }
+    }
+
     /// Whether another handle to this buffer exists (a download in progress holds one).
     pub fn is_shared(&self) -> bool {
         match self {

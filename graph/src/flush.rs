@@ -58,6 +58,10 @@ pub struct External {
     pub donated: bool,
     /// Donated host data: uploaded when its first reader runs, not when the flush starts.
     pub on_host: bool,
+    /// Held in this device's host (offload) memory, where an earlier flush left it (an offload
+    /// that outlived its flush): copied into device memory before its first reader, that copy
+    /// freed after its last; the host copy stays the value. Takes no device memory until then.
+    pub offloaded: bool,
     /// Held in parameter (exact-size) memory: only a new version of a parameter may be written
     /// over it in place, and nothing else.
     pub persistent: bool,

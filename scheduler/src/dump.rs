@@ -128,8 +128,14 @@ pub struct DumpRefusal {
 pub struct DumpOffload {
     pub buffer: String,
     pub to: String,
+    /// The kernel that needs it back, `"end"` (back in device memory when the flush ends, which
+    /// it outlives) or [`LATER_FLUSH`] (it stays in host memory past the flush; `to` is then
+    /// the value the flush leaves, and a later flush that reads it copies it in first).
     pub back_before: String,
 }
+
+/// `back_before` of an offload that stays in host memory past its flush.
+pub const LATER_FLUSH: &str = "later flush";
 
 impl Dump {
     /// Describes `schedule` (planned from `graph`) as flush number `flush` on `device`.
@@ -241,7 +247,11 @@ impl Dump {
                 .map(|o| DumpOffload {
                     buffer: o.device.to_string(),
                     to: o.host.to_string(),
-                    back_before: o.back_before.map_or("end".to_string(), |k| k.to_string()),
+                    back_before: match (o.back_before, o.back) {
+                        (Some(k), _) => k.to_string(),
+                        (None, Some(_)) => "end".to_string(),
+                        (None, None) => LATER_FLUSH.to_string(),
+                    },
                 })
                 .collect(),
             planned_peak_bytes: schedule.planned_peak_bytes,
@@ -334,7 +344,7 @@ impl Dump {
         for o in &self.offloads {
             found.extend(missing("buffer", &o.buffer, buffer(&o.buffer), "an offload"));
             found.extend(missing("buffer", &o.to, buffer(&o.to), "an offload"));
-            let before = o.back_before == "end" || kernels.contains(&o.back_before);
+            let before = o.back_before == "end" || o.back_before == LATER_FLUSH || kernels.contains(&o.back_before);
             found.extend(missing("kernel", &o.back_before, before, "an offload"));
         }
         if kernel_count as u64 != self.fusion.kernels {
@@ -374,7 +384,12 @@ impl Dump {
             let _ = writeln!(s, "not fused: n{} | n{}: {}", r.a, r.b, r.reason);
         }
         for o in &self.offloads {
-            let _ = writeln!(s, "offload: {} -> {} while idle, back before {}", o.buffer, o.to, o.back_before);
+            if o.back_before == LATER_FLUSH {
+                let _ =
+                    writeln!(s, "offload: {} -> {} while idle, left in host memory for a later flush", o.buffer, o.to);
+            } else {
+                let _ = writeln!(s, "offload: {} -> {} while idle, back before {}", o.buffer, o.to, o.back_before);
+            }
         }
         s
     }

@@ -15,7 +15,13 @@
 //! value is offloaded once, so it stays out wherever it is in the way; past the last such
 //! kernel the copy may no longer be hidden, and its reader waits for it). Values the user
 //! marked with `offload_hint` are offloaded over their longest idle gap whether or not a budget
-//! asks for it. When no idle value is left at the peak, or the flush's inputs alone exceed the
+//! asks for it. A value that outlives the flush (a tensor names it, or pending work of a later
+//! flush reads it) is used at the end of the flush: by default it is back in device memory
+//! then, but when the end is over the budget with it back, it stays in host memory past the
+//! flush (not a parameter, which every step reads), and the later flush that reads it copies
+//! it in before its first reader (`plan`); an offload already coming back at the end is the
+//! first to stay out. So the end of a flush is a peak like any other, not a floor. When no idle
+//! value is left at the peak, or the flush's inputs alone exceed the
 //! budget when it starts, the budget cannot be met: the error names the smallest peak reached
 //! and where it is. Both placement rules above look only at kernels over the budget, so a larger
 //! budget makes the same choices wherever a kernel stays over it: the peak named is met when it
@@ -36,13 +42,14 @@ pub use braid_graph::CostModel;
 /// hide it, `last_use + 1` when the memory is needed at once), comes back starting at kernel
 /// `back_at` and is needed again by kernel `next_use` (kernel positions in plan order, which
 /// the planner reproduces; the number of kernels stands for the end of the flush, where a
-/// value that outlives it must be back in device memory).
+/// value that outlives it is back in device memory, unless `back_at` is `None`: then it stays
+/// in host memory past the flush, and a later flush that reads it copies it in).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Decision {
     pub value: ValueRef,
     pub last_use: Option<usize>,
     pub release: usize,
-    pub back_at: usize,
+    pub back_at: Option<usize>,
     pub next_use: usize,
 }
 
@@ -89,9 +96,10 @@ pub fn choose(
     let cost: Vec<f64> = (0..k).map(|t| kernel_seconds(graph, base, t, model)).collect();
     let mut decisions: Vec<Decision> = Vec::new();
     let mut taken = vec![false; uses.len()];
-    let mut apply = |d: Decision, bytes: u64, live: &mut [u64]| {
-        // Absent from device memory during kernels release .. back_at - 1.
-        for l in &mut live[d.release..d.back_at] {
+    // Absent from device memory during kernels release .. back_at - 1 (and at the end of the
+    // flush too, when it stays out).
+    let apply = |decisions: &mut Vec<Decision>, d: Decision, bytes: u64, live: &mut [u64]| {
+        for l in &mut live[d.release..d.back_at.unwrap_or(k + 1)] {
             *l -= bytes;
         }
         decisions.push(d);
@@ -107,9 +115,15 @@ pub fn choose(
             if back_at <= w[0] + 2 {
                 continue; // the copy back would have to start at once: nothing to gain
             }
-            let d = Decision { value: u.value, last_use: Some(w[0]), release: w[0] + 2, back_at, next_use: w[1] };
+            let d = Decision {
+                value: u.value,
+                last_use: Some(w[0]),
+                release: w[0] + 2,
+                back_at: Some(back_at),
+                next_use: w[1],
+            };
             taken[n] = true;
-            apply(d, u.bytes, &mut live);
+            apply(&mut decisions, d, u.bytes, &mut live);
         }
     }
     let Some(budget) = budget else { return Ok(decisions) };
@@ -125,13 +139,32 @@ pub fn choose(
             }
             return Ok(decisions);
         }
-        // The largest value idle at the peak (ties: the longest gap).
+        // At the end of the flush, a value coming back there for a later flush may stay in
+        // host memory instead (the largest first): it is out already.
+        if peak_at == k {
+            let back_at_end = decisions
+                .iter()
+                .enumerate()
+                .filter(|(_, d)| d.next_use == k && d.back_at.is_some() && may_stay_out(graph, d.value))
+                .max_by_key(|(_, d)| bytes_of(&uses, graph, d.value));
+            if let Some((i, _)) = back_at_end {
+                let bytes = bytes_of(&uses, graph, decisions[i].value);
+                let back = decisions[i].back_at.take().expect("filtered");
+                for l in &mut live[back..=k] {
+                    *l -= bytes;
+                }
+                continue;
+            }
+        }
+        // The largest value idle at the peak (ties: the longest gap). A value that outlives the
+        // flush is used at its end (position `k`): idle at an earlier peak until then, and idle
+        // at the end itself if it may stay in host memory past the flush.
         let candidate = uses
             .iter()
             .enumerate()
             .filter(|&(n, u)| u.eligible && !taken[n])
             .filter_map(|(n, u)| {
-                let i = u.kernels.iter().position(|&t| t > peak_at)?;
+                let i = u.kernels.iter().position(|&t| t > peak_at || (t == k && may_stay_out(graph, u.value)))?;
                 // Kernel positions shifted by one: 0 stands for the start of the flush, where a
                 // donated input is already idle until its first reader.
                 let a = match i.checked_sub(1) {
@@ -159,12 +192,35 @@ pub fn choose(
         // the peak would then go over the budget: those kernels need it out as much as the peak
         // does, and it could not be taken out again. Past the last of them the copy may no
         // longer be hidden (its reader waits for it); a budget comes before speed.
-        let hidden = back_at(peak_at + 1, b, bytes, &cost, model);
-        let back = (hidden..b).rev().find(|&t| live[t] > budget).map_or(hidden, |t| t + 1);
+        // A value needed next at the end of the flush stays in host memory past it when the
+        // end is over the budget with it back (a later flush that reads it copies it in).
+        let back = if b == k && live[k] > budget && may_stay_out(graph, uses[n].value) {
+            None
+        } else {
+            let hidden = back_at((peak_at + 1).min(b), b, bytes, &cost, model);
+            Some((hidden..b).rev().find(|&t| live[t] > budget).map_or(hidden, |t| t + 1))
+        };
         taken[n] = true;
         let last_use = a.checked_sub(1);
-        apply(Decision { value: uses[n].value, last_use, release, back_at: back, next_use: b }, bytes, &mut live);
+        let d = Decision { value: uses[n].value, last_use, release, back_at: back, next_use: b };
+        apply(&mut decisions, d, bytes, &mut live);
     }
+}
+
+/// Whether `value` may stay in host memory past the flush, once offloaded: a value the flush
+/// computes, not a parameter (parameters stay in device memory between steps, where every
+/// step reads them).
+fn may_stay_out(graph: &FlushGraph, value: ValueRef) -> bool {
+    matches!(value, ValueRef::Node(n) if graph.nodes[n].keep && !graph.nodes[n].persistent)
+}
+
+/// The bytes `value` takes in device memory (as counted in `uses`).
+fn bytes_of(uses: &[Uses], graph: &FlushGraph, value: ValueRef) -> u64 {
+    let slot = match value {
+        ValueRef::Node(n) => n,
+        ValueRef::External(e) => graph.nodes.len() + e,
+    };
+    uses[slot].bytes
 }
 
 /// Where the copy back of `bytes` needed by kernel `next_use` starts: the latest kernel, no
@@ -188,7 +244,7 @@ fn inputs_at_start(base: &Schedule, model: &CostModel) -> u64 {
         .filter(|b| {
             matches!(b.source, crate::BufferSource::External(_))
                 && !b.upload_at_first_use
-                && b.space != crate::Space::Remote
+                && b.space == crate::Space::Device
         })
         .map(|b| model.allocated(b.bytes))
         .sum()
@@ -276,7 +332,7 @@ fn value_uses(graph: &FlushGraph, base: &Schedule, model: &CostModel) -> Vec<Use
         value: ValueRef::External(i),
         bytes: model.allocated(e.bytes()),
         kernels: Vec::new(),
-        eligible: e.donated && !e.on_host,
+        eligible: e.donated && !e.on_host && !e.offloaded,
         hinted: false,
     });
     let mut uses: Vec<Uses> = nodes.chain(externals).collect();
@@ -372,10 +428,36 @@ mod tests {
         assert_eq!(base.kernels.len(), 4);
         assert_eq!(live_per_kernel(&base, &CostModel::CPU), [12_288, 16_384, 24_576, 12_352, 64]);
         let decisions = choose(&graph, &base, Some(14_000), &CostModel::CPU).expect("reachable");
-        let x = Decision { value: ValueRef::Node(0), last_use: Some(0), release: 1, back_at: 3, next_use: 3 };
+        let x = Decision { value: ValueRef::Node(0), last_use: Some(0), release: 1, back_at: Some(3), next_use: 3 };
         assert_eq!(decisions, [x]);
         let planned = crate::plan_with_offloads(&graph, base, &decisions);
         assert!(planned.planned_peak_bytes <= 14_000, "{}", planned.planned_peak_bytes);
+        crate::validate(&planned, &graph).unwrap();
+    }
+
+    /// `x` (12,288 bytes, kept past the flush) is last read by k1; k2 makes `y` (4,096, kept).
+    /// The end of the flush holds both, as k2 does: under a budget of 13,000, `x` leaves after
+    /// k1 and stays in host memory past the flush, where the schedule's output for it is.
+    #[test]
+    fn a_kept_value_idle_at_the_end_stays_in_host_memory_past_the_flush() {
+        let mut graph = FlushGraph::default();
+        graph.nodes.push(node(0, Op::Randn { seed: 1 }, 3072, &[]));
+        graph.nodes.push(node(1, Op::Reduce { op: ReduceOp::Sum, dim: None, keepdim: false }, 1, &[0]));
+        graph.nodes.push(node(2, Op::Randn { seed: 2 }, 1024, &[]));
+        for n in &mut graph.nodes {
+            n.keep = true;
+        }
+        let options = braid_fusion::Options { enabled: false, ..Default::default() };
+        let base = crate::plan(&graph, braid_fusion::segment(&graph, &options));
+        assert_eq!(live_per_kernel(&base, &CostModel::CPU), [12_288, 12_352, 16_448, 16_448]);
+        let decisions = choose(&graph, &base, Some(13_000), &CostModel::CPU).expect("reachable");
+        let x = Decision { value: ValueRef::Node(0), last_use: Some(1), release: 2, back_at: None, next_use: 3 };
+        assert_eq!(decisions, [x]);
+        let planned = crate::plan_with_offloads(&graph, base, &decisions);
+        assert!(planned.planned_peak_bytes <= 13_000, "{}", planned.planned_peak_bytes);
+        let (_, out) = planned.outputs.iter().find(|(n, _)| *n == 0).copied().expect("x is an output");
+        assert_eq!(planned.buffers[out.index()].space, crate::Space::Host);
+        assert_eq!(planned.offloads[0].back, None);
         crate::validate(&planned, &graph).unwrap();
     }
 
@@ -393,6 +475,7 @@ mod tests {
             stream: StreamId(0),
             donated: false,
             on_host: false,
+            offloaded: false,
             persistent: false,
             overwritable: false,
             remote: true,

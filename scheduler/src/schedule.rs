@@ -127,8 +127,10 @@ pub struct OffloadPlan {
     pub device: BufferId,
     /// The host copy.
     pub host: BufferId,
-    /// The device buffer it returns to.
-    pub back: BufferId,
+    /// The device buffer it returns to (`None`: it stays in host memory past the flush, which
+    /// it outlives; `host` is then the value the flush leaves, and a later flush that reads it
+    /// copies it into device memory first).
+    pub back: Option<BufferId>,
     /// The kernel that needs it back (`None`: the end of the flush, for a value that
     /// outlives it).
     pub back_before: Option<KernelId>,

@@ -66,7 +66,7 @@ impl PlanCache {
             e.dtype.hash(&mut w);
             e.shape.hash(&mut w);
             e.stream.hash(&mut w);
-            (e.donated, e.on_host, e.persistent, e.overwritable, e.remote, e.foreign).hash(&mut w);
+            (e.donated, e.on_host, e.offloaded, e.persistent, e.overwritable, e.remote, e.foreign).hash(&mut w);
         }
         w.0
     }

@@ -252,6 +252,14 @@ impl Engine {
                 .sources
                 .iter()
                 .map(|s| match s {
+                    // A value an offload left in host memory goes to the device first: the
+                    // plan reads its arguments where device values are.
+                    Source::Arg(k) if args[*k].is_offloaded() => self
+                        .backend
+                        .download(&args[*k])
+                        .and_then(|bytes| self.backend.upload(&bytes, poison))
+                        .map(Input::Buffer)
+                        .map_err(|e| self.device_error(e)),
                     Source::Arg(k) => Ok(Input::Buffer(args[*k].clone())),
                     Source::Host(bytes) => {
                         self.backend.upload(bytes, poison).map(Input::Buffer).map_err(|e| self.device_error(e))

@@ -208,6 +208,8 @@ impl Engine {
                     }
                     _ => unreachable!("walk waits for in-flight inputs and takes pending ones"),
                 };
+                // Left in host memory by an earlier flush's offload: copied in before its first reader.
+                let offloaded = matches!(&data, ExternalData::Device(b) if b.is_offloaded()) && !remote && !foreign;
                 externals.push(data);
                 graph.externals.push(External {
                     id: p,
@@ -217,8 +219,11 @@ impl Engine {
                     stream: pn.stream,
                     donated,
                     on_host: donated && matches!(pn.value, Some(Value::Host(_))),
+                    offloaded,
                     persistent: matches!(&pn.value, Some(Value::Ready(b)) if b.is_persistent()),
-                    overwritable: donated && matches!(pn.value, Some(Value::Ready(_))) && !budgeted,
+                    overwritable: donated
+                        && matches!(&pn.value, Some(Value::Ready(b)) if !b.is_offloaded())
+                        && !budgeted,
                     remote,
                     foreign,
                 });

@@ -97,9 +97,10 @@ pub fn run(seed: u64, dev: &Device, cfg: &Config) -> Result<CheckStats, String> 
     g.h.check()
 }
 
-/// Reads whose flush offloaded, and budgets found out of reach (for `budgets` suites).
-pub static BUDGET_STATS: [std::sync::atomic::AtomicUsize; 2] =
-    [std::sync::atomic::AtomicUsize::new(0), std::sync::atomic::AtomicUsize::new(0)];
+/// For `budgets` suites: reads whose flush offloaded, budgets found out of reach, reads whose
+/// flush left a value in host memory for a later flush, and reads whose flush copied such a
+/// value back in.
+pub static BUDGET_STATS: [std::sync::atomic::AtomicUsize; 4] = [const { std::sync::atomic::AtomicUsize::new(0) }; 4];
 
 impl Gen<'_> {
     /// A dtype the config allows and the device computes with.
@@ -185,8 +186,18 @@ impl Gen<'_> {
                     if let (Ok(()), Some(s)) = (&r, &last)
                         && Some(s.flush()) != before
                     {
-                        if s.to_json().contains("\"d2h\"") {
-                            BUDGET_STATS[0].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let json = s.to_json();
+                        let count = |i: usize| BUDGET_STATS[i].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if json.contains("\"d2h\"") {
+                            count(0);
+                        }
+                        if json.contains(braid::dump::LATER_FLUSH) {
+                            count(2);
+                        }
+                        let dump: serde_json::Value = serde_json::from_str(&json).expect("a dump is JSON");
+                        let external_on_host = |b: &serde_json::Value| b["external"] == true && b["space"] == "host";
+                        if dump["buffers"].as_array().is_some_and(|bs| bs.iter().any(external_on_host)) {
+                            count(3);
                         }
                         let problems = s.dump().inconsistencies();
                         if !problems.is_empty() {

@@ -67,6 +67,8 @@ pub struct CpuBuffer {
     poison: bool,
     /// Exact-size memory for a parameter.
     exact: bool,
+    /// Offload memory (the host pool), not the device's.
+    host: bool,
 }
 
 // SAFETY: the memory is owned by this buffer until it is dropped; concurrent access is ordered
@@ -87,6 +89,11 @@ impl CpuBuffer {
     /// Whether this is exact-size memory for a parameter.
     pub fn is_exact(&self) -> bool {
         self.exact
+    }
+
+    /// Whether this is offload memory (the device's host pool) rather than device memory.
+    pub fn is_host(&self) -> bool {
+        self.host
     }
 
     /// The contents (a copy).
@@ -295,17 +302,17 @@ impl CpuDevice {
     /// A buffer of `bytes`; with `poison`, its memory is filled with 0xFF bytes (NaN for floats)
     /// when it is freed, so a read after free shows up as a wrong result.
     fn alloc(&self, bytes: usize, poison: bool) -> Result<Arc<CpuBuffer>, DeviceError> {
-        alloc_from(&self.pool, bytes, poison, false)
+        alloc_from(&self.pool, bytes, poison, false, false)
     }
 
     /// A buffer of exact-size memory for a parameter.
     fn alloc_persistent(&self, bytes: usize, poison: bool) -> Result<Arc<CpuBuffer>, DeviceError> {
-        alloc_from(&self.pool, bytes, poison, true)
+        alloc_from(&self.pool, bytes, poison, true, false)
     }
 
     /// A buffer in the host pool (offload space).
     fn alloc_host(&self, bytes: usize, poison: bool) -> Result<Arc<CpuBuffer>, DeviceError> {
-        alloc_from(&self.host_pool, bytes, poison, false)
+        alloc_from(&self.host_pool, bytes, poison, false, true)
     }
 
     /// A device buffer of `bytes` whose contents are unspecified (for test backends that
@@ -341,8 +348,15 @@ impl CpuDevice {
     }
 }
 
-/// A buffer of `bytes` from `pool` (from its exact-size chunks when `exact`).
-fn alloc_from(pool: &Arc<Pool>, bytes: usize, poison: bool, exact: bool) -> Result<Arc<CpuBuffer>, DeviceError> {
+/// A buffer of `bytes` from `pool` (from its exact-size chunks when `exact`; `host`: the pool is
+/// the offload pool).
+fn alloc_from(
+    pool: &Arc<Pool>,
+    bytes: usize,
+    poison: bool,
+    exact: bool,
+    host: bool,
+) -> Result<Arc<CpuBuffer>, DeviceError> {
     let slice = if bytes == 0 {
         None
     } else {
@@ -352,7 +366,7 @@ fn alloc_from(pool: &Arc<Pool>, bytes: usize, poison: bool, exact: bool) -> Resu
             DeviceError::OutOfMemory { requested: bytes as u64, in_use: s.in_use, reserved: s.reserved }
         })?)
     };
-    Ok(Arc::new(CpuBuffer { slice, bytes, pool: pool.clone(), poison, exact }))
+    Ok(Arc::new(CpuBuffer { slice, bytes, pool: pool.clone(), poison, exact, host }))
 }
 
 /// Runs one kernel over its arguments.

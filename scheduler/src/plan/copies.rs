@@ -13,7 +13,9 @@ pub(super) struct SegOffload {
     /// The first segment planned without the value in device memory (it waits for the copy
     /// out), if any.
     pub(super) release: Option<usize>,
-    pub(super) back_at: usize,
+    /// Where it comes back (`None`: it stays in host memory past the flush, which it
+    /// outlives; a later flush that reads it copies it in).
+    pub(super) back_at: Option<usize>,
     pub(super) next_use: usize,
 }
 
@@ -128,5 +130,26 @@ impl Planner<'_> {
             }
         }
         self.offload_state[i].back = Some(back);
+    }
+
+    /// Before the first reader (on stream `s`) of an input that an earlier flush left in
+    /// host memory: copies it into a new device buffer on `s`, which its readers read and
+    /// which is freed after the last of them; the host copy stays the value.
+    pub(super) fn copy_in(&mut self, e: usize, s: usize) {
+        let v = ValueRef::External(e);
+        let device = self.host_buffer(v, Space::Device);
+        let host = self.ext_buffer[e];
+        self.steps[s].extend([Step::Alloc(device), Step::Copy { from: host, to: device, value: v }]);
+        self.live += self.bytes_of(v);
+        self.peak = self.peak.max(self.live);
+        // The copy stands for the value's producer: readers on other streams wait for it.
+        self.count[s] += 1;
+        self.clock[s][s] = self.count[s];
+        let pseudo = self.seg_stream.len();
+        self.seg_stream.push(s);
+        self.seg_point.push(self.count[s]);
+        self.record_here(s, None);
+        self.ext_producer[e] = Some(pseudo);
+        self.ext_buffer[e] = device;
     }
 }

@@ -9,7 +9,10 @@
 //! shows they are done. An elementwise kernel writes in place over an input of the same shape and
 //! dtype when it is that value's last reader and every other reader happens-before it, and the
 //! input is computed by the same flush or donated to it (an old parameter version under its
-//! update); never over another value from before the flush (see `in_place_candidate`).
+//! update); never over another value from before the flush (see `in_place_candidate`). An
+//! input an earlier flush left in host memory (`External::offloaded`) is copied into a device
+//! buffer on its first reader's stream right before that reader (`copies::copy_in`), and the
+//! copy freed after its last reader; the host copy stays the value.
 
 mod copies;
 mod uses;
@@ -46,8 +49,8 @@ pub fn plan_with_offloads(graph: &FlushGraph, base: Schedule, decisions: &[Decis
         .map(|d| SegOffload {
             value: d.value,
             last_use: d.last_use.map(seg),
-            release: (d.release < d.back_at).then(|| seg(d.release)),
-            back_at: seg(d.back_at),
+            release: (d.back_at.is_none_or(|b| d.release < b)).then(|| seg(d.release)),
+            back_at: d.back_at.map(seg),
             next_use: seg(d.next_use),
         })
         .collect();
@@ -56,10 +59,10 @@ pub fn plan_with_offloads(graph: &FlushGraph, base: Schedule, decisions: &[Decis
     for si in 0..fusion.segments.len() {
         p.segment(si);
     }
-    // Values that outlive the flush come back at its end.
+    // Values that outlive the flush come back at its end (unless they stay in host memory).
     let last = p.kernels.last().map_or(0, |k| p.seg_stream[k.segment]);
     for (i, o) in offloads.iter().enumerate() {
-        if o.back_at == end {
+        if o.back_at == Some(end) {
             p.copy_back(i, last);
         }
     }
@@ -91,7 +94,8 @@ struct Planner<'a> {
     ext_buffer: Vec<BufferId>,
     /// The copy that brought an offloaded external back, which its later readers wait for.
     ext_producer: Vec<Option<usize>>,
-    /// Per external uploaded at its first use: whether a reader was planned yet.
+    /// Per external uploaded at its first use, or copied in from host memory (`offloaded`):
+    /// whether a reader was planned yet.
     uploaded: Vec<bool>,
     /// Per segment: a segment on another stream depends on it.
     cross_dependents: Vec<bool>,
@@ -146,12 +150,18 @@ impl<'a> Planner<'a> {
                 dtype: e.dtype,
                 len: e.shape.numel(),
                 bytes: e.bytes(),
-                space: if e.held_elsewhere() { Space::Remote } else { Space::Device },
+                space: if e.held_elsewhere() {
+                    Space::Remote
+                } else if e.offloaded {
+                    Space::Host
+                } else {
+                    Space::Device
+                },
                 source: BufferSource::External(i),
                 persistent: e.persistent,
                 upload_at_first_use: e.on_host,
             });
-            if !e.on_host && !e.held_elsewhere() {
+            if !e.on_host && !e.offloaded && !e.held_elsewhere() {
                 live += e.bytes() as u64;
             }
         }
@@ -330,7 +340,7 @@ impl<'a> Planner<'a> {
             }
         }
         for i in 0..self.offloads.len() {
-            if self.offloads[i].back_at == si {
+            if self.offloads[i].back_at == Some(si) {
                 self.copy_back(i, s);
             }
         }
@@ -383,6 +393,15 @@ impl<'a> Planner<'a> {
             }
             return;
         }
+        // Values an earlier flush left in host memory come into device memory first.
+        for &v in &seg.inputs {
+            if let ValueRef::External(e) = v
+                && self.graph.externals[e].offloaded
+                && !std::mem::replace(&mut self.uploaded[e], true)
+            {
+                self.copy_in(e, s);
+            }
+        }
         let input_buffers: Vec<BufferId> = seg.inputs.iter().map(|&v| self.buffer_of(v)).collect();
         // Donated host data takes device memory from its first reader on (uploaded then).
         for &v in &seg.inputs {
@@ -432,14 +451,17 @@ impl<'a> Planner<'a> {
         self.clock[s][s] = self.count[s];
         self.seg_point[si] = self.count[s];
         // Frees: inputs whose last reader this is (unless overwritten in place or kept), and
-        // donated flush inputs after their last reader.
+        // donated flush inputs after their last reader, and the device copies of inputs
+        // copied in from host memory (the host copy stays the value).
         for (i, v) in seg.inputs.iter().enumerate() {
             if seg.inputs[..i].contains(v) {
                 continue; // read twice by this kernel: freed once
             }
             let readers = match *v {
                 ValueRef::Node(n) if !self.graph.nodes[n].keep => &self.node_readers[n],
-                ValueRef::External(e) if self.graph.externals[e].donated => &self.ext_readers[e],
+                ValueRef::External(e) if self.graph.externals[e].donated || self.graph.externals[e].offloaded => {
+                    &self.ext_readers[e]
+                }
                 _ => continue,
             };
             if readers.last != Some(si) || in_place.iter().any(|&(_, input)| input == i) {
@@ -492,16 +514,22 @@ impl<'a> Planner<'a> {
                 value: o.value,
                 device: st.device.expect("planned"),
                 host: st.host.expect("planned"),
-                back: st.back.expect("planned"),
+                back: st.back,
                 back_before: self.kernels.iter().find(|k| k.segment == o.next_use).map(|k| k.id),
             })
             .collect();
+        // A value that stays in host memory past the flush is its host copy there.
+        let on_host = |i: usize| {
+            self.offloads.iter().zip(&self.offload_state).find_map(|(o, st)| {
+                (o.value == ValueRef::Node(i) && o.back_at.is_none()).then(|| st.host.expect("planned"))
+            })
+        };
         let outputs = graph
             .nodes
             .iter()
             .enumerate()
             .filter(|(_, n)| n.keep && n.op != Op::Event)
-            .map(|(i, _)| (i, self.node_buffer[i].expect("kept value has a buffer")))
+            .map(|(i, _)| (i, on_host(i).unwrap_or_else(|| self.node_buffer[i].expect("kept value has a buffer"))))
             .collect();
         Schedule {
             streams: self

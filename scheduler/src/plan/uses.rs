@@ -76,12 +76,13 @@ impl Uses {
             }
         }
         let mut gates_a_free = vec![false; segments.len()];
-        let freed_here = node_readers
-            .iter()
-            .enumerate()
-            .filter(|&(n, _)| !graph.nodes[n].keep)
-            .map(|(_, r)| r)
-            .chain(ext_readers.iter().enumerate().filter(|&(e, _)| graph.externals[e].donated).map(|(_, r)| r));
+        let freed_here = node_readers.iter().enumerate().filter(|&(n, _)| !graph.nodes[n].keep).map(|(_, r)| r).chain(
+            ext_readers
+                .iter()
+                .enumerate()
+                .filter(|&(e, _)| graph.externals[e].donated || graph.externals[e].offloaded)
+                .map(|(_, r)| r),
+        );
         for r in freed_here {
             if let Some(last) = r.last {
                 for &(st, seg) in &r.by_stream {
