@@ -1,10 +1,13 @@
 //! The bench card (shared/BENCH.md), CPU part: C1 chain, C2 softmax, C3 mlp_step, C4 tiny_graph (forward, and
 //! forward + backward, recorded op by op and as a captured `braid::Step`), C5 mini_gpt, and activation offloading under a memory budget (G5 at CPU
-//! scale),
+//! scale; the training rows are in `card/training.rs`),
 //! each checked for correctness first, timed as the median of repeated runs after a warm-up, and
 //! shown next to a physical limit (a parallel copy measured in the same run) and peers (JAX and
 //! PyTorch, where installed: `pip install jax torch`), whose scripts `benches/peers/card_jax.py`
-//! and `benches/peers/card_torch.py` run in the same command.
+//! and `benches/peers/card_torch.py` run in the same command. Each timed run holds, until its
+//! sync or read, what its peers compute (the training steps update every parameter), each line
+//! says what both sides compute, and a training row whose step ran fewer matrix products than
+//! its workload has fails (`benches/common/products.rs`).
 //!
 //! Run: `cargo bench --bench card` (or `cargo bench --bench card -- c1` for one workload; with
 //! `BRAID_NO_PEERS=1` the peer scripts are not run).
@@ -13,6 +16,10 @@
 mod micrograd;
 #[path = "../examples/common/mini_gpt.rs"]
 mod mini_gpt;
+#[path = "common/products.rs"]
+mod products;
+#[path = "card/training.rs"]
+mod training;
 
 use micrograd::micrograd;
 
@@ -108,7 +115,7 @@ fn c1(dev: &Device) -> (f64, String) {
         };
         let bw = 3.0 * 4.0 * N as f64 / t / 1e9;
         lines.push(format!(
-            "C1 chain (16Mi f32, {how}): {:.2} ms, {kernels} kernel(s), {:.1} GB/s = {:.0}% of one memcpy ({:.1} GB/s), {:.0}% of a copy on all threads ({:.1} GB/s), {:.2}x the speed of a plain single-threaded x*w loop over the same bytes ({:.2} ms); max rel. error {worst:.1e}; target >= 80% of the copy, >= 0.8x the plain loop",
+            "C1 chain (16Mi f32, {how}): {:.2} ms, {kernels} kernel(s), {:.1} GB/s = {:.0}% of one memcpy ({:.1} GB/s), {:.0}% of a copy on all threads ({:.1} GB/s), {:.2}x the speed of a plain single-threaded x*w loop over the same bytes ({:.2} ms); braid and its peers: y held until the sync; max rel. error {worst:.1e}; target >= 80% of the copy, >= 0.8x the plain loop",
             t * 1e3,
             bw,
             100.0 * bw / memcpy,
@@ -155,7 +162,7 @@ fn c2(dev: &Device) -> (f64, String) {
     };
     let t = median(10, 101, || drop(run()));
     let line = format!(
-        "C2 softmax [2048, 1024] as max/sub/exp/sum/recip/mul: {:.3} ms, {kernels} kernel(s), {:.1} MiB allocated (the output is 8 MiB); max rel. error {worst:.1e}; target <= 1.3 ms",
+        "C2 softmax [2048, 1024] as max/sub/exp/sum/recip/mul: {:.3} ms, {kernels} kernel(s), {:.1} MiB allocated (the output is 8 MiB); braid and its peers: the softmax held until the sync; max rel. error {worst:.1e}; target <= 1.3 ms",
         t * 1e3,
         extra as f64 / (1 << 20) as f64
     );
@@ -182,7 +189,7 @@ fn c4(dev: &Device) -> (f64, String) {
     });
     let kernels = dev.last_schedule().unwrap().kernel_count();
     let line = format!(
-        "C4 tiny_graph forward (f64 scalars, record + flush + read): {:.2} us per iteration, {kernels} kernel(s); g = {g:.4}",
+        "C4 tiny_graph forward (f64 scalars, record + flush + read): {:.2} us per iteration, {kernels} kernel(s); braid and jax.jit: g read; g = {g:.4}",
         t * 1e6
     );
     (t, line)
@@ -212,7 +219,7 @@ fn c4_step(dev: &Device) -> (f64, String) {
     });
     let kernels = dev.last_schedule().unwrap().kernel_count();
     let line = format!(
-        "C4 tiny_graph forward+backward as a captured braid::Step (inputs made, plan replayed, 3 values read): {:.2} us per iteration, {kernels} kernel(s), {} capture(s); target <= 10 us",
+        "C4 tiny_graph forward+backward as a captured braid::Step (inputs made, plan replayed, 3 values read): {:.2} us per iteration, {kernels} kernel(s), {} capture(s); braid and its peers: g, dg/da, dg/db read; target <= 10 us",
         t * 1e6,
         step.captures()
     );
@@ -258,7 +265,7 @@ fn c4_backward(dev: &Device) -> (f64, String) {
         v[v.len() / 2] * 1e6
     };
     let line = format!(
-        "C4 tiny_graph forward+backward (f64 scalars): {:.2} us per iteration, {kernels} kernel(s); g = {g:.4}, dg/da = {da:.4}, dg/db = {db:.4}; \
+        "C4 tiny_graph forward+backward (f64 scalars): {:.2} us per iteration, {kernels} kernel(s); braid and its peers: g, dg/da, dg/db read; g = {g:.4}, dg/da = {da:.4}, dg/db = {db:.4}; \
          medians: record {:.2} us, flush {:.2} us, reads {:.2} us; target <= 10 us, never above 45 us",
         t * 1e6,
         med(&mut rec),
@@ -266,252 +273,6 @@ fn c4_backward(dev: &Device) -> (f64, String) {
         med(&mut read)
     );
     (t, line)
-}
-
-/// C3 mlp_step: 4 x `relu(h @ W + b)` (H = 512, batch 256, f32), loss `mean(h^2)`, backward,
-/// in-place SGD. Checked first against an f64 host computation of the loss and of the first
-/// layer's updated weights.
-fn c3(dev: &Device) -> (f64, String) {
-    const H: usize = 512;
-    const B: usize = 256;
-    const LAYERS: usize = 4;
-    const LR: f64 = 0.01;
-    dev.seed(3);
-    let x = Tensor::randn([B, H], DType::F32, dev);
-    let scale = (2.0 / H as f64).sqrt();
-    let mut params: Vec<Tensor> = Vec::new();
-    for _ in 0..LAYERS {
-        params.push(braid::no_grad(|| Tensor::randn([H, H], DType::F32, dev) * scale).requires_grad());
-        params.push(braid::no_grad(|| Tensor::randn([H], DType::F32, dev) * 0.1).requires_grad());
-    }
-    let host = |t: &Tensor| t.to_vec::<f32>().unwrap().into_iter().map(f64::from).collect::<Vec<f64>>();
-    let (xs, ps): (Vec<f64>, Vec<Vec<f64>>) = (host(&x), params.iter().map(host).collect());
-    let mut opt = braid::optim::Sgd::new(LR);
-    let mut step = |params: &mut [Tensor]| {
-        let mut h = x.clone();
-        for l in 0..LAYERS {
-            h = (&h.matmul(&params[2 * l]) + &params[2 * l + 1]).relu();
-        }
-        let loss = h.square().mean();
-        let grads = loss.backward().unwrap();
-        opt.step(params, &grads);
-        dev.sync().unwrap();
-        loss
-    };
-    let loss = step(&mut params).item::<f32>().unwrap() as f64;
-    let (want_loss, want_w0) = mlp_host(&xs, &ps, B, H, LR);
-    let got_w0 = host(&params[0]);
-    let worst = got_w0.iter().zip(&want_w0).map(|(a, b)| (a - b).abs() / (1e-3 + b.abs())).fold(0.0, f64::max);
-    let loss_err = (loss - want_loss).abs() / want_loss;
-    assert!(loss_err < 1e-4 && worst < 1e-3, "C3: loss {loss} vs {want_loss}, worst W0 error {worst}");
-    let kernels = dev.last_schedule().unwrap().kernel_count();
-    let t = median(3, 21, || {
-        step(&mut params);
-    });
-    let line = format!(
-        "C3 mlp_step (H=512, batch 256, 4 layers, f32, fwd+bwd+SGD): {:.2} ms = {:.1} GFLOP/s, {kernels} kernel(s) in the last flush; \
-         loss rel. error {loss_err:.1e}, W0 update max rel. error {worst:.1e}; target <= 14 ms",
-        t * 1e3,
-        1.61 / t
-    );
-    (t, line)
-}
-
-/// The C3 step on the host in f64: returns the loss and the first weight after the update.
-fn mlp_host(x: &[f64], ps: &[Vec<f64>], b: usize, h: usize, lr: f64) -> (f64, Vec<f64>) {
-    // c[m x n] = a[m x k] * w[k x n] (+ optional transposes by index functions).
-    let matmul = |m: usize, k: usize, n: usize, a: &dyn Fn(usize, usize) -> f64, w: &dyn Fn(usize, usize) -> f64| {
-        let mut c = vec![0.0; m * n];
-        for i in 0..m {
-            for kk in 0..k {
-                let av = a(i, kk);
-                if av != 0.0 {
-                    for j in 0..n {
-                        c[i * n + j] += av * w(kk, j);
-                    }
-                }
-            }
-        }
-        c
-    };
-    let layers = ps.len() / 2;
-    let mut acts = vec![x.to_vec()];
-    for l in 0..layers {
-        let (w, bias) = (&ps[2 * l], &ps[2 * l + 1]);
-        let prev = acts.last().unwrap();
-        let mut z = matmul(b, h, h, &|i, k| prev[i * h + k], &|k, j| w[k * h + j]);
-        for (i, v) in z.iter_mut().enumerate() {
-            *v = (*v + bias[i % h]).max(0.0);
-        }
-        acts.push(z);
-    }
-    let out = acts.last().unwrap();
-    let n = out.len() as f64;
-    let loss = out.iter().map(|v| v * v).sum::<f64>() / n;
-    // Backward to the first layer's weight.
-    let mut g: Vec<f64> = out.iter().map(|v| 2.0 * v / n).collect();
-    let mut gw0 = Vec::new();
-    for l in (0..layers).rev() {
-        let a_out = &acts[l + 1];
-        for (gv, av) in g.iter_mut().zip(a_out) {
-            if *av <= 0.0 {
-                *gv = 0.0;
-            }
-        }
-        let a_in = &acts[l];
-        if l == 0 {
-            gw0 = matmul(h, b, h, &|k, i| a_in[i * h + k], &|i, j| g[i * h + j]);
-        } else {
-            let w = &ps[2 * l];
-            g = matmul(b, h, h, &|i, j| g[i * h + j], &|j, k| w[k * h + j]);
-        }
-    }
-    let w0 = ps[0].iter().zip(&gw0).map(|(w, g)| w - lr * g).collect();
-    (loss, w0)
-}
-
-/// C5 mini_gpt: one SGD step per sample (forward, backward, update, device sync), f32.
-/// Checked first: 46,337 parameters, and the loss falls over the first steps. The step lets
-/// its gradients go before the sync, as a training loop does when it reads only the loss (see
-/// `examples/mini_gpt.rs`): they are then never all stored at once. The peak is also measured
-/// with the gradients kept until after the sync, as PyTorch keeps them until `zero_grad`.
-fn c5(dev: &Device) -> (f64, String) {
-    let model = mini_gpt::MiniGpt::new(dev, 5);
-    let params = model.params();
-    assert_eq!(params.numel(), 46_337, "C5 parameter count");
-    let tokens = mini_gpt::tokens();
-    let ctx = mini_gpt::CONTEXT;
-    let mut opt = braid::optim::Sgd::new(0.1);
-    let mut at = 0;
-    let mut step = |params: &braid::nn::Params, keep_grads: bool| {
-        at = (at + 7) % (tokens.len() - ctx - 1);
-        let loss = model.loss(&tokens[at..at + ctx], &tokens[at + 1..at + ctx + 1]);
-        let grads = loss.backward().unwrap();
-        braid::optim::Optimizer::update(&mut opt, params, &grads);
-        let kept = keep_grads.then_some(grads);
-        dev.sync().unwrap();
-        drop(kept);
-        loss
-    };
-    let first: Vec<f32> = (0..40).map(|_| step(&params, false).item::<f32>().unwrap()).collect();
-    let (early, late) = (first[..10].iter().sum::<f32>() / 10.0, first[30..].iter().sum::<f32>() / 10.0);
-    assert!(late < early, "C5 loss does not fall: {early} -> {late}");
-    dev.reset_peak();
-    let t = median(20, 201, || {
-        step(&params, false);
-    });
-    let peak = dev.memory().peak;
-    let s = dev.last_schedule().unwrap();
-    dev.reset_peak();
-    for _ in 0..5 {
-        step(&params, true);
-    }
-    let peak_kept = dev.memory().peak;
-    let line = format!(
-        "C5 mini_gpt (46,337 parameters, context 8, batch 1, f32, fwd+bwd+SGD+sync): {:.2} ms per step, {} kernel(s) per step; \
-         loss {early:.3} -> {late:.3} over 40 steps; peak device memory {:.0} KiB ({:.0} KiB with the gradients kept \
-         past the sync); target <= 2.5 ms, peak below PyTorch's",
-        t * 1e3,
-        s.kernel_count(),
-        peak as f64 / 1024.0,
-        peak_kept as f64 / 1024.0
-    );
-    (t, line)
-}
-
-/// C5 as a captured `braid::Step` (the counterpart of `jax.jit`): the step takes the parameters,
-/// the causal mask and one-hot tokens and targets as arguments, and returns the loss and the
-/// updated parameters (SGD, lr 0.1, as the op-by-op C5), which the next step is called with.
-fn c5_step(dev: &Device) -> (f64, String) {
-    let model = mini_gpt::MiniGpt::new(dev, 5);
-    let mut params: Vec<Tensor> = model.params().iter().cloned().collect();
-    let n = params.len();
-    let step = braid::Step::new(move |args: &[Tensor]| mini_gpt::sgd_step(args, n, 0.1));
-    let tokens = mini_gpt::tokens();
-    let ctx = mini_gpt::CONTEXT;
-    let mut at = 0;
-    let mut run = |params: &mut Vec<Tensor>| {
-        at = (at + 7) % (tokens.len() - ctx - 1);
-        let args = model.step_args(params, &tokens[at..at + ctx], &tokens[at + 1..at + ctx + 1]);
-        let mut out = step.call(&args).unwrap();
-        dev.sync().unwrap();
-        *params = out.split_off(1);
-        out.pop().unwrap()
-    };
-    let first: Vec<f32> = (0..40).map(|_| run(&mut params).item::<f32>().unwrap()).collect();
-    let (early, late) = (first[..10].iter().sum::<f32>() / 10.0, first[30..].iter().sum::<f32>() / 10.0);
-    assert!(late < early, "C5 step loss does not fall: {early} -> {late}");
-    let t = median(20, 201, || {
-        run(&mut params);
-    });
-    let line = format!(
-        "C5 mini_gpt as a captured braid::Step (parameters in, loss and updated parameters out, sync): {:.2} ms per step, {} kernel(s), {} capture(s); loss {early:.3} -> {late:.3} over 40 steps",
-        t * 1e3,
-        dev.last_schedule().unwrap().kernel_count(),
-        step.captures()
-    );
-    (t, line)
-}
-
-/// G5 at CPU scale: an activation-heavy MLP training step (8 x `tanh(h @ W)`, batch 4096,
-/// width 128, f32, SGD) without a budget and with half its planned peak as the device budget:
-/// peak device memory and step time, and the results checked equal.
-fn offload(dev_plain: &Device) -> (f64, String) {
-    let build = |dev: &Device| {
-        dev.seed(9);
-        let x = Tensor::randn([4096, 128], DType::F32, dev);
-        let ws: Vec<Tensor> = (0..8)
-            .map(|_| braid::no_grad(|| Tensor::randn([128, 128], DType::F32, dev) * 0.1).requires_grad())
-            .collect();
-        dev.sync().unwrap();
-        (x, ws)
-    };
-    let step = |dev: &Device, x: &Tensor, ws: &mut [Tensor]| {
-        let mut h = x.clone();
-        for w in ws.iter() {
-            h = h.matmul(w).tanh();
-        }
-        let grads = h.square().mean().backward().unwrap();
-        braid::optim::Sgd::new(0.01).step(ws, &grads);
-        drop(grads);
-        dev.sync().unwrap();
-    };
-    let run = |dev: &Device, budget: Option<u64>| {
-        let (x, mut ws) = build(dev);
-        dev.set_memory_budget(budget);
-        dev.reset_peak();
-        step(dev, &x, &mut ws);
-        let peak = dev.memory().peak;
-        let planned = dev.last_schedule().unwrap().planned_peak_bytes();
-        let offloads = dev.last_schedule().unwrap().to_json().matches("\"d2h\"").count();
-        let t = median(2, 11, || step(dev, &x, &mut ws));
-        let values: Vec<Vec<f32>> = ws.iter().map(|w| w.to_vec::<f32>().unwrap()).collect();
-        (t, peak, planned, offloads, values)
-    };
-    let (t0, peak0, planned0, _, v0) = run(dev_plain, None);
-    let mut lines = vec![format!(
-        "offload (MLP 8 x 128, batch 4096, f32, fwd+bwd+SGD): no budget {:.2} ms, peak {:.1} MiB",
-        t0 * 1e3,
-        peak0 as f64 / 1048576.0
-    )];
-    let mut last = t0;
-    for (name, fraction) in [("half", 0.5), ("35% of", 0.35)] {
-        let dev = Device::new_cpu();
-        let budget = (planned0 as f64 * fraction) as u64;
-        let (t1, peak1, _, offloads, v1) = run(&dev, Some(budget));
-        assert_eq!(v0, v1, "offloading changed the training result");
-        assert!(peak1 <= budget, "peak {peak1} over the budget {budget}");
-        lines.push(format!(
-            "  budget {:.1} MiB ({name} the planned peak): {:.2} ms ({:+.0}%), peak {:.1} MiB ({:.0}% saved), {offloads} value(s) offloaded; results identical",
-            budget as f64 / 1048576.0,
-            t1 * 1e3,
-            100.0 * (t1 / t0 - 1.0),
-            peak1 as f64 / 1048576.0,
-            100.0 * (1.0 - peak1 as f64 / peak0 as f64)
-        ));
-        last = t1;
-    }
-    (last, lines.join("\n"))
 }
 
 /// Runs the peer scripts (JAX, then PyTorch) and returns their lines (or why one could not run).
@@ -556,18 +317,18 @@ fn main() {
         peers("c2").iter().for_each(|l| println!("{l}"));
     }
     if all || which == "c3" {
-        println!("{}", c3(&dev).1);
+        println!("{}", training::c3(&dev).1);
         peers("c3").iter().for_each(|l| println!("{l}"));
     }
     if all || which == "c5" {
-        println!("{}", c5(&dev).1);
-        println!("{}", c5_step(&dev).1);
+        println!("{}", training::c5(&dev).1);
+        println!("{}", training::c5_step(&dev).1);
         peers("c5").iter().for_each(|l| println!("{l}"));
     }
     if all || which == "offload" {
         let dev = Device::new_cpu();
         dev.set_compile_mode(CompileMode::Blocking);
-        println!("{}", offload(&dev).1);
+        println!("{}", training::offload(&dev).1);
     }
     if all || which == "c4" {
         println!("{}", c4(&dev).1);

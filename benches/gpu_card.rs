@@ -12,17 +12,26 @@
 //! Every workload is checked first (against f64 on the host, or against the same workload on the
 //! CPU device), then timed as the median of at least 21 runs after a warm-up; each run records
 //! its work, synchronises the device and only then lets its outputs go, so nothing is skipped.
+//! Each run holds exactly what its peer computes (G3 applies SGD to every parameter; G5 holds
+//! every weight's gradient, as `loss.backward()` fills every `.grad`), each row's check line
+//! says what both sides compute, and a row whose step ran fewer matrix products than the
+//! workload has by construction fails (`ScheduleDump::product_count`, `benches/common/products.rs`).
 //! Bandwidth is shown as a fraction of the device-to-device copy bandwidth PyTorch measures in
 //! the same run (on the CPU, of a host memcpy measured here); peak memory is the device's peak
 //! over what was live before the run.
 
+#[path = "common/products.rs"]
+mod products;
+#[path = "gpu_card/report.rs"]
+mod report;
 #[path = "gpu_card/workloads.rs"]
 mod workloads;
 
 use braid::prelude::*;
+use report::Row;
 use std::path::PathBuf;
 use std::process::Command;
-use workloads::{Row, Scale};
+use workloads::Scale;
 
 struct Options {
     device: Device,
@@ -121,8 +130,8 @@ fn main() {
     }
     // The copy floor: PyTorch's device-to-device copy in this run (its "ms" field carries GB/s),
     // or a host memcpy measured here on the CPU.
-    let floor = copy_gbs.or_else(|| (dev.name() == "cpu").then(workloads::host_copy_gbs));
-    let table = workloads::table(&rows, peer_rows.as_ref().map(Vec::as_slice).unwrap_or(&[]), floor, &peer_rows);
+    let floor = copy_gbs.or_else(|| (dev.name() == "cpu").then(report::host_copy_gbs));
+    let table = report::table(&rows, peer_rows.as_ref().map(Vec::as_slice).unwrap_or(&[]), floor, &peer_rows);
     println!("\n{table}");
     if let Err(e) = std::fs::create_dir_all(&opts.out).and_then(|()| {
         std::fs::write(opts.out.join("gpu_card.md"), &table)?;

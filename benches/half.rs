@@ -1,7 +1,8 @@
 //! Half precision on the device: elementwise work, casts and reductions over `[4096, 1024]`
 //! f16 and bf16 tensors (an add, an `exp`, casts to and from f32, a row sum and a softmax) and a
 //! `[512, 1024] x [1024, 1024]` matrix product, each beside the same op in f32, in one run. braid's figures include recording, the flush and its
-//! kernels (`Device::sync`, no read back). The PyTorch peer is
+//! kernels (`Device::sync`, no read back), each result held until the sync, as the peer's
+//! eager op computes it. The PyTorch peer is
 //! `python3 benches/peers/half_torch.py` (the same cases and shapes).
 //!
 //! On the device `BRAID_DEVICE` names (the CPU when unset).
@@ -40,6 +41,14 @@ fn half(c: &mut Criterion) {
         for (name, f) in cases {
             if dtype == DType::F32 && name.starts_with("cast") {
                 continue;
+            }
+            if name == "matmul" {
+                // The peer's `a[:512] @ b[:1024]` is one product: braid's run must run it too.
+                let y = f(&a, &b, &wide);
+                dev.sync().unwrap();
+                let products = dev.last_schedule().map_or(0, |s| s.product_count());
+                assert!(products >= 1, "half {dtype} matmul: braid ran {products} matrix products, the peer 1");
+                drop(y);
             }
             g.bench_function(BenchmarkId::new(dtype.to_string(), name), |bench| {
                 bench.iter(|| {

@@ -10,7 +10,11 @@
 //!
 //! On the device `BRAID_DEVICE` names (the CPU when unset). On a GPU the plain loops are not
 //! a peer (they run on the host): compare with PyTorch's `F.embedding` and its backward in the
-//! same command instead, `python3 benches/peers/lookups_torch.py --device cuda`.
+//! same command instead, `python3 benches/peers/lookups_torch.py --device cuda`. Both rows
+//! compute the same work on both sides: the lookup's rows (held until the sync), and the
+//! table's gradient alone (braid records the forward but holds only the gradient, so the
+//! lookup, product and sum are never run; the peer runs its forward once, outside the timed
+//! region, and times the backward pass over it).
 //!
 //! Run: `cargo bench --bench lookups` (criterion's group "lookups"; add `-- --quick` for a
 //! short run).

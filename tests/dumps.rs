@@ -222,3 +222,59 @@ fn devices_sharing_a_dump_directory_keep_their_own_files() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `ScheduleDump::product_count` counts the matrix products a flush ran: for a 3-layer
+/// training step whose input needs no gradient, 3 forward + 3 weight-gradient + 2
+/// input-gradient products with every gradient held; fewer when only the last layer's gradient
+/// is held (a lazy engine computes nothing else); the same with fusion off (a product fused
+/// with its bias and activation is still one product), read back from JSON, and 0 for a flush
+/// that did not run.
+#[test]
+fn product_count_counts_the_matrix_products_a_flush_ran() {
+    let _t = turn();
+    let dev = braid::testing::test_device();
+    dev.seed(7);
+    let x = Tensor::randn([16, 32], DType::F32, &dev);
+    let layers: Vec<(Tensor, Tensor)> = (0..3)
+        .map(|_| {
+            let w = (Tensor::randn([32, 32], DType::F32, &dev) * 0.2).detach().requires_grad();
+            (w, Tensor::zeros([32], DType::F32, &dev).requires_grad())
+        })
+        .collect();
+    dev.sync().unwrap();
+    // Holds the gradients of the weights `held` names until the sync; the flush's dump.
+    let step = |held: &[usize]| {
+        let mut h = x.clone();
+        for (w, b) in &layers {
+            h = (h.matmul(w) + b).relu();
+        }
+        let grads = h.square().mean().backward().unwrap();
+        let kept: Vec<Tensor> = held.iter().map(|&i| grads.get(&layers[i].0).unwrap()).collect();
+        drop(grads);
+        dev.sync().unwrap();
+        drop(kept);
+        dev.last_schedule().unwrap()
+    };
+    let all = step(&[0, 1, 2]);
+    assert_eq!(all.product_count(), 8, "3 forward, 3 weight and 2 input gradients:\n{}", all.to_text());
+    assert!(all.product_count() < all.kernel_count(), "not every kernel is a product");
+    let last = step(&[2]);
+    assert_eq!(last.product_count(), 4, "3 forward and the last weight's gradient:\n{}", last.to_text());
+    let first = step(&[0]);
+    assert_eq!(first.product_count(), 6, "3 forward, 2 input gradients, the first weight's:\n{}", first.to_text());
+    dev.set_fusion(false);
+    let unfused = step(&[0, 1, 2]);
+    dev.set_fusion(true);
+    assert_eq!(unfused.product_count(), 8);
+    assert!(unfused.kernel_count() > all.kernel_count());
+    let read_back = braid::ScheduleDump::from_json(&all.to_json()).unwrap();
+    assert_eq!(read_back.product_count(), 8);
+    assert_eq!(read_back.kernel_count(), all.kernel_count());
+    // A flush refused for its budget ran nothing.
+    dev.set_memory_budget(Some(64));
+    let refused = (x.matmul(&layers[0].0)).sum().to_vec::<f32>();
+    dev.set_memory_budget(None);
+    assert!(matches!(refused, Err(Error::MemoryBudget { .. })), "{refused:?}");
+    let dump = dev.last_schedule().unwrap();
+    assert!(dump.not_run().is_some() && dump.product_count() == 0, "{}", dump.to_text());
+}

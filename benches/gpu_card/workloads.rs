@@ -1,6 +1,11 @@
 //! The G1-G5 workloads of the GPU bench card, written against braid's public API only (so the
-//! same code runs on every device), each checked before it is timed, and the side-by-side table.
+//! same code runs on every device), each checked before it is timed. Each holds, until its
+//! sync, exactly what its peer in `benches/peers/gpu_torch.py` computes (every gradient, every
+//! output, the update applied), and each that multiplies matrices fails when its step ran fewer
+//! products than the workload has (see `benches/common/products.rs`).
 
+use super::products::{check_products, one_run};
+use super::report::{Row, median_ms};
 use braid::optim::Sgd;
 use braid::prelude::*;
 use std::time::Instant;
@@ -10,94 +15,6 @@ use std::time::Instant;
 pub enum Scale {
     Full,
     Small,
-}
-
-/// One measured braid workload (or variant).
-#[derive(Clone, Debug)]
-pub struct Row {
-    pub id: &'static str,
-    pub name: String,
-    pub ms: f64,
-    /// Bytes a memory-bound workload must move (read + write), for its bandwidth.
-    pub bytes: Option<f64>,
-    /// Flops of a compute-bound one.
-    pub flops: Option<f64>,
-    pub peak_extra: u64,
-    pub kernels: usize,
-    pub check: String,
-    pub target: &'static str,
-    /// Peer variant this row is compared with (`eager`, `save_on_cpu`, ...); `None`: the best.
-    pub against: Option<&'static str>,
-    /// Further variants measured with it (G4 on two streams, G5 under a budget).
-    pub extra: Vec<Row>,
-}
-
-impl Row {
-    pub fn line(&self) -> String {
-        let mut s = format!(
-            "{} {}: {:.3} ms, {} kernels, peak +{:.1} MiB",
-            self.id,
-            self.name,
-            self.ms,
-            self.kernels,
-            self.peak_extra as f64 / (1 << 20) as f64
-        );
-        if let Some(b) = self.bytes {
-            s += &format!(", {:.1} GB/s", b / self.ms / 1e6);
-        }
-        if let Some(f) = self.flops {
-            s += &format!(", {:.1} TFLOP/s", f / self.ms / 1e9);
-        }
-        s + &format!("; {}", self.check)
-    }
-
-    pub fn json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "id": self.id, "name": self.name, "ms": self.ms, "bytes": self.bytes, "flops": self.flops,
-            "peak_extra_bytes": self.peak_extra, "kernels": self.kernels, "check": self.check,
-            "target": self.target,
-        })
-    }
-}
-
-/// Median milliseconds of `runs` calls of `f` after `warm` warm-up calls.
-pub fn median_ms(warm: usize, runs: usize, mut f: impl FnMut()) -> f64 {
-    for _ in 0..warm {
-        f();
-    }
-    let mut t: Vec<f64> = (0..runs)
-        .map(|_| {
-            let s = Instant::now();
-            f();
-            s.elapsed().as_secs_f64() * 1e3
-        })
-        .collect();
-    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    t[t.len() / 2]
-}
-
-/// GB/s of one host memcpy of 256 MiB (read + write counted): the CPU's copy floor.
-pub fn host_copy_gbs() -> f64 {
-    let n = 64 << 20;
-    let src = vec![1.0f32; n];
-    let mut dst = vec![0.0f32; n];
-    let ms = median_ms(2, 9, || {
-        dst.copy_from_slice(&src);
-        std::hint::black_box(&mut dst);
-    });
-    2.0 * 4.0 * n as f64 / ms / 1e6
-}
-
-/// Runs `f` (which records work and synchronises `dev`) and returns its result and the device's
-/// peak memory over what was live before, and the kernels of the last flush.
-fn measured<T>(dev: &Device, f: impl FnOnce() -> T) -> (T, u64, usize) {
-    dev.sync().unwrap();
-    let before = dev.memory().in_use;
-    dev.reset_peak();
-    let out = f();
-    dev.sync().unwrap();
-    let peak = dev.memory().peak.saturating_sub(before);
-    (out, peak, dev.last_schedule().map_or(0, |s| s.kernel_count()))
 }
 
 fn gelu(x: f64) -> f64 {
@@ -120,7 +37,7 @@ pub fn g1(dev: &Device, scale: Scale) -> Row {
         dev.sync().unwrap();
         y
     };
-    let (y, peak, kernels) = measured(dev, run);
+    let (y, ran) = one_run("g1", dev, run);
     let (xs, ws, ys) = (x.to_vec::<f32>().unwrap(), w.to_vec::<f32>().unwrap(), y.to_vec::<f32>().unwrap());
     drop(y);
     let mut err = 0.0f64;
@@ -137,9 +54,10 @@ pub fn g1(dev: &Device, scale: Scale) -> Row {
         ms,
         bytes: Some(3.0 * 4.0 * n as f64),
         flops: None,
-        peak_extra: peak,
-        kernels,
-        check: format!("max rel. error {err:.1e} (f64 on the host)"),
+        peak_extra: ran.peak_extra,
+        kernels: ran.kernels,
+        products: None,
+        check: format!("both: y ({n} f32) held until the sync; max rel. error {err:.1e} (f64 on the host)"),
         target: ">= 90% of the copy floor, faster than torch.compile",
         against: None,
         extra: Vec::new(),
@@ -162,7 +80,7 @@ pub fn g2(dev: &Device, scale: Scale) -> Row {
         dev.sync().unwrap();
         y
     };
-    let (y, peak, kernels) = measured(dev, run);
+    let (y, ran) = one_run("g2", dev, run);
     let (xs, ys) = (x.to_vec::<f32>().unwrap(), y.to_vec::<f32>().unwrap());
     drop(y);
     let mut err = 0.0f64;
@@ -183,9 +101,13 @@ pub fn g2(dev: &Device, scale: Scale) -> Row {
         ms,
         bytes: Some(2.0 * 4.0 * (r * c) as f64),
         flops: None,
-        peak_extra: peak,
-        kernels,
-        check: format!("max rel. error {err:.1e} (f64 on the host); output {:.1} MiB", (4 * r * c) as f64 / 1048576.0),
+        peak_extra: ran.peak_extra,
+        kernels: ran.kernels,
+        products: None,
+        check: format!(
+            "both: the softmax ({:.1} MiB) held until the sync, the intermediates let go; max rel. error {err:.1e} (f64 on the host)",
+            (4 * r * c) as f64 / 1048576.0
+        ),
         target: "at least as fast as torch.softmax; extra memory = the output",
         against: Some("softmax"),
         extra: vec![g2_axis0(dev, &x, r, c)],
@@ -200,7 +122,7 @@ fn g2_axis0(dev: &Device, x: &Tensor, r: usize, c: usize) -> Row {
         dev.sync().unwrap();
         s
     };
-    let (s, peak, kernels) = measured(dev, run);
+    let (s, ran) = one_run("g2-axis0", dev, run);
     let (xs, ss) = (x.to_vec::<f32>().unwrap(), s.to_vec::<f32>().unwrap());
     let mut err = 0.0f64;
     for col in (0..c).step_by(97) {
@@ -218,9 +140,12 @@ fn g2_axis0(dev: &Device, x: &Tensor, r: usize, c: usize) -> Row {
         ms,
         bytes: Some(4.0 * (r * c + c) as f64),
         flops: None,
-        peak_extra: peak,
-        kernels,
-        check: format!("error {err:.1e} of the sum of magnitudes (f64 on the host)"),
+        peak_extra: ran.peak_extra,
+        kernels: ran.kernels,
+        products: None,
+        check: format!(
+            "both: the {c} column sums held until the sync; error {err:.1e} of the sum of magnitudes (f64 on the host)"
+        ),
         target: "",
         against: Some("sum0"),
         extra: Vec::new(),
@@ -239,7 +164,9 @@ fn mlp(dev: &Device, h: usize, batch: usize) -> (Vec<Tensor>, Tensor) {
     (params, Tensor::randn([batch, h], DType::F32, dev))
 }
 
-/// One G3 training step: forward, `mean(h^2)`, backward, in-place SGD; returns the loss.
+/// One G3 training step: forward, `mean(h^2)`, backward, in-place SGD of all 8 parameters (as
+/// the peer's `p -= 0.01 * p.grad` over weights and biases); returns the loss. The caller holds
+/// the parameters, so every update, and so every gradient, is computed at its sync.
 fn mlp_step(params: &mut [Tensor], x: &Tensor) -> Tensor {
     let mut h = x.clone();
     for l in 0..4 {
@@ -251,12 +178,16 @@ fn mlp_step(params: &mut [Tensor], x: &Tensor) -> Tensor {
     loss
 }
 
-/// Runs `steps` G3 steps on `dev` at a small size from the same seed; the losses and the first
-/// weight afterwards (to compare devices).
+/// Matrix products of a G3 step by construction: 4 forward, 4 weight gradients and 3 input
+/// gradients (the first layer's input, x, needs none; neither side computes it).
+const MLP_PRODUCTS: usize = 4 + 4 + 3;
+
+/// Runs `steps` G3 steps on `dev` at a small size from the same seed; the losses and every
+/// parameter afterwards, one after another (to compare devices).
 fn mlp_small(dev: &Device, steps: usize) -> (Vec<f32>, Vec<f32>) {
     let (mut params, x) = mlp(dev, 128, 64);
     let losses = (0..steps).map(|_| mlp_step(&mut params, &x).item::<f32>().unwrap()).collect();
-    (losses, params[0].to_vec::<f32>().unwrap())
+    (losses, params.iter().flat_map(|p| p.to_vec::<f32>().unwrap()).collect())
 }
 
 pub fn g3(dev: &Device, scale: Scale) -> Row {
@@ -274,17 +205,22 @@ pub fn g3(dev: &Device, scale: Scale) -> Row {
         dev.sync().unwrap();
         loss
     };
-    let (_, peak, kernels) = measured(dev, &mut step);
+    let (_, ran) = one_run("g3", dev, &mut step);
+    let products = check_products("g3", MLP_PRODUCTS, &ran);
     let ms = median_ms(3, 21, || drop(step()));
     Row {
         id: "g3",
         name: format!("mlp_step 4 x relu(h @ W + b), H={h}, batch {b}, backward, SGD"),
         ms,
         bytes: None,
-        flops: Some(3.0 * 4.0 * 2.0 * (b * h * h) as f64),
-        peak_extra: peak,
-        kernels,
-        check: format!("3 steps at H=128 match the CPU within {err:.1e}"),
+        flops: Some(MLP_PRODUCTS as f64 * 2.0 * (b * h * h) as f64),
+        peak_extra: ran.peak_extra,
+        kernels: ran.kernels,
+        products: Some((ran.products, MLP_PRODUCTS)),
+        check: format!(
+            "both: loss, all 8 parameter gradients (4 weights, 4 biases), SGD applied to all 8 in place; {products}; \
+             3 steps at H=128 match the CPU within {err:.1e} (losses and all 8 parameters)"
+        ),
         target: "<= 1.02x PyTorch eager; peak memory <= PyTorch's",
         against: Some("eager"),
         extra: Vec::new(),
@@ -292,6 +228,8 @@ pub fn g3(dev: &Device, scale: Scale) -> Row {
 }
 
 /// G4's two chains of `steps` x `x = tanh(x @ A)`, on one stream or two; returns both results.
+/// Its matrix products: `steps` per chain, 2 x `steps` in all (the peer's eager loop runs every
+/// one; braid must not merge the two chains, equal as they are).
 fn chains(dev: &Device, a: &Tensor, x: &Tensor, steps: usize, two: bool) -> (Tensor, Tensor) {
     let chain = || {
         let mut h = x.clone();
@@ -328,10 +266,12 @@ pub fn g4(dev: &Device, scale: Scale) -> Row {
             dev.sync().unwrap();
             out
         };
-        let (_, peak, kernels) = measured(dev, run);
+        let id = if two { "g4-2s" } else { "g4" };
+        let (_, ran) = one_run(id, dev, run);
+        let products = check_products(id, 2 * steps, &ran);
         let ms = median_ms(3, 21, || drop(run()));
         rows.push(Row {
-            id: if two { "g4-2s" } else { "g4" },
+            id,
             name: format!(
                 "two chains of {steps} x tanh(x @ A), A {n}x{n}, {}",
                 if two { "two streams" } else { "one stream" }
@@ -339,9 +279,12 @@ pub fn g4(dev: &Device, scale: Scale) -> Row {
             ms,
             bytes: None,
             flops: Some(2.0 * steps as f64 * 2.0 * (n * n * n) as f64),
-            peak_extra: peak,
-            kernels,
-            check: format!("matches the CPU within {err:.1e}"),
+            peak_extra: ran.peak_extra,
+            kernels: ran.kernels,
+            products: Some((ran.products, 2 * steps)),
+            check: format!(
+                "both: both chains' [{n}, {n}] results held until the sync; {products}; matches the CPU within {err:.1e}"
+            ),
             target: if two { "<= 0.6x braid one stream, >= 3x faster than PyTorch's best" } else { "" },
             against: None,
             extra: Vec::new(),
@@ -370,7 +313,9 @@ fn g4_replayed(dev: &Device, a: &Tensor, x: &Tensor, steps: usize, expected: &Te
     let f = |args: &[Tensor]| vec![chain(args), if two { side.scope(|| chain(args)) } else { chain(args) }];
     let args = [a.clone(), x.clone()];
     let want = expected.to_vec::<f32>().unwrap();
-    // (replay ms, host us per kernel, kernels, worst error against the recorded run)
+    let id = if two { "g4-step-2s" } else { "g4-step" };
+    // (replay ms, host us per kernel, kernels, worst error against the recorded run, the
+    // products check)
     let timed = || {
         let step = braid::Step::new(f);
         let first = step.call(&args).unwrap();
@@ -381,7 +326,13 @@ fn g4_replayed(dev: &Device, a: &Tensor, x: &Tensor, steps: usize, expected: &Te
             .fold(0.0, f64::max);
         assert!(err < 1e-5, "G4 as a replayed Step differs from the recorded run: {err}");
         let kernels = step.kernel_count(&args).unwrap_or(0);
-        dev.sync().unwrap();
+        // A replay is one flush (its dump is the device's last schedule, CUDA graph or not).
+        let (_, ran) = one_run(id, dev, || {
+            let out = step.call(&args).unwrap();
+            dev.sync().unwrap();
+            out
+        });
+        let products = (ran.products, check_products(id, 2 * steps, &ran));
         let mut host_ms = Vec::new();
         let ms = median_ms(3, 21, || {
             let t = Instant::now();
@@ -391,26 +342,30 @@ fn g4_replayed(dev: &Device, a: &Tensor, x: &Tensor, steps: usize, expected: &Te
             drop(out);
         });
         host_ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        (ms, host_ms[host_ms.len() / 2] * 1e3 / kernels.max(1) as f64, kernels, err)
+        (ms, host_ms[host_ms.len() / 2] * 1e3 / kernels.max(1) as f64, kernels, err, products)
     };
-    let (ms, host_us, kernels, err) = timed();
-    let mut check =
-        format!("matches the recorded run within {err:.1e}; the host enqueues a replay in {host_us:.1} us per kernel");
+    let (ms, host_us, kernels, err, (ran_products, products)) = timed();
+    let mut check = format!(
+        "both: both chains' [{n}, {n}] results held until the sync (braid: a captured Step's outputs; PyTorch: eager, \
+         its best of one and two streams); {products}; matches the recorded run within {err:.1e}; the host enqueues \
+         a replay in {host_us:.1} us per kernel"
+    );
     if let Some(cuda) = braid::testing::cuda_backend(dev) {
         cuda.set_graphs(false);
-        let (plain_ms, plain_us, _, _) = timed();
+        let (plain_ms, plain_us, _, _, _) = timed();
         cuda.set_graphs(true);
         check += &format!(" as a CUDA graph; without graphs {plain_ms:.3} ms a replay, {plain_us:.1} us per kernel");
     }
     let streams = if two { "two streams" } else { "one stream" };
     Row {
-        id: if two { "g4-step-2s" } else { "g4-step" },
+        id,
         name: format!("the chains on {streams} as a captured braid::Step, replayed ({kernels} kernels)"),
         ms,
         bytes: None,
         flops: Some(2.0 * steps as f64 * 2.0 * (n * n * n) as f64),
         peak_extra: 0,
         kernels,
+        products: Some((ran_products, 2 * steps)),
         check,
         target: if two {
             "<= 0.6x the one-stream replay"
@@ -422,8 +377,8 @@ fn g4_replayed(dev: &Device, a: &Tensor, x: &Tensor, steps: usize, expected: &Te
     }
 }
 
-/// G5: `blocks` residual blocks `h = h + gelu(h @ W1) @ W2`, forward and backward; returns the
-/// loss and the gradient of the first W1 (held until read).
+/// G5's parameters (W1: `[d, 4d]` and W2: `[4d, d]` of each of `blocks` residual blocks) and
+/// input.
 fn ffn(dev: &Device, blocks: usize, b: usize, d: usize) -> (Vec<Tensor>, Tensor) {
     dev.seed(5);
     let mut params = Vec::new();
@@ -436,28 +391,45 @@ fn ffn(dev: &Device, blocks: usize, b: usize, d: usize) -> (Vec<Tensor>, Tensor)
     (params, Tensor::randn([b, d], DType::F32, dev))
 }
 
-fn ffn_step(params: &[Tensor], x: &Tensor) -> (Tensor, Tensor) {
+/// One G5 step: `h = h + gelu(h @ W1) @ W2` per block, `mean(h^2)`, backward. Returns the loss
+/// and every weight's gradient, for the caller to hold until its sync: the peer's
+/// `loss.backward()` fills all of them, and braid computes only what is held (reading one of
+/// 32 ran a third fewer FLOPs).
+fn ffn_step(params: &[Tensor], x: &Tensor) -> (Tensor, Vec<Tensor>) {
     let mut h = x.clone();
     for blk in params.chunks(2) {
         h = &h + &h.matmul(&blk[0]).gelu().matmul(&blk[1]);
     }
     let loss = (&h * &h).mean();
-    let g = loss.backward().unwrap().get(&params[0]).unwrap();
-    (loss, g)
+    let grads = loss.backward().unwrap();
+    let held = params.iter().map(|p| grads.get(p).expect("a gradient for every weight")).collect();
+    (loss, held)
+}
+
+/// Matrix products of a G5 step by construction: 2 forward per block; backward, a gradient for
+/// each of the 2 x `blocks` weights and one for each product's input but the first block's
+/// first (its input, x, needs none): 16 blocks, 32 + 32 + 31 = 95.
+fn ffn_products(blocks: usize) -> usize {
+    2 * blocks + 2 * blocks + (2 * blocks - 1)
+}
+
+/// The loss and every gradient of a G5 step, read back (to compare runs and devices).
+fn ffn_values(out: &(Tensor, Vec<Tensor>)) -> Vec<Vec<f32>> {
+    std::iter::once(&out.0).chain(&out.1).map(|t| t.to_vec::<f32>().unwrap()).collect()
 }
 
 pub fn g5(dev: &Device, scale: Scale) -> Row {
     let (blocks, b, d) = if scale == Scale::Full { (16, 8192, 2048) } else { (4, 256, 64) };
-    // Checked against the CPU at a small size.
+    let expected = ffn_products(blocks);
+    // Checked against the CPU at a small size: the loss and all 4 gradients.
     let small = |dv: &Device| {
         let (p, x) = ffn(dv, 2, 64, 32);
-        let (l, g) = ffn_step(&p, &x);
-        (vec![l.item::<f32>().unwrap()], g.to_vec::<f32>().unwrap())
+        ffn_values(&ffn_step(&p, &x))
     };
     let cpu = Device::new_cpu();
-    let ((la, ga), (lb, gb)) = (small(dev), small(&cpu));
-    let err = worst(&la, &lb).max(worst(&ga, &gb));
-    assert!(err < 1e-4, "G5 differs from the CPU: {err}");
+    let (mine, want) = (small(dev), small(&cpu));
+    let err = mine.iter().zip(&want).map(|(a, b)| worst(a, b)).fold(0.0, f64::max);
+    assert!(mine.len() == 5 && err < 1e-4, "G5 differs from the CPU: {err}");
     let (params, x) = ffn(dev, blocks, b, d);
     dev.sync().unwrap();
     let run = || {
@@ -465,36 +437,42 @@ pub fn g5(dev: &Device, scale: Scale) -> Row {
         dev.sync().unwrap();
         out
     };
-    let ((l0, g0), peak, kernels) = measured(dev, run);
+    let (plain, ran) = one_run("g5", dev, run);
+    let products = check_products("g5", expected, &ran);
     let plain_ms = median_ms(2, 21, || drop(run()));
-    let flops = 3.0 * blocks as f64 * 2.0 * 2.0 * (b * d * 4 * d) as f64;
+    let flops = expected as f64 * 2.0 * (b * d * 4 * d) as f64;
     // Under a budget: 40% of the plain run's peak over its inputs.
     let base = dev.memory().in_use;
-    dev.set_memory_budget(Some(base + peak * 2 / 5));
-    let ((l1, g1), peak1, kernels1) = measured(dev, run);
+    dev.set_memory_budget(Some(base + ran.peak_extra * 2 / 5));
+    let (budgeted, ran1) = one_run("g5-offload", dev, run);
+    let products1 = check_products("g5-offload", expected, &ran1);
     let offload = {
-        {
-            let same = l1.to_vec::<f32>().unwrap() == l0.to_vec::<f32>().unwrap()
-                && g1.to_vec::<f32>().unwrap() == g0.to_vec::<f32>().unwrap();
-            let ms = median_ms(2, 21, || drop(run()));
-            Row {
-                id: "g5-offload",
-                name: "the same under a budget of 40% of that peak (activations offloaded)".into(),
-                ms,
-                bytes: None,
-                flops: Some(flops),
-                peak_extra: peak1,
-                kernels: kernels1,
-                check: format!(
-                    "{} results; {:.0}% of the peak saved at {:+.0}% time",
-                    if same { "identical" } else { "DIFFERENT" },
-                    100.0 * (1.0 - peak1 as f64 / peak as f64),
-                    100.0 * (ms / plain_ms - 1.0)
-                ),
-                target: ">= 60% of peak memory saved at <= 10% step-time overhead",
-                against: Some("save_on_cpu"),
-                extra: Vec::new(),
-            }
+        // Compared one tensor at a time: all 32 gradients at once are 2 GiB on the host.
+        let same = std::iter::once((&plain.0, &budgeted.0))
+            .chain(plain.1.iter().zip(&budgeted.1))
+            .all(|(a, b)| a.to_vec::<f32>().unwrap() == b.to_vec::<f32>().unwrap());
+        drop(budgeted);
+        let ms = median_ms(2, 21, || drop(run()));
+        Row {
+            id: "g5-offload",
+            name: "the same under a budget of 40% of that peak (activations offloaded)".into(),
+            ms,
+            bytes: None,
+            flops: Some(flops),
+            peak_extra: ran1.peak_extra,
+            kernels: ran1.kernels,
+            products: Some((ran1.products, expected)),
+            check: format!(
+                "both: loss, all {} weight gradients held until the sync (PyTorch under save_on_cpu); {products1}; \
+                 loss and every gradient {} to the plain run's; {:.0}% of the peak saved at {:+.0}% time",
+                2 * blocks,
+                if same { "identical" } else { "DIFFERENT" },
+                100.0 * (1.0 - ran1.peak_extra as f64 / ran.peak_extra as f64),
+                100.0 * (ms / plain_ms - 1.0)
+            ),
+            target: ">= 60% of peak memory saved at <= 10% step-time overhead",
+            against: Some("save_on_cpu"),
+            extra: Vec::new(),
         }
     };
     dev.set_memory_budget(None);
@@ -504,63 +482,16 @@ pub fn g5(dev: &Device, scale: Scale) -> Row {
         ms: plain_ms,
         bytes: None,
         flops: Some(flops),
-        peak_extra: peak,
-        kernels,
-        check: format!("2 blocks at D=32 match the CPU within {err:.1e}"),
+        peak_extra: ran.peak_extra,
+        kernels: ran.kernels,
+        products: Some((ran.products, expected)),
+        check: format!(
+            "both: loss, all {} weight gradients held until the sync; {products}; 2 blocks at D=32 match the CPU \
+             within {err:.1e} (loss and all 4 gradients)",
+            2 * blocks
+        ),
         target: "",
         against: Some("plain"),
         extra: vec![offload],
     }
-}
-
-/// The side-by-side table in Markdown: braid's rows with the peers' times and the ratios.
-pub fn table(
-    rows: &[Row],
-    peers: &[super::PeerRow],
-    copy_floor_gbs: Option<f64>,
-    peer_status: &Result<Vec<super::PeerRow>, String>,
-) -> String {
-    let mut out = String::from(
-        "| id | workload | braid ms | GB/s (% of copy) | TFLOP/s | peak + MiB | kernels | peers (ms) | braid / peer |\n|---|---|---|---|---|---|---|---|---|\n",
-    );
-    for r in rows {
-        let base = r.id.split('-').next().unwrap_or(r.id);
-        let mine: Vec<&super::PeerRow> = peers.iter().filter(|p| p.id == base).collect();
-        let peer_text = mine.iter().map(|p| format!("{} {:.3}", p.variant, p.ms)).collect::<Vec<_>>().join("; ");
-        let compare = match r.against {
-            Some(v) => mine.iter().find(|p| p.variant == v).copied(),
-            None => mine.iter().min_by(|a, b| a.ms.partial_cmp(&b.ms).unwrap()).copied(),
-        };
-        let bw = r.bytes.map(|b| {
-            let gbs = b / r.ms / 1e6;
-            match copy_floor_gbs {
-                Some(f) => format!("{gbs:.1} ({:.0}%)", 100.0 * gbs / f),
-                None => format!("{gbs:.1}"),
-            }
-        });
-        out += &format!(
-            "| {} | {} | {:.3} | {} | {} | {:.1} | {} | {} | {} |\n",
-            r.id,
-            r.name,
-            r.ms,
-            bw.unwrap_or_default(),
-            r.flops.map(|f| format!("{:.1}", f / r.ms / 1e9)).unwrap_or_default(),
-            r.peak_extra as f64 / (1 << 20) as f64,
-            r.kernels,
-            if peer_text.is_empty() { "-".into() } else { peer_text },
-            compare.map(|p| format!("{:.2} ({})", r.ms / p.ms, p.variant)).unwrap_or_else(|| "-".into()),
-        );
-    }
-    out += &format!(
-        "\nCopy floor: {}. Peers: {}.\n",
-        copy_floor_gbs.map_or("not measured".into(), |f| format!("{f:.0} GB/s (read + write)")),
-        match peer_status {
-            Ok(p) => format!("{} rows from benches/peers/gpu_torch.py", p.len()),
-            Err(e) => format!("not run: {e}"),
-        }
-    );
-    for r in rows.iter().filter(|r| !r.target.is_empty()) {
-        out += &format!("- {} target: {}. {}\n", r.id, r.target, r.check);
-    }
-    out
 }

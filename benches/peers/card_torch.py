@@ -2,7 +2,8 @@
 
 Usage: python3 card_torch.py c1|c2|c3|c4|c5. Prints one line per variant: the workload, the
 median time (torch eager; torch.compile where BENCH.md lists it) and, for C5, the peak memory of
-live tensors during a training step.
+live tensors during a training step. Each computes what braid's row of the same id holds: the
+training steps (C3, C5) every parameter's gradient and the SGD update of every parameter.
 
 PyTorch has no peak counter for CPU memory, so the C5 peak is read off the profiler's memory
 events (`profile_memory=True`: every tensor allocation and free, with its size, in order): the

@@ -6,7 +6,9 @@ and first {"id": "copy", "variant": "clone", "ms": GB/s}: the device-to-device c
 (read + write counted) measured in this run, the floor braid's bandwidth is compared with.
 
 Timing: the median of 21 runs after 3 warm-ups, each run synchronised before its outputs are
-let go (torch.cuda.synchronize), TF32 off. Peak memory: torch.cuda.max_memory_allocated over what
+let go (torch.cuda.synchronize), TF32 off. Each workload computes what braid's row of the same
+id holds: G3 every parameter's gradient and the SGD update of all of them, G5 every weight's
+gradient (held until the sync), G4 both chains. Peak memory: torch.cuda.max_memory_allocated over what
 was allocated before the run. Exits 1 with a message on stderr when PyTorch is missing.
 """
 import argparse
@@ -182,10 +184,11 @@ def g5():
             h = h + F.gelu(h @ a, approximate="tanh") @ c
         loss = (h * h).mean()
         loss.backward()
-        g = w1[0].grad
+        # Every weight's gradient, held until the sync as braid's G5 holds them.
+        grads = [p.grad for p in w1 + w2]
         for p in w1 + w2:
             p.grad = None
-        return loss, g
+        return loss, grads
 
     emit("g5", "plain", step)
     if cuda:

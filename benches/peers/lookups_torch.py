@@ -3,6 +3,13 @@
 (the backward of the lookup, as braid's bench records it: forward, the product with ones, the
 sum, backward), with the ids braid's bench uses.
 
+The backward row times the backward pass alone, as braid's does: braid records the forward
+(lookup, product, sum) but holds only the gradient, so it computes only the backward (the sum's
+ones, their product with the ones on the rows, the scatter-add into the table). Here the
+forward runs once, outside the timed region, and each timed run is `backward(retain_graph=True)`
+over it: the same three steps. (Timing forward and backward here, as this script did, made the
+peer compute a lookup, a product and a sum that braid's row never runs.)
+
 Usage: python3 lookups_torch.py --device cuda|cpu
 Prints one line per case: name, vocabulary, median milliseconds (21 runs after 3 warm-ups, each
 synchronised). Exits 1 with a message on stderr when PyTorch is missing.
@@ -33,8 +40,10 @@ for vocabulary in (1000, 32000):
         F.embedding(ids, table)
         sync()
 
+    total = (F.embedding(ids, trained) * ones).sum()
+
     def backward():
-        (F.embedding(ids, trained) * ones).sum().backward()
+        total.backward(retain_graph=True)
         trained.grad = None
         sync()
 

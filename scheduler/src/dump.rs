@@ -281,6 +281,19 @@ impl Dump {
         self.fusion.kernels as usize
     }
 
+    /// Matrix products the kernels of the dump compute: their `matmul` ops, each counted once;
+    /// 0 for a flush that did not run.
+    pub fn product_count(&self) -> usize {
+        if self.not_run.is_some() {
+            return 0;
+        }
+        let kernel_ops = self.streams.iter().flat_map(|s| &s.steps).flat_map(|step| match step {
+            DumpStep::Kernel { ops, .. } => ops.as_slice(),
+            _ => &[],
+        });
+        kernel_ops.filter(|op| *op == "matmul").count()
+    }
+
     /// What in the dump contradicts itself (a file edited or written by something else): ids
     /// named twice, steps naming buffers or events it does not list, events of streams it
     /// does not have, kernels of no nodes, offloads of unknown buffers or kernels, a kernel

@@ -5,7 +5,7 @@
 //! text and DOT are produced when first asked for.
 
 use crate::lock;
-use braid_graph::FlushGraph;
+use braid_graph::{FlushGraph, Op};
 use braid_scheduler::{Dump, Schedule};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -85,12 +85,15 @@ impl ScheduleDump {
         self.dump().to_dot()
     }
 
-    /// The flush's sequence number (as in the file name `flush-NNNNNN`).
+    /// The flush's sequence number (as in the file name `flush-NNNNNN`). Cheap: it does not
+    /// build the dump.
     pub fn flush(&self) -> u64 {
-        self.dump().flush
+        match &self.0.live {
+            Some(live) => live.flush,
+            None => self.dump().flush,
+        }
     }
 
-    /// Kernels this flush ran.
     /// Why this flush did not run (a memory budget out of reach, a refused schedule), if it
     /// did not.
     pub fn not_run(&self) -> Option<String> {
@@ -100,10 +103,41 @@ impl ScheduleDump {
         }
     }
 
+    /// Kernels this flush ran.
     pub fn kernel_count(&self) -> usize {
         match &self.0.live {
             Some(live) => live.schedule.kernel_count(),
             None => self.dump().kernel_count(),
+        }
+    }
+
+    /// Matrix products this flush ran: the `matmul` ops of its kernels, each counted once
+    /// (a product fused with elementwise work around it is still one product). 0 when the
+    /// flush did not run ([`not_run`](Self::not_run)). A benchmark compares it with the
+    /// products its workload has by construction, so that a lazy engine that skipped one (a
+    /// gradient nobody held) cannot pass for doing the peer's work.
+    ///
+    /// ```
+    /// use braid::prelude::*;
+    /// let dev = Device::new_cpu();
+    /// let (a, b) = (Tensor::randn([8, 8], DType::F32, &dev), Tensor::randn([8, 8], DType::F32, &dev));
+    /// let y = a.matmul(&b).tanh().matmul(&b).sum();
+    /// y.item::<f32>().unwrap();
+    /// assert_eq!(dev.last_schedule().unwrap().product_count(), 2);
+    /// ```
+    pub fn product_count(&self) -> usize {
+        if self.not_run().is_some() {
+            return 0;
+        }
+        match &self.0.live {
+            Some(live) => live
+                .schedule
+                .kernels
+                .iter()
+                .flat_map(|k| &live.schedule.fusion.segments[k.segment].nodes)
+                .filter(|&&n| matches!(live.graph.nodes[n].op, Op::Matmul))
+                .count(),
+            None => self.dump().product_count(),
         }
     }
 
