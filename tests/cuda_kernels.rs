@@ -275,6 +275,8 @@ fn long_rows_and_whole_tensor_reductions_match_the_cpu() {
             (vec![1100, 1000], Some(1)),
             (vec![1000, 1100], Some(0)),
             (vec![256, 40_000], Some(1)),
+            // Few long columns: a column kernel split into 39 segments through scratch memory.
+            (vec![20_000, 64], Some(0)),
         ]
     };
     // Float inputs in f64 only: the CPU's f32 sums of a million elements are off by up to

@@ -338,7 +338,8 @@ fn long_row_cases(rng: &mut Rng, first: usize) -> Vec<Case> {
     let split = 2 * cuda::SEGMENT + 100;
     let shapes = [
         ("multi-pass", vec![rows, len], Some(1)),
-        ("multi-pass", vec![len, rows], Some(0)),
+        // Long columns among few: a column kernel split into segments.
+        ("split-columns", vec![len, rows], Some(0)),
         ("split", vec![3, split], Some(1)),
         ("split", vec![split, 2], Some(0)),
         ("split", vec![split], None),
@@ -361,13 +362,24 @@ fn long_row_cases(rng: &mut Rng, first: usize) -> Vec<Case> {
     cases
 }
 
-/// Row kernels along an axis before a last dimension of at least `cuda::COLUMNS`: printed as
+/// Row kernels along an axis before a last dimension of at least 8: printed as
 /// column kernels (neighbouring rows a block), a last group of rows partly past the end.
 fn column_cases(rng: &mut Rng, first: usize) -> Vec<Case> {
-    let shapes = [(vec![9, 8], 0), (vec![5, 3, 16], 0), (vec![5, 3, 16], 1), (vec![4, 33], 0), (vec![17, 2, 10], 1)];
+    // The last three have so few columns, and long enough ones, that each column is split into
+    // segments (2, 3 and 2 of them) combined through scratch memory.
+    let shapes = [
+        (vec![9, 8], 0, 3),
+        (vec![5, 3, 16], 0, 3),
+        (vec![5, 3, 16], 1, 3),
+        (vec![4, 33], 0, 3),
+        (vec![17, 2, 10], 1, 3),
+        (vec![1100, 40], 0, 2),
+        (vec![1600, 17], 0, 2),
+        (vec![1030, 2, 9], 0, 2),
+    ];
     let mut cases = vec![];
-    for (dims, axis) in shapes {
-        for _ in 0..3 {
+    for (dims, axis, count) in shapes {
+        for _ in 0..count {
             let mut case = rows_case_over(rng, first + cases.len(), &dims, Some(axis), MathLib::Host, true);
             case.label = format!("columns {}", case.label);
             cases.push(case);
@@ -491,11 +503,15 @@ fn printed_kernels_compute_what_the_cpu_computes() {
     eprintln!("cuda_printer: {vector} kernels with a vector path");
     assert!(vector >= 100, "{vector} of {} kernels have a vector path", printed.len());
     let path = |p: &str| (0..cases.len()).filter(|&n| cases[n].label.starts_with(p)).collect::<Vec<_>>();
-    let (multi, split) = (path("multi-pass "), path("split "));
+    let (multi, split, columns) = (path("multi-pass "), path("split "), path("split-columns "));
     let one = |n: &usize| !keeps(&printed[*n].source) && printed[*n].entries.len() == 1;
-    assert!(multi.len() == 6 && multi.iter().all(one), "long rows among many: one entry, nothing kept");
+    assert!(multi.len() == 3 && multi.iter().all(one), "long rows among many: one entry, nothing kept");
     let segments = |n: &usize| printed[*n].entries.len() >= 2 && printed[*n].scratch_bytes > 0;
     assert!(split.len() == 12 && split.iter().all(segments), "long rows among few: split");
+    let split_columns = |n: &usize| segments(n) && printed[*n].source.contains("// Columns:");
+    assert!(columns.len() == 3 && columns.iter().all(split_columns), "long columns among few: split");
+    let split_column_cases = path("columns ").into_iter().filter(split_columns).count();
+    assert!(split_column_cases == 6, "{split_column_cases} of the short column cases split (want 6)");
     eprintln!(
         "cuda_printer: {} kernels; generated in {:.2?}, g++ {:.2?}, run and compared {:.2?}",
         cases.len(),

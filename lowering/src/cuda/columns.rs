@@ -1,44 +1,83 @@
 //! Printing of column kernels: row kernels along an axis that is not the last (a sum over the
 //! batch axis, a softmax over axis 0), where a row's elements lie a stride apart and the rows
-//! themselves are neighbours in memory. One block per group of [`COLUMNS`] rows ("columns"):
-//! thread `cx` of each of the block's `ys` lines works on column `cx`, striding along it from
-//! position `cy`, so the threads of a warp read neighbouring addresses (whole 32-byte sectors)
-//! instead of one element per sector each. Each reduction combines a column's `ys` partial
-//! results in shared memory (`reduce::column_reduction`); the phases are the CPU's, as in
-//! `rows.rs`, and nothing is kept between them (each phase reads the column again, mostly
-//! from L2).
+//! themselves are neighbours in memory. A block works on a group of [`COLUMNS`] rows
+//! ("columns"): thread `cx` of each of the block's `ys` lines works on column `cx`, striding
+//! along it from position `cy`, so the 32 threads of a warp read 32 neighbouring elements (whole
+//! 128-byte lines) at each step. Each reduction combines a column's `ys` partial results in
+//! shared memory (`reduce::column_reduction`); the phases are the CPU's, as in `rows.rs`, and
+//! nothing is kept between them (each phase reads the column again, mostly from L2).
+//!
+//! When the groups are too few to fill the GPU (a [8192, 4096] sum over axis 0 has 128), each
+//! column is also split into `segments` ([`segments`]): per live reduction, `partial<i>` runs a
+//! block per (group, segment) and writes each column's partial result to scratch memory, and
+//! `combine<i>` runs a thread per column, folding its segments' partial results in order (argmax
+//! with their positions, so the first maximum still wins) into the reduction's value, also in
+//! scratch, which later entries read; `finish` then runs a block per (group, segment) for the
+//! per-element stores (and the per-row ones), or, when there are none per element, the last
+//! `combine` makes the per-row stores itself. Scratch is laid out as in `split.rs`.
+//!
+//! Measured on an H200 for a sum over axis 0 of [8192, 4096] f32 (a standalone program of the
+//! variants, CUDA events, one process): the earlier layout of 8 columns a block (each warp
+//! reading four 32-byte sectors a step), unsplit, 0.070 ms; 32 columns a block, 16 lines, split
+//! in 4, 0.036 ms (3.7 TB/s read, at the device's copy rate); PyTorch's `x.sum(0)` 0.047 ms.
 //!
 //! Must never: depend on the block size beyond its being a power of two no larger than the
-//! printed one (a block of fewer than [`COLUMNS`] threads walks the group's columns in
-//! turns), or let some threads of a block skip a barrier (every thread runs every group and
-//! every phase; threads past the last row only read a valid row and store nothing).
+//! printed one (a block of fewer than [`COLUMNS`] threads walks its group's columns in turns,
+//! and a combine's threads stride over the columns), let some threads of a block skip a barrier
+//! (every thread runs every turn and every phase; threads past the last column only read a
+//! valid column and store nothing), or combine segments in an order that depends on the launch.
 
-use super::reduce::column_reduction;
+use super::reduce::{column_reduction, combine_step, reduced_value};
 use super::rows::RowPlan;
 use super::*;
 
-/// Rows (columns) per block: 8 f32 of neighbouring rows fill a 32-byte sector.
-pub const COLUMNS: usize = 8;
+/// Columns per group (a block's): the 32 threads of a warp's line read 32 neighbouring f32, a
+/// whole 128-byte line.
+pub const COLUMNS: usize = 32;
 
-/// Threads per block printed (fewer where the reductions' shared arrays would not fit): 64
-/// lines of 8 columns. Measured on the H200 for a sum over axis 0 of [8192, 4096] f32: 256
-/// threads 0.130 ms, 512 0.079 ms, 1024 0.088 ms (each thread's fold is a chain of dependent
-/// loads; more lines shorten it, until blocks no longer fill the SMs).
+/// Threads per block printed (fewer where the reductions' shared arrays would not fit): 16
+/// lines of 32 columns.
 const COLUMN_THREADS: u32 = 512;
 
+/// Blocks a column kernel is spread over when its columns are long enough: about four blocks of
+/// [`COLUMN_THREADS`] on each of an H100's or H200's 132 multiprocessors, so each has enough
+/// loads in flight (fewer, as one block per group of a [8192, 4096] sum, left the loads
+/// waiting: 0.05-0.07 ms instead of 0.036).
+const TARGET_BLOCKS: usize = 512;
+
+/// Positions of a column per segment at least (32 per thread of a block's 16 lines).
+const MIN_SEGMENT: usize = 512;
+
+/// Threads per block of a `combine` entry (a thread per column).
+const COMBINE_THREADS: u32 = 256;
+
 /// Whether `p` is printed as a column kernel: along an axis before the last, with rows that are
-/// neighbours along a last dimension of at least [`COLUMNS`].
+/// neighbours along a last dimension of at least 8 (a 32-byte sector's worth of f32).
 pub(super) fn columns(p: &RowPlan<'_>) -> bool {
     let rank = p.r.dims.len();
-    p.r.axis.is_some_and(|a| a + 1 < rank) && p.r.dims[rank - 1] >= COLUMNS && p.rows > 0
+    p.r.axis.is_some_and(|a| a + 1 < rank) && p.r.dims[rank - 1] >= 8 && p.rows > 0
 }
 
-/// Prints `p` as one column-kernel entry; returns it (no scratch memory).
+/// The segments each column of `p` is split into: enough blocks for [`TARGET_BLOCKS`], none
+/// shorter than [`MIN_SEGMENT`] positions.
+pub(super) fn segments(p: &RowPlan<'_>) -> usize {
+    let groups = p.rows.div_ceil(COLUMNS);
+    (TARGET_BLOCKS / groups).clamp(1, (p.len / MIN_SEGMENT).max(1))
+}
+
+/// Where one reduction keeps its values in scratch (byte offsets).
+struct Slots {
+    partials: usize,
+    positions: usize,
+    results: usize,
+}
+
+/// Prints `p` as column-kernel entries; returns them and the scratch bytes they need.
 pub(super) fn print_columns(
     out: &mut String,
     p: &mut RowPlan<'_>,
     name: &str,
-    params: &[Param],
+    params: &mut Vec<Param>,
 ) -> Result<(Vec<Entry>, usize), String> {
     // Each reduction's combine takes an entry per thread in shared memory.
     let per_thread: usize =
@@ -47,35 +86,156 @@ pub(super) fn print_columns(
         .into_iter()
         .find(|&t| t as usize * per_thread <= STATIC_SHARED_BYTES)
         .unwrap_or(32);
-    let (len, rows) = (p.len, p.rows);
-    let groups = rows.div_ceil(COLUMNS);
-    if groups > i32::MAX as usize {
-        return Err(format!("{rows} rows: more blocks than one launch has"));
-    }
     p.step = "ys";
+    // Eight loads in flight per thread: a column's thread folds a long chain of them.
+    p.unroll = 8;
+    let segments = segments(p);
+    let blocks = p.rows.div_ceil(COLUMNS) * segments;
+    if blocks > i32::MAX as usize {
+        return Err(format!("{} rows: more blocks than one launch has", p.rows));
+    }
     let dims = p.r.dims.as_slice();
-    let axis = p.r.axis.unwrap_or(0);
+    let (axis, len) = (p.r.axis.unwrap_or(0), p.len);
     let _ = writeln!(
         out,
-        "\n// Columns: rows of {dims:?} along dim {axis} ({len} elements each), {COLUMNS} neighbouring rows a block."
+        "\n// Columns: rows of {dims:?} along dim {axis} ({len} elements each), {COLUMNS} neighbouring rows a block, \
+         in {segments} segment(s)."
     );
-    let _ = writeln!(out, "{} {{", signature(name, params));
+    if segments == 1 {
+        let _ = writeln!(out, "{} {{", signature(name, params));
+        turns(out, p, 1);
+        let range = ["from", "end"];
+        let plan = &*p;
+        plan.per_row_values(out, plan.r.expr.nodes.len(), &mut |out, i, op, x, d| {
+            column_reduction(out, i, op, x, d, [len, threads as usize], &|out, body| {
+                plan.sweep(out, range, &[x], &[], body, None)
+            })
+        })?;
+        plan.print_stores(out, "active && cy == 0", range, None)?;
+        out.push_str("  }\n}\n");
+        return Ok((vec![Entry { name: name.into(), launch: Launch::Rows { rows: blocks, threads } }], 0));
+    }
+    print_split(out, p, name, params, [segments, threads as usize])
+}
+
+/// Opens the loop of a block's turns over its group's columns (`xw` at a time) and declares
+/// what a turn works on: `row` (its thread's column, or the last valid one), `active`, the
+/// index variables across rows, and `from`/`end`, its thread's first position and the end of
+/// its segment (`from` past the end for an inactive thread). The caller closes the loop.
+fn turns(out: &mut String, p: &RowPlan<'_>, segments: usize) {
+    let (rows, len) = (p.rows, p.len);
+    let seg_len = len.div_ceil(segments);
     let _ = writeln!(out, "  const unsigned xw = blockDim.x < {COLUMNS}u ? blockDim.x : {COLUMNS}u;");
     out.push_str("  const unsigned cx = threadIdx.x % xw, cy = threadIdx.x / xw, ys = blockDim.x / xw;\n");
-    let _ = writeln!(out, "  for (long long g = blockIdx.x; g * xw < {rows}LL; g += gridDim.x) {{");
-    let _ = writeln!(out, "  const bool active = g * xw + cx < {rows}LL;");
-    let _ = writeln!(out, "  const long long row = active ? g * xw + cx : {}LL;", rows - 1);
+    let _ = writeln!(out, "  const long long group = blockIdx.x / {segments}, seg = blockIdx.x % {segments};");
+    let _ = writeln!(out, "  const long long start = seg * {seg_len}LL;");
+    let _ = writeln!(out, "  const long long end = start + {seg_len}LL < {len}LL ? start + {seg_len}LL : {len}LL;");
+    let _ = writeln!(
+        out,
+        "  for (long long c0 = group * {COLUMNS}LL; c0 < group * {COLUMNS}LL + {COLUMNS}LL && c0 < {rows}LL; c0 += xw) {{"
+    );
+    let _ = writeln!(out, "  const bool active = c0 + cx < {rows}LL;");
+    let _ = writeln!(out, "  const long long row = active ? c0 + cx : {}LL;", rows - 1);
     p.position(out, "row");
-    let _ = writeln!(out, "  const long long from = active ? (long long)cy : {len}LL;");
-    let end = format!("{len}LL");
-    let range = ["from", end.as_str()];
-    let plan = &*p;
-    plan.per_row_values(out, plan.r.expr.nodes.len(), &mut |out, i, op, x, d| {
-        column_reduction(out, i, op, x, d, [len, threads as usize], &|out, body| {
-            plan.sweep(out, range, &[x], &[], body, None)
+    out.push_str("  const long long from = active ? start + (long long)cy : end;\n");
+}
+
+/// Prints the entries of a column kernel split into `segments` (see the module docs).
+fn print_split(
+    out: &mut String,
+    p: &RowPlan<'_>,
+    name: &str,
+    params: &mut Vec<Param>,
+    [segments, threads]: [usize; 2],
+) -> Result<(Vec<Entry>, usize), String> {
+    let (rows, len) = (p.rows, p.len);
+    let nodes = &p.r.expr.nodes;
+    let blocks = rows.div_ceil(COLUMNS) * segments;
+    let mut slots: Vec<Option<Slots>> = (0..nodes.len()).map(|_| None).collect();
+    let mut bytes = 0;
+    let mut region = |n: usize| {
+        let at = bytes;
+        bytes += n.div_ceil(8) * 8;
+        at
+    };
+    let reductions = p.reductions();
+    for &(i, op, _, d) in &reductions {
+        let partials = region(rows * segments * d.size());
+        let positions = if op == ReduceOp::ArgMax { region(rows * segments * 8) } else { 0 };
+        let results = region(rows * nodes[i].dtype.size());
+        slots[i] = Some(Slots { partials, positions, results });
+    }
+    let s = params.len();
+    params.push(Param { dtype: DType::U8, len: bytes, writable: true });
+    let at = |d: DType, offset: usize| format!("(({}*)(a{s} + {offset}))", ctype(d));
+    // The reductions' values before node `upto`, from scratch, and the per-row values.
+    let row_values = |out: &mut String, upto: usize| {
+        p.per_row_values(out, upto, &mut |_, i, _, _, _| {
+            let slot = slots[i].as_ref().expect("a live reduction");
+            Ok(format!("{}[row]", at(nodes[i].dtype, slot.results)))
         })
-    })?;
-    plan.print_stores(out, "active && cy == 0", range, None)?;
-    out.push_str("  }\n}\n");
-    Ok((vec![Entry { name: name.into(), launch: Launch::Rows { rows: groups, threads } }], 0))
+    };
+    let (_, elem_stores) = p.stores();
+    let combine_blocks = rows.div_ceil(COMBINE_THREADS as usize);
+    let mut entries = vec![];
+    let mut entry = |out: &mut String, entry: &str, launch: Launch, comment: String| {
+        let name = format!("{name}_{entry}");
+        let _ = writeln!(out, "\n// {comment}\n{} {{", signature(&name, params));
+        entries.push(Entry { name, launch });
+    };
+    let range = ["from", "end"];
+    for (k, &(i, op, x, d)) in reductions.iter().enumerate() {
+        let slot = slots[i].as_ref().expect("a live reduction");
+        let arg = op == ReduceOp::ArgMax;
+        let launch = Launch::Rows { rows: blocks, threads: threads as u32 };
+        entry(out, &format!("partial{i}"), launch, format!("Reduction v{i}, pass 1: a block per group and segment."));
+        turns(out, p, segments);
+        row_values(out, i)?;
+        // Every thread of a column holds its segment's result (a mean's sum, undivided).
+        column_reduction(out, i, op, x, d, [len, threads], &|out, body| p.sweep(out, range, &[x], &[], body, None))?;
+        let _ = writeln!(out, "  if (active && cy == 0) {{");
+        let _ = writeln!(out, "    {}[row * {segments} + seg] = acc{i};", at(d, slot.partials));
+        if arg {
+            let _ = writeln!(out, "    {}[row * {segments} + seg] = arg{i};", at(DType::I64, slot.positions));
+        }
+        out.push_str("  }\n  }\n}\n");
+        // Pass 2: each column's value from its partials, in segment order.
+        let launch = Launch::Rows { rows: combine_blocks, threads: COMBINE_THREADS };
+        let comment = format!("Reduction v{i}, pass 2: each column's {segments} partial results, a thread per column.");
+        entry(out, &format!("combine{i}"), launch, comment);
+        out.push_str("  const long long stride = (long long)gridDim.x * blockDim.x;\n");
+        let _ = writeln!(
+            out,
+            "  for (long long row = (long long)blockIdx.x * blockDim.x + threadIdx.x; row < {rows}LL; row += stride) {{"
+        );
+        // The first partial as it is, then the others in segment order, as the block's
+        // combine folds its lines' partial results.
+        let _ = writeln!(out, "  {} acc{i} = {}[row * {segments}];", ctype(d), at(d, slot.partials));
+        if arg {
+            let _ = writeln!(out, "  long long arg{i} = {}[row * {segments}];", at(DType::I64, slot.positions));
+        }
+        let _ = writeln!(out, "  for (int k = 1; k < {segments}; ++k) {{");
+        let _ = writeln!(out, "    const {} b = {}[row * {segments} + k];", ctype(d), at(d, slot.partials));
+        if arg {
+            let _ = writeln!(out, "    const long long ib = {}[row * {segments} + k];", at(DType::I64, slot.positions));
+        }
+        let _ = writeln!(out, "    {}\n  }}", combine_step(i, op, d)?);
+        let _ = writeln!(out, "  {}[row] = {};", at(nodes[i].dtype, slot.results), reduced_value(i, op, d, len));
+        if k + 1 == reductions.len() && elem_stores.is_empty() {
+            // No per-element stores: the per-row ones here, with every reduction done.
+            p.position(out, "row");
+            row_values(out, nodes.len())?;
+            p.print_stores(out, "true", range, None)?;
+        }
+        out.push_str("  }\n}\n");
+    }
+    if !elem_stores.is_empty() || reductions.is_empty() {
+        let launch = Launch::Rows { rows: blocks, threads: threads as u32 };
+        entry(out, "finish", launch, "The outputs: a block per group and segment.".into());
+        turns(out, p, segments);
+        row_values(out, nodes.len())?;
+        p.print_stores(out, "active && cy == 0 && seg == 0", range, None)?;
+        out.push_str("  }\n}\n");
+    }
+    Ok((entries, bytes))
 }

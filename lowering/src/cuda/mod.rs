@@ -91,7 +91,7 @@ pub struct CudaSource {
     /// library such as cuBLAS) into its `product` parameter before launching the entries.
     /// False for every other kernel, integer products included (their first entry computes it).
     pub library_product: bool,
-    /// Bytes of scratch memory a split row kernel's entries share, passed as their last
+    /// Bytes of scratch memory a split row or column kernel's entries share, passed as their last
     /// parameter (a `u8` in `params`); 0 for every other kernel (a matrix product's scratch is
     /// the caller's plan).
     pub scratch_bytes: usize,

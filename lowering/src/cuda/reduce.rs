@@ -125,12 +125,12 @@ pub(super) fn reduction(
         let _ = writeln!(out, "    {at} = {};", shuffle("", DType::I64, &at, "0"));
     }
     out.push_str("  }\n");
-    Ok(value(i, op, d, len))
+    Ok(reduced_value(i, op, d, len))
 }
 
 /// The statement folding a partial result `b` (at position `ib`, for argmax) into reduction
 /// `i`'s `acc<i>` (and `arg<i>`): one step of both combines.
-fn combine_step(i: usize, op: ReduceOp, d: DType) -> Result<String, String> {
+pub(super) fn combine_step(i: usize, op: ReduceOp, d: DType) -> Result<String, String> {
     let (acc, at, arg) = (format!("acc{i}"), format!("arg{i}"), op == ReduceOp::ArgMax);
     Ok(match op {
         ReduceOp::Sum | ReduceOp::Mean => format!("{acc} = {};", binary(PrimBinary::Add, d, &acc, "b")?),
@@ -143,7 +143,7 @@ fn combine_step(i: usize, op: ReduceOp, d: DType) -> Result<String, String> {
 
 /// The expression of reduction `i`'s value once `acc<i>` (and `arg<i>`) hold the row's result:
 /// the CPU divides float means by the length and leaves integer "means" as sums.
-fn value(i: usize, op: ReduceOp, d: DType, len: usize) -> String {
+pub(super) fn reduced_value(i: usize, op: ReduceOp, d: DType, len: usize) -> String {
     match op {
         ReduceOp::ArgMax => format!("arg{i}"),
         ReduceOp::Mean if d.is_float() => format!("acc{i} / {}", float_literal(len as f64, d)),
@@ -228,5 +228,5 @@ pub(super) fn column_reduction(
         let _ = writeln!(out, "    const long long ib = idx{i}[k * xw + cx];");
     }
     let _ = writeln!(out, "    {step}\n  }}\n  __syncthreads();");
-    Ok(value(i, op, d, len))
+    Ok(reduced_value(i, op, d, len))
 }

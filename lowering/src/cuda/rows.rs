@@ -34,6 +34,8 @@ pub(super) struct RowPlan<'a> {
     pub used: Vec<bool>,
     /// How far a sweep's thread steps along the row (`blockDim.x`; a column kernel's `ys`).
     pub step: &'static str,
+    /// Positions a scalar sweep's loop is unrolled by (loads in flight per thread).
+    pub unroll: u32,
     /// The flat index of position `t` of the row (for `Index` nodes).
     pub index: String,
     /// The vector path of the sweeps, a plain row kernel's only, taken when the kernel's `vec`
@@ -69,6 +71,7 @@ impl<'a> RowPlan<'a> {
             live: vec![],
             used: vec![],
             step: "blockDim.x",
+            unroll: 4,
             index: String::new(),
             vector: None,
         };
@@ -229,9 +232,9 @@ impl<'a> RowPlan<'a> {
         let views: Vec<&View> =
             (loads.iter().map(|&i| self.load_view(i))).chain(stores.iter().map(|s| &s.view)).collect();
         let flat = need.iter().any(|&i| nodes[i].op == ExprOp::Index);
-        // Four positions in flight per thread.
         let ty = self.position_type();
-        let _ = writeln!(out, "  #pragma unroll 4\n  for ({ty} t = {from}; t < {to}; t += {}) {{", self.step);
+        let _ =
+            writeln!(out, "  #pragma unroll {}\n  for ({ty} t = {from}; t < {to}; t += {}) {{", self.unroll, self.step);
         decompose(out, "    ", "t", &r.dims, &self.row_dims, &used_dims(&r.dims, &views, flat));
         for &i in &need {
             let ty = ctype(nodes[i].dtype);

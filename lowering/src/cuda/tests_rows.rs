@@ -31,16 +31,12 @@ fn a_value_kept_over_the_input_still_leaves_every_stored_value_computed() {
     assert!(!last.contains("expf"), "{src}");
 }
 
-#[test]
-fn a_reduction_over_the_first_axis_reads_neighbouring_rows_together() {
-    // A sum over the batch axis of [4096, 512] (a bias gradient): 512 rows of 4096 elements,
-    // each a stride of 512 apart. Printed as a column kernel: 8 neighbouring rows a block (64
-    // blocks), thread `cx` of each line of 8 on row `g * 8 + cx`, so a warp's loads at one
-    // position are 4 runs of 8 neighbouring floats (32-byte sectors), not 32 sectors.
+/// A sum over the first axis of `[len, cols]` f32 (a bias gradient, G2-axis0) as a kernel.
+fn column_sum(len: usize, cols: usize) -> Kernel {
     let mut b = ExprBuilder::new();
     let x = b.load(0, DType::F32);
     let sum = b.reduce(ReduceOp::Sum, x);
-    let dims = [4096, 512];
+    let dims = [len, cols];
     let r = RowKernel {
         dims: dims.as_slice().into(),
         axis: Some(0),
@@ -48,17 +44,28 @@ fn a_reduction_over_the_first_axis_reads_neighbouring_rows_together() {
         expr: b.finish(),
         stores: vec![store(1, DType::F32, view(&dims, &[0, 1], 0), sum)],
     };
-    let k = Kernel { args: args(&[(DType::F32, 4096 * 512), (DType::F32, 512)]), inputs: 1, body: Body::Rows(r) };
-    let p = print(&k, "bias").unwrap();
-    assert_eq!(p.entries, vec![Entry { name: "bias_rows".into(), launch: Launch::Rows { rows: 64, threads: 512 } }]);
+    Kernel { args: args(&[(DType::F32, len * cols), (DType::F32, cols)]), inputs: 1, body: Body::Rows(r) }
+}
+
+#[test]
+fn a_reduction_over_the_first_axis_reads_neighbouring_rows_together() {
+    // A sum over the first axis of [256, 8192]: 8192 rows of 256 elements, each a stride of 8192
+    // apart. Printed as a column kernel: 32 neighbouring rows a block (256 blocks, enough to
+    // fill the GPU unsplit), thread `cx` of each line of 32 on row `c0 + cx`, so a warp's loads
+    // at one position are 32 neighbouring floats, one 128-byte line.
+    let p = print(&column_sum(256, 8192), "cols").unwrap();
+    assert_eq!(p.entries, vec![Entry { name: "cols_rows".into(), launch: Launch::Rows { rows: 256, threads: 512 } }]);
+    assert_eq!(p.scratch_bytes, 0);
     in_order(
         &p.source,
         &[
-            "const unsigned xw = blockDim.x < 8u ? blockDim.x : 8u;",
-            "for (long long g = blockIdx.x; g * xw < 512LL; g += gridDim.x) {",
-            "const long long row = active ? g * xw + cx : 511LL;",
-            "for (int t = from; t < 4096LL; t += ys) {",
-            "const float v0 = a0[d0 * 512 + d1];",
+            "const unsigned xw = blockDim.x < 32u ? blockDim.x : 32u;",
+            "const long long group = blockIdx.x / 1, seg = blockIdx.x % 1;",
+            "for (long long c0 = group * 32LL; c0 < group * 32LL + 32LL && c0 < 8192LL; c0 += xw) {",
+            "const long long row = active ? c0 + cx : 8191LL;",
+            "#pragma unroll 8",
+            "for (int t = from; t < end; t += ys) {",
+            "const float v0 = a0[d0 * 8192 + d1];",
             // The column's partial sums, combined in order of the line.
             "red1[threadIdx.x] = acc1;",
             "for (unsigned k = 1; k < ys; ++k) {",
@@ -66,7 +73,45 @@ fn a_reduction_over_the_first_axis_reads_neighbouring_rows_together() {
             "a1[d1] = v1;",
         ],
     );
-    assert!(!p.source.contains("__shfl"), "no warp shuffles: a warp spans several columns");
+    assert!(!p.source.contains("__shfl"), "no warp shuffles: each lane has a column of its own");
+}
+
+#[test]
+fn few_long_columns_are_split_into_segments_combined_in_order() {
+    // G2-axis0, [8192, 4096] summed over axis 0: 128 groups of 32 columns would leave the GPU
+    // waiting on too few loads, so each column is split in 4 segments of 2048 (512 blocks);
+    // the partial sums go to scratch, and a thread per column adds its 4 in segment order and
+    // stores the sum (no per-element stores: no third pass).
+    let p = print(&column_sum(8192, 4096), "g2").unwrap();
+    let rows = |rows, threads| Launch::Rows { rows, threads };
+    assert_eq!(
+        p.entries,
+        vec![
+            Entry { name: "g2_rows_partial1".into(), launch: rows(512, 512) },
+            Entry { name: "g2_rows_combine1".into(), launch: rows(16, 256) },
+        ]
+    );
+    // 4096 x 4 partial sums, then 4096 sums.
+    assert_eq!(p.scratch_bytes, 4096 * 4 * 4 + 4096 * 4);
+    in_order(
+        &p.source,
+        &[
+            "const long long group = blockIdx.x / 4, seg = blockIdx.x % 4;",
+            "const long long end = start + 2048LL < 8192LL ? start + 2048LL : 8192LL;",
+            "for (int t = from; t < end; t += ys) {",
+            "if (active && cy == 0) {",
+            "((float*)(a2 + 0))[row * 4 + seg] = acc1;",
+            "g2_rows_combine1(",
+            "float acc1 = ((float*)(a2 + 0))[row * 4];",
+            "for (int k = 1; k < 4; ++k) {",
+            "acc1 = acc1 + b;",
+            "((float*)(a2 + 65536))[row] = acc1;",
+            "a1[d1] = v1;",
+        ],
+    );
+    // A bias gradient of [4096, 512]: 16 groups, split in 8 segments of 512 positions.
+    let bias = print(&column_sum(4096, 512), "bias").unwrap();
+    assert_eq!(bias.entries[0].launch, rows(128, 512));
 }
 
 #[test]
