@@ -4,7 +4,8 @@
 //!
 //! All kernels go into one C++ file and one g++ run (7 to 20 s on 2 cores). Map loops run with 8
 //! threads per block and at most 3 blocks, so the grid-stride loop wraps; row kernels run three
-//! times, with 1, 4 and 32 threads per block ([`ROW_BLOCKS`]): one thread checks the index math,
+//! times, with 1, 4 and 32 threads per block ([`ROW_BLOCKS`]; column kernels also at their
+//! printed size, where their sweeps step by a constant): one thread checks the index math,
 //! the expressions and the phases alone; 4 and 32 run the threads of a block as real host
 //! threads meeting at `__syncthreads` (a barrier; warp shuffles are emulated through it), so the
 //! combines of partial results run as on a GPU and the row elements a kernel keeps in shared
@@ -278,7 +279,14 @@ const WARP_BLOCKS: [u32; 5] = [1, 4, 32, 64, 256];
 /// The runs of a case: for a row kernel one per [`ROW_BLOCKS`] (`Some(threads)`), else one.
 fn runs_of(case: &Case, src: &cuda::CudaSource) -> Vec<Option<u32>> {
     let rows = src.entries.iter().any(|e| matches!(e.launch, Launch::Rows { .. }));
-    let blocks: &[u32] = if case.label.starts_with("warps") { &WARP_BLOCKS } else { &ROW_BLOCKS };
+    let mut blocks = if case.label.starts_with("warps") { WARP_BLOCKS.to_vec() } else { ROW_BLOCKS.to_vec() };
+    // Column kernels also at their printed size (512 threads: 16 lines of 32), where their
+    // sweeps step by a constant (a loop of its own in the printed code).
+    let printed = src.entries.iter().find_map(|e| match e.launch {
+        Launch::Rows { threads, .. } if src.source.contains("// Columns:") => Some(threads),
+        _ => None,
+    });
+    blocks.extend(printed.filter(|t| !blocks.contains(t)));
     if rows { blocks.iter().map(|&t| Some(t)).collect() } else { vec![None] }
 }
 

@@ -36,6 +36,10 @@ pub(super) struct RowPlan<'a> {
     pub step: &'static str,
     /// Positions a scalar sweep's loop is unrolled by (loads in flight per thread).
     pub unroll: u32,
+    /// A test and the constant `step` equals when it holds (a column kernel launched with the
+    /// block size it was printed for): scalar sweeps are then printed twice, once stepping by
+    /// the constant (see `scalar_sweep`).
+    pub constant_step: Option<(String, String)>,
     /// The flat index of position `t` of the row (for `Index` nodes).
     pub index: String,
     /// The vector path of the sweeps, a plain row kernel's only, taken when the kernel's `vec`
@@ -72,6 +76,7 @@ impl<'a> RowPlan<'a> {
             used: vec![],
             step: "blockDim.x",
             unroll: 4,
+            constant_step: None,
             index: String::new(),
             vector: None,
         };
@@ -233,8 +238,9 @@ impl<'a> RowPlan<'a> {
             (loads.iter().map(|&i| self.load_view(i))).chain(stores.iter().map(|s| &s.view)).collect();
         let flat = need.iter().any(|&i| nodes[i].op == ExprOp::Index);
         let ty = self.position_type();
-        let _ =
-            writeln!(out, "  #pragma unroll {}\n  for ({ty} t = {from}; t < {to}; t += {}) {{", self.unroll, self.step);
+        let mut inner = String::new();
+        let out_loop = out;
+        let out = &mut inner;
         decompose(out, "    ", "t", &r.dims, &self.row_dims, &used_dims(&r.dims, &views, flat));
         for &i in &need {
             let ty = ctype(nodes[i].dtype);
@@ -252,7 +258,20 @@ impl<'a> RowPlan<'a> {
         for s in stores {
             let _ = writeln!(out, "    {}", store_stmt(s, &offset_expr(&s.view)));
         }
-        let _ = writeln!(out, "{body}  }}");
+        let header = |step: &str| {
+            format!("  #pragma unroll {}\n  for ({ty} t = {from}; t < {to}; t += {step}) {{\n", self.unroll)
+        };
+        match &self.constant_step {
+            // The same loop twice: NVRTC unrolls (and so overlaps the loads of) a loop whose step
+            // is a constant, but not one whose step is known at run time only.
+            Some((test, step)) => {
+                let _ = write!(out_loop, "  if ({test}) {{\n{}{inner}{body}  }}\n  }} else {{\n", header(step));
+                let _ = write!(out_loop, "{}{inner}{body}  }}\n  }}\n", header(self.step));
+            }
+            None => {
+                let _ = write!(out_loop, "{}{inner}{body}  }}\n", header(self.step));
+            }
+        }
         Ok(())
     }
 

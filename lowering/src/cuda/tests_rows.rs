@@ -63,7 +63,13 @@ fn a_reduction_over_the_first_axis_reads_neighbouring_rows_together() {
             "const long long group = blockIdx.x / 1, seg = blockIdx.x % 1;",
             "for (long long c0 = group * 32LL; c0 < group * 32LL + 32LL && c0 < 8192LL; c0 += xw) {",
             "const long long row = active ? c0 + cx : 8191LL;",
+            // A block of the printed size steps by its 16 lines, a constant (so the loop is
+            // unrolled); another size by `ys`.
+            "if (ys == 16u) {",
             "#pragma unroll 8",
+            "for (int t = from; t < end; t += 16) {",
+            "const float v0 = a0[d0 * 8192 + d1];",
+            "} else {",
             "for (int t = from; t < end; t += ys) {",
             "const float v0 = a0[d0 * 8192 + d1];",
             // The column's partial sums, combined in order of the line.
@@ -97,7 +103,7 @@ fn few_long_columns_are_split_into_segments_combined_in_order() {
         &p.source,
         &[
             "const long long group = blockIdx.x / 4, seg = blockIdx.x % 4;",
-            "const long long end = start + 2048LL < 8192LL ? start + 2048LL : 8192LL;",
+            "const int end = start + 2048 < 8192 ? start + 2048 : 8192;",
             "for (int t = from; t < end; t += ys) {",
             "if (active && cy == 0) {",
             "((float*)(a2 + 0))[row * 4 + seg] = acc1;",
