@@ -269,7 +269,7 @@ impl<'a> RowPlan<'a> {
                 let _ = write!(out_loop, "{}{inner}{body}  }}\n  }}\n", header(self.step));
             }
             None => {
-                let _ = write!(out_loop, "{}{inner}{body}  }}\n", header(self.step));
+                let _ = writeln!(out_loop, "{}{inner}{body}  }}", header(self.step));
             }
         }
         Ok(())
