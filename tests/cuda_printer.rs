@@ -69,6 +69,7 @@ const HEADER: &str = r#"#include <cmath>
 using std::isnan;
 using std::isfinite;
 #define __global__
+#define __launch_bounds__(...)
 #define __device__
 #define __forceinline__ inline
 #define __restrict__

@@ -18,10 +18,10 @@
 //!
 //! Measured on an H200 for a sum over axis 0 of [8192, 4096] f32 (a standalone program of the
 //! variants, CUDA events, one process): the earlier layout of 8 columns a block (each warp
-//! reading four 32-byte sectors a step), unsplit, 0.070 ms; 32 columns a block, 16 lines, split
-//! in 4, with the sweep stepping by the constant 16 (unrolled: eight loads in flight a thread),
-//! 0.035 ms for the partial sums (3.8 TB/s read, at the device's copy rate) and 0.003 ms to
-//! combine them; PyTorch's `x.sum(0)` 0.047 ms.
+//! reading four 32-byte sectors a step) 0.070 ms; 32 columns a block of 32 lines, the sweep
+//! stepping by the constant 32 (so unrolled: eight loads in flight a thread), 0.036 ms (3.8 TB/s
+//! read, the device's copy rate); 16 lines split in 4, 0.035 ms for the partial sums and 0.003
+//! to combine them, a second launch; PyTorch's `x.sum(0)` 0.047 ms.
 //!
 //! Must never: depend on the block size beyond its being a power of two no larger than the
 //! printed one (a block of fewer than [`COLUMNS`] threads walks its group's columns in turns,
@@ -37,17 +37,18 @@ use super::*;
 /// whole 128-byte line.
 pub const COLUMNS: usize = 32;
 
-/// Threads per block printed (fewer where the reductions' shared arrays would not fit): 16
-/// lines of 32 columns.
-const COLUMN_THREADS: u32 = 512;
+/// Threads per block printed (fewer where the reductions' shared arrays would not fit): 32
+/// lines of 32 columns, declared to the compiler (`__launch_bounds__`), which then keeps a
+/// thread within the registers a full block allows. Measured on an H200 for a [8192, 4096]
+/// sum over axis 0 (128 blocks): 0.036 ms with the bound, 0.043 without; 16 lines, 0.069.
+const COLUMN_THREADS: u32 = 1024;
 
-/// Blocks a column kernel is spread over when its columns are long enough: about four blocks of
-/// [`COLUMN_THREADS`] on each of an H100's or H200's 132 multiprocessors, so each has enough
-/// loads in flight (fewer, as one block per group of a [8192, 4096] sum, left the loads
-/// waiting: 0.05-0.07 ms instead of 0.036).
-const TARGET_BLOCKS: usize = 512;
+/// Blocks a column kernel is spread over when its columns are long enough: one block of
+/// [`COLUMN_THREADS`] (64 warps' worth of loads in flight, eight per thread) on about each of an
+/// H100's or H200's 132 multiprocessors. G2-axis0's 128 groups need no split.
+const TARGET_BLOCKS: usize = 128;
 
-/// Positions of a column per segment at least (32 per thread of a block's 16 lines).
+/// Positions of a column per segment at least (16 per thread of a block's 32 lines).
 const MIN_SEGMENT: usize = 512;
 
 /// Threads per block of a `combine` entry (a thread per column).
@@ -84,7 +85,7 @@ pub(super) fn print_columns(
     // Each reduction's combine takes an entry per thread in shared memory.
     let per_thread: usize =
         p.reductions().iter().map(|&(_, op, _, d)| d.size() + if op == ReduceOp::ArgMax { 8 } else { 0 }).sum();
-    let threads = [COLUMN_THREADS, 256, 128, 64]
+    let threads = [COLUMN_THREADS, 512, 256, 128, 64]
         .into_iter()
         .find(|&t| t as usize * per_thread <= STATIC_SHARED_BYTES)
         .unwrap_or(32);
@@ -109,7 +110,7 @@ pub(super) fn print_columns(
          in {segments} segment(s)."
     );
     if segments == 1 {
-        let _ = writeln!(out, "{} {{", signature(name, params));
+        let _ = writeln!(out, "{} {{", bounded(signature(name, params), threads));
         turns(out, p, 1);
         let range = ["from", "end"];
         let plan = &*p;
@@ -123,6 +124,11 @@ pub(super) fn print_columns(
         return Ok((vec![Entry { name: name.into(), launch: Launch::Rows { rows: blocks, threads } }], 0));
     }
     print_split(out, p, name, params, [segments, threads as usize])
+}
+
+/// `signature` declared to run blocks of at most `threads` threads.
+fn bounded(signature: String, threads: u32) -> String {
+    signature.replacen("__global__ void", &format!("__global__ void __launch_bounds__({threads})"), 1)
 }
 
 /// Opens the loop of a block's turns over its group's columns (`xw` at a time) and declares
@@ -190,7 +196,8 @@ fn print_split(
     let mut entries = vec![];
     let mut entry = |out: &mut String, entry: &str, launch: Launch, comment: String| {
         let name = format!("{name}_{entry}");
-        let _ = writeln!(out, "\n// {comment}\n{} {{", signature(&name, params));
+        let Launch::Rows { threads, .. } = launch else { unreachable!("column entries launch blocks") };
+        let _ = writeln!(out, "\n// {comment}\n{} {{", bounded(signature(&name, params), threads));
         entries.push(Entry { name, launch });
     };
     let range = ["from", "end"];

@@ -49,29 +49,30 @@ fn column_sum(len: usize, cols: usize) -> Kernel {
 
 #[test]
 fn a_reduction_over_the_first_axis_reads_neighbouring_rows_together() {
-    // A sum over the first axis of [256, 8192]: 8192 rows of 256 elements, each a stride of 8192
-    // apart. Printed as a column kernel: 32 neighbouring rows a block (256 blocks, enough to
-    // fill the GPU unsplit), thread `cx` of each line of 32 on row `c0 + cx`, so a warp's loads
-    // at one position are 32 neighbouring floats, one 128-byte line.
-    let p = print(&column_sum(256, 8192), "cols").unwrap();
-    assert_eq!(p.entries, vec![Entry { name: "cols_rows".into(), launch: Launch::Rows { rows: 256, threads: 512 } }]);
+    // G2-axis0, [8192, 4096] summed over axis 0: 4096 rows of 8192 elements, each a stride of
+    // 4096 apart. Printed as a column kernel: 32 neighbouring rows a block of 32 lines (128
+    // blocks, enough to fill the GPU unsplit), thread `cx` of each line on row `c0 + cx`, so a
+    // warp's loads at one position are 32 neighbouring floats, one 128-byte line.
+    let p = print(&column_sum(8192, 4096), "g2").unwrap();
+    assert_eq!(p.entries, vec![Entry { name: "g2_rows".into(), launch: Launch::Rows { rows: 128, threads: 1024 } }]);
     assert_eq!(p.scratch_bytes, 0);
     in_order(
         &p.source,
         &[
+            "__global__ void __launch_bounds__(1024) g2_rows(",
             "const unsigned xw = blockDim.x < 32u ? blockDim.x : 32u;",
             "const long long group = blockIdx.x / 1, seg = blockIdx.x % 1;",
-            "for (long long c0 = group * 32LL; c0 < group * 32LL + 32LL && c0 < 8192LL; c0 += xw) {",
-            "const long long row = active ? c0 + cx : 8191LL;",
-            // A block of the printed size steps by its 16 lines, a constant (so the loop is
+            "for (long long c0 = group * 32LL; c0 < group * 32LL + 32LL && c0 < 4096LL; c0 += xw) {",
+            "const long long row = active ? c0 + cx : 4095LL;",
+            // A block of the printed size steps by its 32 lines, a constant (so the loop is
             // unrolled); another size by `ys`.
-            "if (ys == 16u) {",
+            "if (ys == 32u) {",
             "#pragma unroll 8",
-            "for (int t = from; t < end; t += 16) {",
-            "const float v0 = a0[d0 * 8192 + d1];",
+            "for (int t = from; t < end; t += 32) {",
+            "const float v0 = a0[d0 * 4096 + d1];",
             "} else {",
             "for (int t = from; t < end; t += ys) {",
-            "const float v0 = a0[d0 * 8192 + d1];",
+            "const float v0 = a0[d0 * 4096 + d1];",
             // The column's partial sums, combined in order of the line.
             "red1[threadIdx.x] = acc1;",
             "for (unsigned k = 1; k < ys; ++k) {",
@@ -84,40 +85,37 @@ fn a_reduction_over_the_first_axis_reads_neighbouring_rows_together() {
 
 #[test]
 fn few_long_columns_are_split_into_segments_combined_in_order() {
-    // G2-axis0, [8192, 4096] summed over axis 0: 128 groups of 32 columns would leave the GPU
-    // waiting on too few loads, so each column is split in 4 segments of 2048 (512 blocks);
-    // the partial sums go to scratch, and a thread per column adds its 4 in segment order and
+    // A bias gradient, [4096, 512] summed over axis 0: its 16 groups of 32 columns would leave
+    // most of the GPU idle, so each column is split in 8 segments of 512 (128 blocks); the
+    // partial sums go to scratch, and a thread per column adds its 8 in segment order and
     // stores the sum (no per-element stores: no third pass).
-    let p = print(&column_sum(8192, 4096), "g2").unwrap();
+    let p = print(&column_sum(4096, 512), "bias").unwrap();
     let rows = |rows, threads| Launch::Rows { rows, threads };
     assert_eq!(
         p.entries,
         vec![
-            Entry { name: "g2_rows_partial1".into(), launch: rows(512, 512) },
-            Entry { name: "g2_rows_combine1".into(), launch: rows(16, 256) },
+            Entry { name: "bias_rows_partial1".into(), launch: rows(128, 1024) },
+            Entry { name: "bias_rows_combine1".into(), launch: rows(2, 256) },
         ]
     );
-    // 4096 x 4 partial sums, then 4096 sums.
-    assert_eq!(p.scratch_bytes, 4096 * 4 * 4 + 4096 * 4);
+    // 512 x 8 partial sums, then 512 sums.
+    assert_eq!(p.scratch_bytes, 512 * 8 * 4 + 512 * 4);
     in_order(
         &p.source,
         &[
-            "const long long group = blockIdx.x / 4, seg = blockIdx.x % 4;",
-            "const int end = start + 2048 < 8192 ? start + 2048 : 8192;",
-            "for (int t = from; t < end; t += ys) {",
+            "const long long group = blockIdx.x / 8, seg = blockIdx.x % 8;",
+            "const int end = start + 512 < 4096 ? start + 512 : 4096;",
+            "for (int t = from; t < end; t += 32) {",
             "if (active && cy == 0) {",
-            "((float*)(a2 + 0))[row * 4 + seg] = acc1;",
-            "g2_rows_combine1(",
-            "float acc1 = ((float*)(a2 + 0))[row * 4];",
-            "for (int k = 1; k < 4; ++k) {",
+            "((float*)(a2 + 0))[row * 8 + seg] = acc1;",
+            "__launch_bounds__(256) bias_rows_combine1(",
+            "float acc1 = ((float*)(a2 + 0))[row * 8];",
+            "for (int k = 1; k < 8; ++k) {",
             "acc1 = acc1 + b;",
-            "((float*)(a2 + 65536))[row] = acc1;",
+            "((float*)(a2 + 16384))[row] = acc1;",
             "a1[d1] = v1;",
         ],
     );
-    // A bias gradient of [4096, 512]: 16 groups, split in 8 segments of 512 positions.
-    let bias = print(&column_sum(4096, 512), "bias").unwrap();
-    assert_eq!(bias.entries[0].launch, rows(128, 512));
 }
 
 #[test]
