@@ -282,3 +282,56 @@ fn a_whole_tensor_reduction_runs_compiled() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
+
+/// A split row kernel storing values that need no reduction: `x * 3` (computed from `x`
+/// before the sum, so by the first pass as it folds) and `x * 2`, whose constant is recorded
+/// after the sum (a per-row value the first pass has not computed yet, so left to the last
+/// pass). Interpreted, every stored value is exact; compiled, the same bits.
+#[test]
+fn values_kept_beside_a_split_sum_are_stored_by_the_pass_that_can_compute_them() {
+    use braid_devices::cpu::map::ArgPtr;
+    use braid_graph::expr::ExprBuilder;
+    use braid_lowering::{Arg, Load, RowKernel, Store, View};
+    let n = (1 << 20) + 3;
+    let mut b = ExprBuilder::new();
+    let x = b.load(0, DType::F32);
+    let three = b.constant(3.0, DType::F32);
+    let thrice = b.mul(x, three);
+    let sum = b.reduce(braid_graph::ReduceOp::Sum, thrice);
+    let two = b.constant(2.0, DType::F32);
+    let twice = b.mul(x, two);
+    let view = |stride: isize| View { dims: [n].as_slice().into(), strides: [stride].as_slice().into(), offset: 0 };
+    let store = |arg, stride, value| Store { arg, dtype: DType::F32, view: view(stride), value };
+    let r = RowKernel {
+        dims: [n].as_slice().into(),
+        axis: None,
+        loads: vec![Load { arg: 0, dtype: DType::F32, view: view(1) }],
+        expr: b.finish(),
+        stores: vec![store(1, 0, sum), store(2, 1, thrice), store(3, 1, twice)],
+    };
+    let lens = [n, 1, n, n];
+    let k = Kernel {
+        args: lens.iter().map(|&len| Arg { dtype: DType::F32, len }).collect(),
+        inputs: 1,
+        body: Body::Rows(r),
+    };
+    let Body::Rows(r) = &k.body else { unreachable!() };
+    let plan = rows::plan(r);
+    assert!(plan.splits());
+    let mut rng = Rng::new(17);
+    let xs: Vec<f32> = (0..n).map(|_| rng.uniform(-4.0, 4.0) as f32).collect();
+    let init: Vec<Vec<u8>> = lens.iter().map(|&len| vec![0xFF; 4 * len]).collect();
+    let init = [vec![xs.iter().flat_map(|v| v.to_le_bytes()).collect()], init[1..].to_vec()].concat();
+    let floats = |b: &[u8]| b.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect::<Vec<_>>();
+    let want = run_on_copies(&k, &init, |args: &[ArgPtr]| run_kernel(&k, args)).unwrap();
+    assert!(floats(&want[2]).iter().zip(&xs).all(|(y, x)| *y == x * 3.0), "x * 3, interpreted");
+    assert!(floats(&want[3]).iter().zip(&xs).all(|(y, x)| *y == x * 2.0), "x * 2, interpreted");
+    if skip() {
+        return;
+    }
+    let native = NativeKernel::build_split(&k).unwrap();
+    // SAFETY: `native` is the split form of `k`, which its plan runs as it is.
+    let got = run_on_copies(&k, &init, |args| unsafe { native.run_split_rows(r, &plan, args) }).unwrap();
+    let case = Case { label: "kept values".into(), kernel: k.clone(), init, from_cpu: vec![] };
+    assert_eq!(first_difference(&case, &want, &got), None);
+}

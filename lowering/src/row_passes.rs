@@ -111,22 +111,27 @@ pub struct EarlyStores {
     pub last_pass: Vec<usize>,
 }
 
-/// The [`EarlyStores`] of row kernel `k` (with its passes); `None` when no per-element store
-/// qualifies, or when the first reduction is an argmax (whose fold skips the rest of a segment
-/// once it holds a NaN, so could not store as it goes).
+/// The [`EarlyStores`] of row kernel `k` (with its passes): the per-element stores of values
+/// that read no reduction and no per-row value recorded after the first reduction; `None` when
+/// there are none, or when the first reduction is an argmax (whose fold skips the rest of a
+/// segment once it holds a NaN, so could not store as it goes).
 pub fn early_stores(k: &RowKernel, passes: &RowPasses) -> Option<EarlyStores> {
     let nodes = &k.expr.nodes;
     let (first, first_need) = passes.phases.first()?;
     if matches!(nodes[*first].op, ExprOp::Reduce(ReduceOp::ArgMax, _)) {
         return None;
     }
-    // Per node: whether it reads a reduction, directly or not.
-    let mut reduced = vec![false; nodes.len()];
+    // Per node: whether the first pass can compute it: no reduction among what it reads, and
+    // every per-row value it reads computed before the first pass (both paths compute the
+    // per-row values below a reduction before its pass; a constant recorded after the first
+    // reduction is not, yet).
+    let mut ready = vec![false; nodes.len()];
     for (i, n) in nodes.iter().enumerate() {
-        reduced[i] = matches!(n.op, ExprOp::Reduce(..)) || n.op.operands().iter().any(|&o| reduced[o]);
+        let own = !matches!(n.op, ExprOp::Reduce(..)) && (!passes.per_row[i] || i < *first);
+        ready[i] = own && n.op.operands().iter().all(|&o| ready[o]);
     }
     let (early, late): (Vec<usize>, Vec<usize>) =
-        (0..k.stores.len()).filter(|&s| !passes.row_stores[s]).partition(|&s| !reduced[k.stores[s].value as usize]);
+        (0..k.stores.len()).filter(|&s| !passes.row_stores[s]).partition(|&s| ready[k.stores[s].value as usize]);
     if early.is_empty() {
         return None;
     }
