@@ -286,13 +286,14 @@ fn a_whole_tensor_reduction_runs_compiled() {
 /// A split row kernel storing values that need no reduction: `x * 3` (computed from `x`
 /// before the sum, so by the first pass as it folds) and `x * 2`, whose constant is recorded
 /// after the sum (a per-row value the first pass has not computed yet, so left to the last
-/// pass). Interpreted, every stored value is exact; compiled, the same bits.
+/// pass), both past the streaming size (written with non-temporal stores a block at a time).
+/// Interpreted, every stored value is exact; compiled, the same bits.
 #[test]
 fn values_kept_beside_a_split_sum_are_stored_by_the_pass_that_can_compute_them() {
     use braid_devices::cpu::map::ArgPtr;
     use braid_graph::expr::ExprBuilder;
     use braid_lowering::{Arg, Load, RowKernel, Store, View};
-    let n = (1 << 20) + 3;
+    let n = braid_devices::cpu::map::stream_bytes() / 4 + 3;
     let mut b = ExprBuilder::new();
     let x = b.load(0, DType::F32);
     let three = b.constant(3.0, DType::F32);

@@ -19,8 +19,22 @@ use std::fmt::Write;
 /// `crate::row_passes::KeepPlan`).
 pub(super) type PassNodes<'a> = (&'a [usize], &'a [usize], &'a [usize]);
 
+/// A per-element store that a fold writes as it computes its values (see `super::split`).
+pub(super) struct FoldStore {
+    /// The statement at position `p`, place `j` of its block: the store itself, or, streamed,
+    /// the value into the block's array.
+    pub at: String,
+    /// A streamed store's statement writing out the block's values (from position `c + t`, as
+    /// many as [`FoldStore::COUNT`] is replaced with), after each block.
+    pub flush: Option<String>,
+}
+
+impl FoldStore {
+    pub const COUNT: &str = "COUNT";
+}
+
 /// Positions computed per block of a pass (the lanes' four accumulators of 16 take one block).
-const FOLD_BLOCK: usize = 64;
+pub(super) const FOLD_BLOCK: usize = 64;
 /// Lanes per accumulator (as `braid_devices::cpu::reduce::fold_lanes`).
 const LANES: usize = 16;
 
@@ -40,11 +54,18 @@ impl Printer<'_> {
         print_elements(out, indent, &self.r.expr.nodes, self.exprs, pass);
     }
 
-    /// [`Printer::elements`] at position `p`, then `stores`.
-    fn position(&self, out: &mut String, indent: &str, pass: PassNodes<'_>, stores: &[String]) {
+    /// [`Printer::elements`] at position `p` (place `j` of its block), then `stores`.
+    fn position(&self, out: &mut String, indent: &str, pass: PassNodes<'_>, stores: &[FoldStore]) {
         self.elements(out, indent, pass);
         for s in stores {
-            let _ = writeln!(out, "{indent}{s}");
+            let _ = writeln!(out, "{indent}{}", s.at);
+        }
+    }
+
+    /// The end of a block of `count` positions from `c + t`: the streamed `stores` written out.
+    fn flush(out: &mut String, indent: &str, stores: &[FoldStore], count: &str) {
+        for f in stores.iter().filter_map(|s| s.flush.as_ref()) {
+            let _ = writeln!(out, "{indent}{}", f.replace(FoldStore::COUNT, count));
         }
     }
 
@@ -84,7 +105,7 @@ impl Printer<'_> {
         red: usize,
         pass: PassNodes<'_>,
         (from, to): (&str, &str),
-        stores: &[String],
+        stores: &[FoldStore],
     ) {
         let nodes = &self.r.expr.nodes;
         let ExprOp::Reduce(op, x) = nodes[red].op else { unreachable!("phases are reductions") };
@@ -101,6 +122,7 @@ impl Printer<'_> {
             let _ = writeln!(out, "        for (int j = 0; j < {n}; j++) {{\n          const long long p = c + t + j;");
             self.position(out, "          ", pass, stores);
             let _ = writeln!(out, "          xs[j] = v{x};\n        }}");
+            Self::flush(out, "        ", stores, n);
         };
         let lanes = float && matches!(op, ReduceOp::Sum | ReduceOp::Mean | ReduceOp::Max | ReduceOp::Min);
         if lanes {
@@ -124,6 +146,7 @@ impl Printer<'_> {
             );
             self.position(out, "          ", pass, stores);
             let _ = writeln!(out, "          l[j] = {};\n        }}", f("l[j]", &format!("v{x}")));
+            Self::flush(out, "        ", stores, &FOLD_BLOCK.to_string());
             // Chunks of whole blocks (a row and its chunks of multiples of 64) leave no rest. (A
             // segment of a split row starts at a multiple of the chunk and is whole chunks or
             // ends with the row, so the row's length decides for it too.)
@@ -163,6 +186,9 @@ impl Printer<'_> {
                 let _ = writeln!(out, "      acc{red} = s;");
             }
         } else if op == ReduceOp::ArgMax {
+            // `row_passes::early_stores` gives a split row whose first reduction is an argmax no
+            // stores to write as it folds (its fold skips a segment's rest after a NaN).
+            debug_assert!(stores.is_empty(), "an argmax's fold writes no stores");
             self.argmax(out, red, pass, stores);
         } else {
             // One by one: integer sums wrap and extremes are exact.
@@ -192,7 +218,7 @@ impl Printer<'_> {
     /// in lanes (NaN sticky), then, only if that beats the row's best so far, the first position
     /// holding it (the first NaN): what the one-by-one loop keeps, the first position of a
     /// strictly larger value. A NaN, once the best, sticks: the rest of the row is skipped.
-    fn argmax(&self, out: &mut String, red: usize, pass: PassNodes<'_>, stores: &[String]) {
+    fn argmax(&self, out: &mut String, red: usize, pass: PassNodes<'_>, stores: &[FoldStore]) {
         let nodes = &self.r.expr.nodes;
         let ExprOp::Reduce(_, x) = nodes[red].op else { unreachable!("phases are reductions") };
         let d = nodes[x as usize].dtype;

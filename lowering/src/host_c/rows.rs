@@ -197,6 +197,15 @@ impl<'a> Walk<'a> {
             .collect()
     }
 
+    /// Whether store `s` is a large f32 output written contiguously (at least `stream_bytes`),
+    /// which leaves the cache: written from blocks with non-temporal stores.
+    pub(super) fn streams(&self, s: usize, stream_bytes: usize) -> bool {
+        let store = &self.r.stores[s];
+        store.dtype == DType::F32
+            && self.store_strides[s] == 1
+            && self.kernel.args[store.arg as usize].len * 4 >= stream_bytes
+    }
+
     /// The statement storing store `s`'s value at row position `p`.
     pub(super) fn store_at_p(&self, s: usize) -> String {
         store_stmt(&self.r.stores[s], &along(&format!("w{s}"), "p", self.store_strides[s]))
@@ -223,12 +232,7 @@ impl<'a> Walk<'a> {
         // Large f32 outputs written contiguously go out with non-temporal stores, from a block
         // computed into a local array; the others are stored as they are computed (a copy
         // through a local array costs about 7% of a softmax's time).
-        let streamed = |s: usize| {
-            let store = &r.stores[s];
-            store.dtype == DType::F32
-                && self.store_strides[s] == 1
-                && self.kernel.args[store.arg as usize].len * 4 >= stream_bytes
-        };
+        let streamed = |s: usize| self.streams(s, stream_bytes);
         // f16 outputs written contiguously are narrowed a block at a time (as loads are widened).
         let narrowed = |s: usize| r.stores[s].dtype == DType::F16 && self.store_strides[s] == 1;
         let blocked = |s: usize| streamed(s) || narrowed(s);

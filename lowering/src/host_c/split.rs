@@ -29,7 +29,8 @@
 //! split the interpreter keeps. The printer only prints; how rows are segmented and combined is
 //! the device's.
 
-use super::fold::Printer;
+use super::array_ctype;
+use super::fold::{FOLD_BLOCK, FoldStore, Printer};
 use super::rows::Walk;
 use crate::cexpr::*;
 use crate::kernel::{Kernel, RowKernel};
@@ -71,8 +72,16 @@ pub(super) fn print_split(
     // Per-element stores that need no reduction are written by the first fold as it computes
     // them (see `EarlyStores`), the others by the element pass.
     let early = early_stores(r, &w.passes);
-    let (first_need, first_stores, last_need): (&[usize], Vec<String>, &[usize]) = match &early {
-        Some(e) => (&e.first_pass, e.stores.iter().map(|&s| w.store_at_p(s)).collect(), &e.last_pass),
+    // Large f32 outputs are streamed a block at a time, as the element pass streams them.
+    let fold_store = |s: usize| match w.streams(s, stream_bytes) {
+        true => FoldStore {
+            at: format!("t{s}[j] = v{};", r.stores[s].value),
+            flush: Some(format!("braid_stream_f32(a{} + w{s} + c + t, t{s}, {});", r.stores[s].arg, FoldStore::COUNT)),
+        },
+        false => FoldStore { at: w.store_at_p(s), flush: None },
+    };
+    let (first_need, first_stores, last_need): (&[usize], Vec<FoldStore>, &[usize]) = match &early {
+        Some(e) => (&e.first_pass, e.stores.iter().map(|&s| fold_store(s)).collect(), &e.last_pass),
         None => (&[], vec![], &w.passes.last_phase),
     };
     let mut entries = Vec::new();
@@ -81,7 +90,18 @@ pub(super) fn print_split(
         begin(out, &w, &entry, &exprs, &phases[..q], red);
         p.declare_acc(out, red);
         match q {
-            0 if early.is_some() => p.fold(out, red, (first_need, &[], &[]), ("from", "to"), &first_stores),
+            0 if early.is_some() => {
+                let streamed = early.iter().flat_map(|e| &e.stores).filter(|&&s| w.streams(s, stream_bytes));
+                for &s in streamed {
+                    let t = array_ctype(nodes[r.stores[s].value as usize].dtype);
+                    let _ = writeln!(out, "    {t} t{s}[{FOLD_BLOCK}] __attribute__((aligned(64)));");
+                }
+                p.fold(out, red, (first_need, &[], &[]), ("from", "to"), &first_stores);
+                if first_stores.iter().any(|s| s.flush.is_some()) {
+                    // Non-temporal stores are weakly ordered: fenced before the caller goes on.
+                    out.push_str("#if defined(__SSE__)\n    _mm_sfence();\n#endif\n");
+                }
+            }
             _ if w.live[red] => p.fold(out, red, (&w.passes.phases[q].1, &[], &[]), ("from", "to"), &[]),
             _ => {}
         }

@@ -388,3 +388,42 @@ fn an_argmax_finds_a_chunks_best_in_lanes_and_then_its_first_position() {
         assert!(s.contains(part), "{part:?} in:\n{s}");
     }
 }
+
+#[test]
+fn a_split_sum_stores_the_prologue_it_keeps_as_its_first_fold_computes_it() {
+    // sum(3x), 3x kept: stored by the fold (streamed a block at a time past the streaming
+    // size), so no element pass computes it again.
+    let n = 1 << 20;
+    let mut b = ExprBuilder::default();
+    let x = b.load(0, DType::F32);
+    let three = b.constant(3.0, DType::F32);
+    let thrice = b.binary(braid_graph::expr::PrimBinary::Mul, x, three);
+    let sum = b.reduce(braid_graph::ReduceOp::Sum, thrice);
+    let one = View { dims: smallvec![n], strides: smallvec![0], offset: 0 };
+    let r = crate::kernel::RowKernel {
+        dims: smallvec![n],
+        axis: None,
+        loads: vec![Load { arg: 0, dtype: DType::F32, view: contiguous(n) }],
+        expr: b.finish(),
+        stores: vec![
+            Store { arg: 1, dtype: DType::F32, view: one, value: sum },
+            Store { arg: 2, dtype: DType::F32, view: contiguous(n), value: thrice },
+        ],
+    };
+    let args =
+        vec![Arg { dtype: DType::F32, len: n }, Arg { dtype: DType::F32, len: 1 }, Arg { dtype: DType::F32, len: n }];
+    let k = Kernel { args, inputs: 1, body: Body::Rows(r) };
+    for (stream_bytes, streamed) in [(1 << 20, true), (64 << 20, false)] {
+        let s = print_split(&k, "k", at(stream_bytes)).unwrap().source;
+        let fold = &s[s.find("void k_fold0(").unwrap()..s.find("void k_row(").unwrap()];
+        let elements = &s[s.find("void k_elements(").unwrap()..];
+        if streamed {
+            for part in ["float t1[64]", "t1[j] = v2;", "braid_stream_f32(a2 + w1 + c + t, t1, 64);", "_mm_sfence();"] {
+                assert!(fold.contains(part), "{part:?} in:\n{fold}");
+            }
+        } else {
+            assert!(fold.contains("a2[w1 + p] = v2;") && !fold.contains("braid_stream_f32"), "{fold}");
+        }
+        assert!(!elements.contains("v0 * v1") && !elements.contains("a2["), "{elements}");
+    }
+}
