@@ -1,6 +1,8 @@
 //! "Fusion never slower": shapes where a fused kernel could lose to the ops run one by one (a
-//! whole-tensor reduction, long rows, short rows, a reduction along a non-last axis, rows of a
-//! transposed view, an elementwise chain), each timed fused and unfused (`set_fusion(false)`, as `BRAID_FUSION=0`)
+//! whole-tensor reduction, alone or with elementwise work or random numbers before it, also
+//! with those values kept by the program, as a statement reading the reduction keeps its
+//! temporaries; long rows, short rows, a reduction along a non-last axis, rows of a transposed
+//! view, an elementwise chain), each timed fused and unfused (`set_fusion(false)`, as `BRAID_FUSION=0`)
 //! on one device in the same run, interleaved, reading the same input buffer (two devices' buffers
 //! can differ in speed by 10-15% with nothing else different), with the ratio fused / unfused
 //! printed (the plan cache keeps both plans). Results
@@ -45,58 +47,120 @@ fn paired(runs: usize, mut a: impl FnMut(), mut b: impl FnMut()) -> (f64, f64) {
 struct Case {
     name: &'static str,
     shape: Vec<usize>,
-    f: fn(&Tensor) -> Tensor,
+    /// The program: the tensors it keeps until its work is done (all of them checked, fused
+    /// against unfused), the case's result first.
+    f: fn(&Tensor) -> Vec<Tensor>,
 }
 
 fn cases(quick: bool) -> Vec<Case> {
     let s = |full: usize, small: usize| if quick { small } else { full };
     vec![
-        Case { name: "whole tensor: mean", shape: vec![s(1 << 24, 1 << 23)], f: |x| x.mean() },
-        Case { name: "whole tensor: mean", shape: vec![s(1 << 26, 1 << 24)], f: |x| x.mean() },
+        Case { name: "whole tensor: mean", shape: vec![s(1 << 24, 1 << 23)], f: |x| vec![x.mean()] },
+        Case { name: "whole tensor: mean", shape: vec![s(1 << 26, 1 << 24)], f: |x| vec![x.mean()] },
         Case { name: "whole tensor: randn(shape).mean", shape: vec![s(1 << 26, 1 << 24)], f: randn_mean },
         Case { name: "whole tensor: (exp(tanh x) + 1).sum", shape: vec![s(1 << 24, 1 << 22)], f: chain_sum },
         Case { name: "whole tensor: (exp(tanh x) + 1).sum", shape: vec![s(1 << 26, 1 << 23)], f: chain_sum },
-        Case { name: "whole tensor: max", shape: vec![s(1 << 26, 1 << 24)], f: |x| x.max() },
-        Case { name: "whole tensor: argmax", shape: vec![s(1 << 26, 1 << 24)], f: |x| x.argmax_dim(0, false) },
-        Case { name: "long rows: softmax", shape: vec![16, 1 << 18], f: |x| x.softmax(-1) },
-        Case { name: "long rows: softmax", shape: vec![16, 1 << 20], f: |x| x.softmax(-1) },
-        Case { name: "long rows: sum of exp", shape: vec![16, 1 << 20], f: |x| x.exp().sum_dim(1, false) },
-        Case { name: "short rows: softmax", shape: vec![s(1 << 16, 1 << 14), 64], f: |x| x.softmax(-1) },
+        Case { name: "whole tensor: max", shape: vec![s(1 << 26, 1 << 24)], f: |x| vec![x.max()] },
+        // Issue 41's whole-tensor reductions of 2^25 f32 with elementwise work before them
+        // (the fused kernel is split across threads and runs compiled in its split form).
+        Case { name: "whole tensor: (exp(tanh(x/2)) + 1).mean", shape: vec![s(1 << 25, 1 << 23)], f: chain_mean },
+        Case { name: "whole tensor: randn(shape).mean", shape: vec![s(1 << 25, 1 << 23)], f: randn_mean },
+        // The same as the issue ran them, `.item()` in the statement keeping every temporary.
+        Case {
+            name: "whole tensor: the chain's mean, values kept",
+            shape: vec![s(1 << 25, 1 << 23)],
+            f: chain_mean_kept,
+        },
+        Case { name: "whole tensor: randn.mean, numbers kept", shape: vec![s(1 << 25, 1 << 23)], f: randn_mean_kept },
+        Case { name: "whole tensor: (a * b).sum", shape: vec![2, s(1 << 25, 1 << 23)], f: product_sum },
+        Case { name: "whole tensor: square().mean", shape: vec![s(1 << 25, 1 << 23)], f: |x| vec![x.square().mean()] },
+        Case { name: "whole tensor: variance", shape: vec![s(1 << 25, 1 << 23)], f: variance },
+        Case { name: "whole tensor: abs().max", shape: vec![s(1 << 25, 1 << 23)], f: |x| vec![x.abs().max()] },
+        Case { name: "whole tensor: argmax", shape: vec![s(1 << 26, 1 << 24)], f: |x| vec![x.argmax_dim(0, false)] },
+        Case { name: "long rows: softmax", shape: vec![16, 1 << 18], f: |x| vec![x.softmax(-1)] },
+        Case { name: "long rows: softmax", shape: vec![16, 1 << 20], f: |x| vec![x.softmax(-1)] },
+        Case { name: "long rows: sum of exp", shape: vec![16, 1 << 20], f: |x| vec![x.exp().sum_dim(1, false)] },
+        Case { name: "short rows: softmax", shape: vec![s(1 << 16, 1 << 14), 64], f: |x| vec![x.softmax(-1)] },
         Case {
             name: "short rows: sum of squares",
             shape: vec![s(1 << 16, 1 << 14), 64],
-            f: |x| x.square().sum_dim(1, false),
+            f: |x| vec![x.square().sum_dim(1, false)],
         },
-        Case { name: "non-last axis: sum over dim 0", shape: vec![s(4096, 1024), 4096], f: |x| x.sum_dim(0, false) },
+        Case {
+            name: "non-last axis: sum over dim 0",
+            shape: vec![s(4096, 1024), 4096],
+            f: |x| vec![x.sum_dim(0, false)],
+        },
         Case {
             name: "non-last axis: (2x).sum over dim 0",
             shape: vec![s(4096, 1024), 4096],
-            f: |x| (x * 2.0).sum_dim(0, false),
+            f: |x| vec![(x * 2.0).sum_dim(0, false)],
         },
-        Case { name: "transposed rows: x.t().softmax", shape: vec![4096, s(1024, 512)], f: |x| x.t().softmax(-1) },
+        Case {
+            name: "transposed rows: x.t().softmax",
+            shape: vec![4096, s(1024, 512)],
+            f: |x| vec![x.t().softmax(-1)],
+        },
         Case {
             name: "transposed rows: x.t().sum over dim 1",
             shape: vec![4096, s(1024, 512)],
-            f: |x| x.t().sum_dim(1, false),
+            f: |x| vec![x.t().sum_dim(1, false)],
         },
-        Case { name: "transposed whole: x.t().exp().sum", shape: vec![4096, s(1024, 512)], f: |x| x.t().exp().sum() },
+        Case {
+            name: "transposed whole: x.t().exp().sum",
+            shape: vec![4096, s(1024, 512)],
+            f: |x| vec![x.t().exp().sum()],
+        },
         Case {
             name: "elementwise chain",
             shape: vec![s(1 << 25, 1 << 22)],
-            f: |x| (x * 1.5 + 1.0).gelu() * x.sigmoid(),
+            f: |x| vec![(x * 1.5 + 1.0).gelu() * x.sigmoid()],
         },
     ]
 }
 
 /// The issue's example: `randn([n]).mean()`, the random numbers generated inside the reduction
 /// when fused (seeded, so that both sides draw the same numbers).
-fn randn_mean(x: &Tensor) -> Tensor {
+fn randn_mean(x: &Tensor) -> Vec<Tensor> {
     x.device().seed(11);
-    Tensor::randn(x.shape().clone(), DType::F32, x.device()).mean()
+    vec![Tensor::randn(x.shape().clone(), DType::F32, x.device()).mean()]
 }
 
-fn chain_sum(x: &Tensor) -> Tensor {
-    (x.tanh().exp() + 1.0).sum()
+/// [`randn_mean`] as `Tensor::randn(..).mean().item()` runs it: the random numbers are a
+/// temporary of the statement, alive until the read, so they are stored too.
+fn randn_mean_kept(x: &Tensor) -> Vec<Tensor> {
+    x.device().seed(11);
+    let numbers = Tensor::randn(x.shape().clone(), DType::F32, x.device());
+    vec![numbers.mean(), numbers]
+}
+
+fn chain_sum(x: &Tensor) -> Vec<Tensor> {
+    vec![(x.tanh().exp() + 1.0).sum()]
+}
+
+/// Issue 41's example of elementwise work before a whole-tensor mean.
+fn chain_mean(x: &Tensor) -> Vec<Tensor> {
+    vec![((x * 0.5).tanh().exp() + 1.0).mean()]
+}
+
+/// [`chain_mean`] as `((&x * 0.5).tanh().exp() + 1.0).mean().item()` runs it: its
+/// intermediate values are temporaries of the statement, alive until the read, so stored too.
+fn chain_mean_kept(x: &Tensor) -> Vec<Tensor> {
+    let half = x * 0.5;
+    let tanh = half.tanh();
+    let shifted = tanh.exp() + 1.0;
+    vec![shifted.mean(), half, tanh, shifted]
+}
+
+/// A dot product: the two rows of `x` (`[2, n]`), multiplied and summed over all `n`.
+fn product_sum(x: &Tensor) -> Vec<Tensor> {
+    vec![(x.narrow(0, 0, 1) * x.narrow(0, 1, 1)).sum()]
+}
+
+/// `((x - mean) ^ 2).mean()`: two whole-tensor reductions, the second over work that reads the
+/// first.
+fn variance(x: &Tensor) -> Vec<Tensor> {
+    vec![(x - x.mean()).square().mean()]
 }
 
 /// The device, compiling kernels before their first run so that the timings do not include the
@@ -116,19 +180,20 @@ fn input(dev: &Device, case: &Case) -> Tensor {
 }
 
 /// Runs the case fused (`i == 0`) or unfused (`i == 1`) and waits for it.
-fn run(dev: &Device, case: &Case, x: &Tensor, i: usize) -> Tensor {
+fn run(dev: &Device, case: &Case, x: &Tensor, i: usize) -> Vec<Tensor> {
     dev.set_fusion(i == 0);
-    let y = (case.f)(x);
+    let kept = (case.f)(x);
     dev.sync().unwrap();
-    y
+    kept
 }
 
-/// The values of `t` as f64 (argmax gives i64).
-fn values(t: &Tensor) -> Vec<f64> {
-    match t.dtype() {
-        DType::I64 => t.to_vec::<i64>().unwrap().into_iter().map(|v| v as f64).collect(),
+/// The values of every tensor in `kept` as f64 (argmax gives i64).
+fn values(kept: &[Tensor]) -> Vec<f64> {
+    let each = |t: &Tensor| match t.dtype() {
+        DType::I64 => t.to_vec::<i64>().unwrap().into_iter().map(|v| v as f64).collect::<Vec<_>>(),
         _ => t.to_vec::<f32>().unwrap().into_iter().map(f64::from).collect(),
-    }
+    };
+    kept.iter().flat_map(each).collect()
 }
 
 /// A rayon-parallel sum over `data`: what reading these bytes costs on this machine, in fixed

@@ -64,9 +64,10 @@ fn compiled_kernels_compute_the_interpreters_bits() {
 /// one-hots and random numbers, along the last axis, along other axes (positions after the
 /// axis, re-tiled column blocks) and over whole tensors; short rows, rows of one chunk, rows of
 /// several chunks with kept values, rows past the kept length; NaN, infinities and -0 in the
-/// inputs. Kernels the printer leaves to the interpreter (more positions after the axis than
-/// `MAX_INNER`, views that do not walk a row with one stride, rows split across threads) are
-/// counted, not compared.
+/// inputs; few rows long enough to be split across threads compiled in their split form (see
+/// also `tests/native_split.rs`). Kernels the printer leaves to the interpreter (more positions
+/// after the axis than `MAX_INNER`, views that do not walk a row with one stride) are counted,
+/// not compared.
 #[test]
 fn compiled_row_kernels_compute_the_interpreters_bits() {
     if skip() {
@@ -116,15 +117,19 @@ fn compiled_row_kernels_compute_the_interpreters_bits() {
             let k = &case.kernel;
             let Body::Rows(r) = &k.body else { unreachable!("row cases") };
             let plan = rows::plan(r);
-            if plan.splits() {
-                return Err("split".into());
-            }
             let planned = Kernel { body: Body::Rows(plan.kernel(r).clone()), ..k.clone() };
-            let native = NativeKernel::build(&planned)?;
             let want = run_on_copies(k, &case.init, |args| run_kernel(k, args)).unwrap();
-            // SAFETY: `native` was built from the planned kernel.
-            let got = run_on_copies(k, &case.init, |args| unsafe { native.run_rows(plan.kernel(r), args) }).unwrap();
-            Ok(first_difference(case, &want, &got))
+            let got = if plan.splits() {
+                // Few long rows: split across threads, compiled in the split form.
+                let native = NativeKernel::build_split(&planned)?;
+                // SAFETY: `native` is the split form of the planned kernel, `plan` its plan.
+                run_on_copies(k, &case.init, |args| unsafe { native.run_split_rows(plan.kernel(r), &plan, args) })
+            } else {
+                let native = NativeKernel::build(&planned)?;
+                // SAFETY: `native` was built from the planned kernel.
+                run_on_copies(k, &case.init, |args| unsafe { native.run_rows(plan.kernel(r), args) })
+            };
+            Ok(first_difference(case, &want, &got.unwrap()))
         })
         .collect();
     let compared = results.iter().filter(|r| r.is_ok()).count();

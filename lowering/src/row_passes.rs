@@ -10,6 +10,7 @@
 //! memory.
 
 use crate::kernel::{RowKernel, Store};
+use braid_graph::ReduceOp;
 use braid_graph::expr::ExprOp;
 
 /// What a row kernel's expression looks like from a row's point of view.
@@ -94,6 +95,55 @@ fn needed(k: &RowKernel, per_row: &[bool], roots: &[usize]) -> Vec<usize> {
     (0..nodes.len()).filter(|&i| need[i]).collect()
 }
 
+/// For a row split across threads (the CPU's few long rows), which no scratch holds from pass
+/// to pass: the per-element stores whose values need no reduction (a prologue's values the
+/// program keeps, random numbers it keeps beside their mean), written by the first pass as it
+/// computes them, where the last pass would compute them all again (the ops unfused compute
+/// them once). Where a value is stored from never changes it.
+#[derive(Clone, Debug)]
+pub struct EarlyStores {
+    /// The stores (indices into the kernel's stores) the first pass writes.
+    pub stores: Vec<usize>,
+    /// The per-element nodes the first pass computes: its reduction's operand's and those
+    /// stores' values', in node order.
+    pub first_pass: Vec<usize>,
+    /// The per-element nodes the last pass computes, for the other per-element stores.
+    pub last_pass: Vec<usize>,
+}
+
+/// The [`EarlyStores`] of row kernel `k` (with its passes): the per-element stores of values
+/// that read no reduction and no per-row value recorded after the first reduction; `None` when
+/// there are none, or when the first reduction is an argmax (whose fold skips the rest of a
+/// segment once it holds a NaN, so could not store as it goes).
+pub fn early_stores(k: &RowKernel, passes: &RowPasses) -> Option<EarlyStores> {
+    let nodes = &k.expr.nodes;
+    let (first, first_need) = passes.phases.first()?;
+    if matches!(nodes[*first].op, ExprOp::Reduce(ReduceOp::ArgMax, _)) {
+        return None;
+    }
+    // Per node: whether the first pass can compute it: no reduction among what it reads, and
+    // every per-row value it reads computed before the first pass (both paths compute the
+    // per-row values below a reduction before its pass; a constant recorded after the first
+    // reduction is not, yet).
+    let mut ready = vec![false; nodes.len()];
+    for (i, n) in nodes.iter().enumerate() {
+        let own = !matches!(n.op, ExprOp::Reduce(..)) && (!passes.per_row[i] || i < *first);
+        ready[i] = own && n.op.operands().iter().all(|&o| ready[o]);
+    }
+    let (early, late): (Vec<usize>, Vec<usize>) =
+        (0..k.stores.len()).filter(|&s| !passes.row_stores[s]).partition(|&s| ready[k.stores[s].value as usize]);
+    if early.is_empty() {
+        return None;
+    }
+    let values = |stores: &[usize]| stores.iter().map(|&s| k.stores[s].value as usize).collect::<Vec<_>>();
+    let mut first_pass = needed(k, &passes.per_row, &values(&early));
+    first_pass.extend(first_need);
+    first_pass.sort_unstable();
+    first_pass.dedup();
+    let last_pass = needed(k, &passes.per_row, &values(&late));
+    Some(EarlyStores { stores: early, first_pass, last_pass })
+}
+
 /// Values kept across the passes of a row: per pass (the reductions in order, then the
 /// per-element outputs), what to evaluate, what to take from the kept values first, and what
 /// to keep after. Kept and recomputed values are the same bits: this changes only where a value
@@ -158,6 +208,11 @@ pub const WHOLE_ROW: usize = 4096;
 /// Row positions per chunk of a longer row on the CPU (4 x 256 measured best on the 2-core
 /// machine: a softmax's registers stay in the first-level cache).
 pub const LONG_CHUNK: usize = 1024;
+
+/// Row positions per chunk of a row split across threads on the CPU (`braid_devices::cpu::split`;
+/// its segments start at multiples of it, so they fold the chunks a whole row would). The
+/// interpreter and the compiled split code ([`crate::host_c`]) both fold in chunks of it.
+pub const SPLIT_CHUNK: usize = LONG_CHUNK;
 
 /// The chunks a CPU path folds a row of `row` positions in: a float sum adds each chunk's sum
 /// (folded in lanes, see `braid_devices::cpu::reduce`) to the row's with compensation, so the

@@ -209,15 +209,17 @@ impl CpuDevice {
             }
             _ => None,
         };
-        // Rows split across threads keep the interpreter's split (and its combine).
-        let planned_rows = plan.as_ref().filter(|(_, p)| !p.splits()).map(|(r, p)| p.kernel(r));
+        // Rows split across threads are compiled in their split form (`split` keeps the
+        // segments and their combine).
+        let planned_rows = plan.as_ref().map(|(r, p)| native::PlannedRows { kernel: p.kernel(r), split: p.splits() });
         if let Some(lib) = self.native.library(kernel, planned_rows) {
             // SAFETY: `library` gives the library printed from this very kernel (its rows as
-            // planned).
+            // planned: split when its plan splits them).
             return unsafe {
-                match planned_rows {
-                    Some(r) => lib.run_rows(r, args),
-                    None => lib.run(kernel, args),
+                match (planned_rows, &plan) {
+                    (Some(r), Some((_, p))) if r.split => lib.run_split_rows(r.kernel, p, args),
+                    (Some(r), _) => lib.run_rows(r.kernel, args),
+                    _ => lib.run(kernel, args),
                 }
             };
         }

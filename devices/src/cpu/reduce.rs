@@ -193,6 +193,25 @@ impl Acc {
         acc
     }
 
+    /// The accumulator of one segment of a split row as compiled code left it (see
+    /// `braid_lowering::host_c::print_split`), for rows of one position per step along the axis:
+    /// its value and a float sum's compensation as the bits of the operand's compute type (in
+    /// the low bytes), and an argmax's position. Merged and finished as the interpreter's own
+    /// segments are, so the combine stays the interpreter's.
+    pub(super) fn from_parts(op: ReduceOp, operand: DType, [value, comp, idx]: [u64; 3]) -> Acc {
+        let mut acc = Acc::new(op, operand, 1);
+        match (&mut acc.vals, &mut acc.comp) {
+            (Reg::F32(v), Reg::F32(c)) => (v[0], c[0]) = (f32::from_bits(value as u32), f32::from_bits(comp as u32)),
+            (Reg::F64(v), Reg::F64(c)) => (v[0], c[0]) = (f64::from_bits(value), f64::from_bits(comp)),
+            (Reg::I32(v), _) => v[0] = value as u32 as i32,
+            (Reg::I64(v), _) => v[0] = value as i64,
+            (Reg::U8(v), _) => v[0] = value as u8,
+            _ => unreachable!("reductions of bools are rejected when recorded"),
+        }
+        acc.idx[0] = idx as i64;
+        acc
+    }
+
     /// Back to the reduction's identity, for the next row.
     pub(super) fn reset(&mut self) {
         let op = self.op;

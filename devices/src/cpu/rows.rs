@@ -20,7 +20,7 @@ use super::map::{ArgPtr, CHUNK, Shared, check_io, gather, prefetch, scatter, sto
 use super::reduce::Acc;
 use braid_graph::DType;
 use braid_graph::expr::ExprOp;
-use braid_lowering::row_passes::{KeepPlan, RowPasses, keep_plan};
+use braid_lowering::row_passes::{EarlyStores, KeepPlan, RowPasses, early_stores, keep_plan};
 use braid_lowering::{RowKernel, View};
 use rayon::prelude::*;
 
@@ -50,6 +50,9 @@ pub struct Plan {
     /// Rows longer than a chunk and up to [`keep::KEEP_ROW`] positions: values kept from pass to
     /// pass instead of recomputed.
     keep: Option<KeepPlan>,
+    /// Rows split across threads ([`Plan::splits`]): the per-element stores their first pass
+    /// writes (see `braid_lowering::row_passes::EarlyStores`).
+    pub(super) early: Option<EarlyStores>,
 }
 
 fn plan_for(k: &RowKernel) -> Plan {
@@ -57,6 +60,7 @@ fn plan_for(k: &RowKernel) -> Plan {
     let d = k.axis;
     let passes = RowPasses::of(k);
     let roots = passes.roots(k, |_| true);
+    let early = early_stores(k, &passes);
     let RowPasses { per_row, row_stores, phases, elem_roots, last_phase } = passes;
     // Per-row values read by per-element nodes, reduced themselves (a value constant along the
     // axis, like a broadcast load), or stored over the whole row are broadcast into each chunk.
@@ -83,7 +87,12 @@ fn plan_for(k: &RowKernel) -> Plan {
     } else {
         None
     };
-    Plan { per_row, row_stores, phases, last_phase, broadcast, outer_dims, len, inner, retiled: None, keep }
+    let mut plan =
+        Plan { per_row, row_stores, phases, last_phase, broadcast, outer_dims, len, inner, retiled: None, keep, early };
+    if !plan.splits() {
+        plan.early = None;
+    }
+    plan
 }
 
 impl Plan {
@@ -93,7 +102,8 @@ impl Plan {
     }
 
     /// Whether its rows are few and long enough to be split across threads (see `split`):
-    /// such kernels are always interpreted (the split's combine is the interpreter's).
+    /// such kernels run interpreted or compiled in their split form, segment by segment, the
+    /// segments always combined by `split` (the interpreter's combine).
     pub fn splits(&self) -> bool {
         self.outer_dims.iter().product::<usize>() < MIN_ROWS && self.len * self.inner >= 2 * TASK
     }

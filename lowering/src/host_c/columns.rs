@@ -67,7 +67,7 @@ impl Columns<'_> {
         };
         let elements = |out: &mut String, indent: &str, q: usize| {
             let pass = (&keep.need[q][..], &keep.fill[q][..], &keep.save[q][..]);
-            super::rows::print_elements(out, indent, nodes, &exprs, pass);
+            super::fold::print_elements(out, indent, nodes, &exprs, pass);
         };
         let per_row = |i: usize| passes.per_row[i] && live[i] && !matches!(nodes[i].op, ExprOp::Reduce(..));
         // Per-row values as soon as their reductions are done, as the interpreter computes them.
@@ -95,13 +95,13 @@ impl Columns<'_> {
             let ExprOp::Reduce(op, x) = nodes[red].op else { unreachable!("phases are reductions") };
             let d = nodes[x as usize].dtype;
             let t = ctype(d);
-            let init = super::rows::reduction_init(op, d);
+            let init = super::fold::reduction_init(op, d);
             let acc = format!("acc{red}[ii]");
             let at = format!("at{red}[ii]");
             let fold = match (op, d.is_float()) {
                 (ReduceOp::Sum | ReduceOp::Mean, true) => format!("{acc} = {acc} + v;"),
                 (ReduceOp::Sum, false) => {
-                    let u = super::rows::unsigned(d);
+                    let u = super::fold::unsigned(d);
                     format!("{acc} = ({t})(({u}){acc} + ({u})v);")
                 }
                 // NaN is sticky and the first extreme is kept.

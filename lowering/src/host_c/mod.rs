@@ -31,19 +31,23 @@
 //! A loop that transposes (a view walks its last two dimensions column-major) computes whole
 //! tiles at a time instead of runs (`tiles`). Row kernels whose rows are walked with one stride
 //! are printed by `rows` (one entry point over a range of rows; `columns` for positions after
-//! the axis).
+//! the axis), or, for the CPU's few long rows split across threads (a whole-tensor reduction),
+//! by `split` ([`print_split`]: entry points that each compute one segment of a row, the caller
+//! combining the segments); both fold reductions as `fold` prints them.
 //!
 //! f16 and bf16 values are stored as their bits and live in f32 registers, converted by the
 //! branch-free functions of `HALVES` (under the CUDA printer's names, so `cexpr`
 //! prints both); f16 runs along the last dimension are widened and narrowed a block at a time,
 //! with F16C's instructions where the CPU has them.
 //!
-//! Not printed (an `Err`, and the CPU interprets the kernel): other row kernels (see `rows`)
-//! and matrix products. The printer only prints: compiling, caching and loading are the
+//! Not printed (an `Err`, and the CPU interprets the kernel): other row kernels (see `rows` and
+//! `split`) and matrix products. The printer only prints: compiling, caching and loading are the
 //! device's (`braid_devices::cpu::native`).
 
 mod columns;
+mod fold;
 mod rows;
+mod split;
 #[cfg(test)]
 mod tests;
 mod tiles;
@@ -74,9 +78,14 @@ pub struct HostSource {
     pub source: String,
     pub entries: Vec<String>,
     /// For a row kernel, the bytes of scratch each running call of its entry point needs (see
-    /// `rows`); `None` for map loops.
+    /// `rows`); `None` for map loops and split rows.
     pub row_scratch: Option<usize>,
+    /// A row kernel printed split ([`print_split`]): its entries are one fold per reduction,
+    /// then the row stores, then the element stores.
+    pub split_rows: bool,
 }
+
+pub use split::SPLIT_SLOT;
 
 /// The machine the printed code is tuned for (never what it computes: every target gives the
 /// same bits).
@@ -93,11 +102,7 @@ pub struct HostTarget {
 /// identifier), the code tuned for `target`. Errors on what is not printed (see the module
 /// docs) and on IR the CPU would reject too.
 pub fn print(kernel: &Kernel, name: &str, target: HostTarget) -> Result<HostSource, String> {
-    let ident = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
-    if !ident {
-        return Err(format!("kernel name {name:?} is not a C identifier"));
-    }
+    check_name(name)?;
     let mut body = String::new();
     let mut entries = vec![];
     let mut row_scratch = None;
@@ -116,10 +121,33 @@ pub fn print(kernel: &Kernel, name: &str, target: HostTarget) -> Result<HostSour
         }
         _ => return Err("only map loops and row kernels are printed for the host".into()),
     }
+    Ok(HostSource { source: with_prelude(name, &body), entries, row_scratch, split_rows: false })
+}
+
+/// Prints row kernel `kernel` split across threads (the CPU's form for its few long rows, such
+/// as a whole-tensor reduction): entry points that compute one segment of a row each, which
+/// the caller runs and combines (see `split`). Errors on what is not printed, as [`print`].
+pub fn print_split(kernel: &Kernel, name: &str, target: HostTarget) -> Result<HostSource, String> {
+    check_name(name)?;
+    let Body::Rows(r) = &kernel.body else { return Err("only row kernels are printed split".into()) };
+    let mut body = String::new();
+    let entries = split::print_split(&mut body, r, kernel, name, target.stream_bytes)?;
+    Ok(HostSource { source: with_prelude(name, &body), entries, row_scratch: None, split_rows: true })
+}
+
+/// Errs unless `name` is a C identifier.
+fn check_name(name: &str) -> Result<(), String> {
+    let ident = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if ident { Ok(()) } else { Err(format!("kernel name {name:?} is not a C identifier")) }
+}
+
+/// The whole source of kernel `name`: the options it needs, the prelude, then `body`.
+fn with_prelude(name: &str, body: &str) -> String {
     let mut source = format!("// braid kernel `{name}`: host C ({}).\n", CC_OPTIONS.join(" "));
     source.push_str(&prelude());
-    source.push_str(&body);
-    Ok(HostSource { source, entries, row_scratch })
+    source.push_str(body);
+    source
 }
 
 /// Headers, bit casts, braid's conversions and random numbers, `exp` and `tanh`, and the

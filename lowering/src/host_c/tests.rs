@@ -308,3 +308,122 @@ fn a_transposing_loop_is_computed_a_whole_tile_at_a_time() {
     assert_eq!(run_length(&loops[0]), 1 << 18);
     assert!(!print(&plain, "k", at(1 << 30)).unwrap().source.contains("A whole"));
 }
+
+#[test]
+fn a_split_softmax_row_folds_one_segment_per_call_and_writes_each_accumulator() {
+    let k = crate::cuda::tests::softmax_rows(1, 70_001);
+    let src = print_split(&k, "s", at(4 << 20)).unwrap();
+    assert_eq!(src.entries, ["s_fold0", "s_fold1", "s_row", "s_elements"]);
+    assert!(src.split_rows && src.row_scratch.is_none());
+    let s = &src.source;
+    let in_order = |parts: &[&str]| {
+        let mut at = 0;
+        for p in parts {
+            let found = s[at..].find(p).unwrap_or_else(|| panic!("{p:?} not after byte {at} of:\n{s}"));
+            at += found + p.len();
+        }
+    };
+    in_order(&[
+        "void s_fold0(unsigned char *const *args, long long o, long long from, long long to, const unsigned char *results, unsigned char *state)",
+        // The max over the segment, from its first position, in the chunks of a split row.
+        "for (long long c = from; c < to; c += 1024) {",
+        "l[j] = ((v0) > (l[j]) || (v0) != (v0)) ? (v0) : (l[j]);",
+        "__builtin_memcpy(state, &acc1, sizeof(float));",
+        "__builtin_memcpy(state + 16, &at1, 8);",
+        // The sum of exp(x - max), the max read back from the results.
+        "void s_fold1(",
+        "__builtin_memcpy(&v1, results + 0, sizeof(float));",
+        "const float v3 = braid_expf(v2);",
+        "comp4 = __builtin_isfinite(sum) ? (sum - acc4) - y : 0;",
+        "__builtin_memcpy(state + 8, &comp4, sizeof(float));",
+        // No per-row store; the element stores of a segment, both reductions read back.
+        "void s_row(",
+        "void s_elements(",
+        "__builtin_memcpy(&v4, results + 8, sizeof(float));",
+        "for (long long c = from; c < to; c += 256) {",
+        "const float v5 = v3 / v4;",
+    ]);
+    // Positions after the axis stay with the interpreter's split.
+    let mut cols = crate::cuda::tests::softmax_rows(70_000, 2);
+    let Body::Rows(r) = &mut cols.body else { unreachable!() };
+    r.axis = Some(0);
+    let err = print_split(&cols, "s", at(4 << 20)).unwrap_err();
+    assert!(err.contains("2 positions after the axis"), "{err}");
+}
+
+#[test]
+fn an_argmax_finds_a_chunks_best_in_lanes_and_then_its_first_position() {
+    let mut b = ExprBuilder::default();
+    let x = b.load(0, DType::F32);
+    let a = b.reduce(braid_graph::ReduceOp::ArgMax, x);
+    let n = 5000;
+    let r = crate::kernel::RowKernel {
+        dims: smallvec![n],
+        axis: None,
+        loads: vec![Load { arg: 0, dtype: DType::F32, view: contiguous(n) }],
+        expr: b.finish(),
+        stores: vec![Store {
+            arg: 1,
+            dtype: DType::I64,
+            view: View { dims: smallvec![n], strides: smallvec![0], offset: 0 },
+            value: a,
+        }],
+    };
+    let k = Kernel {
+        args: vec![Arg { dtype: DType::F32, len: n }, Arg { dtype: DType::I64, len: 1 }],
+        inputs: 1,
+        body: Body::Rows(r),
+    };
+    let s = print(&k, "am", at(4 << 20)).unwrap().source;
+    for part in [
+        // A NaN best sticks: the rest of the row is skipped.
+        "if (acc1 != acc1) break;",
+        "xc[t + j] = v0;",
+        "l[j] = ((v0) > (l[j]) || (v0) != (v0)) ? (v0) : (l[j]);",
+        // Only a better chunk is searched, for its first NaN or its first best value.
+        "if (s != s) for (k = 0; xc[k] == xc[k]; k++) {}",
+        "if (s > acc1) for (k = 0; xc[k] != s; k++) {}",
+        "at1 = c + k;",
+    ] {
+        assert!(s.contains(part), "{part:?} in:\n{s}");
+    }
+}
+
+#[test]
+fn a_split_sum_stores_the_prologue_it_keeps_as_its_first_fold_computes_it() {
+    // sum(3x), 3x kept: stored by the fold (streamed a block at a time past the streaming
+    // size), so no element pass computes it again.
+    let n = 1 << 20;
+    let mut b = ExprBuilder::default();
+    let x = b.load(0, DType::F32);
+    let three = b.constant(3.0, DType::F32);
+    let thrice = b.binary(braid_graph::expr::PrimBinary::Mul, x, three);
+    let sum = b.reduce(braid_graph::ReduceOp::Sum, thrice);
+    let one = View { dims: smallvec![n], strides: smallvec![0], offset: 0 };
+    let r = crate::kernel::RowKernel {
+        dims: smallvec![n],
+        axis: None,
+        loads: vec![Load { arg: 0, dtype: DType::F32, view: contiguous(n) }],
+        expr: b.finish(),
+        stores: vec![
+            Store { arg: 1, dtype: DType::F32, view: one, value: sum },
+            Store { arg: 2, dtype: DType::F32, view: contiguous(n), value: thrice },
+        ],
+    };
+    let args =
+        vec![Arg { dtype: DType::F32, len: n }, Arg { dtype: DType::F32, len: 1 }, Arg { dtype: DType::F32, len: n }];
+    let k = Kernel { args, inputs: 1, body: Body::Rows(r) };
+    for (stream_bytes, streamed) in [(1 << 20, true), (64 << 20, false)] {
+        let s = print_split(&k, "k", at(stream_bytes)).unwrap().source;
+        let fold = &s[s.find("void k_fold0(").unwrap()..s.find("void k_row(").unwrap()];
+        let elements = &s[s.find("void k_elements(").unwrap()..];
+        if streamed {
+            for part in ["float t1[64]", "t1[j] = v2;", "braid_stream_f32(a2 + w1 + c + t, t1, 64);", "_mm_sfence();"] {
+                assert!(fold.contains(part), "{part:?} in:\n{fold}");
+            }
+        } else {
+            assert!(fold.contains("a2[w1 + p] = v2;") && !fold.contains("braid_stream_f32"), "{fold}");
+        }
+        assert!(!elements.contains("v0 * v1") && !elements.contains("a2["), "{elements}");
+    }
+}

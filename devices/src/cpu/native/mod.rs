@@ -1,6 +1,8 @@
 //! Compiled CPU kernels: a kernel of map loops, or a row kernel walked with one stride, printed
 //! as host C ([`braid_lowering::host_c`]), built by the system's C compiler into a shared library, loaded,
-//! and run over rayon tasks like the interpreter's loops. They compute the same values as the
+//! and run over rayon tasks like the interpreter's loops; a row kernel whose few long rows are
+//! split across threads (see `rows::Plan::splits`) in its split form, one segment per call, the
+//! segments cut and combined by `split` as for the interpreter. They compute the same values as the
 //! interpreter, bit for bit except for the payload of a NaN (checked by
 //! `tests/native_kernels.rs`), so a kernel may run interpreted until its library is ready and
 //! compiled after, without a result ever depending on which.
@@ -12,8 +14,8 @@
 //! [`MIN_ELEMENTS`] elements, or loops whose last dimension is shorter than [`MIN_RUN`]) wait
 //! for their [`SMALL_RUNS`]th run: a few runs of them cost little interpreted, many runs (a
 //! replayed step) cost the interpreter's per-node dispatch each time. Never kernels the
-//! printer does not print (matrix products, rows not walked with one stride),
-//! nor rows split across threads (see `rows::Plan::splits`), nor kernels of more than
+//! printer does not print (matrix products, rows not walked with one stride, split rows with
+//! positions after the axis), nor kernels of more than
 //! [`MAX_NODES`] expression nodes. Libraries are shared by every device of the process
 //! (keyed by their source) and kept on disk across processes (see `compile`). A kernel whose
 //! compilation fails is interpreted, and the failure logged once.
@@ -25,7 +27,7 @@ mod compile;
 use super::CompileMode;
 use super::eval::{Simd, simd};
 use super::map::{ArgPtr, in_tasks};
-use super::rows::TASK;
+use super::rows::{Plan, TASK};
 use braid_lowering::{Body, Kernel, RowKernel, check_args, host_c};
 use hashbrown::HashMap;
 use libloading::Library;
@@ -60,6 +62,26 @@ pub const MAX_NODES: usize = 1024;
 type LoopFn = unsafe extern "C" fn(*const *mut u8, i64, i64);
 /// A row kernel's entry point: arguments, rows `from..to`, scratch.
 type RowsFn = unsafe extern "C" fn(*const *mut u8, i64, i64, *mut u8);
+/// An entry point of a split row kernel: arguments, row, positions `from..to`, the finished
+/// reductions, the accumulator it writes (see `host_c::print_split`).
+type SplitFn = unsafe extern "C" fn(*const *mut u8, i64, i64, i64, *const u8, *mut u8);
+
+/// The entry points of a row kernel printed split: one fold per reduction (in node order), the
+/// row stores, the element stores.
+struct SplitEntries {
+    folds: Vec<SplitFn>,
+    row: SplitFn,
+    elements: SplitFn,
+}
+
+/// How a row kernel runs, as its plan says (`rows::plan`): the kernel it runs (re-tiled or
+/// not), and whether its rows are split across threads (`rows::Plan::splits`), which it is then
+/// compiled for.
+#[derive(Clone, Copy)]
+pub struct PlannedRows<'a> {
+    pub kernel: &'a RowKernel,
+    pub split: bool,
+}
 
 /// A loaded library and its entry points: one per map loop of the kernel it was printed from,
 /// or one for its rows.
@@ -67,6 +89,8 @@ pub struct NativeKernel {
     loops: Vec<LoopFn>,
     /// A row kernel's entry point and the scratch bytes each call needs.
     rows: Option<(RowsFn, usize)>,
+    /// A split row kernel's entry points.
+    split: Option<SplitEntries>,
     /// Keeps the code of `loops` and `rows` mapped.
     _lib: Library,
 }
@@ -89,6 +113,12 @@ impl NativeKernel {
         Self::load(&src)
     }
 
+    /// Prints row kernel `kernel` in its split form (whatever its sizes), compiles it (or finds
+    /// it in the disk cache) and loads it, on the calling thread.
+    pub fn build_split(kernel: &Kernel) -> Result<NativeKernel, String> {
+        Self::load(&host_c::print_split(kernel, "braid_kernel", host_target(simd()))?)
+    }
+
     /// As [`build`](Self::build), for vector level `level` (never above the CPU's): tests check
     /// that every level gives the same bits.
     pub fn build_at(kernel: &Kernel, level: Simd) -> Result<NativeKernel, String> {
@@ -109,7 +139,8 @@ impl NativeKernel {
     }
 
     /// Runs row kernel `r` over `args`, rows spread over rayon's threads as the interpreter
-    /// spreads them (never split: see `rows::Plan::splits`).
+    /// spreads them (whole rows; split rows run through
+    /// [`run_split_rows`](Self::run_split_rows)).
     ///
     /// # Safety
     /// `r` must print to the source this library was built from, as for [`run`](Self::run).
@@ -151,6 +182,27 @@ impl NativeKernel {
         (0..outer.div_ceil(per_task))
             .into_par_iter()
             .try_for_each(|t| call(t * per_task, ((t + 1) * per_task).min(outer)))
+    }
+
+    /// Runs row kernel `r`, planned as `p`, over `args`, each row split across threads as the
+    /// interpreter splits it (`split::run_row_compiled`).
+    ///
+    /// # Safety
+    /// This library must be `r`'s split form ([`build_split`](Self::build_split), or a library
+    /// [`Native::library`] gave for `r` with `split`), and `p` must be `r`'s plan.
+    pub unsafe fn run_split_rows(&self, r: &RowKernel, p: &Plan, args: &[ArgPtr]) -> Result<(), String> {
+        let Some(entries) = &self.split else { return Err("a compiled kernel run as split rows".into()) };
+        if entries.folds.len() != p.phases.len() || p.inner != 1 {
+            return Err("a compiled split kernel run with another kernel's plan".into());
+        }
+        check_args(&r.loads, &r.stores, |a| args.get(a as usize).map(|p| (p.dtype, p.len)))?;
+        let ptrs: SmallVec<[*mut u8; 16]> = args.iter().map(|a| a.ptr).collect();
+        // SAFETY of every call through `code`: the code was printed from `r` (the caller's
+        // promise), whose accesses were just checked; segments write disjoint positions.
+        let code = SplitCode { entries, args: Ptrs(&ptrs) };
+        let outer: usize = p.outer_dims.iter().product();
+        (0..outer).for_each(|o| super::split::run_row_compiled(r, p, &code, o));
+        Ok(())
     }
 
     /// Runs `kernel` over `args`.
@@ -197,13 +249,83 @@ impl NativeKernel {
     }
 }
 
+/// A split row kernel's compiled code over one call's arguments (checked against the kernel
+/// it was printed from before this is made): each call computes one segment of a row.
+pub(super) struct SplitCode<'a> {
+    entries: &'a SplitEntries,
+    args: Ptrs<'a>,
+}
+
+impl SplitCode<'_> {
+    /// Folds positions `from..to` of row `o` into a fresh accumulator of reduction `q` (its
+    /// value, compensation and position: see `reduce::Acc::from_parts`), given the finished
+    /// reductions before it in `results`.
+    pub(super) fn fold(&self, q: usize, o: usize, (from, to): (usize, usize), results: &[u64]) -> [u64; 3] {
+        assert!(results.len() >= q, "the reductions before reduction {q}");
+        let mut state = [0u64; 3];
+        // SAFETY: see `NativeKernel::run_split_rows`; the code reads the `q` results before
+        // reduction `q` (8 bytes each) and writes 24 bytes of state.
+        unsafe {
+            (self.entries.folds[q])(
+                self.args.base(),
+                o as i64,
+                from as i64,
+                to as i64,
+                results.as_ptr() as *const u8,
+                state.as_mut_ptr() as *mut u8,
+            )
+        };
+        state
+    }
+
+    /// Writes row `o`'s per-row stores, given every reduction's result.
+    pub(super) fn row_stores(&self, o: usize, results: &[u64]) {
+        assert_eq!(results.len(), self.entries.folds.len(), "every reduction's result");
+        // SAFETY: as for `fold`; the code reads every result and no state.
+        unsafe {
+            (self.entries.row)(self.args.base(), o as i64, 0, 0, results.as_ptr() as *const u8, std::ptr::null_mut())
+        };
+    }
+
+    /// Writes the per-element stores of positions `from..to` of row `o`, given every
+    /// reduction's result.
+    pub(super) fn element_stores(&self, o: usize, (from, to): (usize, usize), results: &[u64]) {
+        assert_eq!(results.len(), self.entries.folds.len(), "every reduction's result");
+        // SAFETY: as for `row_stores`; segments write disjoint positions.
+        unsafe {
+            (self.entries.elements)(
+                self.args.base(),
+                o as i64,
+                from as i64,
+                to as i64,
+                results.as_ptr() as *const u8,
+                std::ptr::null_mut(),
+            )
+        };
+    }
+}
+
 /// The kernel of `lib`'s entry points for `src`.
 fn entries(src: &host_c::HostSource, lib: Library) -> Result<NativeKernel, String> {
+    // SAFETY (of each `get` below): the printer declared each entry with exactly the signature
+    // it is looked up with.
     if let (Some(scratch), [e]) = (src.row_scratch, &src.entries[..]) {
-        // SAFETY: the printer declared this entry with exactly the `RowsFn` signature.
         let f = unsafe { lib.get::<RowsFn>(e.as_bytes()) };
         let f = f.map(|f| *f).map_err(|err| format!("entry {e} not found: {err}"))?;
-        return Ok(NativeKernel { loops: vec![], rows: Some((f, scratch)), _lib: lib });
+        return Ok(NativeKernel { loops: vec![], rows: Some((f, scratch)), split: None, _lib: lib });
+    }
+    if src.split_rows {
+        let mut fns: Vec<SplitFn> = (src.entries.iter())
+            .map(|e| {
+                let f = unsafe { lib.get::<SplitFn>(e.as_bytes()) };
+                f.map(|f| *f).map_err(|err| format!("entry {e} not found: {err}"))
+            })
+            .collect::<Result<_, _>>()?;
+        let (Some(elements), Some(row)) = (fns.pop(), fns.pop()) else {
+            return Err("a split row kernel without its store entries".into());
+        };
+        let split = SplitEntries { folds: fns, row, elements };
+        return Ok(NativeKernel { loops: vec![], rows: None, split: Some(split), _lib: lib });
     }
     let loops = (src.entries.iter())
         .map(|e| {
@@ -212,7 +334,7 @@ fn entries(src: &host_c::HostSource, lib: Library) -> Result<NativeKernel, Strin
             f.map(|f| *f).map_err(|err| format!("entry {e} not found: {err}"))
         })
         .collect::<Result<_, _>>()?;
-    Ok(NativeKernel { loops, rows: None, _lib: lib })
+    Ok(NativeKernel { loops, rows: None, split: None, _lib: lib })
 }
 
 /// Argument pointers shared with rayon tasks (see `map::Shared` for why that is sound).
@@ -339,8 +461,8 @@ impl Native {
     /// The library to run `kernel` with, if it is compiled (and ready); in `Blocking` mode
     /// this compiles it first, in `Background` mode it queues it. A small kernel (see
     /// [`MIN_ELEMENTS`]) is looked for only from its [`SMALL_RUNS`]th run. A row kernel is
-    /// compiled as `rows` (the kernel its plan runs; `None`: interpreted).
-    pub fn library(&self, kernel: &Arc<Kernel>, rows: Option<&RowKernel>) -> Option<Arc<NativeKernel>> {
+    /// compiled as `rows` says its plan runs it (`None`: interpreted).
+    pub fn library(&self, kernel: &Arc<Kernel>, rows: Option<PlannedRows<'_>>) -> Option<Arc<NativeKernel>> {
         let mode = self.mode();
         if mode == CompileMode::Off {
             return None;
@@ -353,7 +475,7 @@ impl Native {
             }
             // A row's per-row work is a few scalars in compiled code, so short rows are fine.
             Body::Rows(_) => {
-                let r = rows?;
+                let r = rows?.kernel;
                 (r.dims.iter().product::<usize>() < MIN_ELEMENTS, r.expr.nodes.len())
             }
             _ => return None,
@@ -408,14 +530,18 @@ fn host_target(level: Simd) -> host_c::HostTarget {
     host_c::HostTarget { stream_bytes: super::map::stream_bytes(), f32_lanes }
 }
 
-/// The slot of `kernel`'s source (with body `rows` for a row kernel), or `None` when it is not
+/// The slot of `kernel`'s source (as `rows` says for a row kernel), or `None` when it is not
 /// printed for the host or there is no compiler.
-fn slot_for(kernel: &Kernel, rows: Option<&RowKernel>) -> Option<Arc<Slot>> {
+fn slot_for(kernel: &Kernel, rows: Option<PlannedRows<'_>>) -> Option<Arc<Slot>> {
     compile::available().ok()?;
     let source = match (&kernel.body, rows) {
         (Body::Rows(_), Some(r)) => {
-            let planned = Kernel { args: kernel.args.clone(), inputs: kernel.inputs, body: Body::Rows(r.clone()) };
-            host_c::print(&planned, "braid_kernel", host_target(simd()))
+            let body = Body::Rows(r.kernel.clone());
+            let planned = Kernel { args: kernel.args.clone(), inputs: kernel.inputs, body };
+            match r.split {
+                true => host_c::print_split(&planned, "braid_kernel", host_target(simd())),
+                false => host_c::print(&planned, "braid_kernel", host_target(simd())),
+            }
         }
         _ => host_c::print(kernel, "braid_kernel", host_target(simd())),
     };
@@ -441,8 +567,12 @@ mod tests {
             eprintln!("native: SKIPPED, no C compiler: {e}");
             return;
         }
-        let source =
-            host_c::HostSource { source: "this is not C;\n".into(), entries: vec!["f".into()], row_scratch: None };
+        let source = host_c::HostSource {
+            source: "this is not C;\n".into(),
+            entries: vec!["f".into()],
+            row_scratch: None,
+            split_rows: false,
+        };
         let err = NativeKernel::load(&source).err().expect("a compile error");
         assert!(err.contains("failed") && err.contains("error"), "{err}");
         // A slot whose compile failed stays failed (and its kernel interpreted), without retrying.
@@ -457,8 +587,12 @@ mod tests {
             eprintln!("native: SKIPPED, no C compiler");
             return;
         }
-        let source =
-            host_c::HostSource { source: "void g(void) {}\n".into(), entries: vec!["f".into()], row_scratch: None };
+        let source = host_c::HostSource {
+            source: "void g(void) {}\n".into(),
+            entries: vec!["f".into()],
+            row_scratch: None,
+            split_rows: false,
+        };
         let err = NativeKernel::load(&source).err().expect("a missing entry point");
         assert!(err.contains("entry f not found"), "{err}");
     }
