@@ -31,6 +31,7 @@
 
 use super::reduce::{column_reduction, combine_step, reduced_value};
 use super::rows::RowPlan;
+use super::split::Scratch;
 use super::*;
 
 /// Columns per group (a block's): the 32 threads of a warp's line read 32 neighbouring f32, a
@@ -66,13 +67,6 @@ pub(super) fn columns(p: &RowPlan<'_>) -> bool {
 pub(super) fn segments(p: &RowPlan<'_>) -> usize {
     let groups = p.rows.div_ceil(COLUMNS);
     (TARGET_BLOCKS / groups).clamp(1, (p.len / MIN_SEGMENT).max(1))
-}
-
-/// Where one reduction keeps its values in scratch (byte offsets).
-struct Slots {
-    partials: usize,
-    positions: usize,
-    results: usize,
 }
 
 /// Prints `p` as column-kernel entries; returns them and the scratch bytes they need.
@@ -167,29 +161,11 @@ fn print_split(
     let (rows, len) = (p.rows, p.len);
     let nodes = &p.r.expr.nodes;
     let blocks = rows.div_ceil(COLUMNS) * segments;
-    let mut slots: Vec<Option<Slots>> = (0..nodes.len()).map(|_| None).collect();
-    let mut bytes = 0;
-    let mut region = |n: usize| {
-        let at = bytes;
-        bytes += n.div_ceil(8) * 8;
-        at
-    };
     let reductions = p.reductions();
-    for &(i, op, _, d) in &reductions {
-        let partials = region(rows * segments * d.size());
-        let positions = if op == ReduceOp::ArgMax { region(rows * segments * 8) } else { 0 };
-        let results = region(rows * nodes[i].dtype.size());
-        slots[i] = Some(Slots { partials, positions, results });
-    }
-    let s = params.len();
-    params.push(Param { dtype: DType::U8, len: bytes, writable: true });
-    let at = |d: DType, offset: usize| format!("(({}*)(a{s} + {offset}))", ctype(d));
+    let scratch = Scratch::new(p, segments, params);
     // The reductions' values before node `upto`, from scratch, and the per-row values.
     let row_values = |out: &mut String, upto: usize| {
-        p.per_row_values(out, upto, &mut |_, i, _, _, _| {
-            let slot = slots[i].as_ref().expect("a live reduction");
-            Ok(format!("{}[row]", at(nodes[i].dtype, slot.results)))
-        })
+        p.per_row_values(out, upto, &mut |_, i, _, _, _| Ok(format!("{}[row]", scratch.results(i, nodes[i].dtype))))
     };
     let (_, elem_stores) = p.stores();
     let combine_blocks = rows.div_ceil(COMBINE_THREADS as usize);
@@ -202,7 +178,6 @@ fn print_split(
     };
     let range = ["from", "end"];
     for (k, &(i, op, x, d)) in reductions.iter().enumerate() {
-        let slot = slots[i].as_ref().expect("a live reduction");
         let arg = op == ReduceOp::ArgMax;
         let launch = Launch::Rows { rows: blocks, threads: threads as u32 };
         entry(out, &format!("partial{i}"), launch, format!("Reduction v{i}, pass 1: a block per group and segment."));
@@ -211,9 +186,9 @@ fn print_split(
         // Every thread of a column holds its segment's result (a mean's sum, undivided).
         column_reduction(out, i, op, x, d, [len, threads], &|out, body| p.sweep(out, range, &[x], &[], body, None))?;
         let _ = writeln!(out, "  if (active && cy == 0) {{");
-        let _ = writeln!(out, "    {}[row * {segments} + seg] = acc{i};", at(d, slot.partials));
+        let _ = writeln!(out, "    {}[row * {segments} + seg] = acc{i};", scratch.partials(i, d));
         if arg {
-            let _ = writeln!(out, "    {}[row * {segments} + seg] = arg{i};", at(DType::I64, slot.positions));
+            let _ = writeln!(out, "    {}[row * {segments} + seg] = arg{i};", scratch.positions(i));
         }
         out.push_str("  }\n  }\n}\n");
         // Pass 2: each column's value from its partials, in segment order.
@@ -227,17 +202,17 @@ fn print_split(
         );
         // The first partial as it is, then the others in segment order, as the block's
         // combine folds its lines' partial results.
-        let _ = writeln!(out, "  {} acc{i} = {}[row * {segments}];", ctype(d), at(d, slot.partials));
+        let _ = writeln!(out, "  {} acc{i} = {}[row * {segments}];", ctype(d), scratch.partials(i, d));
         if arg {
-            let _ = writeln!(out, "  long long arg{i} = {}[row * {segments}];", at(DType::I64, slot.positions));
+            let _ = writeln!(out, "  long long arg{i} = {}[row * {segments}];", scratch.positions(i));
         }
         let _ = writeln!(out, "  for (int k = 1; k < {segments}; ++k) {{");
-        let _ = writeln!(out, "    const {} b = {}[row * {segments} + k];", ctype(d), at(d, slot.partials));
+        let _ = writeln!(out, "    const {} b = {}[row * {segments} + k];", ctype(d), scratch.partials(i, d));
         if arg {
-            let _ = writeln!(out, "    const long long ib = {}[row * {segments} + k];", at(DType::I64, slot.positions));
+            let _ = writeln!(out, "    const long long ib = {}[row * {segments} + k];", scratch.positions(i));
         }
         let _ = writeln!(out, "    {}\n  }}", combine_step(i, op, d)?);
-        let _ = writeln!(out, "  {}[row] = {};", at(nodes[i].dtype, slot.results), reduced_value(i, op, d, len));
+        let _ = writeln!(out, "  {}[row] = {};", scratch.results(i, nodes[i].dtype), reduced_value(i, op, d, len));
         if k + 1 == reductions.len() && elem_stores.is_empty() {
             // No per-element stores: the per-row ones here, with every reduction done.
             p.position(out, "row");
@@ -254,5 +229,5 @@ fn print_split(
         p.print_stores(out, "active && cy == 0 && seg == 0", range, None)?;
         out.push_str("  }\n}\n");
     }
-    Ok((entries, bytes))
+    Ok((entries, scratch.bytes))
 }

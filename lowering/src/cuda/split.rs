@@ -30,11 +30,61 @@ pub(super) fn splits(p: &RowPlan<'_>) -> bool {
     p.rows < SPLIT_BELOW_ROWS && p.len >= 2 * SEGMENT
 }
 
-/// Where one reduction keeps its values in scratch (byte offsets).
-struct Slots {
-    partials: usize,
-    positions: usize,
-    results: usize,
+/// Where a split kernel's reductions keep their values in scratch memory, its last parameter
+/// (bytes): per live reduction, the partial value of each (row, segment), their argmax
+/// positions, and each row's value, each region aligned to 8 bytes. Shared with the split
+/// column kernels (`columns.rs`).
+pub(super) struct Scratch {
+    /// Per node: the byte offsets of a reduction's (partials, positions, results).
+    slots: Vec<Option<(usize, usize, usize)>>,
+    /// Its parameter (`a<param>`).
+    param: usize,
+    pub bytes: usize,
+}
+
+impl Scratch {
+    /// Lays out the scratch of `p` split into `segments` per row, and adds its parameter.
+    pub(super) fn new(p: &RowPlan<'_>, segments: usize, params: &mut Vec<Param>) -> Scratch {
+        let nodes = &p.r.expr.nodes;
+        let mut slots = vec![None; nodes.len()];
+        let mut bytes = 0;
+        let mut region = |n: usize| {
+            let at = bytes;
+            bytes += n.div_ceil(8) * 8;
+            at
+        };
+        for (i, op, _, d) in p.reductions() {
+            let partials = region(p.rows * segments * d.size());
+            let positions = if op == ReduceOp::ArgMax { region(p.rows * segments * 8) } else { 0 };
+            slots[i] = Some((partials, positions, region(p.rows * nodes[i].dtype.size())));
+        }
+        params.push(Param { dtype: DType::U8, len: bytes, writable: true });
+        Scratch { slots, param: params.len() - 1, bytes }
+    }
+
+    /// A typed view of the region at byte `offset`.
+    fn view(&self, d: DType, offset: usize) -> String {
+        format!("(({}*)(a{} + {offset}))", ctype(d), self.param)
+    }
+
+    fn slot(&self, i: usize) -> (usize, usize, usize) {
+        self.slots[i].expect("a live reduction")
+    }
+
+    /// Reduction `i`'s partial values (of its operand's dtype `d`), by (row, segment).
+    pub(super) fn partials(&self, i: usize, d: DType) -> String {
+        self.view(d, self.slot(i).0)
+    }
+
+    /// Reduction `i`'s partial argmax positions, by (row, segment).
+    pub(super) fn positions(&self, i: usize) -> String {
+        self.view(DType::I64, self.slot(i).1)
+    }
+
+    /// Reduction `i`'s values (of its dtype `d`), by row.
+    pub(super) fn results(&self, i: usize, d: DType) -> String {
+        self.view(d, self.slot(i).2)
+    }
 }
 
 pub(super) fn print_split(
@@ -48,30 +98,10 @@ pub(super) fn print_split(
     let seg_len = len.div_ceil(segments);
     let blocks = rows * segments;
     let nodes = &p.r.expr.nodes;
-    let mut slots: Vec<Option<Slots>> = (0..nodes.len()).map(|_| None).collect();
-    let mut bytes = 0;
-    let mut region = |n: usize| {
-        let at = bytes;
-        bytes += n.div_ceil(8) * 8;
-        at
-    };
-    for (i, op, _, d) in p.reductions() {
-        let arg = op == ReduceOp::ArgMax;
-        let partials = region(blocks * d.size());
-        let positions = if arg { region(blocks * 8) } else { 0 };
-        let results = region(rows * nodes[i].dtype.size());
-        slots[i] = Some(Slots { partials, positions, results });
-    }
-    let s = params.len();
-    params.push(Param { dtype: DType::U8, len: bytes, writable: true });
-    // Typed views of scratch regions.
-    let at = |d: DType, offset: usize| format!("(({}*)(a{s} + {offset}))", ctype(d));
+    let scratch = Scratch::new(p, segments, params);
     // The reductions' values before node `upto` from scratch, and the per-row values.
     let row_values = |out: &mut String, upto: usize| {
-        p.per_row_values(out, upto, &mut |_, i, _, _, _| {
-            let slot = slots[i].as_ref().expect("a live reduction");
-            Ok(format!("{}[row]", at(nodes[i].dtype, slot.results)))
-        })
+        p.per_row_values(out, upto, &mut |_, i, _, _, _| Ok(format!("{}[row]", scratch.results(i, nodes[i].dtype))))
     };
     let segment = |out: &mut String| {
         let _ = writeln!(out, "  const long long row = blockIdx.x / {segments};");
@@ -95,7 +125,6 @@ pub(super) fn print_split(
         Ok(())
     };
     for (i, op, x, d) in p.reductions() {
-        let slot = slots[i].as_ref().expect("a live reduction");
         let arg = op == ReduceOp::ArgMax;
         // Pass 1: each segment's partial result.
         let comment = format!("Reduction v{i}, pass 1: {segments} segments of {seg_len} per row, a block each.");
@@ -106,9 +135,9 @@ pub(super) fn print_split(
         reduction(out, i, op, x, d, [len, threads as usize], &|out, body| p.sweep(out, range, &[x], &[], body, None))?;
         let _ = writeln!(out, "  if (threadIdx.x == 0) {{");
         // Every thread holds the segment's result (a mean's sum, undivided) after `reduction`.
-        let _ = writeln!(out, "    {}[blockIdx.x] = acc{i};", at(d, slot.partials));
+        let _ = writeln!(out, "    {}[blockIdx.x] = acc{i};", scratch.partials(i, d));
         if arg {
-            let _ = writeln!(out, "    {}[blockIdx.x] = arg{i};", at(DType::I64, slot.positions));
+            let _ = writeln!(out, "    {}[blockIdx.x] = arg{i};", scratch.positions(i));
         }
         let _ = writeln!(out, "  }}\n}}");
         // Pass 2: the row's value from its partials (their positions stand for `t`).
@@ -117,15 +146,14 @@ pub(super) fn print_split(
         let _ = writeln!(out, "  const long long row = blockIdx.x;");
         let value = reduction(out, i, op, x, d, [len, threads as usize], &|out, body| {
             let _ = writeln!(out, "  for (long long k = threadIdx.x; k < {segments}LL; k += blockDim.x) {{");
-            let _ = writeln!(out, "    const {} v{x} = {}[row * {segments} + k];", ctype(d), at(d, slot.partials));
+            let _ = writeln!(out, "    const {} v{x} = {}[row * {segments} + k];", ctype(d), scratch.partials(i, d));
             if arg {
-                let _ =
-                    writeln!(out, "    const long long t = {}[row * {segments} + k];", at(DType::I64, slot.positions));
+                let _ = writeln!(out, "    const long long t = {}[row * {segments} + k];", scratch.positions(i));
             }
             let _ = writeln!(out, "{body}  }}");
             Ok(())
         })?;
-        let _ = writeln!(out, "  if (threadIdx.x == 0) {}[row] = {value};\n}}", at(nodes[i].dtype, slot.results));
+        let _ = writeln!(out, "  if (threadIdx.x == 0) {}[row] = {value};\n}}", scratch.results(i, nodes[i].dtype));
     }
     // The outputs.
     let comment = format!("The outputs: {segments} segments of {seg_len} per row, a block each.");
@@ -135,5 +163,5 @@ pub(super) fn print_split(
     let _ = writeln!(out, "{end}");
     p.print_stores(out, "seg == 0 && threadIdx.x == 0", range, None)?;
     out.push_str("}\n");
-    Ok((entries, bytes))
+    Ok((entries, scratch.bytes))
 }

@@ -110,15 +110,8 @@ impl Planner<'_> {
             Step::Copy { from: host, to: back, value: v },
             Step::Free { buffer: host, after: Vec::new() },
         ]);
-        self.live += self.bytes_of(v);
-        self.peak = self.peak.max(self.live);
-        self.count[o] += 1;
-        self.clock[o][o] = self.count[o];
         // The copy stands for the value's producer from now on.
-        let pseudo = self.seg_stream.len();
-        self.seg_stream.push(o);
-        self.seg_point.push(self.count[o]);
-        self.record_here(o, None);
+        let pseudo = self.copied_in(v, o);
         match v {
             ValueRef::Node(n) => {
                 self.seg_of[n] = pseudo;
@@ -140,16 +133,23 @@ impl Planner<'_> {
         let device = self.host_buffer(v, Space::Device);
         let host = self.ext_buffer[e];
         self.steps[s].extend([Step::Alloc(device), Step::Copy { from: host, to: device, value: v }]);
+        // The copy stands for the value's producer: readers on other streams wait for it.
+        self.ext_producer[e] = Some(self.copied_in(v, s));
+        self.ext_buffer[e] = device;
+    }
+
+    /// After a copy of `v` into device memory planned last on stream `s`: counts its bytes,
+    /// makes the copy a point of `s` with an event recorded after it, and returns a segment
+    /// number standing for it (a value's producer, which its later readers wait for).
+    fn copied_in(&mut self, v: ValueRef, s: usize) -> usize {
         self.live += self.bytes_of(v);
         self.peak = self.peak.max(self.live);
-        // The copy stands for the value's producer: readers on other streams wait for it.
         self.count[s] += 1;
         self.clock[s][s] = self.count[s];
         let pseudo = self.seg_stream.len();
         self.seg_stream.push(s);
         self.seg_point.push(self.count[s]);
         self.record_here(s, None);
-        self.ext_producer[e] = Some(pseudo);
-        self.ext_buffer[e] = device;
+        pseudo
     }
 }
