@@ -1,7 +1,8 @@
 //! Lookups and scatters at sizes a model uses: an embedding from a 32,000-row table (ids out of
 //! range included) and its gradient, a `gather` and a `scatter_add` with many indices naming
 //! one element, each checked against the f64 reference interpreter; a scatter-add's sums give
-//! the same bits at 1 and N threads; and a lookup costs one kernel whatever the table's size.
+//! the same bits at 1 and N threads; and a lookup costs one kernel whatever the table's size. Each
+//! case runs with i64 and i32 indices where the device holds them (wgpu: i32 only).
 //! (`tests/properties.rs` checks the indexing ops in random programs; this file pins the large
 //! cases a reader wants to see.)
 
@@ -10,14 +11,17 @@ mod common;
 use braid::prelude::*;
 use common::check_recorded;
 
-/// Skips (with the reason) on a device without i64, which the indexing ops need.
-fn device_with_i64(test: &str) -> Option<Device> {
-    let dev = braid::testing::test_device();
-    if dev.target().dtypes.contains(DType::I64) {
-        Some(dev)
-    } else {
-        eprintln!("skipped: {test}: {} has no i64, which the indexing ops need", dev.name());
-        None
+/// The index dtypes `dev` holds, i64 first: the indexing ops take i64 and i32 indices on every
+/// device that holds them (wgpu holds i32 only).
+fn index_dtypes(dev: &Device) -> Vec<DType> {
+    [DType::I64, DType::I32].into_iter().filter(|&d| dev.target().dtypes.contains(d)).collect()
+}
+
+/// `values` as an index tensor of `dtype` (i64 or i32).
+fn index(values: Vec<i64>, shape: impl Into<Shape>, dtype: DType, dev: &Device) -> Tensor {
+    match dtype {
+        DType::I64 => Tensor::from_vec(values, shape, dev),
+        _ => Tensor::from_vec(values.into_iter().map(|v| v as i32).collect::<Vec<_>>(), shape, dev),
     }
 }
 
@@ -34,16 +38,21 @@ fn ids(n: usize, vocabulary: usize, seed: u64) -> Vec<i64> {
 
 #[test]
 fn an_embedding_from_a_large_table_and_its_gradient_match_the_reference() {
-    let Some(dev) = device_with_i64("an_embedding_from_a_large_table_and_its_gradient_match_the_reference") else {
-        return;
-    };
+    let dev = braid::testing::test_device();
+    for dtype in index_dtypes(&dev) {
+        embedding_case(&dev, dtype);
+    }
+}
+
+fn embedding_case(dev: &Device, dtype: DType) {
+    let dev = dev.clone();
     let (vocabulary, features) = (32_000, 16);
     dev.seed(3);
     let table = Tensor::randn([vocabulary, features], DType::F32, &dev).requires_grad();
     // 2,048 ids, many repeated (a small range of the table) so that gradients collide.
     let mut picked = ids(2048, 300, 7);
     picked.extend(ids(512, vocabulary, 8));
-    let ids = Tensor::from_vec(picked, [2, 1280], &dev);
+    let ids = index(picked, [2, 1280], dtype, &dev);
     let rows = ids.embedding(&table);
     assert_eq!(rows.dims(), &[2, 1280, features]);
     dev.seed(4);
@@ -52,67 +61,75 @@ fn an_embedding_from_a_large_table_and_its_gradient_match_the_reference() {
     let grads = loss.backward().unwrap();
     let grad = grads.get(&table).unwrap();
     let stats = check_recorded(&[&rows, &loss, &grad]).unwrap();
-    assert!(stats.checked > 500_000, "{stats:?}");
+    assert!(stats.checked > 500_000, "{dtype} ids: {stats:?}");
 }
 
 #[test]
 fn gather_and_scatter_add_with_colliding_indices_match_the_reference() {
-    let Some(dev) = device_with_i64("gather_and_scatter_add_with_colliding_indices_match_the_reference") else {
-        return;
-    };
+    let dev = braid::testing::test_device();
+    for dtype in index_dtypes(&dev) {
+        gather_scatter_case(&dev, dtype);
+    }
+}
+
+fn gather_scatter_case(dev: &Device, dtype: DType) {
+    let dev = dev.clone();
     dev.seed(5);
     let x = Tensor::randn([64, 300], DType::F32, &dev);
-    let index = Tensor::from_vec(ids(64 * 2000, 300, 9), [64, 2000], &dev);
+    let index = index(ids(64 * 2000, 300, 9), [64, 2000], dtype, &dev);
     // Along the last dimension (an index per element) and along the first (columns).
     let picked = x.gather(1, &index);
-    let column_index = Tensor::from_vec(ids(500 * 300, 64, 10), [500, 300], &dev);
+    let column_index = self::index(ids(500 * 300, 64, 10), [500, 300], dtype, &dev);
     let columns = x.t().gather(1, &column_index.t());
     let src = Tensor::randn([64, 2000], DType::F32, &dev);
     let summed = x.scatter_add(1, &index, &src);
     let ints = (&x * 100.0).to_dtype(DType::I32).scatter_add(1, &index, &(&src * 100.0).to_dtype(DType::I32));
     let halves = x.to_dtype(DType::BF16).scatter_add(1, &index, &src.to_dtype(DType::BF16));
     let stats = check_recorded(&[&picked, &columns, &summed, &ints, &halves]).unwrap();
-    assert!(stats.checked > 100_000, "{stats:?}");
+    assert!(stats.checked > 100_000, "{dtype} indices: {stats:?}");
 }
 
 #[test]
 fn scatter_add_gives_the_same_bits_at_any_thread_count() {
-    if device_with_i64("scatter_add_gives_the_same_bits_at_any_thread_count").is_none() {
-        return;
-    }
     // With one stream the CPU device runs a flush on the reading thread, so a read inside
     // `install` runs its kernels' rayon tasks in that pool.
-    let run = |threads: usize| {
+    let run = |threads: usize, dtype: DType| {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
         pool.install(|| {
             let dev = Device::new_cpu();
             dev.seed(6);
             // 200,000 values into 50 targets per row: long sums whose bits depend on order.
             let src = Tensor::randn([8, 200_000], DType::F32, &dev);
-            let index = Tensor::from_vec(ids(8 * 200_000, 50, 11), [8, 200_000], &dev);
+            let index = index(ids(8 * 200_000, 50, 11), [8, 200_000], dtype, &dev);
             let base = Tensor::randn([8, 50], DType::F32, &dev);
             let rows = base.scatter_add(1, &index, &src);
             let table = Tensor::randn([1000, 64], DType::F32, &dev).requires_grad();
-            let lookups = Tensor::from_vec(ids(100_000, 1000, 12), [100_000], &dev);
+            let lookups = self::index(ids(100_000, 1000, 12), [100_000], dtype, &dev);
             let grads = lookups.embedding(&table).sin().sum().backward().unwrap();
             let bits = |t: &Tensor| t.to_vec::<f32>().unwrap().into_iter().map(f32::to_bits).collect::<Vec<_>>();
             (bits(&rows), bits(&grads.get(&table).unwrap()))
         })
     };
-    let one = run(1);
+    let one = run(1, DType::I64);
     for threads in [2, 3, 8] {
-        assert!(one == run(threads), "results differ between 1 and {threads} threads");
+        assert!(one == run(threads, DType::I64), "results differ between 1 and {threads} threads");
     }
+    assert!(one == run(2, DType::I32), "i32 indices give other bits than i64");
 }
 
 #[test]
 fn a_lookup_is_one_kernel_whatever_the_tables_size() {
-    let Some(dev) = device_with_i64("a_lookup_is_one_kernel_whatever_the_tables_size") else {
-        return;
-    };
+    let dev = braid::testing::test_device();
+    for dtype in index_dtypes(&dev) {
+        one_kernel_case(&dev, dtype);
+    }
+}
+
+fn one_kernel_case(dev: &Device, dtype: DType) {
+    let dev = dev.clone();
     let table = Tensor::randn([50_000, 8], DType::F32, &dev);
     table.to_vec::<f32>().unwrap();
-    let ids = Tensor::from_vec(vec![49_999i64, 0, 7], [3], &dev);
+    let ids = index(vec![49_999, 0, 7], [3], dtype, &dev);
     let rows = ids.embedding(&table);
     let values = rows.to_vec::<f32>().unwrap();
     let text = dev.last_schedule().unwrap().to_text();
@@ -125,13 +142,18 @@ fn a_lookup_is_one_kernel_whatever_the_tables_size() {
 
 #[test]
 fn a_lookups_gradient_scatters_into_no_table_of_zeros() {
-    let Some(dev) = device_with_i64("a_lookups_gradient_scatters_into_no_table_of_zeros") else {
-        return;
-    };
+    let dev = braid::testing::test_device();
+    for dtype in index_dtypes(&dev) {
+        no_zeros_case(&dev, dtype);
+    }
+}
+
+fn no_zeros_case(dev: &Device, dtype: DType) {
+    let dev = dev.clone();
     let (vocabulary, features) = (50_000, 16);
     let table = Tensor::randn([vocabulary, features], DType::F32, &dev).requires_grad();
     table.to_vec::<f32>().unwrap();
-    let ids = Tensor::from_vec(vec![3i64, 49_999, 3], [3], &dev);
+    let ids = index(vec![3, 49_999, 3], [3], dtype, &dev);
     let grads = ids.embedding(&table).sum().backward().unwrap();
     let grad = grads.get(&table).unwrap().to_vec::<f32>().unwrap();
     // The scatter-add's base of zeros is folded into it: the flush holds one table-sized buffer

@@ -45,6 +45,9 @@ fn dtypes_the_device_lacks_are_refused_at_the_call() {
         let x = Tensor::zeros([2, 2], DType::F32, &dev);
         assert_misuse("argmax (i64)", || drop(x.argmax_dim(1, false)));
         assert_misuse("arange (i64)", || drop(Tensor::arange(0, 3, &dev)));
+        // Their i32 variants run.
+        assert_eq!(x.argmax_dim_as(1, false, DType::I32).to_vec::<i32>().unwrap(), vec![0, 0]);
+        assert_eq!(Tensor::arange_as(-1, 2, DType::I32, &dev).to_vec::<i32>().unwrap(), vec![-1, 0, 1]);
     }
 }
 
@@ -279,6 +282,8 @@ fn dimension_wise_reductions_of_a_scalar_take_dimension_0_or_minus_1_as_pytorch_
         assert_eq!(x.argmax_dim(0, false).item::<i64>().unwrap(), 0);
         assert_eq!(x.argmin_dim(-1, true).item::<i64>().unwrap(), 0);
     }
+    assert_eq!(x.argmax_dim_as(0, false, DType::I32).item::<i32>().unwrap(), 0);
+    assert_eq!(x.argmin_dim_as(-1, true, DType::I32).item::<i32>().unwrap(), 0);
     // Gradients flow through: d sum_dim(x, 0) / dx = 1.
     let leaf = x.detach().requires_grad();
     let grads = (leaf.sum_dim(0, false) * 3.0).backward().unwrap();
@@ -454,6 +459,8 @@ fn numpy_semantics_pinned_by_hand() {
     if has_i64 {
         assert_eq!(a.argmax_dim(1, false).to_vec::<i64>().unwrap(), vec![1, 0]);
     }
+    assert_eq!(a.argmax_dim_as(1, false, DType::I32).to_vec::<i32>().unwrap(), vec![1, 0]);
+    assert_eq!(a.argmin_dim_as(1, false, DType::I32).to_vec::<i32>().unwrap(), vec![0, 0]);
     // max propagates NaN.
     let m = a.max_dim(1, false).to_vec::<f32>().unwrap();
     assert_eq!(m[0], 3.0);
@@ -512,9 +519,11 @@ fn reductions_over_few_wide_rows_equal_the_reference() {
         let soft = z.softmax(axis);
         let norm = x.layer_norm(axis, 1e-5);
         let mean = (&x.mean_dim(axis, true) * 2.0) - 1.0;
-        let arg = dev.target().dtypes.contains(DType::I64).then(|| x.argmax_dim(axis, true));
-        let mut targets = vec![&col_sum, &soft, &norm, &mean];
-        targets.extend(arg.as_ref());
+        let arg = match dev.target().dtypes.contains(DType::I64) {
+            true => x.argmax_dim(axis, true),
+            false => x.argmax_dim_as(axis, true, DType::I32),
+        };
+        let targets = vec![&col_sum, &soft, &norm, &mean, &arg];
         let stats = common::check_recorded(&targets).unwrap_or_else(|e| panic!("{dims:?}: {e}"));
         assert!(stats.checked > 0);
     }

@@ -68,6 +68,13 @@ fn f64_and_i64_are_refused_at_the_recording_line() {
     let line = line!() + 1;
     let msg = panic_message(|| drop(x.argmax_dim(0, false)));
     assert!(msg.contains("i64") && msg.contains(&format!("{}:{line}:", file!())), "{msg}");
+    assert!(
+        msg.contains("argmax_dim_as") && msg.contains("x: [3] f32 on wgpu"),
+        "the i32 variant and the operand: {msg}"
+    );
+    let line = line!() + 1;
+    let msg = panic_message(|| drop(x.exp().to_dtype(DType::I64)));
+    assert!(msg.contains("i64") && msg.contains(&format!("{}:{line}:", file!())), "{msg}");
     assert!(msg.contains("operands: inputs[0]: [3] f32 on wgpu"), "the operand is named: {msg}");
     let msg = panic_message(|| drop(Tensor::zeros([2], DType::F64, &dev)));
     assert!(!msg.contains("operands"), "a creation has no operand line: {msg}");

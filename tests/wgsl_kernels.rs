@@ -10,6 +10,8 @@
 //! from 1 to 50,000 (one workgroup per row, and rows split into segments over two passes),
 //! whole-tensor reductions over 2^20 elements and more; batched, strided, transposed matrix
 //! products of f32, f16, bf16, i32 and u8 with epilogues, sizes across the 16 x 16 tiles;
+//! the CUDA printer test's gathers (every element dtype wgpu holds, moved bit for bit) and
+//! scatter-adds (f32, i32, u8) with i32 indices, out-of-range ones included;
 //! sub-word outputs (u8, bool, f16, bf16) written by neighbouring threads; a map loop of more
 //! than 65,535 workgroups; and some kernels printed for an adapter with 3 workgroups per
 //! dimension, so that every dispatch spreads over y and z.
@@ -31,6 +33,12 @@
 #[allow(dead_code)] // the CUDA-only generators
 mod cases;
 mod common;
+#[path = "cuda_printer/gathers.rs"]
+#[allow(dead_code)] // the CUDA printer's checks of its cases
+mod gathers;
+#[path = "cuda_printer/scatters.rs"]
+#[allow(dead_code)]
+mod scatters;
 #[path = "wgsl_kernels/cases.rs"]
 mod wgsl_cases;
 
@@ -83,9 +91,9 @@ fn compare(case: &Case, cpu: &[Vec<u8>], got: &[Vec<u8>], bound: Option<&Bound>,
         Body::Map(l) => (l.iter().collect(), None),
         Body::Rows(r) => (vec![], Some(r)),
         Body::Matmul(m) => (m.epilogue.iter().collect(), None),
-        Body::Gather(_) | Body::Scatter(_) | Body::Collective(_) => {
-            unreachable!("the generators make no gathers, scatters (wgpu has no i64) or collectives")
-        }
+        // Elements moved, or summed in the CPU's order: exact.
+        Body::Gather(_) | Body::Scatter(_) => (vec![], None),
+        Body::Collective(_) => unreachable!("the generators make no collectives"),
     };
     let mut approx = vec![false; case.kernel.args.len()];
     for (expr, stores) in loops.iter().map(|l| (&l.expr, &l.stores)).chain(rows.map(|r| (&r.expr, &r.stores))) {
@@ -196,6 +204,20 @@ fn kernels() -> Vec<(Case, Option<Bound>)> {
         let dims = if k % 2 == 0 { vec![(1 << 20) + 37] } else { vec![1024, 1031] };
         let label = format!("whole tensor {dims:?}, template {template}, {op:?}");
         out.push((rows_over(&mut rng, label, &dims, None, F32, template, op), None));
+    }
+    // The CUDA printer test's gathers and scatter-adds with i32 indices over dtypes wgpu holds.
+    let (mut gathered, mut scattered, mut n) = (0, 0, 0);
+    while gathered < 40 || scattered < 30 {
+        let (g, s) = (gathers::gather_case(&mut rng, n), scatters::scatter_case(&mut rng, n));
+        n += 1;
+        if gathered < 40 && storable(&g) {
+            out.push((g, None));
+            gathered += 1;
+        }
+        if scattered < 30 && storable(&s) {
+            out.push((s, None));
+            scattered += 1;
+        }
     }
     let mut m = 0;
     for d in [F32, F16, BF16, I32, U8] {

@@ -45,6 +45,16 @@ impl Corpus {
     }
 }
 
+/// Character ids as a tensor on `device`: i64, or i32 on a device without i64 (wgpu). Every
+/// indexing op (`embedding`, `cross_entropy`) takes either.
+pub fn ids_tensor(ids: Vec<i64>, shape: impl Into<Shape>, device: &Device) -> Tensor {
+    if device.target().dtypes.contains(DType::I64) {
+        Tensor::from_vec(ids, shape, device)
+    } else {
+        Tensor::from_vec(ids.into_iter().map(|i| i as i32).collect::<Vec<i32>>(), shape, device)
+    }
+}
+
 /// A small deterministic generator (xorshift64*) for windows and sampling.
 pub struct Rng(u64);
 
@@ -139,8 +149,7 @@ pub fn train(corpus: &Corpus, cfg: &Config, device: &Device, mut report: impl Fn
     let mut rng = Rng::new(1);
     for step in 0..cfg.steps {
         let (x, y) = corpus.batch(&mut rng, cfg.batch, cfg.context);
-        let loss = model
-            .loss(&Tensor::from_vec(x, [cfg.batch, cfg.context], device), &Tensor::from_vec(y, [cfg.batch], device));
+        let loss = model.loss(&ids_tensor(x, [cfg.batch, cfg.context], device), &ids_tensor(y, [cfg.batch], device));
         let grads = loss.backward()?;
         opt.update(&params, &grads);
         report(step, loss.item::<f32>()?);
@@ -152,9 +161,7 @@ pub fn train(corpus: &Corpus, cfg: &Config, device: &Device, mut report: impl Fn
 pub fn eval_loss(model: &CharLm, corpus: &Corpus, device: &Device) -> Result<f32> {
     let (x, y) = corpus.batch(&mut Rng::new(12345), 512, model.context);
     braid::no_grad(|| {
-        model
-            .loss(&Tensor::from_vec(x, [512, model.context], device), &Tensor::from_vec(y, [512], device))
-            .item::<f32>()
+        model.loss(&ids_tensor(x, [512, model.context], device), &ids_tensor(y, [512], device)).item::<f32>()
     })
 }
 
@@ -167,7 +174,7 @@ pub fn sample(model: &CharLm, corpus: &Corpus, device: &Device, prompt: &str, le
     let mut out = String::from(prompt);
     for _ in 0..length {
         let window = ids[ids.len() - model.context..].to_vec();
-        let logits = braid::no_grad(|| model.logits(&Tensor::from_vec(window, [1, model.context], device)));
+        let logits = braid::no_grad(|| model.logits(&ids_tensor(window, [1, model.context], device)));
         let logits = logits.to_vec::<f32>()?;
         let top = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let weights: Vec<f64> = logits.iter().map(|&l| (((l - top) / 0.8) as f64).exp()).collect();

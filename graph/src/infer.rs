@@ -67,11 +67,18 @@ pub fn select(cond: (&Shape, DType), a: (&Shape, DType), b: (&Shape, DType)) -> 
     Ok((broadcast("select", cond.0, &ab)?, a.1))
 }
 
+/// Misuse unless `dtype` is one an index kernel reads: i64, or i32 (the only one on devices
+/// without i64, such as wgpu).
+fn check_index(op: &str, dtype: DType) -> Result<(), String> {
+    match dtype {
+        DType::I64 | DType::I32 => Ok(()),
+        d => Err(format!("{op}: the index must be i64 or i32, got {d}")),
+    }
+}
+
 /// A gather along `dim` of `src` at `index` (see [`Op::Gather`](crate::Op::Gather)).
 pub fn gather(src: (&Shape, DType), index: (&Shape, DType), dim: usize) -> Inferred {
-    if index.1 != DType::I64 {
-        return Err(format!("gather: the index must be i64, got {}", index.1));
-    }
+    check_index("gather", index.1)?;
     let (s, i) = (src.0.dims(), index.0.dims());
     if dim >= s.len() || s.len() != i.len() || (0..s.len()).any(|d| d != dim && s[d] != i[d]) {
         return Err(format!(
@@ -85,9 +92,7 @@ pub fn gather(src: (&Shape, DType), index: (&Shape, DType), dim: usize) -> Infer
 /// An index selection along `dim` of `src` at `index` (see
 /// [`Op::IndexSelect`](crate::Op::IndexSelect)).
 pub fn index_select(src: (&Shape, DType), index: (&Shape, DType), dim: usize) -> Inferred {
-    if index.1 != DType::I64 {
-        return Err(format!("index_select: the index must be i64, got {}", index.1));
-    }
+    check_index("index_select", index.1)?;
     let s = src.0.dims();
     if dim >= s.len() {
         return Err(format!("index_select: dimension {dim} of a source of shape {}", src.0));
@@ -99,9 +104,7 @@ pub fn index_select(src: (&Shape, DType), index: (&Shape, DType), dim: usize) ->
 /// A scatter-add along `dim` of `src` at `index` into `base` (see
 /// [`Op::ScatterAdd`](crate::Op::ScatterAdd)).
 pub fn scatter_add(base: (&Shape, DType), index: (&Shape, DType), src: (&Shape, DType), dim: usize) -> Inferred {
-    if index.1 != DType::I64 {
-        return Err(format!("scatter_add: the index must be i64, got {}", index.1));
-    }
+    check_index("scatter_add", index.1)?;
     same_dtype("scatter_add", base.1, src.1)?;
     check_rule(DTypeRule::Numeric, "scatter_add", base.1)?;
     if matches!(base.1, DType::F16 | DType::BF16) {
@@ -151,6 +154,19 @@ pub fn reduce(op: ReduceOp, shape: &Shape, dtype: DType, dim: Option<usize>, kee
             Ok((shape.reduced(d, keepdim), out_dtype))
         }
     }
+}
+
+/// An argmax along `dim` (or over everything) whose positions are `index` (i64, or i32 on
+/// request: the dtype a device without i64 can hold), as [`reduce`] otherwise. An i32 result
+/// needs the positions to fit in it.
+pub fn argmax(shape: &Shape, dtype: DType, dim: Option<usize>, keepdim: bool, index: DType) -> Inferred {
+    check_index("argmax", index)?;
+    let (out, _) = reduce(ReduceOp::ArgMax, shape, dtype, dim, keepdim)?;
+    let positions = dim.map_or(shape.numel(), |d| shape.dims()[d]);
+    if index == DType::I32 && positions > i32::MAX as usize {
+        return Err(format!("argmax: {positions} positions do not fit in i32; ask for i64"));
+    }
+    Ok((out, index))
 }
 
 pub fn matmul(a: (&Shape, DType), b: (&Shape, DType)) -> Inferred {

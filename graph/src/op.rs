@@ -36,7 +36,8 @@ pub enum ReduceOp {
     Mean,
     Max,
     Min,
-    /// Index of the first maximum (NaN counts as the largest value); the result is `I64`.
+    /// Index of the first maximum (NaN counts as the largest value); the result is the node's
+    /// dtype, `I64` or `I32` (kernels find it as an i64 and convert it when they store it).
     ArgMax,
 }
 
@@ -60,7 +61,8 @@ pub enum Op {
     Input,
     /// Every element equal to a constant.
     Full(Scalar),
-    /// `start, start + 1, ...` along the single dimension (I64).
+    /// `start, start + 1, ...` along the single dimension, computed as i64 and converted to the
+    /// node's dtype (I64 unless asked otherwise).
     Arange {
         start: i64,
     },
@@ -116,20 +118,20 @@ pub enum Op {
         dim: usize,
     },
     /// `out[p] = src[p with dimension `dim` replaced by index[p]]`: inputs `[src, index]`, the
-    /// index `I64` with the node's shape, which equals the source's along every other
+    /// index `I64` or `I32` with the node's shape, which equals the source's along every other
     /// dimension. An index outside `0..src.dims[dim]` reads zero (every dtype's zero bits).
     Gather {
         dim: usize,
     },
     /// `out[pre.., i.., post..] = src[pre.., index[i..], post..]`: inputs `[src, index]`, the
-    /// index `I64` of any shape, the result the source's shape with dimension `dim` replaced by
+    /// index `I64` or `I32` of any shape, the result the source's shape with dimension `dim` replaced by
     /// the index's dimensions (`index_select`, `embedding`). An index outside
     /// `0..src.dims[dim]` reads zero.
     IndexSelect {
         dim: usize,
     },
     /// `base` plus, at each element, the sum in order along `dim` of the `src` elements whose
-    /// index names it: inputs `[base, index, src]`, the index `I64` of the source's shape, which
+    /// index names it: inputs `[base, index, src]`, the index `I64` or `I32` of the source's shape, which
     /// equals the base's along every other dimension (`scatter_add`). An index outside
     /// `0..base.dims[dim]` adds nothing.
     ScatterAdd {

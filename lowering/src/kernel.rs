@@ -130,10 +130,10 @@ pub struct MatmulKernel {
 /// `p` reads the index `j = index[p]`, then the source element at `src`'s position for `p` plus
 /// `j * along`, or zero (every dtype's zero bits) where `j` is outside `0..extent`. Both loads
 /// are views over `dims` (the source's with stride 0 where the output's dimensions are the
-/// index's, the index's with stride 0 where they are the source's); the index is `I64`; the
-/// output (argument `out`) is contiguous. Elements are moved whole, never converted, so one
-/// kernel serves every dtype, and the work is one read of the index and one of the source per
-/// element, however long the gathered dimension.
+/// index's, the index's with stride 0 where they are the source's); the index is `I64` or
+/// `I32`; the output (argument `out`) is contiguous. Elements are moved whole, never
+/// converted, so one kernel serves every dtype, and the work is one read of the index and one
+/// of the source per element, however long the gathered dimension.
 #[derive(Clone, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
 pub struct GatherKernel {
     pub dims: SmallVec<[usize; 4]>,
@@ -149,12 +149,12 @@ impl GatherKernel {
         self.dims.iter().product()
     }
 
-    /// The checks every target runs before touching memory: the index is `I64`, both views are
-    /// over `dims`, the output has the source's dtype and the output's length, and every view
-    /// lies within its argument (the source's at every index in `0..extent`).
+    /// The checks every target runs before touching memory: the index is `I64` or `I32`, both
+    /// views are over `dims`, the output has the source's dtype and the output's length, and
+    /// every view lies within its argument (the source's at every index in `0..extent`).
     pub fn check(&self, arg: impl Fn(u16) -> Option<(DType, usize)>) -> Result<(), String> {
-        if self.index.dtype != DType::I64 {
-            return Err(format!("a gather's index is {}, not i64", self.index.dtype));
+        if !matches!(self.index.dtype, DType::I64 | DType::I32) {
+            return Err(format!("a gather's index is {}, not i64 or i32", self.index.dtype));
         }
         let views = [&self.src.view, &self.index.view];
         if views.iter().any(|v| v.strides.len() != v.dims.len()) || [self.src.arg, self.index.arg].contains(&self.out) {
@@ -228,8 +228,8 @@ impl ScatterKernel {
         if !matches!(dtype, DType::F32 | DType::F64 | DType::I32 | DType::I64 | DType::U8) || base_dtype != dtype {
             return Err(format!("a scatter-add of {dtype} into {base_dtype}"));
         }
-        if self.index.dtype != DType::I64 {
-            return Err(format!("a scatter-add's index is {}, not i64", self.index.dtype));
+        if !matches!(self.index.dtype, DType::I64 | DType::I32) {
+            return Err(format!("a scatter-add's index is {}, not i64 or i32", self.index.dtype));
         }
         let loads = [Some(&self.src), Some(&self.index), self.base.as_ref()].into_iter().flatten();
         if loads.clone().any(|l| l.view.strides.len() != l.view.dims.len() || l.arg == self.out) {

@@ -11,7 +11,7 @@ use crate::kernel::{
 };
 use braid_fusion::{Fusion, Segment, SegmentKind};
 use braid_graph::expr::{Distribution, ExprBuilder, ExprId};
-use braid_graph::{DType, FlushGraph, Op, Shape, ValueRef, View};
+use braid_graph::{DType, FlushGraph, Op, ReduceOp, Shape, ValueRef, View};
 use smallvec::SmallVec;
 
 /// What a read of a value amounts to once folding is resolved.
@@ -154,7 +154,8 @@ impl<'a> Lowering<'a> {
             Op::Arange { start } => {
                 let idx = b.index();
                 let s = b.int_constant(*start, DType::I64);
-                b.add(idx, s)
+                let at = b.add(idx, s);
+                if node.dtype == DType::I64 { at } else { b.cast(node.dtype, at) }
             }
             Op::Rand { lo, hi, seed } => {
                 let idx = b.index();
@@ -261,7 +262,11 @@ impl<'a> Lowering<'a> {
                 Op::Reduce { op, .. } => {
                     let x = self.operands(seg, &mut bld, &map, i, &|v, _| v.broadcast_to(full));
                     let r = bld.b.reduce(op, x[0]);
-                    round_half(&mut bld.b, g.nodes[i].dtype, r)
+                    match op {
+                        // Positions are found as i64; an I32 argmax converts them as it stores.
+                        ReduceOp::ArgMax if g.nodes[i].dtype != DType::I64 => bld.b.cast(g.nodes[i].dtype, r),
+                        _ => round_half(&mut bld.b, g.nodes[i].dtype, r),
+                    }
                 }
                 _ => {
                     let x = self.operands(seg, &mut bld, &map, i, &to_full);

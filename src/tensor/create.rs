@@ -74,11 +74,32 @@ impl Tensor {
         Tensor::full(shape, 1.0, dtype, device)
     }
 
-    /// `start, start + 1, ..., end - 1` as I64 (empty when `end <= start`).
+    /// `start, start + 1, ..., end - 1` as I64 (empty when `end <= start`). On a device without
+    /// i64 (wgpu), ask for i32 with [`arange_as`](Tensor::arange_as).
     #[track_caller]
     pub fn arange(start: i64, end: i64, device: &Device) -> Tensor {
+        let operands = [("start", start.to_string()), ("end", end.to_string())];
+        super::indexing::needs_i64("arange", "arange_as(start, end, DType::I32, device)", device, &operands);
+        Tensor::arange_as(start, end, DType::I64, device)
+    }
+
+    /// `start, start + 1, ..., end - 1` in `dtype` (empty when `end <= start`): computed as
+    /// i64 in the kernel and converted as stored (integers wrap, floats round to nearest), so
+    /// `DType::I32` positions need no i64 tensor (what wgpu holds).
+    ///
+    /// ```
+    /// use braid::prelude::*;
+    /// let cpu = Device::cpu();
+    /// let at = Tensor::arange_as(2, 6, DType::I32, &cpu);
+    /// assert_eq!(at.to_vec::<i32>().unwrap(), vec![2, 3, 4, 5]);
+    /// ```
+    #[track_caller]
+    pub fn arange_as(start: i64, end: i64, dtype: DType, device: &Device) -> Tensor {
+        if !dtype.is_numeric() {
+            misuse("arange", &format!("needs a numeric dtype, got {dtype}"), &[("start", start.to_string())]);
+        }
         let len = end.saturating_sub(start).max(0) as usize;
-        Tensor::record(Op::Arange { start }, DType::I64, Shape::from([len]), device, &[])
+        Tensor::record(Op::Arange { start }, dtype, Shape::from([len]), device, &[])
     }
 
     /// Uniform on `[lo, hi)`, from the device's seeded generator (see [`Device::seed`]).

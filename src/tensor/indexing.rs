@@ -18,6 +18,12 @@
 //! as a **one-hot reduction** (a comparison with the class numbers, a select and a sum) in the
 //! row its softmax reads anyway.
 //!
+//! # Index dtypes
+//! Indices may be i64, i32 or u8 on every device; kernels read i64 and i32 as they are (u8 is
+//! converted to i32 first). A device without i64 (wgpu) holds i32: there `argmin_dim_as`,
+//! `argmax_dim_as` and `arange_as` give i32 positions, and `cross_entropy` compares its target
+//! with class numbers in the target's own dtype, so no i64 tensor is ever made.
+//!
 //! # Indices out of range
 //! Kernels cannot stop a flush for a bad index, and a read from outside a buffer is undefined
 //! behaviour, so an index outside `0..n` matches no `j`: a gather reads **0** there and a
@@ -28,30 +34,30 @@
 use super::{Dim, Tensor, inferred, misuse, same_device};
 use braid_graph::{DType, Op, infer};
 
-/// Misuse of `op` on a device that cannot hold i64 (wgpu): the gather and scatter kernels read
-/// i64 indices, `cross_entropy` compares them with an i64 `arange` and `argmin_dim` gives i64.
+/// Misuse of `op`, whose result is i64, on a device that cannot hold i64 (wgpu), pointing to
+/// the variant that gives i32 (`instead`); `operands` name what it was called on.
 #[track_caller]
-fn needs_i64(op: &str, operands: &[(&str, &Tensor)]) {
-    let device = operands[0].1.device();
+pub(super) fn needs_i64(op: &str, instead: &str, device: &crate::Device, operands: &[(&str, String)]) {
     if !device.target().dtypes.contains(DType::I64) {
-        let problem = format!(
-            "{} has no i64, which {op} needs (its kernels read indices as i64); run it on a device with i64 (the CPU, CUDA)",
-            device.name()
-        );
-        misuse(op, &problem, &describe(operands));
+        let problem = format!("{} has no i64, which {op} gives; ask for i32 with {instead}", device.name());
+        misuse(op, &problem, operands);
     }
 }
 
 impl Tensor {
-    /// Misuse of `op` unless `index` is an integer tensor; returns it as I64 (what the gather and
-    /// scatter kernels read).
+    /// Misuse of `op` unless `index` is an integer tensor; returns it as the gather and scatter
+    /// kernels read it: i64 and i32 as they are (i32 is what a device without i64, such as
+    /// wgpu, holds), u8 as i32.
     #[track_caller]
-    fn index_i64(op: &str, index: &Tensor, operands: &[(&str, &Tensor)]) -> Tensor {
-        if !index.dtype().is_int() {
-            let problem = format!("the index must be an integer tensor (i64, i32 or u8), not {}", index.dtype());
-            misuse(op, &problem, &describe(operands));
+    fn index_of(op: &str, index: &Tensor, operands: &[(&str, &Tensor)]) -> Tensor {
+        match index.dtype() {
+            DType::I64 | DType::I32 => index.clone(),
+            DType::U8 => index.to_dtype(DType::I32),
+            d => {
+                let problem = format!("the index must be an integer tensor (i64, i32 or u8), not {d}");
+                misuse(op, &problem, &describe(operands))
+            }
         }
-        if index.dtype() == DType::I64 { index.clone() } else { index.to_dtype(DType::I64) }
     }
 
     /// `out[i][j][k] = self[index[i][j][k]][j][k]` for `dim = 0` (and so on for the others),
@@ -70,7 +76,6 @@ impl Tensor {
     pub fn gather(&self, dim: impl Dim, index: &Tensor) -> Tensor {
         let operands = [("x", self), ("index", index)];
         same_device("gather", &operands);
-        needs_i64("gather", &operands);
         let dim = self.dim("gather", dim);
         let fits =
             index.rank() == self.rank() && (0..self.rank()).all(|d| d == dim || index.dims()[d] <= self.dims()[d]);
@@ -79,11 +84,11 @@ impl Tensor {
                 format!("the index must have the tensor's rank and, along every dimension but {dim}, at most its size");
             misuse("gather", &problem, &describe(&operands));
         }
-        let index = Tensor::index_i64("gather", index, &operands);
+        let index = Tensor::index_of("gather", index, &operands);
         self.gather_unchecked(dim, &index)
     }
 
-    /// The gather kernel behind `gather`, `index_select` and `embedding`; `index` is I64 and
+    /// The gather kernel behind `gather`, `index_select` and `embedding`; `index` is I64 or I32 and
     /// fits (see `gather`).
     #[track_caller]
     fn gather_unchecked(&self, dim: usize, index: &Tensor) -> Tensor {
@@ -107,16 +112,15 @@ impl Tensor {
     pub fn index_select(&self, dim: impl Dim, index: &Tensor) -> Tensor {
         let operands = [("x", self), ("index", index)];
         same_device("index_select", &operands);
-        needs_i64("index_select", &operands);
         let dim = self.dim("index_select", dim);
         if index.rank() != 1 {
             misuse("index_select", "the index must be one-dimensional", &describe(&operands));
         }
-        let index = Tensor::index_i64("index_select", index, &operands);
+        let index = Tensor::index_of("index_select", index, &operands);
         self.index_select_unchecked(dim, &index)
     }
 
-    /// The gather kernel behind `index_select` and `embedding`: `index` is I64, of any shape.
+    /// The gather kernel behind `index_select` and `embedding`: `index` is I64 or I32, of any shape.
     #[track_caller]
     fn index_select_unchecked(&self, dim: usize, index: &Tensor) -> Tensor {
         let operands = [("x", self), ("index", index)];
@@ -144,11 +148,10 @@ impl Tensor {
     pub fn embedding(&self, weight: &Tensor) -> Tensor {
         let operands = [("ids", self), ("weight", weight)];
         same_device("embedding", &operands);
-        needs_i64("embedding", &operands);
         if weight.rank() != 2 {
             misuse("embedding", "the weight must be [vocabulary, features]", &describe(&operands));
         }
-        let ids = Tensor::index_i64("embedding", self, &operands);
+        let ids = Tensor::index_of("embedding", self, &operands);
         weight.index_select_unchecked(0, &ids)
     }
 
@@ -171,7 +174,6 @@ impl Tensor {
     pub fn scatter_add(&self, dim: impl Dim, index: &Tensor, src: &Tensor) -> Tensor {
         let operands = [("x", self), ("index", index), ("src", src)];
         same_device("scatter_add", &operands);
-        needs_i64("scatter_add", &operands);
         let dim = self.dim("scatter_add", dim);
         let rank = self.rank();
         if !self.dtype().is_numeric() || src.dtype() != self.dtype() {
@@ -184,7 +186,7 @@ impl Tensor {
             let problem = format!("index and src must have one shape, equal to x's along every dimension but {dim}");
             misuse("scatter_add", &problem, &describe(&operands));
         }
-        let index = Tensor::index_i64("scatter_add", index, &operands);
+        let index = Tensor::index_of("scatter_add", index, &operands);
         if matches!(self.dtype(), DType::F16 | DType::BF16) {
             // Summed in f32 and rounded once, as a reduction of halves is.
             let sums = self.to_dtype(DType::F32).scatter_add(dim, &index, &src.to_dtype(DType::F32));
@@ -205,12 +207,28 @@ impl Tensor {
 
     /// Index (I64) of the first minimum along `dim`; a NaN counts as the minimum (as
     /// `argmax_dim`, whose kernel it shares: the first maximum of an order-reversed copy,
-    /// `-x` for floats and `-1 - x` for integers, which never overflows).
+    /// `-x` for floats and `-1 - x` for integers, which never overflows). On a device without
+    /// i64 (wgpu), ask for i32 with [`argmin_dim_as`](Tensor::argmin_dim_as).
     #[track_caller]
     pub fn argmin_dim(&self, dim: impl Dim, keepdim: bool) -> Tensor {
-        needs_i64("argmin_dim", &[("x", self)]);
+        needs_i64("argmin_dim", "argmin_dim_as(dim, keepdim, DType::I32)", self.device(), &[("x", self.describe())]);
+        self.argmin_dim_as(dim, keepdim, DType::I64)
+    }
+
+    /// [`argmin_dim`](Tensor::argmin_dim) with the positions in `index`: `DType::I64`, or
+    /// `DType::I32` (what wgpu holds; the positions must fit in it).
+    ///
+    /// ```
+    /// use braid::prelude::*;
+    /// let cpu = Device::cpu();
+    /// let x = Tensor::from_vec(vec![3.0f32, 1.0, 2.0, 0.5, 4.0, 0.5], [2, 3], &cpu);
+    /// let at = x.argmin_dim_as(1, false, DType::I32);
+    /// assert_eq!(at.to_vec::<i32>().unwrap(), vec![1, 0]);
+    /// ```
+    #[track_caller]
+    pub fn argmin_dim_as(&self, dim: impl Dim, keepdim: bool, index: DType) -> Tensor {
         if let Some(row) = self.scalar_as_row(dim) {
-            return row.argmin_dim(0, false);
+            return row.argmin_dim_as(0, false, index);
         }
         let dim = self.dim("argmin_dim", dim);
         let reversed = match self.dtype() {
@@ -222,7 +240,7 @@ impl Tensor {
                 misuse("argmin_dim", &problem, &[("x", self.describe())])
             }
         };
-        reversed.argmax_dim(dim, keepdim)
+        reversed.argmax_dim_as(dim, keepdim, index)
     }
 
     /// Mean cross-entropy of `target` classes under these logits: `logits` is `[.., classes]`
@@ -237,18 +255,18 @@ impl Tensor {
     pub fn cross_entropy(&self, target: &Tensor) -> Tensor {
         let operands = [("logits", self), ("target", target)];
         same_device("cross_entropy", &operands);
-        needs_i64("cross_entropy", &operands);
         let rank = self.rank();
         if !self.dtype().is_float() || rank == 0 || target.dims() != &self.dims()[..rank - 1] {
             let problem = "the logits must be floats of shape [.., classes] and the target their shape without the \
                            last dimension";
             misuse("cross_entropy", problem, &describe(&operands));
         }
-        let target = Tensor::index_i64("cross_entropy", target, &operands);
+        let target = Tensor::index_of("cross_entropy", target, &operands);
         let classes = self.dims()[rank - 1];
         // Recorded first, so that fusion grows one row kernel from the comparison on (the
         // class numbers are a kernel of their own before it).
-        let hit = target.unsqueeze(rank - 1).eq(&Tensor::arange(0, classes as i64, self.device()));
+        let classes = Tensor::arange_as(0, classes as i64, target.dtype(), self.device());
+        let hit = target.unsqueeze(rank - 1).eq(&classes);
         // f16 and bf16 logits in f32, as in `log_softmax`.
         self.in_f32(|x| {
             // The maximum only shifts the exponentials; the loss does not depend on it.

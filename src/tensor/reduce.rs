@@ -80,14 +80,41 @@ impl Tensor {
         self.reduce(ReduceOp::Min, Some(dim), keepdim)
     }
 
-    /// Index (I64) of the first maximum along `dim`; a NaN counts as the maximum.
+    /// Index (I64) of the first maximum along `dim`; a NaN counts as the maximum. On a device
+    /// without i64 (wgpu), ask for i32 with [`argmax_dim_as`](Tensor::argmax_dim_as).
     #[track_caller]
     pub fn argmax_dim(&self, dim: impl Dim, keepdim: bool) -> Tensor {
+        let operands = [("x", self.describe())];
+        super::indexing::needs_i64("argmax_dim", "argmax_dim_as(dim, keepdim, DType::I32)", self.device(), &operands);
+        self.argmax_dim_as(dim, keepdim, DType::I64)
+    }
+
+    /// [`argmax_dim`](Tensor::argmax_dim) with the positions in `index`: `DType::I64`, or
+    /// `DType::I32` (what wgpu holds; the positions must fit in it). Kernels find the position
+    /// as an i64 and convert it as they store it, so no i64 tensor is ever made.
+    ///
+    /// ```
+    /// use braid::prelude::*;
+    /// let cpu = Device::cpu();
+    /// let x = Tensor::from_vec(vec![3.0f32, 1.0, 2.0, 0.5, 4.0, 4.0], [2, 3], &cpu);
+    /// let at = x.argmax_dim_as(1, false, DType::I32);
+    /// assert_eq!(at.to_vec::<i32>().unwrap(), vec![0, 1]);
+    /// ```
+    #[track_caller]
+    pub fn argmax_dim_as(&self, dim: impl Dim, keepdim: bool, index: DType) -> Tensor {
         if let Some(row) = self.scalar_as_row(dim) {
-            return row.argmax_dim(0, false);
+            return row.argmax_dim_as(0, false, index);
         }
         let dim = self.dim("argmax_dim", dim);
-        self.reduce(ReduceOp::ArgMax, Some(dim), keepdim)
+        let r = infer::argmax(self.shape(), self.dtype(), Some(dim), keepdim, index);
+        let (shape, dtype) = inferred("argmax_dim", r, &[("x", self)]);
+        Tensor::record(
+            Op::Reduce { op: ReduceOp::ArgMax, dim: Some(dim), keepdim },
+            dtype,
+            shape,
+            self.device(),
+            &[self],
+        )
     }
 
     /// Matrix product `[.., m, k] x [.., k, n] -> [.., m, n]`; batch dimensions broadcast.

@@ -119,7 +119,10 @@ pub fn call(op: &Op, inputs: &[&Tensor], shape: &Shape, dtype: DType, dev: &Devi
         Op::Input | Op::Event => unreachable!("leaves are data; events carry no data"),
         Op::Collective(_) => unreachable!("random programs run on one device; tests/dist.rs checks collectives"),
         Op::Full(v) => Tensor::full(shape.clone(), v.0, dtype, dev),
-        Op::Arange { start } => Tensor::arange(*start, *start + shape.numel() as i64, dev),
+        Op::Arange { start } if dtype == DType::I64 && variant.is_multiple_of(2) => {
+            Tensor::arange(*start, *start + shape.numel() as i64, dev)
+        }
+        Op::Arange { start } => Tensor::arange_as(*start, *start + shape.numel() as i64, dtype, dev),
         Op::Rand { lo, hi, .. } => Tensor::rand(shape.clone(), lo.0, hi.0, dtype, dev),
         Op::Randn { .. } => Tensor::randn(shape.clone(), dtype, dev),
         Op::Unary(u) => inputs[0].unary(*u),
@@ -163,7 +166,10 @@ pub fn call(op: &Op, inputs: &[&Tensor], shape: &Shape, dtype: DType, dev: &Devi
                 (ReduceOp::Mean, Some(d)) => x.mean_dim(*d, *keepdim),
                 (ReduceOp::Max, Some(d)) => x.max_dim(*d, *keepdim),
                 (ReduceOp::Min, Some(d)) => x.min_dim(*d, *keepdim),
-                (ReduceOp::ArgMax, Some(d)) => x.argmax_dim(*d, *keepdim),
+                (ReduceOp::ArgMax, Some(d)) if dtype == DType::I64 && variant.is_multiple_of(2) => {
+                    x.argmax_dim(*d, *keepdim)
+                }
+                (ReduceOp::ArgMax, Some(d)) => x.argmax_dim_as(*d, *keepdim, dtype),
                 (op, None) => unreachable!("the API has no {op:?} over everything"),
             }
         }

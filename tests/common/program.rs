@@ -390,11 +390,15 @@ impl Gen<'_> {
                     return Ok(());
                 }
                 let keepdim = self.rng.chance(0.5);
-                self.add(
-                    Op::Reduce { op, dim, keepdim: keepdim && !all },
-                    infer::reduce(op, &shape, dtype, dim, keepdim && !all),
-                    &[x],
-                );
+                let inferred = match op {
+                    // Positions in i64 or i32 (`argmax_dim_as`).
+                    ReduceOp::ArgMax => {
+                        let index = *self.rng.pick(&[DType::I64, DType::I32]);
+                        infer::argmax(&shape, dtype, dim, keepdim, index)
+                    }
+                    _ => infer::reduce(op, &shape, dtype, dim, keepdim && !all),
+                };
+                self.add(Op::Reduce { op, dim, keepdim: keepdim && !all }, inferred, &[x]);
             }
             76..=80 => self.matmul(x, dtype, &shape),
             81..=89 => self.movement(x, dtype, &shape),
@@ -423,8 +427,8 @@ impl Gen<'_> {
                 self.h.drop_tensor(x);
                 self.live.retain(|&i| i != x);
             }
-            // The indexing ops read indices as i64, which wgpu lacks (refused at the call).
-            100..=105 if self.h.dev.target().dtypes.contains(DType::I64) => self.indexing(x, dtype, &shape),
+            // Indices in every integer dtype the device holds (i32 and u8 on wgpu).
+            100..=105 => self.indexing(x, dtype, &shape),
             _ => {}
         }
         Ok(())
@@ -442,7 +446,9 @@ impl Gen<'_> {
             1 => {
                 let start = self.rng.below(21) as i64 - 10;
                 let len = self.rng.below(8);
-                self.add(Op::Arange { start }, Ok((Shape::from([len]), DType::I64)), &[]);
+                // `arange` (i64) or `arange_as` another numeric dtype.
+                let dtype = *self.rng.pick(&[DType::I64, DType::I64, DType::I32, DType::F32, DType::U8]);
+                self.add(Op::Arange { start }, Ok((Shape::from([len]), dtype)), &[]);
             }
             r if dtype.is_float() && self.seeds.is_some() => {
                 let seed = self.seeds.as_mut().expect("checked").next();

@@ -2,7 +2,8 @@
 //! `scatter_add`, `argmin_dim` and `cross_entropy` recorded through braid's API, mirrored by
 //! the reference's direct definitions ([`IndexOp`]) or, for cross-entropy, its textbook
 //! formula one op at a time. Indices are random, about one in eight outside `0..n` (braid
-//! reads 0 / adds nothing there), in a random integer dtype.
+//! reads 0 / adds nothing there), in a random integer dtype the device holds (i32 and u8 on
+//! wgpu); `argmin_dim` gives i64 or, through `argmin_dim_as`, i32.
 
 use super::Gen;
 use braid::prelude::*;
@@ -94,10 +95,14 @@ impl Gen<'_> {
                 if n == 0 || !dtype.is_numeric() {
                     return;
                 }
-                let t = self.call(&[x], |t| t[0].argmin_dim(dim, keepdim));
+                let index = *self.rng.pick(&self.index_dtypes(&[DType::I64, DType::I32]));
+                let t = match index {
+                    DType::I64 if self.rng.chance(0.5) => self.call(&[x], |t| t[0].argmin_dim(dim, keepdim)),
+                    _ => self.call(&[x], |t| t[0].argmin_dim_as(dim, keepdim, index)),
+                };
                 let node = ProgNode::Indexing {
                     op: IndexOp::ArgMin { dim, keepdim },
-                    dtype: DType::I64,
+                    dtype: index,
                     shape: Shape::from(out),
                     inputs: vec![x],
                 };
@@ -148,7 +153,7 @@ impl Gen<'_> {
     /// A leaf of random indices for a dimension of size `n`, in a random integer dtype; about
     /// one in eight is out of range (-1 or `n`, or 255 as u8).
     fn index_leaf(&mut self, shape: Shape, n: usize) -> usize {
-        let dtype = *self.rng.pick(&[DType::I64, DType::I32, DType::U8]);
+        let dtype = *self.rng.pick(&self.index_dtypes(&[DType::I64, DType::I32, DType::U8]));
         let values = (0..shape.numel())
             .map(|_| {
                 if n == 0 || self.rng.chance(0.125) {
@@ -164,6 +169,11 @@ impl Gen<'_> {
         let leaf = self.h.data(dtype, shape, values);
         self.live.push(leaf);
         leaf
+    }
+
+    /// Those of `dtypes` the device holds (wgpu: no i64).
+    fn index_dtypes(&self, dtypes: &[DType]) -> Vec<DType> {
+        dtypes.iter().copied().filter(|&d| self.h.dev.target().dtypes.contains(d)).collect()
     }
 
     /// The reference's copy of `index` reshaped to `at` and expanded to `out` (as braid does

@@ -5,7 +5,7 @@
 //! where an output dimension is the index's alone (an index select), and the gathered dimension
 //! anywhere in its layout (`along` the largest stride, the smallest, negative, now and then 0);
 //! the index through a view with an offset and stride 0 where an output dimension is the
-//! source's alone (an embedding's expanded ids). Index values are in `-2..extent + 2`, now and
+//! source's alone (an embedding's expanded ids), in i64 or i32. Index values are in `-2..extent + 2`, now and
 //! then far outside, so reads out of range on both sides (zero bits) happen. Sources are random
 //! bits (no element all zero; floats also NaNs with random payloads); outputs start as random
 //! bits too, and are compared with the CPU's byte for byte ([`differ`]).
@@ -30,6 +30,15 @@ enum Role {
     Both,
     /// Neither: every element along it is the same.
     Neither,
+}
+
+/// Index values as the bytes of an index argument of `dtype` (i64, or i32: far-out values wrap,
+/// and the CPU reads the same bits).
+pub(super) fn index_bytes(dtype: DType, values: &[i64]) -> Vec<u8> {
+    match dtype {
+        DType::I32 => values.iter().flat_map(|&j| (j as i32).to_le_bytes()).collect(),
+        _ => values.iter().flat_map(|j| j.to_le_bytes()).collect(),
+    }
 }
 
 /// A random layout of `dims`: strides in a random order (a transpose), some dimensions padded,
@@ -130,12 +139,13 @@ pub(crate) fn gather_case(rng: &mut Rng, n: usize) -> Case {
     let (index_strides, index_offset, index_len) = layout(rng, &dims, &zero);
     let numel: usize = dims.iter().product();
     let (src_arg, index_arg) = if rng.chance(0.3) { (1, 0) } else { (0, 1) };
-    let label = format!("gather {n} ({d}, dims {dims:?}, roles {roles:?}, extent {extent}, along {along})");
-    let mut c = new_case(label, 2, Body::Map(vec![]));
+    let mut c = new_case(String::new(), 2, Body::Map(vec![]));
     let src = (Arg { dtype: d, len: src_len }, random_bits(rng, d, src_len));
     let index_values = random_index(rng, extent, index_len);
-    let index =
-        (Arg { dtype: DType::I64, len: index_len }, index_values.iter().flat_map(|j| j.to_le_bytes()).collect());
+    let index_dtype = if rng.chance(0.5) { DType::I64 } else { DType::I32 };
+    c.label =
+        format!("gather {n} ({d} at {index_dtype}, dims {dims:?}, roles {roles:?}, extent {extent}, along {along})");
+    let index = (Arg { dtype: index_dtype, len: index_len }, index_bytes(index_dtype, &index_values));
     let inputs = if src_arg == 0 { [src, index] } else { [index, src] };
     for (arg, init) in inputs {
         c.kernel.args.push(arg);
@@ -149,7 +159,7 @@ pub(crate) fn gather_case(rng: &mut Rng, n: usize) -> Case {
         src: Load { arg: src_arg, dtype: d, view: view(&src_strides, src_offset) },
         along,
         extent,
-        index: Load { arg: index_arg, dtype: DType::I64, view: view(&index_strides, index_offset) },
+        index: Load { arg: index_arg, dtype: index_dtype, view: view(&index_strides, index_offset) },
         out: 2,
     };
     let args = &c.kernel.args;
@@ -162,11 +172,11 @@ pub(crate) fn gather_case(rng: &mut Rng, n: usize) -> Case {
 /// The index values a gather reads, one per output element.
 fn read_indices(c: &Case) -> Vec<i64> {
     let Body::Gather(g) = &c.kernel.body else { unreachable!("a gather case") };
-    index_values(&c.init[g.index.arg as usize], &g.dims, &g.index.view)
+    index_values(&c.init[g.index.arg as usize], g.index.dtype, &g.dims, &g.index.view)
 }
 
-/// The i64 values `view` reads from `bytes` over `dims`, row-major.
-pub(super) fn index_values(bytes: &[u8], dims: &[usize], view: &View) -> Vec<i64> {
+/// The values (i64, or i32 by `dtype`) `view` reads from `bytes` over `dims`, row-major.
+pub(super) fn index_values(bytes: &[u8], dtype: DType, dims: &[usize], view: &View) -> Vec<i64> {
     let mut at = vec![0usize; dims.len()];
     (0..dims.iter().product())
         .map(|p| {
@@ -175,8 +185,11 @@ pub(super) fn index_values(bytes: &[u8], dims: &[usize], view: &View) -> Vec<i64
                 at[d] = rest % dims[d];
                 rest /= dims[d];
             }
-            let o = view.offset_of(&at) as usize * 8;
-            i64::from_le_bytes(bytes[o..o + 8].try_into().unwrap())
+            let o = view.offset_of(&at) as usize * dtype.size();
+            match dtype {
+                DType::I32 => i32::from_le_bytes(bytes[o..o + 4].try_into().unwrap()) as i64,
+                _ => i64::from_le_bytes(bytes[o..o + 8].try_into().unwrap()),
+            }
         })
         .collect()
 }

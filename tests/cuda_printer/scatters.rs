@@ -17,6 +17,7 @@
 
 use super::cases::{Case, new_case};
 use super::common::Rng;
+use super::gathers::index_bytes;
 use braid_graph::DType;
 use braid_lowering::{Arg, Body, Load, ScatterKernel, View};
 
@@ -133,7 +134,8 @@ pub(crate) fn scatter_case(rng: &mut Rng, n: usize) -> Case {
         index_view.strides.as_slice(),
         index_view.offset,
     );
-    let mut c = new_case(label, inputs.len(), Body::Map(vec![]));
+    let index_dtype = if rng.chance(0.5) { DType::I64 } else { DType::I32 };
+    let mut c = new_case(format!("{label} at {index_dtype}"), inputs.len(), Body::Map(vec![]));
     for &input in &inputs {
         let (arg, init) = match input {
             Input::Source => {
@@ -142,7 +144,7 @@ pub(crate) fn scatter_case(rng: &mut Rng, n: usize) -> Case {
             }
             Input::Index => {
                 let values = random_index(rng, out_dims[dim], index_len);
-                (Arg { dtype: DType::I64, len: index_len }, values.iter().flat_map(|j| j.to_le_bytes()).collect())
+                (Arg { dtype: index_dtype, len: index_len }, index_bytes(index_dtype, &values))
             }
             Input::Base => (Arg { dtype: d, len: base_len }, random_elements(rng, d, base_len)),
         };
@@ -156,7 +158,7 @@ pub(crate) fn scatter_case(rng: &mut Rng, n: usize) -> Case {
         dims: dims.as_slice().into(),
         dim,
         src: Load { arg: arg_of(Input::Source), dtype: d, view: src_view },
-        index: Load { arg: arg_of(Input::Index), dtype: DType::I64, view: index_view },
+        index: Load { arg: arg_of(Input::Index), dtype: index_dtype, view: index_view },
         base,
         out_dims: out_dims.as_slice().into(),
         out: inputs.len() as u16,
@@ -170,7 +172,7 @@ pub(crate) fn scatter_case(rng: &mut Rng, n: usize) -> Case {
 
 /// The index values a scatter-add reads, one per source element (row-major over `dims`).
 fn read_indices(c: &Case, s: &ScatterKernel) -> Vec<i64> {
-    super::gathers::index_values(&c.init[s.index.arg as usize], &s.dims, &s.index.view)
+    super::gathers::index_values(&c.init[s.index.arg as usize], s.index.dtype, &s.dims, &s.index.view)
 }
 
 /// The most source elements that add to one output element.

@@ -9,6 +9,7 @@
 //! never allocates device memory.
 
 use super::map::{ArgPtr, Shared, in_tasks, position, unravel};
+use braid_graph::DType;
 use braid_lowering::GatherKernel;
 
 /// Runs one gather. `args` must match the kernel's argument list.
@@ -26,24 +27,30 @@ pub fn run_gather(g: &GatherKernel, args: &[ArgPtr]) -> Result<(), String> {
         return Ok(());
     }
     let shared = Shared(args);
+    let wide = g.index.dtype == DType::I64;
     in_tasks(numel, |start, end| {
-        match g.src.dtype.size() {
-            1 => run_range::<u8>(g, shared, start, end),
-            2 => run_range::<u16>(g, shared, start, end),
-            4 => run_range::<u32>(g, shared, start, end),
-            _ => run_range::<u64>(g, shared, start, end),
+        match (g.src.dtype.size(), wide) {
+            (1, true) => run_range::<u8, i64>(g, shared, start, end),
+            (2, true) => run_range::<u16, i64>(g, shared, start, end),
+            (4, true) => run_range::<u32, i64>(g, shared, start, end),
+            (_, true) => run_range::<u64, i64>(g, shared, start, end),
+            (1, false) => run_range::<u8, i32>(g, shared, start, end),
+            (2, false) => run_range::<u16, i32>(g, shared, start, end),
+            (4, false) => run_range::<u32, i32>(g, shared, start, end),
+            (_, false) => run_range::<u64, i32>(g, shared, start, end),
         }
         Ok(())
     })
 }
 
-/// Output indices `start..end`, whose elements are `T`s.
-fn run_range<T: Copy + Default>(g: &GatherKernel, args: Shared<'_>, start: usize, end: usize) {
+/// Output indices `start..end`, whose elements are `T`s, read at indices of type `I` (i64 or
+/// i32, as `check` allows).
+fn run_range<T: Copy + Default, I: Copy + Into<i64>>(g: &GatherKernel, args: Shared<'_>, start: usize, end: usize) {
     let dims = &g.dims;
     let rank = dims.len();
     let (src_view, index_view) = (&g.src.view, &g.index.view);
     let src = args.0[g.src.arg as usize].ptr as *const T;
-    let index = args.0[g.index.arg as usize].ptr as *const i64;
+    let index = args.0[g.index.arg as usize].ptr as *const I;
     let out = args.0[g.out as usize].ptr as *mut T;
     let (extent, along) = (g.extent as i64, g.along);
     // A rank-0 gather is one element: a run of one along a dimension of one.
@@ -67,7 +74,7 @@ fn run_range<T: Copy + Default>(g: &GatherKernel, args: Shared<'_>, start: usize
             if index_step == 0 {
                 // One index for the whole run (an embedding's row, an `index_select` before
                 // the last dimension): checked once, then a copy or a fill of zeros.
-                let j = *index;
+                let j: i64 = (*index).into();
                 if !(0..extent).contains(&j) {
                     std::ptr::write_bytes(to, 0, run);
                 } else if src_step == 1 {
@@ -80,7 +87,7 @@ fn run_range<T: Copy + Default>(g: &GatherKernel, args: Shared<'_>, start: usize
                 }
             } else {
                 for k in 0..run as isize {
-                    let j = *index.offset(k * index_step);
+                    let j: i64 = (*index.offset(k * index_step)).into();
                     let inside = (0..extent).contains(&j);
                     *to.offset(k) = if inside { *src.offset(k * src_step + j as isize * along) } else { T::default() };
                 }

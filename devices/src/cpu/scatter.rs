@@ -57,6 +57,14 @@ pub fn run_scatter(s: &ScatterKernel, args: &[ArgPtr]) -> Result<(), String> {
 }
 
 fn run<T: Add>(s: &ScatterKernel, args: Shared<'_>) {
+    match s.index.dtype {
+        DType::I64 => run_indexed::<T, i64>(s, args),
+        _ => run_indexed::<T, i32>(s, args),
+    }
+}
+
+/// The scatter-add of `T`s at indices of type `I` (i64 or i32, as `check` allows).
+fn run_indexed<T: Add, I: Copy + Into<i64>>(s: &ScatterKernel, args: Shared<'_>) {
     let numel: usize = s.out_dims.iter().product();
     let _ = in_tasks(numel, |start, end| {
         zero::<T>(s, args, start, end);
@@ -68,7 +76,7 @@ fn run<T: Add>(s: &ScatterKernel, args: Shared<'_>) {
         let per_task = (TASK / s.dims[s.dim]).max(1);
         (0..rows.div_ceil(per_task))
             .into_par_iter()
-            .for_each(|t| scatter_rows::<T>(s, args, t * per_task, ((t + 1) * per_task).min(rows)));
+            .for_each(|t| scatter_rows::<T, I>(s, args, t * per_task, ((t + 1) * per_task).min(rows)));
     }
     if let Some(base) = &s.base {
         let _ = in_tasks(numel, |start, end| {
@@ -87,8 +95,8 @@ fn zero<T: Add>(s: &ScatterKernel, args: Shared<'_>, start: usize, end: usize) {
 }
 
 /// Rows `first..last` (row-major over the source space without the scattered dimension).
-fn scatter_rows<T: Add>(s: &ScatterKernel, args: Shared<'_>, first: usize, last: usize) {
-    let (src, index) = (args.0[s.src.arg as usize].ptr as *const T, args.0[s.index.arg as usize].ptr as *const i64);
+fn scatter_rows<T: Add, I: Copy + Into<i64>>(s: &ScatterKernel, args: Shared<'_>, first: usize, last: usize) {
+    let (src, index) = (args.0[s.src.arg as usize].ptr as *const T, args.0[s.index.arg as usize].ptr as *const I);
     let out = args.0[s.out as usize].ptr as *mut T;
     let dim = s.dim;
     let mut row_dims = s.dims.clone();
@@ -116,7 +124,7 @@ fn scatter_rows<T: Add>(s: &ScatterKernel, args: Shared<'_>, first: usize, last:
         for n in 0..s.dims[dim] as isize {
             // SAFETY: as below, for the `width` rows of this task.
             unsafe {
-                let j = *index.offset(index0 + n * index_along);
+                let j: i64 = (*index.offset(index0 + n * index_along)).into();
                 if (0..extent).contains(&j) {
                     let to = out.offset(out0 + j as isize * out_along);
                     let from = src.offset(src0 + n * src_along);
@@ -135,7 +143,7 @@ fn scatter_rows<T: Add>(s: &ScatterKernel, args: Shared<'_>, first: usize, last:
             // for `j` in `0..extent` the element is inside it; rows of other tasks write other
             // output elements (they differ outside the scattered dimension).
             unsafe {
-                let j = *index.offset(index_at + n * index_along);
+                let j: i64 = (*index.offset(index_at + n * index_along)).into();
                 if (0..extent).contains(&j) {
                     let to = out.offset(out_at + j as isize * out_along);
                     *to = (*to).add(*src.offset(src_at + n * src_along));

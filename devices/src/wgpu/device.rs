@@ -12,7 +12,9 @@
 //! are packed in u32 words and converted in integer arithmetic, so they need no
 //! `shader-f16`). f64 and i64 are **not emulated**: WGSL has neither, so the target leaves
 //! them out and the engine refuses such a tensor at the call that records it, with a message
-//! naming the dtype and wgpu (`argmax_dim` and `arange`, which make i64, are refused too).
+//! naming the dtype and wgpu (`argmax_dim`, `argmin_dim` and `arange`, which make i64, are
+//! refused too, pointing to `argmax_dim_as`, `argmin_dim_as` and `arange_as`, which give i32).
+//! Indices are i32 here: the gather and scatter kernels read i32 (or i64 elsewhere).
 //!
 //! Must never: plan, fuse or reorder anything; submit work out of the order it was issued in;
 //! panic on a run-time failure (every wgpu error is an `Err`, and the device stays usable).

@@ -28,7 +28,8 @@ pub enum IndexOp {
     IndexSelect { dim: usize },
     /// Inputs `[base, index, src]`; the result has the base's shape.
     ScatterAdd { dim: usize },
-    /// Input `[x]`; the first minimum's index along `dim`, NaN counting as the smallest.
+    /// Input `[x]`; the first minimum's index along `dim` (in the node's dtype, I64 or I32), NaN
+    /// counting as the smallest.
     ArgMin { dim: usize, keepdim: bool },
 }
 
@@ -51,7 +52,7 @@ pub(super) fn eval(op: IndexOp, dtype: DType, shape: &Shape, ins: &[&RefValue]) 
         IndexOp::Gather { dim } => gather(dim, dtype, shape, ins[0], ins[1]),
         IndexOp::IndexSelect { dim } => index_select(dim, dtype, shape, ins[0], ins[1]),
         IndexOp::ScatterAdd { dim } => scatter_add(dim, dtype, shape, ins[0], ins[1], ins[2]),
-        IndexOp::ArgMin { dim, keepdim: _ } => argmin(dim, shape, ins[0]),
+        IndexOp::ArgMin { dim, keepdim: _ } => argmin(dim, dtype, shape, ins[0]),
     }
 }
 
@@ -168,7 +169,7 @@ fn scatter_add(dim: usize, dtype: DType, shape: &Shape, base: &RefValue, index: 
     elementwise::binary(BinaryOp::Add, dtype, shape, base, &contribution)
 }
 
-fn argmin(dim: usize, shape: &Shape, x: &RefValue) -> RefValue {
+fn argmin(dim: usize, dtype: DType, shape: &Shape, x: &RefValue) -> RefValue {
     let reversed = match &x.values {
         Values::Float(v) => {
             RefValue::from_floats(x.dtype, x.shape.clone(), v.iter().map(|v| -v).collect(), x.bounds.clone())
@@ -178,5 +179,5 @@ fn argmin(dim: usize, shape: &Shape, x: &RefValue) -> RefValue {
             RefValue::from_ints(x.dtype, x.shape.clone(), r, x.bounds.clone())
         }
     };
-    reduce::reduce(ReduceOp::ArgMax, Some(dim), DType::I64, shape, &reversed)
+    reduce::reduce(ReduceOp::ArgMax, Some(dim), dtype, shape, &reversed)
 }

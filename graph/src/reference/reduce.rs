@@ -33,7 +33,8 @@ pub(super) fn reduce(op: ReduceOp, dim: Option<usize>, dtype: DType, shape: &Sha
     assert_eq!(sets.len(), shape.numel(), "{}: result shape {shape} for input {}", op.name(), x.shape);
     if op == ReduceOp::ArgMax {
         let (values, bounds) = sets.iter().map(|set| argmax(x, set)).unzip();
-        return RefValue::from_ints(DType::I64, shape.clone(), values, bounds);
+        // The node's dtype: I64, or I32 on request (positions fit: `infer::argmax` checks).
+        return RefValue::from_ints(dtype, shape.clone(), values, bounds);
     }
     if !dtype.is_float() {
         let (values, bounds) = sets

@@ -55,8 +55,11 @@ fn a_gather_is_checked_before_it_prints() {
         gather((DType::F32, src_len, view(&[2, 3], &[0, 1], 0)), 3, 5, (d, index_len, view(&[2, 3], &[1, 0], 0)))
     };
     print(&k(DType::I64, 15, 2), "g").unwrap();
-    for d in [DType::I32, DType::U8, DType::F64] {
-        assert!(print(&k(d, 15, 2), "g").unwrap_err().contains("not i64"), "a {d} index");
+    // An i32 index is read through its own type and widened.
+    let narrow = print(&k(DType::I32, 15, 2), "g").unwrap().source;
+    in_order(&narrow, &["const int* a1", "const long long j = a1["]);
+    for d in [DType::U8, DType::F64] {
+        assert!(print(&k(d, 15, 2), "g").unwrap_err().contains("not i64 or i32"), "a {d} index");
     }
     // The source at the last gathered position (4 * 3 + 2) and the index must lie in their
     // arguments.
@@ -137,7 +140,9 @@ fn a_scatter_adds_rows_in_order_after_zeroing_and_before_the_base() {
     );
     // Halves (added in f32 by the graph) and an index of another dtype are refused.
     let kernel_args = |k: &Kernel| k.args.iter().map(|a| (a.dtype, a.len)).collect::<Vec<_>>();
-    for (d, index, error) in [(DType::F16, DType::I64, "a scatter-add of f16"), (DType::F32, DType::I32, "not i64")] {
+    for (d, index, error) in
+        [(DType::F16, DType::I64, "a scatter-add of f16"), (DType::F32, DType::U8, "not i64 or i32")]
+    {
         let (k, s) = scatter(d, index, true);
         let a = kernel_args(&k);
         let e = s.check(|i| a.get(i as usize).copied()).unwrap_err();

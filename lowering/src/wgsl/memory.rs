@@ -62,14 +62,7 @@ pub(super) fn load(arg: u16, d: DType, written: bool, off: &str) -> Result<Strin
 /// The statement storing register `value` (of `d.compute()`) to element `off` of argument
 /// `arg` stored as `d` (halves round to nearest even, as the CPU's stores).
 pub(super) fn store(arg: u16, d: DType, off: &str, value: &str) -> Result<String, String> {
-    let packed = |bits: String, per_word: u32| {
-        let (shift, mask, width) = if per_word == 4 { (2, "0xffu", 8) } else { (1, "0xffffu", 16) };
-        format!(
-            "{{ let e = {off}; let sh = (e & {}u) * {width}u; atomicAnd(&a{arg}[e >> {shift}u], ~({mask} << sh)); \
-             atomicOr(&a{arg}[e >> {shift}u], ({bits}) << sh); }}",
-            per_word - 1
-        )
-    };
+    let packed = |bits: String, per_word: u32| packed(arg, off, &bits, per_word);
     Ok(match d {
         DType::F32 | DType::I32 => format!("a{arg}[{off}] = {value};"),
         DType::U8 => packed(value.to_string(), 4),
@@ -78,6 +71,45 @@ pub(super) fn store(arg: u16, d: DType, off: &str, value: &str) -> Result<String
         DType::BF16 => packed(format!("braid_f32_to_bf16({value})"), 2),
         d => return Err(super::refusal(d)),
     })
+}
+
+/// The bits of element `off` of argument `arg` stored as `d`, as a u32 (for kernels that move
+/// elements without converting them: a half's bits, a NaN's payload stay as they are).
+pub(super) fn load_bits(arg: u16, d: DType, written: bool, off: &str) -> Result<String, String> {
+    let word = |shift: u32| {
+        let at = format!("a{arg}[({off}) >> {shift}u]");
+        if written { format!("atomicLoad(&{at})") } else { at }
+    };
+    Ok(match d {
+        DType::F32 | DType::I32 => format!("bitcast<u32>(a{arg}[{off}])"),
+        DType::U8 | DType::Bool => format!("braid_get_byte({}, {off})", word(2)),
+        DType::F16 | DType::BF16 => format!("braid_get_half({}, {off})", word(1)),
+        d => return Err(super::refusal(d)),
+    })
+}
+
+/// The statement storing the u32 `bits` (of [`load_bits`]) to element `off` of argument `arg`
+/// stored as `d`.
+pub(super) fn store_bits(arg: u16, d: DType, off: &str, bits: &str) -> Result<String, String> {
+    Ok(match d {
+        DType::F32 => format!("a{arg}[{off}] = bitcast<f32>({bits});"),
+        DType::I32 => format!("a{arg}[{off}] = bitcast<i32>({bits});"),
+        DType::U8 | DType::Bool => packed(arg, off, bits, 4),
+        DType::F16 | DType::BF16 => packed(arg, off, bits, 2),
+        d => return Err(super::refusal(d)),
+    })
+}
+
+/// The statement setting the sub-word element `off` of the packed argument `arg` (`per_word`
+/// elements a word) to `bits`, leaving its neighbours, which other threads may be writing, as
+/// they are.
+fn packed(arg: u16, off: &str, bits: &str, per_word: u32) -> String {
+    let (shift, mask, width) = if per_word == 4 { (2, "0xffu", 8) } else { (1, "0xffffu", 16) };
+    format!(
+        "{{ let e = {off}; let sh = (e & {}u) * {width}u; atomicAnd(&a{arg}[e >> {shift}u], ~({mask} << sh)); \
+         atomicOr(&a{arg}[e >> {shift}u], ({bits}) << sh); }}",
+        per_word - 1
+    )
 }
 
 /// The element offset of `view` in terms of the index variables `d0, d1, ...` (u32; only

@@ -15,6 +15,9 @@
 //! - A matrix product (there is no vendor library) is a tiled product (16 x 16 outputs per
 //!   workgroup, operand tiles in workgroup memory) with any operand strides and per-batch
 //!   offsets, written to its product argument or a scratch buffer, then the epilogue entry.
+//! - A gather is one entry, a thread per output element; a scatter-add zeroes its output, adds
+//!   each row's elements in order (every output element by one thread: no float atomics) and
+//!   adds the base (see `indexing`). Their indices are i32.
 //!
 //! More workgroups than `max_workgroups_per_dimension` are spread over the y and z dimensions
 //! of the dispatch; entries compute their linear workgroup index and skip the excess.
@@ -43,6 +46,7 @@
 //! never assumes an argument is not aliased by another (every binding is read-write).
 
 mod helpers;
+mod indexing;
 mod map;
 mod matmul;
 mod memory;
@@ -249,9 +253,8 @@ pub fn print(kernel: &Kernel, features: &Features) -> Result<WgslSource, String>
         Body::Rows(r) => rows::print_rows(&mut m, r)?,
         Body::Matmul(mm) => matmul::print_matmul(&mut m, mm)?,
         Body::Collective(c) => return Err(format!("{}: the wgpu device runs no collectives", c.kind.name())),
-        Body::Gather(_) | Body::Scatter(_) => {
-            return Err("gathers and scatters read i64 indices, which the wgpu device does not hold".into());
-        }
+        Body::Gather(g) => indexing::print_gather(&mut m, g)?,
+        Body::Scatter(s) => indexing::print_scatter(&mut m, s)?,
     }
     let mut bindings: Vec<Binding> = vec![];
     let mut decls = String::new();
