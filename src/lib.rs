@@ -30,6 +30,7 @@
 //! by the program (as the examples and the `braid` binary do, filtered by `RUST_LOG`),
 //! `RUST_LOG=braid=debug` shows one line per executed kernel with its time and bandwidth.
 
+pub mod amp;
 pub(crate) mod autograd;
 mod backends;
 mod device;

@@ -126,22 +126,25 @@ impl Optimizer for Sgd {
     fn update<'a>(&mut self, params: impl IntoIterator<Item = &'a Tensor>, grads: &Grads) {
         let params: Vec<&Tensor> = params.into_iter().collect();
         let ids: Vec<u64> = params.iter().map(|p| leaf_of(p, "Sgd::step")).collect();
-        no_grad(|| {
-            for (&p, id) in params.iter().zip(ids) {
-                let Some(mut g) = grads.get(p) else { continue };
-                if self.weight_decay != 0.0 {
-                    g = &g + &(p * self.weight_decay);
+        // Updates keep the parameters' dtypes wherever they are called (see `crate::amp`).
+        crate::amp::off(|| {
+            no_grad(|| {
+                for (&p, id) in params.iter().zip(ids) {
+                    let Some(mut g) = grads.get(p) else { continue };
+                    if self.weight_decay != 0.0 {
+                        g = &g + &(p * self.weight_decay);
+                    }
+                    if self.momentum != 0.0 {
+                        let b = match self.velocity.remove(&id) {
+                            Some(b) => &(&b * self.momentum) + &(&g * (1.0 - self.dampening)),
+                            None => g.clone(),
+                        };
+                        g = if self.nesterov { &g + &(&b * self.momentum) } else { b.clone() };
+                        self.velocity.insert(id, b);
+                    }
+                    p.sub_assign(&(&g * self.lr));
                 }
-                if self.momentum != 0.0 {
-                    let b = match self.velocity.remove(&id) {
-                        Some(b) => &(&b * self.momentum) + &(&g * (1.0 - self.dampening)),
-                        None => g.clone(),
-                    };
-                    g = if self.nesterov { &g + &(&b * self.momentum) } else { b.clone() };
-                    self.velocity.insert(id, b);
-                }
-                p.sub_assign(&(&g * self.lr));
-            }
+            })
         });
     }
 }
@@ -160,6 +163,10 @@ pub struct Adam {
     decoupled: bool,
     state: HashMap<u64, Moments>,
 }
+
+/// What Adam's bias corrections depend on: the step count, and the dtype and device of the
+/// parameters that read them.
+type CorrectionKey = (i32, DType, Device);
 
 #[derive(Debug, Clone)]
 struct Moments {
@@ -212,33 +219,48 @@ impl Optimizer for Adam {
         let params: Vec<&Tensor> = params.into_iter().collect();
         let name = if self.decoupled { "AdamW::step" } else { "Adam::step" };
         let ids: Vec<u64> = params.iter().map(|p| leaf_of(p, name)).collect();
-        no_grad(|| {
-            for (&p, id) in params.iter().zip(ids) {
-                let Some(mut g) = grads.get(p) else { continue };
-                if self.weight_decay != 0.0 {
-                    if self.decoupled {
-                        p.update_with_scalar(BinaryOp::Mul, 1.0 - self.lr * self.weight_decay);
-                    } else {
-                        g = &g + &(p * self.weight_decay);
+        // The bias corrections as host scalars, one pair per step count, dtype and device
+        // (parameters updated together share them: two uploads a step, not two a parameter).
+        let mut corrections: Vec<(CorrectionKey, (Tensor, Tensor))> = vec![];
+        crate::amp::off(|| {
+            no_grad(|| {
+                for (&p, id) in params.iter().zip(ids) {
+                    let Some(mut g) = grads.get(p) else { continue };
+                    if self.weight_decay != 0.0 {
+                        if self.decoupled {
+                            p.update_with_scalar(BinaryOp::Mul, 1.0 - self.lr * self.weight_decay);
+                        } else {
+                            g = &g + &(p * self.weight_decay);
+                        }
                     }
+                    let (b1, b2) = (self.beta1, self.beta2);
+                    let moments = match self.state.remove(&id) {
+                        Some(s) => Moments {
+                            m: &(&s.m * b1) + &(&g * (1.0 - b1)),
+                            v: &(&s.v * b2) + &(&g.square() * (1.0 - b2)),
+                            steps: s.steps + 1,
+                        },
+                        None => Moments { m: &g * (1.0 - b1), v: &g.square() * (1.0 - b2), steps: 1 },
+                    };
+                    let key = (moments.steps, p.dtype(), p.device().clone());
+                    let (step_size, inv_sqrt_bc2) = match corrections.iter().find(|(k, _)| *k == key) {
+                        Some((_, c)) => c.clone(),
+                        None => {
+                            let step_size = self.lr / (1.0 - b1.powi(moments.steps));
+                            let inv_sqrt_bc2 = 1.0 / (1.0 - b2.powi(moments.steps)).sqrt();
+                            let c = (
+                                host_scalar(step_size, p.dtype(), p.device()),
+                                host_scalar(inv_sqrt_bc2, p.dtype(), p.device()),
+                            );
+                            corrections.push((key, c.clone()));
+                            c
+                        }
+                    };
+                    let denom = &(&moments.v.sqrt() * &inv_sqrt_bc2) + self.eps;
+                    p.sub_assign(&(&(&moments.m * &step_size) / &denom));
+                    self.state.insert(id, moments);
                 }
-                let (b1, b2) = (self.beta1, self.beta2);
-                let moments = match self.state.remove(&id) {
-                    Some(s) => Moments {
-                        m: &(&s.m * b1) + &(&g * (1.0 - b1)),
-                        v: &(&s.v * b2) + &(&g.square() * (1.0 - b2)),
-                        steps: s.steps + 1,
-                    },
-                    None => Moments { m: &g * (1.0 - b1), v: &g.square() * (1.0 - b2), steps: 1 },
-                };
-                let step_size = self.lr / (1.0 - b1.powi(moments.steps));
-                let inv_sqrt_bc2 = 1.0 / (1.0 - b2.powi(moments.steps)).sqrt();
-                let step_size = host_scalar(step_size, p.dtype(), p.device());
-                let inv_sqrt_bc2 = host_scalar(inv_sqrt_bc2, p.dtype(), p.device());
-                let denom = &(&moments.v.sqrt() * &inv_sqrt_bc2) + self.eps;
-                p.sub_assign(&(&(&moments.m * &step_size) / &denom));
-                self.state.insert(id, moments);
-            }
+            })
         });
     }
 }
@@ -283,4 +305,52 @@ impl Optimizer for AdamW {
     fn update<'a>(&mut self, params: impl IntoIterator<Item = &'a Tensor>, grads: &Grads) {
         self.0.update(params, grads)
     }
+}
+
+/// Scales the gradients of `params` in `grads` so that their total L2 norm (over all of them,
+/// as one vector) is at most `max_norm`, as PyTorch's `clip_grad_norm_`: each gradient is
+/// multiplied by `min(1, max_norm / (total + 1e-6))`. Returns the total norm before clipping
+/// (an f32 scalar on the first parameter's device). Everything is recorded lazily: nothing is
+/// read back, and parameters without a gradient are skipped. Sums of squares are taken in f32
+/// (in f64 for f64 gradients).
+///
+/// ```
+/// use braid::prelude::*;
+/// let cpu = Device::cpu();
+/// let w = Tensor::from_vec(vec![3.0f32, 4.0], [2], &cpu).requires_grad();
+/// let mut grads = (&w * &w).sum().backward().unwrap(); // gradient [6, 8], norm 10
+/// let norm = braid::optim::clip_grad_norm([&w], &mut grads, 5.0);
+/// assert_eq!(norm.item::<f32>().unwrap(), 10.0);
+/// let g = grads.get(&w).unwrap().to_vec::<f32>().unwrap();
+/// assert!((g[0] - 3.0).abs() < 1e-5 && (g[1] - 4.0).abs() < 1e-5);
+/// ```
+#[track_caller]
+pub fn clip_grad_norm<'a>(params: impl IntoIterator<Item = &'a Tensor>, grads: &mut Grads, max_norm: f64) -> Tensor {
+    if !(max_norm.is_finite() && max_norm > 0.0) {
+        misuse("clip_grad_norm", &format!("max_norm must be finite and positive, not {max_norm}"), &[]);
+    }
+    let params: Vec<&Tensor> = params.into_iter().collect();
+    crate::amp::off(|| {
+        no_grad(|| {
+            let with_grads: Vec<(&Tensor, Tensor)> =
+                params.iter().filter_map(|&p| grads.get(p).map(|g| (p, g))).collect();
+            let Some(device) = with_grads.first().map(|(p, _)| p.device().clone()) else {
+                let device = params.first().map(|p| p.device().clone()).unwrap_or_else(Device::cpu);
+                return Tensor::zeros((), DType::F32, &device);
+            };
+            let wide = |g: &Tensor| if g.dtype() == DType::F64 { g.clone() } else { g.to_dtype(DType::F32) };
+            let squares = with_grads.iter().map(|(_, g)| {
+                let s = wide(g).square().sum().to_dtype(DType::F32);
+                if s.device() == &device { s } else { s.to_device(&device) }
+            });
+            let total = squares.reduce(|a, b| &a + &b).expect("one gradient at least").sqrt();
+            let coef = (&(&total + 1e-6).recip() * max_norm).clamp(0.0, 1.0);
+            for (p, g) in with_grads {
+                let c = if g.device() == &device { coef.clone() } else { coef.to_device(g.device()) };
+                let c = if g.dtype() == DType::F32 { c } else { c.to_dtype(g.dtype()) };
+                grads.insert(p, &g * &c);
+            }
+            total
+        })
+    })
 }

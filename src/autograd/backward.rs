@@ -61,6 +61,21 @@ impl Grads {
         self.by_leaf.is_empty()
     }
 
+    /// The gradients in the order their leaves were made (a stable order: the same recorded
+    /// structure on every call).
+    pub fn values(&self) -> impl Iterator<Item = Tensor> + '_ {
+        let mut leaves: Vec<&u64> = self.by_leaf.keys().collect();
+        leaves.sort_unstable();
+        leaves.into_iter().map(|l| self.by_leaf[l].clone())
+    }
+
+    /// These gradients, each replaced by `f` of it (for the same leaf; `f` keeps the shape,
+    /// dtype and device, as [`insert`](Grads::insert) requires).
+    pub fn map(&self, mut f: impl FnMut(&Tensor) -> Tensor) -> Grads {
+        let by_leaf = self.by_leaf.iter().map(|(&leaf, g)| (leaf, f(g))).collect();
+        Grads { by_leaf }
+    }
+
     /// Forgets every gradient (the next `backward_into` starts from zero).
     pub fn clear(&mut self) {
         self.by_leaf.clear();
@@ -154,29 +169,32 @@ impl Tensor {
                 }
             }
         }
-        no_grad(|| {
-            // d loss / d loss = 1, kept as a constant until an op needs it as a tensor.
-            let mut pending: HashMap<*const GradNode, Val> = HashMap::with_capacity(nodes.len().min(4096));
-            let seed_at = (self.shape(), self.dtype(), self.device());
-            route(&root, Val::S(1.0), seed_at, &mut pending, grads);
-            let current = crate::recorder::current_stream(self.device().id());
-            for (node, saved) in nodes.iter().zip(&saved) {
-                let Some(g) = pending.remove(&Arc::as_ptr(node)) else { continue };
-                let mut differentiate = || {
-                    let input_grads = rules::input_grads(node, saved, &g);
-                    for (slot, ig) in node.inputs.iter().zip(input_grads) {
-                        if let (Some(source), Some(ig)) = (&slot.source, ig) {
-                            route(source, ig, (&slot.shape, slot.dtype, &slot.device), &mut pending, grads);
+        // Gradients keep their forward dtypes: autocast does not apply to the backward pass.
+        crate::amp::off(|| {
+            no_grad(|| {
+                // d loss / d loss = 1, kept as a constant until an op needs it as a tensor.
+                let mut pending: HashMap<*const GradNode, Val> = HashMap::with_capacity(nodes.len().min(4096));
+                let seed_at = (self.shape(), self.dtype(), self.device());
+                route(&root, Val::S(1.0), seed_at, &mut pending, grads);
+                let current = crate::recorder::current_stream(self.device().id());
+                for (node, saved) in nodes.iter().zip(&saved) {
+                    let Some(g) = pending.remove(&Arc::as_ptr(node)) else { continue };
+                    let mut differentiate = || {
+                        let input_grads = rules::input_grads(node, saved, &g);
+                        for (slot, ig) in node.inputs.iter().zip(input_grads) {
+                            if let (Some(source), Some(ig)) = (&slot.source, ig) {
+                                route(source, ig, (&slot.shape, slot.dtype, &slot.device), &mut pending, grads);
+                            }
                         }
+                    };
+                    if node.stream == current {
+                        differentiate();
+                    } else {
+                        Stream::new(node.device.clone(), node.stream).scope(differentiate);
                     }
-                };
-                if node.stream == current {
-                    differentiate();
-                } else {
-                    Stream::new(node.device.clone(), node.stream).scope(differentiate);
                 }
-            }
-            rules::forget_transposed();
+                rules::forget_transposed();
+            })
         });
         Ok(())
     }

@@ -64,6 +64,9 @@ impl Tensor {
     /// Applies a binary op of the table, with NumPy broadcasting.
     #[track_caller]
     pub fn binary(&self, op: BinaryOp, other: &Tensor) -> Tensor {
+        if let Some(p) = Tensor::autocast_promoted(&[self, other]) {
+            return p[0].binary(op, &p[1]);
+        }
         let operands = [("lhs", self), ("rhs", other)];
         same_device(op.name(), &operands);
         let r = infer::binary(op, (self.shape(), self.dtype()), (other.shape(), other.dtype()));
@@ -89,6 +92,9 @@ impl Tensor {
     /// Applies a comparison of the table.
     #[track_caller]
     pub fn compare(&self, op: CompareOp, other: &Tensor) -> Tensor {
+        if let Some(p) = Tensor::autocast_promoted(&[self, other]) {
+            return p[0].compare(op, &p[1]);
+        }
         let operands = [("lhs", self), ("rhs", other)];
         same_device(op.name(), &operands);
         let r = infer::compare(op.name(), (self.shape(), self.dtype()), (other.shape(), other.dtype()));
@@ -99,6 +105,9 @@ impl Tensor {
     /// `where(self, a, b)`: `a` where `self` is true, else `b` (all three broadcast).
     #[track_caller]
     pub fn select(&self, a: &Tensor, b: &Tensor) -> Tensor {
+        if let Some(p) = Tensor::autocast_promoted(&[a, b]) {
+            return self.select(&p[0], &p[1]);
+        }
         let operands = [("cond", self), ("a", a), ("b", b)];
         same_device("select", &operands);
         let r = infer::select((self.shape(), self.dtype()), (a.shape(), a.dtype()), (b.shape(), b.dtype()));

@@ -7,6 +7,20 @@ use braid_graph::{DType, Op, ReduceOp, infer};
 impl Tensor {
     #[track_caller]
     fn reduce(&self, op: ReduceOp, dim: Option<usize>, keepdim: bool) -> Tensor {
+        // Autocast keeps sums and means in f32 (see `crate::amp`).
+        let widened;
+        let x = match op {
+            ReduceOp::Sum | ReduceOp::Mean => {
+                widened = self.autocast_f32();
+                &widened
+            }
+            _ => self,
+        };
+        x.reduce_as_is(op, dim, keepdim)
+    }
+
+    #[track_caller]
+    fn reduce_as_is(&self, op: ReduceOp, dim: Option<usize>, keepdim: bool) -> Tensor {
         let r = infer::reduce(op, self.shape(), self.dtype(), dim, keepdim);
         let (shape, dtype) = inferred(op.name(), r, &[("x", self)]);
         Tensor::record(Op::Reduce { op, dim, keepdim }, dtype, shape, self.device(), &[self])
@@ -120,6 +134,11 @@ impl Tensor {
     /// Matrix product `[.., m, k] x [.., k, n] -> [.., m, n]`; batch dimensions broadcast.
     #[track_caller]
     pub fn matmul(&self, other: &Tensor) -> Tensor {
+        if crate::amp::autocast_dtype().is_some() {
+            // Autocast: both operands in its low precision (see `crate::amp`).
+            let (a, b) = (self.autocast_product_operand(), other.autocast_product_operand());
+            return crate::amp::off(|| a.matmul(&b));
+        }
         let operands = [("lhs", self), ("rhs", other)];
         same_device("matmul", &operands);
         let r = infer::matmul((self.shape(), self.dtype()), (other.shape(), other.dtype()));
@@ -202,8 +221,10 @@ impl Tensor {
     }
 
     /// `f` of this tensor, in f32 when it is f16 or bf16 (the result rounded back once).
+    /// Under autocast the result stays f32 (see `crate::amp`).
     pub(super) fn in_f32(&self, f: impl FnOnce(&Tensor) -> Tensor) -> Tensor {
         match self.dtype() {
+            DType::F16 | DType::BF16 if crate::amp::autocast_dtype().is_some() => f(&self.to_dtype(DType::F32)),
             DType::F16 | DType::BF16 => f(&self.to_dtype(DType::F32)).to_dtype(self.dtype()),
             _ => f(self),
         }
