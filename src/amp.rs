@@ -142,7 +142,9 @@ impl Tensor {
 /// let cpu = Device::cpu();
 /// let w = Tensor::randn([8, 8], DType::F32, &cpu).requires_grad();
 /// let x = Tensor::randn([4, 8], DType::F32, &cpu);
-/// let (mut opt, mut scaler) = (AdamW::new(1e-3), GradScaler::new());
+/// // A small starting scale: at 65536 these f16 gradients overflow, and the first steps
+/// // would be skipped (halving the scale each time) until it fits.
+/// let (mut opt, mut scaler) = (AdamW::new(1e-3), GradScaler::new().init_scale(256.0));
 /// let loss = braid::amp::autocast(DType::F16, || x.matmul(&w).square().mean());
 /// let grads = scaler.scale(&loss).backward().unwrap();
 /// let stepped = scaler.step(&mut opt, [&w], &grads).unwrap();

@@ -288,3 +288,73 @@ fn softmaxes_and_whole_reductions_over_a_transposed_view_copy_it_first_where_the
     let copied = x.t().contiguous().exp().sum().item::<f32>().unwrap();
     assert!(same(got, copied), "{got} against {copied}");
 }
+
+/// `params` updated by one AdamW step from gradients computed (and read) beforehand, so that
+/// the step is a flush of its own; returns the parameters' bits after it.
+fn adamw_step(dev: &Device, params: &[Tensor], opt: &mut braid::optim::AdamW) -> Vec<Vec<u32>> {
+    use braid::optim::Optimizer;
+    let loss = params.iter().map(|p| p.square().sum()).reduce(|a, b| &a + &b).unwrap();
+    let grads = loss.backward().unwrap();
+    loss.item::<f32>().unwrap();
+    params.iter().for_each(|p| drop(grads.get(p).unwrap().to_vec::<f32>().unwrap()));
+    opt.update(params, &grads);
+    dev.sync().unwrap();
+    params.iter().map(|p| p.to_vec::<f32>().unwrap().into_iter().map(f32::to_bits).collect()).collect()
+}
+
+#[test]
+fn an_optimizer_step_updates_many_parameters_in_few_packed_kernels_in_place() {
+    let dev = braid::testing::test_device();
+    let shapes: Vec<Vec<usize>> = (0..40).map(|i| if i % 2 == 0 { vec![8 + i, 16] } else { vec![8 + i] }).collect();
+    let make = |dev: &Device| -> Vec<Tensor> {
+        shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (&data(dev, s) * (1.0 + i as f64 / 40.0)).detach().requires_grad())
+            .collect()
+    };
+    let params = make(&dev);
+    let mut opt = braid::optim::AdamW::new(0.01);
+    let mut bits = vec![];
+    for _ in 0..3 {
+        bits.push(adamw_step(&dev, &params, &mut opt));
+    }
+    // The third step's flush: 40 independent update chains, each one map kernel's worth,
+    // packed into a few kernels (at most 32 loops each, fewer where the target binds few
+    // buffers: wgpu), every parameter and both moments written in place.
+    let j = dump(&dev);
+    let text = dev.last_schedule().unwrap().to_text();
+    assert!(kernels(&j) <= 13, "40 updates in {} kernels:\n{text}", kernels(&j));
+    let in_place: usize =
+        text.lines().filter_map(|l| l.split("(in place: ").nth(1)).map(|l| l.split(' ').count()).sum();
+    assert_eq!(in_place, 3 * 40, "p, m and v in place:\n{text}");
+    assert!(!text.contains("alloc"), "nothing allocated:\n{text}");
+    // The same bits as every op run alone.
+    let plain = Device::new_from_env().unwrap();
+    plain.set_fusion(false);
+    let params = make(&plain);
+    let mut opt = braid::optim::AdamW::new(0.01);
+    for (step, want) in bits.iter().enumerate() {
+        assert!(adamw_step(&plain, &params, &mut opt) == *want, "step {step} differs from unfused");
+    }
+    assert!(kernels(&dump(&plain)) > 40 * 5);
+}
+
+#[test]
+fn updates_on_two_streams_are_packed_per_stream() {
+    let dev = braid::testing::test_device();
+    let (s0, s1) = (dev.new_stream(), dev.new_stream());
+    let xs: Vec<Tensor> = (0..6).map(|i| data(&dev, &[4 + i, 8])).collect();
+    xs.iter().for_each(|x| drop(x.to_vec::<f32>().unwrap()));
+    let ys: Vec<Tensor> =
+        (0..6).map(|i| if i % 2 == 0 { s0.scope(|| xs[i].exp()) } else { s1.scope(|| xs[i].sin()) }).collect();
+    dev.sync().unwrap();
+    let j = dump(&dev);
+    assert_eq!(kernels(&j), 2, "one packed kernel per stream:\n{}", dev.last_schedule().unwrap().to_text());
+    for (i, y) in ys.iter().enumerate() {
+        let want: Vec<f32> =
+            xs[i].to_vec::<f32>().unwrap().iter().map(|v| if i % 2 == 0 { v.exp() } else { v.sin() }).collect();
+        let got = y.to_vec::<f32>().unwrap();
+        assert!(got.iter().zip(&want).all(|(a, b)| (a - b).abs() <= 1e-5 * (1.0 + b.abs())), "output {i}");
+    }
+}

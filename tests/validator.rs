@@ -350,10 +350,14 @@ fn planned_schedules_validate_and_every_planted_hazard_is_named() {
     let mut offloaded = 0;
     let mut offloaded_inputs = 0;
     let mut planted_with_offloads = 0;
+    let (mut packed, mut in_place_pairs) = (0, 0);
     for _ in 0..1500 {
         let g = random_graph(&mut rng);
         let s = schedule_for(&g, &mut rng);
         plans += 1;
+        let is_packed = |seg: &braid_fusion::Segment| matches!(seg.kind, braid_fusion::SegmentKind::PackedMaps { .. });
+        packed += usize::from(s.fusion.segments.iter().any(is_packed));
+        in_place_pairs += usize::from(s.kernels.iter().any(|k| k.in_place.len() > 1));
         offloaded += usize::from(!s.offloads.is_empty());
         offloaded_inputs += s.offloads.iter().filter(|o| matches!(o.value, ValueRef::External(_))).count();
         if let Err(h) = validate(&s, &g) {
@@ -414,4 +418,9 @@ fn planned_schedules_validate_and_every_planted_hazard_is_named() {
     for kind in [Corruption::DropWait, Corruption::DropRecord, Corruption::FreeEarly, Corruption::ReuseEarly] {
         assert!(planted.get(&kind).copied().unwrap_or(0) >= 50, "too few {kind:?} hazards planted: {planted:?}");
     }
+    println!("{packed} plans with packed maps, {in_place_pairs} with a kernel writing several outputs in place");
+    assert!(
+        packed >= 50 && in_place_pairs >= 20,
+        "too few packed maps ({packed}) or in-place pairs ({in_place_pairs})"
+    );
 }

@@ -7,6 +7,7 @@
 //! recorded with its reason.
 
 mod fold;
+mod pack;
 
 use crate::{Fusion, Options, Refusal, Segment, SegmentKind};
 use braid_graph::{FlushGraph, Op, Shape, StreamId, ValueRef};
@@ -483,49 +484,76 @@ impl Grouper<'_> {
                 }
             }
         }
-        let segments = order
+        let outputs_of = |grp: &Group| -> Vec<usize> {
+            let mut outputs: Vec<usize> = grp
+                .nodes
+                .iter()
+                .copied()
+                .filter(|&i| graph.nodes[i].op != Op::Event && (graph.nodes[i].keep || outside[i]))
+                .collect();
+            // A kernel whose values nobody reads (work ordered before a user event) still
+            // writes its last value, which the plan frees at once.
+            let last = *grp.nodes.last().expect("groups are not empty");
+            if outputs.is_empty() && graph.nodes[last].op != Op::Event {
+                outputs.push(last);
+            }
+            outputs
+        };
+        // Whether every read of `u` by `nodes` is the identity over `space`.
+        let direct = |u: ValueRef, nodes: &[usize], space: &Shape| {
+            graph.meta(u).1 == space
+                && nodes.iter().all(|&i| {
+                    graph.nodes[i].inputs.iter().all(|&v| v == u || crate::underlying(graph, &self.folded, v) != u)
+                })
+        };
+        let packs = pack::packs(&self, &order, &|g| outputs_of(&self.groups[g]).len());
+        let segments = packs
             .into_iter()
-            .map(|g| {
-                let grp = &self.groups[g];
-                let kind = match &grp.kind {
-                    Kind::Single if is_transfer(graph, grp.nodes[0]) => SegmentKind::Transfer,
-                    Kind::Single => SegmentKind::Single,
-                    Kind::Map(_) => SegmentKind::Map,
-                    Kind::Rows(full, axis) => SegmentKind::Rows { full: full.clone(), axis: *axis },
-                    Kind::Matmul(_) => SegmentKind::Matmul,
-                };
-                let space = match &grp.kind {
-                    Kind::Map(s) => Some(s),
-                    _ => None,
-                };
-                let direct = grp
-                    .inputs
-                    .iter()
-                    .map(|&u| {
-                        space.is_some_and(|s| {
-                            graph.meta(u).1 == s
-                                && grp.nodes.iter().all(|&i| {
-                                    graph.nodes[i]
-                                        .inputs
-                                        .iter()
-                                        .all(|&v| v == u || crate::underlying(graph, &self.folded, v) != u)
-                                })
-                        })
+            .map(|pack| {
+                if let [g] = pack[..] {
+                    let grp = &self.groups[g];
+                    let kind = match &grp.kind {
+                        Kind::Single if is_transfer(graph, grp.nodes[0]) => SegmentKind::Transfer,
+                        Kind::Single => SegmentKind::Single,
+                        Kind::Map(_) => SegmentKind::Map,
+                        Kind::Rows(full, axis) => SegmentKind::Rows { full: full.clone(), axis: *axis },
+                        Kind::Matmul(_) => SegmentKind::Matmul,
+                    };
+                    let direct = (grp.inputs.iter())
+                        .map(|&u| matches!(&grp.kind, Kind::Map(s) if direct(u, &grp.nodes, s)))
+                        .collect();
+                    let outputs = outputs_of(grp);
+                    return Segment { kind, nodes: grp.nodes.clone(), inputs: grp.inputs.clone(), direct, outputs };
+                }
+                let groups: Vec<&Group> = pack.iter().map(|&g| &self.groups[g]).collect();
+                let mut inputs: Vec<ValueRef> = vec![];
+                for grp in &groups {
+                    inputs.extend(grp.inputs.iter().filter(|u| !inputs.contains(u)).collect::<Vec<_>>());
+                }
+                // The part that reads each input, when one alone does.
+                let input_part: Vec<Option<usize>> = (inputs.iter())
+                    .map(|u| {
+                        let mut readers = (0..groups.len()).filter(|&k| groups[k].inputs.contains(u));
+                        match (readers.next(), readers.next()) {
+                            (Some(k), None) => Some(k),
+                            _ => None,
+                        }
                     })
                     .collect();
-                let mut outputs: Vec<usize> = grp
-                    .nodes
-                    .iter()
-                    .copied()
-                    .filter(|&i| graph.nodes[i].op != Op::Event && (graph.nodes[i].keep || outside[i]))
+                // Direct: read by one part alone, as the identity over its index space.
+                let direct = (inputs.iter().zip(&input_part))
+                    .map(|(&u, part)| {
+                        part.is_some_and(|k| matches!(&groups[k].kind, Kind::Map(s) if direct(u, &groups[k].nodes, s)))
+                    })
                     .collect();
-                // A kernel whose values nobody reads (work ordered before a user event) still
-                // writes its last value, which the plan frees at once.
-                let last = *grp.nodes.last().expect("groups are not empty");
-                if outputs.is_empty() && graph.nodes[last].op != Op::Event {
-                    outputs.push(last);
+                let parts = groups.iter().map(|grp| grp.nodes.len()).collect();
+                Segment {
+                    kind: SegmentKind::PackedMaps { parts, input_part },
+                    nodes: groups.iter().flat_map(|grp| grp.nodes.iter().copied()).collect(),
+                    inputs,
+                    direct,
+                    outputs: groups.iter().flat_map(|grp| outputs_of(grp)).collect(),
                 }
-                Segment { kind, nodes: grp.nodes.clone(), inputs: grp.inputs.clone(), direct, outputs }
             })
             .collect();
         let folded = (0..n).filter(|&i| self.folded[i]).collect();

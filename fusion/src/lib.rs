@@ -12,6 +12,10 @@
 //! - **Transfer**: a `to_device` of a value held where this device's kernels cannot read it
 //!   (another device's own memory): not a kernel but a copy step.
 //!
+//! Elementwise kernels that follow one another, on one stream, and read nothing of each
+//! other's are then **packed** into one kernel of several loops, so that an optimizer's
+//! update of many parameters is a few kernels, not one per parameter.
+//!
 //! Movement ops (permute, expand, narrow, reshape where no copy is needed) whose readers all
 //! load through views are not kernels at all: they are *folded* into those loads.
 //!
@@ -30,6 +34,11 @@ pub enum SegmentKind {
     Single,
     /// Elementwise nodes, all of the same shape (the index space).
     Map,
+    /// Independent elementwise kernels packed into one, a loop each (a multi-tensor update):
+    /// `parts[k]` nodes of `nodes` in a row make loop `k`, over their own index space. No part
+    /// reads another's values. `input_part[i]` is the part that reads input `i` when one part
+    /// alone does. See `group/pack.rs`.
+    PackedMaps { parts: Vec<usize>, input_part: Vec<Option<usize>> },
     /// Reductions along `axis` of `full` (all elements when `None`), with elementwise nodes over
     /// `full` and over the reduced shape.
     Rows { full: Shape, axis: Option<usize> },
@@ -51,7 +60,7 @@ pub struct Segment {
     /// into loads is resolved to the value underneath). These are the kernel's input arguments.
     pub inputs: Vec<ValueRef>,
     /// Per input: every load of it is the identity over the segment's index space (so a Map
-    /// kernel may overwrite it in place).
+    /// kernel may overwrite it in place); in packed maps, over its part's, which alone reads it.
     pub direct: Vec<bool>,
     /// Nodes whose values leave the segment (read later, through a view or directly, or kept),
     /// in node order. These are the kernel's output arguments.

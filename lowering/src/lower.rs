@@ -118,7 +118,15 @@ impl<'a> Lowering<'a> {
             .collect();
         args.extend(seg.outputs.iter().map(|&n| Arg { dtype: g.nodes[n].dtype, len: g.nodes[n].shape.numel() }));
         let body = match &seg.kind {
-            SegmentKind::Map => Body::Map(vec![self.map(seg)]),
+            SegmentKind::Map => Body::Map(vec![self.map(seg, &seg.nodes)]),
+            SegmentKind::PackedMaps { parts, .. } => {
+                let mut first = 0;
+                let loops = parts.iter().map(|&n| {
+                    first += n;
+                    self.map(seg, &seg.nodes[first - n..first])
+                });
+                Body::Map(loops.collect())
+            }
             SegmentKind::Rows { full, axis } => Body::Rows(self.rows(seg, full, *axis)),
             SegmentKind::Matmul => Body::Matmul(self.matmul(seg, args.len())),
             // A transfer is a copy step, not a kernel; as a kernel it would be this same copy.
@@ -215,18 +223,21 @@ impl<'a> Lowering<'a> {
             .collect()
     }
 
-    fn map(&self, seg: &Segment) -> MapLoop {
+    /// The loop of `nodes` (all of `seg`'s, or one part of packed maps), storing the segment's
+    /// outputs among them.
+    fn map(&self, seg: &Segment, nodes: &[usize]) -> MapLoop {
         let g = self.graph;
-        let space = g.nodes[seg.nodes[0]].shape.clone();
+        let space = g.nodes[nodes[0]].shape.clone();
         let mut bld = Builder::new();
         let mut map: Vec<Option<ExprId>> = vec![None; g.nodes.len()];
-        for &i in &seg.nodes {
+        for &i in nodes {
             let x = self.operands(seg, &mut bld, &map, i, &|v, s| v.broadcast_to(s));
             map[i] = Some(self.node_expr(&mut bld.b, i, &x));
         }
         let stores = seg
             .outputs
             .iter()
+            .filter(|o| map[**o].is_some())
             .map(|&o| Store {
                 arg: Self::out_arg(seg, o),
                 dtype: g.nodes[o].dtype,

@@ -27,7 +27,38 @@ fn plan_vector(l: &MapLoop, live: &[bool]) -> Option<Vector> {
     (any && width > 1 && l.numel() >= width).then_some(Vector { width, loads, stores })
 }
 
+/// How a loop's threads are numbered: a whole launch's grid (an entry point of its own), or a
+/// share of the blocks of a packed kernel (a device function given its first thread `t0` and
+/// thread count `nt`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Grid {
+    Launch,
+    Share,
+}
+
+impl Grid {
+    fn first(self) -> &'static str {
+        match self {
+            Grid::Launch => "(long long)blockIdx.x * blockDim.x + threadIdx.x",
+            Grid::Share => "t0",
+        }
+    }
+
+    fn stride(self) -> &'static str {
+        match self {
+            Grid::Launch => "(long long)gridDim.x * blockDim.x",
+            Grid::Share => "nt",
+        }
+    }
+}
+
 pub(super) fn print_map(out: &mut String, l: &MapLoop, name: &str, params: &[Param]) -> Result<Entry, String> {
+    print_loop(out, l, name, params, Grid::Launch)
+}
+
+/// [`print_map`] as an entry point (`Grid::Launch`) or as the device function of one loop of
+/// a packed kernel (`Grid::Share`, see [`print_packed`]).
+fn print_loop(out: &mut String, l: &MapLoop, name: &str, params: &[Param], grid: Grid) -> Result<Entry, String> {
     check_io(&l.loads, &l.stores, &l.expr, &l.dims, params)?;
     let numel = l.numel();
     let (live, views) = live(&l.expr, &l.loads, &l.stores);
@@ -42,19 +73,19 @@ pub(super) fn print_map(out: &mut String, l: &MapLoop, name: &str, params: &[Par
             Some(v) => format!(" ({} per thread where the arguments are aligned)", v.width),
             None => String::new(),
         },
-        signature(name, params)
+        match grid {
+            Grid::Launch => signature(name, params),
+            Grid::Share => share_signature(name, params),
+        }
     );
     let first = match &vector {
         Some(v) => {
-            print_vector_path(out, l, v, &live, &used)?;
+            print_vector_path(out, l, v, &live, &used, grid)?;
             "vec_end"
         }
         None => "0",
     };
-    let _ = writeln!(
-        out,
-        "  for (long long i = {first} + (long long)blockIdx.x * blockDim.x + threadIdx.x; i < {numel}LL; i += (long long)gridDim.x * blockDim.x) {{"
-    );
+    let _ = writeln!(out, "  for (long long i = {first} + {}; i < {numel}LL; i += {}) {{", grid.first(), grid.stride());
     let scalar = Vector { width: 1, loads: vec![false; live.len()], stores: vec![false; l.stores.len()] };
     print_index(out, "    ", l, &scalar, &live, &used)?;
     out.push_str("  }\n}\n");
@@ -65,14 +96,18 @@ pub(super) fn print_map(out: &mut String, l: &MapLoop, name: &str, params: &[Par
 
 /// Prints the vector path: `vec` tests the arguments' alignment once, `vec_end` is the first
 /// index it leaves to the scalar loop (0 when they are not aligned).
-fn print_vector_path(out: &mut String, l: &MapLoop, v: &Vector, live: &[bool], used: &[bool]) -> Result<(), String> {
+fn print_vector_path(
+    out: &mut String,
+    l: &MapLoop,
+    v: &Vector,
+    live: &[bool],
+    used: &[bool],
+    grid: Grid,
+) -> Result<(), String> {
     let (w, numel, nodes) = (v.width, l.numel(), &l.expr.nodes);
     let _ = writeln!(out, "  const bool vec = {};", aligned(&v.args(&l.expr, &l.loads, &l.stores)));
     let _ = writeln!(out, "  const long long vec_end = vec ? {}LL : 0LL;", numel / w * w);
-    let _ = writeln!(
-        out,
-        "  for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c * {w} < vec_end; c += (long long)gridDim.x * blockDim.x) {{"
-    );
+    let _ = writeln!(out, "  for (long long c = {}; c * {w} < vec_end; c += {}) {{", grid.first(), grid.stride());
     let _ = writeln!(out, "    const long long i0 = c * {w};");
     for (i, _) in v.loads.iter().enumerate().filter(|&(_, &x)| x) {
         let ExprOp::Load(slot) = nodes[i].op else { unreachable!("planned from loads") };
@@ -136,4 +171,46 @@ fn print_index(
 /// The address of the chunk at index `i0` of argument `arg` through a contiguous view from `offset`.
 fn chunk_at(arg: u16, offset: usize) -> String {
     if offset > 0 { format!("a{arg} + {offset} + i0") } else { format!("a{arg} + i0") }
+}
+
+/// The most blocks one loop of a packed kernel gets: its threads stride over the rest, as a
+/// map loop's grid does (an H200's 132 multiprocessors take 32 blocks each in `launch.rs`).
+const PACKED_BLOCKS_PER_LOOP: usize = 4096;
+
+/// Several map loops as one entry point (a packed kernel: a multi-tensor update): each loop is
+/// a device function, and the entry gives each loop a range of its blocks (as many as its
+/// threads need, at most [`PACKED_BLOCKS_PER_LOOP`]), in which the loop strides as it would over
+/// a grid of its own. One launch instead of one per loop; any block size covers every loop.
+pub(super) fn print_packed(out: &mut String, loops: &[MapLoop], name: &str, params: &[Param]) -> Result<Entry, String> {
+    let mut ranges = vec![];
+    let mut blocks = 0usize;
+    for (k, l) in loops.iter().enumerate() {
+        let loop_name = format!("{name}_part{k}");
+        let entry = print_loop(out, l, &loop_name, params, Grid::Share)?;
+        let Launch::Map { numel: threads, block } = entry.launch else { unreachable!("a loop launches as a map") };
+        if threads == 0 {
+            continue;
+        }
+        let own = threads.div_ceil(block as usize).min(PACKED_BLOCKS_PER_LOOP);
+        ranges.push((loop_name, blocks, own));
+        blocks += own;
+    }
+    let args: Vec<String> = (0..params.len()).map(|i| format!("a{i}")).collect();
+    let args = args.join(", ");
+    let _ = writeln!(
+        out,
+        "\n// {} loops, one launch: each a range of the blocks.\n{} {{",
+        ranges.len(),
+        signature(name, params)
+    );
+    out.push_str("  const long long b = blockIdx.x;\n");
+    for (loop_name, first, own) in &ranges {
+        let _ = writeln!(
+            out,
+            "  if (b < {}LL) {{ {loop_name}({args}, (b - {first}LL) * blockDim.x + threadIdx.x, {own}LL * blockDim.x); return; }}",
+            first + own
+        );
+    }
+    out.push_str("}\n");
+    Ok(Entry { name: name.into(), launch: Launch::Rows { rows: blocks, threads: MAP_BLOCK } })
 }

@@ -110,8 +110,9 @@ pub enum Launch {
     /// chunks of neighbouring indices), `block` threads per block suggested; the loop strides
     /// over the grid, so a smaller grid is fine. Nothing to launch when `numel` is 0.
     Map { numel: usize, block: u32 },
-    /// `rows` blocks (one per row, or per segment of a row in a split row kernel) of `threads`
-    /// threads (or fewer, a power of two). Nothing to launch when `rows` is 0.
+    /// `rows` blocks (one per row, or per segment of a row in a split row kernel, or a packed
+    /// kernel's blocks, shared out among its loops) of `threads` threads (or fewer, a power of
+    /// two). Nothing to launch when `rows` is 0.
     Rows { rows: usize, threads: u32 },
 }
 
@@ -146,6 +147,9 @@ pub fn print(kernel: &Kernel, name: &str) -> Result<CudaSource, String> {
         Body::Gather(_) | Body::Scatter(_) => vec![],
     };
     match &kernel.body {
+        Body::Map(loops) if loops.len() > 1 => {
+            entries.push(print_packed(&mut body, loops, &format!("{name}_loops"), &params)?)
+        }
         Body::Map(loops) => {
             for (k, l) in loops.iter().enumerate() {
                 let e = print_map(&mut body, l, &format!("{name}_loop{k}"), &params)?;
@@ -197,10 +201,21 @@ fn check_io(loads: &[Load], stores: &[Store], expr: &Expr, dims: &[usize], param
 
 /// The parameter list shared by all entry points.
 fn signature(name: &str, params: &[Param]) -> String {
+    format!("extern \"C\" __global__ void {name}({})", param_list(params))
+}
+
+/// `const float* a0, float* a1, ...`: the parameters as C declarations.
+fn param_list(params: &[Param]) -> String {
     let list: Vec<String> = (params.iter().enumerate())
         .map(|(i, p)| format!("{}{}* a{i}", if p.writable { "" } else { "const " }, storage_ctype(p.dtype)))
         .collect();
-    format!("extern \"C\" __global__ void {name}({})", list.join(", "))
+    list.join(", ")
+}
+
+/// The parameter list of a packed kernel's loop (see `loops::print_packed`): the entry's, then
+/// its first thread and thread count.
+fn share_signature(name: &str, params: &[Param]) -> String {
+    format!("__device__ __forceinline__ void {name}({}, long long t0, long long nt)", param_list(params))
 }
 
 /// The grid-stride loop header over `n` items named `i`.

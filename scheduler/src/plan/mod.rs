@@ -6,10 +6,11 @@
 //! stream's kernel adds a wait only when no earlier wait already implies it. A value's buffer is
 //! allocated right before its writer and freed right after its last reader in plan order, on that
 //! reader's stream, gated by events recorded after its readers on other streams unless the clock
-//! shows they are done. An elementwise kernel writes in place over an input of the same shape and
-//! dtype when it is that value's last reader and every other reader happens-before it, and the
+//! shows they are done. An elementwise kernel writes each output in place over an input of the
+//! same shape and dtype (in packed maps, one its own loop alone reads) when it is that value's
+//! last reader and every other reader happens-before it, and the
 //! input is computed by the same flush or donated to it (an old parameter version under its
-//! update); never over another value from before the flush (see `in_place_candidate`). An
+//! update); never over another value from before the flush (see `in_place_pairs`). An
 //! input an earlier flush left in host memory (`External::offloaded`) is copied into a device
 //! buffer on its first reader's stream right before that reader (`copies::copy_in`), and the
 //! copy freed after its last reader; the host copy stays the value.
@@ -260,51 +261,70 @@ impl<'a> Planner<'a> {
         self.live -= self.buffers[buffer.index()].bytes as u64;
     }
 
-    /// The input (position) a Map segment may overwrite with its first output, if any; or, when
-    /// the only obstacle was another stream that may still read an input, why not.
-    fn in_place_candidate(&self, si: usize, s: usize) -> Result<usize, Option<String>> {
+    /// The inputs a Map segment (or packed maps) may overwrite with its outputs: pairs of
+    /// (output position, input position), each output over an input of its dtype and shape that
+    /// it reads directly (in packed maps, one its own part alone reads); and, when the only
+    /// obstacle was another stream that may still read an input, why not.
+    fn in_place_pairs(&self, si: usize, s: usize) -> (Vec<(usize, usize)>, Option<String>) {
         let seg = &self.segments[si];
-        let Some(&first) = seg.outputs.first() else { return Err(None) };
-        let node = &self.graph.nodes[first];
-        if seg.kind != SegmentKind::Map {
-            return Err(None);
+        let (mut pairs, mut note) = (vec![], None);
+        // The part of each node, and the part that alone reads each input (a later part must
+        // never write over what an earlier one reads, nor an earlier over a later's input).
+        let (part_of, input_part): (Vec<usize>, Vec<Option<usize>>) = match &seg.kind {
+            SegmentKind::Map => (vec![0; seg.nodes.len()], vec![Some(0); seg.inputs.len()]),
+            SegmentKind::PackedMaps { parts, input_part } => {
+                (parts.iter().enumerate().flat_map(|(k, &n)| std::iter::repeat_n(k, n)).collect(), input_part.clone())
+            }
+            _ => return (pairs, note),
+        };
+        let part = |n: usize| seg.nodes.iter().position(|&m| m == n).map(|p| part_of[p]);
+        for (o, &out) in seg.outputs.iter().enumerate() {
+            let node = &self.graph.nodes[out];
+            for (i, &v) in seg.inputs.iter().enumerate() {
+                let (dtype, shape) = self.graph.meta(v);
+                let taken = pairs.iter().any(|&(_, input)| input == i);
+                if taken || !seg.direct[i] || dtype != node.dtype || shape != &node.shape {
+                    continue;
+                }
+                if input_part[i].is_none() || input_part[i] != part(out) {
+                    continue;
+                }
+                // Values computed by this flush, and donated inputs (an old version of a
+                // parameter under its update): nothing outside the flush reads them. Never
+                // another input: its buffer may still be read by someone else (a download in
+                // progress), and a retry after a failure would read the overwritten value.
+                // Parameter memory (exact-size) holds parameters only, and they hold nothing
+                // else. A value hinted for offload keeps its own buffer, so that it can leave.
+                let input = |n: usize| &self.graph.nodes[n];
+                let overwritable = |n: usize| {
+                    !input(n).keep
+                        && !self.offloaded[n]
+                        && !input(n).offload_hint
+                        && input(n).persistent == node.persistent
+                };
+                let readers = match v {
+                    ValueRef::Node(n) if overwritable(n) => &self.node_readers[n],
+                    ValueRef::External(e) if self.overwritable_external(e, node.persistent) => &self.ext_readers[e],
+                    _ => continue,
+                };
+                if readers.last != Some(si) {
+                    continue;
+                }
+                if self.others_done(s, readers) {
+                    pairs.push((o, i));
+                    break;
+                }
+                let busy: Vec<String> = readers
+                    .by_stream
+                    .iter()
+                    .filter(|&&(t, seg)| t != s && self.clock[s][t] < self.seg_point[seg])
+                    .map(|&(t, _)| self.streams[t].0.to_string())
+                    .collect();
+                note =
+                    Some(format!("input {i} not overwritten in place: stream {} may still read it", busy.join(", ")));
+            }
         }
-        let mut note = None;
-        for (i, &v) in seg.inputs.iter().enumerate() {
-            let (dtype, shape) = self.graph.meta(v);
-            if !seg.direct[i] || dtype != node.dtype || shape != &node.shape {
-                continue;
-            }
-            // Values computed by this flush, and donated inputs (an old version of a parameter
-            // under its update): nothing outside the flush reads them. Never another input: its
-            // buffer may still be read by someone else (a download in progress), and a retry
-            // after a failure would read the overwritten value. Parameter memory (exact-size)
-            // holds parameters only, and they hold nothing else. A value hinted for offload
-            // keeps its own buffer, so that it can leave.
-            let input = |n: usize| &self.graph.nodes[n];
-            let overwritable = |n: usize| {
-                !input(n).keep && !self.offloaded[n] && !input(n).offload_hint && input(n).persistent == node.persistent
-            };
-            let readers = match v {
-                ValueRef::Node(n) if overwritable(n) => &self.node_readers[n],
-                ValueRef::External(e) if self.overwritable_external(e, node.persistent) => &self.ext_readers[e],
-                _ => continue,
-            };
-            if readers.last != Some(si) {
-                continue;
-            }
-            if self.others_done(s, readers) {
-                return Ok(i);
-            }
-            let busy: Vec<String> = readers
-                .by_stream
-                .iter()
-                .filter(|&&(t, seg)| t != s && self.clock[s][t] < self.seg_point[seg])
-                .map(|&(t, _)| self.streams[t].0.to_string())
-                .collect();
-            note = Some(format!("input {i} not overwritten in place: stream {} may still read it", busy.join(", ")));
-        }
-        Err(note)
+        (pairs, note)
     }
 
     /// Whether input `e` may hold a new value in place: donated device data that may be
@@ -413,19 +433,12 @@ impl<'a> Planner<'a> {
                 self.peak = self.peak.max(self.live);
             }
         }
-        let (reuse, note) = match self.in_place_candidate(si, s) {
-            Ok(i) => (Some(i), None),
-            Err(note) => (None, note),
-        };
+        let (in_place, note) = self.in_place_pairs(si, s);
         let mut outputs = Vec::with_capacity(seg.outputs.len());
-        let mut in_place = Vec::new();
         for (o, &n) in seg.outputs.iter().enumerate() {
-            let b = match reuse {
-                Some(i) if o == 0 => {
-                    in_place.push((0, i));
-                    input_buffers[i]
-                }
-                _ => self.alloc(s, n),
+            let b = match in_place.iter().find(|&&(out, _)| out == o) {
+                Some(&(_, i)) => input_buffers[i],
+                None => self.alloc(s, n),
             };
             self.node_buffer[n] = Some(b);
             outputs.push(b);
