@@ -165,8 +165,9 @@ impl Grouper<'_> {
         candidates.sort_unstable_by_key(|&g| Reverse(g));
         candidates.dedup();
         // A node that reads nothing computed in this flush may join a recent kernel of the same
-        // index space anyway (horizontal fusion) when the two will meet: the kernel reads one of
-        // its inputs (`gelu(x * w) * sigmoid(x)` reads x once), or a value the kernel computes
+        // index space anyway (horizontal fusion) when the two will meet or it costs nothing: the
+        // node reads nothing (a constant, random numbers), the kernel reads one of its inputs
+        // (`gelu(x * w) * sigmoid(x)` reads x once), or a value the kernel computes
         // is still to be read by a later node (the several roots of one chain, `m * b1 + g * (1
         // - b1)`). An independent chain is left to packing (`group/pack.rs`): joined to a
         // finished one (an optimizer's update of another parameter of the same shape), a run of
@@ -179,7 +180,7 @@ impl Grouper<'_> {
                 let grp = &self.groups[*g];
                 // Its last nodes: where a chain in progress is (a bounded look).
                 let pending = grp.nodes.iter().rev().take(8).any(|&j| self.readers[j].iter().any(|&r| r > i));
-                pending || grp.inputs.iter().any(|u| inputs.contains(u))
+                pending || inputs.is_empty() || grp.inputs.iter().any(|u| inputs.contains(u))
             };
             candidates = (0..self.groups.len()).rev().take(4).filter(meets).collect();
         }
