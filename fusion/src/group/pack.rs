@@ -7,10 +7,12 @@
 //!
 //! A group joins the open pack of its stream (the last segment on that stream, when it is a
 //! map) when everything it reads runs before the pack does: the pack runs where its first
-//! group did, so no group moves ahead of work it depends on, and work on other streams in
-//! between only waits for what it waited for before (or less). The pack stays within the
-//! target's limits on bound buffers and nodes, and [`MAX_PARTS`] loops. (The target's limit on
-//! kernel inputs bounds how far one loop's chain grows, and each part keeps it.)
+//! group did, so no group moves ahead of work it depends on and the order stays topological.
+//! (Work on another stream that reads an earlier loop's value now waits for the whole pack: a
+//! little less overlap, never a cycle, since no loop reads anything after the pack's start.)
+//! The pack stays within the target's limits on bound buffers and nodes, and [`MAX_PARTS`]
+//! loops. (The target's limit on kernel inputs bounds how far one loop's chain grows, and each
+//! part keeps it.)
 //!
 //! Must never: pack across streams or an event wait, or pack a group with one it depends on.
 
