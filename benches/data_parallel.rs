@@ -15,26 +15,14 @@
 use braid::dist::{DataParallel, Group};
 use braid::optim::Sgd;
 use braid::prelude::*;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+#[path = "common/timing.rs"]
+mod timing;
+use timing::median_ms;
 
 fn arg(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
-}
-
-fn median_ms(warm: usize, runs: usize, mut f: impl FnMut()) -> f64 {
-    for _ in 0..warm {
-        f();
-    }
-    let mut times: Vec<f64> = (0..runs)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64() * 1e3
-        })
-        .collect();
-    times.sort_by(f64::total_cmp);
-    times[runs / 2]
 }
 
 fn init(dev: &Device, h: usize) -> Vec<Tensor> {

@@ -24,6 +24,8 @@
 mod products;
 #[path = "gpu_card/report.rs"]
 mod report;
+#[path = "common/timing.rs"]
+mod timing;
 #[path = "gpu_card/workloads.rs"]
 mod workloads;
 

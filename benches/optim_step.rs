@@ -16,7 +16,9 @@
 use braid::Grads;
 use braid::optim::{AdamW, Optimizer};
 use braid::prelude::*;
-use std::time::Instant;
+#[path = "common/timing.rs"]
+mod timing;
+use timing::median_ms;
 
 /// GPT-2's parameter shapes at `width`, `layers` blocks, `vocabulary` tokens, 1024 positions.
 fn gpt2_shapes(width: usize, layers: usize, vocabulary: usize) -> Vec<Vec<usize>> {
@@ -28,21 +30,6 @@ fn gpt2_shapes(width: usize, layers: usize, vocabulary: usize) -> Vec<Vec<usize>
     }
     shapes.extend([vec![width], vec![width]]);
     shapes
-}
-
-fn median_ms(mut f: impl FnMut()) -> f64 {
-    for _ in 0..3 {
-        f();
-    }
-    let mut times: Vec<f64> = (0..21)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64() * 1e3
-        })
-        .collect();
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
 }
 
 fn main() {
@@ -59,7 +46,7 @@ fn main() {
     }
     dev.sync().unwrap();
     let mut opt = AdamW::new(1e-3);
-    let ms = median_ms(|| {
+    let ms = median_ms(3, 21, || {
         opt.update(&params, &grads);
         dev.sync().unwrap();
     });
@@ -73,7 +60,7 @@ fn main() {
     // parameters' size (read and written, as the update's buffers are: no fresh pages).
     let mut src = Tensor::randn([numel], DType::F32, &dev);
     dev.sync().unwrap();
-    let copy_ms = median_ms(|| {
+    let copy_ms = median_ms(3, 21, || {
         src *= -1.0;
         dev.sync().unwrap();
     });

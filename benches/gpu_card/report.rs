@@ -1,7 +1,5 @@
 //! The GPU bench card's rows, their timing and the side-by-side table.
 
-use std::time::Instant;
-
 /// One measured braid workload (or variant).
 #[derive(Clone, Debug)]
 pub struct Row {
@@ -54,21 +52,7 @@ impl Row {
     }
 }
 
-/// Median milliseconds of `runs` calls of `f` after `warm` warm-up calls.
-pub fn median_ms(warm: usize, runs: usize, mut f: impl FnMut()) -> f64 {
-    for _ in 0..warm {
-        f();
-    }
-    let mut t: Vec<f64> = (0..runs)
-        .map(|_| {
-            let s = Instant::now();
-            f();
-            s.elapsed().as_secs_f64() * 1e3
-        })
-        .collect();
-    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    t[t.len() / 2]
-}
+pub use super::timing::median_ms;
 
 /// GB/s of one host memcpy of 256 MiB (read + write counted): the CPU's copy floor.
 pub fn host_copy_gbs() -> f64 {

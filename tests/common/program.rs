@@ -8,7 +8,7 @@ mod indexing;
 use super::{Harness, Rng, SeedMirror};
 use braid::prelude::*;
 use braid::{Event, Stream};
-use braid_graph::reference::CheckStats;
+use braid_graph::reference::{CheckStats, ProgNode};
 use braid_graph::table::{BinaryOp, CompareOp, UnaryOp};
 use braid_graph::{Op, ReduceOp, Scalar, infer};
 
@@ -486,7 +486,28 @@ impl Gen<'_> {
         self.live.push(y);
         let (a, b) = (x, y);
         let r = infer::matmul((shape, dtype), (&self.h.meta(b).1, dtype));
+        if dtype == DType::F32 && self.rng.chance(0.3) {
+            return self.autocast_matmul(a, b, r);
+        }
         self.add(Op::Matmul, r, &[a, b]);
+    }
+
+    /// `a.matmul(b)` of f32 operands under `braid::amp::autocast` to bf16 or f16; the
+    /// reference casts both operands and multiplies in the low dtype (f32 accumulation).
+    fn autocast_matmul(&mut self, a: usize, b: usize, inferred: Result<(Shape, DType), String>) {
+        let Ok((shape, _)) = inferred else { return };
+        let low = *self.rng.pick(&[DType::BF16, DType::F16]);
+        if !self.h.dev.target().dtypes.contains(low) {
+            return;
+        }
+        let cast = |g: &mut Self, x: usize| {
+            let node = ProgNode::Op { op: Op::Cast, dtype: low, shape: g.h.meta(x).1, inputs: vec![x] };
+            g.reference_only(node)
+        };
+        let (la, lb) = (cast(self, a), cast(self, b));
+        let t = self.call(&[a, b], |t| braid::amp::autocast(low, || t[0].matmul(t[1])));
+        let node = ProgNode::Op { op: Op::Matmul, dtype: low, shape, inputs: vec![la, lb] };
+        self.push_result(node, t, "matmul under autocast");
     }
 
     fn movement(&mut self, x: usize, dtype: DType, shape: &Shape) {

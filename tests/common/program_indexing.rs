@@ -186,7 +186,7 @@ impl Gen<'_> {
     }
 
     /// Calls braid's API on the live tensors of program nodes `inputs`, on the harness stream.
-    fn call(&mut self, inputs: &[usize], api: impl FnOnce(&[&Tensor]) -> Tensor) -> Tensor {
+    pub(super) fn call(&mut self, inputs: &[usize], api: impl FnOnce(&[&Tensor]) -> Tensor) -> Tensor {
         let handles: Vec<Tensor> =
             inputs.iter().map(|&i| self.h.tensors[i].clone().expect("input is a live version")).collect();
         let refs: Vec<&Tensor> = handles.iter().collect();
@@ -196,7 +196,7 @@ impl Gen<'_> {
         }
     }
 
-    fn reference_only(&mut self, node: ProgNode) -> usize {
+    pub(super) fn reference_only(&mut self, node: ProgNode) -> usize {
         let line = match &node {
             ProgNode::Op { op, inputs, .. } => format!("(reference only) {op:?} {inputs:?}"),
             ProgNode::Indexing { op, inputs, .. } => format!("(reference only) {op:?} {inputs:?}"),
@@ -205,7 +205,7 @@ impl Gen<'_> {
         self.h.push_node(node, None, line)
     }
 
-    fn push_result(&mut self, node: ProgNode, t: Tensor, name: &str) {
+    pub(super) fn push_result(&mut self, node: ProgNode, t: Tensor, name: &str) {
         let (dtype, shape) = match &node {
             ProgNode::Op { dtype, shape, .. } | ProgNode::Indexing { dtype, shape, .. } => (*dtype, shape.clone()),
             _ => unreachable!("results are ops"),
