@@ -18,6 +18,8 @@ mod micrograd;
 mod mini_gpt;
 #[path = "common/products.rs"]
 mod products;
+#[path = "common/timing.rs"]
+mod timing;
 #[path = "card/training.rs"]
 mod training;
 
@@ -29,19 +31,8 @@ use std::process::Command;
 use std::time::Instant;
 
 /// Median seconds of `runs` calls of `f` after `warm` warm-up calls.
-fn median(warm: usize, runs: usize, mut f: impl FnMut()) -> f64 {
-    for _ in 0..warm {
-        f();
-    }
-    let mut t: Vec<f64> = (0..runs)
-        .map(|_| {
-            let s = Instant::now();
-            f();
-            s.elapsed().as_secs_f64()
-        })
-        .collect();
-    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    t[t.len() / 2]
+fn median(warm: usize, runs: usize, f: impl FnMut()) -> f64 {
+    timing::median_ms(warm, runs, f) / 1e3
 }
 
 /// GB/s of a copy of `bytes` (read + write counted), as memory-bandwidth yardsticks: split

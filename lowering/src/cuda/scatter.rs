@@ -1,6 +1,6 @@
 //! Printing of a scatter-add ([`ScatterKernel`]) as three entries launched in order: the output
 //! zeroed; threads for each row of the source space (its elements that differ only along the
-//! scattered dimension: [`parts_per_row`] of them, each owning the output elements whose index
+//! scattered dimension: [`ScatterKernel::parts_per_row`] of them, each owning the output elements whose index
 //! is its own modulo their count) adding the row's elements, in order, to the output elements
 //! their indices name, a batch of indices and values loaded ahead ([`print_row_fold`]; every
 //! output element has one thread, so no atomics, and each sum is folded in one order: the bits
@@ -46,7 +46,7 @@ pub(super) fn print_scatter(
     let _ = writeln!(out, "    a{}[i] = 0;\n  }}\n}}", s.out);
     entries.push(Entry { name: format!("{name}_zero"), launch: Launch::Map { numel, block: MAP_BLOCK } });
 
-    let parts = parts_per_row(rows, s.out_dims[dim]);
+    let parts = s.parts_per_row();
     let _ = writeln!(
         out,
         "\n// {rows} rows of {k} elements, {parts} threads per row, each its indices modulo {parts}, in order.\n{} {{",
@@ -79,18 +79,6 @@ pub(super) fn print_scatter(
     let _ = writeln!(out, "    a{}[i] = {};\n  }}\n}}", s.out, add(d, &base, &format!("a{}[i]", s.out)));
     entries.push(Entry { name: format!("{name}_base"), launch: Launch::Map { numel, block: MAP_BLOCK } });
     Ok(entries)
-}
-
-/// Threads per row of a scatter-add: enough for about 64Ki threads in all, at most 64 and at
-/// most the output's extent along the dimension, a power of two. Each adds, in order, only the
-/// row's elements whose index is its own modulo the count, so every output element still has
-/// one thread and one order of adds. An embedding's gradient (256 rows of 2,048 elements) on an
-/// H200: 313 us with one thread per row, 168 us with 64, 232 us with 256 (each thread reads all
-/// of its row's indices).
-fn parts_per_row(rows: usize, extent: usize) -> usize {
-    let most = (65_536 / rows.max(1)).clamp(1, 64).min(extent.max(1));
-    // A power of two: a thread's share is a mask of the index, not a 64-bit division.
-    1 << most.ilog2()
 }
 
 /// Elements of a row each thread handles at once (see [`print_row_fold`]).

@@ -7,7 +7,7 @@
 //! - A scatter-add is up to three entries, dispatched in order: the output zeroed; threads for
 //!   each row of the source space (its elements that differ only along the scattered
 //!   dimension), each owning the output elements whose index is its own modulo their count
-//!   ([`parts_per_row`]), adding the row's elements to them in order; the base added. Every
+//!   ([`ScatterKernel::parts_per_row`], as on CUDA), adding the row's elements to them in order; the base added. Every
 //!   output element is written by one thread in one order of adds, as on the CPU and CUDA: no
 //!   atomics on values, the same bits on every run (sub-word outputs use the packed atomic
 //!   stores of [`memory`], which only keep neighbouring threads' bytes apart).
@@ -74,13 +74,6 @@ pub(super) fn print_gather(m: &mut Module<'_>, g: &GatherKernel) -> Result<(), S
     Ok(())
 }
 
-/// Threads per row of a scatter-add: enough for about 64Ki threads in all, at most 64 and at
-/// most the output's extent along the dimension, a power of two (the CUDA printer's rule).
-fn parts_per_row(rows: usize, extent: usize) -> usize {
-    let most = (65_536 / rows.max(1)).clamp(1, 64).min(extent.max(1));
-    1 << most.ilog2()
-}
-
 /// `a + b` in `d`'s arithmetic (integers wrap; a u8 register is a u32 kept below 256).
 fn add(d: DType, a: &str, b: &str) -> String {
     match d {
@@ -98,7 +91,7 @@ pub(super) fn print_scatter(m: &mut Module<'_>, s: &ScatterKernel) -> Result<(),
         return Ok(());
     }
     let (rows, k) = (s.rows(), s.dims[dim]);
-    let parts = parts_per_row(rows, s.out_dims[dim]);
+    let parts = s.parts_per_row();
     if numel as u64 >= 1 << 32 || (rows * parts) as u64 >= 1 << 32 {
         return Err(format!("a scatter-add into {numel} elements: wgpu kernels index with u32"));
     }

@@ -43,12 +43,16 @@ pub(super) fn declare(out: &mut String, b: usize, d: DType, written: bool) -> Re
     Ok(())
 }
 
+/// The u32 word of argument `arg` (packed `1 << shift` elements a word) that holds element
+/// `off`, read atomically when the kernel writes the argument.
+fn packed_word(arg: u16, written: bool, off: &str, shift: u32) -> String {
+    let at = format!("a{arg}[({off}) >> {shift}u]");
+    if written { format!("atomicLoad(&{at})") } else { at }
+}
+
 /// The register value of element `off` (a u32 expression) of argument `arg` stored as `d`.
 pub(super) fn load(arg: u16, d: DType, written: bool, off: &str) -> Result<String, String> {
-    let word = |shift: u32| {
-        let at = format!("a{arg}[({off}) >> {shift}u]");
-        if written { format!("atomicLoad(&{at})") } else { at }
-    };
+    let word = |shift: u32| packed_word(arg, written, off, shift);
     Ok(match d {
         DType::F32 | DType::I32 => format!("a{arg}[{off}]"),
         DType::U8 => format!("braid_get_byte({}, {off})", word(2)),
@@ -76,10 +80,7 @@ pub(super) fn store(arg: u16, d: DType, off: &str, value: &str) -> Result<String
 /// The bits of element `off` of argument `arg` stored as `d`, as a u32 (for kernels that move
 /// elements without converting them: a half's bits, a NaN's payload stay as they are).
 pub(super) fn load_bits(arg: u16, d: DType, written: bool, off: &str) -> Result<String, String> {
-    let word = |shift: u32| {
-        let at = format!("a{arg}[({off}) >> {shift}u]");
-        if written { format!("atomicLoad(&{at})") } else { at }
-    };
+    let word = |shift: u32| packed_word(arg, written, off, shift);
     Ok(match d {
         DType::F32 | DType::I32 => format!("bitcast<u32>(a{arg}[{off}])"),
         DType::U8 | DType::Bool => format!("braid_get_byte({}, {off})", word(2)),

@@ -268,16 +268,21 @@ impl<'a> Planner<'a> {
     fn in_place_pairs(&self, si: usize, s: usize) -> (Vec<(usize, usize)>, Option<String>) {
         let seg = &self.segments[si];
         let (mut pairs, mut note) = (vec![], None);
-        // The part of each node, and the part that alone reads each input (a later part must
+        // The part of each output, and the part that alone reads each input (a later part must
         // never write over what an earlier one reads, nor an earlier over a later's input).
-        let (part_of, input_part): (Vec<usize>, Vec<Option<usize>>) = match &seg.kind {
-            SegmentKind::Map => (vec![0; seg.nodes.len()], vec![Some(0); seg.inputs.len()]),
+        let (output_part, input_part): (Vec<usize>, &[Option<usize>]) = match &seg.kind {
+            SegmentKind::Map => (vec![0; seg.outputs.len()], &[]),
             SegmentKind::PackedMaps { parts, input_part } => {
-                (parts.iter().enumerate().flat_map(|(k, &n)| std::iter::repeat_n(k, n)).collect(), input_part.clone())
+                let part_of: HashMap<usize, usize> = (parts.iter().enumerate())
+                    .flat_map(|(k, &n)| std::iter::repeat_n(k, n))
+                    .zip(&seg.nodes)
+                    .map(|(k, &n)| (n, k))
+                    .collect();
+                (seg.outputs.iter().map(|n| part_of[n]).collect(), input_part)
             }
             _ => return (pairs, note),
         };
-        let part = |n: usize| seg.nodes.iter().position(|&m| m == n).map(|p| part_of[p]);
+        let input_part = |i: usize| if input_part.is_empty() { Some(0) } else { input_part[i] };
         for (o, &out) in seg.outputs.iter().enumerate() {
             let node = &self.graph.nodes[out];
             for (i, &v) in seg.inputs.iter().enumerate() {
@@ -286,7 +291,7 @@ impl<'a> Planner<'a> {
                 if taken || !seg.direct[i] || dtype != node.dtype || shape != &node.shape {
                     continue;
                 }
-                if input_part[i].is_none() || input_part[i] != part(out) {
+                if input_part(i) != Some(output_part[o]) {
                     continue;
                 }
                 // Values computed by this flush, and donated inputs (an old version of a
