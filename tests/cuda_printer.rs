@@ -248,6 +248,7 @@ fn compare(case: &Case, n: usize, cpu: &[Vec<u8>], got: &[u8]) -> Option<String>
         Body::Matmul(m) => (m.epilogue.iter().collect(), None),
         Body::Gather(_) | Body::Scatter(_) => return gathers::differ(case, &offsets, cpu, got),
         Body::Collective(_) => unreachable!("the generators make no collectives"),
+        Body::Attention(_) => unreachable!("the generators make no attention kernels (tests/attention.rs checks them)"),
     };
     let mut approx = vec![false; case.kernel.args.len()];
     for (expr, stores) in loops.iter().map(|l| (&l.expr, &l.stores)).chain(rows.map(|r| (&r.expr, &r.stores))) {

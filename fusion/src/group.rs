@@ -20,6 +20,8 @@ enum Class {
     Elementwise,
     Reduce,
     Matmul,
+    /// A part of attention: joins only a sibling part over the same inputs.
+    Attention,
     Other,
 }
 
@@ -40,6 +42,7 @@ fn class(op: &Op) -> Class {
         Op::Full(_) | Op::Arange { .. } | Op::Rand { .. } | Op::Randn { .. } => Class::Elementwise,
         Op::Reduce { .. } => Class::Reduce,
         Op::Matmul => Class::Matmul,
+        Op::Attention { .. } => Class::Attention,
         _ => Class::Other,
     }
 }
@@ -59,6 +62,7 @@ enum Kind {
     Map(Shape),
     Rows(Shape, Option<usize>),
     Matmul(Shape),
+    Attention,
 }
 
 struct Group {
@@ -155,7 +159,14 @@ impl Grouper<'_> {
     fn place(&mut self, i: usize) {
         let node = &self.graph.nodes[i];
         let cls = class(&node.op);
-        if !self.options.enabled || cls == Class::Other {
+        if self.options.enabled && cls == Class::Attention {
+            match self.attention_sibling(i) {
+                Some(g) => self.join(g, i, Level::Full),
+                None => self.new_group(i, cls),
+            }
+            return;
+        }
+        if !self.options.enabled || cls == Class::Other || cls == Class::Attention {
             self.new_group(i, cls);
             return;
         }
@@ -228,6 +239,7 @@ impl Grouper<'_> {
                 Kind::Rows(self.graph.meta(node.inputs[0]).1.clone(), dim)
             }
             Class::Matmul => Kind::Matmul(node.shape.clone()),
+            Class::Attention => Kind::Attention,
             Class::Other => Kind::Single,
         };
         let mut waits: Vec<usize> = node.after.to_vec();
@@ -333,6 +345,28 @@ impl Grouper<'_> {
         false
     }
 
+    /// A recent attention kernel that attention node `i` can join: one of the parts it runs
+    /// with (see [`AttentionPart::runs_with`](braid_graph::AttentionPart::runs_with)) over the
+    /// very same inputs, on the same stream, behind the same waits, with room for its output.
+    /// The parts read nothing of each other, so the kernel may run at the first one's place.
+    fn attention_sibling(&self, i: usize) -> Option<usize> {
+        let node = &self.graph.nodes[i];
+        let Op::Attention { causal, part } = node.op else { return None };
+        (0..self.groups.len()).rev().take(8).find(|&g| {
+            let grp = &self.groups[g];
+            let first = &self.graph.nodes[grp.nodes[0]];
+            let sibling = matches!(first.op, Op::Attention { causal: c, part: p } if c == causal && p.runs_with(part));
+            let fresh = grp.nodes.iter().all(|&j| self.graph.nodes[j].op != node.op);
+            let buffers = grp.inputs.len() + grp.nodes.len() + 1;
+            sibling
+                && fresh
+                && first.inputs == node.inputs
+                && grp.stream == node.stream
+                && node.after.iter().all(|a| grp.waits.binary_search(a).is_ok())
+                && buffers <= self.options.max_buffers
+        })
+    }
+
     /// Can node `i` join group `g`? The level it would have, or why not.
     fn check(&self, g: usize, i: usize) -> Result<Level, String> {
         let grp = &self.groups[g];
@@ -353,7 +387,7 @@ impl Grouper<'_> {
         let levels: Vec<Level> =
             producers.iter().filter(|&&(_, j, _)| inside(j)).map(|&(_, j, _)| self.level[j]).collect();
         let level = match (&grp.kind, class(&node.op)) {
-            (Kind::Single, _) => return Err("a kernel of this kind does not fuse".into()),
+            (Kind::Single | Kind::Attention, _) => return Err("a kernel of this kind does not fuse".into()),
             (Kind::Map(space), Class::Elementwise) if &node.shape == space => Level::Full,
             (Kind::Map(space), Class::Reduce) if self.graph.meta(node.inputs[0]).1 == space => {
                 if self.options.copy_transposed_rows
@@ -533,6 +567,7 @@ impl Grouper<'_> {
                         Kind::Map(_) => SegmentKind::Map,
                         Kind::Rows(full, axis) => SegmentKind::Rows { full: full.clone(), axis: *axis },
                         Kind::Matmul(_) => SegmentKind::Matmul,
+                        Kind::Attention => SegmentKind::Attention,
                     };
                     let direct = (grp.inputs.iter())
                         .map(|&u| matches!(&grp.kind, Kind::Map(s) if direct(u, &grp.nodes, s)))

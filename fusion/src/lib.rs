@@ -8,6 +8,8 @@
 //!   shape) and after them (over the reduced shape), so a composed softmax or layer norm is one
 //!   kernel that keeps a row in cache;
 //! - **Matmul**: a matrix product with an elementwise epilogue (bias, activation);
+//! - **Attention**: the parts of one attention pass that read the same inputs (the output and
+//!   its log-sum-exp; the key and value gradients), one fused kernel that never writes scores;
 //! - **Single**: anything else (concatenation, a materialised movement, a user event);
 //! - **Transfer**: a `to_device` of a value held where this device's kernels cannot read it
 //!   (another device's own memory): not a kernel but a copy step.
@@ -44,6 +46,9 @@ pub enum SegmentKind {
     Rows { full: Shape, axis: Option<usize> },
     /// A matrix product (the first node) and elementwise nodes on its result.
     Matmul,
+    /// Parts of one attention pass over the same inputs (`Op::Attention`): the output with its
+    /// log-sum-exp, or the key gradient with the value gradient, or one part alone.
+    Attention,
     /// One `to_device` whose input is another device's value that this device cannot read in
     /// place ([`External::remote`](braid_graph::External::remote)): the scheduler copies it
     /// instead of running a kernel.

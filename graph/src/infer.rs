@@ -194,6 +194,70 @@ pub fn matmul(a: (&Shape, DType), b: (&Shape, DType)) -> Inferred {
     Ok((Shape::from(dims), a.1))
 }
 
+/// The dtype of attention's row statistics (the log-sum-exp and `rowsum(d_out * out)`): f64 for
+/// f64 inputs, f32 for the others (f16 and bf16 compute in f32).
+pub fn attention_stats(dtype: DType) -> DType {
+    if dtype == DType::F64 { DType::F64 } else { DType::F32 }
+}
+
+/// Scaled dot-product attention's forward operands: `q [.., sq, d]`, `k` and `v` `[.., sk, d]`
+/// with the same leading dimensions and float dtype; the result is the output's shape and dtype.
+pub fn attention(q: (&Shape, DType), k: (&Shape, DType), v: (&Shape, DType)) -> Inferred {
+    let name = "scaled_dot_product_attention";
+    same_dtype(name, q.1, k.1)?;
+    same_dtype(name, q.1, v.1)?;
+    check_rule(DTypeRule::Float, name, q.1)?;
+    let (dq, dk, dv) = (q.0.dims(), k.0.dims(), v.0.dims());
+    if dq.len() < 2 || dk.len() != dq.len() || dv.len() != dq.len() {
+        return Err(format!(
+            "{name}: q, k and v need the same rank of at least 2 ([.., seq, head_dim]), got {}, {} and {}",
+            q.0, k.0, v.0
+        ));
+    }
+    let r = dq.len();
+    if dq[..r - 2] != dk[..r - 2] || dq[..r - 2] != dv[..r - 2] {
+        return Err(format!("{name}: q, k and v need the same leading dimensions, got {}, {} and {}", q.0, k.0, v.0));
+    }
+    if dk != dv {
+        return Err(format!("{name}: k and v need the same shape [.., seq, head_dim], got {} and {}", k.0, v.0));
+    }
+    if dq[r - 1] != dk[r - 1] {
+        return Err(format!("{name}: q and k need the same head dimension, got {} and {}", q.0, k.0));
+    }
+    if dq[r - 1] == 0 || dk[r - 2] == 0 {
+        return Err(format!("{name}: needs a head dimension and at least one key, got q {} and k {}", q.0, k.0));
+    }
+    Ok((q.0.clone(), q.1))
+}
+
+/// The shape and dtype of attention part `part` given its inputs' (see
+/// [`AttentionPart`](crate::AttentionPart) for what each part reads).
+pub fn attention_part(part: crate::AttentionPart, ins: &[(&Shape, DType)]) -> Inferred {
+    use crate::AttentionPart::*;
+    let want = if part.is_backward() { 6 } else { 3 };
+    if ins.len() != want {
+        return Err(format!("{}: expected {want} inputs, got {}", part.name(), ins.len()));
+    }
+    let (out, dtype) = attention(ins[0], ins[1], ins[2])?;
+    let stats = attention_stats(dtype);
+    let rows = Shape::new(&out.dims()[..out.rank() - 1]);
+    if part.is_backward() {
+        if ins[3] != (&out, dtype) {
+            return Err(format!("{}: d_out must be {out} {dtype}, got {} {}", part.name(), ins[3].0, ins[3].1));
+        }
+        for (what, x) in [("lse", ins[4]), ("delta", ins[5])] {
+            if x != (&rows, stats) {
+                return Err(format!("{}: {what} must be {rows} {stats}, got {} {}", part.name(), x.0, x.1));
+            }
+        }
+    }
+    Ok(match part {
+        Out | GradQ => (out, dtype),
+        Lse => (rows, stats),
+        GradK | GradV => (ins[1].0.clone(), dtype),
+    })
+}
+
 pub fn reshape(shape: &Shape, to: &Shape) -> Result<Shape, String> {
     if shape.numel() != to.numel() {
         return Err(format!(

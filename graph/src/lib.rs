@@ -28,7 +28,7 @@ pub mod view;
 pub use dtype::{DType, DTypeClass, Element};
 pub use flush::{External, FlushGraph, FlushNode, ValueRef};
 pub use ir::{DeviceId, Edge, Graph, Node, NodeId, StreamId};
-pub use op::{Collective, CollectiveKind, Op, ReduceOp, Scalar};
+pub use op::{AttentionPart, Collective, CollectiveKind, Op, ReduceOp, Scalar};
 pub use shape::Shape;
 pub use table::{BinaryOp, CompareOp, DTypeRule, Sensitivity, UnaryOp};
 pub use target::{CostModel, DTypes, MemoryKind, Target};

@@ -146,6 +146,59 @@ pub enum Op {
     Event,
     /// This device's part of a collective over a group of devices (`braid::dist`).
     Collective(Collective),
+    /// One part of scaled dot-product attention over `q [.., sq, d]`, `k [.., sk, d]` and
+    /// `v [.., sk, d]` (the same leading dimensions), with scores `s = q k^T / sqrt(d)` and,
+    /// when `causal`, query `i` seeing keys `j <= i` (PyTorch's `is_causal`: the top-left
+    /// triangle). See [`AttentionPart`] for the parts and their inputs. The parts share inputs
+    /// so that fusion runs the siblings of one pass as one kernel (the output with its
+    /// log-sum-exp; the key gradient with the value gradient); the `[sq, sk]` scores are never
+    /// a value of the graph.
+    Attention {
+        causal: bool,
+        part: AttentionPart,
+    },
+}
+
+/// What an [`Op::Attention`] node computes. The forward parts read `[q, k, v]`; the backward
+/// parts read `[q, k, v, d_out, lse, delta]`, where `lse` is the `Lse` part and `delta` is
+/// `rowsum(d_out * out)` (both in the statistics dtype: f64 for f64 inputs, f32 otherwise).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+pub enum AttentionPart {
+    /// `softmax(s) v`: `[.., sq, d]` in the inputs' dtype.
+    Out,
+    /// The log-sum-exp of each query's scores, `[.., sq]` in the statistics dtype.
+    Lse,
+    /// The gradient of `q`: `[.., sq, d]`.
+    GradQ,
+    /// The gradient of `k`: `[.., sk, d]`.
+    GradK,
+    /// The gradient of `v`: `[.., sk, d]`.
+    GradV,
+}
+
+impl AttentionPart {
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionPart::Out => "attention",
+            AttentionPart::Lse => "attention_lse",
+            AttentionPart::GradQ => "attention_grad_q",
+            AttentionPart::GradK => "attention_grad_k",
+            AttentionPart::GradV => "attention_grad_v",
+        }
+    }
+
+    /// Whether the part is one of the backward pass's (it reads six inputs).
+    pub fn is_backward(self) -> bool {
+        matches!(self, AttentionPart::GradQ | AttentionPart::GradK | AttentionPart::GradV)
+    }
+
+    /// Whether two parts run as one kernel when they read the same inputs: the forward pair,
+    /// and the key and value gradients (which walk the same tiles). The query gradient walks the
+    /// other way and runs alone (no float atomics, so every result is reproducible).
+    pub fn runs_with(self, other: AttentionPart) -> bool {
+        use AttentionPart::*;
+        matches!((self, other), (Out | Lse, Out | Lse) | (GradK | GradV, GradK | GradV))
+    }
 }
 
 /// One device's part of a collective operation over a group of devices: every member records
@@ -215,6 +268,7 @@ impl Op {
             Op::ToDevice => "to_device",
             Op::Event => "event",
             Op::Collective(c) => c.kind.name(),
+            Op::Attention { part, .. } => part.name(),
         }
     }
 

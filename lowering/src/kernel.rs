@@ -3,8 +3,8 @@
 //! A kernel reads and writes numbered buffer arguments through strided [`View`]s. Its body is
 //! either a set of map loops (an index space, loads, an expression DAG from
 //! [`braid_graph::expr`], stores), a row kernel (reductions with the elementwise work around
-//! them), a matrix product with an elementwise epilogue, a gather, a scatter-add, or a
-//! collective (a library call). Targets interpret it (the
+//! them), a matrix product with an elementwise epilogue, a gather, a scatter-add, a pass of
+//! fused attention, or a collective (a library call). Targets interpret it (the
 //! CPU) or print it (CUDA C, WGSL); none of them needs to know which graph ops it came from.
 //! The IR holds no buffers and no data, so kernels can be cached by structure.
 
@@ -278,6 +278,8 @@ pub enum Body {
     Matmul(MatmulKernel),
     Gather(GatherKernel),
     Scatter(ScatterKernel),
+    /// Boxed: the largest variant would set the size of every kernel body.
+    Attention(Box<crate::attention::AttentionKernel>),
     /// This device's part of a collective over a group of devices, reading argument 0 (the
     /// whole buffer, contiguous) and writing argument 1: a library call (NCCL, or the host
     /// rendezvous between CPU devices), never printed as a kernel.

@@ -7,6 +7,7 @@
 //! compiles the printed kernels on the host and compares them with the CPU); [`wgsl`] prints it as
 //! WGSL for the wgpu device (checked on a Vulkan adapter by `tests/wgsl_kernels.rs`). Lowering never touches buffers, streams or devices.
 
+pub mod attention;
 mod cexpr;
 pub mod cuda;
 pub mod host_c;
@@ -16,6 +17,7 @@ pub mod row_passes;
 pub mod vmath;
 pub mod wgsl;
 
+pub use attention::{AttentionGradInputs, AttentionKernel, AttentionPass};
 pub use kernel::{
     Arg, Body, GatherKernel, Kernel, Load, MapLoop, MatmulKernel, MatmulOperand, RowKernel, ScatterKernel, Store, View,
     check_access, check_args,

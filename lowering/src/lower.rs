@@ -3,7 +3,7 @@
 //! Each node's expression comes from the op table; folded movement becomes the view of a load
 //! and folded constants become constants of the expression. Map segments become one loop over
 //! their index space, Rows segments a row kernel, Matmul segments a matrix product with its
-//! epilogue, and the rest (Single segments) copies, gathers or scatter-adds. Lowering is pure: it
+//! epilogue, Attention segments a pass of fused attention, and the rest (Single segments) copies, gathers or scatter-adds. Lowering is pure: it
 //! never allocates buffers or runs anything.
 
 use crate::kernel::{
@@ -129,6 +129,7 @@ impl<'a> Lowering<'a> {
             }
             SegmentKind::Rows { full, axis } => Body::Rows(self.rows(seg, full, *axis)),
             SegmentKind::Matmul => Body::Matmul(self.matmul(seg, args.len())),
+            SegmentKind::Attention => Body::Attention(Box::new(self.attention(seg))),
             // A transfer is a copy step, not a kernel; as a kernel it would be this same copy.
             SegmentKind::Single if matches!(g.nodes[seg.nodes[0]].op, Op::Collective(_)) => {
                 let Op::Collective(c) = g.nodes[seg.nodes[0]].op else { unreachable!() };
@@ -365,6 +366,29 @@ impl<'a> Lowering<'a> {
             l
         });
         MatmulKernel { dtype: node.dtype, lhs, rhs, product, m, n, k, epilogue }
+    }
+
+    /// The kernel of an attention segment: its parts' shared operands as views, each part's
+    /// output argument where its value leaves the kernel.
+    fn attention(&self, seg: &Segment) -> crate::attention::AttentionKernel {
+        let g = self.graph;
+        let first = &g.nodes[seg.nodes[0]];
+        let Op::Attention { causal, .. } = first.op else { unreachable!("an attention segment starts with attention") };
+        let loads = (first.inputs.iter())
+            .map(|&v| {
+                let Source::Value(u, view) = self.source(v) else {
+                    unreachable!("constants never fold into attention")
+                };
+                Load { arg: Self::arg_of(seg, u), dtype: g.meta(u).0, view }
+            })
+            .collect();
+        let parts: Vec<crate::attention::PartOut> = (seg.nodes.iter())
+            .map(|&n| {
+                let Op::Attention { part, .. } = g.nodes[n].op else { unreachable!("only attention parts join") };
+                crate::attention::PartOut { part, arg: seg.outputs.contains(&n).then(|| Self::out_arg(seg, n)) }
+            })
+            .collect();
+        crate::attention::attention_kernel(causal, loads, &parts)
     }
 
     /// Kernels that are not fused: concatenation and materialised movement (copies), gathers and

@@ -216,6 +216,9 @@ fn differentiable(op: &Op) -> bool {
         | Op::Contiguous
         | Op::ToDevice => true,
         Op::Reduce { op, .. } => *op != ReduceOp::ArgMax,
+        // The output's derivative is recorded as the gradient parts, whose own derivatives
+        // (second derivatives of attention) are not defined.
+        Op::Attention { part, .. } => *part == braid_graph::AttentionPart::Out,
         Op::Input | Op::Full(_) | Op::Arange { .. } | Op::Rand { .. } | Op::Randn { .. } | Op::Compare(_) => false,
         // Collectives carry no gradient: data parallelism reduces gradients, it does not
         // differentiate through the reduction.
@@ -239,6 +242,8 @@ fn saves(op: &Op, needs: &[bool]) -> (SmallVec<[bool; 3]>, bool) {
         Op::Gather { .. } | Op::IndexSelect { .. } => (SmallVec::from_slice(&[false, needs[0]]), false),
         // The source's gradient is gathered from where the index sent it.
         Op::ScatterAdd { .. } => (SmallVec::from_slice(&[false, needs[2], false]), false),
+        // Every gradient recomputes the scores from q and k and reads v and the output.
+        Op::Attention { .. } => (all(true), true),
         _ => (all(false), false),
     }
 }

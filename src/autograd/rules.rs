@@ -180,6 +180,11 @@ fn other_grads(
             });
             smallvec![ga, gb]
         }
+        Op::Attention { causal, .. } => {
+            let (q, k, v) = (input(0), input(1), input(2));
+            let needs = [needs[0], needs[1], needs[2]];
+            SmallVec::from_iter(crate::tensor::attention_grads((&q, &k, &v), &output(), g, *causal, needs))
+        }
         Op::Reshape => smallvec![Some(g.reshape(node.inputs[0].shape.clone()))],
         Op::Permute(perm) => {
             if is_last_two_swap(perm)

@@ -4,6 +4,7 @@
 //! then records one node and returns a new handle at once; nothing computes until a read.
 //! In-place operations record a new node and move the handle (and all its clones) to it.
 
+mod attention;
 mod create;
 mod dims;
 mod elementwise;
@@ -19,6 +20,7 @@ use crate::device::Device;
 use crate::engine::capture;
 use crate::recorder::{self, Retainer, Track, current_stream};
 use crate::stream::Stream;
+pub(crate) use attention::grads as attention_grads;
 pub use dims::Dim;
 pub use operators::Scalar;
 

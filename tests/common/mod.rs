@@ -118,6 +118,10 @@ pub fn call(op: &Op, inputs: &[&Tensor], shape: &Shape, dtype: DType, dev: &Devi
     match op {
         Op::Input | Op::Event => unreachable!("leaves are data; events carry no data"),
         Op::Collective(_) => unreachable!("random programs run on one device; tests/dist.rs checks collectives"),
+        Op::Attention { causal, part: braid_graph::AttentionPart::Out } => {
+            inputs[0].scaled_dot_product_attention(inputs[1], inputs[2], *causal)
+        }
+        Op::Attention { .. } => unreachable!("attention's other parts are recorded by its backward pass"),
         Op::Full(v) => Tensor::full(shape.clone(), v.0, dtype, dev),
         Op::Arange { start } if dtype == DType::I64 && variant.is_multiple_of(2) => {
             Tensor::arange(*start, *start + shape.numel() as i64, dev)

@@ -5,6 +5,7 @@
 //!
 //! It executes exactly what the runtime issues; it never reorders steps or decides lifetimes.
 
+mod attention;
 pub mod eval;
 mod gather;
 mod graph;
@@ -389,6 +390,7 @@ fn run_prepared(kernel: &Kernel, row_plan: Option<&rows::Plan>, args: &[ArgPtr])
         Body::Matmul(m) => matmul::run_matmul(m, args),
         Body::Gather(g) => gather::run_gather(g, args),
         Body::Scatter(s) => scatter::run_scatter(s, args),
+        Body::Attention(a) => attention::run_attention(a, args),
         Body::Collective(c) => Err(format!("{} runs through the queue's rendezvous, not as a kernel", c.kind.name())),
     }
 }

@@ -73,6 +73,7 @@
 //!   `|a| eb + |b| ea + ea eb` and magnitude `(|a| + ea)(|b| + eb)`, bounded like Sum.
 //! - Integers are exact (bound 0) unless an input is uncertain.
 
+mod attention;
 mod bounds;
 mod elementwise;
 mod indexing;
@@ -249,6 +250,8 @@ fn eval_op(op: &Op, dtype: DType, shape: &Shape, ins: &[&RefValue]) -> RefValue 
         Op::Binary(_) | Op::Compare(_) | Op::Matmul | Op::Gather { .. } | Op::IndexSelect { .. } => 2,
         Op::Select | Op::ScatterAdd { .. } => 3,
         Op::Cat { .. } => ins.len().max(1),
+        Op::Attention { part, .. } if part.is_backward() => 6,
+        Op::Attention { .. } => 3,
         _ => 1,
     };
     assert_eq!(ins.len(), arity, "{}: expected {arity} inputs, got {}", op.name(), ins.len());
@@ -279,6 +282,7 @@ fn eval_op(op: &Op, dtype: DType, shape: &Shape, ins: &[&RefValue]) -> RefValue 
         Op::Expand => movement::expand(ins[0], shape),
         Op::Narrow { dim, start, len } => movement::narrow(ins[0], *dim, *start, *len, shape),
         Op::Cat { dim } => movement::cat(ins, *dim, shape),
+        Op::Attention { causal, part } => attention::eval(*part, *causal, dtype, shape, ins),
     }
 }
 

@@ -37,6 +37,7 @@
 //! suggested shape) or memory (allocation, reuse, aliasing). Arguments are declared without
 //! `__restrict__` because the planner may write an output in place over an input.
 
+mod attention; // fused attention: flash-style tiles, tensor cores for halves
 mod columns; // row kernels along an axis before the last: neighbouring rows a block
 mod gather; // gathers: a computed index per element
 mod loops; // map loops
@@ -146,7 +147,7 @@ pub fn print(kernel: &Kernel, name: &str) -> Result<CudaSource, String> {
         Body::Map(loops) => loops.iter().map(|l| &l.expr).collect(),
         Body::Rows(r) => vec![&r.expr],
         Body::Matmul(m) => m.epilogue.iter().map(|l| &l.expr).collect(),
-        Body::Gather(_) | Body::Scatter(_) => vec![],
+        Body::Gather(_) | Body::Scatter(_) | Body::Attention(_) => vec![],
     };
     match &kernel.body {
         Body::Map(loops) if loops.len() > 1 => {
@@ -166,6 +167,7 @@ pub fn print(kernel: &Kernel, name: &str) -> Result<CudaSource, String> {
         Body::Collective(_) => unreachable!("refused above"),
         Body::Gather(g) => entries.push(gather::print_gather(&mut body, g, &format!("{name}_gather"), &params)?),
         Body::Scatter(s) => entries.extend(scatter::print_scatter(&mut body, s, &format!("{name}_scatter"), &params)?),
+        Body::Attention(a) => entries.extend(attention::print_attention(&mut body, a, name, &params)?),
         Body::Matmul(m) => {
             library_product = m.dtype.is_float();
             if m.product as usize == params.len() {

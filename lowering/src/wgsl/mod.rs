@@ -45,6 +45,7 @@
 //! The printer only prints: it decides nothing about buffers, scheduling or memory, and it
 //! never assumes an argument is not aliased by another (every binding is read-write).
 
+mod attention;
 mod helpers;
 mod indexing;
 mod map;
@@ -255,6 +256,7 @@ pub fn print(kernel: &Kernel, features: &Features) -> Result<WgslSource, String>
         Body::Collective(c) => return Err(format!("{}: the wgpu device runs no collectives", c.kind.name())),
         Body::Gather(g) => indexing::print_gather(&mut m, g)?,
         Body::Scatter(s) => indexing::print_scatter(&mut m, s)?,
+        Body::Attention(a) => attention::print_attention(&mut m, a)?,
     }
     let mut bindings: Vec<Binding> = vec![];
     let mut decls = String::new();
