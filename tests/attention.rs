@@ -22,8 +22,8 @@ fn dtypes(dev: &Device) -> Vec<DType> {
     [DType::F32, DType::F16, DType::BF16].into_iter().filter(|&d| dev.target().dtypes.contains(d)).collect()
 }
 
-/// `(batch dims, sq, sk, d)` cases: odd lengths, one key, queries beyond the keys, head dims
-/// 16 to 128.
+/// `(batch dims, sq, sk, d)` cases: odd lengths, one key, queries beyond the keys, no queries
+/// (key and value gradients of zeros), head dims 16 to 128.
 const SHAPES: &[(&[usize], usize, usize, usize)] = &[
     (&[2, 3], 7, 7, 16),
     (&[1], 1, 1, 16),
@@ -32,6 +32,7 @@ const SHAPES: &[(&[usize], usize, usize, usize)] = &[
     (&[3], 17, 40, 32),
     (&[1], 40, 17, 32),
     (&[1, 1], 130, 130, 128),
+    (&[2], 0, 5, 16),
 ];
 
 #[test]

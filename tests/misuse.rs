@@ -275,3 +275,29 @@ fn handles_cross_catch_unwind_as_they_are() {
     assert_eq!((&a + &a).to_vec::<f32>().unwrap(), vec![2.0, 2.0]);
     event.synchronize().unwrap();
 }
+
+#[test]
+fn attention_misuse_names_the_operands_at_the_call() {
+    let dev = dev();
+    let t = |dims: &[usize], dtype: DType| Tensor::zeros(dims, dtype, &dev);
+    let q = t(&[2, 4, 16], DType::F32);
+    let cases: [(Tensor, Tensor, &[&str]); 5] = [
+        (t(&[2, 4, 8], DType::F32), t(&[2, 4, 8], DType::F32), &["same head dimension", "[2, 4, 8]"]),
+        (t(&[3, 4, 16], DType::F32), t(&[3, 4, 16], DType::F32), &["same leading dimensions", "[3, 4, 16]"]),
+        (t(&[2, 5, 16], DType::F32), t(&[2, 6, 16], DType::F32), &["same shape", "[2, 6, 16]"]),
+        (t(&[2, 0, 16], DType::F32), t(&[2, 0, 16], DType::F32), &["at least one key"]),
+        (t(&[2, 4, 16], DType::I32), t(&[2, 4, 16], DType::I32), &["dtypes f32 and i32 differ"]),
+    ];
+    for (k, v, parts) in cases {
+        let line = line!() + 1;
+        let msg = panic_message(|| drop(q.scaled_dot_product_attention(&k, &v, true)));
+        assert_mentions(&msg, parts);
+        assert_mentions(&msg, &["scaled_dot_product_attention", &format!("{}:{line}:", file!())]);
+    }
+    let ints = t(&[2, 4, 16], DType::I32);
+    let msg = panic_message(|| drop(ints.scaled_dot_product_attention(&ints, &ints, false)));
+    assert_mentions(&msg, &["needs a float dtype", "i32"]);
+    let flat = t(&[16], DType::F32);
+    let msg = panic_message(|| drop(flat.scaled_dot_product_attention(&flat, &flat, false)));
+    assert_mentions(&msg, &["rank of at least 2"]);
+}

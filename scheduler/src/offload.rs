@@ -381,6 +381,14 @@ fn kernel_seconds(graph: &FlushGraph, base: &Schedule, t: usize, model: &CostMod
         let inner = first.inputs.first().map_or(1, |&v| graph.meta(v).1.dims().last().copied().unwrap_or(1));
         secs += 2.0 * first.shape.numel() as f64 * inner as f64 / model.flops_per_sec;
     }
+    if seg.kind == SegmentKind::Attention {
+        // Two products of [sq, d] x [d, sk] per problem forward, five in the backward passes.
+        let first = &graph.nodes[seg.nodes[0]];
+        let (q, k) = (graph.meta(first.inputs[0]).1, graph.meta(first.inputs[1]).1);
+        let keys = k.dims()[k.rank() - 2];
+        let products = if first.inputs.len() > 3 { 5.0 } else { 2.0 };
+        secs += products * 2.0 * q.numel() as f64 * keys as f64 / model.flops_per_sec;
+    }
     secs
 }
 

@@ -48,6 +48,14 @@ impl Tensor {
         same_device("scaled_dot_product_attention", &operands);
         let r = infer::attention((self.shape(), self.dtype()), (k.shape(), k.dtype()), (v.shape(), v.dtype()));
         let (shape, dtype) = inferred("scaled_dot_product_attention", r, &operands);
+        // A kernel binds q, k, v and its outputs; one of the backward pass binds seven buffers.
+        let needs = if operands.iter().any(|(_, t)| t.needs_grad()) { 7 } else { 4 };
+        let binds = self.device().target().max_kernel_buffers;
+        if binds < needs {
+            let problem = format!("a kernel of attention binds {needs} buffers; {} binds {binds}", self.device());
+            let described: Vec<(&str, String)> = operands.iter().map(|(n, t)| (*n, t.describe())).collect();
+            super::misuse("scaled_dot_product_attention", &problem, &described);
+        }
         Tensor::record(Op::Attention { causal, part: AttentionPart::Out }, dtype, shape, self.device(), &[self, k, v])
     }
 }

@@ -4,6 +4,8 @@
 
 #[path = "program_indexing.rs"]
 mod indexing;
+#[path = "program_attention.rs"]
+mod program_attention;
 
 use super::{Harness, Rng, SeedMirror};
 use braid::prelude::*;
@@ -333,7 +335,7 @@ impl Gen<'_> {
             return Ok(());
         };
         let (dtype, shape) = self.h.meta(x);
-        match self.rng.below(106) {
+        match self.rng.below(109) {
             0..=5 => self.source(),
             6..=23 => {
                 let op = *self.rng.pick(UnaryOp::ALL);
@@ -429,6 +431,7 @@ impl Gen<'_> {
             }
             // Indices in every integer dtype the device holds (i32 and u8 on wgpu).
             100..=105 => self.indexing(x, dtype, &shape),
+            106..=108 => self.attention(x, dtype, &shape),
             _ => {}
         }
         Ok(())

@@ -71,6 +71,10 @@
 //!   (the first NaN) is always certain.
 //! - **Matmul**: each dot product is a sum of the terms `a b`, each with bound
 //!   `|a| eb + |b| ea + ea eb` and magnitude `(|a| + ea)(|b| + eb)`, bounded like Sum.
+//! - **Attention** (`Op::Attention`): the exact formulas, with bounds for any way a fused kernel
+//!   may tile it (online softmax, probabilities rounded to the inputs' dtype before they
+//!   multiply values, the backward pass recomputing them from the saved log-sum-exp); stated
+//!   in `attention.rs`.
 //! - Integers are exact (bound 0) unless an input is uncertain.
 
 mod attention;
