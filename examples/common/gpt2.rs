@@ -1,0 +1,143 @@
+//! GPT-2 (Radford et al. 2019) on `braid`: learned token and position embeddings (the token
+//! table tied to the output head), pre-norm blocks of causal self-attention (the fused
+//! `scaled_dot_product_attention`) and a GELU feed-forward, a final layer norm. Parameters are
+//! named and laid out as Hugging Face's `GPT2Model` stores them (`h.0.attn.c_attn.weight` is
+//! `[width, 3 width]`: its `Conv1D` multiplies `x W`), so a downloaded `model.safetensors`
+//! loads with `Params::load` and braid's weights load there. Shared by `examples/gpt2.rs` and
+//! the benches.
+
+use braid::nn::{LayerNorm, Module, Params, init};
+use braid::prelude::*;
+
+/// A model's shape.
+#[derive(Clone, Copy, Debug)]
+pub struct Config {
+    pub layers: usize,
+    pub heads: usize,
+    pub width: usize,
+    pub context: usize,
+    pub vocabulary: usize,
+}
+
+impl Config {
+    /// GPT-2 small: 124M parameters.
+    pub const GPT2_124M: Config = Config { layers: 12, heads: 12, width: 768, context: 1024, vocabulary: 50257 };
+    /// A model small enough for a CPU in seconds (bytes as tokens).
+    pub const SMALL: Config = Config { layers: 2, heads: 4, width: 64, context: 64, vocabulary: 256 };
+}
+
+/// The parameters of one block, in Hugging Face's layout.
+struct Block {
+    ln_1: LayerNorm,
+    c_attn_weight: Tensor,
+    c_attn_bias: Tensor,
+    attn_proj_weight: Tensor,
+    attn_proj_bias: Tensor,
+    ln_2: LayerNorm,
+    c_fc_weight: Tensor,
+    c_fc_bias: Tensor,
+    mlp_proj_weight: Tensor,
+    mlp_proj_bias: Tensor,
+}
+
+pub struct Gpt2 {
+    pub cfg: Config,
+    wte: Tensor,
+    wpe: Tensor,
+    blocks: Vec<Block>,
+    ln_f: LayerNorm,
+}
+
+impl Gpt2 {
+    /// GPT-2's initialisation: weights ~ N(0, 0.02), the projections back into the residual
+    /// stream ~ N(0, 0.02 / sqrt(2 layers)), biases 0, layer-norm gains 1.
+    pub fn new(cfg: Config, device: &Device, seed: u64) -> Gpt2 {
+        device.seed(seed);
+        let c = cfg.width;
+        let normal = |dims: [usize; 2], std: f64| init::normal(dims, 0.0, std, DType::F32, device);
+        let zeros = |n: usize| init::zeros([n], DType::F32, device);
+        let residual = 0.02 / (2.0 * cfg.layers as f64).sqrt();
+        let blocks = (0..cfg.layers)
+            .map(|_| Block {
+                ln_1: LayerNorm::new(c, device),
+                c_attn_weight: normal([c, 3 * c], 0.02),
+                c_attn_bias: zeros(3 * c),
+                attn_proj_weight: normal([c, c], residual),
+                attn_proj_bias: zeros(c),
+                ln_2: LayerNorm::new(c, device),
+                c_fc_weight: normal([c, 4 * c], 0.02),
+                c_fc_bias: zeros(4 * c),
+                mlp_proj_weight: normal([4 * c, c], residual),
+                mlp_proj_bias: zeros(c),
+            })
+            .collect();
+        Gpt2 {
+            cfg,
+            wte: normal([cfg.vocabulary, c], 0.02),
+            wpe: normal([cfg.context, c], 0.01),
+            blocks,
+            ln_f: LayerNorm::new(c, device),
+        }
+    }
+
+    /// Every parameter under Hugging Face GPT-2's name (the tied head has none of its own).
+    pub fn params(&self) -> Params {
+        let mut p = Params::new();
+        p.push("wte.weight", &self.wte);
+        p.push("wpe.weight", &self.wpe);
+        for (i, b) in self.blocks.iter().enumerate() {
+            p.extend(&format!("h.{i}.ln_1"), b.ln_1.params());
+            p.push(format!("h.{i}.attn.c_attn.weight"), &b.c_attn_weight);
+            p.push(format!("h.{i}.attn.c_attn.bias"), &b.c_attn_bias);
+            p.push(format!("h.{i}.attn.c_proj.weight"), &b.attn_proj_weight);
+            p.push(format!("h.{i}.attn.c_proj.bias"), &b.attn_proj_bias);
+            p.extend(&format!("h.{i}.ln_2"), b.ln_2.params());
+            p.push(format!("h.{i}.mlp.c_fc.weight"), &b.c_fc_weight);
+            p.push(format!("h.{i}.mlp.c_fc.bias"), &b.c_fc_bias);
+            p.push(format!("h.{i}.mlp.c_proj.weight"), &b.mlp_proj_weight);
+            p.push(format!("h.{i}.mlp.c_proj.bias"), &b.mlp_proj_bias);
+        }
+        p.extend("ln_f", self.ln_f.params());
+        p
+    }
+
+    /// Logits `[batch * seq, vocabulary]` for token ids `[batch, seq]` (i32 or i64).
+    pub fn logits(&self, ids: &Tensor) -> Tensor {
+        let (b, t) = (ids.dims()[0], ids.dims()[1]);
+        let (c, h) = (self.cfg.width, self.cfg.heads);
+        assert!(t <= self.cfg.context, "a sequence of {t} tokens is longer than the context ({})", self.cfg.context);
+        let positions = self.wpe.narrow(0, 0, t);
+        let mut x = (&ids.embedding(&self.wte) + &positions).reshape([b * t, c]);
+        // [b t, c] columns `at..at + c` -> [b, heads, t, c / heads], read where they lie.
+        let heads = |qkv: &Tensor, at: usize| qkv.narrow(1, at, c).reshape([b, t, h, c / h]).permute(&[0, 2, 1, 3]);
+        for blk in &self.blocks {
+            let qkv = &blk.ln_1.forward(&x).matmul(&blk.c_attn_weight) + &blk.c_attn_bias;
+            let y = heads(&qkv, 0).scaled_dot_product_attention(&heads(&qkv, c), &heads(&qkv, 2 * c), true);
+            let y = y.permute(&[0, 2, 1, 3]).reshape([b * t, c]);
+            x = &x + &(&y.matmul(&blk.attn_proj_weight) + &blk.attn_proj_bias);
+            let hidden = (&blk.ln_2.forward(&x).matmul(&blk.c_fc_weight) + &blk.c_fc_bias).gelu();
+            x = &x + &(&hidden.matmul(&blk.mlp_proj_weight) + &blk.mlp_proj_bias);
+        }
+        self.ln_f.forward(&x).matmul(&self.wte.t())
+    }
+
+    /// The mean cross-entropy of predicting `targets [batch, seq]` after each prefix of `ids`.
+    pub fn loss(&self, ids: &Tensor, targets: &Tensor) -> Tensor {
+        let n = targets.shape().numel();
+        self.logits(ids).cross_entropy(&targets.reshape([n]))
+    }
+}
+
+/// A batch of `batch` windows of `seq + 1` bytes of `text` starting at pseudo-random offsets
+/// (step `step`): the ids `[batch, seq]` and the targets (the same windows shifted by one).
+pub fn batch(text: &[u8], batch: usize, seq: usize, step: usize, device: &Device) -> (Tensor, Tensor) {
+    let span = text.len() - seq - 1;
+    let mut ids = Vec::with_capacity(batch * seq);
+    let mut targets = Vec::with_capacity(batch * seq);
+    for i in 0..batch {
+        let at = ((step * batch + i) as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) as usize % span;
+        ids.extend(text[at..at + seq].iter().map(|&b| b as i32));
+        targets.extend(text[at + 1..at + seq + 1].iter().map(|&b| b as i32));
+    }
+    (Tensor::from_vec(ids, [batch, seq], device), Tensor::from_vec(targets, [batch, seq], device))
+}
