@@ -1,0 +1,82 @@
+//! `g6`: the GPT-2 124M training step (forward, backward, gradient clipping at 1.0 and AdamW:
+//! lr 6e-4, betas (0.9, 0.95), weight decay 0.1) on batches of 8 x 1024 tokens under bf16
+//! autocast (`examples/common/gpt2.rs`, fused attention), eager, against PyTorch in the same
+//! command (`benches/peers/gpt2_torch.py`: the same model with `F.scaled_dot_product_attention`,
+//! `torch.autocast(bfloat16)`, fused AdamW and `clip_grad_norm_`, eager and `torch.compile`).
+//! Both start from the same weights (braid writes them to `$OUT/gpt2_init.safetensors`, the peer
+//! reads them) and take the same batches (windows of the bundled text's bytes at the offsets of
+//! `gpt2::batch`); each step's loss is read back, so every step computes the loss, all
+//! gradients, the clipping and the update before the clock stops.
+//!
+//! Printed: each step's loss and time, then the median step (steps 5 and later) as ms,
+//! tokens/s and MFU (nanoGPT's count: `6 N + 12 L C T` FLOPs a token with N the parameters
+//! without the position table, against the H200's 989 TFLOP/s of dense bf16), and the peak
+//! device memory. The losses go to `$OUT/gpt2_braid_losses.json` for the peer to print beside
+//! its own.
+//!
+//! Run: `BRAID_DEVICE=cuda cargo bench --bench gpt2_train -- [--steps N] [--out DIR] [--small]`
+
+#[path = "../examples/common/gpt2.rs"]
+mod gpt2;
+
+use braid::amp::autocast;
+use braid::optim::{AdamW, Optimizer, clip_grad_norm};
+use braid::prelude::*;
+use gpt2::{Config, Gpt2};
+
+fn arg(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
+}
+
+fn main() -> Result<()> {
+    let small = std::env::args().any(|a| a == "--small");
+    let steps: usize = arg("--steps").and_then(|s| s.parse().ok()).unwrap_or(30);
+    let out =
+        std::path::PathBuf::from(arg("--out").unwrap_or_else(|| std::env::var("OUT").unwrap_or("bench-out".into())));
+    std::fs::create_dir_all(&out).map_err(|e| Error::Io(e.to_string()))?;
+    let dev = Device::from_env()?;
+    let (cfg, batch) = if small { (Config::SMALL, 4) } else { (Config::GPT2_124M, 8) };
+    let seq = cfg.context;
+    let model = Gpt2::new(cfg, &dev, 0);
+    let params = model.params();
+    params.save(out.join("gpt2_init.safetensors"))?;
+    let text = include_bytes!("../examples/data/alice.txt");
+    println!(
+        "g6: GPT-2 {:.1}M parameters, batch {batch} x {seq} tokens, bf16 autocast, on {}",
+        params.numel() as f64 / 1e6,
+        dev.name()
+    );
+    let mut opt = AdamW::new(6e-4).betas(0.9, 0.95).weight_decay(0.1);
+    let (mut losses, mut times) = (vec![], vec![]);
+    for step in 0..steps {
+        let start = std::time::Instant::now();
+        let (ids, targets) = gpt2::batch(text, batch, seq, step, &dev);
+        let loss = autocast(DType::BF16, || model.loss(&ids, &targets));
+        let mut grads = loss.backward()?;
+        clip_grad_norm(&params, &mut grads, 1.0);
+        opt.update(&params, &grads);
+        let value = loss.item::<f32>()?;
+        dev.sync()?;
+        let ms = start.elapsed().as_secs_f64() * 1e3;
+        println!("braid step {step:>3}: loss {value:.4}  {ms:.1} ms");
+        losses.push(value);
+        times.push(ms);
+    }
+    let mut timed: Vec<f64> = times.iter().skip(5).copied().collect();
+    timed.sort_by(f64::total_cmp);
+    if let Some(&ms) = timed.get(timed.len() / 2) {
+        let tokens = (batch * seq) as f64;
+        let n = (params.numel() - cfg.context * cfg.width) as f64;
+        let flops = (6.0 * n + 12.0 * (cfg.layers * cfg.width * seq) as f64) * tokens;
+        println!(
+            "g6 braid eager: {ms:.1} ms a step, {:.0} tokens/s, MFU {:.1}% (of 989 TFLOP/s), peak {:.2} GiB",
+            tokens / ms * 1e3,
+            flops / (ms * 1e-3) / 989e12 * 100.0,
+            dev.memory().peak as f64 / (1u64 << 30) as f64
+        );
+    }
+    let json = serde_json::to_string(&losses).expect("losses serialise");
+    std::fs::write(out.join("gpt2_braid_losses.json"), json).map_err(|e| Error::Io(e.to_string()))?;
+    Ok(())
+}
