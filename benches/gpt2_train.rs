@@ -1,6 +1,7 @@
 //! `g6`: the GPT-2 124M training step (forward, backward, gradient clipping at 1.0 and AdamW:
 //! lr 6e-4, betas (0.9, 0.95), weight decay 0.1) on batches of 8 x 1024 tokens under bf16
-//! autocast (`examples/common/gpt2.rs`, fused attention), eager, against PyTorch in the same
+//! autocast (`examples/common/gpt2.rs`, fused attention), eager and as a captured
+//! `braid::Step` (`gpt2::train_step`: the same arithmetic, moments as arguments), against PyTorch in the same
 //! command (`benches/peers/gpt2_torch.py`: the same model with `F.scaled_dot_product_attention`,
 //! `torch.autocast(bfloat16)`, fused AdamW and `clip_grad_norm_`, eager and `torch.compile`).
 //! Both start from the same weights (braid writes them to `$OUT/gpt2_init.safetensors`, the peer
@@ -22,7 +23,7 @@ mod gpt2;
 use braid::amp::autocast;
 use braid::optim::{AdamW, Optimizer, clip_grad_norm};
 use braid::prelude::*;
-use gpt2::{Config, Gpt2};
+use gpt2::{AdamWConfig, Config, Gpt2};
 
 fn arg(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();
@@ -38,43 +39,69 @@ fn main() -> Result<()> {
     let dev = Device::from_env()?;
     let (cfg, batch) = if small { (Config::SMALL, 4) } else { (Config::GPT2_124M, 8) };
     let seq = cfg.context;
-    let model = Gpt2::new(cfg, &dev, 0);
-    let params = model.params();
-    params.save(out.join("gpt2_init.safetensors"))?;
     let text = include_bytes!("../examples/data/alice.txt");
-    println!(
-        "g6: GPT-2 {:.1}M parameters, batch {batch} x {seq} tokens, bf16 autocast, on {}",
-        params.numel() as f64 / 1e6,
-        dev.name()
-    );
-    let mut opt = AdamW::new(6e-4).betas(0.9, 0.95).weight_decay(0.1);
-    let (mut losses, mut times) = (vec![], vec![]);
-    for step in 0..steps {
-        let start = std::time::Instant::now();
-        let (ids, targets) = gpt2::batch(text, batch, seq, step, &dev);
-        let loss = autocast(DType::BF16, || model.loss(&ids, &targets));
-        let mut grads = loss.backward()?;
-        clip_grad_norm(&params, &mut grads, 1.0);
-        opt.update(&params, &grads);
-        let value = loss.item::<f32>()?;
+    let adamw = AdamWConfig { lr: 6e-4, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
+    let tokens = (batch * seq) as f64;
+    let mut losses = vec![];
+    for captured in [false, true] {
+        // Both runs start from the same weights (the same seed).
+        let model = Gpt2::new(cfg, &dev, 0);
+        let params = model.params();
+        if !captured {
+            params.save(out.join("gpt2_init.safetensors"))?;
+            println!(
+                "g6: GPT-2 {:.1}M parameters, batch {batch} x {seq} tokens, bf16 autocast, on {}",
+                params.numel() as f64 / 1e6,
+                dev.name()
+            );
+        }
+        let mode = if captured { "captured Step" } else { "eager" };
+        let mut opt =
+            AdamW::new(adamw.lr).betas(adamw.beta1, adamw.beta2).eps(adamw.eps).weight_decay(adamw.weight_decay);
+        let step_fn = braid::Step::new(|a: &[Tensor]| gpt2::train_step(cfg, a, Some(DType::BF16), &adamw));
+        let zeros = || params.iter().map(|p| Tensor::zeros(p.dims().to_vec(), DType::F32, &dev)).collect::<Vec<_>>();
+        let mut state: Vec<Tensor> = params.iter().cloned().chain(zeros()).chain(zeros()).collect();
         dev.sync()?;
-        let ms = start.elapsed().as_secs_f64() * 1e3;
-        println!("braid step {step:>3}: loss {value:.4}  {ms:.1} ms");
-        losses.push(value);
-        times.push(ms);
-    }
-    let mut timed: Vec<f64> = times.iter().skip(5).copied().collect();
-    timed.sort_by(f64::total_cmp);
-    if let Some(&ms) = timed.get(timed.len() / 2) {
-        let tokens = (batch * seq) as f64;
-        let n = (params.numel() - cfg.context * cfg.width) as f64;
-        let flops = (6.0 * n + 12.0 * (cfg.layers * cfg.width * seq) as f64) * tokens;
-        println!(
-            "g6 braid eager: {ms:.1} ms a step, {:.0} tokens/s, MFU {:.1}% (of 989 TFLOP/s), peak {:.2} GiB",
-            tokens / ms * 1e3,
-            flops / (ms * 1e-3) / 989e12 * 100.0,
-            dev.memory().peak as f64 / (1u64 << 30) as f64
-        );
+        dev.reset_peak();
+        let (mut run_losses, mut times) = (vec![], vec![]);
+        for step in 0..steps {
+            let start = std::time::Instant::now();
+            let (ids, targets) = gpt2::batch(text, batch, seq, step, &dev);
+            let loss = if captured {
+                let mut call_args = state.clone();
+                call_args.extend([ids, targets, gpt2::corrections(&adamw, step as i32 + 1, &dev)]);
+                let mut outputs = step_fn.call(&call_args)?;
+                state = outputs.split_off(1);
+                outputs.remove(0)
+            } else {
+                let loss = autocast(DType::BF16, || model.loss(&ids, &targets));
+                let mut grads = loss.backward()?;
+                clip_grad_norm(&params, &mut grads, 1.0);
+                opt.update(&params, &grads);
+                loss
+            };
+            let value = loss.item::<f32>()?;
+            dev.sync()?;
+            let ms = start.elapsed().as_secs_f64() * 1e3;
+            println!("braid {mode} step {step:>3}: loss {value:.4}  {ms:.1} ms");
+            run_losses.push(value);
+            times.push(ms);
+        }
+        let mut timed: Vec<f64> = times.iter().skip(5).copied().collect();
+        timed.sort_by(f64::total_cmp);
+        if let Some(&ms) = timed.get(timed.len() / 2) {
+            let n = (params.numel() - cfg.context * cfg.width) as f64;
+            let flops = (6.0 * n + 12.0 * (cfg.layers * cfg.width * seq) as f64) * tokens;
+            println!(
+                "g6 braid {mode}: {ms:.1} ms a step, {:.0} tokens/s, MFU {:.1}% (of 989 TFLOP/s), peak {:.2} GiB",
+                tokens / ms * 1e3,
+                flops / (ms * 1e-3) / 989e12 * 100.0,
+                dev.memory().peak as f64 / (1u64 << 30) as f64
+            );
+        }
+        if !captured {
+            losses = run_losses;
+        }
     }
     let json = serde_json::to_string(&losses).expect("losses serialise");
     std::fs::write(out.join("gpt2_braid_losses.json"), json).map_err(|e| Error::Io(e.to_string()))?;

@@ -17,7 +17,7 @@ use braid::amp::{GradScaler, autocast};
 use braid::optim::{AdamW, Optimizer, clip_grad_norm};
 use braid::prelude::*;
 use clap::Parser;
-use gpt2::{Config, Gpt2};
+use gpt2::{AdamWConfig, Config, Gpt2};
 
 #[derive(Parser)]
 #[command(about = "Train GPT-2 on braid")]
@@ -47,6 +47,11 @@ struct Args {
     /// Where to write the trained weights (safetensors, Hugging Face GPT-2 names).
     #[arg(long)]
     save: Option<String>,
+    /// Run each step as a captured `braid::Step` (recorded and planned once, then replayed;
+    /// the optimizer's moments are the step's arguments and results). Not with `--amp f16`,
+    /// whose loss scaling reads every step's gradients back.
+    #[arg(long)]
+    capture: bool,
 }
 
 fn device(name: Option<&str>) -> Result<Device> {
@@ -89,31 +94,51 @@ fn main() -> Result<()> {
         args.batch,
         args.amp
     );
-    let mut opt = AdamW::new(args.lr).betas(0.9, 0.95).weight_decay(0.1);
+    let adamw = AdamWConfig { lr: args.lr, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
+    let mut opt = AdamW::new(adamw.lr).betas(adamw.beta1, adamw.beta2).eps(adamw.eps).weight_decay(adamw.weight_decay);
     let mut scaler = (low == Some(DType::F16)).then(GradScaler::new);
+    if args.capture && scaler.is_some() {
+        return Err(Error::Io(
+            "--capture runs bf16 or f32 steps: f16's loss scaling reads each step's gradients".into(),
+        ));
+    }
+    let captured = braid::Step::new(|a: &[Tensor]| gpt2::train_step(cfg, a, low, &adamw));
+    // The captured step's state: parameters, then both moments (zeros before the first step).
+    let zeros = || params.iter().map(|p| Tensor::zeros(p.dims().to_vec(), DType::F32, &device)).collect::<Vec<_>>();
+    let mut state: Vec<Tensor> = params.iter().cloned().chain(zeros()).chain(zeros()).collect();
     let tokens_per_step = (args.batch * seq) as f64;
     let mut timed = (0.0, 0usize);
     for step in 0..args.steps {
         let start = std::time::Instant::now();
         let (ids, targets) = gpt2::batch(text, args.batch, seq, step, &device);
-        let loss = match low {
-            Some(low) => autocast(low, || model.loss(&ids, &targets)),
-            None => model.loss(&ids, &targets),
+        let loss = if args.capture {
+            let mut call_args = state.clone();
+            call_args.extend([ids, targets, gpt2::corrections(&adamw, step as i32 + 1, &device)]);
+            let mut out = captured.call(&call_args)?;
+            state = out.split_off(1);
+            out.remove(0)
+        } else {
+            let loss = match low {
+                Some(low) => autocast(low, || model.loss(&ids, &targets)),
+                None => model.loss(&ids, &targets),
+            };
+            match &mut scaler {
+                Some(scaler) => {
+                    let mut grads = scaler.scale(&loss).backward()?;
+                    // Clipping the scaled gradients at the scaled norm is clipping the true
+                    // ones at 1.
+                    clip_grad_norm(&params, &mut grads, scaler.get_scale());
+                    scaler.step(&mut opt, &params, &grads)?;
+                    scaler.update();
+                }
+                None => {
+                    let mut grads = loss.backward()?;
+                    clip_grad_norm(&params, &mut grads, 1.0);
+                    opt.update(&params, &grads);
+                }
+            }
+            loss
         };
-        match &mut scaler {
-            Some(scaler) => {
-                let mut grads = scaler.scale(&loss).backward()?;
-                // Clipping the scaled gradients at the scaled norm is clipping the true ones at 1.
-                clip_grad_norm(&params, &mut grads, scaler.get_scale());
-                scaler.step(&mut opt, &params, &grads)?;
-                scaler.update();
-            }
-            None => {
-                let mut grads = loss.backward()?;
-                clip_grad_norm(&params, &mut grads, 1.0);
-                opt.update(&params, &grads);
-            }
-        }
         // Reading the loss runs the step: forward, backward and the update.
         let value = loss.item::<f32>()?;
         device.sync()?;
@@ -132,6 +157,10 @@ fn main() -> Result<()> {
             timed.0 / timed.1 as f64 * 1e3,
             device.memory().peak as f64 / (1u64 << 30) as f64
         );
+    }
+    if args.capture {
+        // The model's parameters take the captured step's last values.
+        braid::no_grad(|| params.iter().zip(&state).for_each(|(p, v)| p.assign(v)));
     }
     if let Some(path) = &args.save {
         params.save(path)?;

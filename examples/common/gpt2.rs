@@ -141,3 +141,84 @@ pub fn batch(text: &[u8], batch: usize, seq: usize, step: usize, device: &Device
     }
     (Tensor::from_vec(ids, [batch, seq], device), Tensor::from_vec(targets, [batch, seq], device))
 }
+
+impl Gpt2 {
+    /// The model over `tensors` (in [`params`](Self::params)' order): how a captured
+    /// `braid::Step` builds it from its arguments.
+    pub fn from_tensors(cfg: Config, tensors: &[Tensor]) -> Gpt2 {
+        let mut next = tensors.iter().cloned();
+        let mut take = || next.next().expect("as many tensors as the model has parameters");
+        let norm = |take: &mut dyn FnMut() -> Tensor| LayerNorm { weight: take(), bias: take(), eps: 1e-5 };
+        let (wte, wpe) = (take(), take());
+        let blocks = (0..cfg.layers)
+            .map(|_| Block {
+                ln_1: norm(&mut take),
+                c_attn_weight: take(),
+                c_attn_bias: take(),
+                attn_proj_weight: take(),
+                attn_proj_bias: take(),
+                ln_2: norm(&mut take),
+                c_fc_weight: take(),
+                c_fc_bias: take(),
+                mlp_proj_weight: take(),
+                mlp_proj_bias: take(),
+            })
+            .collect();
+        let ln_f = norm(&mut take);
+        Gpt2 { cfg, wte, wpe, blocks, ln_f }
+    }
+}
+
+/// AdamW's settings for the training step (PyTorch's `AdamW` arithmetic, weight decay on every
+/// parameter).
+#[derive(Clone, Copy, Debug)]
+pub struct AdamWConfig {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+}
+
+/// The bias corrections of AdamW's step `t` (from 1) as a step argument: `[1 / (1 - beta1^t),
+/// 1 / sqrt(1 - beta2^t)]`.
+pub fn corrections(opt: &AdamWConfig, t: i32, device: &Device) -> Tensor {
+    let c = [1.0 / (1.0 - opt.beta1.powi(t)), 1.0 / (1.0 - opt.beta2.powi(t)).sqrt()];
+    Tensor::from_vec(c.map(|x| x as f32).to_vec(), [2], device)
+}
+
+/// One training step as a pure function of its arguments, for `braid::Step`: `args` are the
+/// `n` parameters, their first and second moments (`n` each), the ids and targets, and the
+/// bias corrections ([`corrections`]). Under `low`'s autocast: the loss, gradients clipped to
+/// norm 1, AdamW. Returns the loss, then the new parameters and moments (the next call's
+/// arguments).
+pub fn train_step(cfg: Config, args: &[Tensor], low: Option<DType>, opt: &AdamWConfig) -> Vec<Tensor> {
+    let n = (args.len() - 3) / 3;
+    let params: Vec<Tensor> = args[..n].iter().map(|p| p.detach().requires_grad()).collect();
+    let (ids, targets, corr) = (&args[3 * n], &args[3 * n + 1], &args[3 * n + 2]);
+    let model = Gpt2::from_tensors(cfg, &params);
+    let loss = match low {
+        Some(low) => braid::amp::autocast(low, || model.loss(ids, targets)),
+        None => model.loss(ids, targets),
+    };
+    let mut grads = loss.backward().expect("the loss has gradients");
+    braid::optim::clip_grad_norm(&params, &mut grads, 1.0);
+    let (c1, c2) = (corr.narrow(0, 0, 1), corr.narrow(0, 1, 1));
+    let mut out = vec![loss.detach()];
+    let (mut new_m, mut new_v) = (vec![], vec![]);
+    braid::no_grad(|| {
+        for (i, p) in params.iter().enumerate() {
+            let g = grads.get(p).expect("a gradient per parameter");
+            let m = &(&args[n + i] * opt.beta1) + &(&g * (1.0 - opt.beta1));
+            let v = &(&args[2 * n + i] * opt.beta2) + &(&g.square() * (1.0 - opt.beta2));
+            let decayed = p * (1.0 - opt.lr * opt.weight_decay);
+            let denom = &(&v.sqrt() * &c2) + opt.eps;
+            out.push(&decayed - &(&(&m * &c1) / &denom * opt.lr));
+            new_m.push(m);
+            new_v.push(v);
+        }
+    });
+    out.extend(new_m);
+    out.extend(new_v);
+    out
+}
