@@ -94,7 +94,9 @@ fn compare(case: &Case, cpu: &[Vec<u8>], got: &[Vec<u8>], bound: Option<&Bound>,
         // Elements moved, or summed in the CPU's order: exact.
         Body::Gather(_) | Body::Scatter(_) => (vec![], None),
         Body::Collective(_) => unreachable!("the generators make no collectives"),
-        Body::Attention(_) => unreachable!("the generators make no attention kernels (tests/attention.rs checks them)"),
+        Body::Attention(_) => {
+            unreachable!("the generators make no attention kernels (tests/wgsl_attention.rs checks them)")
+        }
     };
     let mut approx = vec![false; case.kernel.args.len()];
     for (expr, stores) in loops.iter().map(|l| (&l.expr, &l.stores)).chain(rows.map(|r| (&r.expr, &r.stores))) {

@@ -18,6 +18,10 @@
 //! - A gather is one entry, a thread per output element; a scatter-add zeroes its output, adds
 //!   each row's elements in order (every output element by one thread: no float atomics) and
 //!   adds the base (see `indexing`). Their indices are i32.
+//! - Attention is one entry per pass (the output and log-sum-exp, the query gradient, or the
+//!   key and value gradients): one workgroup per problem and 16 owned rows, walking the other
+//!   operand in tiles of 32 rows staged in workgroup memory, with an online softmax forward
+//!   (see `attention`); no `[sq, sk]` buffer exists.
 //!
 //! More workgroups than `max_workgroups_per_dimension` are spread over the y and z dimensions
 //! of the dispatch; entries compute their linear workgroup index and skip the excess.
@@ -56,6 +60,8 @@ mod scalar;
 mod split;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_attention;
 
 pub use memory::binding_bytes;
 
