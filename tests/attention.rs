@@ -3,7 +3,8 @@
 //! sequence lengths, head dimensions 16 to 128, f32 and the half types the device holds), against
 //! the same attention composed of products and a softmax, against finite differences in f64 on
 //! the CPU, through views (heads split by a permute), under autocast, and as kernels: the
-//! output and its log-sum-exp are one kernel, the key and value gradients another.
+//! output and its log-sum-exp are one kernel, the key and value gradients another; and with
+//! infinities in rows the causal mask hides, which must not reach the rows that do not see them.
 //! (`tests/properties.rs` draws attention in random programs.)
 
 mod common;
@@ -213,5 +214,57 @@ fn autocast_runs_attention_in_low_precision_with_f32_gradients() {
         let gq = g.get(&q).unwrap();
         assert_eq!(gq.dtype(), DType::F32, "an f32 parameter's gradient is f32");
         check_recorded(&[&y, &gq]).unwrap();
+    }
+}
+
+/// Infinities in rows that the causal mask hides from some queries: those queries' outputs and
+/// gradients must not see them (a kernel that multiplies a masked probability of zero by an
+/// infinite value gets NaN there; the reference marks only the rows that see them uncertain).
+/// Case 1: query row 5 infinite (the key and value gradients of later keys multiply the query
+/// and output-gradient rows of their tile); case 2: key and value row 30 infinite (the output
+/// and the query gradient of earlier queries multiply the value and key rows of their tile).
+#[test]
+fn infinities_behind_the_causal_mask_stay_hidden() {
+    let dev = braid::testing::test_device();
+    let mut rng = Rng::new(17);
+    let dims = [1, 2, 40, 16];
+    let shape = Shape::new(&dims);
+    for dtype in dtypes(&dev) {
+        for case in [1, 2] {
+            let mut values = || random_values(&mut rng, dtype, shape.numel());
+            let (mut qv, mut kv, mut vv, w) = (values(), values(), values(), values());
+            let row = |values: &mut Vec<f64>, r: usize| {
+                for h in 0..2 {
+                    values[(h * 40 + r) * 16..(h * 40 + r + 1) * 16].fill(f64::INFINITY);
+                }
+            };
+            if case == 1 {
+                row(&mut qv, 5);
+            } else {
+                row(&mut kv, 30);
+                row(&mut vv, 30);
+            }
+            let leaf = |v: &[f64]| tensor_from_f64(v, &shape, dtype, &dev).requires_grad();
+            let (q, k, v) = (leaf(&qv), leaf(&kv), leaf(&vv));
+            let y = q.scaled_dot_product_attention(&k, &v, true);
+            let w = tensor_from_f64(&w, &shape, dtype, &dev);
+            let grads = (&y * &w).to_dtype(DType::F32).sum().backward().unwrap();
+            let (gq, gk, gv) = (grads.get(&q).unwrap(), grads.get(&k).unwrap(), grads.get(&v).unwrap());
+            let what = format!("{dtype} case {case}");
+            // Case 2's key and value gradients see the infinite rows' NaN statistics everywhere.
+            let targets: Vec<&Tensor> = if case == 1 { vec![&y, &gq, &gk, &gv] } else { vec![&y, &gq] };
+            let stats = check_recorded(&targets).unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert!(stats.checked > stats.uncertain, "{what}: mostly uncertain ({stats:?})");
+            // The hidden rows' outputs are finite.
+            let out = y.to_dtype(DType::F32).to_vec::<f32>().unwrap();
+            let finite_rows: Vec<usize> =
+                if case == 1 { (0..40).filter(|&r| r != 5).collect() } else { (0..30).collect() };
+            for h in 0..2 {
+                for &r in &finite_rows {
+                    let at = (h * 40 + r) * 16;
+                    assert!(out[at..at + 16].iter().all(|x| x.is_finite()), "{what}: head {h} row {r} is not finite");
+                }
+            }
+        }
     }
 }

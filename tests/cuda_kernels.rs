@@ -160,7 +160,7 @@ fn check_cases(h: &Harness, what: &str, cases: &[Case], blocks: impl Fn(&Case, u
         let printed = cuda::print(&case.kernel, "k").unwrap_or_else(|e| panic!("{}: {e}", case.label));
         let threads = printed.entries.iter().find_map(|e| match e.launch {
             Launch::Rows { threads, .. } => Some(threads),
-            Launch::Map { .. } => None,
+            Launch::Map { .. } | Launch::Tiles { .. } => None,
         });
         let sizes: Vec<Option<u32>> = match threads {
             Some(t) => blocks(case, t).into_iter().map(Some).collect(),

@@ -328,6 +328,7 @@ fn cpp_runner(n: usize, case: &Case, src: &cuda::CudaSource, offsets: &[usize], 
                 (Launch::Map { numel, .. }, _) => ("braid_launch", numel.div_ceil(8).min(3), 8),
                 (Launch::Rows { rows, .. }, Some(t)) if t > 1 => ("braid_launch_threads", rows, t),
                 (Launch::Rows { rows, .. }, _) => ("braid_launch", rows, 1),
+                (Launch::Tiles { .. }, _) => unreachable!("the generators make no attention kernels"),
             };
             let (name, params) = (&e.name, params.join(", "));
             let _ = writeln!(f, "  {launcher}({grid}, {block}, [&] {{ case{n}::{name}({params}); }});");

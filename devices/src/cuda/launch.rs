@@ -5,7 +5,9 @@
 //! Grids: a map entry (a grid-stride loop) gets one thread per index in blocks of the printed
 //! size, at most 32 blocks per multiprocessor (the loop covers the rest); a row entry gets one
 //! block per row and the printed number of threads, or fewer ([`LaunchOptions::row_threads`],
-//! a power of two: the printed reduction trees are correct for any, which tests check).
+//! a power of two: the printed reduction trees are correct for any, which tests check); a tile
+//! entry (fused attention) gets its blocks of exactly the printed threads and its dynamic shared
+//! memory, the function opted in first where that is above 48 KiB.
 //!
 //! Must never: allocate or free memory (scratch memory comes from the caller), synchronise,
 //! or launch with more threads than the printed shared-memory arrays hold.
@@ -18,13 +20,17 @@ use crate::DeviceError;
 use braid_lowering::cuda::{self, CudaSource, Launch};
 use braid_lowering::{Body, Kernel};
 use cudarc::driver::result as cu;
-use cudarc::driver::sys::{CUdeviceptr, CUstream};
+use cudarc::driver::sys::{CUdeviceptr, CUfunction_attribute, CUstream};
 use std::ffi::c_void;
 use std::sync::Arc;
 
 /// Name of every printed kernel's entry points (the same kernel prints the same source, so
 /// equal kernels share one compiled module whatever plan they came from).
 const KERNEL_NAME: &str = "braid";
+
+/// Dynamic shared memory a function may use without opting in (CUDA's static limit).
+const STATIC_SHARED_LIMIT: u32 = 48 * 1024;
+const MAX_DYNAMIC_SHARED: CUfunction_attribute = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
 
 /// Choices a caller may make about a launch.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -60,9 +66,21 @@ pub unsafe fn launch_entries(
     let mut values: Vec<CUdeviceptr> = params.to_vec();
     let mut pointers: Vec<*mut c_void> = values.iter_mut().map(|v| v as *mut CUdeviceptr as *mut c_void).collect();
     for entry in &src.entries {
+        let function = module.function(&entry.name)?;
+        let mut shared = 0;
         let (grid, block) = match entry.launch {
-            Launch::Map { numel: 0, .. } | Launch::Rows { rows: 0, .. } => continue,
+            Launch::Map { numel: 0, .. } | Launch::Rows { rows: 0, .. } | Launch::Tiles { blocks: 0, .. } => continue,
             Launch::Map { numel, block } => (numel.div_ceil(block as usize).min(max_map_blocks), block),
+            Launch::Tiles { blocks, threads, shared_bytes } => {
+                if shared_bytes > STATIC_SHARED_LIMIT {
+                    // SAFETY: `function` is a live entry of `module`; the driver refuses sizes
+                    // beyond the GPU's opt-in limit, which comes back as an error.
+                    unsafe { cu::function::set_function_attribute(function, MAX_DYNAMIC_SHARED, shared_bytes as i32) }
+                        .or_device(&format!("`{}`: {shared_bytes} bytes of shared memory", entry.name))?;
+                }
+                shared = shared_bytes;
+                (blocks, threads)
+            }
             Launch::Rows { rows, threads } => {
                 let block = match options.row_threads {
                     None => threads,
@@ -80,9 +98,8 @@ pub unsafe fn launch_entries(
             .ok()
             .filter(|&g| g <= i32::MAX as u32)
             .ok_or_else(|| DeviceError::Kernel(format!("{grid} blocks: more than one launch has")))?;
-        let function = module.function(&entry.name)?;
         // SAFETY: the caller's contract; `pointers` point into `values`, alive for the call.
-        unsafe { cu::launch_kernel(function, (grid, 1, 1), (block, 1, 1), 0, stream, &mut pointers) }
+        unsafe { cu::launch_kernel(function, (grid, 1, 1), (block, 1, 1), shared, stream, &mut pointers) }
             .or_device(&format!("launching `{}` ({grid} x {block})", entry.name))?;
     }
     Ok(())

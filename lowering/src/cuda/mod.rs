@@ -17,7 +17,9 @@
 //! softmax row is read once and written once); longer rows read it again in every sweep. Long
 //! rows among few rows (a whole-tensor reduction) are split into segments of [`SEGMENT`], a
 //! block each, per reduction a pass of partial results into scratch memory and a pass that
-//! combines them per row, then a last pass for the stores (`split.rs`). A float matrix product is cuBLAS's job: only its epilogue is printed (no entry at
+//! combines them per row, then a last pass for the stores (`split.rs`). Fused attention is one
+//! entry per pass, blocks of tiles with dynamic shared memory ([`Launch::Tiles`], `attention.rs`:
+//! tensor cores for halves, CUDA cores for f32 and f64). A float matrix product is cuBLAS's job: only its epilogue is printed (no entry at
 //! all when there is none), and the caller must have written the product before launching it
 //! ([`CudaSource::library_product`]). An integer product, which cuBLAS cannot wrap as the CPU
 //! does, is printed as a first entry (`product`).
@@ -49,6 +51,8 @@ mod split; // long rows among few rows: segments, partial results in scratch
 #[cfg(test)]
 pub(crate) mod tests;
 #[cfg(test)]
+mod tests_attention;
+#[cfg(test)]
 mod tests_gather;
 #[cfg(test)]
 mod tests_packed;
@@ -58,6 +62,7 @@ mod vector; // 16-byte loads and stores of neighbouring elements, checked for al
 
 pub use crate::cexpr::storage_ctype;
 use crate::cexpr::*;
+pub use attention::{AttentionTiles, MAX_HEAD_DIM, attention_tiles};
 pub use columns::COLUMNS;
 use loops::*;
 use product::print_int_product;
@@ -117,6 +122,10 @@ pub enum Launch {
     /// kernel's blocks, shared out among its loops) of `threads` threads (or fewer, a power of
     /// two). Nothing to launch when `rows` is 0.
     Rows { rows: usize, threads: u32 },
+    /// `blocks` blocks of exactly `threads` threads, each with `shared_bytes` of dynamic shared
+    /// memory (above 48 KiB the launcher opts the function in first); fused attention's tiles.
+    /// Nothing to launch when `blocks` is 0.
+    Tiles { blocks: usize, threads: u32, shared_bytes: u32 },
 }
 
 /// A parameter of the printed entry points.

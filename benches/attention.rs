@@ -1,0 +1,74 @@
+//! Fused attention (`Tensor::scaled_dot_product_attention`), bf16, causal, at two shapes
+//! `[batch, heads, seq, head_dim]`: `[8, 12, 1024, 64]` and `[4, 16, 2048, 128]`. Timed: the
+//! forward pass (the output held until the next run; `Device::sync` waits for it) and the
+//! forward and backward passes of the loss `sum(f32(y * w))` (`w` a fixed bf16 tensor; the
+//! gradients of q, k and v held), each the median of 31 runs after 5 warm-ups; recording and
+//! the flush are included, as the peer's eager calls include PyTorch's dispatch. The last
+//! output and gradients are read back at the end (their sums printed, so that nothing is
+//! skipped).
+//!
+//! Printed per shape: the profile of one forward and backward pass (a line per kernel), then
+//! milliseconds and TFLOP/s, counting a forward pass as `4 b h s^2 d`
+//! flops halved for the causal mask, and a backward pass as 2.5 forward passes (the flops
+//! FlashAttention-2 counts; braid's backward recomputes the scores twice, once per kernel, so it
+//! does more work than that). The PyTorch peer (`benches/peers/attention_torch.py`, flash
+//! backend) prints the same lines.
+//!
+//! Run: `BRAID_DEVICE=cuda cargo bench --bench attention` (on the CPU, the default device, at a
+//! sixteenth of the batch).
+
+use braid::prelude::*;
+#[path = "common/timing.rs"]
+mod timing;
+use timing::median_ms;
+
+fn main() {
+    let dev = Device::from_env().expect("the device BRAID_DEVICE names");
+    let on_cpu = dev.name().starts_with("cpu");
+    dev.seed(1);
+    for dims in [[8usize, 12, 1024, 64], [4, 16, 2048, 128]] {
+        let dims = if on_cpu { [1, dims[1] / 4, dims[2], dims[3]] } else { dims };
+        let [b, h, s, d] = dims;
+        let leaf = || Tensor::randn(dims, DType::F32, &dev).to_dtype(DType::BF16).detach();
+        let (q, k, v, w) = (leaf(), leaf(), leaf(), leaf());
+        dev.sync().unwrap();
+        let mut held = None;
+        let fwd = median_ms(5, 31, || {
+            let y = q.scaled_dot_product_attention(&k, &v, true);
+            dev.sync().unwrap();
+            held = Some(y);
+        });
+        let y = held.take().unwrap();
+        let (q, k, v) = (q.requires_grad(), k.requires_grad(), v.requires_grad());
+        let mut grads = None;
+        let both = median_ms(5, 31, || {
+            let y = q.scaled_dot_product_attention(&k, &v, true);
+            let g = (&y * &w).to_dtype(DType::F32).sum().backward().unwrap();
+            let held = [g.get(&q).unwrap(), g.get(&k).unwrap(), g.get(&v).unwrap()];
+            dev.sync().unwrap();
+            grads = Some(held);
+        });
+        // One more forward and backward pass, profiled: a line per kernel with its time.
+        dev.set_profiling(true);
+        let y2 = q.scaled_dot_product_attention(&k, &v, true);
+        let g = (&y2 * &w).to_dtype(DType::F32).sum().backward().unwrap();
+        let _held = [g.get(&q).unwrap(), g.get(&k).unwrap(), g.get(&v).unwrap()];
+        dev.sync().unwrap();
+        dev.set_profiling(false);
+        if let Some(p) = dev.last_profile() {
+            print!("{}", p.to_text());
+        }
+        let sums: Vec<f32> = std::iter::once(&y)
+            .chain(grads.as_ref().unwrap())
+            .map(|t| t.to_dtype(DType::F32).sum().item::<f32>().unwrap())
+            .collect();
+        let flops = 4.0 * (b * h * s * s * d) as f64 / 2.0;
+        println!(
+            "braid attention bf16 causal {dims:?} on {}: forward {fwd:.3} ms ({:.1} TFLOP/s), \
+             forward+backward {both:.3} ms ({:.1} TFLOP/s); sums of out, dq, dk, dv {sums:?}",
+            dev.name(),
+            flops / fwd / 1e9,
+            3.5 * flops / both / 1e9
+        );
+    }
+}
