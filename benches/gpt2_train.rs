@@ -20,8 +20,7 @@
 #[path = "../examples/common/gpt2.rs"]
 mod gpt2;
 
-use braid::amp::autocast;
-use braid::optim::{AdamW, Optimizer, clip_grad_norm};
+use braid::optim::AdamW;
 use braid::prelude::*;
 use gpt2::{AdamWConfig, Config, Gpt2};
 
@@ -58,27 +57,16 @@ fn main() -> Result<()> {
         let mode = if captured { "captured Step" } else { "eager" };
         let mut opt =
             AdamW::new(adamw.lr).betas(adamw.beta1, adamw.beta2).eps(adamw.eps).weight_decay(adamw.weight_decay);
-        let step_fn = braid::Step::new(|a: &[Tensor]| gpt2::train_step(cfg, a, Some(DType::BF16), &adamw));
-        let zeros = || params.iter().map(|p| Tensor::zeros(p.dims().to_vec(), DType::F32, &dev)).collect::<Vec<_>>();
-        let mut state: Vec<Tensor> = params.iter().cloned().chain(zeros()).chain(zeros()).collect();
+        let mut captured_run = captured.then(|| gpt2::CapturedTraining::new(cfg, &params, Some(DType::BF16), adamw));
         dev.sync()?;
         dev.reset_peak();
         let (mut run_losses, mut times) = (vec![], vec![]);
         for step in 0..steps {
             let start = std::time::Instant::now();
             let (ids, targets) = gpt2::batch(text, batch, seq, step, &dev);
-            let loss = if captured {
-                let mut call_args = state.clone();
-                call_args.extend([ids, targets, gpt2::corrections(&adamw, step as i32 + 1, &dev)]);
-                let mut outputs = step_fn.call(&call_args)?;
-                state = outputs.split_off(1);
-                outputs.remove(0)
-            } else {
-                let loss = autocast(DType::BF16, || model.loss(&ids, &targets));
-                let mut grads = loss.backward()?;
-                clip_grad_norm(&params, &mut grads, 1.0);
-                opt.update(&params, &grads);
-                loss
+            let loss = match &mut captured_run {
+                Some(run) => run.step(ids, targets)?,
+                None => gpt2::eager_step(&model, &params, &mut opt, (&ids, &targets), Some(DType::BF16))?,
             };
             let value = loss.item::<f32>()?;
             dev.sync()?;

@@ -14,7 +14,7 @@ mod gpt2;
 mod logging;
 
 use braid::amp::{GradScaler, autocast};
-use braid::optim::{AdamW, Optimizer, clip_grad_norm};
+use braid::optim::{AdamW, clip_grad_norm};
 use braid::prelude::*;
 use clap::Parser;
 use gpt2::{AdamWConfig, Config, Gpt2};
@@ -102,42 +102,24 @@ fn main() -> Result<()> {
             "--capture runs bf16 or f32 steps: f16's loss scaling reads each step's gradients".into(),
         ));
     }
-    let captured = braid::Step::new(|a: &[Tensor]| gpt2::train_step(cfg, a, low, &adamw));
-    // The captured step's state: parameters, then both moments (zeros before the first step).
-    let zeros = || params.iter().map(|p| Tensor::zeros(p.dims().to_vec(), DType::F32, &device)).collect::<Vec<_>>();
-    let mut state: Vec<Tensor> = params.iter().cloned().chain(zeros()).chain(zeros()).collect();
+    let mut captured = args.capture.then(|| gpt2::CapturedTraining::new(cfg, &params, low, adamw));
     let tokens_per_step = (args.batch * seq) as f64;
     let mut timed = (0.0, 0usize);
     for step in 0..args.steps {
         let start = std::time::Instant::now();
         let (ids, targets) = gpt2::batch(text, args.batch, seq, step, &device);
-        let loss = if args.capture {
-            let mut call_args = state.clone();
-            call_args.extend([ids, targets, gpt2::corrections(&adamw, step as i32 + 1, &device)]);
-            let mut out = captured.call(&call_args)?;
-            state = out.split_off(1);
-            out.remove(0)
-        } else {
-            let loss = match low {
-                Some(low) => autocast(low, || model.loss(&ids, &targets)),
-                None => model.loss(&ids, &targets),
-            };
-            match &mut scaler {
-                Some(scaler) => {
-                    let mut grads = scaler.scale(&loss).backward()?;
-                    // Clipping the scaled gradients at the scaled norm is clipping the true
-                    // ones at 1.
-                    clip_grad_norm(&params, &mut grads, scaler.get_scale());
-                    scaler.step(&mut opt, &params, &grads)?;
-                    scaler.update();
-                }
-                None => {
-                    let mut grads = loss.backward()?;
-                    clip_grad_norm(&params, &mut grads, 1.0);
-                    opt.update(&params, &grads);
-                }
+        let loss = match (&mut captured, &mut scaler) {
+            (Some(captured), _) => captured.step(ids, targets)?,
+            (None, Some(scaler)) => {
+                let loss = autocast(DType::F16, || model.loss(&ids, &targets));
+                let mut grads = scaler.scale(&loss).backward()?;
+                // Clipping the scaled gradients at the scaled norm is clipping the true ones at 1.
+                clip_grad_norm(&params, &mut grads, scaler.get_scale());
+                scaler.step(&mut opt, &params, &grads)?;
+                scaler.update();
+                loss
             }
-            loss
+            (None, None) => gpt2::eager_step(&model, &params, &mut opt, (&ids, &targets), low)?,
         };
         // Reading the loss runs the step: forward, backward and the update.
         let value = loss.item::<f32>()?;
@@ -158,9 +140,9 @@ fn main() -> Result<()> {
             device.memory().peak as f64 / (1u64 << 30) as f64
         );
     }
-    if args.capture {
+    if let Some(captured) = &captured {
         // The model's parameters take the captured step's last values.
-        braid::no_grad(|| params.iter().zip(&state).for_each(|(p, v)| p.assign(v)));
+        braid::no_grad(|| params.iter().zip(captured.params()).for_each(|(p, v)| p.assign(v)));
     }
     if let Some(path) = &args.save {
         params.save(path)?;

@@ -222,3 +222,62 @@ pub fn train_step(cfg: Config, args: &[Tensor], low: Option<DType>, opt: &AdamWC
     out.extend(new_v);
     out
 }
+
+/// One eager training step: the loss under `low`'s autocast, every gradient, clipping to norm 1
+/// and `opt`'s update of `params`, all recorded; returns the loss (reading it runs the step).
+pub fn eager_step(
+    model: &Gpt2,
+    params: &Params,
+    opt: &mut braid::optim::AdamW,
+    (ids, targets): (&Tensor, &Tensor),
+    low: Option<DType>,
+) -> Result<Tensor> {
+    use braid::optim::Optimizer;
+    let loss = match low {
+        Some(low) => braid::amp::autocast(low, || model.loss(ids, targets)),
+        None => model.loss(ids, targets),
+    };
+    let mut grads = loss.backward()?;
+    braid::optim::clip_grad_norm(params, &mut grads, 1.0);
+    opt.update(params, &grads);
+    Ok(loss)
+}
+
+type StepFn = Box<dyn Fn(&[Tensor]) -> Vec<Tensor>>;
+
+/// The training step ([`train_step`]) captured as a `braid::Step`, with its state: the
+/// parameters and both moments, which each call takes and returns.
+pub struct CapturedTraining {
+    step: braid::Step<StepFn>,
+    state: Vec<Tensor>,
+    adamw: AdamWConfig,
+    steps: i32,
+}
+
+impl CapturedTraining {
+    /// From the parameters' current values, with moments of zeros.
+    pub fn new(cfg: Config, params: &Params, low: Option<DType>, adamw: AdamWConfig) -> CapturedTraining {
+        let f: StepFn = Box::new(move |a: &[Tensor]| train_step(cfg, a, low, &adamw));
+        let zeros =
+            || params.iter().map(|p| Tensor::zeros(p.dims().to_vec(), DType::F32, p.device())).collect::<Vec<_>>();
+        let state = params.iter().cloned().chain(zeros()).chain(zeros()).collect();
+        CapturedTraining { step: braid::Step::new(f), state, adamw, steps: 0 }
+    }
+
+    /// One step on a batch; returns its loss.
+    pub fn step(&mut self, ids: Tensor, targets: Tensor) -> Result<Tensor> {
+        self.steps += 1;
+        let device = ids.device().clone();
+        let mut args = self.state.clone();
+        args.extend([ids, targets, corrections(&self.adamw, self.steps, &device)]);
+        let mut out = self.step.call(&args)?;
+        self.state = out.split_off(1);
+        Ok(out.remove(0))
+    }
+
+    /// The parameters' latest values (in [`Gpt2::params`]' order).
+    #[allow(dead_code)] // the example saves them; the bench does not
+    pub fn params(&self) -> &[Tensor] {
+        &self.state[..self.state.len() / 3]
+    }
+}
