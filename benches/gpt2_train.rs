@@ -9,7 +9,8 @@
 //! `gpt2::batch`); each step's loss is read back, so every step computes the loss, all
 //! gradients, the clipping and the update before the clock stops.
 //!
-//! Printed: each step's loss and time, then the median step (steps 5 and later) as ms,
+//! Printed: each step's loss and time, one more eager step profiled (kernels, their time
+//! against the step's, the costliest by name), then the median step (steps 5 and later) as ms,
 //! tokens/s and MFU (nanoGPT's count: `6 N + 12 L C T` FLOPs a token with N the parameters
 //! without the position table, against the H200's 989 TFLOP/s of dense bf16), and the peak
 //! device memory. The losses go to `$OUT/gpt2_braid_losses.json` for the peer to print beside
@@ -27,6 +28,49 @@ use gpt2::{AdamWConfig, Config, Gpt2};
 fn arg(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
+}
+
+/// One more eager step, profiled: its kernels, their GPU time against the step's wall time (the
+/// rest is the host's recording, planning and launching, or waiting), and the kernels that take
+/// the most time, summed by name.
+fn profile_one_step(
+    dev: &Device,
+    model: &Gpt2,
+    params: &braid::nn::Params,
+    opt: &mut AdamW,
+    text: &[u8],
+    (batch, seq): (usize, usize),
+) -> Result<()> {
+    let (ids, targets) = gpt2::batch(text, batch, seq, 1000, dev);
+    dev.set_profiling(true);
+    let start = std::time::Instant::now();
+    let loss = gpt2::eager_step(model, params, opt, (&ids, &targets), Some(DType::BF16))?;
+    loss.item::<f32>()?;
+    dev.sync()?;
+    let wall = start.elapsed();
+    dev.set_profiling(false);
+    let Some(profile) = dev.last_profile() else { return Ok(()) };
+    let kernels: Vec<_> = profile.kernels().collect();
+    println!(
+        "g6 profile of one eager step: {} kernels, {:.1} ms of kernel time in the flush's {:.1} ms ({:.1} ms from recording to the loss read)",
+        kernels.len(),
+        profile.kernel_time().as_secs_f64() * 1e3,
+        profile.wall.as_secs_f64() * 1e3,
+        wall.as_secs_f64() * 1e3
+    );
+    let mut by_name: Vec<(String, f64, usize)> = vec![];
+    for k in &kernels {
+        let ms = k.duration.as_secs_f64() * 1e3;
+        match by_name.iter_mut().find(|(n, ..)| *n == k.name) {
+            Some(e) => (e.1, e.2) = (e.1 + ms, e.2 + 1),
+            None => by_name.push((k.name.clone(), ms, 1)),
+        }
+    }
+    by_name.sort_by(|a, b| b.1.total_cmp(&a.1));
+    for (name, ms, n) in by_name.iter().take(12) {
+        println!("  {ms:8.2} ms  {n:4} x  {name}");
+    }
+    Ok(())
 }
 
 fn main() -> Result<()> {
@@ -89,6 +133,7 @@ fn main() -> Result<()> {
         }
         if !captured {
             losses = run_losses;
+            profile_one_step(&dev, &model, &params, &mut opt, text, (batch, seq))?;
         }
     }
     let json = serde_json::to_string(&losses).expect("losses serialise");

@@ -169,7 +169,14 @@ fn the_output_and_its_statistics_are_one_kernel_and_so_are_the_key_and_value_gra
     let q = random(&mut rng, &dims, DType::F32, &dev).requires_grad();
     let k = random(&mut rng, &dims, DType::F32, &dev).requires_grad();
     let v = random(&mut rng, &dims, DType::F32, &dev).requires_grad();
-    let loss = q.scaled_dot_product_attention(&k, &v, true).square().sum();
+    // Kernels between the output and the backward pass's log-sum-exp (products, each a kernel of
+    // its own), as a model's later layers put there: the sibling is found however far back.
+    let w = random(&mut rng, &[16, 16], DType::F32, &dev);
+    let mut y = q.scaled_dot_product_attention(&k, &v, true);
+    for _ in 0..12 {
+        y = y.matmul(&w).tanh();
+    }
+    let loss = y.square().sum();
     let g = loss.backward().unwrap();
     let (gq, gk, gv) = (g.get(&q).unwrap(), g.get(&k).unwrap(), g.get(&v).unwrap());
     dev.sync().unwrap();
