@@ -166,6 +166,11 @@ impl<R> Default for Tiles<R> {
     }
 }
 
+/// `a . b`, summed in order.
+fn dot<R: Real>(a: &[R], b: &[R]) -> R {
+    a.iter().zip(b).fold(R::default(), |acc, (&x, &y)| acc.add(x.mul(y)))
+}
+
 /// `s[i][j] = scale * q[i] . k[j]` for a tile, `None`-masked as `-inf`.
 #[allow(clippy::too_many_arguments)]
 fn scores<R: Real>(q: &[R], k: &[R], d: usize, scale: R, q0: usize, k0: usize, causal: bool, s: &mut Vec<R>) {
@@ -179,7 +184,7 @@ fn scores<R: Real>(q: &[R], k: &[R], d: usize, scale: R, q0: usize, k0: usize, c
                 continue;
             }
             let kj = &k[j * d..(j + 1) * d];
-            let dot = qi.iter().zip(kj).fold(R::default(), |acc, (&x, &y)| acc.add(x.mul(y)));
+            let dot = dot(qi, kj);
             s.push(dot.mul(scale));
         }
     }
@@ -282,7 +287,7 @@ fn run<R: Real>(a: &AttentionKernel, args: Shared<'_>) -> Result<(), String> {
                                 }
                                 let p = x.sub(lt[i]).exp();
                                 let vj = &vt[j * d..(j + 1) * d];
-                                let dp = oi.iter().zip(vj).fold(R::default(), |acc, (&x, &y)| acc.add(x.mul(y)));
+                                let dp = dot(oi, vj);
                                 let ds = p.mul(dp.sub(dt[i]));
                                 let kj = &kt[j * d..(j + 1) * d];
                                 acc[i * d..(i + 1) * d].iter_mut().zip(kj).for_each(|(o, &y)| *o = o.add(ds.mul(y)));
@@ -332,7 +337,7 @@ fn run<R: Real>(a: &AttentionKernel, args: Shared<'_>) -> Result<(), String> {
                                 let p = x.sub(lt[i]).exp();
                                 let vj = &vt[j * d..(j + 1) * d];
                                 dv_acc[j * d..(j + 1) * d].iter_mut().zip(oi).for_each(|(o, &y)| *o = o.add(p.mul(y)));
-                                let dp = oi.iter().zip(vj).fold(R::default(), |acc, (&x, &y)| acc.add(x.mul(y)));
+                                let dp = dot(oi, vj);
                                 let ds = p.mul(dp.sub(dt[i]));
                                 dk_acc[j * d..(j + 1) * d].iter_mut().zip(qi).for_each(|(o, &y)| *o = o.add(ds.mul(y)));
                             }

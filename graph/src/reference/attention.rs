@@ -34,6 +34,13 @@ struct Scores {
     s: Vec<Option<(f64, f64)>>,
 }
 
+/// Adds the term `w x` to a sum: `w` within `we` (already as a device reads it), `x` an input
+/// element with its bound (a device may read a subnormal as zero).
+fn add_product(acc: &mut SumAcc, (w, we): (f64, f64), (x, xe): (f64, f64), c: DType) {
+    let xe = read_err(x, xe, c);
+    acc.add(w * x, w.abs() * xe + we * (x.abs() + xe), (w.abs() + we) * (x.abs() + xe));
+}
+
 /// The relative error `exp` may add at argument `x` on this platform, beyond the argument's.
 fn exp_relative(x: f64, c: DType) -> f64 {
     let wgsl = if super::platform_scales_exp() { 3.0 + 2.0 * x.abs() } else { 0.0 };
@@ -53,9 +60,7 @@ fn scores(q: &RefValue, k: &RefValue, dims: &Dims, b: usize, causal: bool, c: DT
             let mut acc = SumAcc::new(c);
             for t in 0..d {
                 let (qa, qe) = q.float_at((b * sq + i) * d + t);
-                let (ka, ke) = k.float_at((b * sk + j) * d + t);
-                let (qe, ke) = (read_err(qa, qe, c), read_err(ka, ke, c));
-                acc.add(qa * ka, qa.abs() * ke + ka.abs() * qe + qe * ke, (qa.abs() + qe) * (ka.abs() + ke));
+                add_product(&mut acc, (qa, read_err(qa, qe, c)), k.float_at((b * sk + j) * d + t), c);
             }
             let (z, p) = acc.finish();
             let value = z * scale;
@@ -188,9 +193,7 @@ fn backward(
             let mut acc = SumAcc::new(c);
             for t in 0..d {
                 let (oa, oe) = d_out.float_at((b * sq + i) * d + t);
-                let (va, ve) = v.float_at((b * sk + j) * d + t);
-                let (oe, ve) = (read_err(oa, oe, c), read_err(va, ve, c));
-                acc.add(oa * va, oa.abs() * ve + va.abs() * oe + oe * ve, (oa.abs() + oe) * (va.abs() + ve));
+                add_product(&mut acc, (oa, read_err(oa, oe, c)), v.float_at((b * sk + j) * d + t), c);
             }
             let (dp, dpe) = acc.finish();
             let x = dp - dd;
@@ -217,10 +220,7 @@ fn backward(
                     let mut acc = SumAcc::new(c);
                     for i in 0..sq {
                         let Some((p, rho, _, _)) = cells[i * sk + j] else { continue };
-                        let (oa, oe) = d_out.float_at((b * sq + i) * d + t);
-                        let oe = read_err(oa, oe, c);
-                        let e = rho * p * oa.abs() + p * (1.0 + rho) * oe;
-                        acc.add(p * oa, e, p * (1.0 + rho) * (oa.abs() + oe));
+                        add_product(&mut acc, (p, rho * p), d_out.float_at((b * sq + i) * d + t), c);
                     }
                     write((b * sk + j) * d + t, acc, 1.0, 1.0);
                 }
@@ -232,9 +232,7 @@ fn backward(
                     let mut acc = SumAcc::new(c);
                     for j in 0..sk {
                         let Some((_, _, ds, dse)) = cells[i * sk + j] else { continue };
-                        let (ka, ke) = k.float_at((b * sk + j) * d + t);
-                        let ke = read_err(ka, ke, c);
-                        acc.add(ds * ka, ds.abs() * ke + dse * (ka.abs() + ke), (ds.abs() + dse) * (ka.abs() + ke));
+                        add_product(&mut acc, (ds, dse), k.float_at((b * sk + j) * d + t), c);
                     }
                     write((b * sq + i) * d + t, acc, scale, 2.0);
                 }
@@ -246,9 +244,7 @@ fn backward(
                     let mut acc = SumAcc::new(c);
                     for i in 0..sq {
                         let Some((_, _, ds, dse)) = cells[i * sk + j] else { continue };
-                        let (qa, qe) = q.float_at((b * sq + i) * d + t);
-                        let qe = read_err(qa, qe, c);
-                        acc.add(ds * qa, ds.abs() * qe + dse * (qa.abs() + qe), (ds.abs() + dse) * (qa.abs() + qe));
+                        add_product(&mut acc, (ds, dse), q.float_at((b * sq + i) * d + t), c);
                     }
                     write((b * sk + j) * d + t, acc, scale, 2.0);
                 }
