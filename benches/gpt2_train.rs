@@ -30,9 +30,10 @@ fn arg(name: &str) -> Option<String> {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
 }
 
-/// One more eager step, profiled: its kernels, their GPU time against the step's wall time (the
-/// rest is the host's recording, planning and launching, or waiting), and the kernels that take
-/// the most time, summed by name.
+/// One more eager step, profiled: its two flushes (the forward, run by the loss read, then
+/// the backward and the update, run by the sync), their kernels' GPU time against each flush's
+/// wall time (the rest is the host's planning and launching, or waiting), the time by kind of
+/// kernel, and the costliest kernels.
 fn profile_one_step(
     dev: &Device,
     model: &Gpt2,
@@ -45,30 +46,53 @@ fn profile_one_step(
     dev.set_profiling(true);
     let start = std::time::Instant::now();
     let loss = gpt2::eager_step(model, params, opt, (&ids, &targets), Some(DType::BF16))?;
+    let recorded = start.elapsed();
     loss.item::<f32>()?;
+    let forward = dev.last_profile();
     dev.sync()?;
     let wall = start.elapsed();
     dev.set_profiling(false);
-    let Some(profile) = dev.last_profile() else { return Ok(()) };
-    let kernels: Vec<_> = profile.kernels().collect();
+    let profiles: Vec<_> = forward.into_iter().chain(dev.last_profile()).collect();
+    let kernels: Vec<_> = profiles.iter().flat_map(|p| p.kernels()).collect();
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
     println!(
-        "g6 profile of one eager step: {} kernels, {:.1} ms of kernel time in the flush's {:.1} ms ({:.1} ms from recording to the loss read)",
+        "g6 profile of one eager step: {:.1} ms from the first op to the end of the sync ({:.1} ms recording); {} kernels, {:.1} ms of kernel time",
+        ms(wall),
+        ms(recorded),
         kernels.len(),
-        profile.kernel_time().as_secs_f64() * 1e3,
-        profile.wall.as_secs_f64() * 1e3,
-        wall.as_secs_f64() * 1e3
+        kernels.iter().map(|k| ms(k.duration)).sum::<f64>(),
     );
-    let mut by_name: Vec<(String, f64, usize)> = vec![];
+    for p in &profiles {
+        println!(
+            "  flush {}: {} kernels, {:.1} ms of kernel time in {:.1} ms of wall time",
+            p.flush,
+            p.kernels().count(),
+            ms(p.kernel_time()),
+            ms(p.wall)
+        );
+    }
+    // Kind: what the label names first after the kernel's number (`k3 matmul+cast [..]`).
+    let kind =
+        |name: &str| name.split_whitespace().nth(1).and_then(|ops| ops.split('+').next()).unwrap_or("?").to_string();
+    let mut by_kind: Vec<(String, f64, usize)> = vec![];
     for k in &kernels {
-        let ms = k.duration.as_secs_f64() * 1e3;
-        match by_name.iter_mut().find(|(n, ..)| *n == k.name) {
-            Some(e) => (e.1, e.2) = (e.1 + ms, e.2 + 1),
-            None => by_name.push((k.name.clone(), ms, 1)),
+        let (name, t) = (kind(&k.name), ms(k.duration));
+        match by_kind.iter_mut().find(|(n, ..)| *n == name) {
+            Some(e) => (e.1, e.2) = (e.1 + t, e.2 + 1),
+            None => by_kind.push((name, t, 1)),
         }
     }
-    by_name.sort_by(|a, b| b.1.total_cmp(&a.1));
-    for (name, ms, n) in by_name.iter().take(12) {
-        println!("  {ms:8.2} ms  {n:4} x  {name}");
+    by_kind.sort_by(|a, b| b.1.total_cmp(&a.1));
+    println!("  by the first op of the kernel:");
+    for (name, t, n) in &by_kind {
+        println!("  {t:8.2} ms  {n:4} x  {name}");
+    }
+    let mut costliest = kernels.clone();
+    costliest.sort_by_key(|k| std::cmp::Reverse(k.duration));
+    println!("  the costliest kernels:");
+    for k in costliest.iter().take(25) {
+        let gbs = k.bytes as f64 / k.duration.as_secs_f64().max(1e-9) / 1e9;
+        println!("  {:8.3} ms  {:8.1} MB  {gbs:7.0} GB/s  {}", ms(k.duration), k.bytes as f64 / 1e6, k.name);
     }
     Ok(())
 }

@@ -272,6 +272,34 @@ fn a_training_program_and_its_compiled_kernels() {
     );
 }
 
+/// A language model's head in miniature: products over an odd width (rows of 601 elements are
+/// not 16-byte aligned, which sends cuBLAS to kernels several times slower) large enough that
+/// the CUDA device pads them (`devices/src/cuda/row_padding.rs`), with a batch of three
+/// dimensions times a broadcast weight (folded into one product), under bf16 autocast and
+/// through the backward (a padded copy of the gradient in both orientations): the logits and
+/// both gradients agree with the CPU's within bf16's rounding.
+#[test]
+fn large_products_over_odd_widths_match_the_cpu() {
+    let Some((dev, _turn)) = gpu("large_products_over_odd_widths_match_the_cpu") else { return };
+    let cpu = Device::new_cpu();
+    let run = |d: &Device| {
+        d.seed(7);
+        let x = Tensor::randn([2, 512, 1000], DType::F32, d).requires_grad();
+        let w = (Tensor::randn([601, 1000], DType::F32, d) * 0.03).detach().requires_grad();
+        let r = Tensor::randn([2, 512, 601], DType::F32, d);
+        let logits = braid::amp::autocast(DType::BF16, || x.matmul(&w.t())).to_dtype(DType::F32);
+        let grads = (&logits * &r).sum().backward().unwrap();
+        [logits, grads.get(&x).unwrap(), grads.get(&w).unwrap()].map(|t| t.to_vec::<f32>().unwrap())
+    };
+    let (gpu_out, cpu_out) = (run(&dev), run(&cpu));
+    for (name, (g, c)) in ["logits", "x's gradient", "w's gradient"].iter().zip(gpu_out.iter().zip(&cpu_out)) {
+        let scale = c.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = g.iter().zip(c).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(worst <= 2e-2 * scale, "{name}: worst difference {worst} against values up to {scale}");
+        println!("{name}: worst difference {worst:.3e} against values up to {scale:.3e}");
+    }
+}
+
 /// A step of two streams (a product and row reductions on one, an elementwise chain on the
 /// other) returning two values.
 fn two_stream_step(args: &[Tensor], side: &braid::Stream) -> Vec<Tensor> {

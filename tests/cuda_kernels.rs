@@ -321,6 +321,15 @@ fn matrix_products_match_the_cpu() {
             cases.push(matmul_case_over(&mut rng, 1000 + i, spec));
         }
     }
+    // Products large enough for padded rows (`devices/src/cuda/row_padding.rs`: over 2^30
+    // FLOPs, rows not 16-byte aligned): operands copied into padded rows, the product computed
+    // into padded scratch rows, read by the epilogue or copied into its argument.
+    let large = [(DType::BF16, 1, true, true), (DType::F32, 1, false, true), (DType::F16, 2, false, false)];
+    for (i, &(dtype, batches, scratch, epilogue)) in large.iter().enumerate() {
+        let m = 1024 / batches;
+        let spec = MatmulSpec { dtype, batches, m, k: 1001, n: 523, scratch, epilogue };
+        cases.push(matmul_case_over(&mut rng, 2000 + i, spec));
+    }
     check_cases(&h, "matrix products", &cases, |_, _| vec![]);
 }
 

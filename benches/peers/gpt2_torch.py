@@ -48,6 +48,7 @@ args.add_argument("--steps", type=int, default=30)
 args.add_argument("--batch", type=int, default=8)
 args.add_argument("--seq", type=int, default=1024)
 args.add_argument("--no-compile", action="store_true")
+args.add_argument("--profile", action="store_true", help="profile one more eager step: its kernels by GPU time")
 opts = args.parse_args()
 dev = torch.device("cuda")
 
@@ -116,6 +117,24 @@ def run(name, compiled):
         print(f"{name} step {step:>3}: loss {value:.4f}  {ms:.1f} ms", flush=True)
         losses.append(value)
         times.append(ms)
+    if opts.profile and not compiled:
+        ids, targets = batches(text, 1000, opts.batch, opts.seq)
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = forward(ids, targets)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss.item()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+        total = sum(getattr(e, key) for e in events) / 1e3
+        print(f"{name} profile of one step: {sum(e.count for e in events)} kernel launches, {total:.1f} ms of kernel time")
+        for e in sorted(events, key=lambda e: -getattr(e, key))[:25]:
+            print(f"  {getattr(e, key) / 1e3:8.3f} ms  {e.count:4} x  {e.key[:150]}")
     timed = sorted(times[5:])
     ms = timed[len(timed) // 2]
     tokens = opts.batch * opts.seq

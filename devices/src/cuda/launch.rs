@@ -117,13 +117,17 @@ pub struct CudaKernel {
 impl CudaKernel {
     /// Prints and compiles `kernel` (through `compiler`'s caches).
     pub fn new(compiler: &Compiler, kernel: &Kernel) -> Result<CudaKernel, DeviceError> {
+        // A large product whose rows cuBLAS would write unaligned gets padded rows in scratch
+        // memory, and an epilogue that reads them (`super::row_padding`).
+        let (kernel, product_ld) = super::matmul::pad_product(kernel);
+        let kernel = kernel.as_ref();
         let source =
             cuda::print(kernel, KERNEL_NAME).map_err(|e| DeviceError::Internal(format!("printing CUDA C: {e}")))?;
         let names: Vec<&str> = source.entries.iter().map(|e| e.name.as_str()).collect();
         let module =
             if names.is_empty() { None } else { Some(compiler.module(&source.source, KERNEL_NAME, &names)?) };
         let matmul = match &kernel.body {
-            Body::Matmul(m) if source.library_product => Some(MatmulPlan::new(compiler, kernel, m)?),
+            Body::Matmul(m) if source.library_product => Some(MatmulPlan::new(compiler, kernel, m, product_ld)?),
             _ => None,
         };
         Ok(CudaKernel { kernel: kernel.clone(), source, module, matmul })

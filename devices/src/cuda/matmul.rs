@@ -16,6 +16,16 @@
 //! argument holds it (the printed epilogue reads it there, as its last parameter), then the
 //! copied operands, each at a multiple of 256 bytes.
 //!
+//! A large product with rows or dimensions cuBLAS cannot take at full speed (not multiples of
+//! 16 bytes: `super::row_padding`) is computed padded: its operands are copied into padded,
+//! zero-filled scratch matrices (in their own orientation) unless already aligned, and the
+//! product goes to padded scratch rows, which its epilogue reads ([`pad_product`] rewrites the
+//! kernel before it is printed) or which are copied into the argument that holds the product.
+//! Batches of a row-major left-hand side that follow each other row after row, times one
+//! right-hand side, are first folded into one product of all their rows, as PyTorch folds
+//! `[b, m, k] @ [k, n]` (cuBLAS's batched kernels take a broadcast operand at a fraction of the
+//! speed).
+//!
 //! Integer products are not planned here: cuBLAS cannot wrap them as the CPU does, so the
 //! printer prints them as a kernel entry ([`braid_lowering::cuda::CudaSource::library_product`]).
 //!
@@ -24,11 +34,12 @@
 use super::blas::{Blas, Op, Operand};
 use super::compile::Compiler;
 use super::launch::{CudaKernel, LaunchOptions};
-use super::memory::fill_device;
+use super::memory::{copy_device_2d, fill_device, fill_device_2d};
+use super::row_padding::{CopyShape, aligned, copy_kernel, pad_epilogue, padded, worth_padding};
 use crate::DeviceError;
-use braid_graph::{DType, Shape};
-use braid_lowering::{Arg, Body, Kernel, Load, MapLoop, MatmulKernel, MatmulOperand, Store, View};
-use cudarc::driver::sys::CUdeviceptr;
+use braid_graph::DType;
+use braid_lowering::{Body, Kernel, MatmulKernel, MatmulOperand};
+use cudarc::driver::sys::{CUdeviceptr, CUstream};
 use std::sync::Arc;
 
 const ALIGN: usize = 256;
@@ -60,13 +71,27 @@ impl Batches {
     }
 }
 
+/// A copy of an operand into scratch memory: where, how, and its padding, zeroed first.
+struct OperandCopy {
+    at: usize,
+    how: CopyBy,
+    shape: CopyShape,
+}
+
+enum CopyBy {
+    /// A printed map kernel (arguments: the operand's argument, the scratch copy).
+    Kernel(Arc<CudaKernel>),
+    /// 2-D copies of whole lines (the operand's lines are contiguous, `pitch` elements apart):
+    /// `(source offset, destination offset, lines)` in elements.
+    Lines { pitch: usize, copies: Vec<(usize, usize, usize)> },
+}
+
 /// One operand: where cuBLAS reads it and how.
 struct OperandPlan {
     /// The kernel argument it lives in.
     arg: u16,
-    /// A copy into scratch memory at this byte offset, by this kernel (arguments: the operand's
-    /// argument, the scratch copy), or `None` when cuBLAS reads the argument in place.
-    copy: Option<(usize, Arc<CudaKernel>)>,
+    /// A copy into scratch memory, or `None` when cuBLAS reads the argument in place.
+    copy: Option<OperandCopy>,
     op: Op,
     ld: i32,
     batches: Batches,
@@ -85,99 +110,190 @@ fn layout(rows: usize, cols: usize, rs: isize, cs: isize) -> Option<(Op, i32)> {
     None
 }
 
-/// The map kernel that copies every batch of operand `o` (`rows x cols`, in an argument of
-/// `arg` elements) contiguously into its scratch copy.
-fn copy_kernel(o: &MatmulOperand, arg: Arg, rows: usize, cols: usize) -> Kernel {
-    let batches = o.batch_offsets.len();
-    let loop_over = |dims: &[usize], strides: &[isize], offset: usize, out_offset: usize| {
-        let mut b = braid_graph::expr::ExprBuilder::new();
-        let x = b.load(0, arg.dtype);
-        let out = View { dims: dims.into(), strides: Shape::new(dims).contiguous_strides(), offset: out_offset };
-        MapLoop {
-            dims: dims.into(),
-            loads: vec![Load {
-                arg: 0,
-                dtype: arg.dtype,
-                view: View { dims: dims.into(), strides: strides.into(), offset },
-            }],
-            expr: b.finish(),
-            stores: vec![Store { arg: 1, dtype: arg.dtype, view: out, value: x }],
-        }
+fn is_library_dtype(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+}
+
+/// `kernel` as it should be printed, and the row length of its product in scratch memory: a
+/// large float product that no argument holds and whose rows cuBLAS would write unaligned gets
+/// padded rows, and its epilogue reads them (`row_padding::pad_epilogue`). Every other kernel
+/// is returned as it is, with `None`.
+pub fn pad_product(kernel: &Kernel) -> (std::borrow::Cow<'_, Kernel>, Option<usize>) {
+    use std::borrow::Cow;
+    let Body::Matmul(mm) = &kernel.body else { return (Cow::Borrowed(kernel), None) };
+    let batches = mm.lhs.batch_offsets.len();
+    let in_scratch = mm.product as usize == kernel.args.len();
+    if !is_library_dtype(mm.dtype)
+        || !in_scratch
+        || aligned(mm.dtype, mm.n, [0])
+        || !worth_padding(batches, (mm.m, mm.n, mm.k))
+    {
+        return (Cow::Borrowed(kernel), None);
+    }
+    let ld = padded(mm.dtype, mm.n);
+    let epilogue = match &mm.epilogue {
+        None => None,
+        Some(l) => match pad_epilogue(l, mm.product, batches * mm.m, mm.n, ld) {
+            Some(p) => Some(p),
+            None => return (Cow::Borrowed(kernel), None),
+        },
     };
-    let loops = match Batches::of(&o.batch_offsets) {
-        Batches::Strided { first, step } => {
-            vec![loop_over(&[batches, rows, cols], &[step as isize, o.rs, o.cs], first, 0)]
-        }
-        Batches::Each(offsets) => (offsets.iter().enumerate())
-            .map(|(b, &off)| loop_over(&[rows, cols], &[o.rs, o.cs], off, b * rows * cols))
-            .collect(),
-    };
-    let copy = Arg { dtype: arg.dtype, len: batches * rows * cols };
-    Kernel { args: vec![arg, copy], inputs: 1, body: Body::Map(loops) }
+    let mut padded_kernel = kernel.clone();
+    if let Body::Matmul(m) = &mut padded_kernel.body {
+        m.epilogue = epilogue;
+    }
+    (Cow::Owned(padded_kernel), Some(ld))
 }
 
 /// The cuBLAS calls of one float matrix product (see the module docs).
 pub struct MatmulPlan {
     dtype: DType,
+    /// Batches, rows, columns and depth of the product as computed: folded, and padded where
+    /// the product is large (`m`, `n`, `k` at least the kernel's).
     batches: usize,
     m: usize,
     n: usize,
     k: usize,
+    /// The elements of the real product (the rest of a padded one is never read).
+    total: usize,
+    /// Whether the kernel's product sums over nothing (`k == 0`: zeros).
+    empty_sum: bool,
     /// The argument holding the product, or `None` for the start of scratch memory.
     product: Option<u16>,
+    /// For a product an argument holds but cuBLAS writes into padded scratch rows first: that
+    /// argument and the product's real rows and columns, copied into it from the start of
+    /// scratch memory.
+    unpad: Option<(u16, usize, usize)>,
     lhs: OperandPlan,
     rhs: OperandPlan,
     scratch_bytes: usize,
 }
 
+/// A product's operands as one product of all the left-hand side's rows, when its batches follow
+/// each other row after row and the right-hand side is the same for all: `(batches, m, lhs,
+/// rhs)`, else the kernel's own.
+fn fold(mm: &MatmulKernel) -> (usize, usize, MatmulOperand, MatmulOperand) {
+    let (l, r) = (&mm.lhs, &mm.rhs);
+    let batches = l.batch_offsets.len();
+    let one_rhs = r.batch_offsets.windows(2).all(|w| w[0] == w[1]);
+    let rows_follow = match layout(mm.m, mm.k, l.rs, l.cs) {
+        Some((Op::N, ld)) => {
+            let step = mm.m * ld as usize;
+            l.batch_offsets.iter().enumerate().all(|(b, &o)| o == l.batch_offsets[0] + b * step)
+        }
+        _ => false,
+    };
+    if batches > 1 && one_rhs && rows_follow && mm.m > 1 && i32::try_from(batches * mm.m).is_ok() {
+        let lhs = MatmulOperand { batch_offsets: vec![l.batch_offsets[0]], ..l.clone() };
+        let rhs = MatmulOperand { batch_offsets: vec![r.batch_offsets[0]], ..r.clone() };
+        return (1, batches * mm.m, lhs, rhs);
+    }
+    (batches, mm.m, l.clone(), r.clone())
+}
+
 impl MatmulPlan {
-    pub fn new(compiler: &Compiler, kernel: &Kernel, mm: &MatmulKernel) -> Result<MatmulPlan, DeviceError> {
+    /// The plan of `kernel`'s product `mm`, with `product_ld` the row length [`pad_product`]
+    /// gave a product in scratch memory.
+    pub fn new(
+        compiler: &Compiler,
+        kernel: &Kernel,
+        mm: &MatmulKernel,
+        product_ld: Option<usize>,
+    ) -> Result<MatmulPlan, DeviceError> {
         let bad = |what: String| DeviceError::Internal(format!("matrix product: {what}"));
-        if !matches!(mm.dtype, DType::F32 | DType::F64 | DType::F16 | DType::BF16) {
+        if !is_library_dtype(mm.dtype) {
             return Err(bad(format!("{} is not a cuBLAS product", mm.dtype)));
         }
-        let batches = mm.lhs.batch_offsets.len();
-        if mm.rhs.batch_offsets.len() != batches {
+        let kernel_batches = mm.lhs.batch_offsets.len();
+        if mm.rhs.batch_offsets.len() != kernel_batches {
             return Err(bad("operands with different batch counts".into()));
         }
-        for d in [mm.m, mm.n, mm.k, batches] {
-            if i32::try_from(d).is_err() {
-                return Err(bad(format!("dimension {d} exceeds cuBLAS's 32-bit sizes")));
-            }
-        }
-        let size = mm.dtype.size();
-        let total = batches * mm.m * mm.n;
+        let (dtype, size) = (mm.dtype, mm.dtype.size());
+        let total = kernel_batches * mm.m * mm.n;
         let product = match (mm.product as usize).cmp(&kernel.args.len()) {
             std::cmp::Ordering::Less => {
                 let a = kernel.args[mm.product as usize];
-                if a.dtype != mm.dtype || a.len != total {
-                    return Err(bad(format!(
-                        "product of {total} {} into an argument of {} {}",
-                        mm.dtype, a.len, a.dtype
-                    )));
+                if a.dtype != dtype || a.len != total {
+                    return Err(bad(format!("product of {total} {dtype} into an argument of {} {}", a.len, a.dtype)));
                 }
                 Some(mm.product)
             }
             std::cmp::Ordering::Equal => None,
             std::cmp::Ordering::Greater => return Err(bad(format!("product in argument {}", mm.product))),
         };
-        let mut scratch = if product.is_none() { (total * size).next_multiple_of(ALIGN) } else { 0 };
-        let mut plan_operand = |o: &MatmulOperand, rows: usize, cols: usize| -> Result<OperandPlan, DeviceError> {
+        let (batches, m, lhs_operand, rhs_operand) = fold(mm);
+        // Padded dimensions: a large product whose scratch product could not be padded (an
+        // epilogue reading it otherwise) keeps its own.
+        let pad = worth_padding(batches, (m, mm.n, mm.k))
+            && (product.is_some() || aligned(dtype, mm.n, [0]) || product_ld.is_some());
+        let up = |d: usize| if pad { padded(dtype, d) } else { d };
+        // Rows are padded only in a single product: the epilogue reads batches of `m` rows.
+        let (pm, pn, pk) = (if batches == 1 { up(m) } else { m }, up(mm.n), up(mm.k));
+        for d in [pm, pn, pk, batches] {
+            if i32::try_from(d).is_err() {
+                return Err(bad(format!("dimension {d} exceeds cuBLAS's 32-bit sizes")));
+            }
+        }
+        if let Some(ld) = product_ld.filter(|&ld| product.is_none() && ld != pn) {
+            return Err(bad(format!("product rows of {ld} for {pn} padded columns")));
+        }
+        // A product an argument holds but cuBLAS computes padded: into scratch, then copied.
+        let unpad_into = product.filter(|_| (pm, pn) != (m, mm.n));
+        let in_scratch = product.is_none() || unpad_into.is_some();
+        let mut scratch = if in_scratch { (batches * pm * pn * size).next_multiple_of(ALIGN) } else { 0 };
+        let unpad = unpad_into.map(|arg| (arg, batches * m, mm.n));
+        let mut plan_operand = |o: &MatmulOperand, (rows, cols): (usize, usize), (prows, pcols): (usize, usize)| {
             let arg = *kernel.args.get(o.arg as usize).ok_or_else(|| bad(format!("operand {} missing", o.arg)))?;
-            if arg.dtype != mm.dtype {
-                return Err(bad(format!("operand of {} in a product of {}", arg.dtype, mm.dtype)));
+            if arg.dtype != dtype {
+                return Err(bad(format!("operand of {} in a product of {dtype}", arg.dtype)));
             }
-            if let Some((op, ld)) = layout(rows, cols, o.rs, o.cs) {
-                return Ok(OperandPlan { arg: o.arg, copy: None, op, ld, batches: Batches::of(&o.batch_offsets) });
-            }
+            let in_place = |ld: i32| {
+                !pad || ((prows, pcols) == (rows, cols) && aligned(dtype, ld as usize, o.batch_offsets.iter().copied()))
+            };
+            // Copied (padded where the product is large) in its own orientation, unless cuBLAS
+            // reads it in place.
+            let op = match layout(rows, cols, o.rs, o.cs) {
+                Some((op, ld)) if in_place(ld) => {
+                    return Ok(OperandPlan { arg: o.arg, copy: None, op, ld, batches: Batches::of(&o.batch_offsets) });
+                }
+                Some((op, _)) => op,
+                None => Op::N,
+            };
+            let (outer, inner, outer_pad, inner_pad) =
+                if op == Op::N { (rows, cols, prows, pcols) } else { (cols, rows, pcols, prows) };
+            let shape = CopyShape { batches: o.batch_offsets.len(), outer, inner, outer_pad, ld: inner_pad };
             let at = scratch;
-            scratch += (batches * rows * cols * size).next_multiple_of(ALIGN);
-            let copy = compiler.kernel(&copy_kernel(o, arg, rows, cols))?;
-            let ld = i32::try_from(cols).map_err(|_| bad("a copied operand too wide".into()))?;
-            let batches = Batches::Strided { first: 0, step: rows * cols };
-            Ok(OperandPlan { arg: o.arg, copy: Some((at, copy)), op: Op::N, ld, batches })
+            scratch += (shape.elements() * size).next_multiple_of(ALIGN);
+            // Contiguous lines are copied by the copy engines' 2-D copies (as fast as a copy
+            // gets, where a printed kernel over odd lines could not read in wide words).
+            let how = match layout(rows, cols, o.rs, o.cs) {
+                Some((_, pitch)) => {
+                    let pitch = pitch as usize;
+                    let per_batch =
+                        o.batch_offsets.iter().enumerate().map(|(b, &from)| (from, b * outer_pad * inner_pad, outer));
+                    let mut copies: Vec<(usize, usize, usize)> = vec![];
+                    for (from, to, lines) in per_batch {
+                        // Batches that continue line after line, in both, are one copy.
+                        match copies.last_mut() {
+                            Some(last)
+                                if outer == outer_pad
+                                    && last.0 + last.2 * pitch == from
+                                    && last.1 + last.2 * inner_pad == to =>
+                            {
+                                last.2 += lines
+                            }
+                            _ => copies.push((from, to, lines)),
+                        }
+                    }
+                    CopyBy::Lines { pitch, copies }
+                }
+                None => CopyBy::Kernel(compiler.kernel(&copy_kernel(o, arg, op, shape))?),
+            };
+            let batches = Batches::Strided { first: 0, step: outer_pad * inner_pad };
+            let ld = i32::try_from(inner_pad).map_err(|_| bad("a copied operand too wide".into()))?;
+            Ok(OperandPlan { arg: o.arg, copy: Some(OperandCopy { at, how, shape }), op, ld, batches })
         };
-        let empty = mm.m == 0 || mm.n == 0 || mm.k == 0 || batches == 0;
+        let empty = m == 0 || mm.n == 0 || mm.k == 0 || batches == 0;
         let (lhs, rhs) = if empty {
             // Nothing is read: no copies, no calls (a `k == 0` product is zeros).
             let none = |o: &MatmulOperand| OperandPlan {
@@ -187,17 +303,20 @@ impl MatmulPlan {
                 ld: 1,
                 batches: Batches::Each(vec![]),
             };
-            (none(&mm.lhs), none(&mm.rhs))
+            (none(&lhs_operand), none(&rhs_operand))
         } else {
-            (plan_operand(&mm.lhs, mm.m, mm.k)?, plan_operand(&mm.rhs, mm.k, mm.n)?)
+            (plan_operand(&lhs_operand, (m, mm.k), (pm, pk))?, plan_operand(&rhs_operand, (mm.k, mm.n), (pk, pn))?)
         };
         Ok(MatmulPlan {
-            dtype: mm.dtype,
+            dtype,
             batches,
-            m: mm.m,
-            n: mm.n,
-            k: mm.k,
-            product,
+            m: pm,
+            n: pn,
+            k: pk,
+            total,
+            empty_sum: mm.k == 0,
+            product: if unpad.is_some() { None } else { product },
+            unpad,
             lhs,
             rhs,
             scratch_bytes: scratch,
@@ -219,22 +338,40 @@ impl MatmulPlan {
             Some(a) => args[a as usize],
             None => scratch,
         };
-        let total = self.batches * self.m * self.n;
-        if total == 0 {
+        if self.total == 0 {
             return Ok(());
         }
-        if self.k == 0 {
-            // SAFETY: the product holds `total` elements (the caller's contract).
-            return unsafe { fill_device(product, 0, total * size, stream) };
+        if self.empty_sum {
+            // SAFETY: the product holds `total` elements (the caller's contract; never padded:
+            // a product over nothing is not worth padding).
+            return unsafe { fill_device(product, 0, self.total * size, stream) };
         }
         let mut base = [0; 2];
         for (i, o) in [&self.lhs, &self.rhs].into_iter().enumerate() {
             base[i] = match &o.copy {
                 None => args[o.arg as usize],
-                Some((at, copy)) => {
-                    let to = scratch + *at as u64;
-                    // SAFETY: the operand's argument and its scratch copy are live (contract).
-                    unsafe { copy.launch(stream, None, &[args[o.arg as usize], to], 0, LaunchOptions::default())? };
+                Some(copy) => {
+                    let to = scratch + copy.at as u64;
+                    for (offset, pitch, width, height) in copy.shape.fills(size) {
+                        // SAFETY: within the scratch copy (`CopyShape::fills`).
+                        unsafe { fill_device_2d(to + offset as u64, pitch, 0, width, height, stream)? };
+                    }
+                    let from = args[o.arg as usize];
+                    match &copy.how {
+                        // SAFETY: the operand's argument and its scratch copy are live (contract).
+                        CopyBy::Kernel(k) => unsafe {
+                            k.launch(stream, None, &[from, to], 0, LaunchOptions::default())?
+                        },
+                        CopyBy::Lines { pitch, copies } => {
+                            let line = copy.shape.inner * size;
+                            for &(src, dst, lines) in copies {
+                                let (src, dst) = (from + (src * size) as u64, to + (dst * size) as u64);
+                                let pitches = (pitch * size, copy.shape.ld * size);
+                                // SAFETY: within the operand (its layout) and the copy (its shape).
+                                unsafe { copy_device_2d((dst, pitches.1), (src, pitches.0), line, lines, stream)? };
+                            }
+                        }
+                    }
                     to
                 }
             };
@@ -247,6 +384,7 @@ impl MatmulPlan {
             };
             Operand { ptr: at(o, base, b), op: o.op, ld: o.ld, batch_stride: stride }
         };
+        // Checked to fit when planned.
         let dims = (self.n as i32, self.m as i32, self.k as i32);
         let (ldc, c_stride) = (self.n as i32, (self.m * self.n) as i64);
         let strided =
@@ -255,7 +393,7 @@ impl MatmulPlan {
         let (a, b) = ((&self.rhs, base[1]), (&self.lhs, base[0]));
         if strided {
             // SAFETY: the caller's contract; layouts checked by `layout` when planned.
-            return unsafe {
+            unsafe {
                 blas.gemm_strided(
                     self.dtype,
                     dims,
@@ -265,25 +403,41 @@ impl MatmulPlan {
                     ldc,
                     c_stride,
                     self.batches as i32,
-                )
-            };
-        }
-        for batch in 0..self.batches {
-            let c = product + (batch * self.m * self.n * size) as u64;
-            // SAFETY: as above, one batch at a time.
-            unsafe {
-                blas.gemm_strided(
-                    self.dtype,
-                    dims,
-                    operand(a.0, a.1, batch),
-                    operand(b.0, b.1, batch),
-                    c,
-                    ldc,
-                    c_stride,
-                    1,
                 )?
             };
+        } else {
+            for batch in 0..self.batches {
+                let c = product + (batch * self.m * self.n * size) as u64;
+                // SAFETY: as above, one batch at a time.
+                unsafe {
+                    blas.gemm_strided(
+                        self.dtype,
+                        dims,
+                        operand(a.0, a.1, batch),
+                        operand(b.0, b.1, batch),
+                        c,
+                        ldc,
+                        c_stride,
+                        1,
+                    )?
+                };
+            }
         }
-        Ok(())
+        // SAFETY: as above.
+        unsafe { self.unpad(stream, args, scratch) }
+    }
+
+    /// Copies a product computed into padded scratch rows into the argument that holds it.
+    ///
+    /// # Safety
+    /// As [`MatmulPlan::run`], after the product's calls.
+    unsafe fn unpad(&self, stream: CUstream, args: &[CUdeviceptr], scratch: CUdeviceptr) -> Result<(), DeviceError> {
+        let Some((arg, rows, cols)) = self.unpad else { return Ok(()) };
+        let size = self.dtype.size();
+        // SAFETY: the scratch rows (`n` elements apart) and the argument (`rows x cols`) are live
+        // (the caller's contract).
+        unsafe {
+            copy_device_2d((args[arg as usize], cols * size), (scratch, self.n * size), cols * size, rows, stream)
+        }
     }
 }

@@ -157,6 +157,65 @@ pub unsafe fn fill_device(dst: CUdeviceptr, byte: u8, bytes: usize, stream: CUst
     unsafe { cu::memset_d8_async(dst, byte, bytes, stream) }.or_device("cuMemsetD8Async")
 }
 
+/// Queues filling `height` lines of `width` bytes, `pitch` bytes apart from `dst` on, with
+/// `byte` on `stream` (the padding of a padded matrix).
+///
+/// # Safety
+/// As [`copy_host_to_device`]; `width <= pitch`.
+pub unsafe fn fill_device_2d(
+    dst: CUdeviceptr,
+    pitch: usize,
+    byte: u8,
+    width: usize,
+    height: usize,
+    stream: CUstream,
+) -> Result<(), DeviceError> {
+    if width == 0 || height == 0 {
+        return Ok(());
+    }
+    // SAFETY: the caller's contract.
+    unsafe { sys::cuMemsetD2D8Async(dst, pitch, byte, width, height, stream) }.result().or_device("cuMemsetD2D8Async")
+}
+
+/// Queues a copy of `height` lines of `width` bytes from `src` (lines `src_pitch` bytes apart)
+/// to `dst` (`dst_pitch` apart), both device memory, on `stream` (an operand copied into the
+/// padded lines of a padded matrix).
+///
+/// # Safety
+/// As [`copy_async`]; `width` at most either pitch.
+pub unsafe fn copy_device_2d(
+    (dst, dst_pitch): (CUdeviceptr, usize),
+    (src, src_pitch): (CUdeviceptr, usize),
+    width: usize,
+    height: usize,
+    stream: CUstream,
+) -> Result<(), DeviceError> {
+    if width == 0 || height == 0 {
+        return Ok(());
+    }
+    let device = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+    let copy = sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: device,
+        srcHost: std::ptr::null(),
+        srcDevice: src,
+        srcArray: std::ptr::null_mut(),
+        srcPitch: src_pitch,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: device,
+        dstHost: std::ptr::null_mut(),
+        dstDevice: dst,
+        dstArray: std::ptr::null_mut(),
+        dstPitch: dst_pitch,
+        WidthInBytes: width,
+        Height: height,
+    };
+    // SAFETY: the caller's contract; the descriptor lives for the call.
+    unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream) }.result().or_device("cuMemcpy2DAsync")
+}
+
 /// Queues a copy of `bytes` from `src` to `dst` on `stream`, each device memory or pinned host
 /// memory (one address space: the driver finds out which). Offloads, their way back, and the
 /// staged halves of host transfers.

@@ -40,6 +40,7 @@ pub mod memory;
 pub mod nccl;
 pub mod nvrtc;
 mod queue;
+mod row_padding;
 mod shared;
 
 pub use blas::{BLAS_WORKSPACE_BYTES, Blas};

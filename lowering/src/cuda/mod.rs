@@ -180,7 +180,15 @@ pub fn print(kernel: &Kernel, name: &str) -> Result<CudaSource, String> {
         Body::Matmul(m) => {
             library_product = m.dtype.is_float();
             if m.product as usize == params.len() {
-                let len = m.lhs.batch_offsets.len() * m.m * m.n;
+                // The target provides the scratch: at least the product, or as far as the
+                // epilogue reads it (a target may pad the product's rows for its library).
+                let read = (m.epilogue.iter().flat_map(|e| &e.loads))
+                    .filter(|l| l.arg == m.product)
+                    .filter_map(|l| l.view.extent())
+                    .filter(|&(lo, hi)| lo >= 0 && hi < isize::MAX)
+                    .map(|(_, hi)| hi as usize + 1)
+                    .max();
+                let len = (m.lhs.batch_offsets.len() * m.m * m.n).max(read.unwrap_or(0));
                 // Scratch memory: written by a printed product, else only read.
                 params.push(Param { dtype: m.dtype, len, writable: !library_product });
             } else if m.product as usize > params.len() {
