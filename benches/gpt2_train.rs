@@ -9,8 +9,8 @@
 //! `gpt2::batch`); each step's loss is read back, so every step computes the loss, all
 //! gradients, the clipping and the update before the clock stops.
 //!
-//! Printed: each step's loss and time, one more eager step profiled (kernels, their time
-//! against the step's, the costliest by name), then the median step (steps 5 and later) as ms,
+//! Printed: each step's loss and time, one more eager step profiled (its kernels' time against
+//! the step's, by kind and the costliest), then the median step (steps 5 and later) as ms,
 //! tokens/s and MFU (nanoGPT's count: `6 N + 12 L C T` FLOPs a token with N the parameters
 //! without the position table, against the H200's 989 TFLOP/s of dense bf16), and the peak
 //! device memory. The losses go to `$OUT/gpt2_braid_losses.json` for the peer to print beside
@@ -30,10 +30,9 @@ fn arg(name: &str) -> Option<String> {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
 }
 
-/// One more eager step, profiled: its two flushes (the forward, run by the loss read, then
-/// the backward and the update, run by the sync), their kernels' GPU time against each flush's
-/// wall time (the rest is the host's planning and launching, or waiting), the time by kind of
-/// kernel, and the costliest kernels.
+/// One more eager step, profiled: its flushes (one: `gpt2::eager_step` flushes the whole step),
+/// their kernels' GPU time against each flush's wall time (the rest is the host's planning and
+/// launching, or waiting), the time by kind of kernel, and the costliest kernels.
 fn profile_one_step(
     dev: &Device,
     model: &Gpt2,
@@ -52,11 +51,12 @@ fn profile_one_step(
     dev.sync()?;
     let wall = start.elapsed();
     dev.set_profiling(false);
-    let profiles: Vec<_> = forward.into_iter().chain(dev.last_profile()).collect();
+    let mut profiles: Vec<_> = forward.into_iter().chain(dev.last_profile()).collect();
+    profiles.dedup_by_key(|p| p.flush);
     let kernels: Vec<_> = profiles.iter().flat_map(|p| p.kernels()).collect();
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
     println!(
-        "g6 profile of one eager step: {:.1} ms from the first op to the end of the sync ({:.1} ms recording); {} kernels, {:.1} ms of kernel time",
+        "g6 profile of one eager step: {:.1} ms from the first op to the end of the sync ({:.1} ms recording and issuing); {} kernels, {:.1} ms of kernel time",
         ms(wall),
         ms(recorded),
         kernels.len(),

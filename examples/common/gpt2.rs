@@ -224,7 +224,8 @@ pub fn train_step(cfg: Config, args: &[Tensor], low: Option<DType>, opt: &AdamWC
 }
 
 /// One eager training step: the loss under `low`'s autocast, every gradient, clipping to norm 1
-/// and `opt`'s update of `params`, all recorded; returns the loss (reading it runs the step).
+/// and `opt`'s update of `params`, all recorded; returns the loss (reading it runs the forward,
+/// the next flush the rest).
 pub fn eager_step(
     model: &Gpt2,
     params: &Params,
