@@ -126,6 +126,50 @@ pub struct MatmulKernel {
     pub epilogue: Option<MapLoop>,
 }
 
+impl MatmulKernel {
+    /// The checks every target runs before touching an operand: both operands have the same
+    /// number of batches, and every matrix of each (`m x k`, `k x n`) lies inside its argument,
+    /// which holds the product's dtype. `arg(i)` is argument `i`'s dtype and length.
+    pub fn check_operands(&self, arg: impl Fn(u16) -> Option<(DType, usize)>) -> Result<(), String> {
+        if self.rhs.batch_offsets.len() != self.lhs.batch_offsets.len() {
+            return Err("matmul operands have different batch counts".into());
+        }
+        self.lhs.check(self.m, self.k, self.dtype, &arg)?;
+        self.rhs.check(self.k, self.n, self.dtype, &arg)
+    }
+}
+
+impl MatmulOperand {
+    /// Every `rows x cols` matrix of the operand lies inside its argument, of `dtype`.
+    fn check(
+        &self,
+        rows: usize,
+        cols: usize,
+        dtype: DType,
+        arg: impl Fn(u16) -> Option<(DType, usize)>,
+    ) -> Result<(), String> {
+        let (held, len) =
+            arg(self.arg).ok_or_else(|| format!("matmul operand of argument {}, which does not exist", self.arg))?;
+        if held != dtype {
+            return Err(format!("matmul operand of {held} where {dtype} was expected"));
+        }
+        if rows == 0 || cols == 0 {
+            return Ok(());
+        }
+        for &off in &self.batch_offsets {
+            let (mut lo, mut hi) = (off as i128, off as i128);
+            for (extent, stride) in [(rows, self.rs), (cols, self.cs)] {
+                let span = (extent as i128 - 1) * stride as i128;
+                if span < 0 { lo += span } else { hi += span }
+            }
+            if lo < 0 || hi >= len as i128 {
+                return Err(format!("matmul operand reaches elements {lo}..={hi} of an argument of {len}"));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A gather (`Op::Gather`, `Op::IndexSelect`): over the output's index space `dims`, element
 /// `p` reads the index `j = index[p]`, then the source element at `src`'s position for `p` plus
 /// `j * along`, or zero (every dtype's zero bits) where `j` is outside `0..extent`. Both loads

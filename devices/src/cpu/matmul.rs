@@ -5,7 +5,7 @@
 
 use super::map::{ArgPtr, run_loop};
 use braid_graph::DType;
-use braid_lowering::{Arg, Body, Kernel, MapLoop, MatmulKernel, MatmulOperand};
+use braid_lowering::{Arg, Body, Kernel, MapLoop, MatmulKernel};
 use gemm::Parallelism;
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -68,27 +68,6 @@ unsafe fn gemm_into<T: GemmScalar>(
     }
 }
 
-/// Checks that every matrix of an operand lies inside its argument.
-fn check_operand(op: &MatmulOperand, arg: &ArgPtr, rows: usize, cols: usize, dtype: DType) -> Result<(), String> {
-    if arg.dtype != dtype {
-        return Err(format!("matmul operand of {} where {dtype} was expected", arg.dtype));
-    }
-    if rows == 0 || cols == 0 {
-        return Ok(());
-    }
-    for &off in &op.batch_offsets {
-        let (mut lo, mut hi) = (off as isize, off as isize);
-        for (extent, stride) in [(rows, op.rs), (cols, op.cs)] {
-            let span = (extent as isize - 1) * stride;
-            if span < 0 { lo += span } else { hi += span }
-        }
-        if lo < 0 || hi >= arg.len as isize {
-            return Err(format!("matmul operand reaches elements {lo}..={hi} of an argument of {}", arg.len));
-        }
-    }
-    Ok(())
-}
-
 /// Runs a matrix-product kernel: checks its operands, computes every batch's product into
 /// the product argument (or scratch memory), then runs the epilogue (interpreted).
 pub fn run_matmul(k: &MatmulKernel, args: &[ArgPtr]) -> Result<(), String> {
@@ -104,11 +83,7 @@ pub fn run_matmul_with(
 ) -> Result<(), String> {
     let get = |i: u16| args.get(i as usize).copied().ok_or_else(|| format!("matmul argument {i} missing"));
     let (lhs, rhs) = (get(k.lhs.arg)?, get(k.rhs.arg)?);
-    if k.rhs.batch_offsets.len() != k.lhs.batch_offsets.len() {
-        return Err("matmul operands have different batch counts".into());
-    }
-    check_operand(&k.lhs, &lhs, k.m, k.k, k.dtype)?;
-    check_operand(&k.rhs, &rhs, k.k, k.n, k.dtype)?;
+    k.check_operands(|i| args.get(i as usize).map(|a| (a.dtype, a.len)))?;
     // The product goes to an argument, or to scratch memory when no output can hold it.
     let total = k.lhs.batch_offsets.len() * k.m * k.n;
     let mut scratch: Vec<u64> = Vec::new();

@@ -204,10 +204,8 @@ impl MatmulPlan {
         if !is_library_dtype(mm.dtype) {
             return Err(bad(format!("{} is not a cuBLAS product", mm.dtype)));
         }
+        mm.check_operands(|i| kernel.args.get(i as usize).map(|a| (a.dtype, a.len))).map_err(bad)?;
         let kernel_batches = mm.lhs.batch_offsets.len();
-        if mm.rhs.batch_offsets.len() != kernel_batches {
-            return Err(bad("operands with different batch counts".into()));
-        }
         let (dtype, size) = (mm.dtype, mm.dtype.size());
         let total = kernel_batches * mm.m * mm.n;
         let product = match (mm.product as usize).cmp(&kernel.args.len()) {
@@ -243,10 +241,8 @@ impl MatmulPlan {
         let mut scratch = if in_scratch { (batches * pm * pn * size).next_multiple_of(ALIGN) } else { 0 };
         let unpad = unpad_into.map(|arg| (arg, batches * m, mm.n));
         let mut plan_operand = |o: &MatmulOperand, (rows, cols): (usize, usize), (prows, pcols): (usize, usize)| {
-            let arg = *kernel.args.get(o.arg as usize).ok_or_else(|| bad(format!("operand {} missing", o.arg)))?;
-            if arg.dtype != dtype {
-                return Err(bad(format!("operand of {} in a product of {dtype}", arg.dtype)));
-            }
+            // Present and of the product's dtype: `check_operands` above.
+            let arg = kernel.args[o.arg as usize];
             let in_place = |ld: i32| {
                 !pad || ((prows, pcols) == (rows, cols) && aligned(dtype, ld as usize, o.batch_offsets.iter().copied()))
             };

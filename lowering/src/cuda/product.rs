@@ -8,28 +8,6 @@
 use super::*;
 use crate::kernel::{MatmulKernel, MatmulOperand};
 
-/// Checks that every matrix of `op` (`rows x cols`) lies inside parameter `op.arg`, of `dtype`.
-fn check_operand(op: &MatmulOperand, rows: usize, cols: usize, dtype: DType, params: &[Param]) -> Result<(), String> {
-    let p = params.get(op.arg as usize).ok_or_else(|| format!("matmul operand {} does not exist", op.arg))?;
-    if p.dtype != dtype {
-        return Err(format!("matmul operand of {} where {dtype} was expected", p.dtype));
-    }
-    if rows == 0 || cols == 0 {
-        return Ok(());
-    }
-    for &off in &op.batch_offsets {
-        let (mut lo, mut hi) = (off as i128, off as i128);
-        for (extent, stride) in [(rows, op.rs), (cols, op.cs)] {
-            let span = (extent as i128 - 1) * stride as i128;
-            if span < 0 { lo += span } else { hi += span }
-        }
-        if lo < 0 || hi >= p.len as i128 {
-            return Err(format!("matmul operand reaches elements {lo}..={hi} of an argument of {}", p.len));
-        }
-    }
-    Ok(())
-}
-
 /// The C expression of batch `b`'s element offset of `op`: `first + b * step` when the offsets
 /// are an arithmetic progression, else a table printed into `out` as `table`.
 fn batch_offset(out: &mut String, op: &MatmulOperand, table: &str) -> String {
@@ -60,12 +38,8 @@ pub(super) fn print_int_product(
         DType::U8 => ("unsigned", "unsigned char"),
         d => return Err(format!("a printed matrix product of {d} (only integer products are printed)")),
     };
+    m.check_operands(|i| params.get(i as usize).map(|p| (p.dtype, p.len)))?;
     let batches = m.lhs.batch_offsets.len();
-    if m.rhs.batch_offsets.len() != batches {
-        return Err("matmul operands have different batch counts".into());
-    }
-    check_operand(&m.lhs, m.m, m.k, m.dtype, params)?;
-    check_operand(&m.rhs, m.k, m.n, m.dtype, params)?;
     let total = batches * m.m * m.n;
     match params.get(m.product as usize) {
         Some(p) if p.writable && p.dtype == m.dtype && p.len == total => {}

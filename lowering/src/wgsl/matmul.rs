@@ -9,34 +9,9 @@
 //! to its argument or to a scratch binding, rounded to its storage type.
 
 use super::*;
-use crate::kernel::{MatmulKernel, MatmulOperand};
+use crate::kernel::MatmulKernel;
 
 const TILE: usize = 16;
-
-/// Checks that every matrix of an operand lies inside its argument (as the CPU does).
-fn check_operand(op: &MatmulOperand, m: &Module<'_>, rows: usize, cols: usize, dtype: DType) -> Result<(), String> {
-    let p = m
-        .params
-        .get(op.arg as usize)
-        .ok_or_else(|| format!("matmul operand of argument {}, which does not exist", op.arg))?;
-    if p.dtype != dtype {
-        return Err(format!("matmul operand of {} where {dtype} was expected", p.dtype));
-    }
-    if rows == 0 || cols == 0 {
-        return Ok(());
-    }
-    for &off in &op.batch_offsets {
-        let (mut lo, mut hi) = (off as i128, off as i128);
-        for (extent, stride) in [(rows, op.rs), (cols, op.cs)] {
-            let span = (extent as i128 - 1) * stride as i128;
-            if span < 0 { lo += span } else { hi += span }
-        }
-        if lo < 0 || hi >= p.len as i128 {
-            return Err(format!("matmul operand reaches elements {lo}..={hi} of an argument of {}", p.len));
-        }
-    }
-    Ok(())
-}
 
 /// The element offset of batch `b`'s matrix: a formula (see [`batch_levels`]), else, for a
 /// list no formula gives (never produced by braid's lowering), a lookup in a table declared
@@ -111,17 +86,13 @@ fn element(base: &str, row: &str, rs: isize, col: &str, cs: isize) -> String {
 
 pub(super) fn print_matmul(m: &mut Module<'_>, mm: &MatmulKernel) -> Result<(), String> {
     let batches = mm.lhs.batch_offsets.len();
-    if mm.rhs.batch_offsets.len() != batches {
-        return Err("matmul operands have different batch counts".into());
-    }
     if !matches!(mm.dtype, DType::F32 | DType::F16 | DType::BF16 | DType::I32 | DType::U8) {
         return Err(match mm.dtype {
             DType::Bool => "matmul of bool is rejected when recorded".into(),
             d => refusal(d),
         });
     }
-    check_operand(&mm.lhs, m, mm.m, mm.k, mm.dtype)?;
-    check_operand(&mm.rhs, m, mm.k, mm.n, mm.dtype)?;
+    mm.check_operands(|i| m.params.get(i as usize).map(|p| (p.dtype, p.len)))?;
     let total = batches * mm.m * mm.n;
     if mm.product as usize == m.params.len() {
         m.params.push(Param { dtype: mm.dtype, len: total, writable: true });
