@@ -45,7 +45,7 @@ pub(crate) fn wgpu() -> Result<Arc<dyn Backend>> {
 /// alone; CUDA devices also get NCCL communicators. `Err(Unavailable)` for anything else.
 pub(crate) fn connect_group(
     devices: &[crate::Device],
-    group: &Arc<braid_devices::collective::Group>,
+    group: &Arc<braid_devices::collective::RankGroup>,
 ) -> std::result::Result<(), braid_devices::DeviceError> {
     let backends: Vec<&dyn Backend> = devices.iter().map(|d| d.engine().backend.as_ref()).collect();
     if backends.iter().all(|b| b.as_any().is::<braid_devices::cpu::CpuDevice>()) {
@@ -101,7 +101,7 @@ pub(crate) fn spanning_token(
 /// joined and rank 0's `token` arrived.
 pub(crate) fn connect_spanning(
     device: &crate::Device,
-    group: &Arc<braid_devices::collective::Group>,
+    group: &Arc<braid_devices::collective::RankGroup>,
     rank: u32,
     world: u32,
     token: [u8; braid_devices::collective::net::TOKEN_BYTES],

@@ -198,12 +198,12 @@ fn the_simulation_catches_frees_that_lose_their_gates() {
         .streams
         .iter()
         .flat_map(|s| &s.steps)
-        .any(|st| matches!(st, braid_scheduler::Step::Free { after, .. } if !after.is_empty()));
+        .any(|st| matches!(st, braid_scheduler::StreamStep::Free { after, .. } if !after.is_empty()));
     assert!(gated, "the plan gates a free: {schedule:#?}");
     let mut ungated = schedule.clone();
     for st in &mut ungated.streams {
         for step in &mut st.steps {
-            if let braid_scheduler::Step::Free { after, .. } = step {
+            if let braid_scheduler::StreamStep::Free { after, .. } = step {
                 after.clear();
             }
         }

@@ -4,7 +4,7 @@
 
 use braid::prelude::*;
 use braid::testing::set_schedule_hook;
-use braid_scheduler::Step;
+use braid_scheduler::StreamStep;
 use serde_json::Value as Json;
 use std::sync::Arc;
 
@@ -249,7 +249,7 @@ fn unreachable_waits_are_errors_not_hangs() {
         &dev,
         Some(Arc::new(|s: &mut braid_scheduler::Schedule| {
             for st in &mut s.streams {
-                st.steps.retain(|step| !matches!(step, Step::Record(_)));
+                st.steps.retain(|step| !matches!(step, StreamStep::Record(_)));
             }
         })),
     );
@@ -272,8 +272,8 @@ fn unreachable_waits_are_errors_not_hangs() {
                     auto: true,
                     user_node: None,
                 });
-                s.streams[0].steps.insert(0, Step::Wait(extra));
-                s.streams[1].steps.push(Step::Record(extra));
+                s.streams[0].steps.insert(0, StreamStep::Wait(extra));
+                s.streams[1].steps.push(StreamStep::Record(extra));
             }
         })),
     );

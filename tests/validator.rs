@@ -10,7 +10,7 @@ mod common;
 
 use braid_graph::table::{BinaryOp, UnaryOp};
 use braid_graph::{DType, DeviceId, External, FlushGraph, FlushNode, NodeId, Op, Shape, StreamId, ValueRef};
-use braid_scheduler::{BufferSource, HazardKind, Schedule, Step, offload, plan, validate};
+use braid_scheduler::{BufferSource, HazardKind, Schedule, StreamStep, offload, plan, validate};
 use common::Rng;
 use hashbrown::HashMap;
 
@@ -164,7 +164,7 @@ fn oracle(s: &Schedule, g: &FlushGraph, rng: &mut Rng) -> Option<String> {
             let ready: Vec<usize> = (0..s.streams.len())
                 .filter(|&i| match s.streams[i].steps.get(pc[i]) {
                     None => false,
-                    Some(Step::Wait(e)) => recorded.get(e.index()).copied().unwrap_or(false),
+                    Some(StreamStep::Wait(e)) => recorded.get(e.index()).copied().unwrap_or(false),
                     Some(_) => true,
                 })
                 .collect();
@@ -186,13 +186,13 @@ fn oracle(s: &Schedule, g: &FlushGraph, rng: &mut Rng) -> Option<String> {
             let step = &s.streams[st].steps[pc[st]];
             pc[st] += 1;
             match step {
-                Step::Alloc(b) => {
+                StreamStep::Alloc(b) => {
                     if state[b.index()] != B::Unallocated {
                         return Some(format!("{b} allocated twice"));
                     }
                     state[b.index()] = B::Allocated;
                 }
-                Step::Kernel(k) => {
+                StreamStep::Kernel(k) => {
                     let kp = &s.kernels[k.index()];
                     let seg = &s.fusion.segments[kp.segment];
                     for (b, v) in kp.inputs.iter().zip(&seg.inputs) {
@@ -207,19 +207,19 @@ fn oracle(s: &Schedule, g: &FlushGraph, rng: &mut Rng) -> Option<String> {
                         state[b.index()] = B::Holds(n);
                     }
                 }
-                Step::Free { buffer, after } => {
+                StreamStep::Free { buffer, after } => {
                     if matches!(state[buffer.index()], B::Unallocated | B::Freed) {
                         return Some(format!("{buffer} freed while not live"));
                     }
                     pending_frees.push((buffer.index(), after.iter().map(|e| e.index()).collect()));
                 }
-                Step::Record(e) => {
+                StreamStep::Record(e) => {
                     if let Some(r) = recorded.get_mut(e.index()) {
                         *r = true;
                     }
                 }
-                Step::Wait(_) => {}
-                Step::Copy { from, to, value } => {
+                StreamStep::Wait(_) => {}
+                StreamStep::Copy { from, to, value } => {
                     let v = value_of(*value);
                     // A transfer reads the other device's value; an offload the value it moves.
                     let read = match s.buffers[from.index()].source {
@@ -262,7 +262,7 @@ enum Corruption {
 /// Plants one corruption of `kind`; `None` if the schedule offers no place for it.
 fn corrupt(s: &Schedule, kind: Corruption, rng: &mut Rng) -> Option<Schedule> {
     let mut c = s.clone();
-    let positions = |c: &Schedule, f: &dyn Fn(&Step) -> bool| -> Vec<(usize, usize)> {
+    let positions = |c: &Schedule, f: &dyn Fn(&StreamStep) -> bool| -> Vec<(usize, usize)> {
         c.streams
             .iter()
             .enumerate()
@@ -272,33 +272,36 @@ fn corrupt(s: &Schedule, kind: Corruption, rng: &mut Rng) -> Option<Schedule> {
     match kind {
         Corruption::DropWait | Corruption::DropRecord => {
             let want_wait = kind == Corruption::DropWait;
-            let spots =
-                positions(&c, &|x| if want_wait { matches!(x, Step::Wait(_)) } else { matches!(x, Step::Record(_)) });
+            let spots = positions(&c, &|x| {
+                if want_wait { matches!(x, StreamStep::Wait(_)) } else { matches!(x, StreamStep::Record(_)) }
+            });
             let &(i, j) = spots.get(rng.below(spots.len().max(1)))?;
             c.streams[i].steps.remove(j);
         }
         Corruption::FreeEarly => {
-            let spots = positions(&c, &|x| matches!(x, Step::Free { .. }));
+            let spots = positions(&c, &|x| matches!(x, StreamStep::Free { .. }));
             let &(i, j) = spots.get(rng.below(spots.len().max(1)))?;
-            let Step::Free { buffer, .. } = c.streams[i].steps[j].clone() else { unreachable!() };
+            let StreamStep::Free { buffer, .. } = c.streams[i].steps[j].clone() else { unreachable!() };
             // Move it right after the kernel that writes the buffer (before its readers).
-            let writer =
-                positions(&c, &|x| matches!(x, Step::Kernel(k) if s.kernels[k.index()].outputs.contains(&buffer)));
+            let writer = positions(
+                &c,
+                &|x| matches!(x, StreamStep::Kernel(k) if s.kernels[k.index()].outputs.contains(&buffer)),
+            );
             let &(wi, wj) = writer.first()?;
             c.streams[i].steps.remove(j);
             let at = if wi == i && wj > j { wj } else { wj + 1 };
             let len = c.streams[wi].steps.len();
-            c.streams[wi].steps.insert(at.min(len), Step::Free { buffer, after: Vec::new() });
+            c.streams[wi].steps.insert(at.min(len), StreamStep::Free { buffer, after: Vec::new() });
         }
         Corruption::ReuseEarly => {
             // Rename buffer b (allocated later) to a, an earlier buffer of the same size.
-            let allocs = positions(&c, &|x| matches!(x, Step::Alloc(_)));
+            let allocs = positions(&c, &|x| matches!(x, StreamStep::Alloc(_)));
             if allocs.len() < 2 {
                 return None;
             }
             let x = rng.below(allocs.len());
             let y = rng.below(allocs.len());
-            let (Step::Alloc(a), Step::Alloc(b)) =
+            let (StreamStep::Alloc(a), StreamStep::Alloc(b)) =
                 (&c.streams[allocs[x].0].steps[allocs[x].1], &c.streams[allocs[y].0].steps[allocs[y].1])
             else {
                 unreachable!()
@@ -309,7 +312,8 @@ fn corrupt(s: &Schedule, kind: Corruption, rng: &mut Rng) -> Option<Schedule> {
             }
             for st in &mut c.streams {
                 st.steps.retain(|x| {
-                    !matches!(x, Step::Alloc(v) if *v == b) && !matches!(x, Step::Free { buffer, .. } if *buffer == b)
+                    !matches!(x, StreamStep::Alloc(v) if *v == b)
+                        && !matches!(x, StreamStep::Free { buffer, .. } if *buffer == b)
                 });
             }
             for k in &mut c.kernels {
@@ -321,7 +325,7 @@ fn corrupt(s: &Schedule, kind: Corruption, rng: &mut Rng) -> Option<Schedule> {
             }
             for st in &mut c.streams {
                 for step in &mut st.steps {
-                    if let Step::Copy { from, to, .. } = step {
+                    if let StreamStep::Copy { from, to, .. } = step {
                         for v in [from, to] {
                             if *v == b {
                                 *v = a;

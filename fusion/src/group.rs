@@ -66,7 +66,7 @@ enum Kind {
     Attention,
 }
 
-struct Group {
+struct GrowingSegment {
     kind: Kind,
     nodes: Vec<usize>,
     stream: StreamId,
@@ -91,7 +91,7 @@ struct Grouper<'a> {
     transposes: Vec<bool>,
     group_of: Vec<Option<usize>>,
     level: Vec<Level>,
-    groups: Vec<Group>,
+    groups: Vec<GrowingSegment>,
     refused: Vec<Refusal>,
     /// Per node, its readers (a node reading it twice is listed twice).
     readers: Vec<Vec<usize>>,
@@ -245,7 +245,7 @@ impl Grouper<'_> {
         };
         let mut waits: Vec<usize> = node.after.to_vec();
         waits.sort_unstable();
-        self.groups.push(Group {
+        self.groups.push(GrowingSegment {
             kind,
             nodes: Vec::new(),
             stream: node.stream,
@@ -512,7 +512,7 @@ impl Grouper<'_> {
                 }
             }
         }
-        let outputs_of = |grp: &Group| -> Vec<usize> {
+        let outputs_of = |grp: &GrowingSegment| -> Vec<usize> {
             let mut outputs: Vec<usize> = grp
                 .nodes
                 .iter()
@@ -554,7 +554,7 @@ impl Grouper<'_> {
                     let outputs = outputs_of(grp);
                     return Segment { kind, nodes: grp.nodes.clone(), inputs: grp.inputs.clone(), direct, outputs };
                 }
-                let groups: Vec<&Group> = pack.iter().map(|&g| &self.groups[g]).collect();
+                let groups: Vec<&GrowingSegment> = pack.iter().map(|&g| &self.groups[g]).collect();
                 let mut inputs: Vec<ValueRef> = vec![];
                 for grp in &groups {
                     inputs.extend(grp.inputs.iter().filter(|u| !inputs.contains(u)).collect::<Vec<_>>());

@@ -6,7 +6,7 @@
 //! changes a schedule.
 
 use crate::assign::COPY_STREAM;
-use crate::schedule::{BufferSource, OFFLOAD_STREAM, Schedule, Space, Step};
+use crate::schedule::{BufferSource, OFFLOAD_STREAM, Schedule, Space, StreamStep};
 use braid_graph::{FlushGraph, StreamId, ValueRef};
 use serde::{Deserialize, Serialize};
 use std::fmt::Write;
@@ -154,7 +154,7 @@ impl Dump {
                     .steps
                     .iter()
                     .map(|step| match step {
-                        Step::Kernel(k) => {
+                        StreamStep::Kernel(k) => {
                             let plan = &schedule.kernels[k.index()];
                             let seg = &schedule.fusion.segments[plan.segment];
                             DumpStep::Kernel {
@@ -177,14 +177,14 @@ impl Dump {
                                 note: plan.note.clone(),
                             }
                         }
-                        Step::Alloc(b) => DumpStep::Alloc { buffer: b.to_string() },
-                        Step::Free { buffer, after } => DumpStep::Free {
+                        StreamStep::Alloc(b) => DumpStep::Alloc { buffer: b.to_string() },
+                        StreamStep::Free { buffer, after } => DumpStep::Free {
                             buffer: buffer.to_string(),
                             after: after.iter().map(|e| e.to_string()).collect(),
                         },
-                        Step::Record(e) => DumpStep::Record { event: e.to_string() },
-                        Step::Wait(e) => DumpStep::Wait { event: e.to_string() },
-                        Step::Copy { from, to, value } => DumpStep::Copy {
+                        StreamStep::Record(e) => DumpStep::Record { event: e.to_string() },
+                        StreamStep::Wait(e) => DumpStep::Wait { event: e.to_string() },
+                        StreamStep::Copy { from, to, value } => DumpStep::Copy {
                             from: from.to_string(),
                             to: to.to_string(),
                             direction: match (schedule.buffers[from.index()].space, schedule.buffers[to.index()].space)

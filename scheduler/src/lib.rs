@@ -19,6 +19,6 @@ pub use offload::{CostModel, Decision, PeakAt, Unreachable};
 pub use plan::{plan, plan_with_offloads};
 pub use schedule::{
     BufferId, BufferPlan, BufferSource, EventId, EventPlan, KernelId, KernelPlan, OFFLOAD_STREAM, OffloadPlan,
-    Schedule, Space, Step, StreamSchedule,
+    Schedule, Space, StreamSchedule, StreamStep,
 };
 pub use validate::{Hazard, HazardKind, Program, check_reachable, validate};

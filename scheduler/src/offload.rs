@@ -30,7 +30,7 @@
 //! This module decides; the planner (`plan`) emits the copies, events and frees. It never
 //! touches memory.
 
-use crate::schedule::{KernelId, Schedule, Step};
+use crate::schedule::{KernelId, Schedule, StreamStep};
 use braid_fusion::SegmentKind;
 use braid_graph::{FlushGraph, ValueRef};
 
@@ -276,18 +276,18 @@ fn live_per_kernel(base: &Schedule, model: &CostModel) -> Vec<u64> {
         let mut last: Option<usize> = None;
         for step in &st.steps {
             match step {
-                Step::Alloc(b) => pending += model.allocated(base.buffers[b.index()].bytes),
-                Step::Kernel(kid) => {
+                StreamStep::Alloc(b) => pending += model.allocated(base.buffers[b.index()].bytes),
+                StreamStep::Kernel(kid) => {
                     alloc_at[kid.index()] += std::mem::take(&mut pending);
                     last = Some(kid.index());
                 }
                 // A transfer, the only copy of a plan without offloads.
-                &Step::Copy { value: ValueRef::Node(n), .. } => {
+                &StreamStep::Copy { value: ValueRef::Node(n), .. } => {
                     let t = kernel_after(base, n);
                     alloc_at[t] += std::mem::take(&mut pending);
                     last = Some(t);
                 }
-                Step::Free { buffer, .. } => {
+                StreamStep::Free { buffer, .. } => {
                     let bytes = model.allocated(base.buffers[buffer.index()].bytes);
                     match last {
                         Some(t) => free_after[t] += bytes,

@@ -97,7 +97,7 @@ pub struct EventPlan {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Step {
+pub enum StreamStep {
     /// Run a kernel.
     Kernel(KernelId),
     /// Take a buffer from the pool.
@@ -139,7 +139,7 @@ pub struct OffloadPlan {
 #[derive(Clone, Debug)]
 pub struct StreamSchedule {
     pub stream: StreamId,
-    pub steps: Vec<Step>,
+    pub steps: Vec<StreamStep>,
 }
 
 /// The plan of one flush on one device.

@@ -85,7 +85,7 @@ struct GroupInner {
     ranks: Vec<u32>,
     /// Ranks in the whole group (more than `devices` when it spans processes).
     size: usize,
-    runtime: Arc<collective::Group>,
+    runtime: Arc<collective::RankGroup>,
 }
 
 impl Drop for GroupInner {
@@ -126,7 +126,7 @@ impl Group {
                 tracing::warn!(target: "braid::dist", "could not start a thread to flush late rank {rank}: {e}");
             }
         });
-        let runtime = Arc::new(collective::Group::new(id, devices.len() as u32, Some(nudge)));
+        let runtime = Arc::new(collective::RankGroup::new(id, devices.len() as u32, Some(nudge)));
         crate::backends::connect_group(devices, &runtime).map_err(|e| match e {
             braid_devices::DeviceError::Unavailable(m) => Error::Unavailable(m),
             other => Error::Device { device: devices[0].name(), source: other },
@@ -172,7 +172,7 @@ impl Group {
         let (net, token) =
             collective::net::Net::connect(rank as u32, world as u32, addr, token, timeout).map_err(unavailable)?;
         let id = NEXT_GROUP.fetch_add(1, Ordering::Relaxed);
-        let runtime = Arc::new(collective::Group::spanning(id, world as u32, rank as u32, net));
+        let runtime = Arc::new(collective::RankGroup::spanning(id, world as u32, rank as u32, net));
         crate::backends::connect_spanning(device, &runtime, rank as u32, world as u32, token).map_err(unavailable)?;
         collective::register(runtime.clone());
         Ok(Group(Arc::new(GroupInner {

@@ -22,7 +22,7 @@
 use super::env::FlushEnv;
 use super::flush::ExternalData;
 use super::run::{Planned, kernel_label};
-use super::{Engine, State, Value};
+use super::{Engine, EngineState, Value};
 use crate::error::{Error, Result};
 use braid_devices::runtime::{Graph, GraphRun};
 use braid_devices::{Buffer, Input, Job};
@@ -384,7 +384,7 @@ impl Capture {
 
 /// A tensor the function recorded and kept without returning it (stored outside, or an
 /// in-place update of an argument or another tensor) would not be updated by a replay.
-fn check_leaks(st: &State, start: u64, out_ids: &[NodeId]) -> Result<()> {
+fn check_leaks(st: &EngineState, start: u64, out_ids: &[NodeId]) -> Result<()> {
     for id in st.graph.node_ids() {
         let n = st.graph.node(id);
         if n.seq >= start && n.value.is_none() && n.handles > 0 && !out_ids.contains(&id) {
@@ -402,7 +402,7 @@ fn check_leaks(st: &State, start: u64, out_ids: &[NodeId]) -> Result<()> {
 
 /// The work of the step's flush must all be recorded by the function, without events, and
 /// read only the arguments and host data the function created.
-fn check_work(st: &State, order: &[NodeId], start: u64, arg_nodes: &[NodeId]) -> Result<()> {
+fn check_work(st: &EngineState, order: &[NodeId], start: u64, arg_nodes: &[NodeId]) -> Result<()> {
     let describe = |n: &Node<Value>| format!("{} {} {}", n.op.name(), n.shape, n.dtype);
     for &id in order {
         let n = st.graph.node(id);
@@ -437,7 +437,12 @@ fn check_work(st: &State, order: &[NodeId], start: u64, arg_nodes: &[NodeId]) ->
 }
 
 /// Outputs that need no work: arguments and host data; `None` for computed ones.
-fn classify_outputs(st: &State, out_ids: &[NodeId], start: u64, arg_nodes: &[NodeId]) -> Result<Vec<Option<Output>>> {
+fn classify_outputs(
+    st: &EngineState,
+    out_ids: &[NodeId],
+    start: u64,
+    arg_nodes: &[NodeId],
+) -> Result<Vec<Option<Output>>> {
     out_ids
         .iter()
         .map(|&id| {

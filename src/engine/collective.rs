@@ -9,7 +9,7 @@
 //! never drops it.
 //! This module never waits for other devices; the rendezvous (`braid_devices::collective`) does.
 
-use super::{Engine, NewNode, State, Value};
+use super::{Engine, EngineState, NewNode, Value};
 use braid_graph::{FlushGraph, NodeId, Op};
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -50,14 +50,14 @@ pub(super) fn broken(op: &Op) -> Option<String> {
 }
 
 /// A collective found lost (by a flush's walk) lets go of the handle that kept it until it ran.
-pub(super) fn release_lost(st: &mut State, id: NodeId) {
+pub(super) fn release_lost(st: &mut EngineState, id: NodeId) {
     if matches!(st.graph.node(id).op, Op::Collective(_)) {
         st.drop_handle(id);
     }
 }
 
 /// After a flush ran: its collectives let go of the handle that kept them until they ran.
-pub(super) fn release_ran(st: &mut State, graph: &FlushGraph) {
+pub(super) fn release_ran(st: &mut EngineState, graph: &FlushGraph) {
     for n in &graph.nodes {
         if matches!(n.op, Op::Collective(_)) && st.graph.contains(n.id) {
             st.drop_handle(n.id);
@@ -67,7 +67,7 @@ pub(super) fn release_ran(st: &mut State, graph: &FlushGraph) {
 
 /// After a failed flush was reverted: its collectives can never run (their group is broken), so
 /// they are lost (their readers get the reason) and let go of the handle that kept them.
-pub(super) fn lose_broken(st: &mut State, graph: &FlushGraph, error: &crate::Error) {
+pub(super) fn lose_broken(st: &mut EngineState, graph: &FlushGraph, error: &crate::Error) {
     for n in &graph.nodes {
         if matches!(n.op, Op::Collective(_)) && st.graph.contains(n.id) && st.graph.node(n.id).value.is_none() {
             st.graph.node_mut(n.id).value = Some(Value::Lost(format!("its group is broken: {error}")));

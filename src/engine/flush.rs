@@ -7,7 +7,7 @@
 
 use super::env::FlushEnv;
 use super::marks::Marks;
-use super::{Engine, State, Ticket, Value};
+use super::{Engine, EngineState, Ticket, Value};
 use crate::error::{Error, Result};
 use braid_devices::Buffer;
 use braid_graph::{External, FlushGraph, FlushNode, NodeId, Op, ValueRef};
@@ -154,7 +154,7 @@ impl Engine {
     /// `targets`, views that stay pending are chosen (see [`lazy_views`]).
     pub(super) fn extract(
         &self,
-        st: &mut State,
+        st: &mut EngineState,
         order: &[NodeId],
         targets: Option<&[NodeId]>,
         env: FlushEnv,
@@ -162,7 +162,7 @@ impl Engine {
         let budgeted = self.memory_budget().is_some();
         let target = self.backend.target();
         let lazy = targets.map_or_else(Vec::new, |t| lazy_views(st, order, t));
-        let State { graph: recorded, marks, .. } = st;
+        let EngineState { graph: recorded, marks, .. } = st;
         // Each node's place in the flush graph (the walk's marks, same stamp); nodes the walk
         // visited outside `order` keep a mark that is no place.
         for (i, &id) in order.iter().enumerate() {
@@ -275,7 +275,7 @@ const LAZY_VIEW_TARGETS: usize = 64;
 /// input held by its edge (so never handed to the flush to free), computed if it is ever read.
 /// `x.reshape([n]).sum().item()` would otherwise copy `x`: the temporary `x.reshape(..)` lives
 /// to the end of the statement, after the read.
-fn lazy_views(st: &State, order: &[NodeId], targets: &[NodeId]) -> Vec<NodeId> {
+fn lazy_views(st: &EngineState, order: &[NodeId], targets: &[NodeId]) -> Vec<NodeId> {
     let mut lazy: Vec<NodeId> = Vec::new();
     if targets.len() > LAZY_VIEW_TARGETS {
         return lazy;
@@ -301,11 +301,11 @@ fn lazy_views(st: &State, order: &[NodeId], targets: &[NodeId]) -> Vec<NodeId> {
     lazy
 }
 
-pub(super) fn walk(st: &mut State, targets: &[NodeId]) -> Walked {
+pub(super) fn walk(st: &mut EngineState, targets: &[NodeId]) -> Walked {
     // Sized for the pending nodes up front (a small flush grew these one doubling at a time),
     // up to a bound: a read of one value among many pending ones walks few of them.
     let pending = st.pending.min(4096);
-    let State { graph, marks, .. } = st;
+    let EngineState { graph, marks, .. } = st;
     marks.start(graph.node_bound());
     // (seq, id): sorted by recording order at the end.
     let mut order: Vec<(u64, NodeId)> = Vec::with_capacity(pending);

@@ -37,7 +37,7 @@ use braid_devices::{Backend, Buffer};
 use braid_graph::{DType, DeviceId, Graph, Node, NodeId, Op, Shape, StreamId};
 use dump::ScheduleDump;
 use hashbrown::HashMap;
-pub(crate) use state::{Held, HeldValue, Locked, Remote, State, Ticket, Value, collect, reserve_seq};
+pub(crate) use state::{EngineState, Held, HeldValue, Locked, Remote, Ticket, Value, collect, reserve_seq};
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -76,7 +76,7 @@ pub(crate) struct Engine {
     pub(crate) dtypes: braid_graph::DTypes,
     /// The backend's name, made once (every flush's dump carries it).
     pub(crate) name: Arc<str>,
-    state: Mutex<State>,
+    state: Mutex<EngineState>,
     pub(crate) plans: Mutex<cache::PlanCache>,
     pub(crate) last_schedule: Mutex<Option<ScheduleDump>>,
     pub(crate) last_profile: Mutex<Option<profile::Profile>>,
@@ -107,7 +107,7 @@ pub(crate) fn engines() -> Vec<Arc<Engine>> {
 }
 
 /// Extra handles taken while recording (autograd keeps the values a derivative reads).
-pub(crate) struct Retainer<'a>(&'a mut State);
+pub(crate) struct Retainer<'a>(&'a mut EngineState);
 
 impl Retainer<'_> {
     /// Marks `id` as a parameter version (its buffer comes from exact-size memory).
@@ -144,7 +144,7 @@ impl Engine {
             dtypes: backend.target().dtypes,
             name: backend.name().into(),
             backend,
-            state: Mutex::new(State {
+            state: Mutex::new(EngineState {
                 graph: Graph::new(),
                 pending: 0,
                 auto_flush_after: 0,
@@ -227,7 +227,7 @@ impl Engine {
     /// The part of recording done under the lock.
     fn add_recorded(
         &self,
-        st: &mut State,
+        st: &mut EngineState,
         new: NewNode,
         nodes: &[NodeId],
         version_of: Option<&AtomicU32>,
@@ -332,7 +332,7 @@ impl Engine {
         let mut held = crate::lock(held);
         if let Some(Held { value, stream, seq }) = held.take() {
             let mut node = self.leaf(dtype, shape.clone(), stream, value.into());
-            // Not `State::add`, which would stamp the order of now.
+            // Not `EngineState::add`, which would stamp the order of now.
             node.seq = seq;
             let id = st.graph.add(node, &[]);
             cell.store(id.index() as u32, Ordering::Release);
@@ -344,7 +344,7 @@ impl Engine {
     /// depends on, which implies the rest). Returned with one handle counted.
     pub(crate) fn record_event(&self, stream: StreamId) -> NodeId {
         let mut st = self.state();
-        let on_stream = |st: &State, n: NodeId| {
+        let on_stream = |st: &EngineState, n: NodeId| {
             let node = st.graph.node(n);
             node.stream == stream && matches!(node.value, None | Some(Value::InFlight(_)))
         };
@@ -428,7 +428,7 @@ impl Engine {
     }
 
     /// Marks an uploaded leaf as ready (unless it is gone or was uploaded meanwhile).
-    pub(crate) fn install_upload(st: &mut State, id: NodeId, buffer: &Buffer) {
+    pub(crate) fn install_upload(st: &mut EngineState, id: NodeId, buffer: &Buffer) {
         if st.graph.contains(id) && matches!(st.graph.node(id).value, Some(Value::Host(_))) {
             st.graph.node_mut(id).value = Some(Value::Ready(buffer.clone()));
         }
@@ -483,7 +483,7 @@ impl Engine {
     }
 
     /// Runs `f` on the state under the lock.
-    pub(crate) fn with_state<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
+    pub(crate) fn with_state<R>(&self, f: impl FnOnce(&mut EngineState) -> R) -> R {
         f(&mut self.state())
     }
 

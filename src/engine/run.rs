@@ -11,7 +11,7 @@ use super::cache::{Plan, PlanCache};
 use super::dump::{self, ScheduleDump};
 use super::env::FlushEnv;
 use super::flush::{ExternalData, Extracted};
-use super::{Engine, State, Value, collect};
+use super::{Engine, EngineState, Value, collect};
 use crate::error::{Error, Result};
 use crate::lock;
 use braid_devices::{Buffer, Input, Job};
@@ -287,7 +287,7 @@ fn held(inputs: Vec<Input>) -> Vec<Option<Buffer>> {
 /// After a failed flush: donated inputs go back, unless the flush freed them or was to write
 /// over them (it may have) before failing; the flush's nodes become pending again.
 fn revert(
-    st: &mut State,
+    st: &mut EngineState,
     graph: &FlushGraph,
     donated: &[(usize, NodeId)],
     lent: &mut [Option<Buffer>],
@@ -389,7 +389,12 @@ fn check(schedule: &Schedule, graph: &FlushGraph, validate: bool) -> Result<()> 
 
 /// Kept values become ready; every other node of the flush leaves the graph; nodes of the
 /// flush no longer need their inputs.
-fn install(st: &mut State, graph: &FlushGraph, outputs: &[(usize, braid_scheduler::BufferId)], buffers: Vec<Buffer>) {
+fn install(
+    st: &mut EngineState,
+    graph: &FlushGraph,
+    outputs: &[(usize, braid_scheduler::BufferId)],
+    buffers: Vec<Buffer>,
+) {
     for (&(i, _), buffer) in outputs.iter().zip(buffers) {
         st.graph.node_mut(graph.nodes[i].id).value = Some(Value::Ready(buffer));
     }

@@ -1,5 +1,5 @@
 //! A device's recorded graph under its lock: the value state of each node ([`Value`]), the
-//! bookkeeping of recording ([`State`]), the guard that releases other engines' handles after
+//! bookkeeping of recording ([`EngineState`]), the guard that releases other engines' handles after
 //! the lock is let go ([`Locked`]), and the collection of nodes nobody can read any more
 //! ([`collect`]).
 //!
@@ -87,7 +87,7 @@ impl Ticket {
 }
 
 /// One device's recorded graph and its bookkeeping.
-pub(crate) struct State {
+pub(crate) struct EngineState {
     pub(crate) graph: Graph<Value>,
     /// Nodes whose value is neither computed nor being computed.
     pub(crate) pending: usize,
@@ -108,17 +108,17 @@ pub(crate) struct State {
 
 /// The engine's state under its lock. Handles on other engines' nodes that were dropped
 /// meanwhile are released when the guard goes, after the lock is let go.
-pub(crate) struct Locked<'a>(pub(super) Option<MutexGuard<'a, State>>);
+pub(crate) struct Locked<'a>(pub(super) Option<MutexGuard<'a, EngineState>>);
 
 impl std::ops::Deref for Locked<'_> {
-    type Target = State;
-    fn deref(&self) -> &State {
+    type Target = EngineState;
+    fn deref(&self) -> &EngineState {
         self.0.as_ref().expect("held until dropped")
     }
 }
 
 impl std::ops::DerefMut for Locked<'_> {
-    fn deref_mut(&mut self) -> &mut State {
+    fn deref_mut(&mut self) -> &mut EngineState {
         self.0.as_mut().expect("held until dropped")
     }
 }
@@ -180,7 +180,7 @@ impl From<HeldValue> for Value {
     }
 }
 
-impl State {
+impl EngineState {
     /// Adds a node, stamping its recording order.
     pub(super) fn add(&mut self, mut node: Node<Value>, inputs: &[NodeId]) -> NodeId {
         node.seq = reserve_seq();
@@ -191,7 +191,7 @@ impl State {
     /// Events already reached are forgotten.
     pub(super) fn apply_waits(&mut self, id: NodeId, stream: StreamId) {
         let Some(events) = self.waits.remove(&stream) else { return };
-        let reached = |st: &State, e: NodeId| match &st.graph.node(e).value {
+        let reached = |st: &EngineState, e: NodeId| match &st.graph.node(e).value {
             Some(Value::Done) => true,
             Some(Value::Remote(r)) => r.reached,
             _ => false,
@@ -218,7 +218,7 @@ impl State {
 /// Removes every node reachable from `start` (towards inputs) that nobody can read any more:
 /// no handle, no dependent node, not in flight. Freed buffers go back to their pool; handles
 /// on other engines' nodes are released once the lock is let go.
-pub(crate) fn collect(st: &mut State, start: impl IntoIterator<Item = NodeId>) {
+pub(crate) fn collect(st: &mut EngineState, start: impl IntoIterator<Item = NodeId>) {
     let mut candidates: smallvec::SmallVec<[NodeId; 16]> = crate::small(start);
     while let Some(id) = candidates.pop() {
         if !st.graph.contains(id) {

@@ -6,10 +6,10 @@
 //! Sums wrap for integers and mean is for floats only (the recording call checks; an integer
 //! mean here would truncate); f16 and bf16
 //! are combined in f32 and rounded once per rank added, as a reduction of that dtype would be.
-//! This module never keeps a pointer past [`run`]: every rank waits in [`Group::finish`] until
+//! This module never keeps a pointer past [`run`]: every rank waits in [`RankGroup::finish`] until
 //! all are done reading.
 
-use super::Group;
+use super::RankGroup;
 use crate::DeviceError;
 use braid_graph::{Collective, CollectiveKind, DType, ReduceOp};
 use half::{bf16, f16};
@@ -20,11 +20,17 @@ const CHUNK: usize = 1 << 15;
 
 /// Runs rank `c.rank`'s part of collective `c` over `input`, writing `output`, once every rank
 /// of `group` has arrived.
-pub fn run(group: &Group, c: &Collective, dtype: DType, input: &[u8], output: &mut [u8]) -> Result<(), DeviceError> {
+pub fn run(
+    group: &RankGroup,
+    c: &Collective,
+    dtype: DType,
+    input: &[u8],
+    output: &mut [u8],
+) -> Result<(), DeviceError> {
     let size = dtype.size();
     let arrival = group.arrive(c.rank, c, dtype, input.len() / size, (input.as_ptr() as usize, input.len()))?;
     // Every rank reads the others' inputs until all have finished (even if this one fails).
-    struct Finish<'g>(&'g Group, u64);
+    struct Finish<'g>(&'g RankGroup, u64);
     impl Drop for Finish<'_> {
         fn drop(&mut self) {
             self.0.finish(self.1);
@@ -39,7 +45,7 @@ pub fn run(group: &Group, c: &Collective, dtype: DType, input: &[u8], output: &m
             received.iter().map(Vec::as_slice).collect()
         }
         // SAFETY: each rank's input stays allocated and unwritten until every rank has
-        // finished (its owner waits in `Group::finish`, and its flush orders the free after
+        // finished (its owner waits in `RankGroup::finish`, and its flush orders the free after
         // this step).
         None => arrival
             .inputs

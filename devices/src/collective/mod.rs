@@ -12,7 +12,7 @@
 //! - a rank that has not arrived after a short while is *nudged* (the engine flushes that
 //!   device's pending work, so that one thread can drive every device of a group);
 //! - a rank that does not arrive within the group's timeout, or whose flush failed
-//!   ([`Group::abort`]), breaks the group: every rank waiting, and every later collective of
+//!   ([`RankGroup::abort`]), breaks the group: every rank waiting, and every later collective of
 //!   the group, returns an `Err` naming the rank and the collective, never hangs;
 //! - ranks that disagree on what the `k`-th collective is (kind, dtype, length) break it too.
 //!
@@ -33,7 +33,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// How long a rank waits at a collective for the others before the group is broken, unless
-/// the group sets another ([`Group::set_timeout`]) or `BRAID_COLLECTIVE_TIMEOUT` (seconds) does.
+/// the group sets another ([`RankGroup::set_timeout`]) or `BRAID_COLLECTIVE_TIMEOUT` (seconds) does.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// `BRAID_COLLECTIVE_TIMEOUT` (seconds) if set and positive, else [`DEFAULT_TIMEOUT`].
@@ -70,7 +70,7 @@ struct Round {
 }
 
 #[derive(Default)]
-struct State {
+struct RendezvousState {
     /// Per rank: the sequence number of its next collective.
     next: Vec<u64>,
     rounds: HashMap<u64, Round>,
@@ -79,7 +79,7 @@ struct State {
 }
 
 /// A group of ranks that run collectives together (one per member device in this process).
-pub struct Group {
+pub struct RankGroup {
     id: u64,
     size: u32,
     /// The ranks this process holds (every rank, unless the group spans processes).
@@ -87,7 +87,7 @@ pub struct Group {
     /// The connection to the other processes of a group that spans processes.
     net: Option<net::Net>,
     timeout: Mutex<Duration>,
-    state: Mutex<State>,
+    state: Mutex<RendezvousState>,
     cv: Condvar,
     nudge: Option<Nudge>,
     /// What a backend set up for the group (NCCL communicators), for its queues to find.
@@ -101,31 +101,31 @@ pub struct Arrival {
     inputs: Vec<(usize, usize)>,
 }
 
-impl Group {
+impl RankGroup {
     /// A group of `size` ranks. `nudge` is called (from a waiting rank's thread) with a rank
     /// that is late to a collective.
-    pub fn new(id: u64, size: u32, nudge: Option<Nudge>) -> Group {
-        Group::with_ranks(id, size, (0..size).collect(), None, nudge)
+    pub fn new(id: u64, size: u32, nudge: Option<Nudge>) -> RankGroup {
+        RankGroup::with_ranks(id, size, (0..size).collect(), None, nudge)
     }
 
     /// A group of `size` ranks spread over processes, of which this process holds rank `rank`
     /// and talks to the others through `net`.
-    pub fn spanning(id: u64, size: u32, rank: u32, net: net::Net) -> Group {
-        Group::with_ranks(id, size, vec![rank], Some(net), None)
+    pub fn spanning(id: u64, size: u32, rank: u32, net: net::Net) -> RankGroup {
+        RankGroup::with_ranks(id, size, vec![rank], Some(net), None)
     }
 
-    fn with_ranks(id: u64, size: u32, local: Vec<u32>, net: Option<net::Net>, nudge: Option<Nudge>) -> Group {
+    fn with_ranks(id: u64, size: u32, local: Vec<u32>, net: Option<net::Net>, nudge: Option<Nudge>) -> RankGroup {
         let timeout = timeout_from_env();
         if let Some(net) = &net {
             net.set_timeout(timeout);
         }
-        Group {
+        RankGroup {
             id,
             size,
             local,
             net,
             timeout: Mutex::new(timeout),
-            state: Mutex::new(State { next: vec![0; size as usize], ..Default::default() }),
+            state: Mutex::new(RendezvousState { next: vec![0; size as usize], ..Default::default() }),
             cv: Condvar::new(),
             nudge,
             transport: std::sync::OnceLock::new(),
@@ -259,7 +259,7 @@ impl Group {
                 let missing: Vec<String> =
                     self.local.iter().filter(|&&r| round.inputs[r as usize].is_none()).map(|r| r.to_string()).collect();
                 let reason = format!(
-                    "rank {rank} waited {:.1} s at {what} for rank(s) {} (BRAID_COLLECTIVE_TIMEOUT, Group::set_timeout)",
+                    "rank {rank} waited {:.1} s at {what} for rank(s) {} (BRAID_COLLECTIVE_TIMEOUT, RankGroup::set_timeout)",
                     waited.as_secs_f64(),
                     missing.join(", ")
                 );
@@ -306,10 +306,10 @@ impl Group {
 }
 
 /// Every group in the process, by id.
-static GROUPS: Mutex<Vec<(u64, Arc<Group>)>> = Mutex::new(Vec::new());
+static GROUPS: Mutex<Vec<(u64, Arc<RankGroup>)>> = Mutex::new(Vec::new());
 
 /// Makes `group` known to the devices' queues.
-pub fn register(group: Arc<Group>) {
+pub fn register(group: Arc<RankGroup>) {
     lock(&GROUPS).push((group.id, group));
 }
 
@@ -319,7 +319,7 @@ pub fn unregister(id: u64) {
 }
 
 /// The group a collective names.
-pub fn group(c: &Collective) -> Result<Arc<Group>, DeviceError> {
+pub fn group(c: &Collective) -> Result<Arc<RankGroup>, DeviceError> {
     lock(&GROUPS).iter().find(|(g, _)| *g == c.group).map(|(_, g)| g.clone()).ok_or_else(|| {
         DeviceError::Collective(format!(
             "{} of group {}: the group no longer exists (it was dropped)",

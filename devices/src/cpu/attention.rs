@@ -11,7 +11,7 @@
 //! Every view is checked against its argument before any unchecked access. This module never
 //! allocates device memory.
 
-use super::map::{ArgPtr, Shared, in_tasks};
+use super::map::{ArgPtr, SharedArgs, in_tasks};
 use braid_graph::DType;
 use braid_lowering::{AttentionKernel, AttentionPass, Load};
 use half::{bf16, f16};
@@ -95,8 +95,8 @@ pub fn run_attention(a: &AttentionKernel, args: &[ArgPtr]) -> Result<(), String>
         return Ok(());
     }
     match a.dtype {
-        DType::F64 => run::<f64>(a, Shared(args)),
-        _ => run::<f32>(a, Shared(args)),
+        DType::F64 => run::<f64>(a, SharedArgs(args)),
+        _ => run::<f32>(a, SharedArgs(args)),
     }
 }
 
@@ -107,7 +107,7 @@ struct Rows<'a> {
 }
 
 impl Rows<'_> {
-    fn new<'a>(load: &'a Load, args: Shared<'_>) -> Rows<'a> {
+    fn new<'a>(load: &'a Load, args: SharedArgs<'_>) -> Rows<'a> {
         Rows { load, ptr: args.0[load.arg as usize].ptr as *const u8 }
     }
 
@@ -190,7 +190,7 @@ fn scores<R: Real>(q: &[R], k: &[R], d: usize, scale: R, q0: usize, k0: usize, c
     }
 }
 
-fn run<R: Real>(a: &AttentionKernel, args: Shared<'_>) -> Result<(), String> {
+fn run<R: Real>(a: &AttentionKernel, args: SharedArgs<'_>) -> Result<(), String> {
     let (sq, sk, d) = (a.sq, a.sk, a.d);
     let (q, k, v) = (Rows::new(&a.q, args), Rows::new(&a.k, args), Rows::new(&a.v, args));
     let out_ptr = |arg: u16| args.0[arg as usize].ptr as usize;

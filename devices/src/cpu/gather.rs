@@ -8,7 +8,7 @@
 //! compared with the gathered dimension's extent before the source is read at it. This module
 //! never allocates device memory.
 
-use super::map::{ArgPtr, Shared, in_tasks, position, unravel};
+use super::map::{ArgPtr, SharedArgs, in_tasks, position, unravel};
 use braid_graph::DType;
 use braid_lowering::GatherKernel;
 
@@ -26,7 +26,7 @@ pub fn run_gather(g: &GatherKernel, args: &[ArgPtr]) -> Result<(), String> {
         unsafe { std::ptr::write_bytes(out, 0, numel * g.src.dtype.size()) };
         return Ok(());
     }
-    let shared = Shared(args);
+    let shared = SharedArgs(args);
     let wide = g.index.dtype == DType::I64;
     in_tasks(numel, |start, end| {
         match (g.src.dtype.size(), wide) {
@@ -45,7 +45,7 @@ pub fn run_gather(g: &GatherKernel, args: &[ArgPtr]) -> Result<(), String> {
 
 /// Output indices `start..end`, whose elements are `T`s, read at indices of type `I` (i64 or
 /// i32, as `check` allows).
-fn run_range<T: Copy + Default, I: Copy + Into<i64>>(g: &GatherKernel, args: Shared<'_>, start: usize, end: usize) {
+fn run_range<T: Copy + Default, I: Copy + Into<i64>>(g: &GatherKernel, args: SharedArgs<'_>, start: usize, end: usize) {
     let dims = &g.dims;
     let rank = dims.len();
     let (src_view, index_view) = (&g.src.view, &g.index.view);

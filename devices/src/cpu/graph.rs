@@ -23,7 +23,7 @@ use super::{CpuDevice, KeptKernel};
 use crate::runtime::{Backend, Graph, GraphRun, Input, Job};
 use crate::{Buffer, DeviceError};
 use braid_lowering::{Body, Kernel};
-use braid_scheduler::{BufferId, BufferPlan, Step};
+use braid_scheduler::{BufferId, BufferPlan, StreamStep};
 use smallvec::SmallVec;
 use std::sync::Arc;
 
@@ -72,12 +72,12 @@ pub(super) fn record(device: &CpuDevice, job: Job<'_>) -> Option<Result<Box<dyn 
     let mut steps = Vec::with_capacity(stream.steps.len());
     for step in &stream.steps {
         steps.push(match step {
-            Step::Alloc(b) => GraphStep::Alloc { buffer: b.index(), plan: schedule.buffers[b.index()].clone() },
-            Step::Free { buffer, .. } => GraphStep::Free(buffer.index()),
+            StreamStep::Alloc(b) => GraphStep::Alloc { buffer: b.index(), plan: schedule.buffers[b.index()].clone() },
+            StreamStep::Free { buffer, .. } => GraphStep::Free(buffer.index()),
             // One stream: every event is reached when it is recorded.
-            Step::Record(_) | Step::Wait(_) => continue,
-            Step::Copy { from, to, .. } => GraphStep::Copy { from: from.index(), to: to.index() },
-            Step::Kernel(k) => {
+            StreamStep::Record(_) | StreamStep::Wait(_) => continue,
+            StreamStep::Copy { from, to, .. } => GraphStep::Copy { from: from.index(), to: to.index() },
+            StreamStep::Kernel(k) => {
                 let (plan, kernel) = (&schedule.kernels[k.index()], &job.kernels[k.index()]);
                 if matches!(kernel.body, Body::Collective(_)) || plan.outputs.iter().any(external) {
                     return None;

@@ -32,9 +32,9 @@ pub struct ArgPtr {
 /// Shares argument pointers with rayon tasks. Sound because tasks write disjoint elements
 /// (different indices of a map loop never store to the same element) and only read inputs.
 #[derive(Clone, Copy)]
-pub(super) struct Shared<'a>(pub(super) &'a [ArgPtr]);
-unsafe impl Send for Shared<'_> {}
-unsafe impl Sync for Shared<'_> {}
+pub(super) struct SharedArgs<'a>(pub(super) &'a [ArgPtr]);
+unsafe impl Send for SharedArgs<'_> {}
+unsafe impl Sync for SharedArgs<'_> {}
 
 /// Runs one loop. `args` must match the kernel's argument list.
 pub fn run_loop(l: &MapLoop, args: &[ArgPtr]) -> Result<(), String> {
@@ -43,7 +43,7 @@ pub fn run_loop(l: &MapLoop, args: &[ArgPtr]) -> Result<(), String> {
     if n == 0 {
         return Ok(());
     }
-    let shared = Shared(args);
+    let shared = SharedArgs(args);
     in_tasks(n, |start, end| run_range(l, shared, start, end))
 }
 
@@ -93,8 +93,8 @@ pub(super) fn invariant_nodes(expr: &Expr) -> Vec<bool> {
 }
 
 /// Indices `start..end`, compiled for each vector level (see [`dispatch_simd`]).
-fn run_range(l: &MapLoop, args: Shared<'_>, start: usize, end: usize) -> Result<(), String> {
-    dispatch_simd!(run_range_impl(l: &MapLoop, args: Shared<'_>, start: usize, end: usize) -> Result<(), String>)
+fn run_range(l: &MapLoop, args: SharedArgs<'_>, start: usize, end: usize) -> Result<(), String> {
+    dispatch_simd!(run_range_impl(l: &MapLoop, args: SharedArgs<'_>, start: usize, end: usize) -> Result<(), String>)
 }
 
 thread_local! {
@@ -104,7 +104,7 @@ thread_local! {
 }
 
 #[inline(always)]
-fn run_range_impl(l: &MapLoop, args: Shared<'_>, start: usize, end: usize) -> Result<(), String> {
+fn run_range_impl(l: &MapLoop, args: SharedArgs<'_>, start: usize, end: usize) -> Result<(), String> {
     let width = CHUNK.min(end - start);
     let (mut regs, mut offsets) = SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));
     fit_regs(&mut regs, &l.expr.nodes, width, false);
@@ -117,7 +117,7 @@ fn run_range_impl(l: &MapLoop, args: Shared<'_>, start: usize, end: usize) -> Re
 #[inline(always)]
 fn run_chunks(
     l: &MapLoop,
-    args: Shared<'_>,
+    args: SharedArgs<'_>,
     start: usize,
     end: usize,
     width: usize,

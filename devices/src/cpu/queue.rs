@@ -88,7 +88,7 @@ struct CpuQueue<'f, 'a> {
 
 /// The CPU buffer `buffer` is; another device's buffer is an error (kernels and copies read
 /// another device's memory only through a transfer's copy step, [`Buffer::read_into`]).
-fn cpu(buffer: &Buffer) -> Result<&Arc<CpuBuffer>, DeviceError> {
+fn cpu_buffer(buffer: &Buffer) -> Result<&Arc<CpuBuffer>, DeviceError> {
     match buffer {
         Buffer::Cpu(b) => Ok(b),
         #[allow(unreachable_patterns)]
@@ -100,7 +100,7 @@ impl CpuQueue<'_, '_> {
     /// Runs a kernel (interpreted, compiled, or a matrix product through `gemm`) and logs it.
     fn run(&self, call: &Call<'_>) -> Result<(), DeviceError> {
         let args: SmallVec<[ArgPtr; 16]> = (call.args.iter().zip(&call.kernel.args))
-            .map(|(b, a)| cpu(b).map(|b| ArgPtr { ptr: b.ptr(), len: a.len, dtype: a.dtype }))
+            .map(|(b, a)| cpu_buffer(b).map(|b| ArgPtr { ptr: b.ptr(), len: a.len, dtype: a.dtype }))
             .collect::<Result<_, _>>()?;
         run_logged(self.flush.device, call.kernel, &args, &|| call.describe(), call.flush, call.stream, None)
     }
@@ -143,7 +143,7 @@ pub(super) fn run_logged(
 /// Copies `from` (a CPU buffer, or another device's for a transfer) into the CPU buffer `to`,
 /// of as many bytes (the caller checks).
 pub(super) fn copy(from: &Buffer, to: &Buffer) -> Result<(), DeviceError> {
-    let dst = cpu(to)?;
+    let dst = cpu_buffer(to)?;
     // SAFETY: the destination is held for the copy and nothing else accesses it now (the
     // validated schedule orders every other access around this step); it holds as many
     // bytes as the source.
@@ -190,7 +190,7 @@ impl Queue for CpuQueue<'_, '_> {
             return Err(DeviceError::Internal(format!("{} is not a collective", call.describe())));
         };
         let group = crate::collective::group(c)?;
-        let (input, output) = (cpu(&call.args[0])?, cpu(&call.args[1])?);
+        let (input, output) = (cpu_buffer(&call.args[0])?, cpu_buffer(&call.args[1])?);
         // SAFETY: the schedule orders every other access to these buffers around this step
         // (validated), and the walker checked their lengths against the kernel's arguments.
         let (input, output) = unsafe {

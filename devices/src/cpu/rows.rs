@@ -16,7 +16,7 @@
 
 use super::eval::{Reg, dispatch_simd, eval_node, fit_regs};
 use super::keep;
-use super::map::{ArgPtr, CHUNK, Shared, check_io, gather, prefetch, scatter, store_fence};
+use super::map::{ArgPtr, CHUNK, SharedArgs, check_io, gather, prefetch, scatter, store_fence};
 use super::reduce::Acc;
 use braid_graph::DType;
 use braid_graph::expr::ExprOp;
@@ -171,7 +171,7 @@ pub fn run_rows(k: &RowKernel, p: &Plan, args: &[ArgPtr]) -> Result<(), String> 
     if outer == 0 || p.inner == 0 {
         return Ok(());
     }
-    let shared = Shared(args);
+    let shared = SharedArgs(args);
     let row = p.len * p.inner;
     if p.splits() {
         // Few long rows (a whole-tensor reduction, a long softmax row): each row is split
@@ -197,8 +197,8 @@ const _: () = assert!(LONG_CHUNK == 4 * CHUNK);
 
 /// Rows `from..to`, compiled for each vector level (the loops in here vectorise; see
 /// [`dispatch_simd`]).
-fn run_range(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: usize) -> Result<(), String> {
-    dispatch_simd!(run_range_impl(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: usize) -> Result<(), String>)
+fn run_range(k: &RowKernel, p: &Plan, args: SharedArgs<'_>, from: usize, to: usize) -> Result<(), String> {
+    dispatch_simd!(run_range_impl(k: &RowKernel, p: &Plan, args: SharedArgs<'_>, from: usize, to: usize) -> Result<(), String>)
 }
 
 thread_local! {
@@ -210,7 +210,7 @@ thread_local! {
 }
 
 #[inline(always)]
-fn run_range_impl(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: usize) -> Result<(), String> {
+fn run_range_impl(k: &RowKernel, p: &Plan, args: SharedArgs<'_>, from: usize, to: usize) -> Result<(), String> {
     let nodes = &k.expr.nodes;
     let row = p.len * p.inner;
     let width = chunk_width(row);
@@ -229,7 +229,7 @@ fn run_range_impl(k: &RowKernel, p: &Plan, args: Shared<'_>, from: usize, to: us
 fn run_rows_with(
     k: &RowKernel,
     p: &Plan,
-    args: Shared<'_>,
+    args: SharedArgs<'_>,
     (from, to): (usize, usize),
     width: usize,
     chunk: &mut [Reg],
@@ -347,7 +347,7 @@ fn run_rows_with(
 #[inline(always)]
 pub(super) fn fold_load(
     k: &RowKernel,
-    args: Shared<'_>,
+    args: SharedArgs<'_>,
     need: &[usize],
     x: usize,
     views: &[Option<View>],
@@ -376,7 +376,7 @@ pub(super) fn fold_load(
 pub(super) fn eval_row_values(
     k: &RowKernel,
     p: &Plan,
-    args: Shared<'_>,
+    args: SharedArgs<'_>,
     o: usize,
     limit: usize,
     rowv: &mut [Reg],
@@ -410,7 +410,7 @@ pub(super) fn eval_row_values(
 pub(super) fn sweep(
     k: &RowKernel,
     p: &Plan,
-    args: Shared<'_>,
+    args: SharedArgs<'_>,
     o: usize,
     need: &[usize],
     (chunk, offsets, views): (&mut [Reg], &mut [isize], &[Option<View>]),

@@ -10,7 +10,7 @@
 //! compared with the output's extent before the output is written at it. This module never
 //! allocates device memory.
 
-use super::map::{ArgPtr, Shared, TASK, in_tasks, position, unravel};
+use super::map::{ArgPtr, SharedArgs, TASK, in_tasks, position, unravel};
 use braid_graph::DType;
 use braid_lowering::{Load, ScatterKernel, View};
 use rayon::prelude::*;
@@ -44,7 +44,7 @@ wrapping_add!(i32, i64, u8);
 /// Runs one scatter-add. `args` must match the kernel's argument list.
 pub fn run_scatter(s: &ScatterKernel, args: &[ArgPtr]) -> Result<(), String> {
     s.check(|a| args.get(a as usize).map(|p| (p.dtype, p.len)))?;
-    let shared = Shared(args);
+    let shared = SharedArgs(args);
     match s.dtype() {
         DType::F32 => run::<f32>(s, shared),
         DType::F64 => run::<f64>(s, shared),
@@ -56,7 +56,7 @@ pub fn run_scatter(s: &ScatterKernel, args: &[ArgPtr]) -> Result<(), String> {
     Ok(())
 }
 
-fn run<T: Add>(s: &ScatterKernel, args: Shared<'_>) {
+fn run<T: Add>(s: &ScatterKernel, args: SharedArgs<'_>) {
     match s.index.dtype {
         DType::I64 => run_indexed::<T, i64>(s, args),
         _ => run_indexed::<T, i32>(s, args),
@@ -64,7 +64,7 @@ fn run<T: Add>(s: &ScatterKernel, args: Shared<'_>) {
 }
 
 /// The scatter-add of `T`s at indices of type `I` (i64 or i32, as `check` allows).
-fn run_indexed<T: Add, I: Copy + Into<i64>>(s: &ScatterKernel, args: Shared<'_>) {
+fn run_indexed<T: Add, I: Copy + Into<i64>>(s: &ScatterKernel, args: SharedArgs<'_>) {
     let numel: usize = s.out_dims.iter().product();
     let _ = in_tasks(numel, |start, end| {
         zero::<T>(s, args, start, end);
@@ -87,7 +87,7 @@ fn run_indexed<T: Add, I: Copy + Into<i64>>(s: &ScatterKernel, args: Shared<'_>)
 }
 
 /// Output elements `start..end` set to zero.
-fn zero<T: Add>(s: &ScatterKernel, args: Shared<'_>, start: usize, end: usize) {
+fn zero<T: Add>(s: &ScatterKernel, args: SharedArgs<'_>, start: usize, end: usize) {
     let out = args.0[s.out as usize].ptr as *mut T;
     // SAFETY: `check` gave the output its elements, `end` at most their number; tasks zero
     // disjoint ranges.
@@ -95,7 +95,7 @@ fn zero<T: Add>(s: &ScatterKernel, args: Shared<'_>, start: usize, end: usize) {
 }
 
 /// Rows `first..last` (row-major over the source space without the scattered dimension).
-fn scatter_rows<T: Add, I: Copy + Into<i64>>(s: &ScatterKernel, args: Shared<'_>, first: usize, last: usize) {
+fn scatter_rows<T: Add, I: Copy + Into<i64>>(s: &ScatterKernel, args: SharedArgs<'_>, first: usize, last: usize) {
     let (src, index) = (args.0[s.src.arg as usize].ptr as *const T, args.0[s.index.arg as usize].ptr as *const I);
     let out = args.0[s.out as usize].ptr as *mut T;
     let dim = s.dim;
@@ -155,7 +155,7 @@ fn scatter_rows<T: Add, I: Copy + Into<i64>>(s: &ScatterKernel, args: Shared<'_>
 
 /// Output elements `start..end`: the base added to their sums, a run along the last dimension
 /// at a time.
-fn add_base<T: Add>(s: &ScatterKernel, base_load: &Load, args: Shared<'_>, start: usize, end: usize) {
+fn add_base<T: Add>(s: &ScatterKernel, base_load: &Load, args: SharedArgs<'_>, start: usize, end: usize) {
     let base = args.0[base_load.arg as usize].ptr as *const T;
     let out = args.0[s.out as usize].ptr as *mut T;
     let dims = &s.out_dims;

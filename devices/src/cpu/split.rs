@@ -13,7 +13,7 @@
 //! on the number of threads.
 
 use super::eval::{Reg, dispatch_simd};
-use super::map::{CHUNK, Shared, scatter, store_fence};
+use super::map::{CHUNK, SharedArgs, scatter, store_fence};
 use super::native::SplitCode;
 use super::reduce::Acc;
 use super::rows::{Plan, eval_row_values, fold_load, row_offset, row_view, scatter_simd, sweep};
@@ -51,7 +51,7 @@ fn combine(partials: Vec<Acc>) -> Acc {
 }
 
 /// Runs row `o` of a row kernel split across threads.
-pub(super) fn run_row(k: &RowKernel, p: &Plan, args: Shared<'_>, o: usize) -> Result<(), String> {
+pub(super) fn run_row(k: &RowKernel, p: &Plan, args: SharedArgs<'_>, o: usize) -> Result<(), String> {
     let nodes = &k.expr.nodes;
     let segments = segments(p.len * p.inner);
     let mut rowv: Vec<Reg> = nodes.iter().map(|n| Reg::new(n.dtype, p.inner)).collect();
@@ -170,7 +170,7 @@ type Pass<'a> = (&'a [usize], &'a [Reg], &'a [bool], (usize, usize));
 fn reduce_segment(
     k: &RowKernel,
     p: &Plan,
-    args: Shared<'_>,
+    args: SharedArgs<'_>,
     o: usize,
     pass: Pass<'_>,
     acc: &mut Acc,
@@ -182,7 +182,7 @@ fn reduce_segment(
     fn go(
         k: &RowKernel,
         p: &Plan,
-        args: Shared<'_>,
+        args: SharedArgs<'_>,
         o: usize,
         (need, rowv, done, range): Pass<'_>,
         acc: &mut Acc,
@@ -208,12 +208,12 @@ fn reduce_segment(
         }
         Ok(())
     }
-    dispatch_simd!(go(k: &RowKernel, p: &Plan, args: Shared<'_>, o: usize, pass: Pass<'_>, acc: &mut Acc, x: usize, stores: &[StoreView]) -> Result<(), String>)
+    dispatch_simd!(go(k: &RowKernel, p: &Plan, args: SharedArgs<'_>, o: usize, pass: Pass<'_>, acc: &mut Acc, x: usize, stores: &[StoreView]) -> Result<(), String>)
 }
 
 /// Writes `stores` of the chunk of row positions `c..c + m` whose values are in `regs`.
 #[inline(always)]
-fn store_chunk(args: Shared<'_>, stores: &[StoreView], c: usize, m: usize, regs: &[Reg], offsets: &mut [isize]) {
+fn store_chunk(args: SharedArgs<'_>, stores: &[StoreView], c: usize, m: usize, regs: &[Reg], offsets: &mut [isize]) {
     for (s, view) in stores {
         // SAFETY: checked by `rows::run_rows`; segments write disjoint row positions.
         unsafe { scatter_simd(view, args.0[s.arg as usize], c, m, &regs[s.value as usize], offsets) };
@@ -225,7 +225,7 @@ fn store_chunk(args: Shared<'_>, stores: &[StoreView], c: usize, m: usize, regs:
 fn store_segment(
     k: &RowKernel,
     p: &Plan,
-    args: Shared<'_>,
+    args: SharedArgs<'_>,
     o: usize,
     pass: Pass<'_>,
     stores: &[StoreView],
@@ -234,7 +234,7 @@ fn store_segment(
     fn go(
         k: &RowKernel,
         p: &Plan,
-        args: Shared<'_>,
+        args: SharedArgs<'_>,
         o: usize,
         (need, rowv, done, range): Pass<'_>,
         stores: &[StoreView],
@@ -252,5 +252,5 @@ fn store_segment(
         store_fence();
         Ok(())
     }
-    dispatch_simd!(go(k: &RowKernel, p: &Plan, args: Shared<'_>, o: usize, pass: Pass<'_>, stores: &[StoreView]) -> Result<(), String>)
+    dispatch_simd!(go(k: &RowKernel, p: &Plan, args: SharedArgs<'_>, o: usize, pass: Pass<'_>, stores: &[StoreView]) -> Result<(), String>)
 }

@@ -7,7 +7,7 @@
 //!
 //! What a device has: the GPU's primary context and one [`Compiler`] per GPU for the process
 //! (shared by every device on that GPU, so a kernel compiles once per process and, through
-//! the disk cache, once per machine); its memory and lanes (`super::shared`,
+//! the disk cache, once per machine); its memory and lanes (`super::pools`,
 //! `super::lanes`); an issue lock, so that two threads flushing the same device take turns
 //! (each flush also waits, on the GPU, for everything enqueued before it, because a schedule
 //! orders only its own steps); the kernels it has prepared, by the identity of the engine's
@@ -24,8 +24,8 @@ use super::compile::{CompileStats, Compiler};
 use super::context::{Event, Gpu};
 use super::lanes::{TRANSFER, lock};
 use super::launch::CudaKernel;
+use super::pools::{CudaPools, Mem};
 use super::queue::CudaFlush;
-use super::shared::{Mem, Shared};
 use crate::runtime::{Backend, Driver, Flush, Graph, Job};
 use crate::{Buffer, DeviceError, MemoryStats};
 use braid_graph::{CostModel, DTypes, MemoryKind, Target};
@@ -95,7 +95,7 @@ pub(crate) struct Timeline {
 /// The runtime of one CUDA GPU (see the module docs).
 pub struct CudaBackend {
     name: String,
-    pub(crate) shared: Arc<Shared>,
+    pub(crate) pools: Arc<CudaPools>,
     pub(crate) compiler: Arc<Compiler>,
     /// Held by a flush from `begin` to its end.
     pub(crate) issue: Mutex<()>,
@@ -135,10 +135,10 @@ impl CudaBackend {
     pub fn open(ordinal: usize) -> Result<CudaBackend, DeviceError> {
         let (gpu, compiler) = open_gpu(ordinal)?;
         let tf32 = std::env::var("BRAID_TF32").is_ok_and(|v| v.trim() == "1");
-        let shared = Shared::new(&gpu, tf32)?;
+        let pools = CudaPools::new(&gpu, tf32)?;
         Ok(CudaBackend {
             name: format!("cuda:{ordinal}"),
-            shared,
+            pools,
             compiler,
             issue: Mutex::new(()),
             prepared: Mutex::new(HashMap::new()),
@@ -161,7 +161,7 @@ impl CudaBackend {
     }
 
     pub fn gpu(&self) -> &Arc<Gpu> {
-        &self.shared.gpu
+        &self.pools.gpu
     }
 
     /// What the GPU's compiler did (compiled, cache hits, rejected disk entries) in this
@@ -172,7 +172,7 @@ impl CudaBackend {
 
     /// Pinned host memory (offloaded values, staging).
     pub fn pinned_memory(&self) -> MemoryStats {
-        self.shared.pinned_stats()
+        self.pools.pinned_stats()
     }
 
     /// Records CUDA timing events around every kernel from now on (`true`), or stops.
@@ -184,7 +184,7 @@ impl CudaBackend {
     /// the GPU; waits for the GPU first.
     pub fn take_timeline(&self) -> Result<Vec<KernelSpan>, DeviceError> {
         let spans = std::mem::take(&mut *lock(&self.timeline.spans));
-        self.shared.gpu.synchronize()?;
+        self.pools.gpu.synchronize()?;
         let Some((_, _, base, _)) = spans.first() else { return Ok(Vec::new()) };
         let mut out = Vec::with_capacity(spans.len());
         for (label, stream, start, end) in &spans {
@@ -235,23 +235,23 @@ impl Backend for CudaBackend {
     }
 
     fn upload(&self, bytes: &[u8], poison: bool) -> Result<Buffer, DeviceError> {
-        let shared = &self.shared;
-        shared.gpu.bind()?;
-        let buffer = shared.buffer(Some(TRANSFER), bytes.len(), Mem::Device, false, poison)?;
-        shared.write(TRANSFER, buffer.addr(), bytes.len(), |dst| {
+        let pools = &self.pools;
+        pools.gpu.bind()?;
+        let buffer = pools.buffer(Some(TRANSFER), bytes.len(), Mem::Device, false, poison)?;
+        pools.write(TRANSFER, buffer.addr(), bytes.len(), |dst| {
             dst.copy_from_slice(bytes);
             Ok(())
         })?;
         // A marker after the copy: flushes and reads wait for it, and the staging memory
         // returns once it is reached.
-        let marker = shared.events.get()?;
-        shared.state().lanes.record(TRANSFER, marker)?;
+        let marker = pools.events.get()?;
+        pools.state().lanes.record(TRANSFER, marker)?;
         Ok(Buffer::Cuda(Arc::new(buffer)))
     }
 
     fn download(&self, buffer: &Buffer) -> Result<Vec<u8>, DeviceError> {
         match buffer {
-            Buffer::Cuda(b) if Arc::ptr_eq(b.shared(), &self.shared) => {
+            Buffer::Cuda(b) if Arc::ptr_eq(b.pools(), &self.pools) => {
                 let mut bytes = vec![0u8; b.bytes()];
                 b.read_into(&mut bytes)?;
                 Ok(bytes)
@@ -264,16 +264,16 @@ impl Backend for CudaBackend {
     }
 
     fn synchronize(&self) -> Result<(), DeviceError> {
-        self.shared.synchronize()
+        self.pools.synchronize()
     }
 
     fn memory(&self) -> MemoryStats {
-        let (in_use, peak, reserved) = self.shared.stats();
+        let (in_use, peak, reserved) = self.pools.stats();
         MemoryStats { in_use, peak, reserved }
     }
 
     fn reset_peak(&self) {
-        self.shared.reset_peak()
+        self.pools.reset_peak()
     }
 
     fn kernels_launched(&self) -> u64 {
@@ -283,9 +283,9 @@ impl Backend for CudaBackend {
     fn trim(&self) {
         // No flush may run meanwhile: the cuBLAS workspaces go back too.
         let _issue = lock(&self.issue);
-        let trimmed = self.shared.quiesce().map(|()| {
-            self.shared.drop_blas();
-            self.shared.quiesce()
+        let trimmed = self.pools.quiesce().map(|()| {
+            self.pools.drop_blas();
+            self.pools.quiesce()
         });
         if let Err(e) | Ok(Err(e)) = trimmed {
             tracing::warn!(target: super::TRACE_TARGET, "trimming {}: {e}", self.name);
@@ -293,7 +293,7 @@ impl Backend for CudaBackend {
     }
 
     fn persistent_memory(&self) -> u64 {
-        self.shared.persistent()
+        self.pools.persistent()
     }
 
     fn as_any(&self) -> &dyn std::any::Any {

@@ -40,8 +40,8 @@ use super::device::CudaBackend;
 use super::lanes::{EventPool, LaneId, lock};
 use super::launch::CudaKernel;
 use super::memory::copy_async;
+use super::pools::{CudaBuffer, CudaPools, Mem};
 use super::queue::CudaFlush;
-use super::shared::{CudaBuffer, Mem, Shared};
 use super::{DriverResult, TRACE_TARGET};
 use crate::runtime::{Backend, Driver, Graph, GraphRun, Input, Job, execute_on};
 use crate::{Buffer, DeviceError};
@@ -81,10 +81,10 @@ pub(crate) struct Recording {
 }
 
 impl Recording {
-    pub(crate) fn new(shared: &Shared, origin: LaneId) -> Recording {
+    pub(crate) fn new(pools: &CudaPools, origin: LaneId) -> Recording {
         Recording {
             origin,
-            events: EventPool::new(&shared.gpu),
+            events: EventPool::new(&pools.gpu),
             kept: Mutex::new(Vec::new()),
             spare: Mutex::new(Vec::new()),
             kernels: Mutex::new(Vec::new()),
@@ -96,7 +96,7 @@ impl Recording {
     /// new one the graph keeps.
     pub(crate) fn alloc(
         &self,
-        shared: &Arc<Shared>,
+        pools: &Arc<CudaPools>,
         lane: LaneId,
         bytes: usize,
         mem: Mem,
@@ -111,19 +111,19 @@ impl Recording {
             return Ok(spare.swap_remove(i).1);
         }
         drop(spare);
-        let b = Arc::new(shared.buffer(Some(lane), bytes, mem, exact, poison)?);
+        let b = Arc::new(pools.buffer(Some(lane), bytes, mem, exact, poison)?);
         lock(&self.kept).push(b.clone());
         Ok(b)
     }
 
     /// Ends the capture on `origin` (every other lane of `lanes` joined back first) and
     /// instantiates the graph; `ok` says whether every captured call succeeded.
-    pub(crate) fn end(&self, shared: &Shared, lanes: &[LaneId], ok: bool) -> Result<(), DeviceError> {
-        let origin = shared.stream(self.origin);
-        let mut joined = shared.gpu.bind();
+    pub(crate) fn end(&self, pools: &CudaPools, lanes: &[LaneId], ok: bool) -> Result<(), DeviceError> {
+        let origin = pools.stream(self.origin);
+        let mut joined = pools.gpu.bind();
         for &l in lanes.iter().filter(|&&l| l != self.origin) {
             let join = self.events.get().and_then(|m| {
-                m.event().record(&shared.stream(l))?;
+                m.event().record(&pools.stream(l))?;
                 origin.wait(m.event())
             });
             joined = joined.and(join);
@@ -131,7 +131,7 @@ impl Recording {
         // SAFETY: the origin stream is alive and capturing (begun by `CudaFlush::record`).
         let ended = unsafe { cu::stream::end_capture(origin.raw()) }.or_device("cuStreamEndCapture");
         // On every path: context-wide synchronisations wait for this count to reach 0.
-        shared.gpu.capture_ends();
+        pools.gpu.capture_ends();
         let graph = match ended {
             Ok(g) => g,
             Err(e) => return Err(joined.err().unwrap_or(e)),
@@ -151,7 +151,7 @@ impl Recording {
 
 /// A recorded schedule: one `cuGraphLaunch` per replay (see the module docs).
 pub(crate) struct CudaGraph {
-    shared: Arc<Shared>,
+    pools: Arc<CudaPools>,
     exec: Exec,
     origin: LaneId,
     inputs: Vec<Arc<CudaBuffer>>,
@@ -161,7 +161,7 @@ pub(crate) struct CudaGraph {
     _kernels: Vec<Arc<CudaKernel>>,
     /// braid kernels one launch runs (what `kernels_launched` counts).
     kernel_count: u64,
-    /// `Shared::blas_epoch` when recorded: the workspaces it uses are given back once it moves.
+    /// `CudaPools::blas_epoch` when recorded: the workspaces it uses are given back once it moves.
     epoch: u64,
     poison: bool,
 }
@@ -182,14 +182,14 @@ pub(crate) fn record(backend: &CudaBackend, job: Job<'_>) -> Option<Result<Box<d
 }
 
 fn record_now(backend: &CudaBackend, job: Job<'_>) -> Result<Box<dyn Graph>, DeviceError> {
-    let shared = &backend.shared;
+    let pools = &backend.pools;
     let s = job.schedule;
-    shared.gpu.bind()?;
+    pools.gpu.bind()?;
     let mem = |space: Space| if space == Space::Host { Mem::Pinned } else { Mem::Device };
     let inputs = (s.external_buffers.iter().map(|b| &s.buffers[b.index()]))
-        .map(|p| shared.buffer(None, p.bytes, mem(p.space), false, job.poison).map(Arc::new))
+        .map(|p| pools.buffer(None, p.bytes, mem(p.space), false, job.poison).map(Arc::new))
         .collect::<Result<Vec<_>, _>>()?;
-    let epoch = shared.blas_epoch();
+    let epoch = pools.blas_epoch();
     let flush = CudaFlush::record(backend, s, job.poison)?;
     let externals = inputs.iter().map(|b| Input::Buffer(Buffer::Cuda(b.clone()))).collect();
     let (outputs, _held) = execute_on(Driver::IssueThreads, &flush, Job { externals, ..job });
@@ -213,7 +213,7 @@ fn record_now(backend: &CudaBackend, job: Job<'_>) -> Result<Box<dyn Graph>, Dev
         "recorded a step into a CUDA graph"
     );
     Ok(Box::new(CudaGraph {
-        shared: shared.clone(),
+        pools: pools.clone(),
         exec,
         origin: recording.origin,
         inputs,
@@ -229,15 +229,15 @@ fn record_now(backend: &CudaBackend, job: Job<'_>) -> Result<Box<dyn Graph>, Dev
 impl Graph for CudaGraph {
     fn launch(&self, backend: &dyn Backend, inputs: &[Buffer]) -> Result<GraphRun, DeviceError> {
         let backend = match backend.as_any().downcast_ref::<CudaBackend>() {
-            Some(b) if Arc::ptr_eq(&b.shared, &self.shared) => b,
+            Some(b) if Arc::ptr_eq(&b.pools, &self.pools) => b,
             _ => return Err(DeviceError::Internal("a CUDA graph launched on another device".into())),
         };
         if backend.timeline.on.load(Ordering::Relaxed) {
             return Ok(GraphRun::NotNow);
         }
-        let shared = &self.shared;
+        let pools = &self.pools;
         let _issue = lock(&backend.issue);
-        if shared.blas_epoch() != self.epoch {
+        if pools.blas_epoch() != self.epoch {
             return Ok(GraphRun::Stale);
         }
         if inputs.len() != self.inputs.len() {
@@ -247,9 +247,9 @@ impl Graph for CudaGraph {
                 inputs.len()
             )));
         }
-        shared.gpu.bind()?;
-        let origin = shared.stream(self.origin);
-        let fence = shared.state().lanes.fence(&shared.events)?;
+        pools.gpu.bind()?;
+        let origin = pools.stream(self.origin);
+        let fence = pools.state().lanes.fence(&pools.events)?;
         for (l, m) in &fence {
             if *l != self.origin {
                 origin.wait(m.event())?;
@@ -263,12 +263,12 @@ impl Graph for CudaGraph {
             // size; the origin lane comes after every earlier user of either (the fence, or
             // stream order for the graph's own buffers and fresh outputs).
             let r = unsafe { copy_async(to.addr(), from.addr(), to.bytes(), origin.raw()) };
-            shared.bump(self.origin);
+            pools.bump(self.origin);
             r
         };
         for (slot, input) in self.inputs.iter().zip(inputs) {
             match input {
-                Buffer::Cuda(b) if Arc::ptr_eq(b.shared(), shared) && b.bytes() == slot.bytes() => copy(slot, b)?,
+                Buffer::Cuda(b) if Arc::ptr_eq(b.pools(), pools) && b.bytes() == slot.bytes() => copy(slot, b)?,
                 other => {
                     return Err(DeviceError::Internal(format!(
                         "a graph input of {} bytes given {other:?}",
@@ -279,18 +279,18 @@ impl Graph for CudaGraph {
         }
         // SAFETY: the exec is alive and its memory is held by `self`; the inputs are in place.
         let launched = unsafe { cu::graph::launch(self.exec.0, origin.raw()) }.or_device("cuGraphLaunch");
-        shared.bump(self.origin);
+        pools.bump(self.origin);
         launched?;
         let mut outputs = Vec::with_capacity(self.outputs.len());
         for slot in &self.outputs {
             let mem = if slot.is_pinned() { Mem::Pinned } else { Mem::Device };
-            let fresh = shared.buffer(Some(self.origin), slot.bytes(), mem, false, self.poison)?;
+            let fresh = pools.buffer(Some(self.origin), slot.bytes(), mem, false, self.poison)?;
             copy(&fresh, slot)?;
             outputs.push(Buffer::Cuda(Arc::new(fresh)));
         }
         // A marker at the end: the pools learn when the graph's memory and the inputs are free.
-        let marker = shared.events.get()?;
-        shared.state().lanes.record(self.origin, marker)?;
+        let marker = pools.events.get()?;
+        pools.state().lanes.record(self.origin, marker)?;
         backend.launched.fetch_add(self.kernel_count, Ordering::Relaxed);
         backend.graph_launches.fetch_add(1, Ordering::Relaxed);
         Ok(GraphRun::Ran(outputs))
@@ -299,7 +299,7 @@ impl Graph for CudaGraph {
 
 impl Drop for CudaGraph {
     fn drop(&mut self) {
-        if self.shared.gpu.bind().is_ok() {
+        if self.pools.gpu.bind().is_ok() {
             // SAFETY: the exec is ours; the driver frees it once launches in flight are done,
             // and the memory it uses is gated on every lane's point when dropped after it.
             let _ = unsafe { cu::graph::exec_destroy(self.exec.0) };

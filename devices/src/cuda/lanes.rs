@@ -11,7 +11,7 @@
 //! *markers*: events recorded on the lane, each with the count it was recorded at (read
 //! *before* the record, so a marker never claims more than it covers). A lane's `completed`
 //! is the count of its newest marker known done. Memory waiting to be reused is gated on a
-//! list of points (see `super::shared`).
+//! list of points (see `super::pools`).
 //!
 //! Events are recycled ([`EventPool`]): a [`Marker`] goes back to the pool when its last
 //! handle drops. Re-recording an event is safe while streams still wait on its old record

@@ -12,7 +12,7 @@
 //! - [`launch`]: a compiled [`Kernel`](braid_lowering::Kernel) ([`CudaKernel`]): its printed
 //!   entries launched in order, a matrix product through cuBLAS first ([`blas`], [`matmul`]).
 //! - [`harness`]: upload, run, download of one kernel, for tests.
-//! - [`CudaBackend`] (`device`, with `queue`, `shared` and `lanes`): the device runtime the
+//! - [`CudaBackend`] (`device`, with `queue`, `pools` and `lanes`): the device runtime the
 //!   engine runs on: lanes of CUDA streams and what the host knows of their progress, memory
 //!   pools whose freed slices wait for the GPU, and the runtime's flush and queues; `graph`:
 //!   replayed steps recorded into CUDA graphs.
@@ -39,9 +39,9 @@ pub mod memory;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod nvrtc;
+mod pools;
 mod queue;
 mod row_padding;
-mod shared;
 
 pub use blas::{BLAS_WORKSPACE_BYTES, Blas};
 pub use compile::{CompileStats, Compiler};
@@ -49,7 +49,7 @@ pub use context::{Event, Gpu, Stream, available, device_count};
 pub use device::{CUDA_TARGET, CudaBackend, KernelSpan};
 pub use harness::{Harness, run_compiled_on_gpu, run_kernel_on_gpu, run_kernel_on_gpu_with};
 pub use launch::{CudaKernel, LaunchOptions};
-pub use shared::CudaBuffer;
+pub use pools::CudaBuffer;
 
 use crate::DeviceError;
 use cudarc::driver::DriverError;

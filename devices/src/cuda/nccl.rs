@@ -14,7 +14,7 @@
 
 use super::device::CudaBackend;
 use crate::DeviceError;
-use crate::collective::Group;
+use crate::collective::RankGroup;
 use braid_graph::{Collective, CollectiveKind, DType, ReduceOp};
 use cudarc::nccl::{result, sys};
 
@@ -45,7 +45,7 @@ fn failed(what: &str, e: result::NcclError) -> DeviceError {
 }
 
 /// Makes the communicators of a group of `backends` (rank `r` is `backends[r]`).
-pub fn connect(backends: &[&CudaBackend], group: &Group) -> Result<(), DeviceError> {
+pub fn connect(backends: &[&CudaBackend], group: &RankGroup) -> Result<(), DeviceError> {
     // SAFETY: only looks for the library.
     if !unsafe { sys::is_culib_present() } {
         return Err(DeviceError::Unavailable(
@@ -53,7 +53,7 @@ pub fn connect(backends: &[&CudaBackend], group: &Group) -> Result<(), DeviceErr
                 .into(),
         ));
     }
-    let ordinals: Vec<i32> = backends.iter().map(|b| b.shared.gpu.ordinal as i32).collect();
+    let ordinals: Vec<i32> = backends.iter().map(|b| b.pools.gpu.ordinal as i32).collect();
     for (i, o) in ordinals.iter().enumerate() {
         if ordinals[..i].contains(o) {
             return Err(DeviceError::Unavailable(format!(
@@ -95,13 +95,13 @@ pub fn unique_id() -> Result<[u8; crate::collective::net::TOKEN_BYTES], DeviceEr
 /// `backend`'s GPU, from the unique id rank 0 handed out (`token`).
 pub fn connect_rank(
     backend: &CudaBackend,
-    group: &Group,
+    group: &RankGroup,
     rank: u32,
     world: u32,
     token: [u8; crate::collective::net::TOKEN_BYTES],
 ) -> Result<(), DeviceError> {
     nccl_present()?;
-    backend.shared.gpu.bind()?;
+    backend.pools.gpu.bind()?;
     let id = sys::ncclUniqueId { internal: token.map(|b| b as std::ffi::c_char) };
     let mut comm = std::ptr::null_mut();
     // SAFETY: `comm` receives one communicator; every rank passes the same id and world size.
@@ -142,7 +142,7 @@ fn red_op(op: ReduceOp) -> Result<sys::ncclRedOp_t, DeviceError> {
 /// `send` and `recv` are live device buffers of the sizes `c` implies, not accessed by other
 /// work until the stream passes this point.
 pub(crate) unsafe fn enqueue(
-    group: &Group,
+    group: &RankGroup,
     c: &Collective,
     dtype: DType,
     count: usize,

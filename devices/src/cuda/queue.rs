@@ -14,7 +14,7 @@
 //!
 //! Frees: a free step gives the buffer back at its lane's current point (reused at once by
 //! that lane, by others once the point is reached); a gated free also waits for the points
-//! where its events were recorded (see `super::shared`). A buffer someone else still holds is
+//! where its events were recorded (see `super::pools`). A buffer someone else still holds is
 //! only let go of; its last holder's drop frees it.
 //!
 //! A flush opened by [`CudaFlush::record`] captures instead (`super::graph`): the same calls
@@ -36,7 +36,7 @@ use super::graph::Recording;
 use super::lanes::{LaneId, Marker, Point, lock};
 use super::launch::{CudaKernel, LaunchOptions};
 use super::memory::copy_async;
-use super::shared::{CudaBuffer, Mem};
+use super::pools::{CudaBuffer, Mem};
 use crate::runtime::{Backend as _, Call, Flush, Queue};
 use crate::{Buffer, DeviceError};
 use braid_scheduler::{BufferPlan, EventId, Schedule, Space};
@@ -84,29 +84,29 @@ impl<'a> CudaFlush<'a> {
     ) -> Result<CudaFlush<'a>, DeviceError> {
         let flush = CudaFlush::open(backend, schedule, poison, true)?;
         let rec = flush.recording.as_ref().expect("opened for recording");
-        let shared = &backend.shared;
-        let origin = shared.stream(rec.origin);
+        let pools = &backend.pools;
+        let origin = pools.stream(rec.origin);
         // Context-wide synchronisations (other devices' on this GPU included) wait until the
         // capture ends (`Recording::end`).
-        shared.gpu.capture_begins();
+        pools.gpu.capture_begins();
         // SAFETY: the stream is alive; relaxed mode, so that other threads' allocations and
         // queries (of events recorded outside the capture) go on meanwhile.
         let begun = unsafe { cudarc::driver::result::stream::begin_capture(origin.raw(), CAPTURE_MODE) }
             .or_device("cuStreamBeginCapture");
         if let Err(e) = begun {
-            shared.gpu.capture_ends();
+            pools.gpu.capture_ends();
             return Err(e);
         }
         let fork = rec.events.get();
         let joined = fork.and_then(|fork| {
             fork.event().record(&origin)?;
             for &l in flush.lanes.iter().filter(|&&l| l != rec.origin) {
-                shared.stream(l).wait(fork.event())?;
+                pools.stream(l).wait(fork.event())?;
             }
             Ok(())
         });
         if let Err(e) = joined {
-            let _ = rec.end(shared, &[], false);
+            let _ = rec.end(pools, &[], false);
             return Err(e);
         }
         Ok(flush)
@@ -119,20 +119,20 @@ impl<'a> CudaFlush<'a> {
 
     fn open(backend: &'a CudaBackend, schedule: &Schedule, poison: bool, recording: bool) -> Result<Self, DeviceError> {
         let issue = lock(&backend.issue);
-        let shared = &backend.shared;
-        shared.gpu.bind()?;
+        let pools = &backend.pools;
+        pools.gpu.bind()?;
         let lanes = {
-            let mut st = shared.state();
-            let lanes = schedule.streams.iter().map(|s| st.lanes.of_stream(&shared.gpu, s.stream.0));
+            let mut st = pools.state();
+            let lanes = schedule.streams.iter().map(|s| st.lanes.of_stream(&pools.gpu, s.stream.0));
             lanes.collect::<Result<Vec<LaneId>, DeviceError>>()?
         };
-        let recording = recording.then(|| Recording::new(shared, lanes[0]));
+        let recording = recording.then(|| Recording::new(pools, lanes[0]));
         // A capture's events never serve outside it: its own, dropped with it.
-        let pool = recording.as_ref().map_or(&shared.events, |r| &r.events);
+        let pool = recording.as_ref().map_or(&pools.events, |r| &r.events);
         let events = (0..schedule.events.len()).map(|_| pool.get()).collect::<Result<Vec<_>, _>>()?;
-        let fence = shared.state().lanes.fence(&shared.events)?;
+        let fence = pools.state().lanes.fence(&pools.events)?;
         for &l in &lanes {
-            let stream = shared.stream(l);
+            let stream = pools.stream(l);
             for (other, marker) in &fence {
                 if *other != l {
                     stream.wait(marker.event())?;
@@ -163,15 +163,15 @@ impl<'a> CudaFlush<'a> {
 impl Flush for CudaFlush<'_> {
     fn queue(&self, stream: usize) -> Box<dyn Queue + '_> {
         // The queue is made on the thread that issues its stream: the context is bound there.
-        if let Err(e) = self.backend.shared.gpu.bind() {
+        if let Err(e) = self.backend.pools.gpu.bind() {
             self.note(e);
         }
         let lane = self.lanes[stream];
-        let braid = self.backend.shared.state().lanes.lanes[lane].braid.unwrap_or(u32::MAX);
+        let braid = self.backend.pools.state().lanes.lanes[lane].braid.unwrap_or(u32::MAX);
         if self.recording.is_some() {
             super::context::issuing_capture(true); // until the queue drops
         }
-        Box::new(CudaQueue { flush: self, index: stream, lane, braid, stream: self.backend.shared.stream(lane) })
+        Box::new(CudaQueue { flush: self, index: stream, lane, braid, stream: self.backend.pools.stream(lane) })
     }
 
     fn free_after(&self, buffer: Buffer, stream: usize, after: &[EventId]) {
@@ -187,7 +187,7 @@ impl Flush for CudaFlush<'_> {
         drop(recorded);
         match gate {
             Some(gate) => {
-                if let Err(e) = self.backend.shared.free_on(self.lanes[stream], b, &gate) {
+                if let Err(e) = self.backend.pools.free_on(self.lanes[stream], b, &gate) {
                     self.note(e);
                 }
             }
@@ -217,11 +217,11 @@ impl Flush for CudaFlush<'_> {
     }
 
     fn finish(&self, failed: bool) -> Result<(), DeviceError> {
-        let shared = &self.backend.shared;
+        let pools = &self.backend.pools;
         if let Some(rec) = &self.recording {
             // Nothing ran: the capture ends (always, so the lanes leave capture mode).
             let ok = !failed && !self.failed.load(Ordering::SeqCst);
-            let ended = rec.end(shared, &self.lanes, ok);
+            let ended = rec.end(pools, &self.lanes, ok);
             if let Some(e) = lock(&self.error).take() {
                 return Err(e);
             }
@@ -229,14 +229,14 @@ impl Flush for CudaFlush<'_> {
         }
         let mut ended = Ok(());
         for &l in &self.lanes {
-            let marker = shared.events.get().and_then(|m| shared.state().lanes.record(l, m));
+            let marker = pools.events.get().and_then(|m| pools.state().lanes.record(l, m));
             if let Err(e) = marker {
                 ended = Err(e);
             }
         }
         if failed || self.failed.load(Ordering::SeqCst) || ended.is_err() {
             // The walker drops the flush's buffers next: nothing queued may still use them.
-            let waited = shared.quiesce();
+            let waited = pools.quiesce();
             if let Some(e) = lock(&self.error).take() {
                 return Err(e);
             }
@@ -266,9 +266,9 @@ impl Drop for CudaQueue<'_, '_> {
 }
 
 /// The CUDA buffer of this device that `buffer` is.
-fn ours<'b>(flush: &CudaFlush<'_>, buffer: &'b Buffer) -> Result<&'b Arc<CudaBuffer>, DeviceError> {
+fn cuda_buffer<'b>(flush: &CudaFlush<'_>, buffer: &'b Buffer) -> Result<&'b Arc<CudaBuffer>, DeviceError> {
     match buffer {
-        Buffer::Cuda(b) if Arc::ptr_eq(b.shared(), &flush.backend.shared) => Ok(b),
+        Buffer::Cuda(b) if Arc::ptr_eq(b.pools(), &flush.backend.pools) => Ok(b),
         other => Err(DeviceError::Internal(format!("a kernel or copy of {} given {other:?}", flush.backend.name()))),
     }
 }
@@ -278,19 +278,20 @@ impl CudaQueue<'_, '_> {
     /// logs it.
     fn run(&mut self, call: &Call<'_>) -> Result<(), DeviceError> {
         let backend = self.flush.backend;
-        let shared = &backend.shared;
+        let pools = &backend.pools;
         let label = || call.describe();
         let compiled = backend.prepared(call.kernel).map_err(|e| e.in_kernel(&label()))?;
-        let args = call.args.iter().map(|b| ours(self.flush, b).map(|b| b.addr())).collect::<Result<Vec<u64>, _>>()?;
-        let blas = if compiled.needs_blas() { Some(shared.blas(self.lane)?) } else { None };
-        shared.gpu.bind()?;
+        let args =
+            call.args.iter().map(|b| cuda_buffer(self.flush, b).map(|b| b.addr())).collect::<Result<Vec<u64>, _>>()?;
+        let blas = if compiled.needs_blas() { Some(pools.blas(self.lane)?) } else { None };
+        pools.gpu.bind()?;
         if let Some(rec) = &self.flush.recording {
             return self.capture(rec, call, &compiled, blas.as_deref(), &args);
         }
         let logged = tracing::enabled!(target: "braid::kernel", tracing::Level::DEBUG);
         let t0 = logged.then(Instant::now);
         let span = if call.timed || backend.timeline.on.load(Ordering::Relaxed) {
-            let (start, end) = (Event::timing(&shared.gpu)?, Event::timing(&shared.gpu)?);
+            let (start, end) = (Event::timing(&pools.gpu)?, Event::timing(&pools.gpu)?);
             start.record(&self.stream)?;
             Some((start, end))
         } else {
@@ -299,19 +300,19 @@ impl CudaQueue<'_, '_> {
         // Taken last, so that no error leaves it unreturned.
         let scratch = match compiled.scratch_bytes() {
             0 => None,
-            n => Some(shared.slice(Some(self.lane), n, Mem::Device, false)?),
+            n => Some(pools.slice(Some(self.lane), n, Mem::Device, false)?),
         };
         let addr = scratch.as_ref().map_or(0, |s| s.addr);
         // SAFETY: every argument is a live buffer of this device holding the kernel's length
         // (the walker checked the sizes and holds them for the call); the schedule's events
         // order every other access to them around this point of the stream; the scratch slice
-        // is ours until the stream passes the launch.
+        // is cuda_buffer until the stream passes the launch.
         let launched =
             unsafe { compiled.launch(self.stream.raw(), blas.as_deref(), &args, addr, LaunchOptions::default()) };
-        shared.bump(self.lane);
+        pools.bump(self.lane);
         if let Some(s) = scratch {
-            let gate = vec![shared.state().lanes.point(self.lane)];
-            shared.give(s, Mem::Device, false, gate, false);
+            let gate = vec![pools.state().lanes.point(self.lane)];
+            pools.give(s, Mem::Device, false, gate, false);
         }
         launched.map_err(|e| e.in_kernel(&label()))?;
         if let Some((start, end)) = span {
@@ -346,10 +347,10 @@ impl CudaQueue<'_, '_> {
         blas: Option<&super::Blas>,
         args: &[u64],
     ) -> Result<(), DeviceError> {
-        let shared = &self.flush.backend.shared;
+        let pools = &self.flush.backend.pools;
         let scratch = match compiled.scratch_bytes() {
             0 => 0,
-            n => rec.alloc(shared, self.lane, n, Mem::Device, false, false)?.addr(),
+            n => rec.alloc(pools, self.lane, n, Mem::Device, false, false)?.addr(),
         };
         // SAFETY: as for a launch; the stream is capturing, so this only adds graph nodes, and
         // the graph keeps the argument and scratch memory for as long as it lives.
@@ -378,19 +379,19 @@ impl Queue for CudaQueue<'_, '_> {
             }
         };
         let exact = plan.persistent && mem == Mem::Device;
-        let shared = &self.flush.backend.shared;
+        let pools = &self.flush.backend.pools;
         if let Some(rec) = &self.flush.recording {
-            return Ok(Buffer::Cuda(rec.alloc(shared, self.lane, plan.bytes, mem, exact, self.flush.poison)?));
+            return Ok(Buffer::Cuda(rec.alloc(pools, self.lane, plan.bytes, mem, exact, self.flush.poison)?));
         }
-        let b = shared.buffer(Some(self.lane), plan.bytes, mem, exact, self.flush.poison)?;
+        let b = pools.buffer(Some(self.lane), plan.bytes, mem, exact, self.flush.poison)?;
         Ok(Buffer::Cuda(Arc::new(b)))
     }
 
     fn upload(&mut self, bytes: &[u8]) -> Result<Buffer, DeviceError> {
         self.not_while_recording("host data uploaded at its first use")?;
-        let shared = &self.flush.backend.shared;
-        let b = shared.buffer(Some(self.lane), bytes.len(), Mem::Device, false, self.flush.poison)?;
-        shared.write(self.lane, b.addr(), bytes.len(), |dst| {
+        let pools = &self.flush.backend.pools;
+        let b = pools.buffer(Some(self.lane), bytes.len(), Mem::Device, false, self.flush.poison)?;
+        pools.write(self.lane, b.addr(), bytes.len(), |dst| {
             dst.copy_from_slice(bytes);
             Ok(())
         })?;
@@ -400,10 +401,10 @@ impl Queue for CudaQueue<'_, '_> {
         // Without this, a read on another lane could see the pool's poison (found on the H100:
         // a scalar read by two streams came back NaN).
         if self.flush.lanes.len() > 1 {
-            let marker = shared.events.get()?;
-            shared.state().lanes.record(self.lane, marker.clone())?;
+            let marker = pools.events.get()?;
+            pools.state().lanes.record(self.lane, marker.clone())?;
             for &l in self.flush.lanes.iter().filter(|&&l| l != self.lane) {
-                shared.stream(l).wait(marker.event())?;
+                pools.stream(l).wait(marker.event())?;
             }
         }
         Ok(Buffer::Cuda(Arc::new(b)))
@@ -417,7 +418,7 @@ impl Queue for CudaQueue<'_, '_> {
             return;
         }
         let Ok(b) = Arc::try_unwrap(b) else { return };
-        if let Err(e) = self.flush.backend.shared.free_on(self.lane, b, &[]) {
+        if let Err(e) = self.flush.backend.pools.free_on(self.lane, b, &[]) {
             self.flush.note(e);
         }
     }
@@ -431,7 +432,7 @@ impl Queue for CudaQueue<'_, '_> {
             }
             return;
         }
-        let mut st = self.flush.backend.shared.state();
+        let mut st = self.flush.backend.pools.state();
         let point = st.lanes.point(self.lane);
         let recorded = st.lanes.record(self.lane, marker);
         drop(st);
@@ -455,17 +456,17 @@ impl Queue for CudaQueue<'_, '_> {
     }
 
     fn copy(&mut self, from: &Buffer, to: &Buffer) -> Result<(), DeviceError> {
-        let shared = &self.flush.backend.shared;
-        let dst = ours(self.flush, to)?;
+        let pools = &self.flush.backend.pools;
+        let dst = cuda_buffer(self.flush, to)?;
         match from {
-            Buffer::Cuda(src) if Arc::ptr_eq(src.shared(), shared) => {
-                shared.gpu.bind()?;
+            Buffer::Cuda(src) if Arc::ptr_eq(src.pools(), pools) => {
+                pools.gpu.bind()?;
                 // SAFETY: both buffers are live (held by the walker for the step), of equal
                 // size (checked by the walker), and the schedule orders their other accesses
                 // around this point of the stream.
                 let r = unsafe { copy_async(dst.addr(), src.addr(), dst.bytes(), self.stream.raw()) };
                 if self.flush.recording.is_none() {
-                    shared.bump(self.lane);
+                    pools.bump(self.lane);
                 }
                 r
             }
@@ -473,7 +474,7 @@ impl Queue for CudaQueue<'_, '_> {
             // then copied up on this stream.
             other => {
                 self.not_while_recording("a copy from another device")?;
-                shared.write(self.lane, dst.addr(), dst.bytes(), |staging| other.read_into(staging))
+                pools.write(self.lane, dst.addr(), dst.bytes(), |staging| other.read_into(staging))
             }
         }
     }
@@ -494,7 +495,7 @@ impl Queue for CudaQueue<'_, '_> {
         };
         self.not_while_recording("a collective")?;
         let group = crate::collective::group(c)?;
-        let (input, output) = (ours(self.flush, &call.args[0])?, ours(self.flush, &call.args[1])?);
+        let (input, output) = (cuda_buffer(self.flush, &call.args[0])?, cuda_buffer(self.flush, &call.args[1])?);
         let dtype = call.kernel.args[0].dtype;
         let count = call.kernel.args[0].len;
         let arrival = group.arrive(c.rank, c, dtype, count, (input.addr() as usize, input.bytes()))?;
@@ -504,10 +505,10 @@ impl Queue for CudaQueue<'_, '_> {
         if let Some(net) = group.net() {
             net.exchange(arrival.seq, &[]).inspect_err(|e| group.break_with(e.to_string()))?;
         }
-        let shared = &self.flush.backend.shared;
-        shared.gpu.bind()?;
+        let pools = &self.flush.backend.pools;
+        pools.gpu.bind()?;
         let span = if call.timed {
-            let (start, end) = (Event::timing(&shared.gpu)?, Event::timing(&shared.gpu)?);
+            let (start, end) = (Event::timing(&pools.gpu)?, Event::timing(&pools.gpu)?);
             start.record(&self.stream)?;
             Some((start, end))
         } else {
@@ -518,7 +519,7 @@ impl Queue for CudaQueue<'_, '_> {
         // schedule orders every other access to them around this point of the stream.
         let r =
             unsafe { super::nccl::enqueue(&group, c, dtype, count, input.addr(), output.addr(), self.stream.raw()) };
-        shared.bump(self.lane);
+        pools.bump(self.lane);
         r.map_err(|e| e.in_kernel(&call.describe()))?;
         if let Some((start, end)) = span {
             end.record(&self.stream)?;

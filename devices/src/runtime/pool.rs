@@ -96,7 +96,7 @@ struct Chunk {
 }
 
 #[derive(Default)]
-struct State {
+struct ChunkState {
     chunks: Vec<Option<Chunk>>,
     /// Every free range of every chunk, keyed for best-fit search: (size, chunk, offset).
     by_size: BTreeSet<(usize, usize, usize)>,
@@ -127,7 +127,7 @@ pub struct Slice {
 #[derive(Default)]
 pub struct Pool<A: ChunkAllocator = HostMemory> {
     chunks: A,
-    state: Mutex<State>,
+    state: Mutex<ChunkState>,
 }
 
 pub fn round_up(bytes: usize) -> usize {
@@ -137,7 +137,7 @@ pub fn round_up(bytes: usize) -> usize {
 impl<A: ChunkAllocator> Pool<A> {
     /// A pool taking its chunks from `chunks`.
     pub fn new(chunks: A) -> Pool<A> {
-        Pool { chunks, state: Mutex::new(State::default()) }
+        Pool { chunks, state: Mutex::new(ChunkState::default()) }
     }
 
     /// Where its chunks come from.
@@ -145,7 +145,7 @@ impl<A: ChunkAllocator> Pool<A> {
         &self.chunks
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
+    fn lock(&self) -> MutexGuard<'_, ChunkState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -239,7 +239,7 @@ impl<A: ChunkAllocator> Pool<A> {
 
     /// Returns a slice of a shared chunk to its free ranges, merged with free neighbours; a
     /// wholly free chunk beyond the cap goes back to the system.
-    fn merge_free(&self, st: &mut State, slice: Slice) {
+    fn merge_free(&self, st: &mut ChunkState, slice: Slice) {
         let (mut offset, mut size) = (slice.offset, slice.size);
         let c = st.chunks[slice.chunk].as_mut().expect("live chunk");
         let mut removed = Vec::with_capacity(2);
@@ -273,7 +273,7 @@ impl<A: ChunkAllocator> Pool<A> {
 
     /// Whether the wholly free chunks exceed what the pool keeps (see [`KEEP_FREE`] and
     /// [`ChunkAllocator::keeps_idle_chunks`]).
-    fn over_cap(&self, st: &State) -> bool {
+    fn over_cap(&self, st: &ChunkState) -> bool {
         !self.chunks.keeps_idle_chunks() && idle_bytes(st) > KEEP_FREE.max(st.in_use)
     }
 
@@ -325,7 +325,7 @@ impl<A: ChunkAllocator> Pool<A> {
 
 /// Takes a chunk of `size` bytes from `chunks` (with no free range recorded yet) and returns
 /// its index. `None` when no memory is left.
-fn new_chunk(chunks: &impl ChunkAllocator, st: &mut State, size: usize, exact: bool) -> Option<usize> {
+fn new_chunk(chunks: &impl ChunkAllocator, st: &mut ChunkState, size: usize, exact: bool) -> Option<usize> {
     let addr = chunks.alloc_chunk(size)?;
     let idx = match st.chunks.iter().position(Option::is_none) {
         Some(i) => i,
@@ -340,7 +340,7 @@ fn new_chunk(chunks: &impl ChunkAllocator, st: &mut State, size: usize, exact: b
 }
 
 /// Bytes of wholly free chunks.
-fn idle_bytes(st: &State) -> usize {
+fn idle_bytes(st: &ChunkState) -> usize {
     st.chunks.iter().flatten().filter(|c| c.free.len() == 1 && c.free.get(&0) == Some(&c.size)).map(|c| c.size).sum()
 }
 

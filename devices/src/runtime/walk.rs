@@ -13,7 +13,7 @@
 
 use super::{Backend, Call, Driver, Flush, Input, Job, Outcome, Queue};
 use crate::{Buffer, DeviceError};
-use braid_scheduler::{BufferId, EventId, Step, StreamSchedule};
+use braid_scheduler::{BufferId, EventId, StreamSchedule, StreamStep};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 
@@ -106,14 +106,21 @@ impl Walker<'_, '_> {
     }
 
     /// Adds the span of a kernel, copy or wait that started at `t0` to `sink`.
-    fn record_span(&self, sink: &Mutex<Vec<super::Span>>, stream: u32, at: usize, step: &Step, t0: std::time::Instant) {
+    fn record_span(
+        &self,
+        sink: &Mutex<Vec<super::Span>>,
+        stream: u32,
+        at: usize,
+        step: &StreamStep,
+        t0: std::time::Instant,
+    ) {
         let schedule = self.job.schedule;
         let (kind, name, bytes) = match step {
-            Step::Kernel(k) => ("kernel", (self.job.label)(*k), self.job.kernels[k.index()].bytes_moved()),
-            Step::Copy { from, to, .. } => {
+            StreamStep::Kernel(k) => ("kernel", (self.job.label)(*k), self.job.kernels[k.index()].bytes_moved()),
+            StreamStep::Copy { from, to, .. } => {
                 ("copy", format!("copy {from} -> {to}"), 2 * schedule.buffers[from.index()].bytes)
             }
-            Step::Wait(e) => ("wait", format!("wait {e}"), 0),
+            StreamStep::Wait(e) => ("wait", format!("wait {e}"), 0),
             _ => return,
         };
         let span = super::Span { stream, kind, name, start: t0, duration: t0.elapsed(), bytes, step: at };
@@ -122,26 +129,26 @@ impl Walker<'_, '_> {
 
     /// Runs `step` of stream `s` on its queue; `Ok(false)` when a wait learns that the flush
     /// failed.
-    fn run_step(&self, s: usize, at: usize, step: &Step, queue: &mut dyn Queue) -> Result<bool, DeviceError> {
+    fn run_step(&self, s: usize, at: usize, step: &StreamStep, queue: &mut dyn Queue) -> Result<bool, DeviceError> {
         let schedule = self.job.schedule;
         match step {
-            Step::Alloc(b) => {
+            StreamStep::Alloc(b) => {
                 let buffer = queue.alloc(&schedule.buffers[b.index()])?;
                 lock(&self.table[b.index()]).buffer = Some(buffer);
             }
-            Step::Free { buffer, after } if after.is_empty() => {
+            StreamStep::Free { buffer, after } if after.is_empty() => {
                 let slot = std::mem::take(&mut *lock(&self.table[buffer.index()]));
                 if let Some(b) = slot.buffer {
                     queue.free(b);
                 }
             }
-            Step::Free { buffer, after } => self.free_after(*buffer, s, after),
-            Step::Record(e) => {
+            StreamStep::Free { buffer, after } => self.free_after(*buffer, s, after),
+            StreamStep::Record(e) => {
                 queue.record(*e);
                 self.recorded(*e);
             }
-            Step::Wait(e) => return Ok((!self.hold_waits || self.await_record(*e)) && queue.wait(*e)),
-            Step::Copy { from, to, .. } => {
+            StreamStep::Wait(e) => return Ok((!self.hold_waits || self.await_record(*e)) && queue.wait(*e)),
+            StreamStep::Copy { from, to, .. } => {
                 let (src, dst) = (self.buffer(*from, queue)?, self.buffer(*to, queue)?);
                 if src.bytes() != dst.bytes() {
                     return Err(DeviceError::Internal(format!(
@@ -152,7 +159,7 @@ impl Walker<'_, '_> {
                 }
                 queue.copy(&src, &dst)?;
             }
-            Step::Kernel(k) => self.kernel(*k, s, at, queue)?,
+            StreamStep::Kernel(k) => self.kernel(*k, s, at, queue)?,
         }
         Ok(true)
     }
@@ -280,7 +287,7 @@ impl Walker<'_, '_> {
             let mut progress = false;
             for (s, stream) in streams.iter().enumerate() {
                 while let Some(step) = stream.steps.get(next[s]) {
-                    if let Step::Wait(e) = step
+                    if let StreamStep::Wait(e) = step
                         && !lock(&self.gates).recorded[e.index()]
                     {
                         break;

@@ -21,7 +21,7 @@
 
 use super::WgpuContext;
 use super::kernels::WgslKernel;
-use super::memory::{Shared, lock};
+use super::memory::{WgpuMemory, lock};
 use super::queue::WgpuFlush;
 use crate::runtime::{Backend, Driver, Flush};
 use crate::{Buffer, DeviceError, MemoryStats};
@@ -47,7 +47,7 @@ type Prepared = HashMap<usize, (Arc<Kernel>, Arc<WgslKernel>)>;
 
 /// The runtime of one wgpu device (see the module docs).
 pub struct WgpuBackend {
-    pub(crate) shared: Arc<Shared>,
+    pub(crate) shared: Arc<WgpuMemory>,
     target: Target,
     /// Held by a flush from `begin` to its end.
     pub(crate) issue: Mutex<()>,
@@ -128,7 +128,7 @@ impl WgpuBackend {
     /// when unset): `Err(Unavailable)` naming the backends tried, or the limit too small.
     pub fn open() -> Result<WgpuBackend, DeviceError> {
         let ctx = open_context()?;
-        let shared = Shared::new(ctx.clone());
+        let shared = WgpuMemory::new(ctx.clone());
         let target = wgpu_target(&ctx, shared.align);
         Ok(WgpuBackend {
             shared,

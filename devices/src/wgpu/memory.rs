@@ -13,7 +13,7 @@
 //!
 //! **Order.** wgpu has one queue, and everything on it runs in submission order (wgpu puts a
 //! barrier between passes that touch the same buffer). All device work of this device, from
-//! any thread, is appended to one open command encoder ([`Shared::encode`]) in the order the
+//! any thread, is appended to one open command encoder ([`WgpuMemory::encode`]) in the order the
 //! host issues it, and that encoder is submitted before anything that must see its results
 //! (a read, a wait, the end of a flush). So *issue order is execution order*: work issued
 //! after other work runs after it. That is why a freed slice goes back to the pool at once:
@@ -90,7 +90,7 @@ struct Stats {
 }
 
 /// The memory and the open command encoder of one device, shared by its backend and buffers.
-pub struct Shared {
+pub struct WgpuMemory {
     pub(crate) ctx: Arc<WgpuContext>,
     pool: Pool<Chunks>,
     /// Requests are rounded up to this (a multiple of [`ALIGN`]).
@@ -119,16 +119,16 @@ pub struct WgpuBuffer {
     counted: u64,
     exact: bool,
     poison: bool,
-    shared: Arc<Shared>,
+    shared: Arc<WgpuMemory>,
 }
 
-impl Shared {
-    pub(crate) fn new(ctx: Arc<WgpuContext>) -> Arc<Shared> {
+impl WgpuMemory {
+    pub(crate) fn new(ctx: Arc<WgpuContext>) -> Arc<WgpuMemory> {
         let align = (ctx.limits.min_storage_buffer_offset_alignment as u64).max(ALIGN as u64);
         let align = align.div_ceil(ALIGN as u64) * ALIGN as u64;
         let max_bytes = ctx.limits.max_storage_buffer_binding_size.min(ctx.limits.max_buffer_size);
         let chunks = Chunks { ctx: ctx.clone(), by_addr: Mutex::new(BTreeMap::new()), next: AtomicU64::new(1 << 20) };
-        Arc::new(Shared {
+        Arc::new(WgpuMemory {
             ctx,
             pool: Pool::new(chunks),
             align,
@@ -194,7 +194,7 @@ impl Shared {
 
     /// A new device buffer of `bytes` (contents unspecified).
     pub(crate) fn buffer(
-        self: &Arc<Shared>,
+        self: &Arc<WgpuMemory>,
         bytes: usize,
         exact: bool,
         poison: bool,
@@ -213,7 +213,7 @@ impl Shared {
 
     /// Kernel scratch of `bytes` (at least one word): device memory that is no buffer of the
     /// schedule, so it counts in `reserved` only (as the CUDA device's scratch does).
-    pub(crate) fn scratch(self: &Arc<Shared>, bytes: usize) -> Result<WgpuBuffer, DeviceError> {
+    pub(crate) fn scratch(self: &Arc<WgpuMemory>, bytes: usize) -> Result<WgpuBuffer, DeviceError> {
         let slice = self.slice(bytes.max(4), false)?;
         Ok(WgpuBuffer {
             mem: Mem::Device(Some(slice)),
@@ -226,13 +226,13 @@ impl Shared {
     }
 
     /// A new buffer of host memory (an offloaded value), zeroed.
-    pub(crate) fn host_buffer(self: &Arc<Shared>, bytes: usize) -> WgpuBuffer {
+    pub(crate) fn host_buffer(self: &Arc<WgpuMemory>, bytes: usize) -> WgpuBuffer {
         let mem = Mem::Host(Mutex::new(vec![0u8; bytes]));
         WgpuBuffer { mem, bytes, counted: 0, exact: false, poison: false, shared: self.clone() }
     }
 
     /// A new device buffer holding `bytes`.
-    pub(crate) fn upload(self: &Arc<Shared>, bytes: &[u8], poison: bool) -> Result<WgpuBuffer, DeviceError> {
+    pub(crate) fn upload(self: &Arc<WgpuMemory>, bytes: &[u8], poison: bool) -> Result<WgpuBuffer, DeviceError> {
         let buffer = self.buffer(bytes.len(), false, poison)?;
         self.write(&buffer, bytes)?;
         Ok(buffer)
@@ -378,7 +378,7 @@ impl WgpuBuffer {
         matches!(self.mem, Mem::Host(_))
     }
 
-    pub(crate) fn shared(&self) -> &Arc<Shared> {
+    pub(crate) fn shared(&self) -> &Arc<WgpuMemory> {
         &self.shared
     }
 

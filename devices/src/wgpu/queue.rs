@@ -88,7 +88,7 @@ struct WgpuQueue<'f, 'a> {
 }
 
 impl WgpuQueue<'_, '_> {
-    fn ours<'b>(&self, buffer: &'b Buffer) -> Result<&'b Arc<WgpuBuffer>, DeviceError> {
+    fn wgpu_buffer<'b>(&self, buffer: &'b Buffer) -> Result<&'b Arc<WgpuBuffer>, DeviceError> {
         self.flush
             .backend
             .owns(buffer)
@@ -116,7 +116,7 @@ impl WgpuQueue<'_, '_> {
                             call.args.len()
                         ))
                     })?;
-                    held.push(self.ours(buffer)?.clone());
+                    held.push(self.wgpu_buffer(buffer)?.clone());
                 }
                 Binding::Scratch { bytes } => held.push(Arc::new(shared.scratch(bytes as usize)?)),
                 Binding::Zero => {}
@@ -189,7 +189,7 @@ impl Queue for WgpuQueue<'_, '_> {
 
     fn copy(&mut self, from: &Buffer, to: &Buffer) -> Result<(), DeviceError> {
         let shared = &self.flush.backend.shared;
-        let dst = self.ours(to)?;
+        let dst = self.wgpu_buffer(to)?;
         let src = self.flush.backend.owns(from);
         match (src, dst.host()) {
             // Device to device.

@@ -82,9 +82,9 @@ impl Planner<'_> {
         let device = self.buffer_of(v);
         let host = self.host_buffer(v, Space::Host);
         self.steps[o].extend([
-            Step::Alloc(host),
-            Step::Copy { from: device, to: host, value: v },
-            Step::Free { buffer: device, after: Vec::new() },
+            StreamStep::Alloc(host),
+            StreamStep::Copy { from: device, to: host, value: v },
+            StreamStep::Free { buffer: device, after: Vec::new() },
         ]);
         self.count[o] += 1;
         self.clock[o][o] = self.count[o];
@@ -106,9 +106,9 @@ impl Planner<'_> {
         let back = self.host_buffer(v, Space::Device);
         let host = self.offload_state[i].host.expect("the copy out is planned first");
         self.steps[o].extend([
-            Step::Alloc(back),
-            Step::Copy { from: host, to: back, value: v },
-            Step::Free { buffer: host, after: Vec::new() },
+            StreamStep::Alloc(back),
+            StreamStep::Copy { from: host, to: back, value: v },
+            StreamStep::Free { buffer: host, after: Vec::new() },
         ]);
         // The copy stands for the value's producer from now on.
         let pseudo = self.copied_in(v, o);
@@ -132,7 +132,7 @@ impl Planner<'_> {
         let v = ValueRef::External(e);
         let device = self.host_buffer(v, Space::Device);
         let host = self.ext_buffer[e];
-        self.steps[s].extend([Step::Alloc(device), Step::Copy { from: host, to: device, value: v }]);
+        self.steps[s].extend([StreamStep::Alloc(device), StreamStep::Copy { from: host, to: device, value: v }]);
         // The copy stands for the value's producer: readers on other streams wait for it.
         self.ext_producer[e] = Some(self.copied_in(v, s));
         self.ext_buffer[e] = device;

@@ -84,7 +84,7 @@ struct Planner<'a> {
     clock: Vec<Vec<u32>>,
     /// Per segment: its stream's count right after it.
     seg_point: Vec<u32>,
-    steps: Vec<Vec<Step>>,
+    steps: Vec<Vec<StreamStep>>,
     events: Vec<EventPlan>,
     event_clock: Vec<Vec<u32>>,
     event_at: HashMap<(usize, u32), EventId>,
@@ -216,7 +216,7 @@ impl<'a> Planner<'a> {
         self.events.push(EventPlan { id: e, stream: self.streams[s], auto: user_node.is_none(), user_node });
         self.event_clock.push(self.clock[s].clone());
         self.event_at.insert(key, e);
-        self.steps[s].push(Step::Record(e));
+        self.steps[s].push(StreamStep::Record(e));
         e
     }
 
@@ -250,14 +250,14 @@ impl<'a> Planner<'a> {
             persistent: node.persistent,
             upload_at_first_use: false,
         });
-        self.steps[s].push(Step::Alloc(id));
+        self.steps[s].push(StreamStep::Alloc(id));
         self.live += node.bytes() as u64;
         self.peak = self.peak.max(self.live);
         id
     }
 
     fn free(&mut self, s: usize, buffer: BufferId, after: Vec<EventId>) {
-        self.steps[s].push(Step::Free { buffer, after });
+        self.steps[s].push(StreamStep::Free { buffer, after });
         self.live -= self.buffers[buffer.index()].bytes as u64;
     }
 
@@ -379,7 +379,7 @@ impl<'a> Planner<'a> {
 
     /// Makes stream `s` wait for event `e` (of another stream) and learn its clock.
     fn wait_event(&mut self, s: usize, e: EventId) {
-        self.steps[s].push(Step::Wait(e));
+        self.steps[s].push(StreamStep::Wait(e));
         let theirs = self.event_clock[e.index()].clone();
         for (mine, &other) in self.clock[s].iter_mut().zip(&theirs) {
             *mine = (*mine).max(other);
@@ -451,7 +451,7 @@ impl<'a> Planner<'a> {
         if seg.kind == SegmentKind::Transfer {
             // Another device's value, copied into this device's memory: a step, not a kernel.
             let value = ValueRef::Node(seg.nodes[0]);
-            self.steps[s].push(Step::Copy { from: input_buffers[0], to: outputs[0], value });
+            self.steps[s].push(StreamStep::Copy { from: input_buffers[0], to: outputs[0], value });
         } else {
             let kid = KernelId(self.kernels.len() as u32);
             self.kernels.push(KernelPlan {
@@ -463,7 +463,7 @@ impl<'a> Planner<'a> {
                 in_place: in_place.clone(),
                 note,
             });
-            self.steps[s].push(Step::Kernel(kid));
+            self.steps[s].push(StreamStep::Kernel(kid));
         }
         self.count[s] += 1;
         self.clock[s][s] = self.count[s];
@@ -514,14 +514,14 @@ impl<'a> Planner<'a> {
             .iter()
             .flatten()
             .flat_map(|st| match st {
-                Step::Wait(e) => vec![*e],
-                Step::Free { after, .. } => after.clone(),
+                StreamStep::Wait(e) => vec![*e],
+                StreamStep::Free { after, .. } => after.clone(),
                 _ => Vec::new(),
             })
             .collect();
         let keep_event = |e: &EventId, events: &[EventPlan]| used.contains(e) || events[e.index()].user_node.is_some();
         for steps in &mut self.steps {
-            steps.retain(|st| !matches!(st, Step::Record(e) if !keep_event(e, &self.events)));
+            steps.retain(|st| !matches!(st, StreamStep::Record(e) if !keep_event(e, &self.events)));
         }
         let graph = self.graph;
         let offloads = self

@@ -113,7 +113,7 @@ pub(super) fn races(p: &Program, hb: &HappensBefore, b: u32, acc: &[(Pos, Access
 
 /// The state of a buffer while its accesses are replayed.
 #[derive(Clone, Copy, PartialEq)]
-enum State {
+enum BufferState {
     Unallocated,
     Allocated,
     Holds(u64, Pos),
@@ -131,7 +131,7 @@ pub(super) fn replay(
     initial: Option<u64>,
 ) -> Option<Hazard> {
     acc.sort_by_key(|&((s, i), a)| (hb.rank[s][i], !matches!(a, Access::Read(_))));
-    let mut state = initial.map_or(State::Unallocated, |v| State::Holds(v, (usize::MAX, 0)));
+    let mut state = initial.map_or(BufferState::Unallocated, |v| BufferState::Holds(v, (usize::MAX, 0)));
     let who =
         |pos: Pos| if pos.0 == usize::MAX { "before the flush".to_string() } else { step_ref(p, pos).to_string() };
     // The allocation (or first write) of the buffer: what a too-early access should follow.
@@ -143,9 +143,12 @@ pub(super) fn replay(
     let mut allocated_at: Option<Pos> = None;
     for &(pos, a) in acc.iter() {
         let problem = match (state, a) {
-            (State::Freed(f), _) => Some((HazardKind::UseAfterFree, format!("b{b} was freed by {}", who(f)), Some(f))),
-            (State::Unallocated, Access::Alloc) | (State::Allocated | State::Holds(..), Access::Write(_)) => None,
-            (State::Unallocated, _) => Some((
+            (BufferState::Freed(f), _) => {
+                Some((HazardKind::UseAfterFree, format!("b{b} was freed by {}", who(f)), Some(f)))
+            }
+            (BufferState::Unallocated, Access::Alloc)
+            | (BufferState::Allocated | BufferState::Holds(..), Access::Write(_)) => None,
+            (BufferState::Unallocated, _) => Some((
                 HazardKind::ReadAfterWrite,
                 format!(
                     "b{b} is not allocated yet{}",
@@ -153,15 +156,15 @@ pub(super) fn replay(
                 ),
                 setup.filter(|&p| p != pos),
             )),
-            (State::Allocated | State::Holds(..), Access::Alloc) => {
+            (BufferState::Allocated | BufferState::Holds(..), Access::Alloc) => {
                 Some((HazardKind::WriteAfterWrite, format!("b{b} is allocated while it is still live"), allocated_at))
             }
-            (State::Allocated, Access::Read(_)) => Some((
+            (BufferState::Allocated, Access::Read(_)) => Some((
                 HazardKind::ReadAfterWrite,
                 format!("b{b} is read before anything is written to it"),
                 allocated_at,
             )),
-            (State::Holds(have, w), Access::Read(want)) if have != want => Some((
+            (BufferState::Holds(have, w), Access::Read(want)) if have != want => Some((
                 HazardKind::WriteAfterRead,
                 format!("b{b} should hold n{want} but {} overwrote it with n{have} first (reused too early)", who(w)),
                 (w.0 != usize::MAX).then_some(w),
@@ -181,11 +184,11 @@ pub(super) fn replay(
         state = match a {
             Access::Alloc => {
                 allocated_at = Some(pos);
-                State::Allocated
+                BufferState::Allocated
             }
-            Access::Write(v) => State::Holds(v, pos),
+            Access::Write(v) => BufferState::Holds(v, pos),
             Access::Read(_) => state,
-            Access::Free => State::Freed(pos),
+            Access::Free => BufferState::Freed(pos),
         };
     }
     None

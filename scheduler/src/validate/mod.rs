@@ -11,7 +11,7 @@
 //! schedules. It never changes a schedule.
 
 use crate::dump::{Dump, DumpStep};
-use crate::schedule::{BufferSource, Schedule, Step};
+use crate::schedule::{BufferSource, Schedule, StreamStep};
 use braid_graph::FlushGraph;
 use hashbrown::HashMap;
 use std::collections::VecDeque;
@@ -118,7 +118,7 @@ impl Program {
                     .steps
                     .iter()
                     .map(|step| match step {
-                        Step::Kernel(k) => {
+                        StreamStep::Kernel(k) => {
                             let plan = &schedule.kernels[k.index()];
                             let seg = &schedule.fusion.segments[plan.segment];
                             let ops: Vec<&str> = seg.nodes.iter().map(|&n| graph.nodes[n].op.name()).collect();
@@ -139,7 +139,7 @@ impl Program {
                                 node_streams: seg.nodes.iter().map(|&n| graph.nodes[n].stream.0).collect(),
                             }
                         }
-                        Step::Copy { from, to, value: written } => PStep::Kernel {
+                        StreamStep::Copy { from, to, value: written } => PStep::Kernel {
                             label: format!("copy {from} -> {to}"),
                             // A transfer reads another device's value; an offload copies the
                             // value it moves.
@@ -153,12 +153,12 @@ impl Program {
                             writes: vec![(to.0, value_of(graph, *written))],
                             node_streams: Vec::new(),
                         },
-                        Step::Alloc(b) => PStep::Alloc(b.0),
-                        Step::Free { buffer, after } => {
+                        StreamStep::Alloc(b) => PStep::Alloc(b.0),
+                        StreamStep::Free { buffer, after } => {
                             PStep::Free { buffer: buffer.0, after: after.iter().map(|e| e.0).collect() }
                         }
-                        Step::Record(e) => PStep::Record(e.0),
-                        Step::Wait(e) => PStep::Wait(e.0),
+                        StreamStep::Record(e) => PStep::Record(e.0),
+                        StreamStep::Wait(e) => PStep::Wait(e.0),
                     })
                     .collect();
                 (st.stream.0, steps)
@@ -245,8 +245,8 @@ pub fn validate(schedule: &Schedule, graph: &FlushGraph) -> Result<(), Vec<Hazar
 pub fn check_reachable(schedule: &Schedule, graph: &FlushGraph) -> Result<(), Hazard> {
     // Without waits or gated frees every step is reachable in program order.
     let waits = schedule.streams.iter().flat_map(|s| &s.steps).any(|step| match step {
-        Step::Wait(_) => true,
-        Step::Free { after, .. } => !after.is_empty(),
+        StreamStep::Wait(_) => true,
+        StreamStep::Free { after, .. } => !after.is_empty(),
         _ => false,
     });
     if !waits {

@@ -337,7 +337,7 @@ fn entries(src: &host_c::HostSource, lib: Library) -> Result<NativeKernel, Strin
     Ok(NativeKernel { loops, rows: None, split: None, _lib: lib })
 }
 
-/// Argument pointers shared with rayon tasks (see `map::Shared` for why that is sound).
+/// Argument pointers shared with rayon tasks (see `map::SharedArgs` for why that is sound).
 #[derive(Clone, Copy)]
 struct Ptrs<'a>(&'a [*mut u8]);
 unsafe impl Send for Ptrs<'_> {}

@@ -111,7 +111,7 @@ struct Waiting {
 }
 
 /// What the device's mutex guards.
-pub(crate) struct State {
+pub(crate) struct PoolState {
     pub(crate) lanes: Lanes,
     waiting: Vec<Waiting>,
     /// `lanes.generation` when `waiting` was last swept.
@@ -123,22 +123,22 @@ pub(crate) struct State {
     blas: Vec<(LaneId, Arc<Blas>, Slice)>,
 }
 
-/// The memory and lanes of one device, shared by its backend and every buffer.
-pub struct Shared {
+/// The memory pools and lanes of one device, shared by its backend and every buffer.
+pub struct CudaPools {
     pub(crate) gpu: Arc<Gpu>,
     pub(crate) events: Arc<EventPool>,
     device: Pool<DeviceChunks>,
     pinned: Pool<PinnedChunks>,
-    state: Mutex<State>,
+    state: Mutex<PoolState>,
     tf32: bool,
     /// Bumped whenever the cuBLAS handles and workspaces are given back: a CUDA graph recorded
     /// before refers to freed workspaces (`super::graph`).
     blas_epoch: std::sync::atomic::AtomicU64,
 }
 
-impl Shared {
-    pub(crate) fn new(gpu: &Arc<Gpu>, tf32: bool) -> Result<Arc<Shared>, DeviceError> {
-        let state = State {
+impl CudaPools {
+    pub(crate) fn new(gpu: &Arc<Gpu>, tf32: bool) -> Result<Arc<CudaPools>, DeviceError> {
+        let state = PoolState {
             lanes: Lanes::new(gpu)?,
             waiting: Vec::new(),
             swept: 0,
@@ -147,7 +147,7 @@ impl Shared {
             persistent: 0,
             blas: Vec::new(),
         };
-        Ok(Arc::new(Shared {
+        Ok(Arc::new(CudaPools {
             gpu: gpu.clone(),
             events: EventPool::new(gpu),
             device: Pool::new(DeviceChunks(gpu.clone())),
@@ -158,7 +158,7 @@ impl Shared {
         }))
     }
 
-    pub(crate) fn state(&self) -> MutexGuard<'_, State> {
+    pub(crate) fn state(&self) -> MutexGuard<'_, PoolState> {
         lock(&self.state)
     }
 
@@ -187,7 +187,7 @@ impl Shared {
     }
 
     /// Sends every waiting slice whose gate is reached back to its pool.
-    fn reclaim(&self, st: &mut State) {
+    fn reclaim(&self, st: &mut PoolState) {
         if st.waiting.is_empty() {
             return;
         }
@@ -209,7 +209,7 @@ impl Shared {
 
     /// A slice of `bytes` (> 0) if one is free for an allocation on `lane` (`None`: used
     /// outside stream order, by the host).
-    fn take(&self, st: &mut State, lane: Option<LaneId>, bytes: usize, mem: Mem, exact: bool) -> Option<Slice> {
+    fn take(&self, st: &mut PoolState, lane: Option<LaneId>, bytes: usize, mem: Mem, exact: bool) -> Option<Slice> {
         self.reclaim(st);
         let need = round_up(bytes);
         if let (Mem::Device, Some(l)) = (mem, lane) {
@@ -280,7 +280,7 @@ impl Shared {
         Ok(())
     }
 
-    /// [`Shared::synchronize`], then returns free chunks to the driver.
+    /// [`CudaPools::synchronize`], then returns free chunks to the driver.
     pub(crate) fn quiesce(&self) -> Result<(), DeviceError> {
         self.synchronize()?;
         self.device.trim();
@@ -290,7 +290,7 @@ impl Shared {
 
     /// A new buffer of `bytes` for work on `lane` (`None`: outside stream order).
     pub(crate) fn buffer(
-        self: &Arc<Shared>,
+        self: &Arc<CudaPools>,
         lane: Option<LaneId>,
         bytes: usize,
         mem: Mem,
@@ -307,7 +307,7 @@ impl Shared {
                 st.persistent += counted;
             }
         }
-        Ok(CudaBuffer { slice, bytes, counted, mem, exact, poison, shared: self.clone() })
+        Ok(CudaBuffer { slice, bytes, counted, mem, exact, poison, pools: self.clone() })
     }
 
     /// Takes the memory out of `buffer` (it is no longer live).
@@ -519,7 +519,7 @@ impl Shared {
     }
 }
 
-impl Drop for Shared {
+impl Drop for CudaPools {
     fn drop(&mut self) {
         // Nothing may be queued when the pools return their chunks.
         let _ = self.gpu.synchronize();
@@ -537,7 +537,7 @@ pub struct CudaBuffer {
     mem: Mem,
     exact: bool,
     poison: bool,
-    shared: Arc<Shared>,
+    pools: Arc<CudaPools>,
 }
 
 impl CudaBuffer {
@@ -561,20 +561,20 @@ impl CudaBuffer {
         self.mem == Mem::Pinned
     }
 
-    pub(crate) fn shared(&self) -> &Arc<Shared> {
-        &self.shared
+    pub(crate) fn pools(&self) -> &Arc<CudaPools> {
+        &self.pools
     }
 
     /// Copies the bytes to the host once the work writing them is done (blocks).
     pub fn read_into(&self, dst: &mut [u8]) -> Result<(), DeviceError> {
-        self.shared.read(self, dst)
+        self.pools.read(self, dst)
     }
 }
 
 impl Drop for CudaBuffer {
     fn drop(&mut self) {
-        let shared = self.shared.clone();
-        shared.dropped(self);
+        let pools = self.pools.clone();
+        pools.dropped(self);
     }
 }
 
