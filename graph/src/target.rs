@@ -75,6 +75,44 @@ impl DTypes {
 }
 
 /// The description of one backend that the pipeline's stages plan for.
+/// How far a device's math library may be from correctly rounded results: the reference
+/// interpreter widens its bounds by these for the ops a device computes with its platform's
+/// builtins (`exp log sin cos tanh sigmoid gelu pow`, and division on a GPU's WGSL).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PlatformMath {
+    /// Extra allowance of those ops, in half ulps (a table row's unit).
+    pub extra_half_ulps: f64,
+    /// `exp` and `pow` bounded as WGSL bounds them for every implementation: `exp` to
+    /// `3 + 2|x|` ulps, `pow` as `exp2(y * log2(x))`.
+    pub wgsl_bounds: bool,
+    /// The builtins are a GPU's WGSL ones: `sin` and `cos` may add `sin_cos_absolute`, `exp`
+    /// `2|x|` ulps more, division 2.5 ulps.
+    pub gpu_builtins: bool,
+    /// An absolute error `sin` and `cos` may add (with `gpu_builtins`).
+    pub sin_cos_absolute: f64,
+}
+
+impl PlatformMath {
+    /// A math library within the op table's allowances (the CPU's, CUDA's).
+    pub const TABLE: PlatformMath =
+        PlatformMath { extra_half_ulps: 0.0, wgsl_bounds: false, gpu_builtins: false, sin_cos_absolute: 0.0 };
+
+    /// WGSL's builtins: 16 ulps more than the table, `exp` and `pow` as WGSL bounds them; on a
+    /// GPU (not a software adapter such as lavapipe) also `sin`/`cos` off by an absolute 2^-20
+    /// (measured within 2^-22 on an H100's Vulkan driver; WGSL allows 2^-11) and `exp` by WGSL's
+    /// `2|x|` ulps more.
+    pub fn wgsl(gpu: bool) -> PlatformMath {
+        let sin_cos_absolute = if gpu { 2f64.powi(-20) } else { 0.0 };
+        PlatformMath { extra_half_ulps: 32.0, wgsl_bounds: true, gpu_builtins: gpu, sin_cos_absolute }
+    }
+
+    /// The extra relative error of a platform math op in `f32`, as a multiple of `f32::EPSILON`
+    /// (for tests that bound one op's result directly).
+    pub fn extra_epsilons(&self) -> f64 {
+        self.extra_half_ulps / 2.0
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct Target {
     /// The backend's name (`cpu`, `cuda`, ...), for messages.
@@ -113,6 +151,11 @@ pub struct Target {
     /// such a row kernel walks its rows across lines, and a transposing loop is cheap (the
     /// CPU's, tile by tile).
     pub copies_transposed_rows: bool,
+    /// How its math library rounds (the reference interpreter's bounds for this device).
+    pub math: PlatformMath,
+    /// Whether work of two streams of one flush can run at the same time on the device (not on
+    /// wgpu, which runs every stream on its one queue in issue order).
+    pub streams_overlap: bool,
 }
 
 impl Target {
@@ -129,6 +172,8 @@ impl Target {
         max_kernel_nodes: usize::MAX,
         max_kernel_buffers: usize::MAX,
         copies_transposed_rows: true,
+        math: PlatformMath::TABLE,
+        streams_overlap: true,
     };
 
     /// Whether this device's kernels read a value held by a device of `source` memory where

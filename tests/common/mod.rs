@@ -324,8 +324,7 @@ impl Harness {
 
     /// Evaluates the reference and checks every read; returns totals.
     pub fn check(&self) -> Result<CheckStats, String> {
-        platform_math(&self.dev);
-        let reference = braid_graph::reference::evaluate(&self.prog);
+        let reference = braid_graph::reference::evaluate_on(&self.prog, &self.dev.target().math);
         let mut total = CheckStats::default();
         for (i, actual) in &self.reads {
             let s = check(&reference[*i], actual).map_err(|e| {
@@ -384,33 +383,14 @@ pub fn reference_program(nodes: Vec<braid::testing::RecordedNode>) -> Vec<ProgNo
         .collect()
 }
 
-/// On wgpu, `exp log sin cos tanh sigmoid gelu pow` are WGSL's builtins, which WGSL bounds
-/// only loosely (`exp` to `3 + 2|x|` ulps): the reference allows them 16 ulps more there
-/// (`braid_graph::reference::set_platform_math_ulps`, in half-ulp units).
-///
-/// On a wgpu GPU (not lavapipe, which computes them in software), `sin` and `cos` may also be
-/// off by an absolute 2^-20 (measured within 2^-22 on the H100's Vulkan driver; WGSL allows
-/// 2^-11), and `exp` by WGSL's `2|x|` ulps more.
-pub fn platform_math(dev: &Device) {
-    if dev.target().name == "wgpu" {
-        braid_graph::reference::set_platform_math_ulps(32.0);
-        braid_graph::reference::set_platform_wgsl(true);
-        let software = braid::testing::wgpu_backend(dev).is_some_and(|b| b.is_software());
-        if !software {
-            braid_graph::reference::set_platform_math_absolute(2f64.powi(-20));
-        }
-    }
-}
-
 /// Evaluates what braid recorded for `targets` with the reference interpreter, then reads the
 /// targets from braid and checks them against it. (Under a memory budget the flush cannot
 /// meet, the budget is raised to the lowest reachable peak.)
 pub fn check_recorded(targets: &[&Tensor]) -> Result<CheckStats, String> {
     let (nodes, roots) = braid::testing::recorded_program(targets).map_err(|e| e.to_string())?;
-    if let Some(t) = targets.first() {
-        platform_math(t.device());
-    }
-    let reference = braid_graph::reference::evaluate(&reference_program(nodes));
+    // The bounds of the device's math library (its target's: WGSL's builtins are looser).
+    let math = targets.first().map_or(braid_graph::PlatformMath::TABLE, |t| t.device().target().math);
+    let reference = braid_graph::reference::evaluate_on(&reference_program(nodes), &math);
     // Everything in one flush (the last schedule then shows all of it). Under a memory budget
     // out of reach nothing runs: flush again with the lowest peak the error names.
     if let Some(dev) = targets.first().map(|t| t.device()) {

@@ -68,6 +68,8 @@ pub const CUDA_TARGET: Target = Target {
     max_kernel_buffers: 511,
     // Not measured on a GPU: the row kernel reads the view as it is.
     copies_transposed_rows: false,
+    math: braid_graph::PlatformMath::TABLE,
+    streams_overlap: true,
 };
 
 /// Most kernels prepared per device before the table starts over (compiled modules stay with

@@ -120,6 +120,9 @@ pub fn wgpu_target(ctx: &WgpuContext, align: u64) -> Target {
         max_kernel_buffers: storage.saturating_sub(1).max(2),
         // Not measured on a GPU: the row kernel reads the view as it is.
         copies_transposed_rows: false,
+        math: braid_graph::PlatformMath::wgsl(!software),
+        // One queue runs every stream's work in issue order.
+        streams_overlap: false,
     }
 }
 

@@ -137,67 +137,37 @@ pub struct CheckStats {
     pub uncertain: usize,
 }
 
-/// Extra rounding error, in the same units as a table row's `ulps`, allowed for the ops a
-/// device computes with its platform's math library: `exp log sin cos tanh sigmoid gelu pow`.
-/// 0 by default (the CPU's and CUDA's libraries are within the rows' allowances). WGSL only
-/// bounds its builtins loosely (`exp` to `3 + 2|x|` ulps, `pow` as `exp2(y log2(x))`), so tests
-/// of a wgpu device raise it with [`set_platform_math_ulps`]; a process-wide setting, since a
-/// test binary checks one device.
-static PLATFORM_MATH_ULPS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// Sets the extra allowance of platform math ops (see [`PLATFORM_MATH_ULPS`]).
-pub fn set_platform_math_ulps(ulps: f64) {
-    PLATFORM_MATH_ULPS.store(ulps.max(0.0).to_bits(), std::sync::atomic::Ordering::Relaxed);
+thread_local! {
+    /// The math library of the device whose results an evaluation bounds ([`evaluate_on`]):
+    /// set for the call, on the evaluating thread (the interpreter runs on one thread).
+    static PLATFORM: std::cell::Cell<crate::PlatformMath> = const { std::cell::Cell::new(crate::PlatformMath::TABLE) };
 }
 
-/// An absolute error that `sin` and `cos` may add on a platform whose builtins are bounded
-/// absolutely (WGSL on a GPU: its `sin`/`cos` are specified to 2^-11 absolute inside
-/// [-pi, pi]; NVIDIA's Vulkan driver was measured within 2^-22), in addition to their ulps;
-/// 0 unless set by [`set_platform_math_absolute`].
-static PLATFORM_MATH_ABS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// Sets the extra absolute allowance of `sin` and `cos` (see [`PLATFORM_MATH_ABS`]); a
-/// positive one also marks the platform as a GPU, whose `exp` gets WGSL's `2|x|` ulps more.
-pub fn set_platform_math_absolute(abs: f64) {
-    PLATFORM_MATH_ABS.store(abs.max(0.0).to_bits(), std::sync::atomic::Ordering::Relaxed);
+fn platform() -> crate::PlatformMath {
+    PLATFORM.with(|p| p.get())
 }
 
-/// Whether the platform allowances are a GPU's (an absolute allowance was set): `exp` then
-/// also gets WGSL's `2|x|` ulps.
+/// Whether the platform's builtins are a GPU's: `exp` then also gets WGSL's `2|x|` ulps.
 pub(crate) fn platform_is_gpu() -> bool {
-    PLATFORM_MATH_ABS.load(std::sync::atomic::Ordering::Relaxed) != 0
-}
-
-/// Whether the platform runs WGSL (any wgpu adapter, a software one such as lavapipe too):
-/// set by [`set_platform_wgsl`].
-static PLATFORM_WGSL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Marks the platform as WGSL: `exp` gets WGSL's `3 + 2|x|` ulps and `pow` its bound as
-/// `exp2(y * log2(x))`, which the WGSL spec gives every implementation (lavapipe's `exp` was
-/// seen 33 ulps off near x = 84, within that bound and beyond the 32-ulp platform allowance).
-pub fn set_platform_wgsl(on: bool) {
-    PLATFORM_WGSL.store(on, std::sync::atomic::Ordering::Relaxed);
+    platform().gpu_builtins
 }
 
 /// Whether `exp` and `pow` get WGSL's argument-scaled bounds: a WGSL platform, or a GPU.
 pub(crate) fn platform_scales_exp() -> bool {
-    PLATFORM_WGSL.load(std::sync::atomic::Ordering::Relaxed) || platform_is_gpu()
+    let p = platform();
+    p.wgsl_bounds || p.gpu_builtins
 }
 
 /// The extra absolute allowance of op `name` (only `sin` and `cos` have one).
 pub(crate) fn absolute_allowance(name: &str) -> f64 {
-    if matches!(name, "sin" | "cos") {
-        f64::from_bits(PLATFORM_MATH_ABS.load(std::sync::atomic::Ordering::Relaxed))
-    } else {
-        0.0
-    }
+    if matches!(name, "sin" | "cos") && platform().gpu_builtins { platform().sin_cos_absolute } else { 0.0 }
 }
 
 /// A table row's allowance plus the platform math allowance if op `name` is platform math.
 pub(crate) fn allowance(name: &str, ulps: f64) -> f64 {
-    let platform = matches!(name, "exp" | "log" | "sin" | "cos" | "tanh" | "sigmoid" | "gelu" | "pow");
-    if platform {
-        ulps + f64::from_bits(PLATFORM_MATH_ULPS.load(std::sync::atomic::Ordering::Relaxed))
+    let builtin = matches!(name, "exp" | "log" | "sin" | "cos" | "tanh" | "sigmoid" | "gelu" | "pow");
+    if builtin {
+        ulps + platform().extra_half_ulps
     } else if name == "div" && platform_is_gpu() {
         // WGSL's float division is 2.5 ulps on a GPU (NVIDIA's was 2 ulps off); in half ulps.
         ulps + 5.0
@@ -206,9 +176,24 @@ pub(crate) fn allowance(name: &str, ulps: f64) -> f64 {
     }
 }
 
-/// Evaluates a program; one [`RefValue`] per node, in order. Panics on a malformed program
-/// (an input index that is not earlier, a wrong number of inputs, `Op::Input`): programs come
-/// from tests.
+/// Evaluates a program with bounds for a device whose math library is `math` (its target's:
+/// [`crate::Target::math`]); one [`RefValue`] per node, in order.
+pub fn evaluate_on(program: &[ProgNode], math: &crate::PlatformMath) -> Vec<RefValue> {
+    /// Puts the caller's setting back, on every way out.
+    struct Restore(crate::PlatformMath);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            PLATFORM.with(|p| p.set(self.0));
+        }
+    }
+    let _restore = Restore(PLATFORM.with(|p| p.replace(*math)));
+    evaluate(program)
+}
+
+/// Evaluates a program; one [`RefValue`] per node, in order, with the bounds of a math library
+/// within the op table's allowances (or, inside [`evaluate_on`], of that call's). Panics on a
+/// malformed program (an input index that is not earlier, a wrong number of inputs,
+/// `Op::Input`): programs come from tests.
 pub fn evaluate(program: &[ProgNode]) -> Vec<RefValue> {
     let mut out: Vec<RefValue> = Vec::with_capacity(program.len());
     for (n, node) in program.iter().enumerate() {
