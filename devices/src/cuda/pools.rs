@@ -36,7 +36,7 @@ use super::memory::{
 };
 use super::{Blas, TRACE_TARGET};
 use crate::DeviceError;
-use crate::runtime::pool::{ChunkAllocator, Pool, Slice, round_up};
+use crate::runtime::pool::{ChunkAllocator, LiveBytes, Pool, Slice, round_up};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Device chunks from `cuMemAlloc`.
@@ -116,9 +116,7 @@ pub(crate) struct PoolState {
     waiting: Vec<Waiting>,
     /// `lanes.generation` when `waiting` was last swept.
     swept: u64,
-    live: u64,
-    peak: u64,
-    persistent: u64,
+    bytes: LiveBytes,
     /// Per lane that ran a product: its cuBLAS handle and workspace.
     blas: Vec<(LaneId, Arc<Blas>, Slice)>,
 }
@@ -142,9 +140,7 @@ impl CudaPools {
             lanes: Lanes::new(gpu)?,
             waiting: Vec::new(),
             swept: 0,
-            live: 0,
-            peak: 0,
-            persistent: 0,
+            bytes: LiveBytes::default(),
             blas: Vec::new(),
         };
         Ok(Arc::new(CudaPools {
@@ -254,7 +250,7 @@ impl CudaPools {
             Mem::Device => self.device.stats().reserved,
             Mem::Pinned => self.pinned.stats().reserved,
         };
-        Err(DeviceError::OutOfMemory { requested: bytes as u64, in_use: st.live, reserved })
+        Err(DeviceError::OutOfMemory { requested: bytes as u64, in_use: st.bytes.live, reserved })
     }
 
     /// Gives `slice` back once every point of `gate` is reached.
@@ -300,12 +296,7 @@ impl CudaPools {
         let slice = if bytes == 0 { None } else { Some(self.slice(lane, bytes, mem, exact)?) };
         let counted = if slice.is_some() && mem == Mem::Device { round_up(bytes) as u64 } else { 0 };
         if counted > 0 {
-            let mut st = self.state();
-            st.live += counted;
-            st.peak = st.peak.max(st.live);
-            if exact {
-                st.persistent += counted;
-            }
+            self.state().bytes.add(counted, exact);
         }
         Ok(CudaBuffer { slice, bytes, counted, mem, exact, poison, pools: self.clone() })
     }
@@ -314,11 +305,7 @@ impl CudaPools {
     fn retire(&self, buffer: &mut CudaBuffer) -> Option<Slice> {
         let slice = buffer.slice.take()?;
         if buffer.counted > 0 {
-            let mut st = self.state();
-            st.live -= buffer.counted;
-            if buffer.exact {
-                st.persistent -= buffer.counted;
-            }
+            self.state().bytes.remove(buffer.counted, buffer.exact);
         }
         Some(slice)
     }
@@ -501,16 +488,15 @@ impl CudaPools {
     /// (live bytes, peak, reserved device bytes).
     pub(crate) fn stats(&self) -> (u64, u64, u64) {
         let st = self.state();
-        (st.live, st.peak, self.device.stats().reserved)
+        (st.bytes.live, st.bytes.peak, self.device.stats().reserved)
     }
 
     pub(crate) fn reset_peak(&self) {
-        let mut st = self.state();
-        st.peak = st.live;
+        self.state().bytes.reset_peak();
     }
 
     pub(crate) fn persistent(&self) -> u64 {
-        self.state().persistent
+        self.state().bytes.persistent
     }
 
     /// Bytes held by pinned host memory (offloads, staging): in use and reserved.

@@ -354,6 +354,39 @@ impl<A: ChunkAllocator> Drop for Pool<A> {
     }
 }
 
+/// Bytes in a device's live buffers (as the scheduler plans them), their peak since the last
+/// reset, and the part in parameter (exact-size) memory: the accounting of every backend whose
+/// buffers hold pool slices (CUDA, wgpu), kept in one place.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LiveBytes {
+    pub live: u64,
+    pub peak: u64,
+    pub persistent: u64,
+}
+
+impl LiveBytes {
+    /// A buffer of `bytes` became live (in parameter memory if `persistent`).
+    pub fn add(&mut self, bytes: u64, persistent: bool) {
+        self.live += bytes;
+        self.peak = self.peak.max(self.live);
+        if persistent {
+            self.persistent += bytes;
+        }
+    }
+
+    /// A buffer of `bytes` was let go of.
+    pub fn remove(&mut self, bytes: u64, persistent: bool) {
+        self.live -= bytes;
+        if persistent {
+            self.persistent -= bytes;
+        }
+    }
+
+    pub fn reset_peak(&mut self) {
+        self.peak = self.live;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

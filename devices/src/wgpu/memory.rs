@@ -32,7 +32,7 @@
 
 use super::WgpuContext;
 use crate::DeviceError;
-use crate::runtime::pool::{ALIGN, ChunkAllocator, Pool, Slice};
+use crate::runtime::pool::{ALIGN, ChunkAllocator, LiveBytes, Pool, Slice};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -82,13 +82,6 @@ impl Chunks {
     }
 }
 
-#[derive(Default)]
-struct Stats {
-    live: u64,
-    peak: u64,
-    persistent: u64,
-}
-
 /// The memory and the open command encoder of one device, shared by its backend and buffers.
 pub struct WgpuMemory {
     pub(crate) ctx: Arc<WgpuContext>,
@@ -97,7 +90,7 @@ pub struct WgpuMemory {
     pub(crate) align: u64,
     /// The largest buffer a kernel can bind.
     pub(crate) max_bytes: u64,
-    stats: Mutex<Stats>,
+    stats: Mutex<LiveBytes>,
     /// Work issued but not yet submitted, in issue order.
     pending: Mutex<Option<wgpu::CommandEncoder>>,
     poison_source: Mutex<Option<wgpu::Buffer>>,
@@ -133,7 +126,7 @@ impl WgpuMemory {
             pool: Pool::new(chunks),
             align,
             max_bytes,
-            stats: Mutex::new(Stats::default()),
+            stats: Mutex::new(LiveBytes::default()),
             pending: Mutex::new(None),
             poison_source: Mutex::new(None),
         })
@@ -201,13 +194,7 @@ impl WgpuMemory {
     ) -> Result<WgpuBuffer, DeviceError> {
         let slice = if bytes == 0 { None } else { Some(self.slice(bytes, exact)?) };
         let counted = slice.as_ref().map_or(0, |s| s.size as u64);
-        let mut st = lock(&self.stats);
-        st.live += counted;
-        st.peak = st.peak.max(st.live);
-        if exact {
-            st.persistent += counted;
-        }
-        drop(st);
+        lock(&self.stats).add(counted, exact);
         Ok(WgpuBuffer { mem: Mem::Device(slice), bytes, counted, exact, poison, shared: self.clone() })
     }
 
@@ -354,8 +341,7 @@ impl WgpuMemory {
     }
 
     pub(crate) fn reset_peak(&self) {
-        let mut st = lock(&self.stats);
-        st.peak = st.live;
+        lock(&self.stats).reset_peak();
     }
 
     pub(crate) fn persistent(&self) -> u64 {
@@ -422,12 +408,7 @@ impl Drop for WgpuBuffer {
         {
             tracing::warn!(target: "braid", "poisoning a freed wgpu buffer: {e}");
         }
-        let mut st = lock(&shared.stats);
-        st.live -= self.counted;
-        if self.exact {
-            st.persistent -= self.counted;
-        }
-        drop(st);
+        lock(&shared.stats).remove(self.counted, self.exact);
         // Reusable at once: every use of it was issued before this point (module docs).
         shared.pool.free(slice);
     }
