@@ -102,9 +102,8 @@ def run(name, compiled):
     text = open(opts.text, "rb").read()
     torch.cuda.reset_peak_memory_stats()
     losses, times = [], []
-    for step in range(opts.steps):
-        start = time.perf_counter()
-        ids, targets = batches(text, step, opts.batch, opts.seq)
+    def train_step(ids, targets):
+        """Forward, backward, clipping and the update; the loss read back."""
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = forward(ids, targets)
         loss.backward()
@@ -113,6 +112,11 @@ def run(name, compiled):
         opt.zero_grad(set_to_none=True)
         value = loss.item()
         torch.cuda.synchronize()
+        return value
+
+    for step in range(opts.steps):
+        start = time.perf_counter()
+        value = train_step(*batches(text, step, opts.batch, opts.seq))
         ms = (time.perf_counter() - start) * 1e3
         print(f"{name} step {step:>3}: loss {value:.4f}  {ms:.1f} ms", flush=True)
         losses.append(value)
@@ -121,14 +125,7 @@ def run(name, compiled):
         ids, targets = batches(text, 1000, opts.batch, opts.seq)
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = forward(ids, targets)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            loss.item()
-            torch.cuda.synchronize()
+            train_step(ids, targets)
         events = prof.key_averages()
         key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
         total = sum(getattr(e, key) for e in events) / 1e3
