@@ -9,9 +9,10 @@
 //! same cuBLAS): `[8192, 768] x [768, 50257]` takes 6.68 ms (95 TFLOP/s) and the two backward
 //! products 4.55 and 4.29 ms, against 0.92, 0.85 and 0.83 ms at 50,264; braid's products, with
 //! the rows of the product padded but its width still odd, stayed at 7.4, 9.2 and 3.3 ms, so
-//! the dimensions themselves are padded, not only the rows. A padded copy costs about a third
-//! of a millisecond there, so a large product is worth it; a small one is not (each copy is a
-//! launch of its own), hence [`worth_padding`].
+//! the dimensions themselves are padded, not only the rows: then 1.7, 1.6 and 1.6 ms, copies
+//! included (the padded copy of the `[8192, 50257]` gradient costs about 0.7 ms). A large
+//! product is worth it; a small one is not (each copy is a call of its own), hence
+//! [`worth_padding`].
 //!
 //! The product's own padding changes how its epilogue reads it: [`pad_epilogue`] rewrites the
 //! epilogue's loads of the product for padded rows (the loop's index space split, where
