@@ -7,55 +7,16 @@
 //! recorded with its reason.
 
 mod attention;
+mod classify;
 mod fold;
 mod pack;
 
 use crate::{Fusion, Options, Refusal, Segment, SegmentKind};
 use braid_graph::{FlushGraph, Op, Shape, StreamId, ValueRef};
+use classify::{Class, Level, along, class, is_transfer, reduce_level, reduced};
 use fold::fold;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
-
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Class {
-    Elementwise,
-    Reduce,
-    Matmul,
-    /// A part of attention: joins only a sibling part over the same inputs.
-    Attention,
-    Other,
-}
-
-/// What a reduction runs over, in words: `dimension 1`, `all elements`.
-fn along(axis: Option<usize>) -> String {
-    axis.map_or("all elements".into(), |d| format!("dimension {d}"))
-}
-
-/// Whether node `i` moves a value from memory this device's kernels cannot read: a copy step.
-fn is_transfer(graph: &FlushGraph, i: usize) -> bool {
-    let node = &graph.nodes[i];
-    node.op == Op::ToDevice && matches!(node.inputs[0], ValueRef::External(e) if graph.externals[e].remote)
-}
-
-fn class(op: &Op) -> Class {
-    match op {
-        _ if op.is_elementwise() => Class::Elementwise,
-        Op::Full(_) | Op::Arange { .. } | Op::Rand { .. } | Op::Randn { .. } => Class::Elementwise,
-        Op::Reduce { .. } => Class::Reduce,
-        Op::Matmul => Class::Matmul,
-        Op::Attention { .. } => Class::Attention,
-        _ => Class::Other,
-    }
-}
-
-/// Where a node's value sits in a Rows segment: over the full shape, or reduced (keeping the
-/// axis with size 1, or without it).
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Level {
-    Full,
-    Keep,
-    Flat,
-}
 
 #[derive(Clone, Debug)]
 enum Kind {
@@ -587,21 +548,5 @@ impl Grouper<'_> {
             .collect();
         let folded = (0..n).filter(|&i| self.folded[i]).collect();
         Fusion { segments, refused: self.refused, folded }
-    }
-}
-
-/// The level of a reduction's result.
-fn reduce_level(op: &Op) -> Level {
-    match op {
-        Op::Reduce { dim: None, .. } | Op::Reduce { keepdim: true, .. } => Level::Keep,
-        _ => Level::Flat,
-    }
-}
-
-/// The shape of `full` reduced along `axis` (a scalar when `None`).
-fn reduced(full: &Shape, axis: Option<usize>, keepdim: bool) -> Shape {
-    match axis {
-        None => Shape::scalar(),
-        Some(d) => full.reduced(d, keepdim),
     }
 }
