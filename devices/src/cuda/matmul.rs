@@ -283,7 +283,13 @@ impl MatmulPlan {
                     }
                     CopyBy::Lines { pitch, copies }
                 }
-                None => CopyBy::Kernel(compiler.kernel(&copy_kernel(o, arg, op, shape))?),
+                None => {
+                    let strided = match Batches::of(&o.batch_offsets) {
+                        Batches::Strided { first, step } => Some((first, step)),
+                        Batches::Each(_) => None,
+                    };
+                    CopyBy::Kernel(compiler.kernel(&copy_kernel(o, arg, op, shape, strided))?)
+                }
             };
             let batches = Batches::Strided { first: 0, step: outer_pad * inner_pad };
             let ld = i32::try_from(inner_pad).map_err(|_| bad("a copied operand too wide".into()))?;

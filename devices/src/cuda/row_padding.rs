@@ -167,8 +167,9 @@ impl CopyShape {
 
 /// The map kernel that copies every batch of operand `o` (`rows x cols`, in an argument of
 /// `arg` elements) into its scratch copy of `shape`, in `op`'s orientation (a column-major
-/// operand is read and written along its columns, never transposed element by element).
-pub fn copy_kernel(o: &MatmulOperand, arg: Arg, op: Op, shape: CopyShape) -> Kernel {
+/// operand is read and written along its columns, never transposed element by element);
+/// `strided`: the batches' offsets as `(first, step)` where they are an arithmetic progression.
+pub fn copy_kernel(o: &MatmulOperand, arg: Arg, op: Op, shape: CopyShape, strided: Option<(usize, usize)>) -> Kernel {
     let CopyShape { batches, outer, inner, outer_pad, ld } = shape;
     let strides = match op {
         Op::N => [o.rs, o.cs],
@@ -195,16 +196,13 @@ pub fn copy_kernel(o: &MatmulOperand, arg: Arg, op: Op, shape: CopyShape) -> Ker
             stores: vec![Store { arg: 1, dtype: arg.dtype, view: out, value: x }],
         }
     };
-    let offsets = &o.batch_offsets;
-    let step = if offsets.len() > 1 { offsets[1] as i128 - offsets[0] as i128 } else { 0 };
-    let strided =
-        step >= 0 && offsets.iter().enumerate().all(|(b, &x)| x as i128 == offsets[0] as i128 + b as i128 * step);
-    let loops = if strided && !offsets.is_empty() {
-        vec![loop_over(&[batches, outer, inner], &[step as isize, strides[0], strides[1]], offsets[0], 0)]
-    } else {
-        (offsets.iter().enumerate())
+    let loops = match strided {
+        Some((first, step)) => {
+            vec![loop_over(&[batches, outer, inner], &[step as isize, strides[0], strides[1]], first, 0)]
+        }
+        None => (o.batch_offsets.iter().enumerate())
             .map(|(b, &off)| loop_over(&[outer, inner], &strides, off, b * outer_pad * ld))
-            .collect()
+            .collect(),
     };
     let copy = Arg { dtype: arg.dtype, len: shape.elements() };
     Kernel { args: vec![arg, copy], inputs: 1, body: Body::Map(loops) }
