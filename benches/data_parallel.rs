@@ -58,7 +58,7 @@ fn overlap(a: &[(Duration, Duration)], b: &[(Duration, Duration)]) -> Duration {
 fn main() {
     let device = arg("--device").unwrap_or_else(|| std::env::var("BRAID_DEVICE").unwrap_or_else(|_| "cpu".into()));
     let small = arg("--scale").as_deref() == Some("small");
-    let gpus = if device.starts_with("cuda") { braid_devices::cuda::device_count().unwrap_or(0) } else { 0 };
+    let gpus = if device.starts_with("cuda") { Device::count("cuda") } else { 0 };
     let ranks: usize = arg("--ranks").and_then(|r| r.parse().ok()).unwrap_or(if gpus > 0 { gpus } else { 2 });
     let devices: Vec<Device> = (0..ranks)
         .map(|i| if device.starts_with("cuda") { Device::new_cuda(i).expect("a GPU") } else { Device::new_cpu() })

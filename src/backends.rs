@@ -1,115 +1,155 @@
-//! The backends this build of braid can create devices on, behind their cargo features. Each
-//! function returns the runtime of one device, or an `Err` saying why there is none (never a
-//! panic): the feature is off, a library is missing, the hardware is absent.
+//! The backends devices are made on: a registry of [`Registration`]s by name (the names
+//! `BRAID_DEVICE` and [`Device::new`] take), filled with the built-in backends this build has
+//! (the CPU, and CUDA and wgpu behind their cargo features) and whatever a program registers
+//! with [`register`]. This is the one file outside the backends' own folders that names them:
+//! a new backend is its own folders plus a line here (or a `register` call in the program
+//! that brings it).
+//!
+//! ```
+//! use braid::prelude::*;
+//! use braid::backends::{self, Registration};
+//! use std::sync::Arc;
+//!
+//! // A backend of the program's own (here: the CPU's runtime under another name).
+//! let cpu = backends::get("cpu").unwrap();
+//! let registered = backends::register(Registration::new("mine", move |n| cpu.open(n)));
+//! assert!(registered);
+//! let dev = Device::new("mine:1").unwrap();
+//! let x = Tensor::from_slice(&[1.0f32, 2.0], [2], &dev);
+//! assert_eq!((x * 2.0).to_vec::<f32>().unwrap(), [2.0, 4.0]);
+//! assert!(backends::names().contains(&"mine".to_string()));
+//! ```
+//!
+//! Must never: open a device by itself (only [`Device`]'s constructors do), or replace a
+//! registered backend.
 
+use crate::device::Device;
 use crate::error::{Error, Result};
-use braid_devices::Backend;
-use std::sync::Arc;
+use crate::lock;
+use braid_devices::{Backend, DeviceError};
+use std::sync::{Arc, LazyLock, Mutex};
 
-/// The runtime of CUDA GPU `ordinal`.
+pub use braid_devices::Registration;
+
+/// The built-in backends, then those the program registered.
+static REGISTRY: LazyLock<Mutex<Vec<Registration>>> = LazyLock::new(|| Mutex::new(built_in()));
+
+fn built_in() -> Vec<Registration> {
+    vec![braid_devices::cpu::registration(), cuda(), wgpu()]
+}
+
 #[cfg(feature = "cuda")]
-pub(crate) fn cuda(ordinal: usize) -> Result<Arc<dyn Backend>> {
-    match braid_devices::cuda::CudaBackend::open(ordinal) {
-        Ok(backend) => Ok(Arc::new(backend)),
-        Err(e) => Err(Error::Unavailable(format!("cuda:{ordinal} is unavailable: {e}"))),
-    }
+fn cuda() -> Registration {
+    braid_devices::cuda::registration()
 }
 
-/// The runtime of CUDA GPU `ordinal`.
+/// A build without CUDA still knows the name, and says how to get it.
 #[cfg(not(feature = "cuda"))]
-pub(crate) fn cuda(ordinal: usize) -> Result<Arc<dyn Backend>> {
-    Err(Error::Unavailable(format!(
-        "cuda:{ordinal} is unavailable: this build of braid has no CUDA backend (build with the `cuda` feature)"
-    )))
+fn cuda() -> Registration {
+    missing("cuda", "CUDA")
 }
 
-/// The runtime of the first wgpu adapter (of the backends `WGPU_BACKEND` names, every one
-/// compiled in when unset).
 #[cfg(feature = "wgpu")]
-pub(crate) fn wgpu() -> Result<Arc<dyn Backend>> {
-    match braid_devices::wgpu::WgpuBackend::open() {
-        Ok(backend) => Ok(Arc::new(backend)),
-        Err(e) => Err(Error::Unavailable(format!("wgpu is unavailable: {e}"))),
-    }
+fn wgpu() -> Registration {
+    braid_devices::wgpu::registration()
 }
 
-/// The runtime of the first wgpu adapter.
 #[cfg(not(feature = "wgpu"))]
-pub(crate) fn wgpu() -> Result<Arc<dyn Backend>> {
-    Err(Error::Unavailable(
-        "wgpu is unavailable: this build of braid has no wgpu backend (build with the `wgpu` feature)".into(),
-    ))
+fn wgpu() -> Registration {
+    missing("wgpu", "wgpu")
 }
 
-/// Sets up the transport of a new group of `devices`: CPU devices meet at the host rendezvous
-/// alone; CUDA devices also get NCCL communicators. `Err(Unavailable)` for anything else.
-pub(crate) fn connect_group(
-    devices: &[crate::Device],
-    group: &Arc<braid_devices::collective::RankGroup>,
-) -> std::result::Result<(), braid_devices::DeviceError> {
-    let backends: Vec<&dyn Backend> = devices.iter().map(|d| d.engine().backend.as_ref()).collect();
-    if backends.iter().all(|b| b.as_any().is::<braid_devices::cpu::CpuDevice>()) {
-        return Ok(());
+/// A backend this build leaves out: no devices, and opening one says which feature adds it.
+#[cfg(any(not(feature = "cuda"), not(feature = "wgpu")))]
+fn missing(name: &'static str, what: &'static str) -> Registration {
+    Registration::new(name, move |_| {
+        Err(DeviceError::Unavailable(format!(
+            "this build of braid has no {what} backend (build with the `{name}` feature)"
+        )))
+    })
+    .with_count(|| 0)
+}
+
+/// Adds a backend under its name; `false` (and nothing changes) when a backend of that name
+/// is registered already, built-in ones included.
+pub fn register(backend: Registration) -> bool {
+    let mut registry = lock(&REGISTRY);
+    if registry.iter().any(|r| r.name() == backend.name()) {
+        return false;
     }
-    #[cfg(feature = "cuda")]
-    {
-        let cuda: Vec<&braid_devices::cuda::CudaBackend> =
-            backends.iter().filter_map(|b| b.as_any().downcast_ref()).collect();
-        if cuda.len() == backends.len() {
-            #[cfg(feature = "nccl")]
-            return braid_devices::cuda::nccl::connect(&cuda, group);
-            #[cfg(not(feature = "nccl"))]
-            return Err(braid_devices::DeviceError::Unavailable(
-                "collectives between CUDA devices need NCCL: build braid with the `nccl` feature".into(),
-            ));
+    registry.push(backend);
+    true
+}
+
+/// The backend registered under `name`.
+pub fn get(name: &str) -> Option<Registration> {
+    lock(&REGISTRY).iter().find(|r| r.name() == name).cloned()
+}
+
+/// The names of the registered backends, built-in ones first.
+pub fn names() -> Vec<String> {
+    lock(&REGISTRY).iter().map(|r| r.name().to_string()).collect()
+}
+
+/// A device named as `BRAID_DEVICE` names one: `name` or `name:N`, `name` registered.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct DeviceName {
+    pub(crate) backend: String,
+    pub(crate) ordinal: Option<usize>,
+}
+
+impl DeviceName {
+    /// Parses `spec` (surrounding spaces and case ignored); `Err` names what is registered.
+    pub(crate) fn parse(spec: &str) -> std::result::Result<DeviceName, String> {
+        let v = spec.trim().to_ascii_lowercase();
+        let (backend, ordinal) = match v.split_once(':') {
+            Some((b, n)) => match n.parse::<usize>() {
+                Ok(n) => (b.to_string(), Some(n)),
+                Err(_) => return Err(format!("{n:?} after `{b}:` is not a device number")),
+            },
+            None => (v, None),
+        };
+        if get(&backend).is_none() {
+            let known = names().iter().map(|n| format!("{n}, {n}:N")).collect::<Vec<_>>().join(", ");
+            return Err(format!("no backend is registered as {backend:?}; expected one of {known}"));
+        }
+        Ok(DeviceName { backend, ordinal })
+    }
+
+    /// A new device of this name's backend.
+    pub(crate) fn open(&self) -> Result<Arc<dyn Backend>> {
+        let registration = get(&self.backend).ok_or_else(|| Error::Unavailable(format!("{self} is not registered")))?;
+        registration.open(self.ordinal).map_err(|e| match e {
+            DeviceError::Unavailable(m) => Error::Unavailable(format!("{self} is unavailable: {m}")),
+            other => Error::Device { device: self.to_string(), source: other },
+        })
+    }
+}
+
+impl std::fmt::Display for DeviceName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.ordinal {
+            Some(n) => write!(f, "{}:{n}", self.backend),
+            None => f.write_str(&self.backend),
         }
     }
-    let _ = group;
-    let names: Vec<String> = devices.iter().map(|d| d.name()).collect();
-    Err(braid_devices::DeviceError::Unavailable(format!(
-        "collectives run between CPU devices or between CUDA devices, not over {}",
-        names.join(", ")
-    )))
 }
 
-/// The setup token rank `rank` of a group spanning processes offers the others: rank 0 of a
-/// CUDA group makes the NCCL unique id; everything else offers zeros.
-pub(crate) fn spanning_token(
-    device: &crate::Device,
-    rank: u32,
-) -> std::result::Result<[u8; braid_devices::collective::net::TOKEN_BYTES], braid_devices::DeviceError> {
-    let backend = device.engine().backend.as_any();
-    if backend.is::<braid_devices::cpu::CpuDevice>() {
-        return Ok([0; braid_devices::collective::net::TOKEN_BYTES]);
-    }
-    #[cfg(feature = "nccl")]
-    if backend.is::<braid_devices::cuda::CudaBackend>() {
-        return if rank == 0 {
-            braid_devices::cuda::nccl::unique_id()
-        } else {
-            Ok([0; braid_devices::collective::net::TOKEN_BYTES])
-        };
-    }
-    let _ = rank;
-    Err(braid_devices::DeviceError::Unavailable(format!(
-        "groups spanning processes run on CPU devices or, with the `nccl` feature, CUDA devices; not on {}",
-        device.name()
-    )))
-}
-
-/// Sets up this process's transport in a group spanning processes, once every process has
-/// joined and rank 0's `token` arrived.
-pub(crate) fn connect_spanning(
-    device: &crate::Device,
+/// Sets up the transport of a new group of `devices`, through their backend: every device
+/// must be of one backend (CPU devices meet at the host rendezvous; CUDA devices get NCCL
+/// communicators). `Err(Unavailable)` for a mix, or a backend without collectives.
+pub(crate) fn connect_group(
+    devices: &[Device],
     group: &Arc<braid_devices::collective::RankGroup>,
-    rank: u32,
-    world: u32,
-    token: [u8; braid_devices::collective::net::TOKEN_BYTES],
-) -> std::result::Result<(), braid_devices::DeviceError> {
-    #[cfg(feature = "nccl")]
-    if let Some(cuda) = device.engine().backend.as_any().downcast_ref::<braid_devices::cuda::CudaBackend>() {
-        return braid_devices::cuda::nccl::connect_rank(cuda, group, rank, world, token);
+) -> std::result::Result<(), DeviceError> {
+    let backends: Vec<&dyn Backend> = devices.iter().map(|d| d.engine().backend.as_ref()).collect();
+    let first = backends[0].as_any().type_id();
+    if backends.iter().any(|b| b.as_any().type_id() != first) {
+        let names: Vec<String> = devices.iter().map(|d| d.name()).collect();
+        return Err(DeviceError::Unavailable(format!(
+            "collectives run between devices of one backend, not over {}",
+            names.join(", ")
+        )));
     }
-    let _ = (device, group, rank, world, token);
-    Ok(())
+    backends[0].connect_group(&backends, group)
 }

@@ -1,19 +1,20 @@
 //! Devices as users see them: a cheap shared handle over a runtime from `braid-devices`, with
 //! its random-number state and the schedule of its latest flush.
 
+use crate::backends::DeviceName;
 use crate::engine::Engine;
 use crate::engine::dump::ScheduleDump;
 use crate::error::{Error, Result};
 use crate::lock;
 use crate::stream::Stream;
-use braid_devices::{Backend, cpu::CpuDevice};
+use braid_devices::Backend;
 use braid_graph::{DeviceId, StreamId, Target, rng};
 use std::fmt;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 
+pub use braid_devices::CompileMode;
 pub use braid_devices::MemoryStats;
-pub use braid_devices::cpu::CompileMode;
 
 /// A device that tensors live on and work runs on. Cheap to clone; clones are the same device.
 #[derive(Clone)]
@@ -39,7 +40,11 @@ struct RngState {
     calls: u64,
 }
 
-static CPU: LazyLock<Device> = LazyLock::new(|| Device::register(Arc::new(CpuDevice::new())));
+/// The CPU device of `Device::cpu()`, opened through the registry like every other device.
+static CPU: LazyLock<Device> = LazyLock::new(|| {
+    let name = DeviceName { backend: "cpu".into(), ordinal: None };
+    Device::register(name.open().unwrap_or_else(|e| panic!("the CPU backend is always registered: {e}")))
+});
 
 impl Device {
     /// A device over `backend` (test backends come in through `braid::testing`).
@@ -76,46 +81,76 @@ impl Device {
     /// device. Useful to isolate memory accounting (a data loader, a test).
     pub fn new_cpu() -> Device {
         static COUNT: AtomicU32 = AtomicU32::new(1);
-        let name = format!("cpu:{}", COUNT.fetch_add(1, Ordering::Relaxed));
-        Device::register(Arc::new(CpuDevice::named(name)))
+        let ordinal = Some(COUNT.fetch_add(1, Ordering::Relaxed) as usize);
+        let name = DeviceName { backend: "cpu".into(), ordinal };
+        Device::register(name.open().unwrap_or_else(|e| panic!("the CPU backend is always registered: {e}")))
     }
 
     /// CUDA GPU `ordinal`: the same device on every call for that ordinal. An `Err` (never a
     /// panic) when this build has no CUDA backend, the CUDA libraries are missing, or there is
     /// no such GPU; the message says what was looked for.
     pub fn cuda(ordinal: usize) -> Result<Device> {
-        shared(Kind::Cuda(ordinal))
+        shared(DeviceName { backend: "cuda".into(), ordinal: Some(ordinal) })
     }
 
     /// A new, independent device on CUDA GPU `ordinal`: its own engine, memory pools and
     /// statistics (like [`Device::new_cpu`]).
     pub fn new_cuda(ordinal: usize) -> Result<Device> {
-        Ok(Device::register(crate::backends::cuda(ordinal)?))
+        Device::new(&format!("cuda:{ordinal}"))
     }
 
     /// The first wgpu adapter (Vulkan, Metal, DX12; lavapipe in CI): the same device on every
     /// call. An `Err` naming what was tried when there is none.
     pub fn wgpu() -> Result<Device> {
-        shared(Kind::Wgpu)
+        shared(DeviceName { backend: "wgpu".into(), ordinal: None })
     }
 
     /// A new, independent device on the first wgpu adapter.
     pub fn new_wgpu() -> Result<Device> {
-        Ok(Device::register(crate::backends::wgpu()?))
+        Device::new("wgpu")
     }
 
-    /// The device named by `BRAID_DEVICE` (`cpu`, `cuda`, `cuda:N`, `wgpu`); `cpu` when unset.
+    /// A new, independent device of a registered backend (see [`crate::backends`]), named as
+    /// `BRAID_DEVICE` names one: `cpu`, `cuda`, `cuda:1`, `wgpu`, or a backend the program
+    /// registered. An `Err` when no backend has that name, or the device is unavailable.
+    ///
+    /// ```
+    /// use braid::prelude::*;
+    /// let dev = Device::new("cpu:7").unwrap();
+    /// assert_eq!(dev.name(), "cpu:7");
+    /// assert!(Device::new("abacus").is_err());
+    /// ```
+    pub fn new(name: &str) -> Result<Device> {
+        let parsed = DeviceName::parse(name).map_err(Error::Unavailable)?;
+        Ok(Device::register(parsed.open()?))
+    }
+
+    /// How many devices of the registered backend `name` this machine has (`cpu`: 1; 0 for
+    /// a backend this build lacks, a missing library, or a name nobody registered).
+    ///
+    /// ```
+    /// use braid::prelude::*;
+    /// assert_eq!(Device::count("cpu"), 1);
+    /// println!("{} CUDA GPUs", Device::count("cuda"));
+    /// ```
+    pub fn count(name: &str) -> usize {
+        crate::backends::get(name).map_or(0, |r| r.count())
+    }
+
+    /// The device named by `BRAID_DEVICE` (`cpu`, `cuda`, `cuda:N`, `wgpu`, or the name of a
+    /// registered backend, see [`crate::backends`]); `cpu` when unset.
     pub fn from_env() -> Result<Device> {
-        shared(Kind::from_env()?)
+        shared(name_from_env()?)
     }
 
     /// A new, independent device of the kind `BRAID_DEVICE` names (`cpu` when unset): what test
     /// suites run on, so that one suite runs on every device.
     pub fn new_from_env() -> Result<Device> {
-        match Kind::from_env()? {
-            Kind::Cpu => Ok(Device::new_cpu()),
-            Kind::Cuda(n) => Device::new_cuda(n),
-            Kind::Wgpu => Device::new_wgpu(),
+        let name = name_from_env()?;
+        match (name.backend.as_str(), name.ordinal) {
+            // Numbered, so that messages tell the suite's devices apart.
+            ("cpu", None) => Ok(Device::new_cpu()),
+            _ => Ok(Device::register(name.open()?)),
         }
     }
 
@@ -189,14 +224,12 @@ impl Device {
     /// assert!(dev.compiled_kernels_launched() <= 1);
     /// ```
     pub fn set_compile_mode(&self, mode: CompileMode) {
-        if let Some(cpu) = self.cpu_backend() {
-            cpu.set_compile_mode(mode)
-        }
+        self.0.engine.backend.set_compile_mode(mode)
     }
 
     /// Kernels this device has run as compiled code (see [`Device::set_compile_mode`]).
     pub fn compiled_kernels_launched(&self) -> u64 {
-        self.cpu_backend().map_or(0, CpuDevice::compiled_kernels_launched)
+        self.0.engine.backend.compiled_kernels_launched()
     }
 
     /// Keeps a [`Profile`](crate::profile::Profile) of every flush on this device (off by
@@ -307,11 +340,6 @@ impl Device {
         (c.hits, c.misses)
     }
 
-    /// The CPU backend's own options, when this is a CPU device.
-    fn cpu_backend(&self) -> Option<&CpuDevice> {
-        self.0.engine.backend.as_any().downcast_ref::<CpuDevice>()
-    }
-
     /// What this device is like, as fusion, scheduling and lowering see it (kernel limits,
     /// cost model, memory, element types).
     pub fn target(&self) -> &Target {
@@ -351,50 +379,29 @@ pub(crate) fn recorded_graph_dot() -> String {
     crate::engine::engines().iter().map(|e| e.recorded_graph_dot()).collect::<Vec<_>>().join("\n")
 }
 
-/// A kind of device, as `BRAID_DEVICE` names it.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-enum Kind {
-    Cpu,
-    Cuda(usize),
-    Wgpu,
-}
-
-impl Kind {
-    fn from_env() -> Result<Kind> {
-        let value = std::env::var("BRAID_DEVICE").unwrap_or_default();
-        let v = value.trim().to_ascii_lowercase();
-        match v.as_str() {
-            "" | "cpu" => Ok(Kind::Cpu),
-            "cuda" => Ok(Kind::Cuda(0)),
-            "wgpu" => Ok(Kind::Wgpu),
-            _ => match v.strip_prefix("cuda:").map(str::parse::<usize>) {
-                Some(Ok(n)) => Ok(Kind::Cuda(n)),
-                _ => Err(Error::Environment {
-                    name: "BRAID_DEVICE",
-                    value,
-                    reason: "expected cpu, cuda, cuda:N or wgpu".into(),
-                }),
-            },
-        }
+/// The device `BRAID_DEVICE` names (`cpu` when unset).
+fn name_from_env() -> Result<DeviceName> {
+    let value = std::env::var("BRAID_DEVICE").unwrap_or_default();
+    if value.trim().is_empty() {
+        return Ok(DeviceName { backend: "cpu".into(), ordinal: None });
     }
+    DeviceName::parse(&value).map_err(|reason| Error::Environment { name: "BRAID_DEVICE", value, reason })
 }
 
-/// The shared device of each kind, created on first use (a failure is not kept: a later call
-/// tries again).
-fn shared(kind: Kind) -> Result<Device> {
-    static SHARED: Mutex<Vec<(Kind, Device)>> = Mutex::new(Vec::new());
-    if kind == Kind::Cpu {
+/// The shared device of each name, created on first use (a failure is not kept: a later call
+/// tries again). `name` and `name:0` are one device, but for the CPU, whose bare `cpu` is
+/// [`Device::cpu`].
+fn shared(name: DeviceName) -> Result<Device> {
+    static SHARED: Mutex<Vec<(DeviceName, Device)>> = Mutex::new(Vec::new());
+    if name.backend == "cpu" && name.ordinal.is_none() {
         return Ok(Device::cpu());
     }
+    let key = DeviceName { ordinal: Some(name.ordinal.unwrap_or(0)), ..name.clone() };
     let mut devices = lock(&SHARED);
-    if let Some((_, d)) = devices.iter().find(|(k, _)| *k == kind) {
+    if let Some((_, d)) = devices.iter().find(|(k, _)| *k == key) {
         return Ok(d.clone());
     }
-    let device = match kind {
-        Kind::Cuda(n) => Device::new_cuda(n)?,
-        Kind::Wgpu => Device::new_wgpu()?,
-        Kind::Cpu => unreachable!("handled above"),
-    };
-    devices.push((kind, device.clone()));
+    let device = Device::register(name.open()?);
+    devices.push((key, device.clone()));
     Ok(device)
 }

@@ -32,7 +32,7 @@
 
 pub mod amp;
 pub(crate) mod autograd;
-mod backends;
+pub mod backends;
 mod device;
 pub mod dist;
 mod engine;

@@ -30,7 +30,9 @@ pub fn test_device() -> Device {
     Device::new_from_env().unwrap_or_else(|e| panic!("BRAID_DEVICE asks for a device that is unavailable: {e}"))
 }
 
-/// A device running on `backend` (a test backend: a recording queue, a fault injector).
+/// A device running on `backend` (a test backend wrapping another for one test: a fault
+/// injector). A backend meant to be opened by name registers through
+/// [`crate::backends::register`] instead, as the built-in ones do.
 pub fn device_with_backend(backend: Arc<dyn braid_devices::Backend>) -> Device {
     Device::with_backend(backend)
 }
@@ -119,30 +121,8 @@ pub fn recorded_program(targets: &[&crate::Tensor]) -> crate::Result<(Vec<Record
     Ok((program, roots))
 }
 
-/// The vector instruction levels CPU kernels are compiled for.
-pub use braid_devices::cpu::eval::Simd as CpuSimd;
-
-/// Runs later CPU kernels at most at `level` (never above what the CPU has), in the whole
-/// process; returns the level now in effect. Lets a test check that every level computes the
-/// same bits.
-pub fn limit_cpu_simd(level: CpuSimd) -> CpuSimd {
-    braid_devices::cpu::eval::limit_simd(level)
-}
-
-/// The CPU device under `device`, when it is one: compile and graph statistics.
-pub fn cpu_backend(device: &Device) -> Option<&braid_devices::cpu::CpuDevice> {
-    device.engine().backend.as_any().downcast_ref()
-}
-
-/// The CUDA runtime under `device`, when it is a CUDA device: kernel timelines from CUDA
-/// events, compile statistics, pinned memory.
-#[cfg(feature = "cuda")]
-pub fn cuda_backend(device: &Device) -> Option<&braid_devices::cuda::CudaBackend> {
-    device.engine().backend.as_any().downcast_ref()
-}
-
-/// The wgpu runtime under `device`, when it is a wgpu device: its adapter's context.
-#[cfg(feature = "wgpu")]
-pub fn wgpu_backend(device: &Device) -> Option<&braid_devices::wgpu::WgpuBackend> {
+/// The runtime under `device` as its own type `B`, when it is one (the CPU's compile and graph
+/// statistics, the CUDA backend's kernel timelines, a test backend's log).
+pub fn backend<B: braid_devices::Backend + 'static>(device: &Device) -> Option<&B> {
     device.engine().backend.as_any().downcast_ref()
 }

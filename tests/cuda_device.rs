@@ -50,7 +50,7 @@ fn logging() {
 }
 
 fn backend(dev: &Device) -> &CudaBackend {
-    braid::testing::cuda_backend(dev).expect("a CUDA device")
+    braid::testing::backend::<CudaBackend>(dev).expect("a CUDA device")
 }
 
 /// Rows of a chain: few rows, so that each kernel (a row kernel, one block per row) leaves

@@ -33,7 +33,7 @@ fn ranks(n: usize, test: &str) -> Option<Vec<Device>> {
     match kind.trim() {
         "" | "cpu" => Some((0..n).map(|_| Device::new_cpu()).collect()),
         k if k.starts_with("cuda") => {
-            let count = braid_devices::cuda::device_count().unwrap_or(0);
+            let count = Device::count("cuda");
             if count < n {
                 return skip(format!("needs {n} GPUs, this machine has {count}"));
             }
@@ -328,7 +328,7 @@ fn worker_process() {
 fn processes_form_a_group_and_train_like_one() {
     let _serial = serial();
     let kind = std::env::var("BRAID_DEVICE").unwrap_or_default();
-    if kind.starts_with("cuda") && braid_devices::cuda::device_count().unwrap_or(0) < 2 {
+    if kind.starts_with("cuda") && Device::count("cuda") < 2 {
         let _ = writeln!(std::io::stderr(), "skipped: processes_form_a_group: needs 2 GPUs");
         return;
     }

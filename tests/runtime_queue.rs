@@ -24,32 +24,28 @@ fn cases() -> u64 {
     std::env::var("BRAID_PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).map_or(1500, |n: u64| n.max(50))
 }
 
-/// Runs `n` random programs of `config` on a fresh recording device; returns the backend.
-fn run_programs(n: u64, config: &Config, fusion: bool, seed: u64) -> Arc<RecordingBackend> {
-    run_programs_on(RecordingBackend::new(seed), n, config, fusion, seed)
-}
-
-/// [`run_programs`] on `backend`.
-fn run_programs_on(
-    backend: RecordingBackend,
-    n: u64,
-    config: &Config,
-    fusion: bool,
-    seed: u64,
-) -> Arc<RecordingBackend> {
-    let backend = Arc::new(backend);
-    let dev = braid::testing::device_with_backend(backend.clone());
+/// Runs `n` random programs of `config` on a fresh device opened by name (`recording:N`, ...:
+/// the recording backends register like any backend, see `RecordingBackend::register`), with
+/// poison on; returns the device.
+fn run_programs_on(name: &str, n: u64, config: &Config, fusion: bool, seed: u64) -> Device {
+    RecordingBackend::register();
+    let dev = Device::new(name).unwrap_or_else(|e| panic!("{name}: {e}"));
     dev.set_poison(true);
     dev.set_fusion(fusion);
     for i in 0..n {
         let program_seed = seed.wrapping_mul(1_000_003).wrapping_add(i);
         if let Err(e) = program::run(program_seed, &dev, config) {
-            panic!("program {program_seed} on the recording device: {e}");
+            panic!("program {program_seed} on {name}: {e}");
         }
     }
-    let violations = backend.violations();
+    let violations = RecordingBackend::of(&dev).violations();
     assert!(violations.is_empty(), "the runtime broke an ordering promise: {violations:#?}");
-    backend
+    dev
+}
+
+/// [`run_programs_on`] a `recording:seed` device; returns its log.
+fn run_programs(n: u64, config: &Config, fusion: bool, seed: u64) -> Vec<Logged> {
+    RecordingBackend::of(&run_programs_on(&format!("recording:{seed}"), n, config, fusion, seed)).log()
 }
 
 fn count(log: &[Logged], f: impl Fn(&Logged) -> bool) -> usize {
@@ -61,8 +57,7 @@ fn random_programs_on_streams_with_events_match_the_reference_on_an_asynchronous
     let config = Config { streams: 2, events: true, max_ops: 40, reads_in_middle: false, ..Config::default() };
     let fused = run_programs(cases(), &config, true, 1);
     let unfused = run_programs(cases() / 2, &config, false, 2);
-    for backend in [fused, unfused] {
-        let log = backend.log();
+    for log in [fused, unfused] {
         let gated = count(&log, |l| matches!(l, Logged::FreeAfter { after, .. } if !after.is_empty()));
         let waits = count(&log, |l| matches!(l, Logged::Wait { .. }));
         let launches = count(&log, |l| matches!(l, Logged::Launch { .. }));
@@ -77,21 +72,15 @@ fn random_programs_on_streams_with_events_match_the_reference_on_an_asynchronous
 /// Runs three-stream programs with events (fused) and two-stream programs under memory budgets
 /// (offloading) on backends made by `backend` (from a seed), and checks that enough waits, gated
 /// frees and offload copies were exercised (`min_copies` copies at least).
-fn run_mixed(
-    label: &str,
-    backend: impl Fn(u64) -> RecordingBackend,
-    seeds: (u64, u64),
-    budget_runs: u64,
-    min_copies: usize,
-) {
+fn run_mixed(label: &str, backend: &str, seeds: (u64, u64), budget_runs: u64, min_copies: usize) {
     let config = Config { streams: 3, events: true, max_ops: 30, reads_in_middle: false, ..Config::default() };
-    let fused = run_programs_on(backend(seeds.0), cases() / 2, &config, true, seeds.0);
+    let fused = run_programs_on(&format!("{backend}:{}", seeds.0), cases() / 2, &config, true, seeds.0);
     let budgets = Config { streams: 2, events: true, budgets: true, max_ops: 32, ..Config::default() };
-    let offloaded = run_programs_on(backend(seeds.1), budget_runs, &budgets, false, seeds.1);
-    let log = fused.log();
+    let offloaded = run_programs_on(&format!("{backend}:{}", seeds.1), budget_runs, &budgets, false, seeds.1);
+    let log = RecordingBackend::of(&fused).log();
     let gated = count(&log, |l| matches!(l, Logged::FreeAfter { after, .. } if !after.is_empty()));
     let waits = count(&log, |l| matches!(l, Logged::Wait { .. }));
-    let copies = count(&offloaded.log(), |l| matches!(l, Logged::Copy { .. }));
+    let copies = count(&RecordingBackend::of(&offloaded).log(), |l| matches!(l, Logged::Copy { .. }));
     println!("{label}: {waits} waits, {gated} gated frees, {copies} offload copies");
     assert!(
         gated > 10 && waits > 50 && copies > min_copies,
@@ -104,7 +93,7 @@ fn run_mixed(
 /// order must then respect every event and gated free of the schedule by itself.
 #[test]
 fn random_programs_match_the_reference_on_one_in_order_queue() {
-    run_mixed("one queue", RecordingBackend::single_queue, (5, 6), cases() / 2, 10);
+    run_mixed("one queue", "recording_one_queue", (5, 6), cases() / 2, 10);
 }
 
 /// CUDA's driving: each stream issued by a host thread of its own, so the calls of different
@@ -112,14 +101,14 @@ fn random_programs_match_the_reference_on_one_in_order_queue() {
 /// hand gated frees over only after their records.
 #[test]
 fn random_programs_match_the_reference_when_each_stream_is_issued_on_its_own_thread() {
-    run_mixed("issue threads", RecordingBackend::issue_threads, (7, 8), cases() / 4, 5);
+    run_mixed("issue threads", "recording_issue_threads", (7, 8), cases() / 4, 5);
 }
 
 #[test]
 fn random_programs_under_memory_budgets_match_the_reference_on_an_asynchronous_device() {
     let config = Config { streams: 2, events: true, budgets: true, max_ops: 32, ..Config::default() };
-    let backend = run_programs(cases() / 2, &config, false, 3);
-    let copies = count(&backend.log(), |l| matches!(l, Logged::Copy { .. }));
+    let log = run_programs(cases() / 2, &config, false, 3);
+    let copies = count(&log, |l| matches!(l, Logged::Copy { .. }));
     println!("{copies} offload copies");
     assert!(copies > 20, "budgets should have offloaded values");
 }
@@ -128,8 +117,9 @@ fn random_programs_under_memory_budgets_match_the_reference_on_an_asynchronous_d
 /// stream, shown in the dump; CPU to CPU needs no copy.
 #[test]
 fn transfers_from_the_cpu_are_copy_steps_on_the_copy_stream() {
-    let backend = Arc::new(RecordingBackend::new(4));
-    let dev = braid::testing::device_with_backend(backend.clone());
+    RecordingBackend::register();
+    let dev = Device::new("recording:4").unwrap();
+    let backend = RecordingBackend::of(&dev);
     dev.set_poison(true);
     let cpu = Device::new_cpu();
     let x = Tensor::from_vec((0..64).map(|i| i as f32 * 0.5 - 7.0).collect(), [8, 8], &cpu);

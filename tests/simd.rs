@@ -9,7 +9,7 @@
 mod common;
 
 use braid::prelude::*;
-use braid::testing::{CpuSimd, limit_cpu_simd};
+use braid_devices::cpu::eval::{Simd as CpuSimd, limit_simd as limit_cpu_simd};
 use common::{Rng, check_recorded, random_values, tensor_from_f64};
 
 /// Each workload's outputs, as bits.

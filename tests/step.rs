@@ -362,7 +362,7 @@ fn a_failed_replay_is_an_error_and_the_next_one_runs() {
 #[test]
 fn cpu_replays_of_one_stream_run_as_graphs() {
     let dev = Device::new_cpu();
-    let launches = || braid::testing::cpu_backend(&dev).unwrap().graph_launches();
+    let launches = || braid::testing::backend::<braid_devices::cpu::CpuDevice>(&dev).unwrap().graph_launches();
     let step = Step::new(micrograd_step);
     let mut rng = Rng::new(5);
     for call in 0..5 {

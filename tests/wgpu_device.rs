@@ -31,7 +31,7 @@ fn panic_message(f: impl FnOnce()) -> String {
 #[test]
 fn the_target_comes_from_the_adapter() {
     let Some(dev) = wgpu() else { return };
-    let backend = braid::testing::wgpu_backend(&dev).expect("a wgpu device");
+    let backend = braid::testing::backend::<braid_devices::wgpu::WgpuBackend>(&dev).expect("a wgpu device");
     let ctx = backend.context();
     println!("adapter: {}", ctx.describe());
     let t = dev.target();
@@ -117,7 +117,11 @@ impl SyncValue for Tensor {
 #[test]
 fn a_buffer_beyond_the_adapters_limit_is_out_of_memory_and_the_device_goes_on() {
     let Some(dev) = wgpu() else { return };
-    let limit = braid::testing::wgpu_backend(&dev).unwrap().context().limits.max_storage_buffer_binding_size;
+    let limit = braid::testing::backend::<braid_devices::wgpu::WgpuBackend>(&dev)
+        .unwrap()
+        .context()
+        .limits
+        .max_storage_buffer_binding_size;
     let n = (limit / 4 + 1024) as usize;
     let huge = Tensor::zeros([n], DType::F32, &dev);
     match (&huge + 1.0).sum().item::<f32>() {

@@ -370,7 +370,7 @@ fn g4_replayed(dev: &Device, a: &Tensor, x: &Tensor, steps: usize, expected: &Te
          its best of one and two streams); {products}; matches the recorded run within {err:.1e}; the host enqueues \
          a replay in {host_us:.1} us per kernel"
     );
-    if let Some(cuda) = braid::testing::cuda_backend(dev) {
+    if let Some(cuda) = braid::testing::backend::<braid_devices::cuda::CudaBackend>(dev) {
         cuda.set_graphs(false);
         let (plain_ms, plain_us, _, _, _) = timed();
         cuda.set_graphs(true);

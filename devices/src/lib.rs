@@ -14,11 +14,10 @@ pub mod runtime;
 #[cfg(feature = "wgpu")]
 pub mod wgpu;
 
+pub use runtime::buffer::{Buffer, DeviceBuffer};
 pub use runtime::pool::MemoryStats;
-pub use runtime::{Backend, Driver, Input, Job};
-
-use braid_graph::MemoryKind;
-use std::sync::Arc;
+pub use runtime::registry::Registration;
+pub use runtime::{Backend, CompileMode, Driver, Input, Job};
 
 /// A run-time failure of a device. Always returned, never panicked; the device stays usable.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -57,93 +56,4 @@ pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .cloned()
         .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
         .unwrap_or_default()
-}
-
-/// A device buffer; cloning shares it, and the memory returns to its pool with the last clone.
-/// One variant per backend.
-#[derive(Clone, Debug)]
-pub enum Buffer {
-    Cpu(Arc<cpu::CpuBuffer>),
-    #[cfg(feature = "cuda")]
-    Cuda(Arc<cuda::CudaBuffer>),
-    #[cfg(feature = "wgpu")]
-    Wgpu(Arc<wgpu::WgpuBuffer>),
-}
-
-impl Buffer {
-    pub fn bytes(&self) -> usize {
-        match self {
-            Buffer::Cpu(b) => b.bytes(),
-            #[cfg(feature = "cuda")]
-            Buffer::Cuda(b) => b.bytes(),
-            #[cfg(feature = "wgpu")]
-            Buffer::Wgpu(b) => b.bytes(),
-        }
-    }
-
-    /// Whether the buffer is parameter memory (exact-size; see `Device::persistent_memory`).
-    pub fn is_persistent(&self) -> bool {
-        match self {
-            Buffer::Cpu(b) => b.is_exact(),
-            #[cfg(feature = "cuda")]
-            Buffer::Cuda(b) => b.is_exact(),
-            #[cfg(feature = "wgpu")]
-            Buffer::Wgpu(b) => b.is_exact(),
-        }
-    }
-
-    /// Whether the buffer is the device's offload (host) memory rather than its device memory:
-    /// a value an offload left there past its flush.
-    pub fn is_offloaded(&self) -> bool {
-        match self {
-            Buffer::Cpu(b) => b.is_host(),
-            #[cfg(feature = "cuda")]
-            Buffer::Cuda(b) => b.is_pinned(),
-            #[cfg(feature = "wgpu")]
-            Buffer::Wgpu(b) => b.is_host(),
-        }
-    }
-
-    /// Whether another handle to this buffer exists (a download in progress holds one).
-    pub fn is_shared(&self) -> bool {
-        match self {
-            Buffer::Cpu(b) => Arc::strong_count(b) > 1,
-            #[cfg(feature = "cuda")]
-            Buffer::Cuda(b) => Arc::strong_count(b) > 1,
-            #[cfg(feature = "wgpu")]
-            Buffer::Wgpu(b) => Arc::strong_count(b) > 1,
-        }
-    }
-
-    /// Copies the buffer's bytes into `dst` (exactly `bytes()` long), once the work that writes
-    /// them is done: how a device reads another device's value (a transfer's source).
-    pub fn read_into(&self, dst: &mut [u8]) -> Result<(), DeviceError> {
-        if dst.len() != self.bytes() {
-            return Err(DeviceError::Internal(format!("a read of {} bytes into {}", self.bytes(), dst.len())));
-        }
-        match self {
-            Buffer::Cpu(b) => {
-                // SAFETY: the buffer holds `bytes()` initialised bytes, and the lengths match.
-                unsafe { std::ptr::copy_nonoverlapping(b.ptr(), dst.as_mut_ptr(), dst.len()) };
-                Ok(())
-            }
-            // Waits for the work writing it (everything enqueued on its GPU before the call).
-            #[cfg(feature = "cuda")]
-            Buffer::Cuda(b) => b.read_into(dst),
-            // Submits and waits for the work issued on its device before the call.
-            #[cfg(feature = "wgpu")]
-            Buffer::Wgpu(b) => b.read_into(dst),
-        }
-    }
-
-    /// Where the buffer's memory is: whether another device's kernels can read it in place.
-    pub fn memory_kind(&self) -> MemoryKind {
-        match self {
-            Buffer::Cpu(_) => MemoryKind::Host,
-            #[cfg(feature = "cuda")]
-            Buffer::Cuda(_) => MemoryKind::Device,
-            #[cfg(feature = "wgpu")]
-            Buffer::Wgpu(_) => MemoryKind::Device,
-        }
-    }
 }

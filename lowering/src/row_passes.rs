@@ -10,8 +10,20 @@
 //! memory.
 
 use crate::kernel::{RowKernel, Store};
-use braid_graph::ReduceOp;
-use braid_graph::expr::ExprOp;
+use braid_graph::expr::{Expr, ExprOp};
+use braid_graph::{DType, ReduceOp};
+
+/// The reductions of `expr` that `live` marks, in node order: (node, op, operand, operand's
+/// dtype). What the GPU printers fold, one pass per reduction.
+pub fn live_reductions(expr: &Expr, live: &[bool]) -> Vec<(usize, ReduceOp, usize, DType)> {
+    let nodes = &expr.nodes;
+    (0..nodes.len())
+        .filter_map(|i| match nodes[i].op {
+            ExprOp::Reduce(op, x) if live[i] => Some((i, op, x as usize, nodes[x as usize].dtype)),
+            _ => None,
+        })
+        .collect()
+}
 
 /// What a row kernel's expression looks like from a row's point of view.
 #[derive(Clone, Debug)]

@@ -155,8 +155,7 @@ impl Dump {
                     .iter()
                     .map(|step| match step {
                         StreamStep::Kernel(k) => {
-                            let plan = &schedule.kernels[k.index()];
-                            let seg = &schedule.fusion.segments[plan.segment];
+                            let (plan, seg) = schedule.kernel_and_segment(*k);
                             DumpStep::Kernel {
                                 id: k.to_string(),
                                 ops: seg.nodes.iter().map(|&n| graph.nodes[n].op.name().to_string()).collect(),

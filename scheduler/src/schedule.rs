@@ -166,4 +166,10 @@ impl Schedule {
     pub fn kernel_count(&self) -> usize {
         self.kernels.len()
     }
+
+    /// Kernel `k`'s plan and the fused segment it runs.
+    pub fn kernel_and_segment(&self, k: KernelId) -> (&KernelPlan, &braid_fusion::Segment) {
+        let plan = &self.kernels[k.index()];
+        (plan, &self.fusion.segments[plan.segment])
+    }
 }

@@ -167,13 +167,13 @@ impl Group {
             braid_devices::DeviceError::Unavailable(m) => Error::Unavailable(m),
             other => Error::Device { device: device.name(), source: other },
         };
-        let token = crate::backends::spanning_token(device, rank as u32).map_err(unavailable)?;
+        let token = device.engine().backend.spanning_token(rank as u32).map_err(unavailable)?;
         let timeout = collective::timeout_from_env();
         let (net, token) =
             collective::net::Net::connect(rank as u32, world as u32, addr, token, timeout).map_err(unavailable)?;
         let id = NEXT_GROUP.fetch_add(1, Ordering::Relaxed);
         let runtime = Arc::new(collective::RankGroup::spanning(id, world as u32, rank as u32, net));
-        crate::backends::connect_spanning(device, &runtime, rank as u32, world as u32, token).map_err(unavailable)?;
+        device.engine().backend.connect_spanning(&runtime, token).map_err(unavailable)?;
         collective::register(runtime.clone());
         Ok(Group(Arc::new(GroupInner {
             devices: vec![device.clone()],

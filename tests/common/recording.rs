@@ -20,7 +20,7 @@
 //! writer clobber it before that reader ran, and the results would be wrong.
 
 use braid_devices::cpu::map::ArgPtr;
-use braid_devices::cpu::{CpuDevice, run_kernel};
+use braid_devices::cpu::{CpuBuffer, CpuDevice, run_kernel};
 use braid_devices::runtime::{Call, Driver, Flush, Queue};
 use braid_devices::{Backend, Buffer, DeviceError, MemoryStats};
 use braid_graph::{MemoryKind, Target};
@@ -94,6 +94,34 @@ impl RecordingBackend {
         b.single = true;
         b.target.copy_stream = false;
         b
+    }
+
+    /// Registers the fake device's three flavours as backends (once per process; later calls
+    /// do nothing), through the path every backend takes: `recording:N` is
+    /// [`RecordingBackend::new`]`(N)`, `recording_one_queue:N` [`RecordingBackend::single_queue`]
+    /// and `recording_issue_threads:N` [`RecordingBackend::issue_threads`], `N` the seed of
+    /// the simulated device's interleaving (0 without one).
+    pub fn register() {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        ONCE.call_once(|| {
+            type Make = fn(u64) -> RecordingBackend;
+            let flavours: [(&str, Make); 3] = [
+                ("recording", RecordingBackend::new),
+                ("recording_one_queue", RecordingBackend::single_queue),
+                ("recording_issue_threads", RecordingBackend::issue_threads),
+            ];
+            for (name, make) in flavours {
+                let registration = braid::backends::Registration::new(name, move |seed| {
+                    Ok(Arc::new(make(seed.unwrap_or(0) as u64)) as Arc<dyn Backend>)
+                });
+                assert!(braid::backends::register(registration), "{name} was registered by someone else");
+            }
+        });
+    }
+
+    /// The fake device under `dev` (a device opened by one of the names of [`register`]).
+    pub fn of(dev: &braid::Device) -> &RecordingBackend {
+        braid::testing::backend::<RecordingBackend>(dev).expect("a device of a recording backend")
     }
 
     /// Every call received so far.
@@ -381,11 +409,10 @@ struct RecordingQueue<'f, 'a> {
 }
 
 fn cpu_ptr(buffer: &Buffer) -> *mut u8 {
-    match buffer {
-        Buffer::Cpu(b) => b.ptr(),
+    match buffer.get::<CpuBuffer>() {
+        Some(b) => b.ptr(),
         // The fake device's memory is the CPU's; the walker catches this panic as a bug.
-        #[allow(unreachable_patterns)]
-        other => panic!("the recording backend was given another device's buffer: {other:?}"),
+        None => panic!("the recording backend was given another device's buffer: {buffer:?}"),
     }
 }
 

@@ -156,7 +156,7 @@ impl Graph for CpuGraph {
                     // The argument buffers stay in the table for the call.
                     let mut args: SmallVec<[ArgPtr; 16]> = SmallVec::with_capacity(k.args.len());
                     for (&b, a) in k.args.iter().zip(&k.kernel.args) {
-                        let Some(Buffer::Cpu(buffer)) = &table[b] else {
+                        let Some(buffer) = table[b].as_ref().and_then(Buffer::get::<super::CpuBuffer>) else {
                             return Err(DeviceError::Internal(format!("{}: b{b} is not a CPU buffer", k.label)));
                         };
                         args.push(ArgPtr { ptr: buffer.ptr(), len: a.len, dtype: a.dtype });

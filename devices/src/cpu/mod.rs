@@ -23,10 +23,12 @@ mod tile;
 /// braid's f32 `exp` and `tanh` (defined next to the kernel IR, whose host C printer prints them).
 pub use braid_lowering::vmath;
 
+use crate::collective::RankGroup;
+use crate::collective::net::TOKEN_BYTES;
 use crate::runtime::pool::{HostMemory, Pool, Slice};
 use crate::runtime::{Backend, Driver, Flush};
-use crate::{Buffer, DeviceError, MemoryStats};
-use braid_graph::Target;
+use crate::{Buffer, DeviceBuffer, DeviceError, MemoryStats};
+use braid_graph::{MemoryKind, Target};
 use braid_lowering::{Body, Kernel, MatmulKernel};
 use braid_scheduler::{BufferPlan, Schedule, Space};
 use map::ArgPtr;
@@ -34,18 +36,17 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-/// When the CPU compiles kernels to machine code (through the system's C compiler; see
-/// [`native`]). Compiled or interpreted, a kernel computes the same bits (but for the payload of
-/// a NaN). `BRAID_CPU_COMPILE=off|background|blocking` sets it when a device is created.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CompileMode {
-    /// Never: every kernel is interpreted.
-    Off,
-    /// In the background (the default): a kernel's first runs are interpreted while it
-    /// compiles; later runs use the compiled code once it is ready.
-    Background,
-    /// Before a kernel's first run, which waits for the compiler (for benchmarks and tests).
-    Blocking,
+pub use crate::runtime::CompileMode;
+
+/// The CPU as the engine's registry knows it: `cpu` opens a device named `cpu`, `cpu:N` one
+/// named `cpu:N` (each a new device with its own pool and statistics).
+pub fn registration() -> crate::Registration {
+    crate::Registration::new("cpu", |ordinal| {
+        Ok(Arc::new(match ordinal {
+            None => CpuDevice::new(),
+            Some(n) => CpuDevice::named(format!("cpu:{n}")),
+        }))
+    })
 }
 
 impl CompileMode {
@@ -102,6 +103,33 @@ impl CpuBuffer {
         // SAFETY: the buffer holds `bytes` initialised bytes (every buffer is written by the
         // kernel or upload that produced it before anyone reads it).
         unsafe { std::slice::from_raw_parts(self.ptr(), self.bytes).to_vec() }
+    }
+}
+
+impl DeviceBuffer for CpuBuffer {
+    fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    fn is_persistent(&self) -> bool {
+        self.exact
+    }
+
+    fn is_offloaded(&self) -> bool {
+        self.host
+    }
+
+    fn memory_kind(&self) -> MemoryKind {
+        MemoryKind::Host
+    }
+
+    fn read_into(&self, dst: &mut [u8]) -> Result<(), DeviceError> {
+        if dst.len() != self.bytes {
+            return Err(DeviceError::Internal(format!("a read of {} bytes into {}", self.bytes, dst.len())));
+        }
+        // SAFETY: the buffer holds `bytes` initialised bytes, and the lengths match.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr(), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
     }
 }
 
@@ -169,16 +197,6 @@ impl CpuDevice {
     /// apart this way: `cpu:1`, `cpu:2`, ...).
     pub fn named(name: impl Into<String>) -> CpuDevice {
         CpuDevice { name: name.into(), ..CpuDevice::default() }
-    }
-
-    /// Sets when kernels are compiled to machine code (see [`CompileMode`]).
-    pub fn set_compile_mode(&self, mode: CompileMode) {
-        self.native.set_mode(mode)
-    }
-
-    /// Kernels run as compiled code since the device was created.
-    pub fn compiled_kernels_launched(&self) -> u64 {
-        self.native.launches()
     }
 
     /// How many replayed steps ran as CPU graphs (without the walker; see [`graph`]).
@@ -321,7 +339,7 @@ impl CpuDevice {
     /// A device buffer of `bytes` whose contents are unspecified (for test backends that
     /// write it later, as a device would).
     pub fn alloc_unwritten(&self, bytes: usize, poison: bool) -> Result<Buffer, DeviceError> {
-        Ok(Buffer::Cpu(self.alloc(bytes, poison)?))
+        Ok(Buffer::new(self.alloc(bytes, poison)?))
     }
 
     /// A buffer for `plan`: device memory (exact-size for a parameter) or offload space.
@@ -334,7 +352,7 @@ impl CpuDevice {
                 return Err(DeviceError::Internal("another device's buffer is never allocated here".into()));
             }
         };
-        Ok(Buffer::Cpu(buffer))
+        Ok(Buffer::new(buffer))
     }
 
     /// A device buffer holding a copy of `bytes`.
@@ -427,23 +445,16 @@ impl Backend for CpuDevice {
     }
 
     fn upload(&self, bytes: &[u8], poison: bool) -> Result<Buffer, DeviceError> {
-        self.upload_bytes(bytes, poison).map(Buffer::Cpu)
+        self.upload_bytes(bytes, poison).map(Buffer::new)
     }
 
     fn download(&self, buffer: &Buffer) -> Result<Vec<u8>, DeviceError> {
-        match buffer {
-            Buffer::Cpu(b) => Ok(b.read()),
-            #[allow(unreachable_patterns)]
-            other => Err(DeviceError::Internal(format!("the CPU cannot download another device's buffer ({other:?})"))),
-        }
+        Ok(queue::cpu_buffer(buffer)?.read())
     }
 
     fn download_into(&self, buffer: &Buffer, dst: &mut [u8]) -> Result<(), DeviceError> {
-        match buffer {
-            Buffer::Cpu(_) => buffer.read_into(dst),
-            #[allow(unreachable_patterns)]
-            other => Err(DeviceError::Internal(format!("the CPU cannot download another device's buffer ({other:?})"))),
-        }
+        queue::cpu_buffer(buffer)?;
+        buffer.read_into(dst)
     }
 
     fn memory(&self) -> MemoryStats {
@@ -474,8 +485,26 @@ impl Backend for CpuDevice {
         graph::record(self, job)
     }
 
+    fn set_compile_mode(&self, mode: CompileMode) {
+        self.native.set_mode(mode)
+    }
+
+    fn compiled_kernels_launched(&self) -> u64 {
+        self.native.launches()
+    }
+
     fn as_any(&self) -> &dyn std::any::Any {
         self
+    }
+
+    /// CPU devices meet at the host rendezvous: nothing to set up.
+    fn connect_group(&self, _members: &[&dyn Backend], _group: &Arc<RankGroup>) -> Result<(), DeviceError> {
+        Ok(())
+    }
+
+    /// The host exchange needs no token.
+    fn spanning_token(&self, _rank: u32) -> Result<[u8; TOKEN_BYTES], DeviceError> {
+        Ok([0; TOKEN_BYTES])
     }
 }
 
@@ -487,7 +516,7 @@ mod tests {
     fn poisoned_buffers_are_filled_with_0xff_when_freed() {
         let dev = CpuDevice::new();
         for poison in [true, false] {
-            let Buffer::Cpu(buf) = dev.upload(&[1u8, 2, 3, 4], poison).unwrap() else { unreachable!("a CPU buffer") };
+            let buf = dev.upload(&[1u8, 2, 3, 4], poison).unwrap().arc::<CpuBuffer>().expect("a CPU buffer");
             let ptr = buf.ptr();
             drop(buf);
             // The pool still owns the memory; nothing else has taken it.

@@ -88,12 +88,10 @@ struct CpuQueue<'f, 'a> {
 
 /// The CPU buffer `buffer` is; another device's buffer is an error (kernels and copies read
 /// another device's memory only through a transfer's copy step, [`Buffer::read_into`]).
-fn cpu_buffer(buffer: &Buffer) -> Result<&Arc<CpuBuffer>, DeviceError> {
-    match buffer {
-        Buffer::Cpu(b) => Ok(b),
-        #[allow(unreachable_patterns)]
-        other => Err(DeviceError::Internal(format!("a CPU kernel or copy given another device's buffer ({other:?})"))),
-    }
+pub(crate) fn cpu_buffer(buffer: &Buffer) -> Result<&CpuBuffer, DeviceError> {
+    buffer.get().ok_or_else(|| {
+        DeviceError::Internal(format!("a CPU kernel or copy given another device's buffer ({buffer:?})"))
+    })
 }
 
 impl CpuQueue<'_, '_> {
@@ -158,7 +156,7 @@ impl Queue for CpuQueue<'_, '_> {
     }
 
     fn upload(&mut self, bytes: &[u8]) -> Result<Buffer, DeviceError> {
-        self.flush.device.upload_bytes(bytes, self.flush.poison).map(Buffer::Cpu)
+        self.flush.device.upload_bytes(bytes, self.flush.poison).map(Buffer::new)
     }
 
     fn free(&mut self, buffer: Buffer) {

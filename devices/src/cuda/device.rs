@@ -24,10 +24,12 @@ use super::compile::{CompileStats, Compiler};
 use super::context::{Event, Gpu};
 use super::lanes::{TRANSFER, lock};
 use super::launch::CudaKernel;
-use super::pools::{CudaPools, Mem};
+use super::pools::{CudaBuffer, CudaPools, Mem};
 use super::queue::CudaFlush;
+use crate::collective::RankGroup;
+use crate::collective::net::TOKEN_BYTES;
 use crate::runtime::{Backend, Driver, Flush, Graph, Job};
-use crate::{Buffer, DeviceError, MemoryStats};
+use crate::{Buffer, DeviceBuffer, DeviceError, MemoryStats};
 use braid_graph::{CostModel, DTypes, MemoryKind, Target};
 use braid_lowering::Kernel;
 use braid_scheduler::Schedule;
@@ -248,18 +250,18 @@ impl Backend for CudaBackend {
         // returns once it is reached.
         let marker = pools.events.get()?;
         pools.state().lanes.record(TRANSFER, marker)?;
-        Ok(Buffer::Cuda(Arc::new(buffer)))
+        Ok(Buffer::new(Arc::new(buffer)))
     }
 
     fn download(&self, buffer: &Buffer) -> Result<Vec<u8>, DeviceError> {
-        match buffer {
-            Buffer::Cuda(b) if Arc::ptr_eq(b.pools(), &self.pools) => {
+        match buffer.get::<CudaBuffer>() {
+            Some(b) if Arc::ptr_eq(b.pools(), &self.pools) => {
                 let mut bytes = vec![0u8; b.bytes()];
                 b.read_into(&mut bytes)?;
                 Ok(bytes)
             }
-            other => Err(DeviceError::Internal(format!(
-                "{} cannot download a buffer of another device ({other:?})",
+            _ => Err(DeviceError::Internal(format!(
+                "{} cannot download a buffer of another device ({buffer:?})",
                 self.name
             ))),
         }
@@ -300,6 +302,41 @@ impl Backend for CudaBackend {
 
     fn as_any(&self) -> &dyn std::any::Any {
         self
+    }
+
+    /// NCCL communicators between the members (all CUDA devices), with the `nccl` feature.
+    fn connect_group(&self, members: &[&dyn Backend], group: &Arc<RankGroup>) -> Result<(), DeviceError> {
+        let cuda: Vec<&CudaBackend> = members.iter().filter_map(|b| b.as_any().downcast_ref()).collect();
+        if cuda.len() != members.len() {
+            return Err(DeviceError::Internal("a CUDA group with a member of another backend".into()));
+        }
+        #[cfg(feature = "nccl")]
+        return super::nccl::connect(&cuda, group);
+        #[cfg(not(feature = "nccl"))]
+        {
+            let _ = group;
+            Err(DeviceError::Unavailable(
+                "collectives between CUDA devices need NCCL: build braid with the `nccl` feature".into(),
+            ))
+        }
+    }
+
+    /// Rank 0 makes the NCCL unique id; the others offer zeros.
+    fn spanning_token(&self, rank: u32) -> Result<[u8; TOKEN_BYTES], DeviceError> {
+        #[cfg(feature = "nccl")]
+        return if rank == 0 { super::nccl::unique_id() } else { Ok([0; TOKEN_BYTES]) };
+        #[cfg(not(feature = "nccl"))]
+        {
+            let _ = rank;
+            Err(DeviceError::Unavailable(
+                "groups of CUDA devices spanning processes need NCCL: build braid with the `nccl` feature".into(),
+            ))
+        }
+    }
+
+    #[cfg(feature = "nccl")]
+    fn connect_spanning(&self, group: &Arc<RankGroup>, token: [u8; TOKEN_BYTES]) -> Result<(), DeviceError> {
+        super::nccl::connect_rank(self, group, token)
     }
 
     fn record_graph(&self, job: Job<'_>) -> Option<Result<Box<dyn Graph>, DeviceError>> {

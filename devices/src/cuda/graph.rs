@@ -191,14 +191,15 @@ fn record_now(backend: &CudaBackend, job: Job<'_>) -> Result<Box<dyn Graph>, Dev
         .collect::<Result<Vec<_>, _>>()?;
     let epoch = pools.blas_epoch();
     let flush = CudaFlush::record(backend, s, job.poison)?;
-    let externals = inputs.iter().map(|b| Input::Buffer(Buffer::Cuda(b.clone()))).collect();
+    let externals = inputs.iter().map(|b| Input::Buffer(Buffer::new(b.clone()))).collect();
     let (outputs, _held) = execute_on(Driver::IssueThreads, &flush, Job { externals, ..job });
     let recording = flush.into_recording();
     let outputs = outputs?
         .into_iter()
-        .map(|b| match b {
-            Buffer::Cuda(b) => Ok(b),
-            other => Err(DeviceError::Internal(format!("a recorded step's output is {other:?}"))),
+        .map(|b| {
+            let described = format!("{b:?}");
+            b.into_arc::<CudaBuffer>()
+                .ok_or_else(|| DeviceError::Internal(format!("a recorded step's output is {described}")))
         })
         .collect::<Result<Vec<_>, _>>()?;
     let exec = lock(&recording.exec).take().ok_or_else(|| DeviceError::Internal("no graph was recorded".into()))?;
@@ -267,11 +268,11 @@ impl Graph for CudaGraph {
             r
         };
         for (slot, input) in self.inputs.iter().zip(inputs) {
-            match input {
-                Buffer::Cuda(b) if Arc::ptr_eq(b.pools(), pools) && b.bytes() == slot.bytes() => copy(slot, b)?,
-                other => {
+            match input.get::<CudaBuffer>() {
+                Some(b) if Arc::ptr_eq(b.pools(), pools) && b.bytes() == slot.bytes() => copy(slot, b)?,
+                _ => {
                     return Err(DeviceError::Internal(format!(
-                        "a graph input of {} bytes given {other:?}",
+                        "a graph input of {} bytes given {input:?}",
                         slot.bytes()
                     )));
                 }
@@ -286,7 +287,7 @@ impl Graph for CudaGraph {
             let mem = if slot.is_pinned() { Mem::Pinned } else { Mem::Device };
             let fresh = pools.buffer(Some(self.origin), slot.bytes(), mem, false, self.poison)?;
             copy(&fresh, slot)?;
-            outputs.push(Buffer::Cuda(Arc::new(fresh)));
+            outputs.push(Buffer::new(Arc::new(fresh)));
         }
         // A marker at the end: the pools learn when the graph's memory and the inputs are free.
         let marker = pools.events.get()?;

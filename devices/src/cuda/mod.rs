@@ -51,6 +51,12 @@ pub use harness::{Harness, run_compiled_on_gpu, run_kernel_on_gpu, run_kernel_on
 pub use launch::{CudaKernel, LaunchOptions};
 pub use pools::CudaBuffer;
 
+/// CUDA as the engine's registry knows it: `cuda` and `cuda:N` open GPU 0 and GPU `N`.
+pub fn registration() -> crate::Registration {
+    crate::Registration::new("cuda", |ordinal| Ok(std::sync::Arc::new(CudaBackend::open(ordinal.unwrap_or(0))?)))
+        .with_count(|| device_count().unwrap_or(0))
+}
+
 use crate::DeviceError;
 use cudarc::driver::DriverError;
 use cudarc::driver::sys::CUresult;

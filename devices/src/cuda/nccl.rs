@@ -91,15 +91,16 @@ pub fn unique_id() -> Result<[u8; crate::collective::net::TOKEN_BYTES], DeviceEr
     Ok(id.internal.map(|c| c as u8))
 }
 
-/// This process's communicator in a group spanning processes: rank `rank` of `world`, on
-/// `backend`'s GPU, from the unique id rank 0 handed out (`token`).
+/// This process's communicator in `group`, a group spanning processes (its one local rank, of
+/// the group's size), on `backend`'s GPU, from the unique id rank 0 handed out (`token`).
 pub fn connect_rank(
     backend: &CudaBackend,
     group: &RankGroup,
-    rank: u32,
-    world: u32,
     token: [u8; crate::collective::net::TOKEN_BYTES],
 ) -> Result<(), DeviceError> {
+    let (&[rank], world) = (group.local_ranks(), group.size()) else {
+        return Err(DeviceError::Internal("a group spanning processes holds one rank here".into()));
+    };
     nccl_present()?;
     backend.pools.gpu.bind()?;
     let id = sys::ncclUniqueId { internal: token.map(|b| b as std::ffi::c_char) };

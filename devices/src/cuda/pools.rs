@@ -35,8 +35,9 @@ use super::memory::{
     alloc_device_chunk, alloc_host_chunk, copy_async, fill_device, free_device_chunk, free_host_chunk,
 };
 use super::{Blas, TRACE_TARGET};
-use crate::DeviceError;
 use crate::runtime::pool::{ChunkAllocator, LiveBytes, Pool, Slice, round_up};
+use crate::{DeviceBuffer, DeviceError};
+use braid_graph::MemoryKind;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Device chunks from `cuMemAlloc`.
@@ -550,9 +551,27 @@ impl CudaBuffer {
     pub(crate) fn pools(&self) -> &Arc<CudaPools> {
         &self.pools
     }
+}
 
-    /// Copies the bytes to the host once the work writing them is done (blocks).
-    pub fn read_into(&self, dst: &mut [u8]) -> Result<(), DeviceError> {
+impl DeviceBuffer for CudaBuffer {
+    fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    fn is_persistent(&self) -> bool {
+        self.exact
+    }
+
+    fn is_offloaded(&self) -> bool {
+        self.is_pinned()
+    }
+
+    fn memory_kind(&self) -> MemoryKind {
+        MemoryKind::Device
+    }
+
+    /// Waits for the work writing it (everything enqueued on its GPU before the call).
+    fn read_into(&self, dst: &mut [u8]) -> Result<(), DeviceError> {
         self.pools.read(self, dst)
     }
 }

@@ -178,7 +178,7 @@ impl Flush for CudaFlush<'_> {
         if self.recording.is_some() {
             return; // the graph keeps it (reused by nothing: other lanes still read it)
         }
-        let Buffer::Cuda(b) = buffer else { return };
+        let Some(b) = buffer.into_arc::<CudaBuffer>() else { return };
         // Another holder frees it when it lets go (gated on everything enqueued by then).
         let Ok(b) = Arc::try_unwrap(b) else { return };
         let recorded = lock(&self.recorded);
@@ -266,10 +266,10 @@ impl Drop for CudaQueue<'_, '_> {
 }
 
 /// The CUDA buffer of this device that `buffer` is.
-fn cuda_buffer<'b>(flush: &CudaFlush<'_>, buffer: &'b Buffer) -> Result<&'b Arc<CudaBuffer>, DeviceError> {
-    match buffer {
-        Buffer::Cuda(b) if Arc::ptr_eq(b.pools(), &flush.backend.pools) => Ok(b),
-        other => Err(DeviceError::Internal(format!("a kernel or copy of {} given {other:?}", flush.backend.name()))),
+fn cuda_buffer<'b>(flush: &CudaFlush<'_>, buffer: &'b Buffer) -> Result<&'b CudaBuffer, DeviceError> {
+    match buffer.get::<CudaBuffer>() {
+        Some(b) if Arc::ptr_eq(b.pools(), &flush.backend.pools) => Ok(b),
+        _ => Err(DeviceError::Internal(format!("a kernel or copy of {} given {buffer:?}", flush.backend.name()))),
     }
 }
 
@@ -381,10 +381,10 @@ impl Queue for CudaQueue<'_, '_> {
         let exact = plan.persistent && mem == Mem::Device;
         let pools = &self.flush.backend.pools;
         if let Some(rec) = &self.flush.recording {
-            return Ok(Buffer::Cuda(rec.alloc(pools, self.lane, plan.bytes, mem, exact, self.flush.poison)?));
+            return Ok(Buffer::new(rec.alloc(pools, self.lane, plan.bytes, mem, exact, self.flush.poison)?));
         }
         let b = pools.buffer(Some(self.lane), plan.bytes, mem, exact, self.flush.poison)?;
-        Ok(Buffer::Cuda(Arc::new(b)))
+        Ok(Buffer::new(Arc::new(b)))
     }
 
     fn upload(&mut self, bytes: &[u8]) -> Result<Buffer, DeviceError> {
@@ -407,11 +407,11 @@ impl Queue for CudaQueue<'_, '_> {
                 pools.stream(l).wait(marker.event())?;
             }
         }
-        Ok(Buffer::Cuda(Arc::new(b)))
+        Ok(Buffer::new(Arc::new(b)))
     }
 
     fn free(&mut self, buffer: Buffer) {
-        let Buffer::Cuda(b) = buffer else { return };
+        let Some(b) = buffer.into_arc::<CudaBuffer>() else { return };
         if let Some(rec) = &self.flush.recording {
             // Only this lane used it: a later allocation on the lane may take it.
             lock(&rec.spare).push((self.lane, b));
@@ -458,8 +458,8 @@ impl Queue for CudaQueue<'_, '_> {
     fn copy(&mut self, from: &Buffer, to: &Buffer) -> Result<(), DeviceError> {
         let pools = &self.flush.backend.pools;
         let dst = cuda_buffer(self.flush, to)?;
-        match from {
-            Buffer::Cuda(src) if Arc::ptr_eq(src.pools(), pools) => {
+        match from.get::<CudaBuffer>() {
+            Some(src) if Arc::ptr_eq(src.pools(), pools) => {
                 pools.gpu.bind()?;
                 // SAFETY: both buffers are live (held by the walker for the step), of equal
                 // size (checked by the walker), and the schedule orders their other accesses
@@ -472,9 +472,9 @@ impl Queue for CudaQueue<'_, '_> {
             }
             // Another device's buffer: read (once its writer is done) into pinned staging,
             // then copied up on this stream.
-            other => {
+            _ => {
                 self.not_while_recording("a copy from another device")?;
-                pools.write(self.lane, dst.addr(), dst.bytes(), |staging| other.read_into(staging))
+                pools.write(self.lane, dst.addr(), dst.bytes(), |staging| from.read_into(staging))
             }
         }
     }

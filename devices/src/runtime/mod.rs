@@ -18,17 +18,36 @@
 //!
 //! The runtime runs what the schedule says, in its order; it never plans, fuses or reorders.
 
+pub mod buffer;
 pub mod pool;
+pub mod registry;
 mod walk;
 mod workers;
 
 pub use walk::{execute, execute_on};
 
+use crate::collective::RankGroup;
+use crate::collective::net::TOKEN_BYTES;
 use crate::{Buffer, DeviceError, MemoryStats};
 use braid_graph::Target;
 use braid_lowering::Kernel;
 use braid_scheduler::{BufferPlan, EventId, KernelId, Schedule};
 use std::sync::Arc;
+
+/// When a device compiles kernels to machine code (the CPU: through the system's C compiler,
+/// `crate::cpu::native`). Compiled or interpreted, a kernel computes the same bits (but for
+/// the payload of a NaN). `BRAID_CPU_COMPILE=off|background|blocking` sets it when a CPU device
+/// is created (`CompileMode::from_env`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CompileMode {
+    /// Never: every kernel is interpreted.
+    Off,
+    /// In the background (the default): a kernel's first runs are interpreted while it
+    /// compiles; later runs use the compiled code once it is ready.
+    Background,
+    /// Before a kernel's first run, which waits for the compiler (for benchmarks and tests).
+    Blocking,
+}
 
 /// How the walker drives the streams of a flush.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -91,8 +110,39 @@ pub trait Backend: Send + Sync {
     fn persistent_memory(&self) -> u64 {
         0
     }
-    /// The backend as `Any`, for options only one backend has (the CPU's compile mode).
+    /// Sets when the device compiles kernels to machine code, where it has that choice (the
+    /// CPU; GPU backends always compile, and ignore it).
+    fn set_compile_mode(&self, mode: CompileMode) {
+        let _ = mode;
+    }
+    /// Kernels run as compiled machine code (the CPU's, see [`CompileMode`]; 0 elsewhere).
+    fn compiled_kernels_launched(&self) -> u64 {
+        0
+    }
+    /// The backend as `Any`: how a test or a backend's own code reaches its concrete type (the
+    /// engine never does).
     fn as_any(&self) -> &dyn std::any::Any;
+    /// Sets up the transport of a new collective group of `members` (this backend is the
+    /// first; every member is of this backend's type: the caller checked). Errors are
+    /// `Unavailable` when the backend runs no collectives (the default) or lacks a library.
+    fn connect_group(&self, members: &[&dyn Backend], group: &Arc<RankGroup>) -> Result<(), DeviceError> {
+        let _ = (members, group);
+        Err(DeviceError::Unavailable(format!("{} runs no collectives", self.name())))
+    }
+    /// The setup token rank `rank` of a group spanning processes offers the others (rank 0's
+    /// reaches every rank; NCCL's unique id). `Unavailable` when the backend runs no
+    /// collectives across processes (the default).
+    fn spanning_token(&self, rank: u32) -> Result<[u8; TOKEN_BYTES], DeviceError> {
+        let _ = rank;
+        Err(DeviceError::Unavailable(format!("{} runs no collectives across processes", self.name())))
+    }
+    /// Sets up this process's transport in `group`, a group spanning processes (this process
+    /// holds its one local rank), once every process has joined and rank 0's `token` arrived.
+    /// Nothing to do by default: the host exchange is the group's own.
+    fn connect_spanning(&self, group: &Arc<RankGroup>, token: [u8; TOKEN_BYTES]) -> Result<(), DeviceError> {
+        let _ = (group, token);
+        Ok(())
+    }
     /// Records `job`'s schedule into a [`Graph`] that later runs it again with one call (a
     /// CUDA graph), without running it. `job.externals` is ignored: the graph holds buffers
     /// of its own for the inputs, filled at each [`Graph::launch`]. `None`: this backend

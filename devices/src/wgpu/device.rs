@@ -24,7 +24,7 @@ use super::kernels::WgslKernel;
 use super::memory::{WgpuMemory, lock};
 use super::queue::WgpuFlush;
 use crate::runtime::{Backend, Driver, Flush};
-use crate::{Buffer, DeviceError, MemoryStats};
+use crate::{Buffer, DeviceBuffer, DeviceError, MemoryStats};
 use braid_graph::{CostModel, DType, DTypes, MemoryKind, Target};
 use braid_lowering::Kernel;
 use braid_scheduler::Schedule;
@@ -69,6 +69,11 @@ fn open_context() -> Result<Arc<WgpuContext>, DeviceError> {
     tracing::debug!(target: "braid", "wgpu device on {}", ctx.describe());
     *open = Some(ctx.clone());
     Ok(ctx)
+}
+
+/// 1 when the first adapter opens (kept open for the device that follows), else 0.
+pub(crate) fn adapter_count() -> usize {
+    usize::from(open_context().is_ok())
 }
 
 /// The target of a wgpu adapter with `ctx`'s limits.
@@ -169,11 +174,8 @@ impl WgpuBackend {
     }
 
     /// Whether `buffer` is a buffer of this device.
-    pub(crate) fn owns<'b>(&self, buffer: &'b Buffer) -> Option<&'b Arc<super::WgpuBuffer>> {
-        match buffer {
-            Buffer::Wgpu(b) if Arc::ptr_eq(b.shared(), &self.shared) => Some(b),
-            _ => None,
-        }
+    pub(crate) fn owns(&self, buffer: &Buffer) -> Option<Arc<super::WgpuBuffer>> {
+        buffer.arc::<super::WgpuBuffer>().filter(|b| Arc::ptr_eq(b.shared(), &self.shared))
     }
 }
 
@@ -196,7 +198,7 @@ impl Backend for WgpuBackend {
     }
 
     fn upload(&self, bytes: &[u8], poison: bool) -> Result<Buffer, DeviceError> {
-        Ok(Buffer::Wgpu(Arc::new(self.shared.upload(bytes, poison)?)))
+        Ok(Buffer::new(Arc::new(self.shared.upload(bytes, poison)?)))
     }
 
     fn download(&self, buffer: &Buffer) -> Result<Vec<u8>, DeviceError> {

@@ -31,8 +31,9 @@
 //! fresh per upload), submit work out of issue order, or panic on a run-time failure.
 
 use super::WgpuContext;
-use crate::DeviceError;
 use crate::runtime::pool::{ALIGN, ChunkAllocator, LiveBytes, Pool, Slice};
+use crate::{DeviceBuffer, DeviceError};
+use braid_graph::MemoryKind;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -391,9 +392,27 @@ impl WgpuBuffer {
             Mem::Device(_) => None,
         }
     }
+}
 
-    /// Copies the bytes to the host once the work issued before is done (blocks).
-    pub fn read_into(&self, dst: &mut [u8]) -> Result<(), DeviceError> {
+impl DeviceBuffer for WgpuBuffer {
+    fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    fn is_persistent(&self) -> bool {
+        self.exact
+    }
+
+    fn is_offloaded(&self) -> bool {
+        self.is_host()
+    }
+
+    fn memory_kind(&self) -> MemoryKind {
+        MemoryKind::Device
+    }
+
+    /// Submits and waits for the work issued on its device before the call.
+    fn read_into(&self, dst: &mut [u8]) -> Result<(), DeviceError> {
         self.shared.read(self, dst)
     }
 }

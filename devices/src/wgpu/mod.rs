@@ -23,6 +23,18 @@ pub use device::{WgpuBackend, wgpu_target};
 pub use kernels::WgslKernel;
 pub use memory::WgpuBuffer;
 
+/// wgpu as the engine's registry knows it: `wgpu` (or `wgpu:0`) opens the first adapter of
+/// the backends `WGPU_BACKEND` names; the machine counts one device when that adapter opens.
+pub fn registration() -> crate::Registration {
+    crate::Registration::new("wgpu", |ordinal| match ordinal {
+        None | Some(0) => Ok(std::sync::Arc::new(WgpuBackend::open()?)),
+        Some(n) => Err(crate::DeviceError::Unavailable(format!(
+            "wgpu:{n}: braid's wgpu backend opens the first adapter only (wgpu or wgpu:0)"
+        ))),
+    })
+    .with_count(device::adapter_count)
+}
+
 use crate::DeviceError;
 use braid_lowering::wgsl::Features;
 use std::sync::Arc;

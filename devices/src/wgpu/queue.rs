@@ -27,7 +27,7 @@
 use super::device::WgpuBackend;
 use super::memory::{WgpuBuffer, lock};
 use crate::runtime::{Call, Flush, Queue};
-use crate::{Buffer, DeviceError};
+use crate::{Buffer, DeviceBuffer, DeviceError};
 use braid_lowering::wgsl::Binding;
 use braid_scheduler::{BufferPlan, EventId, Space};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -88,7 +88,7 @@ struct WgpuQueue<'f, 'a> {
 }
 
 impl WgpuQueue<'_, '_> {
-    fn wgpu_buffer<'b>(&self, buffer: &'b Buffer) -> Result<&'b Arc<WgpuBuffer>, DeviceError> {
+    fn wgpu_buffer(&self, buffer: &Buffer) -> Result<Arc<WgpuBuffer>, DeviceError> {
         self.flush
             .backend
             .owns(buffer)
@@ -116,7 +116,7 @@ impl WgpuQueue<'_, '_> {
                             call.args.len()
                         ))
                     })?;
-                    held.push(self.wgpu_buffer(buffer)?.clone());
+                    held.push(self.wgpu_buffer(buffer)?);
                 }
                 Binding::Scratch { bytes } => held.push(Arc::new(shared.scratch(bytes as usize)?)),
                 Binding::Zero => {}
@@ -167,11 +167,11 @@ impl Queue for WgpuQueue<'_, '_> {
                 return Err(DeviceError::Internal("another device's buffer is never allocated here".into()));
             }
         };
-        Ok(Buffer::Wgpu(Arc::new(b)))
+        Ok(Buffer::new(Arc::new(b)))
     }
 
     fn upload(&mut self, bytes: &[u8]) -> Result<Buffer, DeviceError> {
-        Ok(Buffer::Wgpu(Arc::new(self.flush.backend.shared.upload(bytes, self.flush.poison)?)))
+        Ok(Buffer::new(Arc::new(self.flush.backend.shared.upload(bytes, self.flush.poison)?)))
     }
 
     fn free(&mut self, buffer: Buffer) {
@@ -193,12 +193,12 @@ impl Queue for WgpuQueue<'_, '_> {
         let src = self.flush.backend.owns(from);
         match (src, dst.host()) {
             // Device to device.
-            (Some(src), None) if !src.is_host() => shared.copy(src, dst),
+            (Some(src), None) if !src.is_host() => shared.copy(&src, &dst),
             // Host (an offloaded value, or another device's buffer read now) to device.
             (_, None) => {
                 let mut bytes = vec![0u8; dst.bytes()];
                 from.read_into(&mut bytes)?;
-                shared.write(dst, &bytes)
+                shared.write(&dst, &bytes)
             }
             // To host memory: waits for the work issued so far (the value's writer among it).
             (Some(src), Some(mut host)) => src.read_into(&mut host),

@@ -129,13 +129,7 @@ impl<'a> RowPlan<'a> {
 
     /// The live reductions: (node, op, operand, operand's dtype).
     pub fn reductions(&self) -> Vec<(usize, ReduceOp, usize, DType)> {
-        let nodes = &self.r.expr.nodes;
-        (0..nodes.len())
-            .filter_map(|i| match nodes[i].op {
-                ExprOp::Reduce(op, x) if self.live[i] => Some((i, op, x as usize, nodes[x as usize].dtype)),
-                _ => None,
-            })
-            .collect()
+        crate::row_passes::live_reductions(&self.r.expr, &self.live)
     }
 
     /// Declares the index variables across rows of row `var` (when some view needs them).

@@ -49,13 +49,7 @@ impl RowPlan<'_> {
 
     /// The live reductions, in order: (node, op, operand, operand dtype).
     pub fn reductions(&self) -> Vec<(usize, ReduceOp, usize, DType)> {
-        let nodes = &self.r.expr.nodes;
-        (0..nodes.len())
-            .filter_map(|i| match nodes[i].op {
-                ExprOp::Reduce(op, x) if self.live[i] => Some((i, op, x as usize, nodes[x as usize].dtype)),
-                _ => None,
-            })
-            .collect()
+        crate::row_passes::live_reductions(&self.r.expr, &self.live)
     }
 
     /// Declares the position dimensions of row `var`.

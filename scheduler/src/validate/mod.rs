@@ -119,8 +119,7 @@ impl Program {
                     .iter()
                     .map(|step| match step {
                         StreamStep::Kernel(k) => {
-                            let plan = &schedule.kernels[k.index()];
-                            let seg = &schedule.fusion.segments[plan.segment];
+                            let (plan, seg) = schedule.kernel_and_segment(*k);
                             let ops: Vec<&str> = seg.nodes.iter().map(|&n| graph.nodes[n].op.name()).collect();
                             PStep::Kernel {
                                 label: format!("{k} {}", ops.join("+")),
