@@ -313,6 +313,31 @@ impl Device {
         self.0.engine.fusion_enabled()
     }
 
+    /// Turns recomputation of saved values on or off for this device (overrides
+    /// `BRAID_RECOMPUTE`, which is read at every flush when this is not called; on by default).
+    /// On, a flush that reads a forward pass before its backward pass is recorded (an eager
+    /// training step's loss read) leaves a value autograd saved uncomputed when it is a cheap
+    /// elementwise function of values that cost fewer bytes to keep, and the backward pass
+    /// computes it again inside its own kernels: a language model's cross-entropy then keeps
+    /// its bf16 logits instead of `exp(logits - max)` in f32 and a one-hot mask. Results do not
+    /// change; only what is kept between flushes and what is computed twice.
+    ///
+    /// ```
+    /// use braid::prelude::*;
+    /// let dev = Device::new_cpu();
+    /// dev.set_recompute(false);
+    /// assert!(!dev.recompute_enabled());
+    /// ```
+    pub fn set_recompute(&self, on: bool) {
+        *lock(&self.0.engine.settings.recompute) = Some(on);
+    }
+
+    /// Whether flushes starting now recompute saved values (`BRAID_RECOMPUTE=0` turns it off
+    /// by default; it also needs fusion).
+    pub fn recompute_enabled(&self) -> bool {
+        self.0.engine.recompute_enabled() && self.fusion_enabled()
+    }
+
     /// Caps the device memory a flush may plan for: when the planned peak (the flush's inputs
     /// plus everything it allocates) would exceed `bytes`, the scheduler moves values that sit
     /// idle at the peak to host memory on an offload stream and brings them back before their

@@ -2,7 +2,9 @@
 //! steps and tolerances on a device without f64; random inputs away
 //! from kinks), on one stream and across streams; the micrograd graph; accumulation, no_grad,
 //! in-place updates and misuse; whole models (an MLP, a transformer block) checked against the
-//! reference interpreter evaluating exactly the backward graph braid recorded.
+//! reference interpreter evaluating exactly the backward graph braid recorded. Each gradient
+//! check also reads its loss before the backward pass (which may leave saved values to be
+//! recomputed) and gets the same gradients.
 
 mod common;
 
@@ -83,6 +85,20 @@ fn check_gradients_on(dev: &Device, name: &str, inputs: &[(Vec<usize>, Vec<f64>)
     let weights = values(&mut rng, out.numel(), false);
     let loss = weighted_loss(&out, &weights);
     let grads = loss.backward().unwrap();
+    // The same with the loss read before the backward pass, as an eager training step reads
+    // it: that flush may leave saved values for the backward pass to recompute
+    // (tests/recompute.rs), which must not change the gradients.
+    let read_first = weighted_loss(&f(&leaves), &weights);
+    read_first.wide_item();
+    let grads_read_first = read_first.backward().unwrap();
+    let same = if f64_steps { 1e-12 } else { 1e-6 };
+    for (i, x) in leaves.iter().enumerate() {
+        if let (Some(a), Some(b)) = (grads.get(x), grads_read_first.get(x)) {
+            for (j, (a, b)) in a.wide_vec().iter().zip(b.wide_vec()).enumerate() {
+                assert!((a - b).abs() <= same * (1.0 + b.abs()), "{name}: d/dx{i}[{j}] = {a}, {b} after a loss read");
+            }
+        }
+    }
     let loss_at = |vals: &[Vec<f64>]| -> f64 {
         braid::no_grad(|| {
             let xs: Vec<Tensor> = inputs.iter().zip(vals).map(|((s, _), v)| leaf(s, v, &dev)).collect();

@@ -11,6 +11,7 @@ fn unknown_values_and_unwritable_dump_directories_are_errors_of_the_read() {
     // SAFETY (every set_var/remove_var below): this binary runs this one test, on one thread.
     let cases = [
         ("BRAID_FUSION", "maybe", "expected 1 or 0"),
+        ("BRAID_RECOMPUTE", "later", "expected 1 or 0"),
         ("BRAID_POISON", "2", "expected 1 or 0"),
         ("BRAID_CPU_COMPILE", "sometimes", "off, background (also on, 1) or blocking"),
         ("BRAID_DUMP", "/proc/braid-cannot-write-here", "cannot be written"),

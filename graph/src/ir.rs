@@ -65,6 +65,11 @@ pub struct Node<V> {
     pub value: Option<V>,
     /// How many tensor handles currently name this node as their version.
     pub handles: u32,
+    /// How many of `handles` are values autograd keeps for a derivative: a value held by
+    /// those alone may be left uncomputed by a flush and computed again where the derivative
+    /// reads it (see the engine's `flush::recomputed`). Counts up to `u8::MAX`; handles past
+    /// that count as ordinary ones.
+    pub saved: u8,
     /// Recording order (program order): every input has a smaller number.
     pub seq: u64,
     /// The user asked for this value to be offloaded while idle (`Tensor::offload_hint`).
@@ -84,6 +89,7 @@ impl<V> Node<V> {
             stream,
             value: None,
             handles: 0,
+            saved: 0,
             seq: 0,
             offload_hint: false,
             persistent: false,

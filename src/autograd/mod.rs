@@ -315,8 +315,8 @@ impl<'a> Tracker<'a> {
             let mut slots: SmallVec<[InputSlot; 3]> = SmallVec::new();
             for (((t, &id), &save), source) in self.inputs.iter().zip(ids).zip(&save_inputs).zip(sources) {
                 inputs.push(save.then(|| {
-                    retainer.retain(id);
-                    Tensor::from_node(id, t.shape().clone(), t.dtype(), t.device().clone())
+                    let saved = retainer.retain_saved(id);
+                    Tensor::saved_from_node(id, t.shape().clone(), t.dtype(), t.device().clone(), saved)
                 }));
                 slots.push(InputSlot {
                     source,
@@ -326,8 +326,8 @@ impl<'a> Tracker<'a> {
                 });
             }
             let output = save_output.then(|| {
-                retainer.retain(out);
-                Tensor::from_node(out, self.out_shape.clone(), self.out_dtype, self.device.clone())
+                let saved = retainer.retain_saved(out);
+                Tensor::saved_from_node(out, self.out_shape.clone(), self.out_dtype, self.device.clone(), saved)
             });
             Some(GradSource::Node(Arc::new(GradNode {
                 op: self.op.clone(),

@@ -34,6 +34,8 @@ pub(crate) struct FlushEnv {
     pub(crate) poison: Option<bool>,
     /// `BRAID_FUSION`, when set.
     pub(crate) fusion: Option<bool>,
+    /// `BRAID_RECOMPUTE`, when set.
+    pub(crate) recompute: Option<bool>,
     /// `BRAID_VALIDATE=1`.
     pub(crate) validate: bool,
     /// Where this flush's dump goes (`BRAID_DUMP` or the program's choice), checked writable.
@@ -44,10 +46,11 @@ pub(crate) struct FlushEnv {
 
 impl FlushEnv {
     /// Reads and checks every `BRAID_*` variable a flush reads (`BRAID_POISON`, `BRAID_FUSION`,
-    /// `BRAID_VALIDATE`, `BRAID_CPU_COMPILE`, `BRAID_DUMP`, `BRAID_TRACE`).
+    /// `BRAID_RECOMPUTE`, `BRAID_VALIDATE`, `BRAID_CPU_COMPILE`, `BRAID_DUMP`, `BRAID_TRACE`).
     pub(crate) fn for_flush() -> Result<FlushEnv> {
         let poison = flag("BRAID_POISON")?;
         let fusion = flag("BRAID_FUSION")?;
+        let recompute = flag("BRAID_RECOMPUTE")?;
         let validate = flag("BRAID_VALIDATE")?.unwrap_or(false);
         if let Ok(value) = std::env::var("BRAID_CPU_COMPILE")
             && !matches!(value.trim().to_ascii_lowercase().as_str(), "background" | "blocking")
@@ -56,7 +59,7 @@ impl FlushEnv {
             let reason = "expected off, background (also on, 1) or blocking".into();
             return Err(Error::Environment { name: "BRAID_CPU_COMPILE", value, reason });
         }
-        Ok(FlushEnv { poison, fusion, validate, ..FlushEnv::destinations()? })
+        Ok(FlushEnv { poison, fusion, recompute, validate, ..FlushEnv::destinations()? })
     }
 
     /// What replaying a captured plan reads: `BRAID_POISON`, `BRAID_DUMP` and `BRAID_TRACE`

@@ -11,6 +11,7 @@ use super::{Engine, EngineState, Ticket, Value};
 use crate::error::{Error, Result};
 use braid_devices::Buffer;
 use braid_graph::{External, FlushGraph, FlushNode, NodeId, Op, ValueRef};
+use hashbrown::HashSet;
 use smallvec::SmallVec;
 use std::sync::Arc;
 
@@ -161,13 +162,24 @@ impl Engine {
     ) -> Extracted {
         let budgeted = self.memory_budget().is_some();
         let target = self.backend.target();
-        let lazy = targets.map_or_else(Vec::new, |t| lazy_views(st, order, t));
-        let EngineState { graph: recorded, marks, .. } = st;
         // Each node's place in the flush graph (the walk's marks, same stamp); nodes the walk
         // visited outside `order` keep a mark that is no place.
         for (i, &id) in order.iter().enumerate() {
-            marks.set(id, i as u32);
+            st.marks.set(id, i as u32);
         }
+        let (mut lazy, recompute) = match targets {
+            Some(t) if t.len() <= LAZY_VIEW_TARGETS => {
+                let recompute = if self.recompute_under(&env) {
+                    super::recompute::choose(st, order, t, |id| st.marks.node_place(id).is_some())
+                } else {
+                    Default::default()
+                };
+                (lazy_views(st, order, t), recompute)
+            }
+            _ => (HashSet::new(), Default::default()),
+        };
+        lazy.extend(recompute.pending.iter().copied());
+        let EngineState { graph: recorded, marks, .. } = st;
         let mut graph = FlushGraph { nodes: Vec::with_capacity(order.len()), externals: Vec::new() };
         let mut externals = Vec::new();
         for &id in order {
@@ -230,8 +242,9 @@ impl Engine {
                 inputs.push(ValueRef::External(e));
             }
             let after = crate::small(control.into_iter().filter_map(|p| marks.node_place(p)));
-            let keep = (n.handles > 0 && !lazy.contains(&id))
-                || recorded.successors(id).any(|s| marks.node_place(s).is_none());
+            let keep = recompute.kept.contains(&id)
+                || !lazy.contains(&id)
+                    && (n.handles > 0 || recorded.successors(id).any(|s| marks.node_place(s).is_none()));
             graph.nodes.push(FlushNode {
                 id,
                 op: n.op.clone(),
@@ -275,11 +288,8 @@ const LAZY_VIEW_TARGETS: usize = 64;
 /// input held by its edge (so never handed to the flush to free), computed if it is ever read.
 /// `x.reshape([n]).sum().item()` would otherwise copy `x`: the temporary `x.reshape(..)` lives
 /// to the end of the statement, after the read.
-fn lazy_views(st: &EngineState, order: &[NodeId], targets: &[NodeId]) -> Vec<NodeId> {
-    let mut lazy: Vec<NodeId> = Vec::new();
-    if targets.len() > LAZY_VIEW_TARGETS {
-        return lazy;
-    }
+fn lazy_views(st: &EngineState, order: &[NodeId], targets: &[NodeId]) -> HashSet<NodeId> {
+    let mut lazy: HashSet<NodeId> = HashSet::new();
     for &id in order {
         let n = st.graph.node(id);
         if n.handles == 0 || !matches!(n.op, Op::Reshape | Op::Permute(_) | Op::Expand | Op::Narrow { .. }) {
@@ -295,7 +305,7 @@ fn lazy_views(st: &EngineState, order: &[NodeId], targets: &[NodeId]) -> Vec<Nod
             _ => false,
         };
         if over_computed && control.is_empty() && !targets.contains(&id) {
-            lazy.push(id);
+            lazy.insert(id);
         }
     }
     lazy

@@ -28,6 +28,7 @@ pub(crate) mod env;
 mod flush;
 mod marks;
 pub(crate) mod profile;
+mod recompute;
 mod run;
 mod state;
 
@@ -48,6 +49,8 @@ pub(crate) struct Settings {
     pub(crate) poison: Mutex<Option<bool>>,
     /// `set_fusion`'s choice; `None` follows `BRAID_FUSION`.
     pub(crate) fusion: Mutex<Option<bool>>,
+    /// `set_recompute`'s choice; `None` follows `BRAID_RECOMPUTE`.
+    pub(crate) recompute: Mutex<Option<bool>>,
     /// `set_memory_budget`'s cap on planned device memory; `u64::MAX` when none.
     pub(crate) budget: AtomicU64,
     /// Streams that default-stream work is spread over (`set_auto_streams`); empty when off.
@@ -115,10 +118,15 @@ impl Retainer<'_> {
         self.0.graph.node_mut(id).persistent = true;
     }
 
-    /// Counts one more handle of `id`; the caller owns it (a tensor made with it releases it
-    /// when dropped).
-    pub(crate) fn retain(&mut self, id: NodeId) {
-        self.0.graph.node_mut(id).handles += 1;
+    /// Counts one more handle of `id` for a value autograd keeps for a derivative; the caller
+    /// owns it (a tensor made with it releases it when dropped). Returns whether it counts as
+    /// a saved one (then it is released with [`Engine::release_saved`], else as any handle).
+    pub(crate) fn retain_saved(&mut self, id: NodeId) -> bool {
+        let node = self.0.graph.node_mut(id);
+        node.handles += 1;
+        let counted = node.saved < u8::MAX;
+        node.saved += u8::from(counted);
+        counted
     }
 }
 
@@ -195,6 +203,16 @@ impl Engine {
     /// Whether a flush run under `env` fuses.
     pub(crate) fn fusion_under(&self, env: &env::FlushEnv) -> bool {
         lock(&self.settings.fusion).unwrap_or(env.fusion.unwrap_or(true))
+    }
+
+    pub(crate) fn recompute_enabled(&self) -> bool {
+        lock(&self.settings.recompute).unwrap_or_else(|| env::flag("BRAID_RECOMPUTE").ok().flatten().unwrap_or(true))
+    }
+
+    /// Whether a flush run under `env` leaves saved values to be recomputed (`flush::recompute`;
+    /// only where it fuses: unfused, every recomputed node would be a kernel of its own).
+    pub(crate) fn recompute_under(&self, env: &env::FlushEnv) -> bool {
+        self.fusion_under(env) && lock(&self.settings.recompute).unwrap_or(env.recompute.unwrap_or(true))
     }
 
     pub(crate) fn memory_budget(&self) -> Option<u64> {
@@ -437,6 +455,13 @@ impl Engine {
     /// Drops one handle of `id` and releases whatever that makes unreachable.
     pub(crate) fn release(&self, id: NodeId) {
         self.state().drop_handle(id);
+    }
+
+    /// Drops a handle taken with [`Retainer::retain_saved`].
+    pub(crate) fn release_saved(&self, id: NodeId) {
+        let mut st = self.state();
+        st.graph.node_mut(id).saved -= 1;
+        st.drop_handle(id);
     }
 
     /// The value of `id`, computing it first if needed.

@@ -399,7 +399,8 @@ fn install(
         st.graph.node_mut(graph.nodes[i].id).value = Some(Value::Ready(buffer));
     }
     let mut candidates: Vec<NodeId> = Vec::with_capacity(graph.nodes.len());
-    for n in &graph.nodes {
+    // Readers first: a node left pending is seen before the nodes it is computed from.
+    for n in graph.nodes.iter().rev() {
         if n.keep {
             if n.op == Op::Event {
                 st.graph.node_mut(n.id).value = Some(Value::Done);
@@ -407,9 +408,12 @@ fn install(
             candidates.extend(st.graph.detach_inputs(n.id));
             // Its tensor may have been dropped while it was computed.
             candidates.push(n.id);
-        } else if st.graph.node(n.id).handles > 0 {
-            // A view a tensor names, left pending by the flush (`flush::lazy_views`; no other
-            // node without an output has a handle): computed if it is ever read.
+        } else if st.graph.node(n.id).handles > 0 || st.graph.successors(n.id).any(|s| st.graph.node(s).value.is_none())
+        {
+            // A view a tensor names, a value autograd saved, or a node one of those is computed
+            // from, left pending by the flush (`flush::lazy_views`, `recompute`; a node without
+            // an output has no other handle, and no other pending reader once the flush's
+            // readers are installed): computed if it is ever read.
             st.graph.node_mut(n.id).value = None;
             st.pending += 1;
         } else {

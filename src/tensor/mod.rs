@@ -61,6 +61,8 @@ struct TensorInner {
     /// Gradient bookkeeping of the current version; read and written only under the engine
     /// lock, like `node` (see `crate::autograd`).
     grad: Mutex<Option<GradSource>>,
+    /// A value autograd keeps for a derivative (its handle counts in the node's `saved`).
+    saved: bool,
 }
 
 /// The version cell of a tensor that holds its value and has no node yet.
@@ -70,7 +72,9 @@ impl Drop for TensorInner {
     fn drop(&mut self) {
         // A held value's buffer goes back to its pool with the tensor.
         let node = *self.node.get_mut();
-        if node != HELD {
+        if node != HELD && self.saved {
+            self.device.engine().release_saved(NodeId::new(node as usize));
+        } else if node != HELD {
             self.device.engine().release(NodeId::new(node as usize));
         }
         // The bookkeeping goes with the tensor (autograd counts the tensors that have some).
@@ -81,6 +85,16 @@ impl Drop for TensorInner {
 impl Tensor {
     /// Wraps a freshly recorded node (whose handle is already counted).
     pub(crate) fn from_node(node: NodeId, shape: Shape, dtype: DType, device: Device) -> Tensor {
+        Tensor::over_node(node, shape, dtype, device, false)
+    }
+
+    /// [`Tensor::from_node`] for a value autograd keeps for a derivative; `saved`: its handle
+    /// counts in the node's saved ones (what `Retainer::retain_saved` returned).
+    pub(crate) fn saved_from_node(node: NodeId, shape: Shape, dtype: DType, device: Device, saved: bool) -> Tensor {
+        Tensor::over_node(node, shape, dtype, device, saved)
+    }
+
+    fn over_node(node: NodeId, shape: Shape, dtype: DType, device: Device, saved: bool) -> Tensor {
         Tensor(Arc::new(TensorInner {
             node: AtomicU32::new(node.index() as u32),
             held: Mutex::new(None),
@@ -88,6 +102,7 @@ impl Tensor {
             dtype,
             device,
             grad: Mutex::new(None),
+            saved,
         }))
     }
 
@@ -101,6 +116,7 @@ impl Tensor {
             dtype,
             device,
             grad: Mutex::new(None),
+            saved: false,
         }))
     }
 

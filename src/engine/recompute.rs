@@ -1,0 +1,121 @@
+//! Which values autograd saved a flush leaves uncomputed, to be computed again where the
+//! derivative reads them (rematerialization, as a compiler's min-cut partitioner does it, in a
+//! greedy form).
+//!
+//! A forward pass read before its backward is recorded (the loss read of an eager training
+//! step) would otherwise write every saved value to memory and keep it until the backward pass
+//! reads it. For a saved value that is a cheap elementwise function (a cast, an `exp`, a
+//! comparison, a view) of values that are cheaper to keep, that is the wrong trade: the
+//! cross-entropy of a language model saves `exp(logits - max)` in f32 and a one-hot mask, three
+//! times the bytes of the bf16 logits they are computed from. Such a value, and the elementwise
+//! nodes between it and what it is computed from, stay pending after the flush (their readers
+//! in the flush compute them inline, fused); what they are computed from is kept instead; the
+//! backward pass recomputes them inside its own fused kernels.
+//!
+//! A value qualifies when:
+//! - only autograd holds it (its handles are all saved ones) and the flush does not read it
+//!   out (not a target);
+//! - it and the nodes recomputed with it are elementwise ops, views or constants on one stream,
+//!   with no control edges, whose readers in the flush are elementwise ops or reductions on
+//!   that stream (so the flush fuses them and never writes them);
+//! - what it is computed from is computed before the flush, kept by the flush anyway, or kept
+//!   for it (the frontier), and the frontier it adds costs fewer bytes than the value itself.
+//!
+//! This module only chooses; `flush::extract` marks the choice (`keep`) and `run::install`
+//! leaves the chosen nodes pending. It never changes what is computed, only when.
+
+use super::{EngineState, Value};
+use braid_graph::{NodeId, Op};
+use hashbrown::HashSet;
+
+/// At most this many nodes are recomputed for one saved value.
+const MAX_RECOMPUTED: usize = 16;
+
+/// What a flush leaves pending for recomputation and what it keeps so that it can.
+#[derive(Default)]
+pub(super) struct Recompute {
+    /// Nodes of the flush that stay pending after it (saved values and what they are
+    /// recomputed through).
+    pub(super) pending: HashSet<NodeId>,
+    /// Nodes of the flush it keeps (materializes) for them.
+    pub(super) kept: HashSet<NodeId>,
+}
+
+/// An op cheap enough to compute again inside another kernel: elementwise, a view, a constant.
+fn cheap(op: &Op) -> bool {
+    op.is_elementwise()
+        || matches!(op, Op::Reshape | Op::Permute(_) | Op::Expand | Op::Narrow { .. } | Op::Full(_) | Op::Arange { .. })
+}
+
+/// Chooses, among `order` (the flush's nodes in recording order; `in_flush` tells them apart),
+/// the saved values to leave pending. `targets` are what the flush reads out.
+pub(super) fn choose(
+    st: &EngineState,
+    order: &[NodeId],
+    targets: &[NodeId],
+    in_flush: impl Fn(NodeId) -> bool,
+) -> Recompute {
+    let graph = &st.graph;
+    let mut chosen = Recompute::default();
+    // Whether every reader of `id` in the flush fuses with it: elementwise or a reduction, on
+    // its stream.
+    let readers_fuse = |id: NodeId| {
+        let stream = graph.node(id).stream;
+        graph.successors(id).filter(|&s| in_flush(s)).all(|s| {
+            let n = graph.node(s);
+            n.stream == stream && (cheap(&n.op) || matches!(n.op, Op::Reduce { .. }))
+        })
+    };
+    let recomputable = |id: NodeId| {
+        let n = graph.node(id);
+        cheap(&n.op) && graph.in_edges(id).1.is_empty() && readers_fuse(id)
+    };
+    for &v in order {
+        let n = graph.node(v);
+        if n.handles == 0 || n.handles != u32::from(n.saved) || targets.contains(&v) || !recomputable(v) {
+            continue;
+        }
+        // The nodes recomputed with `v`, and the nodes of the flush they need kept.
+        let mut closure = vec![v];
+        let mut frontier: Vec<NodeId> = Vec::new();
+        let mut stack: Vec<NodeId> = graph.in_edges(v).0.into_vec();
+        let mut ok = true;
+        while let Some(p) = stack.pop() {
+            if closure.contains(&p) || frontier.contains(&p) {
+                continue;
+            }
+            let pn = graph.node(p);
+            if pn.device != n.device {
+                ok = false;
+                break;
+            }
+            match &pn.value {
+                // Computed before the flush: the pending node's edge holds it.
+                Some(Value::Ready(_) | Value::Host(_)) => continue,
+                None if in_flush(p) => {}
+                _ => {
+                    ok = false;
+                    break;
+                }
+            }
+            let kept_anyway = chosen.kept.contains(&p)
+                || (pn.handles > 0 && !chosen.pending.contains(&p))
+                || graph.successors(p).any(|s| !in_flush(s));
+            if kept_anyway || chosen.pending.contains(&p) {
+                continue;
+            }
+            if pn.stream == n.stream && recomputable(p) && closure.len() < MAX_RECOMPUTED {
+                closure.push(p);
+                stack.extend(graph.in_edges(p).0);
+            } else {
+                frontier.push(p);
+            }
+        }
+        let frontier_bytes: usize = frontier.iter().map(|&p| graph.node(p).bytes()).sum();
+        if ok && frontier_bytes < n.bytes() {
+            chosen.pending.extend(closure);
+            chosen.kept.extend(frontier);
+        }
+    }
+    chosen
+}

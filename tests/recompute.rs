@@ -1,0 +1,158 @@
+//! Recomputation of saved values (`Device::set_recompute`): a flush that reads a forward pass
+//! before its backward pass is recorded leaves cheap saved values uncomputed and keeps what they
+//! are computed from; the backward pass computes them again. Pinned here: a language model's
+//! cross-entropy under bf16 autocast keeps its bf16 logits instead of `exp` in f32 and a one-hot
+//! mask, and its gradients are the bits recomputation off gives; values a tensor holds are
+//! never left uncomputed. Every gradient check of `tests/autodiff.rs` reads its loss before
+//! the backward pass as well, with the same results as without the read.
+
+mod common;
+
+use braid::prelude::*;
+use common::Rng;
+
+/// `n` standard-normal-ish values (uniform in [-2, 2], never all zeros).
+fn normal_vec(rng: &mut Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.uniform(-2.0, 2.0) as f32).collect()
+}
+
+/// A fresh device of the kind under test (its own memory statistics).
+fn device() -> Device {
+    Device::new_from_env().expect("BRAID_DEVICE names an available device")
+}
+
+/// The low precision this device computes products in, if any.
+fn low_precision(dev: &Device) -> Option<DType> {
+    [DType::BF16, DType::F16].into_iter().find(|&d| dev.target().dtypes.contains(d))
+}
+
+/// What an eager language-model step keeps between its loss read and its backward pass, and
+/// the gradients that backward pass gives: `(bytes in use after the loss read, loss, dW)`.
+fn lm_head_step(dev: &Device, low: DType, recompute: bool) -> (u64, f32, Vec<f32>) {
+    dev.set_recompute(recompute);
+    let (rows, width, vocab) = (64, 32, 1001);
+    let mut rng = Rng::new(3);
+    let h = Tensor::from_vec(normal_vec(&mut rng, rows * width), [rows, width], dev);
+    let w = Tensor::from_vec(normal_vec(&mut rng, width * vocab), [width, vocab], dev).requires_grad();
+    let targets: Vec<i64> = (0..rows).map(|_| rng.below(vocab) as i64).collect();
+    let target = Tensor::from_vec(targets, [rows], dev);
+    dev.sync().unwrap();
+    let before = dev.memory().in_use;
+    let logits = braid::amp::autocast(low, || h.matmul(&w));
+    assert_eq!(logits.dtype(), low);
+    let loss = logits.cross_entropy(&target);
+    drop(logits);
+    let value = loss.to_dtype(DType::F32).item::<f32>().unwrap();
+    let kept = dev.memory().in_use - before;
+    let grads = loss.backward().unwrap();
+    let dw = grads.get(&w).expect("a gradient for the weights").to_vec::<f32>().unwrap();
+    (kept, value, dw)
+}
+
+#[test]
+fn cross_entropy_keeps_its_low_precision_logits_instead_of_f32_exponentials() {
+    let dev = device();
+    let Some(low) = low_precision(&dev) else {
+        println!("skipped: {} computes in neither bf16 nor f16", dev.name());
+        return;
+    };
+    let (kept_off, loss_off, dw_off) = lm_head_step(&dev, low, false);
+    let (kept_on, loss_on, dw_on) = lm_head_step(&device(), low, true);
+    let (rows, vocab) = (64u64, 1001u64);
+    let (exponentials, mask) = (rows * vocab * 4, rows * vocab);
+    let logits = rows * vocab * low.size() as u64;
+    println!("kept between the loss read and the backward pass: {kept_off} B recomputation off, {kept_on} B on");
+    // Off: the f32 exponentials and the one-hot mask wait for the backward pass. On: the
+    // low-precision logits do instead (besides what both keep: the operands' casts the
+    // product's derivative reads, per-row values).
+    assert!(kept_off >= exponentials + mask, "off keeps exp(logits - max) in f32 and the mask: {kept_off} B");
+    let saved = kept_off.saturating_sub(kept_on);
+    assert!(
+        saved + 4096 >= exponentials + mask - logits,
+        "on keeps {kept_on} B, off {kept_off} B: {saved} B less, not the exponentials and the mask less the logits"
+    );
+    assert_eq!(loss_on.to_bits(), loss_off.to_bits(), "the loss");
+    assert_eq!(dw_on.len(), dw_off.len());
+    for (i, (a, b)) in dw_on.iter().zip(&dw_off).enumerate() {
+        assert!((a - b).abs() <= 1e-6 * (1.0 + b.abs()), "dW[{i}]: {a} recomputed vs {b} kept");
+    }
+}
+
+#[test]
+fn a_value_a_tensor_holds_is_computed_and_kept_by_the_flush_that_needs_it() {
+    let dev = device();
+    let mut rng = Rng::new(5);
+    let x = Tensor::from_vec(normal_vec(&mut rng, 4096), [64, 64], &dev).requires_grad();
+    dev.sync().unwrap();
+    // `y` is saved by `exp`'s derivative and held by the program too.
+    let y = x.exp();
+    let loss = (&y * 2.0).sum();
+    loss.item::<f32>().unwrap();
+    let launched = dev.kernels_launched();
+    let values = y.to_vec::<f32>().unwrap();
+    assert_eq!(dev.kernels_launched(), launched, "reading y ran kernels: it was not kept");
+    assert_eq!(values.len(), 4096);
+    let g = loss.backward().unwrap().get(&x).unwrap().to_vec::<f32>().unwrap();
+    for (gi, yi) in g.iter().zip(&values) {
+        assert!((gi - 2.0 * yi).abs() <= 1e-5 * yi.abs().max(1.0), "d(2 sum exp x)/dx = 2 exp x: {gi} vs {yi}");
+    }
+}
+
+#[test]
+fn recomputation_follows_the_setting_and_the_variable() {
+    let dev = Device::new_cpu();
+    assert!(dev.recompute_enabled() || std::env::var("BRAID_RECOMPUTE").is_ok_and(|v| v.trim() == "0"));
+    dev.set_recompute(false);
+    assert!(!dev.recompute_enabled());
+    dev.set_recompute(true);
+    dev.set_fusion(false);
+    assert!(!dev.recompute_enabled(), "unfused, every recomputed node would be a kernel of its own");
+}
+
+/// A small language model's step read eagerly (the loss first, then the backward pass): a
+/// layer norm, causal attention, a GELU MLP and the cross-entropy over a vocabulary, all of
+/// whose saved elementwise values are candidates. Recomputing keeps fewer bytes between the
+/// two flushes, and the gradients equal the reference interpreter's evaluation of exactly what
+/// braid recorded.
+#[test]
+fn an_eager_step_with_recomputed_values_equals_the_reference() {
+    if common::skip_without_i64(&device(), "an_eager_step_with_recomputed_values_equals_the_reference") {
+        return;
+    }
+    let kept_off = eager_step(false);
+    let kept_on = eager_step(true);
+    println!("kept between the loss read and the backward pass: {kept_off} B recomputation off, {kept_on} B on");
+    assert!(kept_on < kept_off, "recomputation kept {kept_on} B, more than {kept_off} B");
+}
+
+/// Runs the step on a fresh device, checks its gradients against the reference; returns the
+/// bytes kept between the loss read and the backward pass.
+fn eager_step(recompute: bool) -> u64 {
+    let dev = device();
+    dev.set_recompute(recompute);
+    dev.seed(17);
+    let (t, d, vocab) = (8, 16, 37);
+    let p = |shape: &[usize]| (Tensor::randn(shape.to_vec(), DType::F32, &dev) * 0.3).detach().requires_grad();
+    let x = Tensor::randn([t, d], DType::F32, &dev);
+    let (wq, wk, wv, w1, w2, head) =
+        (p(&[d, d]), p(&[d, d]), p(&[d, d]), p(&[d, 4 * d]), p(&[4 * d, d]), p(&[d, vocab]));
+    let mut rng = Rng::new(9);
+    let target = Tensor::from_vec((0..t).map(|_| rng.below(vocab) as i64).collect::<Vec<_>>(), [t], &dev);
+    dev.sync().unwrap();
+    let before = dev.memory().in_use;
+    let h = x.layer_norm(1, 1e-5);
+    let att = h.matmul(&wq).scaled_dot_product_attention(&h.matmul(&wk), &h.matmul(&wv), true);
+    let x2 = &x + &att;
+    let mlp = x2.layer_norm(1, 1e-5).matmul(&w1).gelu().matmul(&w2);
+    let logits = (&x2 + &mlp).layer_norm(1, 1e-5).matmul(&head);
+    let loss = logits.cross_entropy(&target);
+    drop((h, att, x2, mlp, logits));
+    assert!(loss.item::<f32>().unwrap().is_finite());
+    let kept = dev.memory().in_use - before;
+    let grads = loss.backward().unwrap();
+    let targets: Vec<Tensor> = [&wq, &wk, &wv, &w1, &w2, &head].iter().map(|w| grads.get(w).unwrap()).collect();
+    let refs: Vec<&Tensor> = targets.iter().collect();
+    let stats = common::check_recorded(&refs).unwrap();
+    assert!(stats.checked > 1000, "{stats:?}");
+    kept
+}
