@@ -13,8 +13,9 @@
 //! backward pass recomputes them inside its own fused kernels.
 //!
 //! A value qualifies when:
-//! - only autograd holds it (its handles are all saved ones) and the flush does not read it
-//!   out (not a target);
+//! - only autograd holds it (its handles are all saved ones) or pending work the flush leaves
+//!   reads it (a backward pass recorded before the loss read), no tensor of the program names
+//!   it, and the flush does not read it out (not a target);
 //! - it and the nodes recomputed with it are elementwise ops, views or constants on one stream,
 //!   with no control edges, whose readers in the flush are elementwise ops or reductions on
 //!   that stream (so the flush fuses them and never writes them);
@@ -72,7 +73,10 @@ pub(super) fn choose(
     };
     for &v in order {
         let n = graph.node(v);
-        if n.handles == 0 || n.handles != u32::from(n.saved) || targets.contains(&v) || !recomputable(v) {
+        // Kept only for autograd's saved handles or for pending work the flush leaves (the
+        // backward pass recorded before the loss read); a tensor's own handle keeps it.
+        let needed_later = n.handles > 0 || graph.successors(v).any(|s| !in_flush(s));
+        if !needed_later || n.handles != u32::from(n.saved) || targets.contains(&v) || !recomputable(v) {
             continue;
         }
         // The nodes recomputed with `v`, and the nodes of the flush they need kept.
