@@ -146,6 +146,7 @@ impl Grouper<'_> {
         // finished one (an optimizer's update of another parameter of the same shape), a run of
         // them would reach the kernel's input limit midway through a chain and cut it in two,
         // its middle stored.
+        let tried_meeting = candidates.is_empty();
         if candidates.is_empty() {
             let inputs: Vec<ValueRef> =
                 node.inputs.iter().map(|&v| crate::underlying(self.graph, &self.folded, v)).collect();
@@ -166,6 +167,28 @@ impl Grouper<'_> {
                     break;
                 }
                 Err(reason) => reasons.push((g, reason)),
+            }
+        }
+        // Refused by its producers' kernels, an elementwise node may still join a recent kernel
+        // of its index space whose values a later node reads with it (they meet there): a
+        // cross-entropy's cast of the logits joins the comparison with the targets.
+        if joined.is_none() && cls == Class::Elementwise && !tried_meeting {
+            let tried: Vec<usize> = reasons.iter().map(|(g, _)| *g).collect();
+            // Not a product's epilogue: that would only add an output to it.
+            let open = |g: &usize| !tried.contains(g) && matches!(self.groups[*g].kind, Kind::Map(_) | Kind::Rows(..));
+            for g in (0..self.groups.len()).rev().take(4).filter(open) {
+                let grp = &self.groups[g];
+                let meets = grp.nodes.iter().rev().take(8).any(|&j| self.readers[j].iter().any(|&r| r > i));
+                if !meets {
+                    continue;
+                }
+                match self.check(g, i) {
+                    Ok(level) => {
+                        joined = Some((g, level));
+                        break;
+                    }
+                    Err(reason) => reasons.push((g, reason)),
+                }
             }
         }
         match joined {
@@ -292,6 +315,27 @@ impl Grouper<'_> {
         (opens, closes)
     }
 
+    /// Whether node `i` is a widening cast of a product's result that should not be the
+    /// product's epilogue: the product's own values are written anyway (kept, or read by
+    /// another kernel), or the cast's values are not kept and every reader of them is
+    /// elementwise or a reduction, which converts the narrow values as it reads them. (A kept
+    /// cast, such as an f32 gradient of a bf16 product, stays the epilogue: the product then
+    /// writes only the wide values.)
+    fn widens_a_kept_or_streamed_product(&self, i: usize) -> bool {
+        let node = &self.graph.nodes[i];
+        let [ValueRef::Node(p)] = node.inputs.as_slice() else { return false };
+        let product = &self.graph.nodes[*p];
+        if node.op != Op::Cast || product.op != Op::Matmul || node.dtype.size() <= product.dtype.size() {
+            return false;
+        }
+        let product_written = product.keep || self.readers[*p].iter().any(|&r| r != i);
+        let streamed = !node.keep
+            && self.readers[i]
+                .iter()
+                .all(|&r| matches!(class(&self.graph.nodes[r].op), Class::Elementwise | Class::Reduce));
+        product_written || streamed
+    }
+
     /// Whether group `from` depends (transitively) on group `to`.
     fn depends(&self, from: usize, to: usize) -> bool {
         let mut stack = vec![from];
@@ -382,6 +426,13 @@ impl Grouper<'_> {
                     ));
                 }
                 reduce_level(&node.op)
+            }
+            (Kind::Matmul(_), Class::Elementwise) if self.widens_a_kept_or_streamed_product(i) => {
+                return Err(format!(
+                    "n{nid} widens the product's values to {}: its readers convert them as they read them, \
+                     instead of the product writing them twice or wide",
+                    node.dtype
+                ));
             }
             (Kind::Matmul(out), Class::Elementwise) if &node.shape == out => Level::Full,
             (Kind::Map(space) | Kind::Matmul(space), _) => {
