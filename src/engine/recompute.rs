@@ -19,8 +19,10 @@
 //! - it and the nodes recomputed with it are elementwise ops, views or constants on one stream,
 //!   with no control edges, whose readers in the flush are elementwise ops or reductions on
 //!   that stream (so the flush fuses them and never writes them);
+//! - it is not a parameter's version;
 //! - what it is computed from is computed before the flush, kept by the flush anyway, or kept
-//!   for it (the frontier), and the frontier it adds costs fewer bytes than the value itself.
+//!   for it (the frontier), and the frontier it adds, with the values from before the flush it
+//!   keeps alive that would otherwise be freed, costs fewer bytes than the value itself.
 //!
 //! This module only chooses; `flush::extract` marks the choice (`keep`) and `run::install`
 //! leaves the chosen nodes pending. It never changes what is computed, only when.
@@ -76,12 +78,19 @@ pub(super) fn choose(
         // Kept only for autograd's saved handles or for pending work the flush leaves (the
         // backward pass recorded before the loss read); a tensor's own handle keeps it.
         let needed_later = n.handles > 0 || graph.successors(v).any(|s| !in_flush(s));
-        if !needed_later || n.handles != u32::from(n.saved) || targets.contains(&v) || !recomputable(v) {
+        // A parameter's version is never left pending: it would keep the version before it
+        // (and that one's moments) alive instead, one more step.
+        if !needed_later || n.persistent || n.handles != u32::from(n.saved) || targets.contains(&v) || !recomputable(v)
+        {
             continue;
         }
         // The nodes recomputed with `v`, and the nodes of the flush they need kept.
         let mut closure = vec![v];
         let mut frontier: Vec<NodeId> = Vec::new();
+        // Bytes of values from before the flush that no tensor names, which would be freed
+        // after it but stay alive for the recomputation.
+        let mut held_longer = 0usize;
+        let mut before: Vec<NodeId> = Vec::new();
         let mut stack: Vec<NodeId> = graph.in_edges(v).0.into_vec();
         let mut ok = true;
         while let Some(p) = stack.pop() {
@@ -95,7 +104,13 @@ pub(super) fn choose(
             }
             match &pn.value {
                 // Computed before the flush: the pending node's edge holds it.
-                Some(Value::Ready(_) | Value::Host(_)) => continue,
+                Some(Value::Ready(_) | Value::Host(_)) => {
+                    if pn.handles == 0 && !before.contains(&p) {
+                        held_longer += pn.bytes();
+                    }
+                    before.push(p);
+                    continue;
+                }
                 None if in_flush(p) => {}
                 _ => {
                     ok = false;
@@ -116,7 +131,7 @@ pub(super) fn choose(
             }
         }
         let frontier_bytes: usize = frontier.iter().map(|&p| graph.node(p).bytes()).sum();
-        if ok && frontier_bytes < n.bytes() {
+        if ok && frontier_bytes + held_longer < n.bytes() {
             chosen.pending.extend(closure);
             chosen.kept.extend(frontier);
         }
