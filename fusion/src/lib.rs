@@ -7,7 +7,10 @@
 //! - **Rows**: reductions along one axis with the elementwise work before them (over the full
 //!   shape) and after them (over the reduced shape), so a composed softmax or layer norm is one
 //!   kernel that keeps a row in cache;
-//! - **Matmul**: a matrix product with an elementwise epilogue (bias, activation);
+//! - **Matmul**: a matrix product with an elementwise epilogue (bias, activation), but not a
+//!   cast that widens its result when the product's own values are written anyway or the
+//!   cast's readers could convert as they read (a cross-entropy over bf16 logits reads them
+//!   narrow);
 //! - **Attention**: the parts of one attention pass that read the same inputs (the output and
 //!   its log-sum-exp; the key and value gradients), one fused kernel that never writes scores;
 //! - **Single**: anything else (concatenation, a materialised movement, a user event);
