@@ -335,7 +335,7 @@ impl Device {
     /// Whether flushes starting now recompute saved values (`BRAID_RECOMPUTE=0` turns it off
     /// by default; it also needs fusion).
     pub fn recompute_enabled(&self) -> bool {
-        self.0.engine.recompute_enabled() && self.fusion_enabled()
+        self.0.engine.recompute_enabled()
     }
 
     /// Caps the device memory a flush may plan for: when the planned peak (the flush's inputs

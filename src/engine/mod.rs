@@ -205,8 +205,11 @@ impl Engine {
         lock(&self.settings.fusion).unwrap_or(env.fusion.unwrap_or(true))
     }
 
+    /// Whether flushes starting now recompute saved values (which needs fusion too).
     pub(crate) fn recompute_enabled(&self) -> bool {
-        lock(&self.settings.recompute).unwrap_or_else(|| env::flag("BRAID_RECOMPUTE").ok().flatten().unwrap_or(true))
+        self.fusion_enabled()
+            && lock(&self.settings.recompute)
+                .unwrap_or_else(|| env::flag("BRAID_RECOMPUTE").ok().flatten().unwrap_or(true))
     }
 
     /// Whether a flush run under `env` leaves saved values to be recomputed (`flush::recompute`;

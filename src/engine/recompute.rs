@@ -75,13 +75,16 @@ pub(super) fn choose(
     };
     for &v in order {
         let n = graph.node(v);
+        // The cheap tests first: this runs over every node of a read's flush. A tensor's own
+        // handle keeps a value; so does being a parameter's version (left pending, it would keep
+        // the version before it, and that one's moments, alive one more step instead).
+        if n.persistent || n.handles != u32::from(n.saved) || !cheap(&n.op) || targets.contains(&v) {
+            continue;
+        }
         // Kept only for autograd's saved handles or for pending work the flush leaves (the
-        // backward pass recorded before the loss read); a tensor's own handle keeps it.
+        // backward pass recorded before the loss read).
         let needed_later = n.handles > 0 || graph.successors(v).any(|s| !in_flush(s));
-        // A parameter's version is never left pending: it would keep the version before it
-        // (and that one's moments) alive instead, one more step.
-        if !needed_later || n.persistent || n.handles != u32::from(n.saved) || targets.contains(&v) || !recomputable(v)
-        {
+        if !needed_later || !recomputable(v) {
             continue;
         }
         // The nodes recomputed with `v`, and the nodes of the flush they need kept.

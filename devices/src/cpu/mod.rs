@@ -88,16 +88,6 @@ impl CpuBuffer {
         self.bytes
     }
 
-    /// Whether this is exact-size memory for a parameter.
-    pub fn is_exact(&self) -> bool {
-        self.exact
-    }
-
-    /// Whether this is offload memory (the device's host pool) rather than device memory.
-    pub fn is_host(&self) -> bool {
-        self.host
-    }
-
     /// The contents (a copy).
     pub fn read(&self) -> Vec<u8> {
         // SAFETY: the buffer holds `bytes` initialised bytes (every buffer is written by the

@@ -355,11 +355,6 @@ impl WgpuBuffer {
         self.bytes
     }
 
-    /// Exact-size memory for a parameter.
-    pub fn is_exact(&self) -> bool {
-        self.exact
-    }
-
     /// Whether it is host memory (an offloaded value).
     pub fn is_host(&self) -> bool {
         matches!(self.mem, Mem::Host(_))
