@@ -320,7 +320,9 @@ impl Device {
     /// elementwise function of values that cost fewer bytes to keep, and the backward pass
     /// computes it again inside its own kernels: a language model's cross-entropy then keeps
     /// its bf16 logits instead of `exp(logits - max)` in f32 and a one-hot mask. Results do not
-    /// change; only what is kept between flushes and what is computed twice.
+    /// change; only what is kept between flushes and what is computed twice. Never on a device
+    /// whose math is not the op table's (wgpu: its compilers may fold arithmetic on values a
+    /// kernel does not store, so what is stored could change a NaN).
     ///
     /// ```
     /// use braid::prelude::*;

@@ -207,7 +207,8 @@ impl Engine {
 
     /// Whether flushes starting now recompute saved values (which needs fusion too).
     pub(crate) fn recompute_enabled(&self) -> bool {
-        self.fusion_enabled()
+        self.recompute_possible()
+            && self.fusion_enabled()
             && lock(&self.settings.recompute)
                 .unwrap_or_else(|| env::flag("BRAID_RECOMPUTE").ok().flatten().unwrap_or(true))
     }
@@ -215,7 +216,17 @@ impl Engine {
     /// Whether a flush run under `env` leaves saved values to be recomputed (`flush::recompute`;
     /// only where it fuses: unfused, every recomputed node would be a kernel of its own).
     pub(crate) fn recompute_under(&self, env: &env::FlushEnv) -> bool {
-        self.fusion_under(env) && lock(&self.settings.recompute).unwrap_or(env.recompute.unwrap_or(true))
+        self.recompute_possible()
+            && self.fusion_under(env)
+            && lock(&self.settings.recompute).unwrap_or(env.recompute.unwrap_or(true))
+    }
+
+    /// Recomputation changes which values a kernel stores, which must not change results. A
+    /// platform whose math is not the op table's (WGSL's compilers may fold arithmetic on a
+    /// value they never store: `x - x` is 0 even for a NaN `x`, found by the property suites on
+    /// lavapipe) gives results that depend on it, so it runs there never.
+    fn recompute_possible(&self) -> bool {
+        self.backend.target().math == braid_graph::PlatformMath::TABLE
     }
 
     pub(crate) fn memory_budget(&self) -> Option<u64> {
