@@ -300,6 +300,35 @@ fn large_products_over_odd_widths_match_the_cpu() {
     }
 }
 
+/// A program that makes two new streams every step, each running a product, keeps a few CUDA
+/// streams and cuBLAS handles (not two more of each, with 32 MiB of workspace, per step), and
+/// its results stay right while the lanes pass from stream to stream.
+#[test]
+fn new_streams_every_step_reuse_a_few_cuda_streams() {
+    let Some((dev, _turn)) = gpu("new_streams_every_step_reuse_a_few_cuda_streams") else { return };
+    let cpu = Device::new_cpu();
+    let setup = |d: &Device| {
+        d.seed(11);
+        (Tensor::randn([128, 128], DType::F32, d) * 0.1, Tensor::randn([128, 128], DType::F32, d))
+    };
+    let ((a, x), (ca, cx)) = (setup(&dev), setup(&cpu));
+    let step = |a: &Tensor, x: &Tensor, d: &Device| {
+        let (s1, s2) = (d.new_stream(), d.new_stream());
+        let p = s1.scope(|| x.matmul(a).tanh().matmul(a));
+        let q = s2.scope(|| (x * 0.5).matmul(a).sigmoid());
+        (&p + &q).to_vec::<f32>().unwrap()
+    };
+    let expected = step(&ca, &cx, &cpu);
+    for i in 0..40 {
+        let got = step(&a, &x, &dev);
+        let worst = got.iter().zip(&expected).fold(0f32, |m, (g, e)| m.max((g - e).abs()));
+        assert!(worst < 1e-3, "step {i}: differs from the CPU by {worst}");
+    }
+    let (streams, handles) = backend(&dev).cuda_streams();
+    assert!(streams <= 8 && handles <= 8, "80 braid streams kept {streams} CUDA streams and {handles} cuBLAS handles");
+    println!("80 braid streams over 40 steps: {streams} CUDA streams, {handles} cuBLAS handles");
+}
+
 /// A step of two streams (a product and row reductions on one, an elementwise chain on the
 /// other) returning two values.
 fn two_stream_step(args: &[Tensor], side: &braid::Stream) -> Vec<Tensor> {

@@ -2,7 +2,10 @@
 //! movement, reductions, matrix products, in-place updates, reads in the middle, dropped
 //! tensors) run on the CPU device and compared with the f64 reference interpreter.
 //!
-//! `BRAID_PROPTEST_CASES` overrides the number of programs (default 2,000).
+//! Programs on streams run a quarter of the time twice: the second run makes new streams, so
+//! its flushes reuse the first run's plans renamed to them (the plan cache keys streams by rank).
+//!
+//! `BRAID_PROPTEST_CASES` overrides the number of programs (default 5,000).
 
 mod common;
 
@@ -38,6 +41,7 @@ fn run_suite(cases: u32, config: &Config, fusion: bool) {
     let checked = AtomicUsize::new(0);
     let uncertain = AtomicUsize::new(0);
     let programs = AtomicUsize::new(0);
+    let (reruns, rerun_hits) = (AtomicUsize::new(0), AtomicUsize::new(0));
     let decidable_share = Mutex::new(Vec::new());
     let proptest_config = ProptestConfig { cases, failure_persistence: None, ..ProptestConfig::default() };
     proptest!(proptest_config, |(seed in any::<u64>())| {
@@ -45,6 +49,12 @@ fn run_suite(cases: u32, config: &Config, fusion: bool) {
         checked.fetch_add(stats.checked, Ordering::Relaxed);
         uncertain.fetch_add(stats.uncertain, Ordering::Relaxed);
         programs.fetch_add(1, Ordering::Relaxed);
+        if config.streams > 0 && seed % 4 == 0 {
+            let (hits, _) = dev.plan_cache_stats();
+            program::run(seed, &dev, config).map_err(|e| TestCaseError::fail(format!("seed {seed}, run again on new streams: {e}")))?;
+            reruns.fetch_add(1, Ordering::Relaxed);
+            rerun_hits.fetch_add((dev.plan_cache_stats().0 - hits) as usize, Ordering::Relaxed);
+        }
         let seen = stats.checked + stats.uncertain;
         if seen > 0 {
             decidable_share.lock().unwrap().push((stats.checked as f64 / seen as f64, seen, seed));
@@ -60,6 +70,14 @@ fn run_suite(cases: u32, config: &Config, fusion: bool) {
         &shares[..shares.len().min(3)]
     );
     assert_eq!(p, cases as usize);
+    let (reruns, rerun_hits) = (reruns.into_inner(), rerun_hits.into_inner());
+    if reruns > 0 {
+        println!("{reruns} programs run again on new streams: {rerun_hits} flushes reused a plan");
+        assert!(
+            rerun_hits >= reruns / 2,
+            "programs run again on new streams reused {rerun_hits} plans in {reruns} runs"
+        );
+    }
     // The comparison must not be vacuous: most elements are decidable. Programs weigh equally:
     // one large program whose values overflow can skip 100,000 elements at once, a quarter of
     // all that a suite of 40 large programs compares (CI's wgpu run once failed a bound on the

@@ -9,7 +9,9 @@ Timing: the median of 21 runs after 3 warm-ups, each run synchronised before its
 let go (torch.cuda.synchronize), TF32 off. Each workload computes what braid's row of the same
 id holds: G3 every parameter's gradient and the SGD update of all of them, G5 every weight's
 gradient (held until the sync), G4 both chains. Peak memory: torch.cuda.max_memory_allocated over what
-was allocated before the run. Exits 1 with a message on stderr when PyTorch is missing.
+was allocated before the run. Rows "g4-host" and "g4-2s-host" carry, in "ms", the host's cost of
+enqueueing G4 without waiting, in us per product and its tanh. Exits 1 with a message on stderr when
+PyTorch is missing.
 """
 import argparse
 import json
@@ -69,6 +71,22 @@ def peak_extra(f):
     peak = torch.cuda.max_memory_allocated() - before
     del out
     return peak
+
+
+def host_us(f, per):
+    """Host time to enqueue `f` without waiting for the GPU, in us per `per`: the median of 21
+    runs after 3 warm-ups, each synchronised after the clock stops."""
+    ts = []
+    for i in range(24):
+        sync()
+        t = time.perf_counter()
+        out = f()
+        if i >= 3:
+            ts.append((time.perf_counter() - t) * 1e6 / per)
+        sync()
+        del out
+    ts.sort()
+    return ts[len(ts) // 2]
 
 
 def emit(id_, variant, f):
@@ -154,6 +172,10 @@ def g4():
         return h
 
     emit("g4", "one_stream", lambda: (chain(), chain()))
+    # The host's cost of the same work, beside braid's "host records and issues" figure: us per
+    # product and its tanh (what one braid kernel does), enqueued without waiting.
+    host = {"id": "g4-host", "variant": "eager", "ms": host_us(lambda: (chain(), chain()), 2 * steps)}
+    print(json.dumps(host), flush=True)
     if cuda:
         s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 
@@ -170,6 +192,8 @@ def g4():
             return r1, r2
 
         emit("g4", "two_streams", two)
+        host = {"id": "g4-2s-host", "variant": "eager", "ms": host_us(two, 2 * steps)}
+        print(json.dumps(host), flush=True)
 
 
 def g5():

@@ -30,7 +30,7 @@
 
 mod group;
 
-use braid_graph::{FlushGraph, Shape, Target, ValueRef};
+use braid_graph::{FlushGraph, Shape, StreamId, Target, ValueRef};
 
 /// What kind of kernel a segment becomes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -81,6 +81,19 @@ pub struct Refusal {
     pub a: usize,
     pub b: usize,
     pub reason: String,
+}
+
+impl Refusal {
+    /// The reason given for nodes on different streams (`a`'s group's, `b`'s).
+    pub fn different_streams(a: StreamId, b: StreamId) -> String {
+        format!("different streams ({}, {})", a.0, b.0)
+    }
+
+    /// The streams a reason made by [`Refusal::different_streams`] names.
+    pub fn streams_of(reason: &str) -> Option<(StreamId, StreamId)> {
+        let (a, b) = reason.strip_prefix("different streams (")?.strip_suffix(')')?.split_once(", ")?;
+        Some((StreamId(a.parse().ok()?), StreamId(b.parse().ok()?)))
+    }
 }
 
 /// The result of the pass.

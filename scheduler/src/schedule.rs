@@ -167,6 +167,28 @@ impl Schedule {
         self.kernels.len()
     }
 
+    /// This schedule with every stream renamed by `rename`, a one-to-one map that keeps the
+    /// order of stream ids: the plan of the same graph on those streams (the engine reuses a
+    /// plan for a program that makes new streams every step).
+    pub fn with_streams_renamed(&self, rename: &dyn Fn(StreamId) -> StreamId) -> Schedule {
+        let mut renamed = self.clone();
+        for s in &mut renamed.streams {
+            s.stream = rename(s.stream);
+        }
+        for k in &mut renamed.kernels {
+            k.stream = rename(k.stream);
+        }
+        for e in &mut renamed.events {
+            e.stream = rename(e.stream);
+        }
+        for r in &mut renamed.fusion.refused {
+            if let Some((a, b)) = braid_fusion::Refusal::streams_of(&r.reason) {
+                r.reason = braid_fusion::Refusal::different_streams(rename(a), rename(b));
+            }
+        }
+        renamed
+    }
+
     /// Kernel `k`'s plan and the fused segment it runs.
     pub fn kernel_and_segment(&self, k: KernelId) -> (&KernelPlan, &braid_fusion::Segment) {
         let plan = &self.kernels[k.index()];

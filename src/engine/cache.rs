@@ -10,10 +10,15 @@
 //! lowering. (A graph with `rand`/`randn` carries fresh seeds each time and is planned anew.) The
 //! key is that structure written out as bytes and compared whole, so two different graphs never
 //! share a plan; plans are evicted oldest first beyond a count and a total key size.
+//!
+//! A user's streams enter the key by their rank among the graph's streams, not by their ids
+//! (the default stream and the engine's copy and offload streams by their ids): a program that
+//! makes new streams every step reuses its plan, renamed to the new streams
+//! ([`Plan::on_streams`]).
 
-use braid_graph::FlushGraph;
+use braid_graph::{FlushGraph, StreamId};
 use braid_lowering::Kernel;
-use braid_scheduler::Schedule;
+use braid_scheduler::{COPY_STREAM, OFFLOAD_STREAM, Schedule};
 use hashbrown::HashMap;
 use std::collections::VecDeque;
 use std::hash::{Hash, Hasher};
@@ -28,8 +33,36 @@ const MAX_KERNELS: usize = 4096;
 pub(crate) struct Plan {
     pub(crate) schedule: Arc<Schedule>,
     pub(crate) kernels: Arc<[Arc<Kernel>]>,
+    /// The user streams it was planned on ([`user_streams`]).
+    pub(crate) streams: Vec<StreamId>,
 }
 
+impl Plan {
+    /// The schedule for a graph of the same key on `streams` (its [`user_streams`]): this
+    /// plan's, with its streams renamed when they were others.
+    pub(crate) fn on_streams(&self, streams: &[StreamId]) -> Arc<Schedule> {
+        if self.streams == streams {
+            return self.schedule.clone();
+        }
+        let rename = |s: StreamId| self.streams.iter().position(|&p| p == s).map_or(s, |i| streams[i]);
+        Arc::new(self.schedule.with_streams_renamed(&rename))
+    }
+}
+
+/// Whether `s` is one of the streams whose id means something to the planner: the default
+/// stream, the copy stream and the offload stream.
+fn is_engine_stream(s: StreamId) -> bool {
+    s == StreamId(0) || s == COPY_STREAM || s == OFFLOAD_STREAM
+}
+
+/// The other streams of `graph` (the user's), in increasing order of id.
+pub(crate) fn user_streams(graph: &FlushGraph) -> Vec<StreamId> {
+    let all = graph.nodes.iter().map(|n| n.stream).chain(graph.externals.iter().map(|e| e.stream));
+    let mut streams: Vec<StreamId> = all.filter(|&s| !is_engine_stream(s)).collect();
+    streams.sort_unstable();
+    streams.dedup();
+    streams
+}
 /// The structure of a flush graph, written out (kept shared once a plan is stored under it).
 type Key = Arc<[u8]>;
 
@@ -44,9 +77,15 @@ pub(crate) struct PlanCache {
 }
 
 impl PlanCache {
-    /// The structural key of a flush graph (a lookup needs only its bytes: a hit, the usual
-    /// case, copies it nowhere).
-    pub(crate) fn key(graph: &FlushGraph, fusion: bool, budget: Option<u64>) -> Vec<u8> {
+    /// The structural key of a flush graph whose user streams are `streams`
+    /// ([`user_streams`]; a lookup needs only the key's bytes: a hit, the usual case, copies it
+    /// nowhere).
+    pub(crate) fn key(graph: &FlushGraph, fusion: bool, budget: Option<u64>, streams: &[StreamId]) -> Vec<u8> {
+        // An engine stream by its id, a user's by its rank (ids are below u32::MAX - 1).
+        let stream = |s: StreamId| match streams.binary_search(&s) {
+            Ok(rank) if !is_engine_stream(s) => (1u8, rank as u32),
+            _ => (0u8, s.0),
+        };
         let mut w = KeyWriter(Vec::with_capacity(64 + 112 * graph.nodes.len() + 48 * graph.externals.len()));
         fusion.hash(&mut w);
         budget.hash(&mut w);
@@ -57,7 +96,7 @@ impl PlanCache {
             n.dtype.hash(&mut w);
             n.shape.hash(&mut w);
             n.device.hash(&mut w);
-            n.stream.hash(&mut w);
+            stream(n.stream).hash(&mut w);
             n.inputs.hash(&mut w);
             n.after.hash(&mut w);
             (n.keep, n.offload_hint, n.persistent).hash(&mut w);
@@ -65,7 +104,7 @@ impl PlanCache {
         for e in &graph.externals {
             e.dtype.hash(&mut w);
             e.shape.hash(&mut w);
-            e.stream.hash(&mut w);
+            stream(e.stream).hash(&mut w);
             (e.donated, e.on_host, e.offloaded, e.persistent, e.overwritable, e.remote, e.foreign).hash(&mut w);
         }
         w.0

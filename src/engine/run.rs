@@ -7,7 +7,7 @@
 //! the nodes become pending again (no work is lost), donated inputs are given back unless the
 //! flush freed or overwrote them, and the error goes to the reader.
 
-use super::cache::{Plan, PlanCache};
+use super::cache::{Plan, PlanCache, user_streams};
 use super::dump::{self, ScheduleDump};
 use super::env::FlushEnv;
 use super::flush::{ExternalData, Extracted};
@@ -164,9 +164,10 @@ impl Engine {
         let fusion_on = self.fusion_under(env);
         let rewrite = lock(&self.faults).rewrite.clone();
         let budget = self.memory_budget();
-        let key = rewrite.is_none().then(|| PlanCache::key(&graph, fusion_on, budget));
+        let streams = user_streams(&graph);
+        let key = rewrite.is_none().then(|| PlanCache::key(&graph, fusion_on, budget, &streams));
         if let Some(plan) = key.as_ref().and_then(|k| lock(&self.plans).get(k)) {
-            return (graph, plan.schedule.clone(), plan.kernels.clone(), Ok(()));
+            return (graph, plan.on_streams(&streams), plan.kernels.clone(), Ok(()));
         }
         let target = self.backend.target();
         let (mut schedule, placed) = {
@@ -190,7 +191,7 @@ impl Engine {
                 .collect()
         };
         if let (Some(k), Ok(())) = (key, &checked) {
-            let plan = Arc::new(Plan { schedule: schedule.clone(), kernels: kernels.clone() });
+            let plan = Arc::new(Plan { schedule: schedule.clone(), kernels: kernels.clone(), streams });
             lock(&self.plans).insert(k, plan);
         }
         (graph, schedule, kernels, checked)

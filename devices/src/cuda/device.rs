@@ -174,6 +174,14 @@ impl CudaBackend {
         self.compiler.stats()
     }
 
+    /// The CUDA streams this device keeps for braid's streams (its lanes, `super::lanes`):
+    /// at most `KEPT_LANES` (8) however many braid streams the program makes, unless one flush
+    /// uses more, and the cuBLAS handles with them.
+    pub fn cuda_streams(&self) -> (usize, usize) {
+        let st = self.pools.state();
+        (st.lanes.lanes.len() - 1, st.blas.len())
+    }
+
     /// Pinned host memory (offloaded values, staging).
     pub fn pinned_memory(&self) -> MemoryStats {
         self.pools.pinned_stats()

@@ -2,8 +2,14 @@
 //!
 //! A lane is one non-blocking CUDA stream kept for the device's lifetime: lane 0 carries
 //! transfers outside flushes (uploads, downloads, poison fills of dropped buffers); every
-//! other lane is the CUDA stream of one braid stream id (`StreamId`), the same one in every
-//! flush (the copy and offload streams included), created the first time a flush uses it.
+//! other lane carries one braid stream id (`StreamId`, the copy and offload streams included),
+//! the same one in every flush while that stream is in use. Lanes are few, as PyTorch's pool
+//! of streams is: a stream new to the device gets a new lane until [`KEPT_LANES`] exist, and
+//! after that the lane of the stream no flush has used for longest ([`Lanes::of_streams`]).
+//! A program that makes new braid streams every step so reuses a few CUDA streams, and their
+//! cuBLAS handles and workspaces (`super::pools`), instead of adding one of each per step.
+//! Handing a lane to another braid stream is always safe: every flush begins after everything
+//! enqueued before it (`super::queue`), so the order of work on a lane is kept.
 //!
 //! Positions on a lane are counted on the host: `issued` is the number of operations
 //! enqueued so far (bumped *after* each enqueue), and a *point* `(lane, n)` is reached once
@@ -84,6 +90,8 @@ pub(crate) struct Lane {
     pub(crate) stream: Arc<Stream>,
     /// The braid stream it carries (`None`: the transfer lane).
     pub(crate) braid: Option<u32>,
+    /// The last flush that used it (the count of [`Lanes::flushes`] then).
+    last_flush: u64,
     /// Operations enqueued so far.
     pub(crate) issued: u64,
     /// Operations known done.
@@ -97,7 +105,13 @@ pub(crate) struct Lanes {
     pub(crate) lanes: Vec<Lane>,
     /// Bumped whenever some lane's `completed` grows.
     pub(crate) generation: u64,
+    /// Flushes that asked for lanes so far.
+    flushes: u64,
 }
+
+/// Lanes of braid streams a device keeps before a new stream takes over the lane of the stream
+/// unused longest. A flush of more streams than this still gets a lane for each.
+pub(crate) const KEPT_LANES: usize = 8;
 
 impl Lanes {
     /// The transfer lane alone.
@@ -105,21 +119,45 @@ impl Lanes {
         let transfer = Lane {
             stream: Arc::new(Stream::new(gpu)?),
             braid: None,
+            last_flush: 0,
             issued: 0,
             completed: 0,
             markers: VecDeque::new(),
         };
-        Ok(Lanes { lanes: vec![transfer], generation: 0 })
+        Ok(Lanes { lanes: vec![transfer], generation: 0, flushes: 0 })
     }
 
-    /// The lane of braid stream `id`, created on first use.
-    pub(crate) fn of_stream(&mut self, gpu: &Arc<Gpu>, id: u32) -> Result<LaneId, DeviceError> {
-        if let Some(l) = self.lanes.iter().position(|l| l.braid == Some(id)) {
-            return Ok(l);
+    /// The lanes of one flush's braid streams (`ids`, distinct), in their order: a stream's
+    /// own lane when it has one; for a stream new to the device, a new lane while fewer than
+    /// [`KEPT_LANES`] exist, else the lane of the stream unused longest that this flush does
+    /// not use (it now carries `id`).
+    pub(crate) fn of_streams(&mut self, gpu: &Arc<Gpu>, ids: &[u32]) -> Result<Vec<LaneId>, DeviceError> {
+        self.flushes += 1;
+        let mut found: Vec<Option<LaneId>> =
+            ids.iter().map(|&id| self.lanes.iter().position(|l| l.braid == Some(id))).collect();
+        for i in 0..ids.len() {
+            if found[i].is_some() {
+                continue;
+            }
+            let free = (1..self.lanes.len()).filter(|&l| !found.contains(&Some(l)));
+            let lane = match free.min_by_key(|&l| self.lanes[l].last_flush) {
+                Some(l) if self.lanes.len() > KEPT_LANES => l,
+                _ => {
+                    let stream = Arc::new(Stream::new(gpu)?);
+                    let lane =
+                        Lane { stream, braid: None, last_flush: 0, issued: 0, completed: 0, markers: VecDeque::new() };
+                    self.lanes.push(lane);
+                    self.lanes.len() - 1
+                }
+            };
+            self.lanes[lane].braid = Some(ids[i]);
+            found[i] = Some(lane);
         }
-        let stream = Arc::new(Stream::new(gpu)?);
-        self.lanes.push(Lane { stream, braid: Some(id), issued: 0, completed: 0, markers: VecDeque::new() });
-        Ok(self.lanes.len() - 1)
+        let lanes: Vec<LaneId> = found.into_iter().map(|l| l.expect("every stream given a lane above")).collect();
+        for &l in &lanes {
+            self.lanes[l].last_flush = self.flushes;
+        }
+        Ok(lanes)
     }
 
     /// Counts one more operation enqueued on `lane` (call after enqueueing it).

@@ -119,7 +119,7 @@ pub(crate) struct PoolState {
     swept: u64,
     bytes: LiveBytes,
     /// Per lane that ran a product: its cuBLAS handle and workspace.
-    blas: Vec<(LaneId, Arc<Blas>, Slice)>,
+    pub(crate) blas: Vec<(LaneId, Arc<Blas>, Slice)>,
 }
 
 /// The memory pools and lanes of one device, shared by its backend and every buffer.

@@ -121,11 +121,8 @@ impl<'a> CudaFlush<'a> {
         let issue = lock(&backend.issue);
         let pools = &backend.pools;
         pools.gpu.bind()?;
-        let lanes = {
-            let mut st = pools.state();
-            let lanes = schedule.streams.iter().map(|s| st.lanes.of_stream(&pools.gpu, s.stream.0));
-            lanes.collect::<Result<Vec<LaneId>, DeviceError>>()?
-        };
+        let ids: Vec<u32> = schedule.streams.iter().map(|s| s.stream.0).collect();
+        let lanes = pools.state().lanes.of_streams(&pools.gpu, &ids)?;
         let recording = recording.then(|| Recording::new(pools, lanes[0]));
         // A capture's events never serve outside it: its own, dropped with it.
         let pool = recording.as_ref().map_or(&pools.events, |r| &r.events);

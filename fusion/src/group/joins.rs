@@ -58,7 +58,7 @@ impl Grouper<'_> {
         let node = &self.graph.nodes[i];
         let nid = node.id.index();
         if grp.stream != node.stream {
-            return Err(format!("different streams ({}, {})", grp.stream.0, node.stream.0));
+            return Err(crate::Refusal::different_streams(grp.stream, node.stream));
         }
         if node.after.iter().any(|a| grp.waits.binary_search(a).is_err()) {
             return Err(format!("an event wait or control edge orders n{nid} after work in this kernel"));
