@@ -75,7 +75,7 @@ fn print_loop(out: &mut String, l: &MapLoop, name: &str, params: &[Param], grid:
         },
         match grid {
             Grid::Launch => signature(name, params),
-            Grid::Share => share_signature(name, params),
+            Grid::Share => share_signature(name, params, &loop_args(l)),
         }
     );
     let first = match &vector {
@@ -173,6 +173,15 @@ fn chunk_at(arg: u16, offset: usize) -> String {
     if offset > 0 { format!("a{arg} + {offset} + i0") } else { format!("a{arg} + i0") }
 }
 
+/// The arguments a loop reads or writes, in increasing order: the parameters of its device
+/// function in a packed kernel.
+fn loop_args(l: &MapLoop) -> Vec<u16> {
+    let mut args: Vec<u16> = l.loads.iter().map(|ld| ld.arg).chain(l.stores.iter().map(|s| s.arg)).collect();
+    args.sort_unstable();
+    args.dedup();
+    args
+}
+
 /// The most blocks one loop of a packed kernel gets: its threads stride over the rest, as a
 /// map loop's grid does (an H200's 132 multiprocessors take 32 blocks each in `launch.rs`).
 const PACKED_BLOCKS_PER_LOOP: usize = 4096;
@@ -192,11 +201,9 @@ pub(super) fn print_packed(out: &mut String, loops: &[MapLoop], name: &str, para
             continue;
         }
         let own = threads.div_ceil(block as usize).min(PACKED_BLOCKS_PER_LOOP);
-        ranges.push((loop_name, blocks, own));
+        ranges.push((loop_name, k, blocks, own));
         blocks += own;
     }
-    let args: Vec<String> = (0..params.len()).map(|i| format!("a{i}")).collect();
-    let args = args.join(", ");
     let _ = writeln!(
         out,
         "\n// {} loops, one launch: each a range of the blocks.\n{} {{",
@@ -204,10 +211,11 @@ pub(super) fn print_packed(out: &mut String, loops: &[MapLoop], name: &str, para
         signature(name, params)
     );
     out.push_str("  const long long b = blockIdx.x;\n");
-    for (loop_name, first, own) in &ranges {
+    for (loop_name, k, first, own) in &ranges {
+        let args: String = loop_args(&loops[*k]).iter().map(|a| format!("a{a}, ")).collect();
         let _ = writeln!(
             out,
-            "  if (b < {}LL) {{ {loop_name}({args}, (b - {first}LL) * blockDim.x + threadIdx.x, {own}LL * blockDim.x); return; }}",
+            "  if (b < {}LL) {{ {loop_name}({args}(b - {first}LL) * blockDim.x + threadIdx.x, {own}LL * blockDim.x); return; }}",
             first + own
         );
     }

@@ -227,16 +227,22 @@ fn signature(name: &str, params: &[Param]) -> String {
 
 /// `const float* a0, float* a1, ...`: the parameters as C declarations.
 fn param_list(params: &[Param]) -> String {
-    let list: Vec<String> = (params.iter().enumerate())
-        .map(|(i, p)| format!("{}{}* a{i}", if p.writable { "" } else { "const " }, storage_ctype(p.dtype)))
-        .collect();
+    let list: Vec<String> = (params.iter().enumerate()).map(|(i, p)| param_decl(i, p)).collect();
     list.join(", ")
 }
 
-/// The parameter list of a packed kernel's loop (see `loops::print_packed`): the entry's, then
-/// its first thread and thread count.
-fn share_signature(name: &str, params: &[Param]) -> String {
-    format!("__device__ __forceinline__ void {name}({}, long long t0, long long nt)", param_list(params))
+fn param_decl(i: usize, p: &Param) -> String {
+    format!("{}{}* a{i}", if p.writable { "" } else { "const " }, storage_ctype(p.dtype))
+}
+
+/// The parameter list of a packed kernel's loop (see `loops::print_packed`): the entry's
+/// parameters it reads or writes (`used`, in increasing order; by their names in the entry),
+/// then its first thread and thread count. Only those: a loop taking all of a kernel's
+/// hundreds of parameters made NVRTC's time grow with loops x parameters (5 to 9 s for a
+/// kernel of 510 loops of one multiplication each, on an H200's host).
+fn share_signature(name: &str, params: &[Param], used: &[u16]) -> String {
+    let list: Vec<String> = used.iter().map(|&i| param_decl(i as usize, &params[i as usize])).collect();
+    format!("__device__ __forceinline__ void {name}({}, long long t0, long long nt)", list.join(", "))
 }
 
 /// The grid-stride loop header over `n` items named `i`.
