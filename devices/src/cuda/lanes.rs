@@ -5,7 +5,8 @@
 //! other lane carries one braid stream id (`StreamId`, the copy and offload streams included),
 //! the same one in every flush while that stream is in use. Lanes are few, as PyTorch's pool
 //! of streams is: a stream new to the device gets a new lane until [`KEPT_LANES`] exist, and
-//! after that the lane of the stream no flush has used for longest ([`Lanes::of_streams`]).
+//! after that the lane of the stream no flush has used for longest, the default stream's
+//! excepted ([`Lanes::of_streams`]).
 //! A program that makes new braid streams every step so reuses a few CUDA streams, and their
 //! cuBLAS handles and workspaces (`super::pools`), instead of adding one of each per step.
 //! Handing a lane to another braid stream is always safe: every flush begins after everything
@@ -130,7 +131,7 @@ impl Lanes {
     /// The lanes of one flush's braid streams (`ids`, distinct), in their order: a stream's
     /// own lane when it has one; for a stream new to the device, a new lane while fewer than
     /// [`KEPT_LANES`] exist, else the lane of the stream unused longest that this flush does
-    /// not use (it now carries `id`).
+    /// not use, but never the default stream's (it now carries `id`).
     pub(crate) fn of_streams(&mut self, gpu: &Arc<Gpu>, ids: &[u32]) -> Result<Vec<LaneId>, DeviceError> {
         self.flushes += 1;
         let mut found: Vec<Option<LaneId>> =
@@ -139,7 +140,8 @@ impl Lanes {
             if found[i].is_some() {
                 continue;
             }
-            let free = (1..self.lanes.len()).filter(|&l| !found.contains(&Some(l)));
+            // The default stream keeps its lane: nearly every flush uses it.
+            let free = (1..self.lanes.len()).filter(|&l| !found.contains(&Some(l)) && self.lanes[l].braid != Some(0));
             let lane = match free.min_by_key(|&l| self.lanes[l].last_flush) {
                 Some(l) if self.lanes.len() > KEPT_LANES => l,
                 _ => {
