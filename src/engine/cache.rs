@@ -63,6 +63,7 @@ pub(crate) fn user_streams(graph: &FlushGraph) -> Vec<StreamId> {
     streams.dedup();
     streams
 }
+
 /// The structure of a flush graph, written out (kept shared once a plan is stored under it).
 type Key = Arc<[u8]>;
 
