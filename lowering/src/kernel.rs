@@ -110,6 +110,21 @@ pub struct MatmulOperand {
     pub cs: isize,
 }
 
+impl RowKernel {
+    /// The dimensions a row runs along (`axis`, or all of them) and the others, which name
+    /// a row (its position), in increasing order; `Err` for an axis past the rank.
+    pub fn row_and_position_dims(&self) -> Result<(Vec<usize>, Vec<usize>), String> {
+        let rank = self.dims.len();
+        let row: Vec<usize> = match self.axis {
+            Some(a) if a < rank => vec![a],
+            Some(a) => return Err(format!("axis {a} of a rank-{rank} row kernel")),
+            None => (0..rank).collect(),
+        };
+        let position = (0..rank).filter(|d| !row.contains(d)).collect();
+        Ok((row, position))
+    }
+}
+
 /// Batched matrix product `[.., m, k] x [.., k, n]`, written contiguously (`[batch, m, n]`) to
 /// argument `product` (one past the last argument means a scratch buffer the target provides),
 /// then an optional elementwise epilogue over the product's index space, which reads the product

@@ -54,13 +54,8 @@ pub(super) struct RowPlan<'a> {
 impl<'a> RowPlan<'a> {
     pub fn new(r: &'a RowKernel, params: &[Param]) -> Result<RowPlan<'a>, String> {
         check_io(&r.loads, &r.stores, &r.expr, &r.dims, params)?;
-        let (nodes, rank) = (&r.expr.nodes, r.dims.len());
-        let row_dims: Vec<usize> = match r.axis {
-            Some(a) if a < rank => vec![a],
-            Some(a) => return Err(format!("axis {a} of a rank-{rank} row kernel")),
-            None => (0..rank).collect(),
-        };
-        let pos_dims: Vec<usize> = (0..rank).filter(|d| !row_dims.contains(d)).collect();
+        let nodes = &r.expr.nodes;
+        let (row_dims, pos_dims) = r.row_and_position_dims()?;
         let len: usize = row_dims.iter().map(|&d| r.dims[d]).product();
         let rows: usize = pos_dims.iter().map(|&d| r.dims[d]).product();
         let threads = (len.next_power_of_two() as u32).clamp(32, MAX_ROW_THREADS);

@@ -101,13 +101,8 @@ impl RowPlan<'_> {
 }
 
 pub(super) fn plan(r: &RowKernel) -> Result<RowPlan<'_>, String> {
-    let (nodes, rank) = (&r.expr.nodes, r.dims.len());
-    let row_dims: Vec<usize> = match r.axis {
-        Some(a) if a < rank => vec![a],
-        Some(a) => return Err(format!("axis {a} of a rank-{rank} row kernel")),
-        None => (0..rank).collect(),
-    };
-    let pos_dims: Vec<usize> = (0..rank).filter(|d| !row_dims.contains(d)).collect();
+    let nodes = &r.expr.nodes;
+    let (row_dims, pos_dims) = r.row_and_position_dims()?;
     let along = |v: &View| row_dims.iter().all(|&d| v.strides[d] == 0);
     let mut per_row = vec![false; nodes.len()];
     for (i, n) in nodes.iter().enumerate() {
