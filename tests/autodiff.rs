@@ -246,6 +246,15 @@ fn movement() {
     check_gradients("transpose", &[x()], &|xs| xs[0].transpose(0, 2).square());
     check_gradients("expand", &[(vec![3, 1], values(&mut Rng::new(7), 3, false))], &|xs| xs[0].expand([2, 3, 4]));
     check_gradients("narrow", &[x()], &|xs| xs[0].narrow(1, 1, 1).exp() + xs[0].narrow(0, 0, 1).sum());
+    // Parts of one value: side by side and whole, with a gap, overlapping, and over two axes.
+    let parts = |xs: &[Tensor], spans: &[(usize, usize, usize)]| {
+        let y = xs[0].exp();
+        spans.iter().map(|&(dim, at, len)| y.narrow(dim, at, len).sin().sum()).fold(y.sum() * 0.0, |a, b| a + b)
+    };
+    check_gradients("narrows side by side", &[x()], &|xs| parts(xs, &[(2, 0, 1), (2, 1, 1)]));
+    check_gradients("narrows with a gap", &[x()], &|xs| parts(xs, &[(1, 2, 1), (1, 0, 1)]));
+    check_gradients("narrows overlapping", &[x()], &|xs| parts(xs, &[(1, 0, 2), (1, 1, 2), (1, 2, 1)]));
+    check_gradients("narrows over two axes", &[x()], &|xs| parts(xs, &[(1, 0, 1), (0, 1, 1), (1, 1, 2)]));
     let y = (vec![2, 1, 2], values(&mut Rng::new(8), 4, false));
     check_gradients("cat", &[x(), y], &|xs| Tensor::cat(&[&xs[0], &xs[1], &xs[0]], 1).tanh());
     check_gradients("contiguous", &[x()], &|xs| xs[0].contiguous().cos());
@@ -548,4 +557,23 @@ fn indexing_ops_and_cross_entropy() {
     let logits = (vec![2, 3, 4], values(&mut rng, 24, false));
     let target = ids(vec![3, 0, 1, 1, 2, 0], &[2, 3]);
     check_gradients("cross_entropy", &[logits], &|xs| xs[0].cross_entropy(&target));
+}
+
+#[test]
+fn the_gradients_of_a_values_parts_are_one_concatenation() {
+    // A product split into three parts along its columns (attention's q, k and v): what reaches
+    // the product is the parts' gradients side by side, not each padded with zeros to the
+    // whole and the padded copies added.
+    let dev = cpu();
+    let x = leaf(&[4, 6], &values(&mut Rng::new(11), 24, false), &dev).requires_grad();
+    let y = x.exp();
+    let (q, k, v) = (y.narrow(1, 0, 2), y.narrow(1, 2, 2), y.narrow(1, 4, 2));
+    let loss = (&(&q.sin() * &k) + &v.square()).sum();
+    let g = loss.backward().unwrap().get(&x).unwrap();
+    g.wide_vec();
+    let text = dev.last_schedule().unwrap().to_text();
+    let ops: Vec<&str> = text.lines().filter_map(|l| l.trim().strip_prefix('k')?.split_whitespace().nth(1)).collect();
+    let count = |op: &str| ops.iter().flat_map(|o| o.split('+')).filter(|o| *o == op).count();
+    // (Only the gradient is read, so the loss's own sum and add are not computed.)
+    assert_eq!((count("cat"), count("add")), (1, 0), "one concatenation and no sums of padded copies:\n{text}");
 }

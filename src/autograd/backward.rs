@@ -1,7 +1,7 @@
 //! The backward pass: walking recorded `GradNode`s from a loss and recording their
 //! derivatives, and [`Grads`], the gradients it produces.
 
-use super::rules::{self, Val};
+use super::rules::{self, InFlight, Val};
 use super::{GradNode, GradSource, Saved, no_grad, source_of};
 use crate::device::Device;
 use crate::stream::Stream;
@@ -173,14 +173,14 @@ impl Tensor {
         crate::amp::off(|| {
             no_grad(|| {
                 // d loss / d loss = 1, kept as a constant until an op needs it as a tensor.
-                let mut pending: HashMap<*const GradNode, Val> = HashMap::with_capacity(nodes.len().min(4096));
+                let mut pending: HashMap<*const GradNode, InFlight> = HashMap::with_capacity(nodes.len().min(4096));
                 let seed_at = (self.shape(), self.dtype(), self.device());
-                route(&root, Val::S(1.0), seed_at, &mut pending, grads);
+                route(&root, InFlight::Val(Val::S(1.0)), seed_at, &mut pending, grads);
                 let current = crate::recorder::current_stream(self.device().id());
                 for (node, saved) in nodes.iter().zip(&saved) {
                     let Some(g) = pending.remove(&Arc::as_ptr(node)) else { continue };
-                    let mut differentiate = || {
-                        let input_grads = rules::input_grads(node, saved, &g);
+                    let differentiate = || {
+                        let input_grads = rules::input_grads(node, saved, g);
                         for (slot, ig) in node.inputs.iter().zip(input_grads) {
                             if let (Some(source), Some(ig)) = (&slot.source, ig) {
                                 route(source, ig, (&slot.shape, slot.dtype, &slot.device), &mut pending, grads);
@@ -229,9 +229,9 @@ fn reachable(root: &GradSource) -> Vec<Arc<GradNode>> {
 /// collects it (on the current stream).
 fn route(
     source: &GradSource,
-    g: Val,
+    g: InFlight,
     at: (&Shape, DType, &Device),
-    pending: &mut HashMap<*const GradNode, Val>,
+    pending: &mut HashMap<*const GradNode, InFlight>,
     grads: &mut Grads,
 ) {
     match source {
@@ -239,7 +239,7 @@ fn route(
         GradSource::Node(node) => {
             let key = Arc::as_ptr(node);
             let sum = match pending.remove(&key) {
-                Some(prev) => prev.plus(g),
+                Some(prev) => prev.plus(g, at),
                 None => g,
             };
             pending.insert(key, sum);

@@ -12,7 +12,7 @@ use braid_graph::table::{BinaryOp, CompareOp, UnaryOp};
 use braid_graph::{DType, Op, ReduceOp, Shape};
 use smallvec::{SmallVec, smallvec};
 
-type InputGrads = SmallVec<[Option<Val>; 3]>;
+type InputGrads = SmallVec<[Option<InFlight>; 3]>;
 
 thread_local! {
     /// Gradients the matmul rule made as `own.t()` for a transposed operand: (the node of
@@ -52,7 +52,9 @@ pub(super) fn forget_transposed() {
 /// The gradients of `node`'s inputs (those with a gradient source) given the gradient `g` of
 /// its output. Elementwise derivatives keep constants unrecorded (a loss's seed of 1, its
 /// halves and doubles) until an op needs them as tensors; other rules record them first.
-pub(super) fn input_grads(node: &GradNode, saved: &Saved, g: &Val) -> InputGrads {
+pub(super) fn input_grads(node: &GradNode, saved: &Saved, g: InFlight) -> InputGrads {
+    // Every rule reads its gradient whole: slices become one tensor here.
+    let g = &g.into_val(&node.out_shape, node.out_dtype, &node.device);
     let needs: SmallVec<[bool; 3]> = crate::small(node.inputs.iter().map(|s| s.source.is_some()));
     let input = |i: usize| saved.inputs[i].clone().expect("the derivative's saved input");
     let output = || saved.output.clone().expect("the derivative's saved output");
@@ -64,7 +66,7 @@ pub(super) fn input_grads(node: &GradNode, saved: &Saved, g: &Val) -> InputGrads
             let y = d.push_saved(saved.output.clone());
             let gv = d.push_val(g.clone());
             let r = (u.def().grad)(&mut d, x, y, gv);
-            smallvec![Some(d.take(r))]
+            smallvec![Some(InFlight::Val(d.take(r)))]
         }
         Op::Binary(b) => {
             let mut d = TensorDiff::new(node);
@@ -74,7 +76,7 @@ pub(super) fn input_grads(node: &GradNode, saved: &Saved, g: &Val) -> InputGrads
             let gv = d.push_val(g.clone());
             let ga = needs[0].then(|| (b.def().grad_lhs)(&mut d, a, bb, y, gv));
             let gb = needs[1].then(|| (b.def().grad_rhs)(&mut d, a, bb, y, gv));
-            smallvec![ga.map(|v| d.take(v)), gb.map(|v| d.take(v))]
+            smallvec![ga.map(|v| InFlight::Val(d.take(v))), gb.map(|v| InFlight::Val(d.take(v)))]
         }
         Op::BinaryScalar { op, scalar, scalar_first } => {
             let mut d = TensorDiff::new(node);
@@ -87,26 +89,39 @@ pub(super) fn input_grads(node: &GradNode, saved: &Saved, g: &Val) -> InputGrads
             } else {
                 (op.def().grad_lhs)(&mut d, x, s, y, gv)
             };
-            smallvec![Some(d.take(r))]
+            smallvec![Some(InFlight::Val(d.take(r)))]
+        }
+        Op::Narrow { dim, start, len } => {
+            let g = g.to_tensor(&node.out_shape, node.out_dtype, &node.device);
+            let whole = node.inputs[0].shape.dims()[*dim] == *len;
+            smallvec![Some(if whole {
+                InFlight::Val(Val::T(g))
+            } else {
+                InFlight::Slices { dim: *dim, parts: vec![(*start, g)] }
+            })]
         }
         _ => {
             let g = g.to_tensor(&node.out_shape, node.out_dtype, &node.device);
-            crate::small(other_grads(node, &needs, &g, input, output).into_iter().map(|t| t.map(Val::T)))
+            crate::small(
+                other_grads(node, &needs, &g, input, output).into_iter().map(|t| t.map(|t| InFlight::Val(Val::T(t)))),
+            )
         }
     };
     for (slot, grad) in node.inputs.iter().zip(grads.iter_mut()) {
         *grad = match (slot.source.is_some(), grad.take()) {
-            (true, Some(Val::T(t))) => {
+            (true, Some(InFlight::Val(Val::T(t)))) => {
                 // An elementwise rule applied to a constant gradient can give a result in an
                 // operand's shape; what reaches the input is its broadcast to the output, summed.
                 let elementwise = matches!(node.op, Op::Unary(_) | Op::Binary(_) | Op::BinaryScalar { .. });
                 let t = if elementwise && t.shape() != &node.out_shape { t.expand(node.out_shape.clone()) } else { t };
-                Some(Val::T(to_input(t, &slot.shape, slot.dtype)))
+                Some(InFlight::Val(Val::T(to_input(t, &slot.shape, slot.dtype))))
             }
-            (true, Some(Val::S(s))) => {
+            // Only a narrow's rule makes slices, in its input's shape and dtype.
+            (true, Some(slices @ InFlight::Slices { .. })) => Some(slices),
+            (true, Some(InFlight::Val(Val::S(s)))) => {
                 // A uniform gradient summed over the positions broadcasting added.
                 let copies = node.out_shape.numel() as f64 / slot.shape.numel().max(1) as f64;
-                Some(Val::S(s * copies))
+                Some(InFlight::Val(Val::S(s * copies)))
             }
             _ => None,
         };
@@ -199,25 +214,6 @@ fn other_grads(
             smallvec![Some(g.permute(&inverse))]
         }
         Op::Expand | Op::Contiguous => smallvec![Some(g.clone())],
-        Op::Narrow { dim, start, len } => {
-            let full = &node.inputs[0].shape;
-            let mut parts = Vec::new();
-            let zeros = |n: usize| {
-                let mut dims = full.dims().to_vec();
-                dims[*dim] = n;
-                Tensor::zeros(dims, g.dtype(), g.device())
-            };
-            if *start > 0 {
-                parts.push(zeros(*start));
-            }
-            parts.push(g.clone());
-            let after = full.dims()[*dim] - start - len;
-            if after > 0 {
-                parts.push(zeros(after));
-            }
-            let refs: Vec<&Tensor> = parts.iter().collect();
-            smallvec![Some(if refs.len() == 1 { g.clone() } else { Tensor::cat(&refs, *dim) })]
-        }
         Op::Cat { dim } => {
             let mut offset = 0;
             node.inputs
@@ -303,9 +299,9 @@ fn to_input(g: Tensor, shape: &Shape, dtype: DType) -> Tensor {
     if g.dtype() != dtype { g.to_dtype(dtype) } else { g }
 }
 
-/// A value of a derivative program, and a gradient in flight: a recorded tensor, or a
-/// constant, uniform over its shape, not recorded yet (a loss's seed of 1, the scalar operand of
-/// `x * 3.0`, a zero), which ops with a tensor take as a scalar operand.
+/// A value of a derivative program: a recorded tensor, or a constant, uniform over its shape,
+/// not recorded yet (a loss's seed of 1, the scalar operand of `x * 3.0`, a zero), which ops
+/// with a tensor take as a scalar operand.
 #[derive(Clone)]
 pub(crate) enum Val {
     T(Tensor),
@@ -322,13 +318,91 @@ impl Val {
     }
 
     /// `self + other`, recording only what involves a tensor.
-    pub(crate) fn plus(self, other: Val) -> Val {
+    fn plus(self, other: Val) -> Val {
         match (self, other) {
             (Val::S(a), Val::S(b)) => Val::S(a + b),
             (Val::T(t), Val::S(s)) | (Val::S(s), Val::T(t)) => Val::T(t.binary_scalar(BinaryOp::Add, s, false)),
             (Val::T(a), Val::T(b)) => Val::T(&a + &b),
         }
     }
+}
+
+/// A gradient in flight: what the backward pass sums for a value before differentiating the
+/// op that made it.
+pub(crate) enum InFlight {
+    Val(Val),
+    /// Zero but for disjoint ranges along `dim`, each holding a narrow's gradient: `(start,
+    /// gradient)`. Kept apart until a rule reads the whole, so that the gradients of a tensor
+    /// split into parts (attention's q, k and v out of one product) become one concatenation,
+    /// not each part padded with zeros to the whole and the padded copies added.
+    Slices {
+        dim: usize,
+        parts: Vec<(usize, Tensor)>,
+    },
+}
+
+impl InFlight {
+    /// As a tensor of `shape` (a constant is recorded; slices are concatenated, with zeros
+    /// where no part lies).
+    pub(crate) fn to_tensor(&self, shape: &Shape, dtype: DType, device: &crate::device::Device) -> Tensor {
+        let (dim, parts) = match self {
+            InFlight::Val(v) => return v.to_tensor(shape, dtype, device),
+            InFlight::Slices { dim, parts } => (*dim, parts),
+        };
+        let mut sorted: Vec<&(usize, Tensor)> = parts.iter().collect();
+        sorted.sort_by_key(|(start, _)| *start);
+        let zeros = |len: usize| {
+            let mut dims = shape.dims().to_vec();
+            dims[dim] = len;
+            Tensor::zeros(dims, dtype, device)
+        };
+        let (mut whole, mut at) = (Vec::with_capacity(sorted.len() + 2), 0);
+        for (start, part) in sorted {
+            if *start > at {
+                whole.push(zeros(start - at));
+            }
+            at = start + part.dims()[dim];
+            whole.push(part.clone());
+        }
+        if shape.dims()[dim] > at {
+            whole.push(zeros(shape.dims()[dim] - at));
+        }
+        match whole.as_slice() {
+            [only] => only.clone(),
+            _ => Tensor::cat(&whole.iter().collect::<Vec<_>>(), dim),
+        }
+    }
+
+    /// As a value a rule reads (slices concatenated).
+    fn into_val(self, shape: &Shape, dtype: DType, device: &crate::device::Device) -> Val {
+        match self {
+            InFlight::Val(v) => v,
+            slices => Val::T(slices.to_tensor(shape, dtype, device)),
+        }
+    }
+
+    /// `self + other` for a value of `shape`, `dtype` and `device`, recording only what
+    /// involves a tensor: slices along one dimension that do not overlap stay slices.
+    pub(crate) fn plus(
+        self,
+        other: InFlight,
+        (shape, dtype, device): (&Shape, DType, &crate::device::Device),
+    ) -> InFlight {
+        match (self, other) {
+            (InFlight::Slices { dim, mut parts }, InFlight::Slices { dim: d, parts: more })
+                if dim == d && more.iter().all(|m| parts.iter().all(|p| disjoint(p, m, dim))) =>
+            {
+                parts.extend(more);
+                InFlight::Slices { dim, parts }
+            }
+            (a, b) => InFlight::Val(a.into_val(shape, dtype, device).plus(b.into_val(shape, dtype, device))),
+        }
+    }
+}
+
+/// Whether two slices `(start, part)` along `dim` share no position.
+fn disjoint(a: &(usize, Tensor), b: &(usize, Tensor), dim: usize) -> bool {
+    a.0 + a.1.dims()[dim] <= b.0 || b.0 + b.1.dims()[dim] <= a.0
 }
 
 /// [`Diff`] over tensors and unrecorded constants; a constant is recorded (once per value) only
