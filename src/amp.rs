@@ -3,15 +3,18 @@
 //! underflowing.
 //!
 //! Inside `autocast(low, || ...)`, on this thread:
-//! - `matmul` (and so `nn::Linear`) casts float operands of another dtype to `low` and gives a
-//!   `low` result; the products accumulate in f32 on every device (the CPU's and wgpu's
-//!   kernels add in f32, cuBLAS is asked for f32 compute), as PyTorch's autocast does.
+//! - `matmul` casts float operands of another dtype to `low` and gives a `low` result; the
+//!   products accumulate in f32 on every device (the CPU's and wgpu's kernels add in f32,
+//!   cuBLAS is asked for f32 compute), as PyTorch's autocast does. `linear` (and so
+//!   `nn::Linear`) adds its bias in `low` too and gives `low`, as PyTorch's `F.linear` and
+//!   `addmm` do under autocast.
 //! - `softmax`, `log_softmax`, `layer_norm`, `cross_entropy`, `sum`, `mean`, `sum_dim` and
 //!   `mean_dim` of f16 or bf16 values compute in f32 and give f32 (outside autocast they round
 //!   back to the input's dtype).
 //! - Binary ops, comparisons and `select` between floats of different dtypes promote to the
 //!   wider one (bf16 with f16 to f32), so `x.matmul(&w) + &bias` adds a bf16 product to an f32
-//!   bias in f32. Outside autocast mixed dtypes stay misuse: conversions are explicit.
+//!   bias in f32 (`x.linear(&w.t(), Some(&bias))` adds it in bf16). Outside autocast mixed
+//!   dtypes stay misuse: conversions are explicit.
 //! - Parameters stay f32 (master weights): a product reads them through a cast, and the cast's
 //!   gradient is the f32 gradient of the f32 parameter, so optimizers see f32 gradients.
 //!

@@ -48,6 +48,13 @@ pub struct Gpt2 {
     ln_f: LayerNorm,
 }
 
+/// Hugging Face's `Conv1D`, `x W + b` with `W` `[in, out]`: PyTorch's `addmm`, so under
+/// autocast the bias is added in the low precision and the result is low (then the residual
+/// stream, f32, adds it in f32).
+fn conv1d(x: &Tensor, weight: &Tensor, bias: &Tensor) -> Tensor {
+    x.linear(&weight.t(), Some(bias))
+}
+
 impl Gpt2 {
     /// GPT-2's initialisation: weights ~ N(0, 0.02), the projections back into the residual
     /// stream ~ N(0, 0.02 / sqrt(2 layers)), biases 0, layer-norm gains 1.
@@ -111,12 +118,12 @@ impl Gpt2 {
         // [b t, c] columns `at..at + c` -> [b, heads, t, c / heads], read where they lie.
         let heads = |qkv: &Tensor, at: usize| qkv.narrow(1, at, c).reshape([b, t, h, c / h]).permute(&[0, 2, 1, 3]);
         for blk in &self.blocks {
-            let qkv = &blk.ln_1.forward(&x).matmul(&blk.c_attn_weight) + &blk.c_attn_bias;
+            let qkv = conv1d(&blk.ln_1.forward(&x), &blk.c_attn_weight, &blk.c_attn_bias);
             let y = heads(&qkv, 0).scaled_dot_product_attention(&heads(&qkv, c), &heads(&qkv, 2 * c), true);
             let y = y.permute(&[0, 2, 1, 3]).reshape([b * t, c]);
-            x = &x + &(&y.matmul(&blk.attn_proj_weight) + &blk.attn_proj_bias);
-            let hidden = (&blk.ln_2.forward(&x).matmul(&blk.c_fc_weight) + &blk.c_fc_bias).gelu();
-            x = &x + &(&hidden.matmul(&blk.mlp_proj_weight) + &blk.mlp_proj_bias);
+            x = &x + &conv1d(&y, &blk.attn_proj_weight, &blk.attn_proj_bias);
+            let hidden = conv1d(&blk.ln_2.forward(&x), &blk.c_fc_weight, &blk.c_fc_bias).gelu();
+            x = &x + &conv1d(&hidden, &blk.mlp_proj_weight, &blk.mlp_proj_bias);
         }
         self.ln_f.forward(&x).matmul(&self.wte.t())
     }

@@ -155,11 +155,7 @@ impl Linear {
 impl Module for Linear {
     #[track_caller]
     fn forward(&self, x: &Tensor) -> Tensor {
-        let y = x.matmul(&self.weight.t());
-        match &self.bias {
-            Some(b) => y + b,
-            None => y,
-        }
+        x.linear(&self.weight, self.bias.as_ref())
     }
 
     fn params(&self) -> Params {

@@ -146,6 +146,50 @@ impl Tensor {
         Tensor::record(Op::Matmul, dtype, shape, self.device(), &[self, other])
     }
 
+    /// `self W^T + bias` for `weight` `[out, in]` and `bias` `[out]`, over the last dimension
+    /// of `self` (`[.., in] -> [.., out]`): PyTorch's `F.linear`, and `nn::Linear`'s forward.
+    ///
+    /// Under [`autocast`](crate::amp::autocast) the bias joins the product in the low
+    /// precision and the result is low too, as PyTorch's autocast runs `linear` and `addmm`;
+    /// `self.matmul(&weight.t()) + bias` would add the low product to an f32 bias in f32.
+    /// Outside autocast the two are the same.
+    ///
+    /// ```
+    /// use braid::prelude::*;
+    /// let cpu = Device::cpu();
+    /// let x = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], [2, 2], &cpu);
+    /// let w = Tensor::from_vec(vec![1.0f32, 0.0, 1.0, 1.0, 0.0, -1.0], [3, 2], &cpu);
+    /// let b = Tensor::from_vec(vec![0.5f32, 0.0, 1.0], [3], &cpu);
+    /// let y = x.linear(&w, Some(&b));
+    /// assert_eq!(y.to_vec::<f32>().unwrap(), vec![1.5, 3.0, -1.0, 3.5, 7.0, -3.0]);
+    /// let low = braid::amp::autocast(DType::BF16, || x.linear(&w, Some(&b)));
+    /// assert_eq!(low.dtype(), DType::BF16);
+    /// ```
+    #[track_caller]
+    pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Tensor {
+        let inputs = self.dims().last().copied();
+        let describe = || {
+            let mut operands = vec![("x", self.describe()), ("weight", weight.describe())];
+            operands.extend(bias.map(|b| ("bias", b.describe())));
+            operands
+        };
+        if weight.dims().len() != 2 || inputs != Some(weight.dims()[1]) {
+            super::misuse("linear", "needs x [.., in] and weight [out, in]", &describe());
+        }
+        if bias.is_some_and(|b| b.dims() != [weight.dims()[0]]) {
+            super::misuse("linear", "needs a bias [out] for weight [out, in]", &describe());
+        }
+        let y = self.matmul(&weight.t());
+        match bias {
+            None => y,
+            Some(b) if crate::amp::autocast_dtype().is_some() => {
+                let b = b.autocast_product_operand();
+                crate::amp::off(|| &y + &b)
+            }
+            Some(b) => &y + b,
+        }
+    }
+
     /// A dimension of a composite op over floats: misuse (named after the composite, not the
     /// primitives it records) unless the tensor is floating-point and the dimension exists.
     #[track_caller]
