@@ -409,6 +409,7 @@ fn printed_kernels_compute_what_the_cpu_computes() {
     let mut rng = Rng::new(0xC0DA);
     let mut cases = vec![edges_case(), warps::warps_case()];
     cases.extend((0..300).map(|n| map_case(&mut rng, n, MathLib::Host)));
+    cases.extend((0..40).map(|n| chunked_map_case(&mut rng, n, MathLib::Host)));
     cases.extend((0..150).map(|n| rows_case(&mut rng, n, MathLib::Host)));
     cases.extend(long_row_cases(&mut rng, 150));
     cases.extend(column_cases(&mut rng, 170));
@@ -513,6 +514,10 @@ fn printed_kernels_compute_what_the_cpu_computes() {
     let vector = printed.iter().filter(|p| p.source.contains("const bool vec = ")).count();
     eprintln!("cuda_printer: {vector} kernels with a vector path");
     assert!(vector >= 100, "{vector} of {} kernels have a vector path", printed.len());
+    // Some walk strided views a chunk at a time (`at_` is where such a chunk starts).
+    let chunked = printed.iter().filter(|p| p.source.contains("at_l") || p.source.contains("at_s")).count();
+    eprintln!("cuda_printer: {chunked} kernels with chunks of strided views");
+    assert!(chunked >= 20, "{chunked} of {} kernels walk strided views in chunks", printed.len());
     let path = |p: &str| (0..cases.len()).filter(|&n| cases[n].label.starts_with(p)).collect::<Vec<_>>();
     let (multi, split, columns) = (path("multi-pass "), path("split "), path("split-columns "));
     let one = |n: &usize| !keeps(&printed[*n].source) && printed[*n].entries.len() == 1;

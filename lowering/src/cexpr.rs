@@ -275,17 +275,25 @@ pub(crate) fn offset_expr(view: &View) -> String {
 }
 
 /// Declares `d{k}` for each dimension `k` in `which` (used ones of extent > 1) from the flat
-/// row-major index `var` over those dimensions of `dims`.
+/// row-major index `var` (from 0, below the product of those dimensions) over those
+/// dimensions of `dims`. Where that product fits 32 bits the divisions are 32-bit ones: a
+/// GPU divides 64-bit integers (even by a constant) in several times the instructions, which
+/// an elementwise kernel over bf16 with a broadcast operand pays per element.
 pub(crate) fn decompose(out: &mut String, indent: &str, var: &str, dims: &[usize], which: &[usize], used: &[bool]) {
+    let narrow = which.iter().map(|&j| dims[j]).product::<usize>() <= u32::MAX as usize;
     for (pos, &k) in which.iter().enumerate() {
         if !used[k] {
             continue;
         }
         let inner: usize = which[pos + 1..].iter().map(|&j| dims[j]).product();
         let outermost = which[..pos].iter().all(|&j| dims[j] == 1);
-        let div = if inner > 1 { format!(" / {inner}") } else { String::new() };
-        let rem = if outermost { String::new() } else { format!(" % {}", dims[k]) };
-        let _ = writeln!(out, "{indent}const long long d{k} = {var}{div}{rem};");
+        let u = if narrow { "u" } else { "" };
+        let div = if inner > 1 { format!(" / {inner}{u}") } else { String::new() };
+        let rem = if outermost { String::new() } else { format!(" % {}{u}", dims[k]) };
+        let _ = match narrow {
+            true => writeln!(out, "{indent}const long long d{k} = (long long)((unsigned int){var}{div}{rem});"),
+            false => writeln!(out, "{indent}const long long d{k} = {var}{div}{rem};"),
+        };
     }
 }
 

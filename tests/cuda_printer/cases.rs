@@ -366,14 +366,63 @@ pub(crate) fn map_case(rng: &mut Rng, n: usize, lib: MathLib) -> Case {
 
 /// A random map loop (as [`map_case`]) over `dims`.
 pub(crate) fn map_case_over(rng: &mut Rng, n: usize, dims: &[usize], lib: MathLib) -> Case {
+    map_case_through(rng, format!("map {n}"), dims, lib, &random_view)
+}
+
+/// A random map loop over 2-3 dimensions, the last 16 or 32 long, whose loads and stores go
+/// mostly through [`chunked_view`]s: the vector paths of views that walk whole chunks of
+/// contiguous rows (a permute of attention's heads, the parts of a concatenation).
+pub(crate) fn chunked_map_case(rng: &mut Rng, n: usize, lib: MathLib) -> Case {
+    let mut dims: Vec<usize> = (0..1 + rng.below(2)).map(|_| 1 + rng.below(3)).collect();
+    dims.push(16 * (1 + rng.below(2)));
+    let view = |rng: &mut Rng, dims: &[usize], broadcast: bool| match rng.chance(0.8) {
+        true => chunked_view(rng, dims),
+        false => random_view(rng, dims, broadcast),
+    };
+    map_case_through(rng, format!("chunked map {n}"), &dims, lib, &view)
+}
+
+/// A view over `dims` whose last dimension is contiguous and whose other dimensions (in a
+/// random order, some reversed, some padded) step by multiples of 16 elements from an offset
+/// that is one too: a chunk of up to 16 neighbouring indices reads neighbouring elements.
+/// With the buffer length it needs.
+pub(crate) fn chunked_view(rng: &mut Rng, dims: &[usize]) -> (View, usize) {
+    let last = dims.len() - 1;
+    let mut order: Vec<usize> = (0..last).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.below(i + 1));
+    }
+    let mut strides = vec![0isize; dims.len()];
+    strides[last] = 1;
+    let mut acc = dims[last] + 16 * rng.below(2);
+    for &d in order.iter().rev() {
+        strides[d] = acc as isize;
+        acc *= dims[d] + rng.below(2);
+    }
+    let mut offset = 16 * rng.below(2);
+    for d in 0..last {
+        if rng.chance(0.2) {
+            offset += (dims[d] - 1) * strides[d] as usize;
+            strides[d] = -strides[d];
+        }
+    }
+    let reach: usize = (0..dims.len()).filter(|&d| strides[d] > 0).map(|d| (dims[d] - 1) * strides[d] as usize).sum();
+    (View { dims: dims.into(), strides: strides.into(), offset }, offset + reach + 1 + rng.below(2))
+}
+
+type ViewMaker<'a> = &'a dyn Fn(&mut Rng, &[usize], bool) -> (View, usize);
+
+/// A random map loop over `dims` labelled `label`, its loads and stores through views `view`
+/// makes (broadcast dimensions allowed for loads).
+fn map_case_through(rng: &mut Rng, label: String, dims: &[usize], lib: MathLib, view: ViewMaker<'_>) -> Case {
     let inputs = 1 + rng.below(3);
-    let mut c = new_case(format!("map {n}"), inputs, Body::Map(vec![]));
+    let mut c = new_case(label, inputs, Body::Map(vec![]));
     let mut loads = vec![];
     for a in 0..inputs {
         let d = *rng.pick(&DType::ALL);
         let mut len = 0;
         for _ in 0..1 + rng.below(2) {
-            let (view, l) = random_view(rng, dims, true);
+            let (view, l) = view(rng, dims, true);
             loads.push(Load { arg: a as u16, dtype: d, view });
             len = len.max(l);
         }
@@ -398,7 +447,7 @@ pub(crate) fn map_case_over(rng: &mut Rng, n: usize, dims: &[usize], lib: MathLi
     }
     let mut stores = vec![];
     for v in sinks {
-        let (view, len) = random_view(rng, dims, false);
+        let (view, len) = view(rng, dims, false);
         let arg = c.kernel.args.len();
         stores.push(output(rng, expr.nodes[v].dtype, view, len, v as ExprId, arg, &mut c));
     }

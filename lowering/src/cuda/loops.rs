@@ -1,30 +1,45 @@
 //! Printing of map loops as entry points: one thread per index in a grid-stride loop (see the
-//! module above), and where contiguous views allow, a vector path before it: one thread per
-//! chunk of `width` neighbouring indices, its contiguous loads and stores one access each
-//! (`vector.rs`), the indices a chunk does not cover (the tail, or all of them when an argument
-//! is not aligned at run time) left to the scalar loop. Must never: assume a grid or block size
+//! module above), and where the views allow, a vector path before it: one thread per chunk of
+//! `width` neighbouring indices, its loads and stores one access each (`vector.rs`) where
+//! they are contiguous or walk whole chunks of contiguous rows (a permute of attention's heads,
+//! the parts of a concatenation: [`chunked`]), the indices a chunk does not cover (the tail, or
+//! all of them when an argument is not aligned at run time) left to the scalar loop. Must never: assume a grid or block size
 //! (any grid covers the loop).
 
 use super::vector::{Vector, aligned, copy_chunk, declare_chunk, read_chunk, width};
 use super::*;
 
-/// The vector path of `l`, if it has one: the contiguous live loads and the contiguous
-/// stores, at least one, whose offsets are multiples of the width (the largest element
-/// fills 16 bytes), over at least one chunk of indices.
+/// The vector path of `l`, if it has one: the live loads and the stores, at least one, that
+/// are contiguous or [`chunked`], whose offsets are multiples of the width (the largest
+/// element fills 16 bytes), over at least one chunk of indices.
 fn plan_vector(l: &MapLoop, live: &[bool]) -> Option<Vector> {
     let nodes = &l.expr.nodes;
+    // Views a chunk could walk: contiguous ones, and those whose last dimension is.
+    let candidate =
+        |v: &View| v.is_contiguous() || v.dims.last().is_some_and(|&d| d > 1) && v.strides.last() == Some(&1);
     let load_of = |i: usize| match nodes[i].op {
-        ExprOp::Load(slot) if live[i] && l.loads[slot as usize].view.is_contiguous() => Some(&l.loads[slot as usize]),
+        ExprOp::Load(slot) if live[i] && candidate(&l.loads[slot as usize].view) => Some(&l.loads[slot as usize]),
         _ => None,
     };
     let sizes = (0..nodes.len()).filter_map(|i| load_of(i).map(|ld| ld.dtype.size()));
-    let contiguous = |s: &Store| s.view.is_contiguous();
-    let width = width(sizes.chain(l.stores.iter().filter(|s| contiguous(s)).map(|s| s.dtype.size())))?;
-    let loads: Vec<bool> =
-        (0..nodes.len()).map(|i| load_of(i).is_some_and(|ld| ld.view.offset.is_multiple_of(width))).collect();
-    let stores: Vec<bool> = l.stores.iter().map(|s| contiguous(s) && s.view.offset.is_multiple_of(width)).collect();
+    let width = width(sizes.chain(l.stores.iter().filter(|s| candidate(&s.view)).map(|s| s.dtype.size())))?;
+    let walks = |v: &View| (v.is_contiguous() || chunked(v, width)) && v.offset.is_multiple_of(width);
+    let loads: Vec<bool> = (0..nodes.len()).map(|i| load_of(i).is_some_and(|ld| walks(&ld.view))).collect();
+    let stores: Vec<bool> = l.stores.iter().map(|s| walks(&s.view)).collect();
     let any = loads.iter().chain(&stores).any(|&v| v);
     (any && width > 1 && l.numel() >= width).then_some(Vector { width, loads, stores })
+}
+
+/// Whether a chunk of `width` neighbouring indices starting at a multiple of `width` reads
+/// `width` neighbouring elements of `view`, starting at a multiple of `width` past its offset:
+/// its last dimension is contiguous and a multiple of `width` long, and every other dimension
+/// steps by a multiple of `width`. (A transpose of whole rows, a narrow of whole columns, a
+/// permute of attention's heads.)
+fn chunked(view: &View, width: usize) -> bool {
+    let last = view.dims.len().saturating_sub(1);
+    view.strides.get(last) == Some(&1)
+        && view.dims[last].is_multiple_of(width)
+        && (0..last).all(|d| view.dims[d] <= 1 || view.strides[d].unsigned_abs().is_multiple_of(width))
 }
 
 /// How a loop's threads are numbered: a whole launch's grid (an entry point of its own), or a
@@ -109,22 +124,46 @@ fn print_vector_path(
     let _ = writeln!(out, "  const long long vec_end = vec ? {}LL : 0LL;", numel / w * w);
     let _ = writeln!(out, "  for (long long c = {}; c * {w} < vec_end; c += {}) {{", grid.first(), grid.stride());
     let _ = writeln!(out, "    const long long i0 = c * {w};");
-    for (i, _) in v.loads.iter().enumerate().filter(|&(_, &x)| x) {
-        let ExprOp::Load(slot) = nodes[i].op else { unreachable!("planned from loads") };
-        let ld = &l.loads[slot as usize];
-        let from = chunk_at(ld.arg, ld.view.offset);
-        read_chunk(out, "    ", &format!("l{i}"), (storage_ctype(ld.dtype), ld.dtype.size()), w, &from);
+    // Where the chunks of strided views start: their offsets at index `i0`, worked out in a
+    // scope of their own (the indices' variables are declared again per element below).
+    let loads = v.loads.iter().enumerate().filter(|&(_, &x)| x).map(|(i, _)| match nodes[i].op {
+        ExprOp::Load(slot) => (format!("l{i}"), &l.loads[slot as usize]),
+        _ => unreachable!("planned from loads"),
+    });
+    let loads: Vec<(String, &Load)> = loads.collect();
+    let stores: Vec<(String, &Store)> =
+        l.stores.iter().enumerate().filter(|&(k, _)| v.stores[k]).map(|(k, s)| (format!("s{k}"), s)).collect();
+    let strided: Vec<(&str, &View)> = (loads.iter().map(|(n, ld)| (n.as_str(), &ld.view)))
+        .chain(stores.iter().map(|(n, s)| (n.as_str(), &s.view)))
+        .filter(|(_, view)| !view.is_contiguous())
+        .collect();
+    if !strided.is_empty() {
+        let names: Vec<String> = strided.iter().map(|(n, _)| format!("at_{n}")).collect();
+        let _ = writeln!(out, "    long long {};\n    {{", names.join(", "));
+        decompose(out, "      ", "i0", &l.dims, &(0..l.dims.len()).collect::<Vec<_>>(), used);
+        for (name, view) in &strided {
+            let _ = writeln!(out, "      at_{name} = {};", offset_expr(view));
+        }
+        out.push_str("    }\n");
     }
-    for (k, s) in l.stores.iter().enumerate().filter(|&(k, _)| v.stores[k]) {
-        declare_chunk(out, "    ", &format!("s{k}"), storage_ctype(s.dtype), w);
+    let chunk_at = |name: &str, arg: u16, view: &View| match view.is_contiguous() {
+        true if view.offset > 0 => format!("a{arg} + {} + i0", view.offset),
+        true => format!("a{arg} + i0"),
+        false => format!("a{arg} + at_{name}"),
+    };
+    for (name, ld) in &loads {
+        let from = chunk_at(name, ld.arg, &ld.view);
+        read_chunk(out, "    ", name, (storage_ctype(ld.dtype), ld.dtype.size()), w, &from);
+    }
+    for (name, s) in &stores {
+        declare_chunk(out, "    ", name, storage_ctype(s.dtype), w);
     }
     let _ = writeln!(out, "    #pragma unroll\n    for (int e = 0; e < {w}; ++e) {{");
     let _ = writeln!(out, "      const long long i = i0 + e;");
     print_index(out, "      ", l, v, live, used)?;
     out.push_str("    }\n");
-    for (k, s) in l.stores.iter().enumerate().filter(|&(k, _)| v.stores[k]) {
-        let to = chunk_at(s.arg, s.view.offset);
-        copy_chunk(out, "    ", &to, &format!("s{k}"), s.dtype.size() * w);
+    for (name, s) in &stores {
+        copy_chunk(out, "    ", &chunk_at(name, s.arg, &s.view), name, s.dtype.size() * w);
     }
     out.push_str("  }\n");
     Ok(())
@@ -166,11 +205,6 @@ fn print_index(
         };
     }
     Ok(())
-}
-
-/// The address of the chunk at index `i0` of argument `arg` through a contiguous view from `offset`.
-fn chunk_at(arg: u16, offset: usize) -> String {
-    if offset > 0 { format!("a{arg} + {offset} + i0") } else { format!("a{arg} + i0") }
 }
 
 /// The arguments a loop reads or writes, in increasing order: the parameters of its device

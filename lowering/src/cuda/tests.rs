@@ -115,8 +115,8 @@ fn views_fold_their_strides_into_the_offsets() {
     in_order(
         &src,
         &[
-            "const long long d0 = i / 3;",
-            "const long long d1 = i % 3;",
+            "const long long d0 = (long long)((unsigned int)i / 3u);",
+            "const long long d1 = (long long)((unsigned int)i % 3u);",
             "const float v0 = a0[d1];",
             "const float v1 = a1[d0 + d1 * 2];",
             "const float v2 = a2[4 - d0 * 3 + d1];",
@@ -209,7 +209,7 @@ fn a_softmax_row_kernel_runs_the_cpu_phases() {
         &p.source,
         &[
             "void softmax_rows(const float* a0, __half* a1, float* a2) {",
-            "const long long d0 = row;",
+            "const long long d0 = (long long)((unsigned int)row);",
             // Phase 1: the max, each thread striding over the row, then warp shuffles (a mask of
             // exactly the block's lanes when it is less than a warp) and, with more than one
             // warp, one entry per warp in shared memory and one barrier.
@@ -396,8 +396,8 @@ fn whole_space_reductions_use_one_row() {
         &p.source,
         &[
             "for (int t = threadIdx.x; t < 6LL; t += blockDim.x) {",
-            "const long long d0 = t / 3;",
-            "const long long d1 = t % 3;",
+            "const long long d0 = (long long)((unsigned int)t / 3u);",
+            "const long long d1 = (long long)((unsigned int)t % 3u);",
             "const double v2 = acc2 / 6.0;",
             "long long arg3 = 0;",
             "const int v1 = a1[d0 + d1 * 2];",

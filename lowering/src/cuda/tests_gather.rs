@@ -25,7 +25,7 @@ fn a_gather_moves_bits_and_reads_the_source_only_in_range() {
         &p.source,
         &[
             "void embed_gather(const __half* a0, const long long* a1, __half* a2) {",
-            "const long long d1 = i % 3;",
+            "const long long d1 = (long long)((unsigned int)i % 3u);",
             "const long long j = a1[d0];",
             "unsigned short v = 0;",
             "if (j >= 0 && j < 5LL) v = ((const unsigned short*)a0)[d1 + j * 3LL];",
