@@ -32,7 +32,8 @@ fn arg(name: &str) -> Option<String> {
 
 /// One more eager step, profiled: its flushes (one: `gpt2::eager_step` flushes the whole step),
 /// their kernels' GPU time against each flush's wall time (the rest is the host's planning and
-/// launching, or waiting), the time by kind of kernel, and the costliest kernels.
+/// launching, or waiting), the time by kind of kernel, and the costliest kernels; every kernel
+/// goes to `out/g6_kernels.tsv`, and the step's flushes are dumped to `out/g6_dump/`.
 fn profile_one_step(
     dev: &Device,
     model: &Gpt2,
@@ -40,9 +41,15 @@ fn profile_one_step(
     opt: &mut AdamW,
     text: &[u8],
     (batch, seq): (usize, usize),
+    out: &std::path::Path,
 ) -> Result<()> {
     let (ids, targets) = gpt2::batch(text, batch, seq, 1000, dev);
     dev.set_profiling(true);
+    // The step's flushes as dumps too: the kernels' shapes and buffers, by the names the
+    // listing prints.
+    let dumps = out.join("g6_dump");
+    std::fs::create_dir_all(&dumps).map_err(|e| Error::Io(e.to_string()))?;
+    braid::dump::set_dir(Some(dumps));
     let start = std::time::Instant::now();
     let loss = gpt2::eager_step(model, params, opt, (&ids, &targets), Some(DType::BF16))?;
     let recorded = start.elapsed();
@@ -51,6 +58,7 @@ fn profile_one_step(
     dev.sync()?;
     let wall = start.elapsed();
     dev.set_profiling(false);
+    braid::dump::set_dir(None);
     let mut profiles: Vec<_> = forward.into_iter().chain(dev.last_profile()).collect();
     profiles.dedup_by_key(|p| p.flush);
     let kernels: Vec<_> = profiles.iter().flat_map(|p| p.kernels()).collect();
@@ -87,6 +95,11 @@ fn profile_one_step(
     for (name, t, n) in &by_kind {
         println!("  {t:8.2} ms  {n:4} x  {name}");
     }
+    // Every kernel of the step, in the order the flushes ran them, for a closer look.
+    let listing: String = kernels.iter().map(|k| format!("{:.4}\t{}\t{}\n", ms(k.duration), k.bytes, k.name)).collect();
+    let list = out.join("g6_kernels.tsv");
+    std::fs::write(&list, format!("ms\tbytes\tkernel\n{listing}")).map_err(|e| Error::Io(e.to_string()))?;
+    println!("  every kernel: {}", list.display());
     let mut costliest = kernels.clone();
     costliest.sort_by_key(|k| std::cmp::Reverse(k.duration));
     println!("  the costliest kernels:");
@@ -157,7 +170,7 @@ fn main() -> Result<()> {
         }
         if !captured {
             losses = run_losses;
-            profile_one_step(&dev, &model, &params, &mut opt, text, (batch, seq))?;
+            profile_one_step(&dev, &model, &params, &mut opt, text, (batch, seq), &out)?;
         }
     }
     let json = serde_json::to_string(&losses).expect("losses serialise");
