@@ -199,3 +199,29 @@ fn clip_grad_norm_scales_all_gradients_to_the_norm_over_all_of_them() {
     let bad = catch_unwind(AssertUnwindSafe(|| drop(clip_grad_norm([&a], &mut braid::Grads::new(), -1.0))));
     assert!(bad.is_err(), "a negative max_norm is misuse");
 }
+
+#[test]
+fn linear_under_autocast_adds_its_bias_in_the_low_precision() {
+    let dev = braid::testing::test_device();
+    for low in [DType::BF16, DType::F16] {
+        dev.seed(3);
+        let (x, w, b) =
+            (randn(&[6, 16], &dev), randn(&[5, 16], &dev).requires_grad(), randn(&[5], &dev).requires_grad());
+        let y = autocast(low, || x.linear(&w, Some(&b)));
+        assert_eq!(y.dtype(), low, "PyTorch's autocast runs linear in the low precision, bias included");
+        // The same as the product of the low operands plus the low bias, added in `low`.
+        let want = &x.to_dtype(low).matmul(&w.to_dtype(low).t()) + &b.to_dtype(low);
+        let bits = |t: &Tensor| t.to_dtype(DType::F32).to_vec::<f32>().unwrap();
+        assert_eq!(bits(&y), bits(&want), "{low}");
+        // Where `matmul + bias` promotes to f32 instead.
+        assert_eq!(autocast(low, || &x.matmul(&w.t()) + &b).dtype(), DType::F32);
+        // Outside autocast it is the product plus the bias.
+        assert_eq!(bits(&x.linear(&w, Some(&b))), bits(&(&x.matmul(&w.t()) + &b)));
+        // f32 parameters get f32 gradients.
+        let loss = autocast(low, || x.linear(&w, Some(&b)).square().mean());
+        let grads = loss.backward().unwrap();
+        for p in [&w, &b] {
+            assert_eq!(grads.get(p).unwrap().dtype(), DType::F32);
+        }
+    }
+}

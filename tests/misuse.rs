@@ -301,3 +301,21 @@ fn attention_misuse_names_the_operands_at_the_call() {
     let msg = panic_message(|| drop(flat.scaled_dot_product_attention(&flat, &flat, false)));
     assert_mentions(&msg, &["rank of at least 2"]);
 }
+
+#[test]
+fn linear_misuse_names_the_operands_at_the_call() {
+    let dev = dev();
+    let t = |dims: &[usize]| Tensor::zeros(dims, DType::F32, &dev);
+    let x = t(&[4, 8]);
+    let cases: [(Tensor, Option<Tensor>, &[&str]); 3] = [
+        (t(&[3, 7]), None, &["weight [out, in]", "[3, 7]"]),
+        (t(&[8]), None, &["weight [out, in]", "[8]"]),
+        (t(&[3, 8]), Some(t(&[8])), &["bias [out]", "[3, 8]", "[8]"]),
+    ];
+    for (w, b, parts) in cases {
+        let line = line!() + 1;
+        let msg = panic_message(|| drop(x.linear(&w, b.as_ref())));
+        assert_mentions(&msg, parts);
+        assert_mentions(&msg, &["linear", &format!("{}:{line}:", file!())]);
+    }
+}
