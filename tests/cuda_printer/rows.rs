@@ -214,3 +214,21 @@ pub(crate) fn edges_case() -> Case {
     c.kernel.body = Body::Map(vec![MapLoop { dims: [16].as_slice().into(), loads, expr: b.finish(), stores }]);
     c
 }
+
+/// Rows too long to keep in shared memory, of elements of 2 bytes or more, read along the row
+/// at random offsets and strides (odd ones too): their vector path starts each row at its own
+/// first aligned chunk (`head`), with the positions before it and after the last chunk in
+/// scalar sweeps.
+pub(crate) fn peeled_row_cases(rng: &mut Rng, first: usize, lib: MathLib) -> Vec<Case> {
+    let dims = [braid_lowering::cuda::SPLIT_BELOW_ROWS, braid_lowering::cuda::ROW_KEEP_BYTES / 2 + 101];
+    let mut cases = vec![];
+    while cases.len() < 4 {
+        let mut case = rows_case_over(rng, first + cases.len(), &dims, Some(1), lib, false);
+        let along = matches!(&case.kernel.body, Body::Rows(r) if r.loads[0].view.strides[1] == 1);
+        if case.kernel.args[0].dtype.size() >= 2 && along {
+            case.label = format!("peeled {}", case.label);
+            cases.push(case);
+        }
+    }
+    cases
+}

@@ -160,3 +160,72 @@ fn softmax_rows_move_sixteen_bytes_at_a_time_where_aligned() {
     r.stores.iter_mut().for_each(|s| s.view = contiguous(&dims));
     assert!(!print(&odd, "odd").unwrap().source.contains("vec"));
 }
+
+#[test]
+fn long_rows_at_odd_strides_start_their_chunks_at_each_rows_head() {
+    // A softmax over rows of 20,001 f32 (too long to keep), the input's rows 20,003 apart from
+    // an offset of 1 (a language model's logits at an odd stride): each row's first aligned
+    // chunk is at its own `head`, the positions before it and after the last chunk are swept
+    // one at a time, and the output (whose rows start at other remainders) is stored so too.
+    // (As many rows as keep a row kernel unsplit.)
+    let (rows, len) = (SPLIT_BELOW_ROWS, 20_001);
+    let mut k = softmax_rows(rows, len);
+    k.args = args(&[(DType::F32, 1 + rows * 20_003), (DType::F32, rows * len)]);
+    let Body::Rows(r) = &mut k.body else { unreachable!("a row kernel") };
+    r.loads[0].view = view(&[rows, len], &[20_003, 1], 1);
+    let src = print(&k, "peel").unwrap().source;
+    assert!(!src.contains("keep"), "{src}");
+    in_order(
+        &src,
+        &[
+            "const bool vec = (unsigned long long)a0 % 16u == 0;",
+            "const int head = (int)((4LL - (1 + d0 * 20003) % 4LL) % 4LL);",
+            "const int vec_end = head + (20001 - head) / 4 * 4;",
+            "if (vec) {",
+            "for (int t = threadIdx.x; t < head; t += blockDim.x) {",
+            "for (int t0 = head + threadIdx.x * 4; t0 < vec_end; t0 += blockDim.x * 4) {",
+            "*reinterpret_cast<uint4*>(l0) = *reinterpret_cast<const uint4*>(a0 + 1 + d0 * 20003 + d1);",
+            "for (int t = vec_end + threadIdx.x; t < 20001LL; t += blockDim.x) {",
+            "} else {",
+            "for (int t = threadIdx.x; t < 20001LL; t += blockDim.x) {",
+        ],
+    );
+}
+
+#[test]
+fn a_row_streamed_from_memory_is_chunked_before_a_view_every_row_shares() {
+    // Rows of 50,257 bf16 (a language model's logits, one after another at that odd stride)
+    // times a vector every row shares, summed: the logits move 8 at a time from each row's
+    // head; the shared vector (its rows start at other remainders) is read one at a time.
+    let (rows, len) = (SPLIT_BELOW_ROWS, 50_257);
+    let mut b = ExprBuilder::new();
+    let (x, c) = (b.load(0, DType::BF16), b.load(1, DType::BF16));
+    let xc = b.mul(x, c);
+    let sum = b.reduce(ReduceOp::Sum, xc);
+    let r = RowKernel {
+        dims: [rows, len].as_slice().into(),
+        axis: Some(1),
+        loads: vec![
+            load(1, DType::BF16, view(&[rows, len], &[0, 1], 0)),
+            load(0, DType::BF16, contiguous(&[rows, len])),
+        ],
+        expr: b.finish(),
+        stores: vec![store(2, DType::F32, view(&[rows, len], &[1, 0], 0), sum)],
+    };
+    let k = Kernel {
+        args: args(&[(DType::BF16, rows * len), (DType::BF16, len), (DType::F32, rows)]),
+        inputs: 2,
+        body: Body::Rows(r),
+    };
+    let src = print(&k, "logits").unwrap().source;
+    in_order(
+        &src,
+        &[
+            "const bool vec = (unsigned long long)a0 % 16u == 0;",
+            "const int head = (int)((8LL - (d0 * 50257) % 8LL) % 8LL);",
+            "for (int t0 = head + threadIdx.x * 8; t0 < vec_end; t0 += blockDim.x * 8) {",
+            "*reinterpret_cast<uint4*>(l1) = *reinterpret_cast<const uint4*>(a0 + d0 * 50257 + d1);",
+            "a1[d1]",
+        ],
+    );
+}
