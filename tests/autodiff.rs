@@ -563,8 +563,9 @@ fn indexing_ops_and_cross_entropy() {
 fn the_gradients_of_a_values_parts_are_one_concatenation() {
     // A product split into three parts along its columns (attention's q, k and v): what reaches
     // the product is the parts' gradients side by side, not each padded with zeros to the
-    // whole and the padded copies added.
-    let dev = cpu();
+    // whole and the padded copies added. (A device of its own: the shared one's last schedule
+    // may be another test's.)
+    let dev = braid::testing::test_device();
     let x = leaf(&[4, 6], &values(&mut Rng::new(11), 24, false), &dev).requires_grad();
     let y = x.exp();
     let (q, k, v) = (y.narrow(1, 0, 2), y.narrow(1, 2, 2), y.narrow(1, 4, 2));
