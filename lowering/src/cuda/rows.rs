@@ -55,7 +55,8 @@ pub(super) struct RowPlan<'a> {
     /// first position in its chunked views, which all share its remainder modulo the width.
     /// Each row then walks its first `head` positions and its last ones in scalar sweeps and
     /// the aligned chunks between in the vector sweep (`vec_end` is where they end). Measured
-    /// on an H200: the cross-entropy of GPT-2's logits, `[8192, 50257]` bf16, 1.94 ms before.
+    /// on an H200: the cross-entropy of GPT-2's logits, `[8192, 50257]` bf16, 1.94 ms before,
+    /// 0.73 ms with it (its two sweeps over the logits at 2.3 TB/s).
     peel: Option<String>,
 }
 
