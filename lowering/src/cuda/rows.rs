@@ -7,7 +7,8 @@
 //! needed between the phases' sweeps).
 
 use super::reduce::reduction;
-use super::vector::{Vector, aligned, copy_chunk, declare_chunk, read_chunk, width};
+use super::row_vector::{plan_peeled_vector, plan_vector};
+use super::vector::{Vector, aligned, copy_chunk, declare_chunk, read_chunk};
 use super::*;
 use std::cell::RefCell;
 
@@ -482,88 +483,6 @@ pub(super) fn print_rows(
     p.print_stores(out, "threadIdx.x == 0", whole, Some(&keep))?;
     out.push_str("}\n");
     Ok((vec![Entry { name: name.into(), launch: Launch::Rows { rows, threads } }], 0))
-}
-
-/// The vector path of a plain row kernel (see `RowPlan::vector`), if it has one: along one axis
-/// whose length is a multiple of the width, the live per-element loads and the per-element
-/// stores that walk the row with stride 1 from an offset and row strides that are multiples of
-/// the width (so that every row's chunks are aligned when the argument is), at least one of
-/// them; the width fills 16 bytes with the largest of their elements and of the kept values.
-fn plan_vector(p: &RowPlan<'_>, kept: &[bool]) -> Option<Vector> {
-    let (r, nodes) = (p.r, &p.r.expr.nodes);
-    let [axis] = p.row_dims[..] else { return None };
-    let walks = |v: &View| v.strides[axis] == 1;
-    let load = |i: usize| match nodes[i].op {
-        ExprOp::Load(slot) if p.live[i] && !p.per_row[i] && walks(&r.loads[slot as usize].view) => {
-            Some(&r.loads[slot as usize])
-        }
-        _ => None,
-    };
-    let (_, elem_stores) = p.stores();
-    let per_element = |s: &Store| elem_stores.iter().any(|e| std::ptr::eq(*e, s)) && walks(&s.view);
-    let loaded = (0..nodes.len()).filter_map(|i| load(i).map(|l| l.dtype.size()));
-    let stored = r.stores.iter().filter(|s| per_element(s)).map(|s| s.dtype.size());
-    let kept_sizes = (0..nodes.len()).filter(|&i| kept[i]).map(|i| nodes[i].dtype.size());
-    let width = width(loaded.chain(stored).chain(kept_sizes))?;
-    let rows_aligned = |v: &View| {
-        v.offset.is_multiple_of(width)
-            && (0..v.dims.len())
-                .all(|d| d == axis || v.dims[d] <= 1 || v.strides[d].unsigned_abs().is_multiple_of(width))
-    };
-    let loads: Vec<bool> = (0..nodes.len()).map(|i| load(i).is_some_and(|l| rows_aligned(&l.view))).collect();
-    let stores: Vec<bool> = r.stores.iter().map(|s| per_element(s) && rows_aligned(&s.view)).collect();
-    let any = loads.iter().chain(&stores).any(|&v| v);
-    (any && width > 1 && p.len.is_multiple_of(width)).then_some(Vector { width, loads, stores })
-}
-
-/// The vector path of a plain row kernel whose rows do not all start aligned (see
-/// `RowPlan::peel`), with the offset of a row's first element in its chunked views: along one
-/// axis, nothing kept in shared memory, rows of at least four chunks. Chunked: the live
-/// per-element loads and per-element stores that walk the row with stride 1 and whose offset
-/// and row strides leave the same remainders as those of the first such view that differs from
-/// row to row (the one streamed from memory; a view every row shares stays in cache), so that
-/// one `head` aligns them all; the width fills 16 bytes with the largest of their elements.
-fn plan_peeled_vector(p: &RowPlan<'_>, kept: &[bool]) -> Option<(Vector, String)> {
-    let (r, nodes) = (p.r, &p.r.expr.nodes);
-    let [axis] = p.row_dims[..] else { return None };
-    if kept.iter().any(|&k| k) {
-        return None;
-    }
-    let walks = |v: &View| v.strides[axis] == 1;
-    let load = |i: usize| match nodes[i].op {
-        ExprOp::Load(slot) if p.live[i] && !p.per_row[i] && walks(&r.loads[slot as usize].view) => {
-            Some(&r.loads[slot as usize])
-        }
-        _ => None,
-    };
-    let (_, elem_stores) = p.stores();
-    let per_element = |s: &Store| elem_stores.iter().any(|e| std::ptr::eq(*e, s)) && walks(&s.view);
-    let walking: Vec<(&View, usize)> = (0..nodes.len())
-        .filter_map(|i| load(i).map(|l| (&l.view, l.dtype.size())))
-        .chain(r.stores.iter().filter(|s| per_element(s)).map(|s| (&s.view, s.dtype.size())))
-        .collect();
-    let varies = |v: &View| p.pos_dims.iter().any(|&d| v.dims[d] > 1 && v.strides[d] != 0);
-    let &(first, size) = walking.iter().find(|(v, _)| varies(v)).or(walking.first())?;
-    // The remainders modulo `w` of a view's offset and row strides.
-    let phase = |v: &View, w: usize| {
-        let strides: Vec<usize> = (0..v.dims.len())
-            .map(|d| if d == axis || v.dims[d] <= 1 { 0 } else { v.strides[d].rem_euclid(w as isize) as usize })
-            .collect();
-        (v.offset % w, strides)
-    };
-    let w0 = width([size])?;
-    let with_first = |v: &View| phase(v, w0) == phase(first, w0);
-    // Element sizes are powers of two, so the width divides `w0` and the remainders agree.
-    let width = width(walking.iter().filter(|(v, _)| with_first(v)).map(|&(_, size)| size))?;
-    if width < 2 || p.len < 4 * width {
-        return None;
-    }
-    let loads: Vec<bool> = (0..nodes.len()).map(|i| load(i).is_some_and(|l| with_first(&l.view))).collect();
-    let stores: Vec<bool> = r.stores.iter().map(|s| per_element(s) && with_first(&s.view)).collect();
-    // The row's first element: the view at position 0 along the axis.
-    let mut start = first.clone();
-    start.dims[axis] = 1;
-    Some((Vector { width, loads, stores }, offset_expr(&start)))
 }
 
 /// Which per-element values the kernel keeps in shared memory (`keep<i>[len]`, indexed by the
