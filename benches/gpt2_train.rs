@@ -16,7 +16,7 @@
 //! device memory. The losses go to `$OUT/gpt2_braid_losses.json` for the peer to print beside
 //! its own.
 //!
-//! Run: `BRAID_DEVICE=cuda cargo bench --bench gpt2_train -- [--steps N] [--out DIR] [--small]`
+//! Run: `BRAID_DEVICE=cuda cargo bench --bench gpt2_train -- [--steps N] [--out DIR] [--small] [--dump]`
 
 #[path = "../examples/common/gpt2.rs"]
 mod gpt2;
@@ -33,7 +33,7 @@ fn arg(name: &str) -> Option<String> {
 /// One more eager step, profiled: its flushes (one: `gpt2::eager_step` flushes the whole step),
 /// their kernels' GPU time against each flush's wall time (the rest is the host's planning and
 /// launching, or waiting), the time by kind of kernel, and the costliest kernels; every kernel
-/// goes to `out/g6_kernels.tsv`, and the step's flushes are dumped to `out/g6_dump/`.
+/// goes to `out/g6_kernels.tsv`, and with `--dump` the step's flushes to `out/g6_dump/`.
 fn profile_one_step(
     dev: &Device,
     model: &Gpt2,
@@ -41,15 +41,17 @@ fn profile_one_step(
     opt: &mut AdamW,
     text: &[u8],
     (batch, seq): (usize, usize),
-    out: &std::path::Path,
+    (out, dump): (&std::path::Path, bool),
 ) -> Result<()> {
     let (ids, targets) = gpt2::batch(text, batch, seq, 1000, dev);
     dev.set_profiling(true);
-    // The step's flushes as dumps too: the kernels' shapes and buffers, by the names the
-    // listing prints.
-    let dumps = out.join("g6_dump");
-    std::fs::create_dir_all(&dumps).map_err(|e| Error::Io(e.to_string()))?;
-    braid::dump::set_dir(Some(dumps));
+    // With `--dump`, the step's flushes as dumps too: the kernels' shapes and buffers, by the
+    // names the listing prints (writing them adds to the step's wall time, not its kernels').
+    if dump {
+        let dumps = out.join("g6_dump");
+        std::fs::create_dir_all(&dumps).map_err(|e| Error::Io(e.to_string()))?;
+        braid::dump::set_dir(Some(dumps));
+    }
     let start = std::time::Instant::now();
     let loss = gpt2::eager_step(model, params, opt, (&ids, &targets), Some(DType::BF16))?;
     let recorded = start.elapsed();
@@ -58,7 +60,9 @@ fn profile_one_step(
     dev.sync()?;
     let wall = start.elapsed();
     dev.set_profiling(false);
-    braid::dump::set_dir(None);
+    if dump {
+        braid::dump::set_dir(None);
+    }
     let mut profiles: Vec<_> = forward.into_iter().chain(dev.last_profile()).collect();
     profiles.dedup_by_key(|p| p.flush);
     let kernels: Vec<_> = profiles.iter().flat_map(|p| p.kernels()).collect();
@@ -112,6 +116,7 @@ fn profile_one_step(
 
 fn main() -> Result<()> {
     let small = std::env::args().any(|a| a == "--small");
+    let dump = std::env::args().any(|a| a == "--dump");
     let steps: usize = arg("--steps").and_then(|s| s.parse().ok()).unwrap_or(30);
     let out =
         std::path::PathBuf::from(arg("--out").unwrap_or_else(|| std::env::var("OUT").unwrap_or("bench-out".into())));
@@ -170,7 +175,7 @@ fn main() -> Result<()> {
         }
         if !captured {
             losses = run_losses;
-            profile_one_step(&dev, &model, &params, &mut opt, text, (batch, seq), &out)?;
+            profile_one_step(&dev, &model, &params, &mut opt, text, (batch, seq), (&out, dump))?;
         }
     }
     let json = serde_json::to_string(&losses).expect("losses serialise");

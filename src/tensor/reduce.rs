@@ -180,13 +180,10 @@ impl Tensor {
             super::misuse("linear", "needs a bias [out] for weight [out, in]", &describe());
         }
         let y = self.matmul(&weight.t());
+        // Under autocast the bias in the product's precision (unchanged outside autocast).
         match bias {
             None => y,
-            Some(b) if crate::amp::autocast_dtype().is_some() => {
-                let b = b.autocast_product_operand();
-                crate::amp::off(|| &y + &b)
-            }
-            Some(b) => &y + b,
+            Some(b) => &y + &b.autocast_product_operand(),
         }
     }
 

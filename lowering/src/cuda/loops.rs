@@ -3,8 +3,8 @@
 //! `width` neighbouring indices, its loads and stores one access each (`vector.rs`) where
 //! they are contiguous or walk whole chunks of contiguous rows (a permute of attention's heads,
 //! the parts of a concatenation: [`chunked`]), the indices a chunk does not cover (the tail, or
-//! all of them when an argument is not aligned at run time) left to the scalar loop. Must never: assume a grid or block size
-//! (any grid covers the loop).
+//! all of them when an argument is not aligned at run time) left to the scalar loop.
+//! Must never: assume a grid or block size (any grid covers the loop).
 
 use super::vector::{Vector, aligned, copy_chunk, declare_chunk, read_chunk, width};
 use super::*;
@@ -16,7 +16,7 @@ fn plan_vector(l: &MapLoop, live: &[bool]) -> Option<Vector> {
     let nodes = &l.expr.nodes;
     // Views a chunk could walk: contiguous ones, and those whose last dimension is.
     let candidate =
-        |v: &View| v.is_contiguous() || v.dims.last().is_some_and(|&d| d > 1) && v.strides.last() == Some(&1);
+        |v: &View| v.is_contiguous() || (v.dims.last().is_some_and(|&d| d > 1) && v.strides.last() == Some(&1));
     let load_of = |i: usize| match nodes[i].op {
         ExprOp::Load(slot) if live[i] && candidate(&l.loads[slot as usize].view) => Some(&l.loads[slot as usize]),
         _ => None,

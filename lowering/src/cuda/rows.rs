@@ -47,9 +47,8 @@ pub(super) struct RowPlan<'a> {
     /// test finds its arguments aligned: each thread visits chunks of `width` neighbouring
     /// positions, `t0 = threadIdx.x * width` (past the row's `head` with a [`Self::peel`]) and
     /// on by `blockDim.x * width` (the same in every sweep, so a thread still reads back only
-    /// the kept positions it wrote), reading the
-    /// row-contiguous loads and writing the row-contiguous stores a chunk at a time, and its
-    /// kept values too.
+    /// the kept positions it wrote), reading the row-contiguous loads and writing the
+    /// row-contiguous stores a chunk at a time, and its kept values too.
     vector: Option<Vector>,
     /// Where a vector path's rows start at other alignments (rows of an odd length at an odd
     /// stride: a language model's logits over 50,257 tokens): the element offset of a row's
@@ -197,7 +196,7 @@ impl<'a> RowPlan<'a> {
         let before = keep.map(|k| k.written.borrow().clone());
         out.push_str("  if (vec) {\n");
         if self.peel.is_some() {
-            // Nothing is kept with a peel (`plan_vector`): the three sweeps share no state.
+            // Nothing is kept with a peel (`plan_peeled_vector`): the three sweeps share no state.
             self.scalar_sweep(out, ["threadIdx.x", "head"], roots, stores, body, None)?;
             let start = format!("head + threadIdx.x * {}", v.width);
             self.vector_sweep(out, v, [&start, "vec_end"], roots, stores, body, None)?;
@@ -284,10 +283,10 @@ impl<'a> RowPlan<'a> {
         Ok(())
     }
 
-    /// The vector path of a sweep from `from` (a thread's first chunk) to `to`, a chunk at a time: the
-    /// chunks of its vectorised loads and kept values read first, then per position of the
-    /// chunk what [`Self::scalar_sweep`] prints (vectorised values from their chunks), then
-    /// the chunks of its vectorised stores and newly kept values written.
+    /// The vector path of a sweep from `from` (a thread's first chunk) to `to`, a chunk at a
+    /// time: the chunks of its vectorised loads and kept values read first, then per position
+    /// of the chunk what [`Self::scalar_sweep`] prints (vectorised values from their chunks),
+    /// then the chunks of its vectorised stores and newly kept values written.
     #[allow(clippy::too_many_arguments)]
     fn vector_sweep(
         &self,
