@@ -3,7 +3,8 @@
 //! sequence lengths, head dimensions 16 to 128, f32 and the half types the device holds), against
 //! the same attention composed of products and a softmax, against finite differences in f64 on
 //! the CPU, through views (heads split by a permute), under autocast, and as kernels: the
-//! output and its log-sum-exp are one kernel, the key and value gradients another; and with
+//! output and its log-sum-exp are one kernel, the key and value gradients another, and a
+//! forward pass read before its backward keeps the log-sum-exp for it; and with
 //! infinities in rows the causal mask hides, which must not reach the rows that do not see them.
 //! (`tests/properties.rs` draws attention in random programs.)
 
@@ -180,26 +181,58 @@ fn the_output_and_its_statistics_are_one_kernel_and_so_are_the_key_and_value_gra
     let g = loss.backward().unwrap();
     let (gq, gk, gv) = (g.get(&q).unwrap(), g.get(&k).unwrap(), g.get(&v).unwrap());
     dev.sync().unwrap();
+    assert_eq!(
+        attention_kernels(&dev),
+        [&["attention", "attention_lse"][..], &["attention_grad_k", "attention_grad_v"], &["attention_grad_q"]]
+    );
+    drop((gq, gk, gv));
+}
+
+/// The attention kernels of `dev`'s last schedule: each one's attention ops, sorted.
+fn attention_kernels(dev: &Device) -> Vec<Vec<String>> {
     let dump: serde_json::Value = serde_json::from_str(&dev.last_schedule().expect("a schedule").to_json()).unwrap();
-    let kernels: Vec<Vec<String>> = (dump["streams"].as_array().unwrap().iter())
+    let mut kernels: Vec<Vec<String>> = (dump["streams"].as_array().unwrap().iter())
         .flat_map(|s| s["steps"].as_array().unwrap().iter())
         .filter(|step| step["kind"] == "kernel")
         .map(|k| {
             let ops = k["ops"].as_array().unwrap().iter().map(|o| o.as_str().unwrap().to_string());
-            ops.filter(|o| o.starts_with("attention")).collect::<Vec<_>>()
+            let mut ops: Vec<String> = ops.filter(|o| o.starts_with("attention")).collect();
+            ops.sort();
+            ops
         })
         .filter(|ops| !ops.is_empty())
         .collect();
-    let mut sorted: Vec<Vec<String>> = kernels.clone();
-    sorted.iter_mut().for_each(|k| k.sort());
-    sorted.sort();
-    assert_eq!(
-        sorted,
-        [vec!["attention", "attention_lse"], vec!["attention_grad_k", "attention_grad_v"], vec!["attention_grad_q"]]
-            .map(|k| k.into_iter().map(String::from).collect::<Vec<_>>()),
-        "attention kernels: {kernels:?}"
-    );
-    drop((gq, gk, gv));
+    kernels.sort();
+    kernels
+}
+
+#[test]
+fn a_forward_read_before_its_backward_keeps_the_log_sum_exp() {
+    // An eager training step reads the loss before recording the backward pass: the forward
+    // flush computes the output and its log-sum-exp in one kernel and keeps the statistics, so
+    // the backward flush runs only the gradient kernels (it used to run the scores again).
+    let dev = braid::testing::test_device();
+    let mut rng = Rng::new(16);
+    let dims = [2, 3, 20, 16];
+    let q = random(&mut rng, &dims, DType::F32, &dev).requires_grad();
+    let k = random(&mut rng, &dims, DType::F32, &dev).requires_grad();
+    let v = random(&mut rng, &dims, DType::F32, &dev).requires_grad();
+    let loss = q.scaled_dot_product_attention(&k, &v, true).tanh().sum();
+    loss.item::<f32>().unwrap();
+    assert_eq!(attention_kernels(&dev), [["attention", "attention_lse"]]);
+    let g = loss.backward().unwrap();
+    let (gq, gk, gv) = (g.get(&q).unwrap(), g.get(&k).unwrap(), g.get(&v).unwrap());
+    dev.sync().unwrap();
+    assert_eq!(attention_kernels(&dev), [&["attention_grad_k", "attention_grad_v"][..], &["attention_grad_q"]]);
+    // The same gradients as when the whole step is one flush.
+    let again = q.scaled_dot_product_attention(&k, &v, true).tanh().sum().backward().unwrap();
+    for (a, b) in [(&gq, &q), (&gk, &k), (&gv, &v)] {
+        assert_eq!(a.to_vec::<f32>().unwrap(), again.get(b).unwrap().to_vec::<f32>().unwrap());
+    }
+    // Without gradients nothing but the output is computed.
+    let y = braid::no_grad(|| q.scaled_dot_product_attention(&k, &v, false));
+    y.to_vec::<f32>().unwrap();
+    assert_eq!(attention_kernels(&dev), [["attention"]]);
 }
 
 #[test]

@@ -113,6 +113,8 @@ pub(crate) struct InputSlot {
 pub(crate) struct Saved {
     pub(crate) inputs: SmallVec<[Option<Tensor>; 3]>,
     pub(crate) output: Option<Tensor>,
+    /// Attention's log-sum-exp, recorded beside its output (see [`GradNode::save_attention_lse`]).
+    pub(crate) attention_lse: Option<Tensor>,
 }
 
 /// The record of one differentiable op.
@@ -141,6 +143,17 @@ impl Drop for GradNode {
             if let Some(last) = Arc::get_mut(&mut node) {
                 take_node_sources(&mut last.inputs, &mut stack);
             }
+        }
+    }
+}
+
+impl GradNode {
+    /// Keeps `lse`, the log-sum-exp part recorded over this attention output's inputs, for the
+    /// backward pass: recorded in the forward pass, fusion computes it in the output's kernel,
+    /// so the backward pass does not run the scores a third time to find it.
+    pub(crate) fn save_attention_lse(&self, lse: Tensor) {
+        if let Some(saved) = self.saved.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+            saved.attention_lse = Some(lse);
         }
     }
 }
@@ -337,7 +350,7 @@ impl<'a> Tracker<'a> {
                 inputs: slots,
                 out_shape: self.out_shape.clone(),
                 out_dtype: self.out_dtype,
-                saved: Mutex::new(Some(Saved { inputs, output })),
+                saved: Mutex::new(Some(Saved { inputs, output, attention_lse: None })),
             })))
         } else {
             self.graveyard.extend(sources.into_iter().flatten());

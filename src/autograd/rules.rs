@@ -100,6 +100,14 @@ pub(super) fn input_grads(node: &GradNode, saved: &Saved, g: InFlight) -> InputG
                 InFlight::Slices { dim: *dim, parts: vec![(*start, g)] }
             })]
         }
+        Op::Attention { causal, .. } => {
+            let g = g.to_tensor(&node.out_shape, node.out_dtype, &node.device);
+            let (q, k, v) = (input(0), input(1), input(2));
+            let needs = [needs[0], needs[1], needs[2]];
+            let lse = saved.attention_lse.clone();
+            let grads = crate::tensor::attention_grads((&q, &k, &v), &output(), lse, &g, *causal, needs);
+            crate::small(grads.into_iter().map(|t| t.map(|t| InFlight::Val(Val::T(t)))))
+        }
         _ => {
             let g = g.to_tensor(&node.out_shape, node.out_dtype, &node.device);
             crate::small(
@@ -194,11 +202,6 @@ fn other_grads(
                 }
             });
             smallvec![ga, gb]
-        }
-        Op::Attention { causal, .. } => {
-            let (q, k, v) = (input(0), input(1), input(2));
-            let needs = [needs[0], needs[1], needs[2]];
-            SmallVec::from_iter(crate::tensor::attention_grads((&q, &k, &v), &output(), g, *causal, needs))
         }
         Op::Reshape => smallvec![Some(g.reshape(node.inputs[0].shape.clone()))],
         Op::Permute(perm) => {

@@ -1,6 +1,7 @@
 //! Flushing, first half: pick the pending subgraph a read needs and take it out of the graph.
 //!
-//! Under the engine's lock, the walk goes back from the requested nodes through pending inputs;
+//! Under the engine's lock, the walk goes back from the requested nodes through pending inputs
+//! (taking along a pending companion that costs nothing beside a node it takes: [`companion`]);
 //! values of other devices it meets (remote leaves) are fetched from their engines first,
 //! without this lock. Then `extract` builds the flush graph, marks its nodes in flight and
 //! hands donated inputs to the flush; `run` (without the lock) plans and executes it.
@@ -345,7 +346,13 @@ pub(super) fn walk(st: &mut EngineState, targets: &[NodeId]) -> Walked {
                     marks.set(id, Marks::LOST);
                     lost.push((id, r));
                 }
-                None => order.push((graph.node(id).seq, id)),
+                None => {
+                    order.push((graph.node(id).seq, id));
+                    if let Some(c) = companion(graph, id).filter(|&c| marks.get(c).is_none()) {
+                        marks.set(c, Marks::VISITED);
+                        order.push((graph.node(c).seq, c));
+                    }
+                }
             }
             continue;
         }
@@ -368,4 +375,22 @@ pub(super) fn walk(st: &mut EngineState, targets: &[NodeId]) -> Walked {
     // along: one looked up in the graph at every comparison cost more than the sort.
     order.sort_unstable_by_key(|&(seq, _)| seq);
     Walked { order: order.into_iter().map(|(_, id)| id).collect(), waits, lost, remotes }
+}
+
+/// A pending node that a flush computing `id` computes too, because it costs almost nothing
+/// there: the log-sum-exp that autograd recorded beside an attention output, over the same
+/// inputs (fusion puts both parts in one kernel; left for the backward pass's flush, it would
+/// run the scores again on its own). Someone holds it, or it would not be in the graph.
+fn companion(graph: &braid_graph::Graph<Value>, id: NodeId) -> Option<NodeId> {
+    let node = graph.node(id);
+    let Op::Attention { causal, part: braid_graph::AttentionPart::Out } = node.op else { return None };
+    let edges = graph.in_edges(id);
+    let first = *edges.0.first()?;
+    graph.successors(first).find(|&s| {
+        let n = graph.node(s);
+        n.value.is_none()
+            && n.stream == node.stream
+            && n.op == Op::Attention { causal, part: braid_graph::AttentionPart::Lse }
+            && graph.in_edges(s) == edges
+    })
 }

@@ -1,13 +1,15 @@
 //! Scaled dot-product attention: `softmax(q k^T / sqrt(d)) v` as one graph op
 //! ([`Op::Attention`]), so that no device ever writes the `[seq, seq]` scores.
 //!
-//! The forward pass records the output part; its backward (in [`grads`]) records the
-//! log-sum-exp part over the same inputs (fusion runs it in the output's kernel when the output
-//! is still pending, as it is in a training step), `delta = rowsum(d_out * out)` as ordinary
-//! ops, and the gradient parts. Under autocast the operands are cast to the low precision, as a
+//! The forward pass records the output part and, when an operand has gradient history, the
+//! log-sum-exp part over the same inputs, which autograd keeps for the backward pass (fusion
+//! runs both in one kernel, so the scores are not computed again just to find it); the backward
+//! pass ([`grads`]) records `delta = rowsum(d_out * out)` as ordinary ops and the gradient
+//! parts. Under autocast the operands are cast to the low precision, as a
 //! product's are. This module validates and records; it never computes.
 
 use super::{Tensor, inferred, same_device};
+use crate::autograd::{self, GradSource};
 use braid_graph::{AttentionPart, Op, infer};
 
 impl Tensor {
@@ -56,7 +58,17 @@ impl Tensor {
             let described: Vec<(&str, String)> = operands.iter().map(|(n, t)| (*n, t.describe())).collect();
             super::misuse("scaled_dot_product_attention", &problem, &described);
         }
-        Tensor::record(Op::Attention { causal, part: AttentionPart::Out }, dtype, shape, self.device(), &[self, k, v])
+        let out = Tensor::record(
+            Op::Attention { causal, part: AttentionPart::Out },
+            dtype,
+            shape,
+            self.device(),
+            &[self, k, v],
+        );
+        if let Some(GradSource::Node(node)) = autograd::source_of(&out) {
+            node.save_attention_lse(autograd::no_grad(|| part(AttentionPart::Lse, causal, &[self, k, v])));
+        }
+        out
     }
 }
 
@@ -67,18 +79,19 @@ fn part(part: AttentionPart, causal: bool, ins: &[&Tensor]) -> Tensor {
     Tensor::record(Op::Attention { causal, part }, dtype, shape, ins[0].device(), ins)
 }
 
-/// The gradients of `q`, `k` and `v` (those `needs` asks for) given the output `out` and its
-/// gradient `g`.
+/// The gradients of `q`, `k` and `v` (those `needs` asks for) given the output `out`, its
+/// log-sum-exp when the forward pass recorded it, and the output's gradient `g`.
 pub(crate) fn grads(
     (q, k, v): (&Tensor, &Tensor, &Tensor),
     out: &Tensor,
+    lse: Option<Tensor>,
     g: &Tensor,
     causal: bool,
     needs: [bool; 3],
 ) -> [Option<Tensor>; 3] {
     let g = if g.dtype() == q.dtype() { g.clone() } else { g.to_dtype(q.dtype()) };
     let stats = infer::attention_stats(q.dtype());
-    let lse = part(AttentionPart::Lse, causal, &[q, k, v]);
+    let lse = lse.unwrap_or_else(|| part(AttentionPart::Lse, causal, &[q, k, v]));
     let widen = |t: &Tensor| if t.dtype() == stats { t.clone() } else { t.to_dtype(stats) };
     let delta = (&widen(&g) * &widen(out)).sum_dim(-1, false);
     let ins = [q, k, v, &g, &lse, &delta];
