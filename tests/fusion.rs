@@ -358,3 +358,22 @@ fn updates_on_two_streams_are_packed_per_stream() {
         assert!(got.iter().zip(&want).all(|(a, b)| (a - b).abs() <= 1e-5 * (1.0 + b.abs())), "output {i}");
     }
 }
+
+#[test]
+fn a_layer_norms_gradient_is_one_row_kernel() {
+    // The derivative of a row's mean or sum is the row's gradient expanded back along the row;
+    // read through that view, a reduced value of a row kernel stays in the kernel, so the
+    // layer norm's two dependent row sums and its input's gradient are one kernel (they were
+    // three, each expanded sum written out and read back).
+    let dev = braid::testing::test_device();
+    let x = data(&dev, &[32, 48]).requires_grad();
+    let w = data(&dev, &[32, 48]).sin();
+    let loss = (&x.layer_norm(-1, 1e-5) * &w).sum();
+    loss.item::<f32>().unwrap();
+    let g = loss.backward().unwrap().get(&x).unwrap();
+    g.to_vec::<f32>().unwrap();
+    let j = dump(&dev);
+    let steps = j["streams"].as_array().unwrap().iter().flat_map(|s| s["steps"].as_array().unwrap());
+    let reducing = steps.filter(|s| s["kind"] == "kernel" && s["ops"].as_array().unwrap().iter().any(|o| o == "sum"));
+    assert_eq!(reducing.count(), 1, "{}", dev.last_schedule().unwrap().to_text());
+}

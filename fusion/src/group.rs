@@ -14,7 +14,7 @@ mod joins;
 mod pack;
 
 use crate::{Fusion, Options, Refusal, Segment, SegmentKind};
-use braid_graph::{FlushGraph, Op, Shape, StreamId, ValueRef};
+use braid_graph::{FlushGraph, Op, Shape, StreamId, ValueRef, View};
 use classify::{Class, Level, class, is_transfer};
 use fold::fold;
 use std::cmp::Reverse;
@@ -100,7 +100,8 @@ pub(crate) fn run(graph: &FlushGraph, options: &Options) -> Fusion {
 }
 
 impl Grouper<'_> {
-    /// What node `i` reads: (input position, the node underneath, whether through folding).
+    /// What node `i` reads: (input position, the node underneath, whether through a view: folded
+    /// movement that does not read the node as a direct read would, see [`Self::reads_inline`]).
     fn producers(&self, i: usize) -> Vec<(usize, usize, bool)> {
         let folded = &self.folded;
         self.graph.nodes[i]
@@ -108,10 +109,60 @@ impl Grouper<'_> {
             .iter()
             .enumerate()
             .filter_map(|(k, &v)| match crate::underlying(self.graph, folded, v) {
-                ValueRef::Node(j) if !folded[j] => Some((k, j, v != ValueRef::Node(j))),
+                ValueRef::Node(j) if !folded[j] => Some((k, j, v != ValueRef::Node(j) && !self.reads_inline(i, v, j))),
                 _ => None,
             })
             .collect()
+    }
+
+    /// Whether elementwise node `i` reads `v`, folded movement over node `j` of a row kernel,
+    /// as it would read `j` directly: seen from the kernel's index space, the view is the one a
+    /// direct read of `j` has there (a row's reduced value expanded back along the row, as the
+    /// gradient of a sum or a mean is). The kernel then uses the value it holds, so the read
+    /// neither stops `i` joining `j`'s kernel nor makes `j` an output for it (lowering resolves
+    /// it the same way).
+    fn reads_inline(&self, i: usize, v: ValueRef, j: usize) -> bool {
+        let Some(g) = self.group_of[j] else { return false };
+        let Kind::Rows(full, axis) = &self.groups[g].kind else { return false };
+        let node = &self.graph.nodes[i];
+        // Only a node over one of the kernel's index spaces (a view of a lower rank than the
+        // node's, as an elementwise op's operands are).
+        let spaces = [full.clone(), classify::reduced(full, *axis, true), classify::reduced(full, *axis, false)];
+        if class(&node.op) != Class::Elementwise || !spaces.contains(&node.shape) {
+            return false;
+        }
+        let crate::FoldedRead::Value(_, view) = crate::folded_read(self.graph, &self.folded, v) else { return false };
+        if view.dims.len() > node.shape.rank() {
+            return false;
+        }
+        let own = &self.graph.nodes[j].shape;
+        crate::row_view(view, &node.shape, full, *axis) == crate::row_view(View::contiguous(own), own, full, *axis)
+    }
+
+    /// Whether node `i`'s value is read outside its kernel by reader `r`: `r` is in another
+    /// kernel, or is folded movement that some reader (through the folded chain) reads from
+    /// elsewhere or not inline.
+    fn read_outside(&self, i: usize, r: usize) -> bool {
+        let mut stack = vec![r];
+        while let Some(m) = stack.pop() {
+            if !self.folded[m] {
+                if self.group_of[m] != self.group_of[i] {
+                    return true;
+                }
+                continue;
+            }
+            if self.readers[m].is_empty() {
+                return true; // (not expected: a folded view is read, or it would not be folded)
+            }
+            for &k in &self.readers[m] {
+                if self.folded[k] {
+                    stack.push(k);
+                } else if self.group_of[k] != self.group_of[i] || !self.reads_inline(k, ValueRef::Node(m), i) {
+                    return true;
+                }
+            }
+        }
+        false
     }
 
     fn place(&mut self, i: usize) {
@@ -255,8 +306,11 @@ impl Grouper<'_> {
         // Outputs are counted only for a target that limits buffers (recording stays cheap).
         if self.options.max_buffers != usize::MAX {
             let (opens, closes) = self.exposure(g, i);
-            for (_, j, via) in self.producers(i) {
-                if !via && self.group_of[j] == Some(g) {
+            // (Only reads of the node itself are in `readers`: an inline read through a view is
+            // counted as one from outside, which only overstates the outputs.)
+            let node = &self.graph.nodes[i];
+            for (k, j, _) in self.producers(i) {
+                if node.inputs[k] == ValueRef::Node(j) && self.group_of[j] == Some(g) {
                     self.unjoined_readers[j] -= 1;
                 }
             }
@@ -270,7 +324,7 @@ impl Grouper<'_> {
             let u = crate::underlying(self.graph, &self.folded, v);
             let external = match u {
                 ValueRef::Node(j) if self.folded[j] => continue, // a folded constant
-                ValueRef::Node(j) => self.group_of[j] != Some(g) || v != u,
+                ValueRef::Node(j) => self.group_of[j] != Some(g) || (v != u && !self.reads_inline(i, v, j)),
                 ValueRef::External(_) => true,
             };
             if external && !self.groups[g].inputs.contains(&u) {
@@ -301,7 +355,7 @@ impl Grouper<'_> {
         let node = &self.graph.nodes[i];
         let opens = node.op != Op::Event && (node.keep || !self.readers[i].is_empty());
         let mut direct: Vec<usize> = (self.producers(i).into_iter())
-            .filter(|&(_, j, via)| !via && self.group_of[j] == Some(g))
+            .filter(|&(k, j, _)| node.inputs[k] == ValueRef::Node(j) && self.group_of[j] == Some(g))
             .map(|(_, j, _)| j)
             .collect();
         direct.sort_unstable();
@@ -343,15 +397,7 @@ impl Grouper<'_> {
         }
         assert_eq!(order.len(), ng, "fusion produced a cycle between kernels");
         // Who reads each node from outside its group (directly, or through folded movement).
-        let mut outside = vec![false; n];
-        for i in 0..n {
-            for &r in &readers[i] {
-                let through_view = self.folded[r];
-                if through_view || self.group_of[r] != self.group_of[i] {
-                    outside[i] = true;
-                }
-            }
-        }
+        let outside: Vec<bool> = (0..n).map(|i| readers[i].iter().any(|&r| self.read_outside(i, r))).collect();
         let outputs_of = |grp: &GrowingSegment| -> Vec<usize> {
             let mut outputs: Vec<usize> = grp
                 .nodes

@@ -30,7 +30,8 @@
 
 mod group;
 
-use braid_graph::{FlushGraph, Shape, StreamId, Target, ValueRef};
+use braid_graph::{DType, FlushGraph, Op, Shape, StreamId, Target, ValueRef, View};
+use smallvec::SmallVec;
 
 /// What kind of kernel a segment becomes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -166,4 +167,64 @@ pub fn underlying(graph: &FlushGraph, folded: &[bool], mut v: ValueRef) -> Value
         }
     }
     v
+}
+
+/// What a read of a value amounts to once folding is resolved.
+pub enum FoldedRead {
+    /// A folded constant of this dtype.
+    Const(f64, DType),
+    /// A load of a value (with a buffer) through a view over the read value's shape.
+    Value(ValueRef, View),
+}
+
+/// Resolves a read of `v` through folded constants and movement: the chain of folded nodes is
+/// walked down to what it reads, then its views are applied from there up, without recursion
+/// (a program may fold tens of thousands of views in a row).
+pub fn folded_read(graph: &FlushGraph, folded: &[bool], v: ValueRef) -> FoldedRead {
+    let mut chain: SmallVec<[usize; 8]> = SmallVec::new();
+    let mut at = v;
+    let mut read = loop {
+        match at {
+            ValueRef::Node(j) if folded[j] => {
+                let node = &graph.nodes[j];
+                if let Op::Full(x) = node.op {
+                    break FoldedRead::Const(node.dtype.round_f64(x.0), node.dtype);
+                }
+                chain.push(j);
+                at = node.inputs[0];
+            }
+            v => break FoldedRead::Value(v, View::contiguous(graph.meta(v).1)),
+        }
+    };
+    for &j in chain.iter().rev() {
+        let node = &graph.nodes[j];
+        read = match read {
+            FoldedRead::Const(x, _) => FoldedRead::Const(x, node.dtype),
+            FoldedRead::Value(u, view) => {
+                let view = match &node.op {
+                    Op::Permute(p) => view.permute(p),
+                    Op::Expand => view.broadcast_to(&node.shape),
+                    Op::Narrow { dim, start, len } => view.narrow(*dim, *start, *len),
+                    _ => view.reshape(&node.shape).expect("fusion folds only views that exist"),
+                };
+                FoldedRead::Value(u, view)
+            }
+        };
+    }
+    read
+}
+
+/// `view`, a view over a value of `shape` read by a row kernel over `full` reduced along `axis`,
+/// as seen from the kernel's index space: values of the full shape broadcast; reduced ones (the
+/// axis kept with size 1, removed, or a scalar) get stride 0 along the axis.
+pub fn row_view(view: View, shape: &Shape, full: &Shape, axis: Option<usize>) -> View {
+    let mut v = view.broadcast_to(shape);
+    if let Some(d) = axis
+        && shape != full
+        && shape.rank() + 1 == full.rank()
+    {
+        v.dims.insert(d, 1);
+        v.strides.insert(d, 0);
+    }
+    v.broadcast_to(full)
 }

@@ -9,18 +9,10 @@
 use crate::kernel::{
     Arg, Body, GatherKernel, Kernel, Load, MapLoop, MatmulKernel, MatmulOperand, RowKernel, ScatterKernel, Store,
 };
-use braid_fusion::{Fusion, Segment, SegmentKind};
+use braid_fusion::{FoldedRead as Source, Fusion, Segment, SegmentKind};
 use braid_graph::expr::{Distribution, ExprBuilder, ExprId};
 use braid_graph::{DType, FlushGraph, Op, ReduceOp, Shape, ValueRef, View};
 use smallvec::SmallVec;
-
-/// What a read of a value amounts to once folding is resolved.
-enum Source {
-    /// A folded constant of this dtype.
-    Const(f64, DType),
-    /// A load of a value (with a buffer) through a view over the read value's shape.
-    Value(ValueRef, View),
-}
 
 /// Rounds `e` to f16/bf16 when `dtype` is one (values of those types live in f32 registers).
 fn round_half(b: &mut ExprBuilder, dtype: DType, e: ExprId) -> ExprId {
@@ -68,41 +60,9 @@ impl<'a> Lowering<'a> {
         Lowering { graph, folded }
     }
 
-    /// Resolves a read of `v` through folded constants and movement: the chain of folded nodes
-    /// is walked down to what it reads, then its views are applied from there up, without
-    /// recursion (a program may fold tens of thousands of views in a row).
+    /// What a read of `v` loads, through folded constants and movement.
     fn source(&self, v: ValueRef) -> Source {
-        let mut chain: SmallVec<[usize; 8]> = SmallVec::new();
-        let mut at = v;
-        let mut source = loop {
-            match at {
-                ValueRef::Node(j) if self.folded[j] => {
-                    let node = &self.graph.nodes[j];
-                    if let Op::Full(x) = node.op {
-                        break Source::Const(node.dtype.round_f64(x.0), node.dtype);
-                    }
-                    chain.push(j);
-                    at = node.inputs[0];
-                }
-                v => break Source::Value(v, View::contiguous(self.graph.meta(v).1)),
-            }
-        };
-        for &j in chain.iter().rev() {
-            let node = &self.graph.nodes[j];
-            source = match source {
-                Source::Const(x, _) => Source::Const(x, node.dtype),
-                Source::Value(u, view) => {
-                    let view = match &node.op {
-                        Op::Permute(p) => view.permute(p),
-                        Op::Expand => view.broadcast_to(&node.shape),
-                        Op::Narrow { dim, start, len } => view.narrow(*dim, *start, *len),
-                        _ => view.reshape(&node.shape).expect("fusion folds only views that exist"),
-                    };
-                    Source::Value(u, view)
-                }
-            };
-        }
-        source
+        braid_fusion::folded_read(self.graph, &self.folded, v)
     }
 
     /// Lowers `seg`. Arguments are the segment's inputs, then its outputs.
@@ -214,6 +174,13 @@ impl<'a> Lowering<'a> {
                 ValueRef::Node(j) if map[j].is_some() => map[j].expect("checked"),
                 _ => match self.source(v) {
                     Source::Const(x, dtype) => bld.b.constant(x, dtype),
+                    // A value of this kernel read through a view fusion found to read it as a
+                    // direct read would (a row kernel's reduced value expanded along its rows).
+                    Source::Value(ValueRef::Node(j), view) if map[j].is_some() => {
+                        let own = &self.graph.nodes[j].shape;
+                        debug_assert_eq!(view_for(view, &node.shape), view_for(View::contiguous(own), own));
+                        map[j].expect("checked")
+                    }
                     Source::Value(u, view) => {
                         let dtype = self.graph.meta(u).0;
                         let arg = Self::arg_of(seg, u);
@@ -253,19 +220,8 @@ impl<'a> Lowering<'a> {
 
     fn rows(&self, seg: &Segment, full: &Shape, axis: Option<usize>) -> RowKernel {
         let g = self.graph;
-        // A view over a node's shape, as seen from the full index space: full nodes broadcast;
-        // reduced ones (axis kept with size 1, removed, or a scalar) get stride 0 along the axis.
-        let to_full = |v: View, s: &Shape| -> View {
-            let mut v = v.broadcast_to(s);
-            if let Some(d) = axis
-                && s != full
-                && s.rank() + 1 == full.rank()
-            {
-                v.dims.insert(d, 1);
-                v.strides.insert(d, 0);
-            }
-            v.broadcast_to(full)
-        };
+        // A view over a node's shape, as seen from the full index space.
+        let to_full = |v: View, s: &Shape| braid_fusion::row_view(v, s, full, axis);
         let mut bld = Builder::new();
         let mut map: Vec<Option<ExprId>> = vec![None; g.nodes.len()];
         for &i in &seg.nodes {
