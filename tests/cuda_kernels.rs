@@ -259,6 +259,8 @@ fn row_kernels_match_the_cpu_at_every_block_size() {
     }
     // Rows too long to keep at odd strides: each row's chunks start at its own head.
     cases.extend(peeled_row_cases(&mut Rng::new(0xC4C5), cases.len(), MathLib::Cuda));
+    // Many short rows: several a block, a segment of a warp's lanes each.
+    cases.extend(short_row_cases(&mut Rng::new(0x5407), cases.len(), MathLib::Cuda));
     check_cases(&h, "row kernels", &cases, |_, threads| powers(1, threads));
 }
 

@@ -232,3 +232,19 @@ pub(crate) fn peeled_row_cases(rng: &mut Rng, first: usize, lib: MathLib) -> Vec
     }
     cases
 }
+
+/// Many short rows (a segment of a warp's lanes a row, several rows a block: `short_rows.rs`),
+/// contiguous or strided, along the last axis or a middle one, with a vector path where the
+/// row allows; so many rows that every block walks several turns of them, and a last turn
+/// with lanes past the last row.
+pub(crate) fn short_row_cases(rng: &mut Rng, first: usize, lib: MathLib) -> Vec<Case> {
+    let shapes: [(&[usize], usize); 6] =
+        [(&[1031, 8], 1), (&[1027, 64], 1), (&[2053, 5], 1), (&[1100, 32], 1), (&[300, 13, 5], 1), (&[257, 16, 4], 1)];
+    let mut cases = vec![];
+    for (dims, axis) in shapes {
+        let mut case = rows_case_over(rng, first + cases.len(), dims, Some(axis), lib, true);
+        case.label = format!("short {}", case.label);
+        cases.push(case);
+    }
+    cases
+}

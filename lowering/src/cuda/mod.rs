@@ -48,6 +48,7 @@ mod reduce; // one reduction's fold and warp-shuffle combine
 mod row_vector; // which of a row kernel's accesses move 16 bytes at a time, and from where
 mod rows; // row kernels: sweeps, phases, loads kept in shared memory
 mod scatter; // scatter-adds: rows of the source folded in order into the output
+mod short_rows; // short rows, several a block: a segment of a warp's lanes a row
 mod split; // long rows among few rows: segments, partial results in scratch
 #[cfg(test)]
 pub(crate) mod tests;

@@ -92,17 +92,8 @@ pub(super) fn reduction(
     }
     out.push_str("    const int lanes = blockDim.x < 32u ? (int)blockDim.x : 32;\n");
     out.push_str("    const unsigned mask = blockDim.x >= 32u ? 0xffffffffu : (1u << blockDim.x) - 1u;\n");
-    // A fixed tree by `__shfl_down_sync` over `levels` values: lane 0 ends with their fold, the
-    // lower lanes' values on the left.
     let step = combine_step(i, op, d)?;
-    let tree = |out: &mut String, pad: &str, levels: &str| {
-        let _ = writeln!(out, "{pad}for (int s = (int){levels} / 2; s > 0; s /= 2) {{");
-        let _ = writeln!(out, "{pad}  const {ty} b = {};", shuffle("down", d, &acc, "s"));
-        if arg {
-            let _ = writeln!(out, "{pad}  const long long ib = {};", shuffle("down", DType::I64, &at, "s"));
-        }
-        let _ = writeln!(out, "{pad}  {step}\n{pad}}}");
-    };
+    let tree = |out: &mut String, pad: &str, levels: &str| shuffle_tree(out, (i, op, d), &step, pad, levels);
     tree(out, "    ", "lanes");
     // More than one warp (a power of two of them): each warp's lane 0 writes its warp's value,
     // and every warp folds them in the same order (lane `l` starts from entry `l % warps`).
@@ -125,6 +116,46 @@ pub(super) fn reduction(
         let _ = writeln!(out, "    {at} = {};", shuffle("", DType::I64, &at, "0"));
     }
     out.push_str("  }\n");
+    Ok(reduced_value(i, op, d, len))
+}
+
+/// A fixed tree by `__shfl_down_sync` over `levels` values (`mask` and `lanes` in scope): lane 0
+/// of each segment of `lanes` ends with their fold, the lower lanes' values on the left.
+fn shuffle_tree(out: &mut String, (i, op, d): (usize, ReduceOp, DType), step: &str, pad: &str, levels: &str) {
+    let (acc, at) = (format!("acc{i}"), format!("arg{i}"));
+    let _ = writeln!(out, "{pad}for (int s = (int){levels} / 2; s > 0; s /= 2) {{");
+    let _ = writeln!(out, "{pad}  const {} b = {};", ctype(d), shuffle("down", d, &acc, "s"));
+    if op == ReduceOp::ArgMax {
+        let _ = writeln!(out, "{pad}  const long long ib = {};", shuffle("down", DType::I64, &at, "s"));
+    }
+    let _ = writeln!(out, "{pad}  {step}\n{pad}}}");
+}
+
+/// Prints reduction node `i` over a row held by one segment of `lanes` lanes of a warp (a
+/// short-row kernel's, `super::short_rows`; `lanes` and `mask` are the kernel's, and every lane
+/// of the warp runs the combine together): each lane folds the positions it strides over, the
+/// segment's fixed shuffle tree folds the lanes' results into its first lane, which every lane
+/// of the segment then reads. No shared memory and no barrier. Returns the value's expression.
+pub(super) fn segment_reduction(
+    out: &mut String,
+    i: usize,
+    op: ReduceOp,
+    x: usize,
+    d: DType,
+    len: usize,
+    sweep: &dyn Fn(&mut String, &str) -> Result<(), String>,
+) -> Result<String, String> {
+    let _ = writeln!(out, "  // Reduction: v{i} = {} of v{x} along the row, by the row's lanes.", op.name());
+    let (acc, at) = (format!("acc{i}"), format!("arg{i}"));
+    let kahan = fold(out, i, op, x, d, sweep)?;
+    if kahan {
+        let _ = writeln!(out, "  {acc} = {acc} - cmp{i};");
+    }
+    shuffle_tree(out, (i, op, d), &combine_step(i, op, d)?, "  ", "lanes");
+    let _ = writeln!(out, "  {acc} = {};", shuffle("", d, &acc, "0"));
+    if op == ReduceOp::ArgMax {
+        let _ = writeln!(out, "  {at} = {};", shuffle("", DType::I64, &at, "0"));
+    }
     Ok(reduced_value(i, op, d, len))
 }
 

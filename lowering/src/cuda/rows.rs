@@ -1,7 +1,7 @@
 //! Printing of row kernels: one block per row, phases as the CPU's (`print_rows`), loads that
 //! several phases read kept in shared memory while the row fits (`plan_keep`), and the plan
 //! every entry of a row kernel shares (`RowPlan`), which `split.rs` prints long rows among few
-//! rows with. Must never: depend on the block size beyond its being a power of two no larger
+//! rows with, and `short_rows.rs` short rows several a block. Must never: depend on the block size beyond its being a power of two no larger
 //! than the printed one (the launcher picks it), or let a thread read a kept element another
 //! thread wrote (each thread reads back the positions it loaded itself, so no barrier is
 //! needed between the phases' sweeps).
@@ -33,7 +33,10 @@ pub(super) struct RowPlan<'a> {
     pub live: Vec<bool>,
     /// Per dimension: whether some view or the flat index needs its index variable.
     pub used: Vec<bool>,
-    /// How far a sweep's thread steps along the row (`blockDim.x`; a column kernel's `ys`).
+    /// A sweep's thread's first position along the row (`threadIdx.x`; a short-row kernel's
+    /// `lane`), and how far it steps (`blockDim.x`; a column kernel's `ys`, a short-row kernel's
+    /// `lanes`).
+    pub lane: &'static str,
     pub step: &'static str,
     /// Positions a scalar sweep's loop is unrolled by (loads in flight per thread).
     pub unroll: u32,
@@ -49,7 +52,7 @@ pub(super) struct RowPlan<'a> {
     /// on by `blockDim.x * width` (the same in every sweep, so a thread still reads back only
     /// the kept positions it wrote), reading the row-contiguous loads and writing the
     /// row-contiguous stores a chunk at a time, and its kept values too.
-    vector: Option<Vector>,
+    pub(super) vector: Option<Vector>,
     /// Where a vector path's rows start at other alignments (rows of an odd length at an odd
     /// stride: a language model's logits over 50,257 tokens): the element offset of a row's
     /// first position in its chunked views, which all share its remainder modulo the width.
@@ -57,7 +60,7 @@ pub(super) struct RowPlan<'a> {
     /// the aligned chunks between in the vector sweep (`vec_end` is where they end). Measured
     /// on an H200: the cross-entropy of GPT-2's logits, `[8192, 50257]` bf16, 1.94 ms before,
     /// 0.73 ms with it (its two sweeps over the logits at 2.3 TB/s).
-    peel: Option<String>,
+    pub(super) peel: Option<String>,
 }
 
 impl<'a> RowPlan<'a> {
@@ -78,6 +81,7 @@ impl<'a> RowPlan<'a> {
             per_row: vec![false; nodes.len()],
             live: vec![],
             used: vec![],
+            lane: "threadIdx.x",
             step: "blockDim.x",
             unroll: 4,
             constant_step: None,
@@ -197,12 +201,13 @@ impl<'a> RowPlan<'a> {
         out.push_str("  if (vec) {\n");
         if self.peel.is_some() {
             // Nothing is kept with a peel (`plan_peeled_vector`): the three sweeps share no state.
-            self.scalar_sweep(out, ["threadIdx.x", "head"], roots, stores, body, None)?;
-            let start = format!("head + threadIdx.x * {}", v.width);
+            let lane = self.lane;
+            self.scalar_sweep(out, [lane, "head"], roots, stores, body, None)?;
+            let start = format!("head + {lane} * {}", v.width);
             self.vector_sweep(out, v, [&start, "vec_end"], roots, stores, body, None)?;
-            self.scalar_sweep(out, ["vec_end + threadIdx.x", range[1]], roots, stores, body, None)?;
+            self.scalar_sweep(out, [&format!("vec_end + {lane}"), range[1]], roots, stores, body, None)?;
         } else {
-            let start = format!("threadIdx.x * {}", v.width);
+            let start = format!("{} * {}", self.lane, v.width);
             self.vector_sweep(out, v, [&start, range[1]], roots, stores, body, keep)?;
         }
         if let (Some(k), Some(b)) = (keep, before) {
@@ -307,7 +312,7 @@ impl<'a> RowPlan<'a> {
             .collect();
         let flat = need.iter().any(|&i| nodes[i].op == ExprOp::Index);
         let ty = self.position_type();
-        let _ = writeln!(out, "  #pragma unroll 2\n  for ({ty} t0 = {from}; t0 < {to}; t0 += blockDim.x * {w}) {{");
+        let _ = writeln!(out, "  #pragma unroll 2\n  for ({ty} t0 = {from}; t0 < {to}; t0 += {} * {w}) {{", self.step);
         // The chunks' addresses: position `t0` along the row.
         let axis = self.row_dims[0];
         if loads.iter().any(|&i| v.loads[i]) || stores.iter().any(|s| chunked_store(s)) {
@@ -365,6 +370,25 @@ impl<'a> RowPlan<'a> {
         Ok(())
     }
 
+    /// With a vector path, declares `vec` (whether the kernel takes it) and with a peel this
+    /// row's `head` and `vec_end`.
+    pub fn declare_vector_path(&self, out: &mut String) {
+        let (r, len) = (self.r, self.len);
+        let Some(v) = &self.vector else { return };
+        let _ = writeln!(
+            out,
+            "  const bool vec = {}; // the vector path's arguments aligned",
+            aligned(&v.args(&r.expr, &r.loads, &r.stores))
+        );
+        if let Some(first) = &self.peel {
+            let (w, ty) = (v.width, self.position_type());
+            let _ = writeln!(
+                out,
+                "  // This row's positions before its first aligned chunk, and after its last.\n  const {ty} head = ({ty})(({w}LL - ({first}) % {w}LL) % {w}LL);\n  const {ty} vec_end = head + ({len} - head) / {w} * {w};"
+            );
+        }
+    }
+
     /// The view of load node `i`.
     fn load_view(&self, i: usize) -> &View {
         match self.r.expr.nodes[i].op {
@@ -375,7 +399,7 @@ impl<'a> RowPlan<'a> {
 
     /// The C type of positions along the row: 32-bit where the row allows (fewer instructions
     /// per element).
-    fn position_type(&self) -> &'static str {
+    pub fn position_type(&self) -> &'static str {
         if self.len <= i32::MAX as usize { "int" } else { "long long" }
     }
 
@@ -430,6 +454,9 @@ pub(super) fn print_rows(
     if super::columns::columns(&p) {
         return super::columns::print_columns(out, &mut p, name, params);
     }
+    if let Some(printed) = super::short_rows::print_short_rows(out, &mut p, name, params)? {
+        return Ok(printed);
+    }
     if p.rows > i32::MAX as usize {
         return Err(format!("{} rows: more blocks than one launch has", p.rows));
     }
@@ -458,20 +485,7 @@ pub(super) fn print_rows(
             Some(l) => writeln!(out, "  {ty}* const keep{i} = keep{l}; // v{i}, kept over v{l} once v{l} is read"),
         };
     }
-    if let Some(v) = &p.vector {
-        let _ = writeln!(
-            out,
-            "  const bool vec = {}; // the vector path's arguments aligned",
-            aligned(&v.args(&r.expr, &r.loads, &r.stores))
-        );
-        if let Some(first) = &p.peel {
-            let (w, ty) = (v.width, p.position_type());
-            let _ = writeln!(
-                out,
-                "  // This row's positions before its first aligned chunk, and after its last.\n  const {ty} head = ({ty})(({w}LL - ({first}) % {w}LL) % {w}LL);\n  const {ty} vec_end = head + ({len} - head) / {w} * {w};"
-            );
-        }
-    }
+    p.declare_vector_path(out);
     let end = format!("{len}LL");
     let whole = ["threadIdx.x", end.as_str()];
     p.per_row_values(out, r.expr.nodes.len(), &mut |out, i, op, x, d| {

@@ -229,3 +229,37 @@ fn a_row_streamed_from_memory_is_chunked_before_a_view_every_row_shares() {
         ],
     );
 }
+
+#[test]
+fn many_short_rows_share_blocks_a_segment_of_lanes_each() {
+    // Attention's delta, rowsum(d_out * out) over [2048, 64] bf16: eight 16-byte chunks a row,
+    // so a segment of 8 lanes a row and 32 rows a block of 256, each row combined by shuffles
+    // within its segment: no shared memory, no barrier.
+    let mut b = ExprBuilder::new();
+    let (x, y) = (b.load(0, DType::BF16), b.load(1, DType::BF16));
+    let (xf, yf) = (b.cast(DType::F32, x), b.cast(DType::F32, y));
+    let prod = b.mul(xf, yf);
+    let sum = b.reduce(ReduceOp::Sum, prod);
+    let dims = [2048, 64];
+    let loads = vec![load(0, DType::BF16, contiguous(&dims)), load(1, DType::BF16, contiguous(&dims))];
+    let stores = vec![store(2, DType::F32, view(&dims, &[1, 0], 0), sum)];
+    let r = RowKernel { dims: dims.as_slice().into(), axis: Some(1), loads, expr: b.finish(), stores };
+    let args = args(&[(DType::BF16, 2048 * 64), (DType::BF16, 2048 * 64), (DType::F32, 2048)]);
+    let p = print(&Kernel { args, inputs: 2, body: Body::Rows(r) }, "delta").unwrap();
+    assert_eq!(p.entries, vec![Entry { name: "delta_rows".into(), launch: Launch::Rows { rows: 64, threads: 256 } }]);
+    in_order(
+        &p.source,
+        &[
+            "// Short rows of [2048, 64] along dim 1 (64 elements): 8 lanes a row.",
+            "const unsigned lanes = blockDim.x < 8u ? blockDim.x : 8u;",
+            "for (long long first = (long long)blockIdx.x * per_block; first < 2048LL;",
+            "const long long row = active ? mine : 2047LL;",
+            "const int end = active ? (int)64 : (int)0;",
+            "for (int t0 = lane * 8; t0 < end; t0 += lanes * 8) {",
+            "__shfl_down_sync(mask, acc5, s, lanes);",
+            "acc5 = __shfl_sync(mask, acc5, 0, lanes);",
+            "if (active && lane == 0) {",
+        ],
+    );
+    assert!(!p.source.contains("__shared__") && !p.source.contains("__syncthreads"), "{}", p.source);
+}
