@@ -17,7 +17,9 @@
 //! softmax row is read once and written once); longer rows read it again in every sweep. Long
 //! rows among few rows (a whole-tensor reduction) are split into segments of [`SEGMENT`], a
 //! block each, per reduction a pass of partial results into scratch memory and a pass that
-//! combines them per row, then a last pass for the stores (`split.rs`). Fused attention is one
+//! combines them per row, then a last pass for the stores (`split.rs`); many short rows share a
+//! block, a segment of a warp's lanes a row, combined by shuffles alone (`short_rows.rs`). Fused
+//! attention is one
 //! entry per pass, blocks of tiles with dynamic shared memory ([`Launch::Tiles`], `attention.rs`:
 //! tensor cores for halves, CUDA cores for f32 and f64). A float matrix product is cuBLAS's job: only its epilogue is printed (no entry at
 //! all when there is none), and the caller must have written the product before launching it
