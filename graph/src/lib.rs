@@ -31,5 +31,5 @@ pub use ir::{DeviceId, Edge, Graph, Node, NodeId, StreamId};
 pub use op::{AttentionPart, Collective, CollectiveKind, Op, ReduceOp, Scalar};
 pub use shape::Shape;
 pub use table::{BinaryOp, CompareOp, DTypeRule, Sensitivity, UnaryOp};
-pub use target::{CostModel, DTypes, MemoryKind, PlatformMath, Target};
+pub use target::{CostModel, DTypes, MemoryKind, PlatformMath, ProductPadding, Target};
 pub use view::View;

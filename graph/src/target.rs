@@ -156,6 +156,24 @@ pub struct Target {
     /// Whether work of two streams of one flush can run at the same time on the device (not on
     /// wgpu, which runs every stream on its one queue in issue order).
     pub streams_overlap: bool,
+    /// Where the device's library products run at full speed only on aligned dimensions:
+    /// large float products whose inner or output dimension is not aligned are recorded padded
+    /// (see [`ProductPadding`]); `None` records every product as written.
+    pub product_padding: Option<ProductPadding>,
+}
+
+/// How a target wants large products padded: the inner dimension (`k`) and the output's last
+/// (`n`) rounded up to a multiple of `bytes` of the dtype with zeros, for products of at least
+/// `min_flops` (`2 m n k` over the batches). cuBLAS's fast kernels (tensor cores fed by TMA on
+/// Hopper) want 16 bytes: GPT-2's language-model head over 50,257 tokens in bf16 runs at 95
+/// TFLOP/s as written and several times faster padded to 50,264 (`braid_devices::cuda`'s
+/// `row_padding` has the measurements). Recorded padded, the padding is an ordinary `cat` with
+/// zeros and the result a `narrow` of the padded product: the zeros add exact zeros, readers
+/// read the narrowed view in place, and the backward pass computes on the padded shapes too.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ProductPadding {
+    pub bytes: usize,
+    pub min_flops: f64,
 }
 
 impl Target {
@@ -174,6 +192,7 @@ impl Target {
         copies_transposed_rows: true,
         math: PlatformMath::TABLE,
         streams_overlap: true,
+        product_padding: None,
     };
 
     /// Whether this device's kernels read a value held by a device of `source` memory where

@@ -2,7 +2,7 @@
 //! latter recorded as the primitive ops they are made of.
 
 use super::{Dim, Tensor, inferred, same_device};
-use braid_graph::{DType, Op, ReduceOp, infer};
+use braid_graph::{DType, Op, ReduceOp, Shape, infer};
 
 impl Tensor {
     #[track_caller]
@@ -143,7 +143,48 @@ impl Tensor {
         same_device("matmul", &operands);
         let r = infer::matmul((self.shape(), self.dtype()), (other.shape(), other.dtype()));
         let (shape, dtype) = inferred("matmul", r, &operands);
+        if let Some(padded) = self.padded_product(other, &shape) {
+            return padded;
+        }
         Tensor::record(Op::Matmul, dtype, shape, self.device(), &[self, other])
+    }
+
+    /// This product recorded on aligned dimensions, when the device wants large products
+    /// padded ([`braid_graph::ProductPadding`]) and this one is large with an unaligned inner
+    /// or output dimension: `k` padded with zeros on both operands, `n` on the right-hand side
+    /// (by rows of its transpose, so that a weight `[n, k]` read as `w.t()`, a linear layer's,
+    /// is padded in its own layout and its gradient comes back untransposed), and the result a
+    /// narrow of the padded product. `None` for every other product.
+    fn padded_product(&self, other: &Tensor, out: &Shape) -> Option<Tensor> {
+        let padding = self.device().target().product_padding?;
+        let (a, b) = (self.dims(), other.dims());
+        if !self.dtype().is_float() || a.len() < 2 || b.len() < 2 {
+            return None;
+        }
+        let (k, n) = (b[b.len() - 2], b[b.len() - 1]);
+        let flops = 2.0 * out.numel() as f64 * k as f64;
+        let per = (padding.bytes / self.dtype().size()).max(1);
+        let (kp, np) = (k.next_multiple_of(per), n.next_multiple_of(per));
+        if flops < padding.min_flops || (kp == k && np == n) || out.numel() == 0 {
+            return None;
+        }
+        let a = if kp > k { self.with_zeros(a.len() - 1, kp - k) } else { self.clone() };
+        let b = if kp > k { other.with_zeros(b.len() - 2, kp - k) } else { other.clone() };
+        let rank = b.rank();
+        let b = if np > n {
+            b.transpose(rank - 2, rank - 1).with_zeros(rank - 2, np - n).transpose(rank - 2, rank - 1)
+        } else {
+            b
+        };
+        let y = a.matmul(&b);
+        Some(if np > n { y.narrow(y.rank() - 1, 0, n) } else { y })
+    }
+
+    /// This tensor followed along `dim` by `extra` zeros.
+    fn with_zeros(&self, dim: usize, extra: usize) -> Tensor {
+        let mut dims = self.dims().to_vec();
+        dims[dim] = extra;
+        Tensor::cat(&[self, &Tensor::zeros(dims, self.dtype(), self.device())], dim)
     }
 
     /// `self W^T + bias` for `weight` `[out, in]` and `bias` `[out]`, over the last dimension

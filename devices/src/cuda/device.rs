@@ -72,6 +72,13 @@ pub const CUDA_TARGET: Target = Target {
     copies_transposed_rows: false,
     math: braid_graph::PlatformMath::TABLE,
     streams_overlap: true,
+    // Large products with unaligned dimensions are recorded padded, so that readers and the
+    // backward pass use the padded layout; `row_padding` pads at run time what is left (rows
+    // of a transposed operand, odd `m`).
+    product_padding: Some(braid_graph::ProductPadding {
+        bytes: super::row_padding::ROW_BYTES,
+        min_flops: super::row_padding::MIN_FLOPS,
+    }),
 };
 
 /// Most kernels prepared per device before the table starts over (compiled modules stay with

@@ -14,6 +14,12 @@
 //! product is worth it; a small one is not (each copy is a call of its own), hence
 //! [`worth_padding`].
 //!
+//! Most such products never get here: the CUDA target asks for them to be recorded padded
+//! (`braid_graph::ProductPadding`: a `cat` with zeros and a `narrow` in the graph, so that the
+//! readers and the backward pass work on the padded layout without copies). What is left is
+//! padded here: products recorded before padding or whose rows are unaligned only once laid
+//! out (a transposed operand's), and odd `m`.
+//!
 //! The product's own padding changes how its epilogue reads it: [`pad_epilogue`] rewrites the
 //! epilogue's loads of the product for padded rows (the loop's index space split, where
 //! `MapLoop::simplify` merged it, so that rows are a dimension of their own).
@@ -32,7 +38,7 @@ pub const ROW_BYTES: usize = 16;
 
 /// Products below this many FLOPs keep unaligned rows: a padded copy would cost them more than
 /// cuBLAS's slower kernels do.
-const MIN_FLOPS: f64 = (1u64 << 30) as f64;
+pub const MIN_FLOPS: f64 = (1u64 << 30) as f64;
 
 /// Whether a product of `m x n x k` over `batches` is large enough for padded copies.
 pub fn worth_padding(batches: usize, (m, n, k): (usize, usize, usize)) -> bool {

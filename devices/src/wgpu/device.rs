@@ -128,6 +128,8 @@ pub fn wgpu_target(ctx: &WgpuContext, align: u64) -> Target {
         math: braid_graph::PlatformMath::wgsl(!software),
         // One queue runs every stream's work in issue order.
         streams_overlap: false,
+        // braid's own product kernels: no library that prefers aligned dimensions.
+        product_padding: None,
     }
 }
 
