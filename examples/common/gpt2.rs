@@ -125,7 +125,9 @@ impl Gpt2 {
             let hidden = conv1d(&blk.ln_2.forward(&x), &blk.c_fc_weight, &blk.c_fc_bias).gelu();
             x = &x + &conv1d(&hidden, &blk.mlp_proj_weight, &blk.mlp_proj_bias);
         }
-        self.ln_f.forward(&x).matmul(&self.wte.t())
+        // The head tied to the embedding: a linear layer without bias over `wte` (as Hugging
+        // Face's GPT-2 ties `lm_head.weight`), so the device may pad its rows in place.
+        self.ln_f.forward(&x).linear(&self.wte, None)
     }
 
     /// The mean cross-entropy of predicting `targets [batch, seq]` after each prefix of `ids`.

@@ -149,34 +149,34 @@ impl Tensor {
         Tensor::record(Op::Matmul, dtype, shape, self.device(), &[self, other])
     }
 
-    /// This product recorded on aligned dimensions, when the device wants large products
-    /// padded ([`braid_graph::ProductPadding`]) and this one is large with an unaligned inner
-    /// or output dimension: `k` padded with zeros on both operands, `n` on the right-hand side
-    /// (by rows of its transpose, so that a weight `[n, k]` read as `w.t()`, a linear layer's,
-    /// is padded in its own layout and its gradient comes back untransposed), and the result a
-    /// narrow of the padded product. `None` for every other product.
-    fn padded_product(&self, other: &Tensor, out: &Shape) -> Option<Tensor> {
+    /// The inner and output dimensions (`k`, `n`) this product of `m x n x k` (over all its
+    /// batches) is recorded on: rounded up to the alignment the device wants for large products
+    /// ([`braid_graph::ProductPadding`]), or `None` when it is recorded as written (a small or
+    /// aligned product, an integer one, a device without the preference).
+    fn padded_dims(&self, (m, n, k): (usize, usize, usize)) -> Option<(usize, usize)> {
         let padding = self.device().target().product_padding?;
+        let per = (padding.bytes / self.dtype().size()).max(1);
+        let (kp, np) = (k.next_multiple_of(per), n.next_multiple_of(per));
+        let flops = 2.0 * m as f64 * n as f64 * k as f64;
+        let large = flops >= padding.min_flops && m > 0 && n > 0;
+        (self.dtype().is_float() && large && (kp, np) != (k, n)).then_some((kp, np))
+    }
+
+    /// This product recorded padded, when [`Self::padded_dims`] says so: `k` padded with zeros
+    /// on both operands, `n` on the right-hand side's last dimension, and the result a narrow
+    /// of the padded product. The zeros add exact zeros; readers read the narrowed view in
+    /// place; the backward pass runs on the padded shapes.
+    fn padded_product(&self, other: &Tensor, out: &Shape) -> Option<Tensor> {
         let (a, b) = (self.dims(), other.dims());
-        if !self.dtype().is_float() || a.len() < 2 || b.len() < 2 {
+        if a.len() < 2 || b.len() < 2 {
             return None;
         }
         let (k, n) = (b[b.len() - 2], b[b.len() - 1]);
-        let flops = 2.0 * out.numel() as f64 * k as f64;
-        let per = (padding.bytes / self.dtype().size()).max(1);
-        let (kp, np) = (k.next_multiple_of(per), n.next_multiple_of(per));
-        if flops < padding.min_flops || (kp == k && np == n) || out.numel() == 0 {
-            return None;
-        }
-        let a = if kp > k { self.with_zeros(a.len() - 1, kp - k) } else { self.clone() };
-        let b = if kp > k { other.with_zeros(b.len() - 2, kp - k) } else { other.clone() };
-        let rank = b.rank();
-        let b = if np > n {
-            b.transpose(rank - 2, rank - 1).with_zeros(rank - 2, np - n).transpose(rank - 2, rank - 1)
-        } else {
-            b
-        };
-        let y = a.matmul(&b);
+        let (kp, np) = self.padded_dims((out.numel() / n.max(1), n, k))?;
+        let lhs = if kp > k { self.with_zeros(a.len() - 1, kp - k) } else { self.clone() };
+        let rhs = if kp > k { other.with_zeros(b.len() - 2, kp - k) } else { other.clone() };
+        let rhs = if np > n { rhs.with_zeros(b.len() - 1, np - n) } else { rhs };
+        let y = lhs.matmul(&rhs);
         Some(if np > n { y.narrow(y.rank() - 1, 0, n) } else { y })
     }
 
@@ -220,7 +220,20 @@ impl Tensor {
         if bias.is_some_and(|b| b.dims() != [weight.dims()[0]]) {
             super::misuse("linear", "needs a bias [out] for weight [out, in]", &describe());
         }
-        let y = self.matmul(&weight.t());
+        // The weight in the product's precision before it is transposed (a cast reading the
+        // transpose would walk it across lines), and where the device wants large products
+        // aligned, padded by rows in its own layout: the product reads the transpose in place
+        // and the weight's gradient comes back in the weight's layout (a narrow of its rows).
+        let w = weight.autocast_product_operand();
+        let (out, inputs) = (weight.dims()[0], weight.dims()[1]);
+        let rows = self.shape().numel() / inputs.max(1);
+        let y = match w.padded_dims((rows, out, inputs)) {
+            Some((_, padded)) if padded > out => {
+                let y = self.matmul(&w.with_zeros(0, padded - out).t());
+                y.narrow(y.rank() - 1, 0, out)
+            }
+            _ => self.matmul(&w.t()),
+        };
         // Under autocast the bias in the product's precision (unchanged outside autocast).
         match bias {
             None => y,
