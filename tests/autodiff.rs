@@ -604,6 +604,38 @@ impl braid_devices::Backend for PaddedProducts {
     }
 }
 
+/// A CPU device whose products are recorded padded (to 16 bytes, however small).
+fn padded_device() -> Device {
+    let padding = braid_graph::ProductPadding { bytes: 16, min_flops: 0.0 };
+    let target = braid_graph::Target { product_padding: Some(padding), ..braid_graph::Target::CPU };
+    let cpu = braid_devices::cpu::CpuDevice::new();
+    braid::testing::device_with_backend(std::sync::Arc::new(PaddedProducts { cpu, target }))
+}
+
+#[test]
+fn a_padded_linear_layers_weight_is_kept_once_and_read_transposed_in_place() {
+    // `x.linear(&w)` with its output padded reads `cat(w, zeros).t()`, which the product's
+    // derivative saves. Read before the backward pass, the flush keeps the padded weight and
+    // leaves its transpose a view for the backward pass to read again (it used to write and
+    // keep a transposed copy), with the same gradients as without the early read.
+    let dev = padded_device();
+    let mut rng = Rng::new(9);
+    let mut make = |dims: [usize; 2]| {
+        let vals = values(&mut rng, dims[0] * dims[1], false).iter().map(|&v| v as f32).collect();
+        Tensor::from_vec(vals, dims, &dev).requires_grad()
+    };
+    let (x, w) = (make([16, 24]), make([37, 24]));
+    let loss = x.linear(&w, None).tanh().sum();
+    loss.item::<f32>().unwrap();
+    let text = dev.last_schedule().unwrap().to_text();
+    assert!(!text.contains(" permute "), "{text}");
+    let g = loss.backward().unwrap();
+    let (gx, gw) = (g.get(&x).unwrap(), g.get(&w).unwrap());
+    let again = x.linear(&w, None).tanh().sum().backward().unwrap();
+    assert_eq!(gx.to_vec::<f32>().unwrap(), again.get(&x).unwrap().to_vec::<f32>().unwrap());
+    assert_eq!(gw.to_vec::<f32>().unwrap(), again.get(&w).unwrap().to_vec::<f32>().unwrap());
+}
+
 #[test]
 fn products_recorded_padded_give_the_gradients_of_the_products_written() {
     // A tied language-model head (a linear layer over a vocabulary of 37: `n` unaligned) and a
@@ -611,10 +643,7 @@ fn products_recorded_padded_give_the_gradients_of_the_products_written() {
     // 40, with the padding's zeros, narrows and concatenations in the graph; values and every
     // gradient as on the CPU as written, and the reference interpreter agrees with the padded
     // program, backward pass included.
-    let padding = braid_graph::ProductPadding { bytes: 16, min_flops: 0.0 };
-    let target = braid_graph::Target { product_padding: Some(padding), ..braid_graph::Target::CPU };
-    let cpu = braid_devices::cpu::CpuDevice::new();
-    let padded = braid::testing::device_with_backend(std::sync::Arc::new(PaddedProducts { cpu, target }));
+    let padded = padded_device();
     let run = |dev: &Device| {
         let mut rng = Rng::new(47);
         let mut make = |dims: &[usize]| {

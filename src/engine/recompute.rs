@@ -50,6 +50,11 @@ fn cheap(op: &Op) -> bool {
         || matches!(op, Op::Reshape | Op::Permute(_) | Op::Expand | Op::Narrow { .. } | Op::Full(_) | Op::Arange { .. })
 }
 
+/// A movement op: a view of its input wherever the layout allows.
+fn is_view(op: &Op) -> bool {
+    matches!(op, Op::Reshape | Op::Permute(_) | Op::Expand | Op::Narrow { .. })
+}
+
 /// Chooses, among `order` (the flush's nodes in recording order; `in_flush` tells them apart),
 /// the saved values to leave pending. `targets` are what the flush reads out.
 pub(super) fn choose(
@@ -61,12 +66,14 @@ pub(super) fn choose(
     let graph = &st.graph;
     let mut chosen = Recompute::default();
     // Whether every reader of `id` in the flush fuses with it: elementwise or a reduction, on
-    // its stream.
+    // its stream; for a view, also a matrix product, which reads its operands through views
+    // (a linear layer's transposed weight).
     let readers_fuse = |id: NodeId| {
         let stream = graph.node(id).stream;
+        let view = is_view(&graph.node(id).op);
         graph.successors(id).filter(|&s| in_flush(s)).all(|s| {
             let n = graph.node(s);
-            n.stream == stream && (cheap(&n.op) || matches!(n.op, Op::Reduce { .. }))
+            n.stream == stream && (cheap(&n.op) || matches!(n.op, Op::Reduce { .. }) || (view && n.op == Op::Matmul))
         })
     };
     let recomputable = |id: NodeId| {
@@ -134,7 +141,11 @@ pub(super) fn choose(
             }
         }
         let frontier_bytes: usize = frontier.iter().map(|&p| graph.node(p).bytes()).sum();
-        if ok && frontier_bytes + held_longer < n.bytes() {
+        // Views cost nothing to compute again: keeping what they view instead is no worse at
+        // equal bytes, and spares a copy (a view kept is written out).
+        let views = closure.iter().all(|&c| is_view(&graph.node(c).op));
+        let kept = frontier_bytes + held_longer;
+        if ok && (kept < n.bytes() || (views && kept <= n.bytes())) {
             chosen.pending.extend(closure);
             chosen.kept.extend(frontier);
         }
