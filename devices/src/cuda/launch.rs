@@ -14,6 +14,7 @@
 
 use super::blas::Blas;
 use super::compile::{Compiler, Module};
+use super::line_copies::LineCopy;
 use super::matmul::MatmulPlan;
 use super::{DriverResult, TRACE_TARGET};
 use crate::DeviceError;
@@ -112,6 +113,8 @@ pub struct CudaKernel {
     source: CudaSource,
     module: Option<Arc<Module>>,
     matmul: Option<MatmulPlan>,
+    /// Loops run as the driver's 2-D copies, not printed (`super::line_copies`).
+    copies: Vec<LineCopy>,
 }
 
 impl CudaKernel {
@@ -121,8 +124,11 @@ impl CudaKernel {
         // memory, and an epilogue that reads them (`super::row_padding`).
         let (kernel, product_ld) = super::matmul::pad_product(kernel);
         let kernel = kernel.as_ref();
+        // Long lines copied as they are go to the driver's 2-D copies; the rest is printed.
+        let (copies, printed) = super::line_copies::plan(kernel);
+        let printed = printed.unwrap_or_else(|| Kernel { body: Body::Map(vec![]), ..kernel.clone() });
         let source =
-            cuda::print(kernel, KERNEL_NAME).map_err(|e| DeviceError::Internal(format!("printing CUDA C: {e}")))?;
+            cuda::print(&printed, KERNEL_NAME).map_err(|e| DeviceError::Internal(format!("printing CUDA C: {e}")))?;
         let names: Vec<&str> = source.entries.iter().map(|e| e.name.as_str()).collect();
         let module =
             if names.is_empty() { None } else { Some(compiler.module(&source.source, KERNEL_NAME, &names)?) };
@@ -130,7 +136,7 @@ impl CudaKernel {
             Body::Matmul(m) if source.library_product => Some(MatmulPlan::new(compiler, kernel, m, product_ld)?),
             _ => None,
         };
-        Ok(CudaKernel { kernel: kernel.clone(), source, module, matmul })
+        Ok(CudaKernel { kernel: kernel.clone(), source, module, matmul, copies })
     }
 
     pub fn kernel(&self) -> &Kernel {
@@ -198,6 +204,8 @@ impl CudaKernel {
             // SAFETY: the caller's contract.
             unsafe { plan.run(blas, args, scratch)? };
         }
+        // SAFETY: the caller's contract.
+        unsafe { super::line_copies::run(&self.copies, args, stream)? };
         if let Some(module) = &self.module {
             tracing::trace!(target: TRACE_TARGET, entries = self.source.entries.len(), "launch");
             // SAFETY: the caller's contract.

@@ -10,7 +10,8 @@
 //! - [`compile`] (with [`nvrtc`] and [`disk_cache`]): printed CUDA C compiled for the GPU's
 //!   architecture, cached in memory by source and on disk (rkyv).
 //! - [`launch`]: a compiled [`Kernel`](braid_lowering::Kernel) ([`CudaKernel`]): its printed
-//!   entries launched in order, a matrix product through cuBLAS first ([`blas`], [`matmul`]).
+//!   entries launched in order, a matrix product through cuBLAS first ([`blas`], [`matmul`]),
+//!   long lines copied as they are through the driver's 2-D copies ([`line_copies`]).
 //! - [`harness`]: upload, run, download of one kernel, for tests.
 //! - [`CudaBackend`] (`device`, with `queue`, `pools` and `lanes`): the device runtime the
 //!   engine runs on: lanes of CUDA streams and what the host knows of their progress, memory
@@ -34,6 +35,7 @@ mod graph;
 pub mod harness;
 mod lanes;
 pub mod launch;
+pub mod line_copies;
 pub mod matmul;
 pub mod memory;
 #[cfg(feature = "nccl")]
