@@ -324,6 +324,10 @@ impl Optimizer for AdamW {
 /// let g = grads.get(&w).unwrap().to_vec::<f32>().unwrap();
 /// assert!((g[0] - 3.0).abs() < 1e-5 && (g[1] - 4.0).abs() < 1e-5);
 /// ```
+/// Gradients of at most this many elements are joined into one vector for
+/// [`clip_grad_norm`]'s sum of squares.
+const SMALL_GRADIENT: usize = 1 << 16;
+
 #[track_caller]
 pub fn clip_grad_norm<'a>(params: impl IntoIterator<Item = &'a Tensor>, grads: &mut Grads, max_norm: f64) -> Tensor {
     if !(max_norm.is_finite() && max_norm > 0.0) {
@@ -339,11 +343,24 @@ pub fn clip_grad_norm<'a>(params: impl IntoIterator<Item = &'a Tensor>, grads: &
                 return Tensor::zeros((), DType::F32, &device);
             };
             let wide = |g: &Tensor| if g.dtype() == DType::F64 { g.clone() } else { g.to_dtype(DType::F32) };
-            let squares = with_grads.iter().map(|(_, g)| {
-                let s = wide(g).square().sum().to_dtype(DType::F32);
-                if s.device() == &device { s } else { s.to_device(&device) }
-            });
-            let total = squares.reduce(|a, b| &a + &b).expect("one gradient at least").sqrt();
+            // Small gradients on the first device (biases, norms' scales: a GPT-2 has about a
+            // hundred) are joined into one vector and summed once; a reduction each would be a
+            // kernel each. The others are summed one by one.
+            let joined = |g: &Tensor| g.device() == &device && g.dtype() != DType::F64 && g.numel() <= SMALL_GRADIENT;
+            let (small, large): (Vec<&Tensor>, Vec<&Tensor>) =
+                with_grads.iter().map(|(_, g)| g).partition(|g| joined(g));
+            let mut squares: Vec<Tensor> = large
+                .iter()
+                .map(|g| {
+                    let s = wide(g).square().sum().to_dtype(DType::F32);
+                    if s.device() == &device { s } else { s.to_device(&device) }
+                })
+                .collect();
+            if !small.is_empty() {
+                let flat: Vec<Tensor> = small.iter().map(|g| wide(g).reshape([g.numel()])).collect();
+                squares.push(Tensor::cat(&flat.iter().collect::<Vec<_>>(), 0).square().sum());
+            }
+            let total = squares.into_iter().reduce(|a, b| &a + &b).expect("one gradient at least").sqrt();
             let coef = (&(&total + 1e-6).recip() * max_norm).clamp(0.0, 1.0);
             for (p, g) in with_grads {
                 let c = if g.device() == &device { coef.clone() } else { coef.to_device(g.device()) };

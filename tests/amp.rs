@@ -179,20 +179,23 @@ fn grad_scaler_unscales_skips_infinite_steps_and_adjusts_its_scale() {
 fn clip_grad_norm_scales_all_gradients_to_the_norm_over_all_of_them() {
     let dev = braid::testing::test_device();
     dev.seed(5);
+    // Two small gradients (joined into one vector for their sum of squares) and a large one
+    // (summed on its own).
     let a = randn(&[30, 20], &dev).requires_grad();
     let b = randn(&[7], &dev).requires_grad();
-    let loss = || (&a.square().sum() * 0.5) + &(&b * 3.0).sum();
+    let c = randn(&[300, 300], &dev).requires_grad();
+    let loss = || &(&(&a.square().sum() * 0.5) + &(&b * 3.0).sum()) + &(&c.sin().sum() * 0.01);
     let host = |grads: &braid::Grads, t: &Tensor| grads.get(t).unwrap().to_vec::<f32>().unwrap();
     let grads = loss().backward().unwrap();
-    let (ga, gb) = (host(&grads, &a), host(&grads, &b));
-    let norm = ga.iter().chain(&gb).map(|&v| (v as f64).powi(2)).sum::<f64>().sqrt();
+    let (ga, gb, gc) = (host(&grads, &a), host(&grads, &b), host(&grads, &c));
+    let norm = ga.iter().chain(&gb).chain(&gc).map(|&v| (v as f64).powi(2)).sum::<f64>().sqrt();
     for max in [norm / 4.0, norm * 2.0] {
         let mut grads = loss().backward().unwrap();
-        let total = clip_grad_norm([&a, &b], &mut grads, max);
+        let total = clip_grad_norm([&a, &b, &c], &mut grads, max);
         assert!((total.item::<f32>().unwrap() as f64 - norm).abs() < 1e-4 * norm);
         let coef = (max / (norm + 1e-6)).min(1.0);
-        let (ca, cb) = (host(&grads, &a), host(&grads, &b));
-        for (got, want) in ca.iter().chain(&cb).zip(ga.iter().chain(&gb)) {
+        let (ca, cb, cc) = (host(&grads, &a), host(&grads, &b), host(&grads, &c));
+        for (got, want) in ca.iter().chain(&cb).chain(&cc).zip(ga.iter().chain(&gb).chain(&gc)) {
             assert!((*got as f64 - *want as f64 * coef).abs() <= 1e-5 * (1.0 + want.abs() as f64), "{got} {want}");
         }
     }
