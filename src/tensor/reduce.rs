@@ -149,17 +149,17 @@ impl Tensor {
         Tensor::record(Op::Matmul, dtype, shape, self.device(), &[self, other])
     }
 
-    /// The inner and output dimensions (`k`, `n`) this product of `m x n x k` (over all its
-    /// batches) is recorded on: rounded up to the alignment the device wants for large products
+    /// The inner and output dimensions (`k`, `n`) a product of `m x n x k` (over all its
+    /// batches) in `dtype` on this tensor's device is recorded on: rounded up to the alignment the device wants for large products
     /// ([`braid_graph::ProductPadding`]), or `None` when it is recorded as written (a small or
     /// aligned product, an integer one, a device without the preference).
-    fn padded_dims(&self, (m, n, k): (usize, usize, usize)) -> Option<(usize, usize)> {
+    fn padded_dims(&self, dtype: DType, (m, n, k): (usize, usize, usize)) -> Option<(usize, usize)> {
         let padding = self.device().target().product_padding?;
-        let per = (padding.bytes / self.dtype().size()).max(1);
+        let per = (padding.bytes / dtype.size()).max(1);
         let (kp, np) = (k.next_multiple_of(per), n.next_multiple_of(per));
         let flops = 2.0 * m as f64 * n as f64 * k as f64;
         let large = flops >= padding.min_flops && m > 0 && n > 0;
-        (self.dtype().is_float() && large && (kp, np) != (k, n)).then_some((kp, np))
+        (dtype.is_float() && large && (kp, np) != (k, n)).then_some((kp, np))
     }
 
     /// This product recorded padded, when [`Self::padded_dims`] says so: `k` padded with zeros
@@ -172,7 +172,7 @@ impl Tensor {
             return None;
         }
         let (k, n) = (b[b.len() - 2], b[b.len() - 1]);
-        let (kp, np) = self.padded_dims((out.numel() / n.max(1), n, k))?;
+        let (kp, np) = self.padded_dims(self.dtype(), (out.numel() / n.max(1), n, k))?;
         let lhs = if kp > k { self.with_zeros(a.len() - 1, kp - k) } else { self.clone() };
         let rhs = if kp > k { other.with_zeros(b.len() - 2, kp - k) } else { other.clone() };
         let rhs = if np > n { rhs.with_zeros(b.len() - 1, np - n) } else { rhs };
@@ -220,19 +220,25 @@ impl Tensor {
         if bias.is_some_and(|b| b.dims() != [weight.dims()[0]]) {
             super::misuse("linear", "needs a bias [out] for weight [out, in]", &describe());
         }
-        // The weight in the product's precision before it is transposed (a cast reading the
-        // transpose would walk it across lines), and where the device wants large products
-        // aligned, padded by rows in its own layout: the product reads the transpose in place
-        // and the weight's gradient comes back in the weight's layout (a narrow of its rows).
-        let w = weight.autocast_product_operand();
+        // Where the device wants large products aligned, the weight is padded by rows in its
+        // own layout (cast to the product's precision first, then joined with zeros): the
+        // product reads the transpose in place and the weight's gradient comes back in the
+        // weight's layout, a narrow of its rows. Otherwise the product casts `weight.t()`, a
+        // view (of the layer's own weight when it is itself a transpose, as GPT-2's Conv1D's).
         let (out, inputs) = (weight.dims()[0], weight.dims()[1]);
         let rows = self.shape().numel() / inputs.max(1);
-        let y = match w.padded_dims((rows, out, inputs)) {
+        // The product's dtype: autocast's low precision for floats under autocast.
+        let dtype = match crate::amp::autocast_dtype() {
+            Some(low) if weight.dtype().is_float() => low,
+            _ => weight.dtype(),
+        };
+        let y = match weight.padded_dims(dtype, (rows, out, inputs)) {
             Some((_, padded)) if padded > out => {
+                let w = weight.autocast_product_operand();
                 let y = self.matmul(&w.with_zeros(0, padded - out).t());
                 y.narrow(y.rank() - 1, 0, out)
             }
-            _ => self.matmul(&w.t()),
+            _ => self.matmul(&weight.t()),
         };
         // Under autocast the bias in the product's precision (unchanged outside autocast).
         match bias {
