@@ -307,6 +307,10 @@ impl Optimizer for AdamW {
     }
 }
 
+/// Gradients of at most this many elements are joined into one vector for
+/// [`clip_grad_norm`]'s sum of squares.
+const SMALL_GRADIENT: usize = 1 << 16;
+
 /// Scales the gradients of `params` in `grads` so that their total L2 norm (over all of them,
 /// as one vector) is at most `max_norm`, as PyTorch's `clip_grad_norm_`: each gradient is
 /// multiplied by `min(1, max_norm / (total + 1e-6))`. Returns the total norm before clipping
@@ -324,10 +328,6 @@ impl Optimizer for AdamW {
 /// let g = grads.get(&w).unwrap().to_vec::<f32>().unwrap();
 /// assert!((g[0] - 3.0).abs() < 1e-5 && (g[1] - 4.0).abs() < 1e-5);
 /// ```
-/// Gradients of at most this many elements are joined into one vector for
-/// [`clip_grad_norm`]'s sum of squares.
-const SMALL_GRADIENT: usize = 1 << 16;
-
 #[track_caller]
 pub fn clip_grad_norm<'a>(params: impl IntoIterator<Item = &'a Tensor>, grads: &mut Grads, max_norm: f64) -> Tensor {
     if !(max_norm.is_finite() && max_norm > 0.0) {
