@@ -628,7 +628,12 @@ fn a_padded_linear_layers_weight_is_kept_once_and_read_transposed_in_place() {
     let loss = x.linear(&w, None).tanh().sum();
     loss.item::<f32>().unwrap();
     let text = dev.last_schedule().unwrap().to_text();
-    assert!(!text.contains(" permute "), "{text}");
+    // (Without fusion every view is a kernel of its own, kept or not.)
+    if std::env::var("BRAID_FUSION").as_deref() == Ok("0") {
+        println!("skipped: the forward flush's kernels: BRAID_FUSION=0 runs every view as a kernel");
+    } else {
+        assert!(!text.contains(" permute "), "{text}");
+    }
     let g = loss.backward().unwrap();
     let (gx, gw) = (g.get(&x).unwrap(), g.get(&w).unwrap());
     let again = x.linear(&w, None).tanh().sum().backward().unwrap();
