@@ -56,7 +56,7 @@ use std::fmt::Write;
 use std::process::Command;
 
 /// What the printed kernels need from CUDA, for g++: qualifiers, thread coordinates as host
-/// globals, barriers and warp shuffles, bit casts, and correctly rounded f16/bf16 conversions.
+/// globals, barriers, warp shuffles and ballots, bit casts, and correctly rounded f16/bf16 conversions.
 const HEADER: &str = r#"#include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -122,6 +122,23 @@ template <class T> static T __shfl_sync(unsigned mask, T v, int src, int width =
   unsigned in_segment = threadIdx.x % 32 % (unsigned)width;
   return braid_shuffle(mask, v, threadIdx.x - in_segment + (unsigned)src % (unsigned)width);
 }
+// A ballot of the lanes in `mask` of the calling warp (all of the block's threads call it
+// together, as the shuffles).
+static unsigned __ballot_sync(unsigned mask, int pred) {
+  unsigned lane = threadIdx.x % 32, first = threadIdx.x - lane;
+  if (!(mask >> lane & 1)) {
+    std::fprintf(stderr, "ballot by lane %u outside mask %x\n", lane, mask);
+    std::abort();
+  }
+  braid_slots[threadIdx.x] = pred != 0;
+  __syncthreads();
+  unsigned bits = 0;
+  for (unsigned l = 0; l < 32 && first + l < blockDim.x; ++l)
+    if (mask >> l & 1 && braid_slots[first + l]) bits |= 1u << l;
+  __syncthreads();
+  return bits;
+}
+static inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
 static inline float __int_as_float(int b) { float f; std::memcpy(&f, &b, 4); return f; }
 static inline double __longlong_as_double(long long b) { double f; std::memcpy(&f, &b, 8); return f; }
 // x rounded to nearest-even with p significant bits and smallest normal exponent emin.

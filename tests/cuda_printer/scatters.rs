@@ -7,7 +7,8 @@
 //! source, the index and the base (or none: zeros) are read through permuted, padded, reversed
 //! and broadcast (stride 0) views with offsets, in a random order of arguments, the base now and
 //! then through the source's argument; an index of stride 0 along the scattered dimension sends
-//! a whole row to one element. Index values are in `-2..extent + 2` (in most cases mostly 0 or
+//! a whole row to one element, and one of stride 0 along every other dimension is read by every
+//! row (the printer's warp path), now and then over more rows and positions than a warp's lanes. Index values are in `-2..extent + 2` (in most cases mostly 0 or
 //! 1), now and then far outside (`i64::MIN`, `i64::MAX`), so indices out of range on both sides
 //! add nothing. Float sources
 //! and bases are finite (moderate values in [-4, 4), now and then much larger ones, whose sums
@@ -82,9 +83,16 @@ enum Input {
 /// the output.
 pub(crate) fn scatter_case(rng: &mut Rng, n: usize) -> Case {
     let d = DTYPES[n % DTYPES.len()];
-    let rank = *rng.pick(&[1, 1, 2, 2, 3, 3]);
+    // Cases 5 and 11 read one index for every row (an embedding's gradient); 11 over more rows
+    // and source positions than a warp has lanes.
+    let rank = if n % 12 == 11 { *rng.pick(&[2, 3]) } else { *rng.pick(&[1, 1, 2, 2, 3, 3]) };
     let dim = rng.below(rank);
     let mut out_dims: Vec<usize> = (0..rank).map(|_| if rng.chance(0.05) { 0 } else { 1 + rng.below(5) }).collect();
+    if n % 12 == 11 {
+        for d in (0..rank).filter(|&d| d != dim) {
+            out_dims[d] = if rank == 2 { 33 + rng.below(40) } else { 6 + rng.below(5) };
+        }
+    }
     // Now and then an empty dimension, no output or no source positions along the scattered
     // one; else mostly more source positions than output ones.
     if n % 12 == 9 && rank > 1 {
@@ -97,12 +105,16 @@ pub(crate) fn scatter_case(rng: &mut Rng, n: usize) -> Case {
         // Rows of several of the CUDA printer's batches (`SCATTER_BATCH`, 16), ending inside
         // one or at its end.
         4 | 10 => *rng.pick(&[15, 16, 17, 31, 32, 33, 47]),
+        11 => *rng.pick(&[33, 40, 47, 64, 65]),
         _ => *rng.pick(&[1, 2, 3, 4, 5, 6, 7, 7, 8, 8, 8]),
     };
     let zero = |rng: &mut Rng, p: f64| (0..rank).map(|_| rng.chance(p)).collect::<Vec<bool>>();
     let z = zero(rng, 0.15);
     let (src_view, src_len) = random_layout(rng, &dims, &z);
-    let z = zero(rng, 0.2);
+    let mut z = zero(rng, 0.2);
+    if n % 12 == 5 || n % 12 == 11 {
+        (0..rank).filter(|&d| d != dim).for_each(|d| z[d] = true);
+    }
     let (index_view, index_len) = random_layout(rng, &dims, &z);
     let with_base = rng.chance(0.7);
     let z = zero(rng, 0.2);
@@ -265,6 +277,14 @@ pub(crate) fn scatter_cases(rng: &mut Rng, count: usize) -> Vec<Case> {
     });
     any("with an index of stride 0 along another dimension", &|_, s| {
         (0..s.dims.len()).any(|d| d != s.dim && s.index.view.strides[d] == 0 && s.dims[d] > 1)
+    });
+    // The CUDA printer's warp path: every row reads the same indices.
+    let shares = |s: &ScatterKernel| (0..s.dims.len()).all(|d| d == s.dim || s.index.view.strides[d] == 0);
+    any("with an index every row shares, over several rows", &|c, s| {
+        shares(s) && s.rows() > 1 && most_per_element(c, s) >= 2
+    });
+    any("with an index every row shares, over more rows and positions than a warp has lanes", &|c, s| {
+        shares(s) && s.rows() > 32 && s.dims[s.dim] > 32 && most_per_element(c, s) >= 9
     });
     any("with a reversed index", &|_, s| s.index.view.strides.iter().any(|&x| x < 0));
     any("with an index offset", &|_, s| s.index.view.offset > 0 && s.rows() > 0);

@@ -4,7 +4,9 @@
 //! is its own modulo their count) adding the row's elements, in order, to the output elements
 //! their indices name, a batch of indices and values loaded ahead ([`print_row_fold`]; every
 //! output element has one thread, so no atomics, and each sum is folded in one order: the bits
-//! of every run); then the base added, one thread per output element (no entry for a base of
+//! of every run), or, when every row reads the same indices (an embedding's gradient), a warp
+//! per 32 rows and part that reads each index once for its lanes ([`print_shared_index`]);
+//! then the base added, one thread per output element (no entry for a base of
 //! zeros). Integers add as unsigned types, so they wrap like the CPU's. Must never: write an
 //! output element from two threads, change the order of a sum's adds, or read outside the
 //! views `check` bounded (an output element only where its index is in range).
@@ -33,9 +35,9 @@ pub(super) fn print_scatter(
     if !params[s.out as usize].writable || reads.any(|a| params[a as usize].writable) {
         return Err("a scatter-add reads its base, index and source and writes its output".into());
     }
-    let (d, t) = (s.dtype(), ctype(s.dtype()));
+    let d = s.dtype();
     let numel: usize = s.out_dims.iter().product();
-    let (rows, k, dim) = (s.rows(), s.dims[s.dim], s.dim);
+    let dim = s.dim;
     let mut entries = vec![];
     let _ = writeln!(
         out,
@@ -46,11 +48,30 @@ pub(super) fn print_scatter(
     let _ = writeln!(out, "    a{}[i] = 0;\n  }}\n}}", s.out);
     entries.push(Entry { name: format!("{name}_zero"), launch: Launch::Map { numel, block: MAP_BLOCK } });
 
+    if shares_index(s) {
+        print_shared_index(out, s, &format!("{name}_scatter"), params, &mut entries);
+    } else {
+        print_rows_scatter(out, s, &format!("{name}_scatter"), params, &mut entries);
+    }
+
+    let Some(bl) = &s.base else { return Ok(entries) };
+    let _ = writeln!(out, "\n// The base added to the sums.\n{} {{", signature(&format!("{name}_base"), params));
+    grid_loop(out, "i", numel);
+    index_vars(out, "i", &s.out_dims, None);
+    let base = format!("a{}[{}]", bl.arg, offset_without(&bl.view, None));
+    let _ = writeln!(out, "    a{}[i] = {};\n  }}\n}}", s.out, add(d, &base, &format!("a{}[i]", s.out)));
+    entries.push(Entry { name: format!("{name}_base"), launch: Launch::Map { numel, block: MAP_BLOCK } });
+    Ok(entries)
+}
+
+/// The scatter entry of a kernel whose rows read indices of their own: threads for each row.
+fn print_rows_scatter(out: &mut String, s: &ScatterKernel, name: &str, params: &[Param], entries: &mut Vec<Entry>) {
+    let (rows, k, dim) = (s.rows(), s.dims[s.dim], s.dim);
     let parts = s.parts_per_row();
     let _ = writeln!(
         out,
         "\n// {rows} rows of {k} elements, {parts} threads per row, each its indices modulo {parts}, in order.\n{} {{",
-        signature(&format!("{name}_scatter"), params)
+        signature(name, params)
     );
     grid_loop(out, "t", rows * parts);
     let _ = writeln!(
@@ -67,22 +88,109 @@ pub(super) fn print_scatter(
     let _ = writeln!(out, "    const long long src_at = {};", offset_without(sv, Some(dim)));
     let _ = writeln!(out, "    const long long index_at = {};", offset_without(iv, Some(dim)));
     let _ = writeln!(out, "    const long long out_at = {};", offset_without(&out_view, Some(dim)));
-    print_row_fold(out, s, t, parts);
-    let threads = rows * parts;
-    entries.push(Entry { name: format!("{name}_scatter"), launch: Launch::Map { numel: threads, block: MAP_BLOCK } });
-
-    let Some(bl) = &s.base else { return Ok(entries) };
-    let _ = writeln!(out, "\n// The base added to the sums.\n{} {{", signature(&format!("{name}_base"), params));
-    grid_loop(out, "i", numel);
-    index_vars(out, "i", &s.out_dims, None);
-    let base = format!("a{}[{}]", bl.arg, offset_without(&bl.view, None));
-    let _ = writeln!(out, "    a{}[i] = {};\n  }}\n}}", s.out, add(d, &base, &format!("a{}[i]", s.out)));
-    entries.push(Entry { name: format!("{name}_base"), launch: Launch::Map { numel, block: MAP_BLOCK } });
-    Ok(entries)
+    print_row_fold(out, s, ctype(s.dtype()), parts);
+    entries.push(Entry { name: name.into(), launch: Launch::Map { numel: rows * parts, block: MAP_BLOCK } });
 }
 
 /// Elements of a row each thread handles at once (see [`print_row_fold`]).
 const SCATTER_BATCH: usize = 16;
+
+/// Rows a warp of the shared-index path works on: a lane each.
+const WARP_ROWS: usize = 32;
+
+/// Warps the shared-index path aims for (about 32 on each of an H200's 132 multiprocessors):
+/// its groups of rows times its parts.
+const SHARED_INDEX_WARPS: usize = 4096;
+
+/// Hits a lane adds at once in the shared-index path: their old sums loaded together, as in
+/// [`print_row_fold`].
+const HIT_BATCH: usize = 8;
+
+/// Whether every row of `s`'s source space reads the same indices (the index's strides are 0
+/// across rows): an embedding's gradient, whose index is the token ids broadcast over the
+/// width.
+fn shares_index(s: &ScatterKernel) -> bool {
+    (0..s.dims.len()).all(|d| d == s.dim || s.dims[d] <= 1 || s.index.view.strides[d] == 0)
+}
+
+/// The scatter entry of a kernel whose rows share their indices ([`shares_index`]): a warp per
+/// group of [`WARP_ROWS`] rows and part (parts as in [`ScatterKernel::parts_per_row`], here a
+/// power of two for about [`SHARED_INDEX_WARPS`] warps), a lane per row. The warp reads the
+/// indices a lane each, finds this part's among them with one ballot, and walks them in order:
+/// each lane adds its row's source element to the output element the index names, a batch of
+/// [`HIT_BATCH`] at a time. Each sum is still folded by one lane in the order of the source
+/// positions, as in [`print_rows_scatter`], but each index is read once per warp, not once per
+/// thread: GPT-2's embedding gradient (768 rows of 8,192 elements) took 0.98 ms on an H200
+/// with a thread per row and part, every one reading all 8,192 indices. Blocks are one warp
+/// (or fewer lanes, a power of two: a lane then walks the group's rows in turns); the loops
+/// around the ballot and shuffle are the same for every lane.
+fn print_shared_index(out: &mut String, s: &ScatterKernel, name: &str, params: &[Param], entries: &mut Vec<Entry>) {
+    let (rows, k, dim, d) = (s.rows(), s.dims[s.dim], s.dim, s.dtype());
+    let t = ctype(d);
+    let extent = s.out_dims[dim];
+    let groups = rows.div_ceil(WARP_ROWS);
+    let most = (SHARED_INDEX_WARPS / groups.max(1)).clamp(1, 64).min(extent.max(1));
+    let parts = 1usize << most.ilog2();
+    let (index_step, src_step, along) = (s.index.view.strides[dim], s.src.view.strides[dim], s.out_along());
+    let _ = writeln!(
+        out,
+        "\n// {rows} rows of {k} elements sharing their indices: a warp per {WARP_ROWS} rows and part ({parts} parts, \
+         each the indices modulo {parts}), a lane per row, the part's indices in order.\n{} {{",
+        signature(name, params)
+    );
+    out.push_str("  const unsigned lanes = blockDim.x;\n");
+    out.push_str("  const unsigned mask = lanes >= 32u ? 0xffffffffu : (1u << lanes) - 1u;\n");
+    let _ = writeln!(out, "  const long long group = blockIdx.x % {groups}LL, part = blockIdx.x / {groups}LL;");
+    let _ = writeln!(out, "  for (long long n0 = 0; n0 < {k}LL; n0 += lanes) {{");
+    out.push_str("    const long long n = n0 + threadIdx.x;\n");
+    let _ = writeln!(
+        out,
+        "    const long long j = n < {k}LL ? (long long)a{}[{}LL + n * {index_step}LL] : -1;",
+        s.index.arg, s.index.view.offset
+    );
+    let mine = if parts > 1 { format!(" && (j & {}LL) == part", parts - 1) } else { String::new() };
+    let _ = writeln!(out, "    unsigned hits = __ballot_sync(mask, j >= 0 && j < {extent}LL{mine});");
+    out.push_str("    while (hits != 0u) {\n");
+    let b = HIT_BATCH;
+    let _ = writeln!(out, "      long long hit_j[{b}], hit_n[{b}];\n      int count = 0;");
+    let _ = writeln!(out, "      #pragma unroll\n      for (int b = 0; b < {b}; ++b) {{");
+    out.push_str("        if (hits == 0u) break;\n");
+    out.push_str("        const int lane = __ffs(hits) - 1;\n        hits &= hits - 1u;\n");
+    out.push_str(
+        "        hit_j[b] = __shfl_sync(mask, j, lane);\n        hit_n[b] = n0 + lane;\n        count = b + 1;\n",
+    );
+    out.push_str("      }\n");
+    let _ = writeln!(out, "      for (long long turn = threadIdx.x; turn < {WARP_ROWS}LL; turn += lanes) {{");
+    let _ = writeln!(out, "        const long long r = group * {WARP_ROWS}LL + turn;");
+    let _ = writeln!(out, "        if (r >= {rows}LL) break;");
+    index_vars(out, "r", &s.dims, Some(dim));
+    let out_strides = braid_graph::Shape::new(&s.out_dims).contiguous_strides();
+    let out_view = View { dims: s.dims.clone(), strides: out_strides.into_iter().collect(), offset: 0 };
+    let _ = writeln!(out, "        const long long src_at = {};", offset_without(&s.src.view, Some(dim)));
+    let _ = writeln!(out, "        const long long out_at = {};", offset_without(&out_view, Some(dim)));
+    let _ = writeln!(out, "        {t} v[{b}], sum[{b}];");
+    let at = |b: &str| format!("a{}[out_at + hit_j[{b}] * {along}LL]", s.out);
+    let _ = writeln!(
+        out,
+        "        #pragma unroll\n        for (int b = 0; b < {b}; ++b) if (b < count) {{ v[b] = a{}[src_at + hit_n[b] * {src_step}LL]; sum[b] = {}; }}",
+        s.src.arg,
+        at("b")
+    );
+    // A later hit on an element an earlier one of the batch named adds to that one's new sum.
+    let _ = writeln!(out, "        #pragma unroll\n        for (int b = 0; b < {b}; ++b) if (b < count) {{");
+    out.push_str(
+        "          #pragma unroll\n          for (int c = 0; c < b; ++c) if (hit_j[c] == hit_j[b]) sum[b] = sum[c];\n",
+    );
+    let _ = writeln!(out, "          sum[b] = {};\n        }}", add(d, "sum[b]", "v[b]"));
+    let _ = writeln!(
+        out,
+        "        #pragma unroll\n        for (int b = 0; b < {b}; ++b) if (b < count) {} = sum[b];",
+        at("b")
+    );
+    out.push_str("      }\n    }\n  }\n}\n");
+    let threads = WARP_ROWS as u32;
+    entries.push(Entry { name: name.into(), launch: Launch::Rows { rows: groups * parts, threads } });
+}
 
 /// The loop of a row's thread (its `src_at`, `index_at`, `out_at` and `part` declared): the
 /// row's elements in batches of [`SCATTER_BATCH`], each batch's indices and values loaded one

@@ -84,6 +84,20 @@ fn a_reduction_over_the_first_axis_reads_neighbouring_rows_together() {
 }
 
 #[test]
+fn short_columns_take_blocks_of_as_few_lines_as_they_fill() {
+    // A position embedding's gradient, [8, 786432] summed over axis 0: columns of 8 positions
+    // fill one line, so a block is the 32 threads of one line (a 32-line block left 31 idle);
+    // columns of 64 fill 8 lines, of 256 or more all 32.
+    for (len, threads) in [(8, 32), (12, 32), (16, 64), (64, 256), (256, 1024), (8192, 1024)] {
+        let p = print(&column_sum(len, 4096), "short").unwrap();
+        let launch = Launch::Rows { rows: 128, threads };
+        assert_eq!(p.entries, vec![Entry { name: "short_rows".into(), launch }], "columns of {len}");
+        let bound = format!("__global__ void __launch_bounds__({threads}) short_rows(");
+        in_order(&p.source, &[bound.as_str(), &format!("if (ys == {}u) {{", threads / 32)]);
+    }
+}
+
+#[test]
 fn few_long_columns_are_split_into_segments_combined_in_order() {
     // A bias gradient, [4096, 512] summed over axis 0: its 16 groups of 32 columns would leave
     // most of the GPU idle, so each column is split in 8 segments of 512 (128 blocks); the
