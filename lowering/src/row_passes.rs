@@ -25,6 +25,18 @@ pub fn live_reductions(expr: &Expr, live: &[bool]) -> Vec<(usize, ReduceOp, usiz
         .collect()
 }
 
+/// Per node of `expr`: whether it is a reduction or reads one's value (through any chain of
+/// operands). A reduction whose operand is not such a node can fold in the same pass as the
+/// first reduction, and so can a store of a value that is not.
+pub fn after_reductions(expr: &Expr) -> Vec<bool> {
+    let mut after: Vec<bool> = Vec::with_capacity(expr.nodes.len());
+    for n in &expr.nodes {
+        let reads = n.op.operands().into_iter().any(|o| after[o]);
+        after.push(reads || matches!(n.op, ExprOp::Reduce(..)));
+    }
+    after
+}
+
 /// What a row kernel's expression looks like from a row's point of view.
 #[derive(Clone, Debug)]
 pub struct RowPasses {

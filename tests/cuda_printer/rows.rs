@@ -5,7 +5,8 @@
 use super::*;
 
 /// A row kernel along a random axis (or none): one reduction of each op with a prologue and an
-/// epilogue, a softmax, a layer norm, or an argmax with a one-hot and random numbers. Reads
+/// epilogue, a softmax, a layer norm, two reductions that read no reduction beside a product
+/// that reads none, or an argmax with a one-hot and random numbers. Reads
 /// `x`, and `c`, constant along the row; stores per-row and per-element values.
 pub(crate) fn rows_case(rng: &mut Rng, n: usize, lib: MathLib) -> Case {
     let rank = 1 + rng.below(3);
@@ -29,7 +30,7 @@ pub(crate) fn rows_case_over(
     let on_row = |d: usize| axis.is_none_or(|a| a == d);
     let float = rng.chance(0.6);
     let xd = if float { *rng.pick(&[F32, F32, F64, F16, BF16]) } else { *rng.pick(&[I32, I64, U8]) };
-    let template = if float { rng.below(4) } else { 3 * rng.below(2) };
+    let template = if float { rng.below(5) } else { 3 * rng.below(2) };
     // Means are of floats only (the op table's rule).
     let all = [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::ArgMax, ReduceOp::Mean];
     let ops = if float { &all[..] } else { &all[..4] };
@@ -110,6 +111,19 @@ pub(crate) fn rows_case_over(
             let sd = b.sqrt(v);
             let y = b.div(d, sd);
             values.extend([(y, false), (mu, true), (var, true)]);
+        }
+        4 => {
+            // Reductions that read no reduction, and a store that reads none (a layer norm's
+            // weight and bias gradients with its per-element products): the GPU printers may
+            // fold them in one pass; a store that reads one comes after.
+            let p = b.mul(x, cn);
+            let s = b.reduce(ReduceOp::Sum, x);
+            let other = b.reduce(if rng.chance(0.5) { ReduceOp::Sum } else { ReduceOp::Max }, p);
+            let y = b.sub(x, s);
+            values.extend([(p, false), (s, true), (other, true)]);
+            if rng.chance(0.5) {
+                values.push((y, false));
+            }
         }
         _ => {
             let p = prologue(&mut b, rng, false);

@@ -29,7 +29,7 @@
 //! (every thread runs every turn and every phase; threads past the last column only read a
 //! valid column and store nothing), or combine segments in an order that depends on the launch.
 
-use super::reduce::{column_reduction, combine_step, reduced_value};
+use super::reduce::{column_reduction, column_reductions, combine_step, reduced_value};
 use super::rows::RowPlan;
 use super::split::Scratch;
 use super::*;
@@ -164,7 +164,12 @@ fn turns(out: &mut String, p: &RowPlan<'_>, segments: usize) {
     let _ = writeln!(out, "  const {ty} from = active ? start + ({ty})cy : end;");
 }
 
-/// Prints the entries of a column kernel split into `segments` (see the module docs).
+/// Prints the entries of a column kernel split into `segments` (see the module docs). The
+/// reductions that read no reduction's value fold in one `partial` pass and one `combine`
+/// (a column read once for all of them), with the per-element stores that read none either;
+/// each later reduction takes a pass and a combine of its own, and `finish` writes the
+/// per-element stores that read reductions. A layer norm's weight and bias gradients with
+/// their per-element products (GPT-2's backward, [8192, 768]): one pass instead of three.
 fn print_split(
     out: &mut String,
     p: &RowPlan<'_>,
@@ -177,11 +182,24 @@ fn print_split(
     let blocks = rows.div_ceil(COLUMNS) * segments;
     let reductions = p.reductions();
     let scratch = Scratch::new(p, segments, params);
-    // The reductions' values before node `upto`, from scratch, and the per-row values.
-    let row_values = |out: &mut String, upto: usize| {
-        p.per_row_values(out, upto, &mut |_, i, _, _, _| Ok(format!("{}[row]", scratch.results(i, nodes[i].dtype))))
+    let after = crate::row_passes::after_reductions(&p.r.expr);
+    // The reductions' values before node `upto`: from scratch once `done` holds them (0 before:
+    // nothing that runs reads those), and the per-row values.
+    let row_values = |out: &mut String, upto: usize, done: &dyn Fn(usize) -> bool| {
+        p.per_row_values(out, upto, &mut |_, i, _, _, _| {
+            Ok(if done(i) { format!("{}[row]", scratch.results(i, nodes[i].dtype)) } else { "0".into() })
+        })
     };
     let (_, elem_stores) = p.stores();
+    let free = |s: &Store| !after[s.value as usize];
+    let late_stores = elem_stores.iter().any(|s| !free(s));
+    let (first, later): (Vec<_>, Vec<_>) = reductions.iter().copied().partition(|&(_, _, x, _)| !after[x]);
+    let first_stores = !first.is_empty() && elem_stores.iter().any(|s| free(s));
+    let mut passes: Vec<Vec<(usize, ReduceOp, usize, DType)>> = vec![];
+    if !first.is_empty() {
+        passes.push(first);
+    }
+    passes.extend(later.into_iter().map(|r| vec![r]));
     let combine_blocks = rows.div_ceil(COMBINE_THREADS as usize);
     let mut entries = vec![];
     let mut entry = |out: &mut String, entry: &str, launch: Launch, comment: String| {
@@ -191,57 +209,88 @@ fn print_split(
         entries.push(Entry { name, launch });
     };
     let range = ["from", "end"];
-    for (k, &(i, op, x, d)) in reductions.iter().enumerate() {
-        let arg = op == ReduceOp::ArgMax;
+    let mut done: Vec<usize> = vec![];
+    for (k, pass) in passes.iter().enumerate() {
+        let ids: Vec<String> = pass.iter().map(|&(i, ..)| i.to_string()).collect();
+        let (label, with_stores) = (ids.join("_"), k == 0 && first_stores);
         let launch = Launch::Rows { rows: blocks, threads: threads as u32 };
-        entry(out, &format!("partial{i}"), launch, format!("Reduction v{i}, pass 1: a block per group and segment."));
+        let what = if with_stores { " and the stores that read none" } else { "" };
+        let comment = format!("Reductions v{}{what}, pass 1: a block per group and segment.", ids.join(", v"));
+        entry(out, &format!("partial{label}"), launch, comment);
         turns(out, p, segments);
-        row_values(out, i)?;
-        // Every thread of a column holds its segment's result (a mean's sum, undivided).
-        column_reduction(out, i, op, x, d, [len, threads], &|out, body| p.sweep(out, range, &[x], &[], body, None))?;
+        let upto = pass.iter().map(|&(i, ..)| i).max().unwrap_or(0);
+        row_values(out, upto, &|i| done.contains(&i))?;
+        let roots: Vec<usize> = (pass.iter().map(|&(_, _, x, _)| x))
+            .chain(elem_stores.iter().filter(|s| with_stores && free(s)).map(|s| s.value as usize))
+            .collect();
+        let stores: Vec<&Store> = elem_stores.iter().copied().filter(|s| with_stores && free(s)).collect();
+        // Every thread of a column holds its segment's results (a mean's sum, undivided).
+        column_reductions(out, pass, [len, threads], &|out, body| p.sweep(out, range, &roots, &stores, body, None))?;
         let _ = writeln!(out, "  if (active && cy == 0) {{");
-        let _ = writeln!(out, "    {}[row * {segments} + seg] = acc{i};", scratch.partials(i, d));
-        if arg {
-            let _ = writeln!(out, "    {}[row * {segments} + seg] = arg{i};", scratch.positions(i));
+        for &(i, op, _, d) in pass {
+            let _ = writeln!(out, "    {}[row * {segments} + seg] = acc{i};", scratch.partials(i, d));
+            if op == ReduceOp::ArgMax {
+                let _ = writeln!(out, "    {}[row * {segments} + seg] = arg{i};", scratch.positions(i));
+            }
         }
         out.push_str("  }\n  }\n}\n");
-        // Pass 2: each column's value from its partials, in segment order.
+        // Pass 2: each column's values from their partials, in segment order.
         let launch = Launch::Rows { rows: combine_blocks, threads: COMBINE_THREADS };
-        let comment = format!("Reduction v{i}, pass 2: each column's {segments} partial results, a thread per column.");
-        entry(out, &format!("combine{i}"), launch, comment);
+        let comment = format!(
+            "Reductions v{}, pass 2: each column's {segments} partial results, a thread per column.",
+            ids.join(", v")
+        );
+        entry(out, &format!("combine{label}"), launch, comment);
         out.push_str("  const long long stride = (long long)gridDim.x * blockDim.x;\n");
         let _ = writeln!(
             out,
             "  for (long long row = (long long)blockIdx.x * blockDim.x + threadIdx.x; row < {rows}LL; row += stride) {{"
         );
-        // The first partial as it is, then the others in segment order, as the block's
-        // combine folds its lines' partial results.
-        let _ = writeln!(out, "  {} acc{i} = {}[row * {segments}];", ctype(d), scratch.partials(i, d));
-        if arg {
-            let _ = writeln!(out, "  long long arg{i} = {}[row * {segments}];", scratch.positions(i));
+        for &(i, op, _, d) in pass {
+            combine_partials(out, &scratch, (i, op, d), [segments, len], nodes[i].dtype)?;
+            done.push(i);
         }
-        let _ = writeln!(out, "  for (int k = 1; k < {segments}; ++k) {{");
-        let _ = writeln!(out, "    const {} b = {}[row * {segments} + k];", ctype(d), scratch.partials(i, d));
-        if arg {
-            let _ = writeln!(out, "    const long long ib = {}[row * {segments} + k];", scratch.positions(i));
-        }
-        let _ = writeln!(out, "    {}\n  }}", combine_step(i, op, d)?);
-        let _ = writeln!(out, "  {}[row] = {};", scratch.results(i, nodes[i].dtype), reduced_value(i, op, d, len));
-        if k + 1 == reductions.len() && elem_stores.is_empty() {
-            // No per-element stores: the per-row ones here, with every reduction done.
+        if k + 1 == passes.len() && !late_stores {
+            // No per-element stores left: the per-row ones here, with every reduction done.
             p.position(out, "row");
-            row_values(out, nodes.len())?;
-            p.print_stores(out, "true", range, None)?;
+            row_values(out, nodes.len(), &|_| true)?;
+            p.print_stores_of(out, "true", range, None, &|_| false)?;
         }
         out.push_str("  }\n}\n");
     }
-    if !elem_stores.is_empty() || reductions.is_empty() {
+    if late_stores || reductions.is_empty() {
         let launch = Launch::Rows { rows: blocks, threads: threads as u32 };
         entry(out, "finish", launch, "The outputs: a block per group and segment.".into());
         turns(out, p, segments);
-        row_values(out, nodes.len())?;
-        p.print_stores(out, "active && cy == 0 && seg == 0", range, None)?;
+        row_values(out, nodes.len(), &|_| true)?;
+        let elem = |s: &Store| !first_stores || !free(s);
+        p.print_stores_of(out, "active && cy == 0 && seg == 0", range, None, &elem)?;
         out.push_str("  }\n}\n");
     }
     Ok((entries, scratch.bytes))
+}
+
+/// Prints, in a combine's thread of column `row`, reduction `i`'s value from its `segments`
+/// partial results: the first as it is, then the others in segment order, as a block's combine
+/// folds its lines' partial results; stored to scratch for later entries.
+fn combine_partials(
+    out: &mut String,
+    scratch: &Scratch,
+    (i, op, d): (usize, ReduceOp, DType),
+    [segments, len]: [usize; 2],
+    value_dtype: DType,
+) -> Result<(), String> {
+    let arg = op == ReduceOp::ArgMax;
+    let _ = writeln!(out, "  {{\n  {} acc{i} = {}[row * {segments}];", ctype(d), scratch.partials(i, d));
+    if arg {
+        let _ = writeln!(out, "  long long arg{i} = {}[row * {segments}];", scratch.positions(i));
+    }
+    let _ = writeln!(out, "  for (int k = 1; k < {segments}; ++k) {{");
+    let _ = writeln!(out, "    const {} b = {}[row * {segments} + k];", ctype(d), scratch.partials(i, d));
+    if arg {
+        let _ = writeln!(out, "    const long long ib = {}[row * {segments} + k];", scratch.positions(i));
+    }
+    let _ = writeln!(out, "    {}\n  }}", combine_step(i, op, d)?);
+    let _ = writeln!(out, "  {}[row] = {};\n  }}", scratch.results(i, value_dtype), reduced_value(i, op, d, len));
+    Ok(())
 }

@@ -193,6 +193,16 @@ fn fold(
     d: DType,
     sweep: &dyn Fn(&mut String, &str) -> Result<(), String>,
 ) -> Result<bool, String> {
+    let (body, kahan) = fold_start(out, i, op, x, d)?;
+    sweep(out, &body)?;
+    Ok(kahan)
+}
+
+/// Declares what a thread of reduction `i` folds into (`acc<i>`, `arg<i>` for argmax, the
+/// compensation `cmp<i>` of a float sum) and returns the fold of one position (`v<x>`, at `t`)
+/// for a sweep to print, and whether the sum is compensated. Several reductions' folds may
+/// share one sweep ([`column_reductions`]).
+fn fold_start(out: &mut String, i: usize, op: ReduceOp, x: usize, d: DType) -> Result<(String, bool), String> {
     let ty = ctype(d);
     let _ = writeln!(out, "  {ty} acc{i} = {};", identity(op, d));
     if op == ReduceOp::ArgMax {
@@ -217,8 +227,7 @@ fn fold(
         }
         _ => format!("    if ({}) {{ {acc} = {v}; }}\n", wins(op, d, [&acc, &v, "", ""])),
     };
-    sweep(out, &fold)?;
-    Ok(kahan)
+    Ok((fold, kahan))
 }
 
 /// Prints reduction node `i` of a column kernel (`super::columns`): the `ys` threads of a
@@ -236,28 +245,54 @@ pub(super) fn column_reduction(
     [len, threads]: [usize; 2],
     sweep: &dyn Fn(&mut String, &str) -> Result<(), String>,
 ) -> Result<String, String> {
-    let (ty, arg) = (ctype(d), op == ReduceOp::ArgMax);
-    let _ = writeln!(out, "  // Reduction: v{i} = {} of v{x} along the row, per column.", op.name());
-    let _ = writeln!(out, "  __shared__ {ty} red{i}[{threads}];");
-    if arg {
-        let _ = writeln!(out, "  __shared__ long long idx{i}[{threads}];");
+    let mut values = column_reductions(out, &[(i, op, x, d)], [len, threads], sweep)?;
+    Ok(values.remove(0))
+}
+
+/// [`column_reduction`] of several reductions, none of which reads another's value, folded in
+/// one sweep (`sweep` prints the loop around their folds, concatenated): a column is read once
+/// for all of them. Returns their values' expressions, in order.
+pub(super) fn column_reductions(
+    out: &mut String,
+    reductions: &[(usize, ReduceOp, usize, DType)],
+    [len, threads]: [usize; 2],
+    sweep: &dyn Fn(&mut String, &str) -> Result<(), String>,
+) -> Result<Vec<String>, String> {
+    let mut folds = String::new();
+    let mut compensated = vec![];
+    for &(i, op, x, d) in reductions {
+        let _ = writeln!(out, "  // Reduction: v{i} = {} of v{x} along the row, per column.", op.name());
+        let _ = writeln!(out, "  __shared__ {} red{i}[{threads}];", ctype(d));
+        if op == ReduceOp::ArgMax {
+            let _ = writeln!(out, "  __shared__ long long idx{i}[{threads}];");
+        }
+        let (fold, kahan) = fold_start(out, i, op, x, d)?;
+        folds.push_str(&fold);
+        compensated.push(kahan);
     }
-    let (acc, at) = (format!("acc{i}"), format!("arg{i}"));
-    if fold(out, i, op, x, d, sweep)? {
-        let _ = writeln!(out, "  {acc} = {acc} - cmp{i};");
+    sweep(out, &folds)?;
+    let mut values = vec![];
+    for (&(i, op, _, d), kahan) in reductions.iter().zip(compensated) {
+        let (ty, arg) = (ctype(d), op == ReduceOp::ArgMax);
+        let (acc, at) = (format!("acc{i}"), format!("arg{i}"));
+        if kahan {
+            let _ = writeln!(out, "  {acc} = {acc} - cmp{i};");
+        }
+        let _ = writeln!(
+            out,
+            "  red{i}[threadIdx.x] = {acc};{}\n  __syncthreads();",
+            if arg { format!(" idx{i}[threadIdx.x] = {at};") } else { String::new() }
+        );
+        let step = combine_step(i, op, d)?;
+        let _ =
+            writeln!(out, "  {acc} = red{i}[cx];{}", if arg { format!(" {at} = idx{i}[cx];") } else { String::new() });
+        let _ = writeln!(out, "  for (unsigned k = 1; k < ys; ++k) {{");
+        let _ = writeln!(out, "    const {ty} b = red{i}[k * xw + cx];");
+        if arg {
+            let _ = writeln!(out, "    const long long ib = idx{i}[k * xw + cx];");
+        }
+        let _ = writeln!(out, "    {step}\n  }}\n  __syncthreads();");
+        values.push(reduced_value(i, op, d, len));
     }
-    let _ = writeln!(
-        out,
-        "  red{i}[threadIdx.x] = {acc};{}\n  __syncthreads();",
-        if arg { format!(" idx{i}[threadIdx.x] = {at};") } else { String::new() }
-    );
-    let step = combine_step(i, op, d)?;
-    let _ = writeln!(out, "  {acc} = red{i}[cx];{}", if arg { format!(" {at} = idx{i}[cx];") } else { String::new() });
-    let _ = writeln!(out, "  for (unsigned k = 1; k < ys; ++k) {{");
-    let _ = writeln!(out, "    const {ty} b = red{i}[k * xw + cx];");
-    if arg {
-        let _ = writeln!(out, "    const long long ib = idx{i}[k * xw + cx];");
-    }
-    let _ = writeln!(out, "    {step}\n  }}\n  __syncthreads();");
-    Ok(reduced_value(i, op, d, len))
+    Ok(values)
 }

@@ -412,7 +412,20 @@ impl<'a> RowPlan<'a> {
         range: [&str; 2],
         keep: Option<&Keep>,
     ) -> Result<(), String> {
-        let (row_stores, elem_stores) = self.stores();
+        self.print_stores_of(out, who, range, keep, &|_| true)
+    }
+
+    /// [`Self::print_stores`] of the per-row stores and the per-element ones that `elem` picks.
+    pub fn print_stores_of(
+        &self,
+        out: &mut String,
+        who: &str,
+        range: [&str; 2],
+        keep: Option<&Keep>,
+        elem: &dyn Fn(&Store) -> bool,
+    ) -> Result<(), String> {
+        let (row_stores, mut elem_stores) = self.stores();
+        elem_stores.retain(|s| elem(s));
         if !row_stores.is_empty() {
             let _ = writeln!(out, "  if ({who}) {{");
             for s in row_stores {

@@ -106,6 +106,10 @@ const SHARED_INDEX_WARPS: usize = 4096;
 /// [`print_row_fold`].
 const HIT_BATCH: usize = 8;
 
+/// Chunks of a warp's lanes' worth of indices the shared-index path reads at once (so many
+/// loads in flight, then a ballot each).
+const INDEX_CHUNKS: usize = 16;
+
 /// Whether every row of `s`'s source space reads the same indices (the index's strides are 0
 /// across rows): an embedding's gradient, whose index is the token ids broadcast over the
 /// width.
@@ -115,15 +119,18 @@ fn shares_index(s: &ScatterKernel) -> bool {
 
 /// The scatter entry of a kernel whose rows share their indices ([`shares_index`]): a warp per
 /// group of [`WARP_ROWS`] rows and part (parts as in [`ScatterKernel::parts_per_row`], here a
-/// power of two for about [`SHARED_INDEX_WARPS`] warps), a lane per row. The warp reads the
-/// indices a lane each, finds this part's among them with one ballot, and walks them in order:
-/// each lane adds its row's source element to the output element the index names, a batch of
-/// [`HIT_BATCH`] at a time. Each sum is still folded by one lane in the order of the source
-/// positions, as in [`print_rows_scatter`], but each index is read once per warp, not once per
-/// thread: GPT-2's embedding gradient (768 rows of 8,192 elements) took 0.98 ms on an H200
-/// with a thread per row and part, every one reading all 8,192 indices. Blocks are one warp
-/// (or fewer lanes, a power of two: a lane then walks the group's rows in turns); the loops
-/// around the ballot and shuffle are the same for every lane.
+/// power of two for about [`SHARED_INDEX_WARPS`] warps), a lane per row. The warp reads
+/// [`INDEX_CHUNKS`] chunks of indices at once, a lane's index of each, finds this part's among
+/// them with a ballot per chunk, and walks them in order, gathering [`HIT_BATCH`] hits at a time
+/// (across chunks): each lane then loads its row's source elements and old sums for the batch
+/// at once, adds in order and stores. Each sum is still folded by one lane in the order of the
+/// source positions, as in [`print_rows_scatter`], but each index is read once per warp, not
+/// once per thread, and the round trips to memory are a batch's, not a hit's: GPT-2's
+/// embedding gradient (768 rows of 8,192 elements) took 0.98 ms on an H200 with a thread per
+/// row and part, every one reading all 8,192 indices, and 0.36 ms with a chunk and a round
+/// trip per ballot. Blocks are one warp (or fewer lanes, a power of two: a lane then walks the
+/// group's rows in turns); the loops around the ballots and shuffles are the same for every
+/// lane.
 fn print_shared_index(out: &mut String, s: &ScatterKernel, name: &str, params: &[Param], entries: &mut Vec<Entry>) {
     let (rows, k, dim, d) = (s.rows(), s.dims[s.dim], s.dim, s.dtype());
     let t = ctype(d);
@@ -131,7 +138,8 @@ fn print_shared_index(out: &mut String, s: &ScatterKernel, name: &str, params: &
     let groups = rows.div_ceil(WARP_ROWS);
     let most = (SHARED_INDEX_WARPS / groups.max(1)).clamp(1, 64).min(extent.max(1));
     let parts = 1usize << most.ilog2();
-    let (index_step, src_step, along) = (s.index.view.strides[dim], s.src.view.strides[dim], s.out_along());
+    let index_step = s.index.view.strides[dim];
+    let (u, b) = (INDEX_CHUNKS, HIT_BATCH);
     let _ = writeln!(
         out,
         "\n// {rows} rows of {k} elements sharing their indices: a warp per {WARP_ROWS} rows and part ({parts} parts, \
@@ -141,55 +149,69 @@ fn print_shared_index(out: &mut String, s: &ScatterKernel, name: &str, params: &
     out.push_str("  const unsigned lanes = blockDim.x;\n");
     out.push_str("  const unsigned mask = lanes >= 32u ? 0xffffffffu : (1u << lanes) - 1u;\n");
     let _ = writeln!(out, "  const long long group = blockIdx.x % {groups}LL, part = blockIdx.x / {groups}LL;");
-    let _ = writeln!(out, "  for (long long n0 = 0; n0 < {k}LL; n0 += lanes) {{");
-    out.push_str("    const long long n = n0 + threadIdx.x;\n");
+    let _ = writeln!(out, "  long long hit_j[{b}], hit_n[{b}];\n  int count = 0;");
+    let _ = writeln!(out, "  for (long long n0 = 0; n0 < {k}LL; n0 += (long long)lanes * {u}) {{");
+    let _ = writeln!(out, "    long long j[{u}];\n    unsigned hits[{u}];");
+    let _ = writeln!(out, "    #pragma unroll\n    for (int u = 0; u < {u}; ++u) {{");
+    out.push_str("      const long long n = n0 + (long long)u * lanes + threadIdx.x;\n");
     let _ = writeln!(
         out,
-        "    const long long j = n < {k}LL ? (long long)a{}[{}LL + n * {index_step}LL] : -1;",
+        "      j[u] = n < {k}LL ? (long long)a{}[{}LL + n * {index_step}LL] : -1;\n    }}",
         s.index.arg, s.index.view.offset
     );
-    let mine = if parts > 1 { format!(" && (j & {}LL) == part", parts - 1) } else { String::new() };
-    let _ = writeln!(out, "    unsigned hits = __ballot_sync(mask, j >= 0 && j < {extent}LL{mine});");
-    out.push_str("    while (hits != 0u) {\n");
-    let b = HIT_BATCH;
-    let _ = writeln!(out, "      long long hit_j[{b}], hit_n[{b}];\n      int count = 0;");
-    let _ = writeln!(out, "      #pragma unroll\n      for (int b = 0; b < {b}; ++b) {{");
-    out.push_str("        if (hits == 0u) break;\n");
-    out.push_str("        const int lane = __ffs(hits) - 1;\n        hits &= hits - 1u;\n");
-    out.push_str(
-        "        hit_j[b] = __shfl_sync(mask, j, lane);\n        hit_n[b] = n0 + lane;\n        count = b + 1;\n",
+    let mine = if parts > 1 { format!(" && (j[u] & {}LL) == part", parts - 1) } else { String::new() };
+    let _ = writeln!(
+        out,
+        "    #pragma unroll\n    for (int u = 0; u < {u}; ++u) hits[u] = __ballot_sync(mask, j[u] >= 0 && j[u] < {extent}LL{mine});"
     );
-    out.push_str("      }\n");
-    let _ = writeln!(out, "      for (long long turn = threadIdx.x; turn < {WARP_ROWS}LL; turn += lanes) {{");
-    let _ = writeln!(out, "        const long long r = group * {WARP_ROWS}LL + turn;");
-    let _ = writeln!(out, "        if (r >= {rows}LL) break;");
+    let _ = writeln!(out, "    #pragma unroll\n    for (int u = 0; u < {u}; ++u) {{");
+    out.push_str("      while (hits[u] != 0u) {\n");
+    out.push_str("        const int lane = __ffs(hits[u]) - 1;\n        hits[u] &= hits[u] - 1u;\n");
+    out.push_str("        const long long hj = __shfl_sync(mask, j[u], lane);\n");
+    // Registers, not local memory: the batch's slot by comparison, not by a run-time index.
+    let _ = writeln!(
+        out,
+        "        #pragma unroll\n        for (int b = 0; b < {b}; ++b) if (b == count) {{ hit_j[b] = hj; hit_n[b] = n0 + (long long)u * lanes + lane; }}"
+    );
+    let _ = writeln!(out, "        if (++count == {b}) {{");
+    add_hits(out, s, t, "          ");
+    out.push_str("          count = 0;\n        }\n      }\n    }\n  }\n");
+    add_hits(out, s, t, "  ");
+    out.push_str("}\n");
+    let threads = WARP_ROWS as u32;
+    entries.push(Entry { name: name.into(), launch: Launch::Rows { rows: groups * parts, threads } });
+}
+
+/// Prints the adds of a batch of `count` hits (`hit_j`, `hit_n`) in the shared-index path: for
+/// each of this lane's rows of the group, the batch's source elements and old sums loaded at
+/// once, each hit added in order (one whose element an earlier hit of the batch named adds to
+/// that one's new sum), then stored in order.
+fn add_hits(out: &mut String, s: &ScatterKernel, t: &str, pad: &str) {
+    let (b, dim, rows) = (HIT_BATCH, s.dim, s.rows());
+    let (src_step, along) = (s.src.view.strides[dim], s.out_along());
+    let _ = writeln!(out, "{pad}for (long long turn = threadIdx.x; turn < {WARP_ROWS}LL; turn += lanes) {{");
+    let _ = writeln!(out, "{pad}  const long long r = group * {WARP_ROWS}LL + turn;");
+    let _ = writeln!(out, "{pad}  if (r >= {rows}LL) break;");
     index_vars(out, "r", &s.dims, Some(dim));
     let out_strides = braid_graph::Shape::new(&s.out_dims).contiguous_strides();
     let out_view = View { dims: s.dims.clone(), strides: out_strides.into_iter().collect(), offset: 0 };
-    let _ = writeln!(out, "        const long long src_at = {};", offset_without(&s.src.view, Some(dim)));
-    let _ = writeln!(out, "        const long long out_at = {};", offset_without(&out_view, Some(dim)));
-    let _ = writeln!(out, "        {t} v[{b}], sum[{b}];");
-    let at = |b: &str| format!("a{}[out_at + hit_j[{b}] * {along}LL]", s.out);
+    let _ = writeln!(out, "{pad}  const long long src_at = {};", offset_without(&s.src.view, Some(dim)));
+    let _ = writeln!(out, "{pad}  const long long out_at = {};", offset_without(&out_view, Some(dim)));
+    let _ = writeln!(out, "{pad}  {t} v[{b}], sum[{b}];");
+    let at = format!("a{}[out_at + hit_j[b] * {along}LL]", s.out);
     let _ = writeln!(
         out,
-        "        #pragma unroll\n        for (int b = 0; b < {b}; ++b) if (b < count) {{ v[b] = a{}[src_at + hit_n[b] * {src_step}LL]; sum[b] = {}; }}",
-        s.src.arg,
-        at("b")
+        "{pad}  #pragma unroll\n{pad}  for (int b = 0; b < {b}; ++b) if (b < count) {{ v[b] = a{}[src_at + hit_n[b] * {src_step}LL]; sum[b] = {at}; }}",
+        s.src.arg
     );
-    // A later hit on an element an earlier one of the batch named adds to that one's new sum.
-    let _ = writeln!(out, "        #pragma unroll\n        for (int b = 0; b < {b}; ++b) if (b < count) {{");
-    out.push_str(
-        "          #pragma unroll\n          for (int c = 0; c < b; ++c) if (hit_j[c] == hit_j[b]) sum[b] = sum[c];\n",
-    );
-    let _ = writeln!(out, "          sum[b] = {};\n        }}", add(d, "sum[b]", "v[b]"));
+    let _ = writeln!(out, "{pad}  #pragma unroll\n{pad}  for (int b = 0; b < {b}; ++b) if (b < count) {{");
     let _ = writeln!(
         out,
-        "        #pragma unroll\n        for (int b = 0; b < {b}; ++b) if (b < count) {} = sum[b];",
-        at("b")
+        "{pad}    #pragma unroll\n{pad}    for (int c = 0; c < b; ++c) if (hit_j[c] == hit_j[b]) sum[b] = sum[c];"
     );
-    out.push_str("      }\n    }\n  }\n}\n");
-    let threads = WARP_ROWS as u32;
-    entries.push(Entry { name: name.into(), launch: Launch::Rows { rows: groups * parts, threads } });
+    let _ = writeln!(out, "{pad}    sum[b] = {};\n{pad}  }}", add(s.dtype(), "sum[b]", "v[b]"));
+    let _ = writeln!(out, "{pad}  #pragma unroll\n{pad}  for (int b = 0; b < {b}; ++b) if (b < count) {at} = sum[b];");
+    let _ = writeln!(out, "{pad}}}");
 }
 
 /// The loop of a row's thread (its `src_at`, `index_at`, `out_at` and `part` declared): the
