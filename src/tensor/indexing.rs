@@ -248,7 +248,9 @@ impl Tensor {
     /// is the scalar mean of `logsumexp(row) - row[target]`, as PyTorch's `F.cross_entropy`.
     ///
     /// Numerically stable (the row maximum is subtracted before `exp`), and one row kernel
-    /// reads the logits once for the maximum, the sum of exponentials and the target's logit.
+    /// reads the logits for the maximum, the sum of exponentials and the target's logit: the
+    /// target's logit is picked from the logits as they are (not shifted by the maximum), so
+    /// that a GPU folds it in the maximum's pass over the row.
     /// A target outside `0..classes` picks 0 (see the [module docs](self)), so its row's loss
     /// is `logsumexp(row - max)`.
     #[track_caller]
@@ -270,11 +272,12 @@ impl Tensor {
         // f16 and bf16 logits in f32, as in `log_softmax`.
         self.in_f32(|x| {
             // The maximum only shifts the exponentials; the loss does not depend on it.
-            let shifted = x - &x.max_dim(rank - 1, true).detach();
-            let logsumexp = shifted.exp().sum_dim(rank - 1, false).log();
+            let max = x.max_dim(rank - 1, true).detach();
+            let shifted_lse = (x - &max).exp().sum_dim(rank - 1, false).log();
             let zero = Tensor::zeros((), x.dtype(), x.device());
-            let picked = hit.select(&shifted, &zero).sum_dim(rank - 1, false);
-            (&logsumexp - &picked).mean()
+            let picked = hit.select(x, &zero).sum_dim(rank - 1, false);
+            // (logsumexp - max) + (max - picked): the shift cancels, as above.
+            (&shifted_lse + &(&max.squeeze(rank - 1) - &picked)).mean()
         })
     }
 }

@@ -43,6 +43,7 @@
 
 mod attention; // fused attention: flash-style tiles, tensor cores for halves
 mod columns; // row kernels along an axis before the last: neighbouring rows a block
+mod first_pass; // a row kernel's reductions that read none folded in one sweep
 mod gather; // gathers: a computed index per element
 mod loops; // map loops
 mod product; // integer matrix products, printed whole

@@ -75,17 +75,48 @@ pub(super) fn reduction(
     [len, threads]: [usize; 2],
     sweep: &dyn Fn(&mut String, &str) -> Result<(), String>,
 ) -> Result<String, String> {
-    let (ty, arg) = (ctype(d), op == ReduceOp::ArgMax);
+    let mut values = reductions(out, &[(i, op, x, d)], [len, threads], sweep)?;
+    Ok(values.remove(0))
+}
+
+/// [`reduction`] of several reductions, none of which reads another's value, folded in one
+/// sweep (`sweep` prints the loop around their folds, concatenated), then combined one after
+/// another: the row is read once for all of them. Returns their values' expressions, in order.
+pub(super) fn reductions(
+    out: &mut String,
+    reductions: &[(usize, ReduceOp, usize, DType)],
+    [len, threads]: [usize; 2],
+    sweep: &dyn Fn(&mut String, &str) -> Result<(), String>,
+) -> Result<Vec<String>, String> {
     let warps = threads.div_ceil(32);
-    let _ = writeln!(out, "  // Reduction: v{i} = {} of v{x} along the row.", op.name());
-    let _ = writeln!(out, "  __shared__ {ty} red{i}[{warps}];");
-    if arg {
-        let _ = writeln!(out, "  __shared__ long long idx{i}[{warps}];");
+    let mut folds = String::new();
+    let mut compensated = vec![];
+    for &(i, op, x, d) in reductions {
+        let _ = writeln!(out, "  // Reduction: v{i} = {} of v{x} along the row.", op.name());
+        let _ = writeln!(out, "  __shared__ {} red{i}[{warps}];", ctype(d));
+        if op == ReduceOp::ArgMax {
+            let _ = writeln!(out, "  __shared__ long long idx{i}[{warps}];");
+        }
+        let (fold, kahan) = fold_start(out, i, op, x, d)?;
+        folds.push_str(&fold);
+        compensated.push(kahan);
     }
+    sweep(out, &folds)?;
+    let mut values = vec![];
+    for (&(i, op, _, d), kahan) in reductions.iter().zip(compensated) {
+        combine(out, (i, op, d), kahan)?;
+        values.push(reduced_value(i, op, d, len));
+    }
+    Ok(values)
+}
+
+/// The combine of reduction `i`'s threads' results (see the module docs), in a scope of its
+/// own; `kahan`: its sum is compensated.
+fn combine(out: &mut String, (i, op, d): (usize, ReduceOp, DType), kahan: bool) -> Result<(), String> {
+    let arg = op == ReduceOp::ArgMax;
     let (acc, at) = (format!("acc{i}"), format!("arg{i}"));
-    let kahan = fold(out, i, op, x, d, sweep)?;
-    // The combine, in a scope of its own. `lanes`: the warp's threads (fewer than 32 in a block
-    // of fewer); `mask`: exactly those lanes.
+    // `lanes`: the warp's threads (fewer than 32 in a block of fewer); `mask`: exactly those
+    // lanes.
     let _ = writeln!(out, "  {{");
     if kahan {
         let _ = writeln!(out, "    {acc} = {acc} - cmp{i};");
@@ -116,7 +147,7 @@ pub(super) fn reduction(
         let _ = writeln!(out, "    {at} = {};", shuffle("", DType::I64, &at, "0"));
     }
     out.push_str("  }\n");
-    Ok(reduced_value(i, op, d, len))
+    Ok(())
 }
 
 /// A fixed tree by `__shfl_down_sync` over `levels` values (`mask` and `lanes` in scope): lane 0

@@ -1,4 +1,5 @@
-//! Printing of row kernels: one block per row, phases as the CPU's (`print_rows`), loads that
+//! Printing of row kernels: one block per row, phases as the CPU's but for the reductions that
+//! read none, which fold in one sweep (`print_rows`, `first_pass.rs`), loads that
 //! several phases read kept in shared memory while the row fits (`plan_keep`), and the plan
 //! every entry of a row kernel shares (`RowPlan`), which `split.rs` prints long rows among few
 //! rows with, and `short_rows.rs` short rows several a block. Must never: depend on the block size beyond its being a power of two no larger
@@ -6,7 +7,7 @@
 //! thread wrote (each thread reads back the positions it loaded itself, so no barrier is
 //! needed between the phases' sweeps).
 
-use super::reduce::reduction;
+use super::reduce::{reduction, reductions};
 use super::row_vector::{plan_peeled_vector, plan_vector};
 use super::vector::{Vector, aligned, copy_chunk, declare_chunk, read_chunk};
 use super::*;
@@ -155,25 +156,29 @@ impl<'a> RowPlan<'a> {
     /// through `reduced` (which prints and returns the value's expression), the others as
     /// expressions (checked even when dead: the CPU evaluates every per-row node).
     pub fn per_row_values(&self, out: &mut String, upto: usize, reduced: &mut Reduced<'_>) -> Result<(), String> {
-        let nodes = &self.r.expr.nodes;
-        for (i, n) in nodes.iter().enumerate().take(upto) {
-            let ExprOp::Reduce(op, x) = n.op else {
-                if self.per_row[i] {
-                    let e = node_expr(Dialect::Cuda, &self.r.expr, &self.r.loads, i, &offset_expr, &self.index)?;
-                    if self.live[i] {
-                        let _ = writeln!(out, "  const {} v{i} = {e};", ctype(n.dtype));
-                    }
+        (0..upto).try_for_each(|i| self.per_row_value(out, i, reduced))
+    }
+
+    /// Node `i` as [`Self::per_row_values`] prints it (nothing unless it is constant along the
+    /// row and live).
+    pub fn per_row_value(&self, out: &mut String, i: usize, reduced: &mut Reduced<'_>) -> Result<(), String> {
+        let n = &self.r.expr.nodes[i];
+        let ExprOp::Reduce(op, x) = n.op else {
+            if self.per_row[i] {
+                let e = node_expr(Dialect::Cuda, &self.r.expr, &self.r.loads, i, &offset_expr, &self.index)?;
+                if self.live[i] {
+                    let _ = writeln!(out, "  const {} v{i} = {e};", ctype(n.dtype));
                 }
-                continue;
-            };
-            let d = nodes[x as usize].dtype;
-            if d == DType::Bool || n.dtype != if op == ReduceOp::ArgMax { DType::I64 } else { d } {
-                return Err(format!("node {i}: {op:?} of {d} giving {}", n.dtype));
             }
-            if self.live[i] {
-                let value = reduced(out, i, op, x as usize, d)?;
-                let _ = writeln!(out, "  const {} v{i} = {value};", ctype(n.dtype));
-            }
+            return Ok(());
+        };
+        let d = self.r.expr.nodes[x as usize].dtype;
+        if d == DType::Bool || n.dtype != if op == ReduceOp::ArgMax { DType::I64 } else { d } {
+            return Err(format!("node {i}: {op:?} of {d} giving {}", n.dtype));
+        }
+        if self.live[i] {
+            let value = reduced(out, i, op, x as usize, d)?;
+            let _ = writeln!(out, "  const {} v{i} = {value};", ctype(n.dtype));
         }
         Ok(())
     }
@@ -501,7 +506,13 @@ pub(super) fn print_rows(
     p.declare_vector_path(out);
     let end = format!("{len}LL");
     let whole = ["threadIdx.x", end.as_str()];
-    p.per_row_values(out, r.expr.nodes.len(), &mut |out, i, op, x, d| {
+    let merged = &mut |out: &mut String, first: &[super::first_pass::Reduction]| {
+        let roots: Vec<usize> = first.iter().map(|&(_, _, x, _)| x).collect();
+        reductions(out, first, [len, threads as usize], &|out, body| {
+            p.sweep(out, whole, &roots, &[], body, Some(&keep))
+        })
+    };
+    p.per_row_values_merged(out, merged, &mut |out, i, op, x, d| {
         reduction(out, i, op, x, d, [len, threads as usize], &|out, body| {
             p.sweep(out, whole, &[x], &[], body, Some(&keep))
         })
@@ -535,10 +546,9 @@ pub(super) fn print_rows(
 fn plan_keep(p: &RowPlan<'_>) -> (Vec<bool>, Vec<Option<usize>>) {
     let nodes = &p.r.expr.nodes;
     // Each sweep's roots: a reduction's operand, in node order, then the stored values.
-    let mut sweeps: Vec<Vec<usize>> = vec![];
+    let mut sweeps = p.sweep_roots();
     let mut combine_bytes = 0;
-    for (_, op, x, d) in p.reductions() {
-        sweeps.push(vec![x]);
+    for (_, op, _, d) in p.reductions() {
         let idx = if op == ReduceOp::ArgMax { 8 } else { 0 };
         combine_bytes += (p.threads as usize).div_ceil(32) * (d.size() + idx);
     }

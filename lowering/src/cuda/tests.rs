@@ -382,7 +382,8 @@ fn long_rows_among_few_rows_are_split_into_segments() {
 
 #[test]
 fn whole_space_reductions_use_one_row() {
-    // Mean over everything (f64) and the first maximum of an i32 ([2, 3], axis None).
+    // Mean over everything (f64) and the first maximum of an i32 ([2, 3], axis None), in one
+    // sweep.
     let mut b = ExprBuilder::new();
     let (x, n) = (b.load(0, DType::F64), b.load(1, DType::I32));
     let mean = b.reduce(ReduceOp::Mean, x);
@@ -394,28 +395,33 @@ fn whole_space_reductions_use_one_row() {
     let a = args(&[(DType::F64, 6), (DType::I32, 6), (DType::F64, 1), (DType::I64, 1)]);
     let p = print(&Kernel { args: a, inputs: 2, body: Body::Rows(r) }, "all").unwrap();
     assert_eq!(p.entries[0].launch, Launch::Rows { rows: 1, threads: 32 });
+    // Neither reads the other: both fold in one sweep, then combine one after the other.
     in_order(
         &p.source,
         &[
+            "double acc2 = 0.0;",
+            "long long arg3 = 0;",
             "for (int t = threadIdx.x; t < 6LL; t += blockDim.x) {",
             "const long long d0 = (long long)((unsigned int)t / 3u);",
             "const long long d1 = (long long)((unsigned int)t % 3u);",
-            "const double v2 = acc2 / 6.0;",
-            "long long arg3 = 0;",
             "const int v1 = a1[d0 + d1 * 2];",
+            "acc2 = s; }",
             // The first of equal maxima wins, whatever order the combine pairs them in: the
             // positions travel with the values through the shuffles and the per-warp entries.
             "if (v1 > acc3 || (v1 == acc3 && t < arg3)) { acc3 = v1; arg3 = t; }",
+            "acc2 = __shfl_sync(mask, acc2, 0, lanes);",
             "const long long ib = __shfl_down_sync(mask, arg3, s, lanes);",
             "if (b > acc3 || (b == acc3 && ib < arg3)) { acc3 = b; arg3 = ib; }",
             "idx3[threadIdx.x / 32u] = arg3;",
             "arg3 = idx3[threadIdx.x & (warps - 1u)];",
             "arg3 = __shfl_sync(mask, arg3, 0, lanes);",
+            "const double v2 = acc2 / 6.0;",
             "const long long v3 = arg3;",
             "a2[0] = v2;",
             "a3[0] = v3;",
         ],
     );
+    assert_eq!(p.source.matches("for (int t = ").count(), 1, "one sweep");
 }
 
 #[test]

@@ -1,0 +1,81 @@
+//! The first pass of a plain row kernel: its reductions that read no reduction's value (a
+//! cross-entropy's maximum and target logit, a layer norm backward's two sums) fold in one
+//! sweep over the row, then combine one after another, instead of a sweep each. `plan_keep`
+//! plans its shared memory for the same sweeps ([`RowPlan::sweep_roots`]).
+//!
+//! Must never: fold a reduction that reads another's value (through any chain of nodes) into
+//! the first pass, or print a per-row value that reads a reduction before that reduction.
+
+use super::rows::{Reduced, RowPlan};
+use super::*;
+use crate::row_passes::after_reductions;
+
+/// A reduction of the kernel: (node, op, operand, operand's dtype).
+pub(super) type Reduction = (usize, ReduceOp, usize, DType);
+
+/// Prints reductions folded in one sweep and returns their values' expressions, in order.
+pub(super) type Merged<'f> = dyn FnMut(&mut String, &[Reduction]) -> Result<Vec<String>, String> + 'f;
+
+impl RowPlan<'_> {
+    /// The live reductions that read no reduction's value, in node order, when there are two
+    /// or more (the first pass); else none.
+    pub fn first_pass(&self) -> Vec<Reduction> {
+        let after = after_reductions(&self.r.expr);
+        let first: Vec<Reduction> = self.reductions().into_iter().filter(|&(_, _, x, _)| !after[x]).collect();
+        if first.len() >= 2 { first } else { vec![] }
+    }
+
+    /// The roots of each sweep over the row, in order: the first pass's operands together,
+    /// then each later reduction's operand.
+    pub fn sweep_roots(&self) -> Vec<Vec<usize>> {
+        let first = self.first_pass();
+        let mut sweeps: Vec<Vec<usize>> = vec![];
+        if !first.is_empty() {
+            sweeps.push(first.iter().map(|&(_, _, x, _)| x).collect());
+        }
+        let later = self.reductions().into_iter().filter(|r| !first.contains(r));
+        sweeps.extend(later.map(|(_, _, x, _)| vec![x]));
+        sweeps
+    }
+
+    /// [`Self::per_row_values`] of every node, the first pass's reductions printed together by
+    /// `merged` where the first of them falls (after the per-row values they may read, none of
+    /// which reads a reduction), the later ones by `reduced`.
+    pub fn per_row_values_merged(
+        &self,
+        out: &mut String,
+        merged: &mut Merged<'_>,
+        reduced: &mut Reduced<'_>,
+    ) -> Result<(), String> {
+        let nodes = &self.r.expr.nodes;
+        let first = self.first_pass();
+        let (Some(&(start, ..)), Some(&(last, ..))) = (first.first(), first.last()) else {
+            return self.per_row_values(out, nodes.len(), reduced);
+        };
+        let after = after_reductions(&self.r.expr);
+        let mut printed = vec![false; nodes.len()];
+        for i in 0..nodes.len() {
+            if printed[i] {
+                continue;
+            }
+            if i != start {
+                self.per_row_value(out, i, reduced)?;
+                continue;
+            }
+            for j in (start + 1..last).filter(|&j| !after[j]) {
+                self.per_row_value(out, j, reduced)?;
+                printed[j] = true;
+            }
+            for &(k, ..) in &first {
+                // The dtype checks of `per_row_value`, printing nothing.
+                self.per_row_value(&mut String::new(), k, &mut |_, _, _, _, _| Ok(String::new()))?;
+            }
+            let values = merged(out, &first)?;
+            for (&(k, ..), value) in first.iter().zip(values) {
+                let _ = writeln!(out, "  const {} v{k} = {value};", ctype(nodes[k].dtype));
+                printed[k] = true;
+            }
+        }
+        Ok(())
+    }
+}
