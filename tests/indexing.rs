@@ -1,7 +1,8 @@
 //! Lookups and scatters at sizes a model uses: an embedding from a 32,000-row table (ids out of
 //! range included) and its gradient, a `gather` and a `scatter_add` with many indices naming
 //! one element, each checked against the f64 reference interpreter; a scatter-add's sums give
-//! the same bits at 1 and N threads; and a lookup costs one kernel whatever the table's size. Each
+//! the same bits at 1 and N threads; a lookup costs one kernel whatever the table's size; and a
+//! cross-entropy's targets in and out of range give the loss its docs define. Each
 //! case runs with i64 and i32 indices where the device holds them (wgpu: i32 only).
 //! (`tests/properties.rs` checks the indexing ops in random programs; this file pins the large
 //! cases a reader wants to see.)
@@ -178,4 +179,31 @@ fn no_zeros_case(dev: &Device, dtype: DType) {
     assert!(peak < 7 * vocabulary * features + 4096, "{text}");
     assert_eq!(grad[3 * features..4 * features], [2.0; 16]);
     assert_eq!(grad.iter().filter(|&&g| g != 0.0).count(), 2 * features);
+}
+
+#[test]
+fn cross_entropy_of_targets_in_and_out_of_range_matches_its_definition() {
+    // A target outside `0..classes` picks nothing: its row's loss is `logsumexp(row - max)`;
+    // the others `logsumexp(row) - row[target]`. Large logits (around 40) so that forgetting
+    // the shift on either side is far outside the tolerance.
+    let dev = braid::testing::test_device();
+    let (rows, classes) = (6, 37);
+    dev.seed(11);
+    let logits = (Tensor::randn([rows, classes], DType::F32, &dev) * 3.0) + 40.0;
+    let values = logits.to_vec::<f32>().unwrap();
+    let picked: [i64; 6] = [0, 36, -1, 37, 5, 1000];
+    let mut want = 0.0f64;
+    for (r, &t) in picked.iter().enumerate() {
+        let row: Vec<f64> = values[r * classes..(r + 1) * classes].iter().map(|&v| v as f64).collect();
+        let max = row.iter().cloned().fold(f64::MIN, f64::max);
+        let shifted_lse = row.iter().map(|v| (v - max).exp()).sum::<f64>().ln();
+        let shifted_target = if (0..classes as i64).contains(&t) { row[t as usize] - max } else { 0.0 };
+        want += (shifted_lse - shifted_target) / rows as f64;
+    }
+    for dtype in index_dtypes(&dev) {
+        let target = index(picked.to_vec(), [rows], dtype, &dev);
+        let got = logits.cross_entropy(&target).item::<f32>().unwrap() as f64;
+        assert!((got - want).abs() <= 1e-5 * want.abs().max(1.0), "{dtype} targets: {got} against {want}");
+        check_recorded(&[&logits.cross_entropy(&target)]).unwrap();
+    }
 }
