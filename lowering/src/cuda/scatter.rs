@@ -127,8 +127,10 @@ fn shares_index(s: &ScatterKernel) -> bool {
 /// source positions, as in [`print_rows_scatter`], but each index is read once per warp, not
 /// once per thread, and the round trips to memory are a batch's, not a hit's: GPT-2's
 /// embedding gradient (768 rows of 8,192 elements) took 0.98 ms on an H200 with a thread per
-/// row and part, every one reading all 8,192 indices, and 0.36 ms with a chunk and a round
-/// trip per ballot. Blocks are one warp (or fewer lanes, a power of two: a lane then walks the
+/// row and part, every one reading all 8,192 indices, 0.36 ms with a chunk and a round trip
+/// per ballot, and 0.33 ms as printed here: its ids are bytes, so a few parts (ids modulo the
+/// parts: the space's, `e`'s) hold most positions, and their warps add some 1,500 each, a batch
+/// at a time (balancing parts by the ids' counts is what is left). Blocks are one warp (or fewer lanes, a power of two: a lane then walks the
 /// group's rows in turns); the loops around the ballots and shuffles are the same for every
 /// lane.
 fn print_shared_index(out: &mut String, s: &ScatterKernel, name: &str, params: &[Param], entries: &mut Vec<Entry>) {
