@@ -267,7 +267,7 @@ impl Tensor {
         let classes = self.dims()[rank - 1];
         // Recorded first, so that fusion grows one row kernel from the comparison on (the
         // class numbers are a kernel of their own before it).
-        let count = classes;
+        let class_count = classes;
         let classes = Tensor::arange_as(0, classes as i64, target.dtype(), self.device());
         let hit = target.unsqueeze(rank - 1).eq(&classes);
         // f16 and bf16 logits in f32, as in `log_softmax`.
@@ -280,7 +280,7 @@ impl Tensor {
             // The target's shifted logit, `picked - max`, or 0 for a target out of range (which
             // picks nothing), from the target itself: no pass over the row.
             let (t, d) = (&target, target.dtype());
-            let below = t.lt(&Tensor::full((), count as f64, d, x.device()));
+            let below = t.lt(&Tensor::full((), class_count as f64, d, x.device()));
             let shift = below.select(&max.squeeze(rank - 1), &zero);
             let shift = t.ge(&Tensor::zeros((), d, x.device())).select(&shift, &zero);
             (&shifted_lse - &(&picked - &shift)).mean()
