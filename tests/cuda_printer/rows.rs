@@ -1,6 +1,7 @@
 //! Row, concatenation and corner cases of the CUDA printer tests (part of [`super`], split off
-//! for length): row kernels for every reduction along each axis, concatenations, and the corners
-//! of the semantics (casts of NaN and out-of-range values, integer division by zero, and more).
+//! for length): row kernels for every reduction along each axis (short, long and column ones),
+//! concatenations, and the corners of the semantics (casts of NaN and out-of-range values,
+//! integer division by zero, and more).
 
 use super::*;
 
@@ -264,6 +265,86 @@ pub(crate) fn short_row_cases(rng: &mut Rng, first: usize, lib: MathLib) -> Vec<
         let mut case = rows_case_over(rng, first + cases.len(), dims, Some(axis), lib, true);
         case.label = format!("short {}", case.label);
         cases.push(case);
+    }
+    cases
+}
+
+/// The reductions of a row case that read no reduction's value (the GPU printers may fold them
+/// in one pass).
+pub(crate) fn first_level_reductions(case: &Case) -> usize {
+    let Body::Rows(r) = &case.kernel.body else { return 0 };
+    let after = braid_lowering::row_passes::after_reductions(&r.expr);
+    let first =
+        |n: &braid_graph::expr::ExprNode| matches!(n.op, braid_graph::expr::ExprOp::Reduce(_, x) if !after[x as usize]);
+    r.expr.nodes.iter().filter(|n| first(n)).count()
+}
+
+/// Row kernels with long rows, labelled by the path they take: `multi-pass` (as many rows as
+/// `cuda::SPLIT_BELOW_ROWS`, each too long to keep in shared memory: more than
+/// `cuda::ROW_KEEP_BYTES` in 8-byte elements) and `split` (few rows of several
+/// `cuda::SEGMENT`s). Float inputs not in f32: the CPU's f32 sums of long rows, added one by
+/// one, are the less accurate side.
+pub(crate) fn long_row_cases(rng: &mut Rng, first: usize) -> Vec<Case> {
+    let (rows, len) = (braid_lowering::cuda::SPLIT_BELOW_ROWS, braid_lowering::cuda::ROW_KEEP_BYTES / 8 + 100);
+    let split = 2 * braid_lowering::cuda::SEGMENT + 100;
+    let shapes = [
+        ("multi-pass", vec![rows, len], Some(1)),
+        // Long columns among few: a column kernel split into segments.
+        ("split-columns", vec![len, rows], Some(0)),
+        ("split", vec![3, split], Some(1)),
+        ("split", vec![split, 2], Some(0)),
+        ("split", vec![split], None),
+        ("split", vec![2, 3, split / 5], None),
+    ];
+    let mut cases = vec![];
+    for (path, dims, axis) in shapes {
+        for k in 0..3 {
+            let mut case = loop {
+                let case = rows_case_over(rng, first + cases.len(), &dims, axis, MathLib::Host, false);
+                let d = case.kernel.args[0].dtype;
+                // The last split column kernel folds two reductions in one pass.
+                let merged = path != "split-columns" || k < 2 || first_level_reductions(&case) >= 2;
+                if d.compute() != DType::F32 && (path == "split" || d.size() == 8) && merged {
+                    break case;
+                }
+            };
+            case.label = format!("{path} {}", case.label);
+            cases.push(case);
+        }
+    }
+    cases
+}
+
+/// Row kernels along an axis before a last dimension of at least 8: printed as
+/// column kernels (neighbouring rows a block), a last group of rows partly past the end.
+pub(crate) fn column_cases(rng: &mut Rng, first: usize) -> Vec<Case> {
+    // The last three have so few columns, and long enough ones, that each column is split into
+    // segments (2, 3 and 2 of them) combined through scratch memory.
+    let shapes = [
+        (vec![9, 8], 0, 3),
+        (vec![5, 3, 16], 0, 3),
+        (vec![5, 3, 16], 1, 3),
+        (vec![4, 33], 0, 3),
+        (vec![17, 2, 10], 1, 3),
+        (vec![1100, 40], 0, 2),
+        (vec![1600, 17], 0, 2),
+        (vec![1030, 2, 9], 0, 2),
+    ];
+    let mut cases = vec![];
+    for (dims, axis, count) in shapes {
+        for _ in 0..count {
+            // Columns of a thousand or more: not summed in f32, whose sums the CPU adds one by
+            // one (the less accurate side, by more than the tolerance: 1.1e-5 relative for a
+            // mean of 1,600), as in `long_row_cases`.
+            let mut case = loop {
+                let case = rows_case_over(rng, first + cases.len(), &dims, Some(axis), MathLib::Host, true);
+                if dims[axis] < 1000 || case.kernel.args[0].dtype.compute() != DType::F32 {
+                    break case;
+                }
+            };
+            case.label = format!("columns {}", case.label);
+            cases.push(case);
+        }
     }
     cases
 }

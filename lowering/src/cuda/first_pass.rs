@@ -66,13 +66,10 @@ impl RowPlan<'_> {
                 self.per_row_value(out, j, reduced)?;
                 printed[j] = true;
             }
-            for &(k, ..) in &first {
-                // The dtype checks of `per_row_value`, printing nothing.
-                self.per_row_value(&mut String::new(), k, &mut |_, _, _, _, _| Ok(String::new()))?;
-            }
             let values = merged(out, &first)?;
             for (&(k, ..), value) in first.iter().zip(values) {
-                let _ = writeln!(out, "  const {} v{k} = {value};", ctype(nodes[k].dtype));
+                // Checked and declared as `per_row_value` does, with the value the pass folded.
+                self.per_row_value(out, k, &mut |_, _, _, _, _| Ok(value.clone()))?;
                 printed[k] = true;
             }
         }

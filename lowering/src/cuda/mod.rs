@@ -48,6 +48,7 @@ mod gather; // gathers: a computed index per element
 mod loops; // map loops
 mod product; // integer matrix products, printed whole
 mod reduce; // one reduction's fold and warp-shuffle combine
+mod row_keep; // which values a row kernel keeps in shared memory between its sweeps
 mod row_vector; // which of a row kernel's accesses move 16 bytes at a time, and from where
 mod rows; // row kernels: sweeps, phases, loads kept in shared memory
 mod scatter; // scatter-adds: rows of the source folded in order into the output

@@ -88,19 +88,7 @@ pub(super) fn reductions(
     [len, threads]: [usize; 2],
     sweep: &dyn Fn(&mut String, &str) -> Result<(), String>,
 ) -> Result<Vec<String>, String> {
-    let warps = threads.div_ceil(32);
-    let mut folds = String::new();
-    let mut compensated = vec![];
-    for &(i, op, x, d) in reductions {
-        let _ = writeln!(out, "  // Reduction: v{i} = {} of v{x} along the row.", op.name());
-        let _ = writeln!(out, "  __shared__ {} red{i}[{warps}];", ctype(d));
-        if op == ReduceOp::ArgMax {
-            let _ = writeln!(out, "  __shared__ long long idx{i}[{warps}];");
-        }
-        let (fold, kahan) = fold_start(out, i, op, x, d)?;
-        folds.push_str(&fold);
-        compensated.push(kahan);
-    }
+    let (folds, compensated) = start_folds(out, reductions, threads.div_ceil(32), "")?;
     sweep(out, &folds)?;
     let mut values = vec![];
     for (&(i, op, _, d), kahan) in reductions.iter().zip(compensated) {
@@ -108,6 +96,30 @@ pub(super) fn reductions(
         values.push(reduced_value(i, op, d, len));
     }
     Ok(values)
+}
+
+/// Declares each of `reductions`' shared arrays of `entries` partial results (and positions, for
+/// argmax) and what its threads fold into ([`fold_start`]); returns their folds of one
+/// position, concatenated for one sweep, and which sums are compensated.
+fn start_folds(
+    out: &mut String,
+    reductions: &[(usize, ReduceOp, usize, DType)],
+    entries: usize,
+    per: &str,
+) -> Result<(String, Vec<bool>), String> {
+    let mut folds = String::new();
+    let mut compensated = vec![];
+    for &(i, op, x, d) in reductions {
+        let _ = writeln!(out, "  // Reduction: v{i} = {} of v{x} along the row{per}.", op.name());
+        let _ = writeln!(out, "  __shared__ {} red{i}[{entries}];", ctype(d));
+        if op == ReduceOp::ArgMax {
+            let _ = writeln!(out, "  __shared__ long long idx{i}[{entries}];");
+        }
+        let (fold, kahan) = fold_start(out, i, op, x, d)?;
+        folds.push_str(&fold);
+        compensated.push(kahan);
+    }
+    Ok((folds, compensated))
 }
 
 /// The combine of reduction `i`'s threads' results (see the module docs), in a scope of its
@@ -289,18 +301,7 @@ pub(super) fn column_reductions(
     [len, threads]: [usize; 2],
     sweep: &dyn Fn(&mut String, &str) -> Result<(), String>,
 ) -> Result<Vec<String>, String> {
-    let mut folds = String::new();
-    let mut compensated = vec![];
-    for &(i, op, x, d) in reductions {
-        let _ = writeln!(out, "  // Reduction: v{i} = {} of v{x} along the row, per column.", op.name());
-        let _ = writeln!(out, "  __shared__ {} red{i}[{threads}];", ctype(d));
-        if op == ReduceOp::ArgMax {
-            let _ = writeln!(out, "  __shared__ long long idx{i}[{threads}];");
-        }
-        let (fold, kahan) = fold_start(out, i, op, x, d)?;
-        folds.push_str(&fold);
-        compensated.push(kahan);
-    }
+    let (folds, compensated) = start_folds(out, reductions, threads, ", per column")?;
     sweep(out, &folds)?;
     let mut values = vec![];
     for (&(i, op, _, d), kahan) in reductions.iter().zip(compensated) {
