@@ -183,3 +183,46 @@ fn eager_step(recompute: bool) -> u64 {
     assert!(stats.checked > 1000, "{stats:?}");
     kept
 }
+
+/// Attention's query, key and value split by views from one product (GPT-2's `c_attn`: narrow,
+/// reshape, permute), with the backward pass recorded before the loss read: recomputing, the
+/// read keeps the product and leaves the three views pending (the attention kernels of both
+/// flushes read through them) instead of writing each out as a copy kernel; the bytes kept are
+/// no more, and the gradients equal the reference interpreter's.
+#[test]
+fn attention_heads_split_from_one_product_are_not_copied_for_the_backward_pass() {
+    let name = "attention_heads_split_from_one_product_are_not_copied_for_the_backward_pass";
+    if !recomputes(&device(), name) {
+        return;
+    }
+    let (kernels_off, kept_off) = split_heads_step(false);
+    let (kernels_on, kept_on) = split_heads_step(true);
+    println!("the loss read: {kernels_off} kernels and {kept_off} B kept off, {kernels_on} and {kept_on} B on");
+    assert_eq!(kernels_on + 3, kernels_off, "on, q, k and v are not copied");
+    assert!(kept_on <= kept_off, "on keeps {kept_on} B, off {kept_off} B");
+}
+
+/// The step on a fresh device: (kernels the loss read ran, bytes it kept for the backward pass).
+fn split_heads_step(recompute: bool) -> (u64, u64) {
+    let dev = device();
+    dev.set_recompute(recompute);
+    dev.seed(23);
+    let (b, t, heads, hd) = (2, 12, 3, 8);
+    let c = heads * hd;
+    let x = Tensor::randn([b * t, c], DType::F32, &dev);
+    let w = (Tensor::randn([c, 3 * c], DType::F32, &dev) * 0.3).detach().requires_grad();
+    dev.sync().unwrap();
+    let before = (dev.memory().in_use, dev.kernels_launched());
+    let qkv = x.matmul(&w);
+    let head = |at: usize| qkv.narrow(1, at, c).reshape([b, t, heads, hd]).permute(&[0, 2, 1, 3]);
+    let y = head(0).scaled_dot_product_attention(&head(c), &head(2 * c), true);
+    let loss = y.square().mean();
+    drop((qkv, y));
+    let grads = loss.backward().unwrap();
+    assert!(loss.item::<f32>().unwrap().is_finite());
+    let read = (dev.memory().in_use - before.0, dev.kernels_launched() - before.1);
+    let dw = grads.get(&w).unwrap();
+    let stats = common::check_recorded(&[&dw]).unwrap();
+    assert!(stats.checked >= c * 3 * c, "{stats:?}");
+    (read.1, read.0)
+}

@@ -18,11 +18,15 @@
 //!   it, and the flush does not read it out (not a target);
 //! - it and the nodes recomputed with it are elementwise ops, views or constants on one stream,
 //!   with no control edges, whose readers in the flush are elementwise ops or reductions on
-//!   that stream (so the flush fuses them and never writes them);
+//!   that stream, or for views also products and attention, which read through views (so the
+//!   flush fuses them and never writes them);
 //! - it is not a parameter's version;
 //! - what it is computed from is computed before the flush, kept by the flush anyway, or kept
 //!   for it (the frontier), and the frontier it adds, with the values from before the flush it
-//!   keeps alive that would otherwise be freed, costs fewer bytes than the value itself.
+//!   keeps alive that would otherwise be freed, costs fewer bytes than the value itself;
+//!   or, for views, no more bytes than every view over the same value that the pending work
+//!   reads (attention's q, k and v split from one product: keeping the product is keeping
+//!   them, without three copy kernels).
 //!
 //! This module only chooses; `flush::extract` marks the choice (`keep`) and `run::install`
 //! leaves the chosen nodes pending. It never changes what is computed, only when.
@@ -66,14 +70,15 @@ pub(super) fn choose(
     let graph = &st.graph;
     let mut chosen = Recompute::default();
     // Whether every reader of `id` in the flush fuses with it: elementwise or a reduction, on
-    // its stream; for a view, also a matrix product, which reads its operands through views
-    // (a linear layer's transposed weight).
+    // its stream; for a view, also a matrix product or attention, which read their operands
+    // through views (a linear layer's transposed weight, heads split by a permute).
     let readers_fuse = |id: NodeId| {
         let stream = graph.node(id).stream;
         let view = is_view(&graph.node(id).op);
         graph.successors(id).filter(|&s| in_flush(s)).all(|s| {
             let n = graph.node(s);
-            n.stream == stream && (cheap(&n.op) || matches!(n.op, Op::Reduce { .. }) || (view && n.op == Op::Matmul))
+            let reads_views = matches!(n.op, Op::Matmul | Op::Attention { .. });
+            n.stream == stream && (cheap(&n.op) || matches!(n.op, Op::Reduce { .. }) || (view && reads_views))
         })
     };
     let recomputable = |id: NodeId| {
@@ -148,7 +153,65 @@ pub(super) fn choose(
         if ok && (kept < n.bytes() || (views && kept <= n.bytes())) {
             chosen.pending.extend(closure);
             chosen.kept.extend(frontier);
+        } else if let Some((chain, base)) = views_together(graph, v, &in_flush, targets, &recomputable) {
+            chosen.pending.extend(chain);
+            chosen.kept.insert(base);
         }
     }
     chosen
+}
+
+/// For a view `v` needed later: the views between it and the value of the flush they view
+/// (`base`), when keeping `base` costs no more than keeping every view over it that is needed
+/// later, and those views can all stay pending. Attention's query, key and value, split by
+/// views from one product, are each a third of it: one at a time none is worth keeping the
+/// product for, together they are, and each kept alone would be a copy kernel.
+fn views_together(
+    graph: &braid_graph::Graph<Value>,
+    v: NodeId,
+    in_flush: &impl Fn(NodeId) -> bool,
+    targets: &[NodeId],
+    recomputable: &impl Fn(NodeId) -> bool,
+) -> Option<(Vec<NodeId>, NodeId)> {
+    let n = graph.node(v);
+    // A view that could stay pending: of this flush, on `v`'s stream, named by no tensor.
+    let pending_view = |c: NodeId| {
+        let cn = graph.node(c);
+        is_view(&cn.op)
+            && in_flush(c)
+            && cn.stream == n.stream
+            && !cn.persistent
+            && cn.handles == u32::from(cn.saved)
+            && !targets.contains(&c)
+            && recomputable(c)
+    };
+    let mut chain = vec![v];
+    let base = loop {
+        let [p] = graph.in_edges(*chain.last()?).0[..] else { return None };
+        if pending_view(p) && graph.node(p).handles == 0 && graph.successors(p).all(in_flush) {
+            chain.push(p);
+        } else {
+            break p;
+        }
+    };
+    let bn = graph.node(base);
+    if !in_flush(base) || bn.device != n.device || bn.value.is_some() || targets.contains(&base) {
+        return None;
+    }
+    // Every view over `base` needed later, through views that could stay pending.
+    let mut later = 0usize;
+    let mut stack: Vec<NodeId> = graph.successors(base).filter(|&s| pending_view(s)).collect();
+    let mut seen: Vec<NodeId> = Vec::new();
+    while let Some(w) = stack.pop() {
+        if seen.contains(&w) {
+            continue;
+        }
+        seen.push(w);
+        let wn = graph.node(w);
+        if wn.handles > 0 || graph.successors(w).any(|s| !in_flush(s)) {
+            later += wn.bytes();
+        }
+        stack.extend(graph.successors(w).filter(|&s| pending_view(s)));
+    }
+    (bn.bytes() <= later).then_some((chain, base))
 }
