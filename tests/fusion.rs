@@ -377,3 +377,73 @@ fn a_layer_norms_gradient_is_one_row_kernel() {
     let reducing = steps.filter(|s| s["kind"] == "kernel" && s["ops"].as_array().unwrap().iter().any(|o| o == "sum"));
     assert_eq!(reducing.count(), 1, "{}", dev.last_schedule().unwrap().to_text());
 }
+
+#[test]
+fn a_concatenation_joins_the_map_kernel_that_computes_its_input() {
+    let dev = braid::testing::test_device();
+    // The gradient of a narrow (a padded product's): zeros beside the narrowed part's gradient,
+    // written by the kernel that computes that gradient, into its place.
+    let x = data(&dev, &[8, 40]).requires_grad();
+    let loss = (x.narrow(1, 0, 37).exp() * 0.5).sum();
+    let g = loss.backward().unwrap().get(&x).unwrap().to_vec::<f32>().unwrap();
+    let text = dev.last_schedule().unwrap().to_text();
+    assert!(text.contains("exp+mul+mul+cat [") && !text.contains(" cat ["), "{text}");
+    let xs = x.to_vec::<f32>().unwrap();
+    for (i, (gi, xi)) in g.iter().zip(&xs).enumerate() {
+        let want = if i % 40 < 37 { 0.5 * xi.exp() } else { 0.0 };
+        assert!((gi - want).abs() <= 1e-6 * want.abs().max(1.0), "dx[{i}] = {gi}, not {want}");
+    }
+    // A value from outside beside a computed one: copied by a loop of the same kernel.
+    let a = data(&dev, &[8, 5]);
+    let b = data(&dev, &[8, 3]);
+    dev.sync().unwrap();
+    let c = Tensor::cat(&[&b, &a.sin(), &b], 1);
+    let values = c.to_vec::<f32>().unwrap();
+    let text = dev.last_schedule().unwrap().to_text();
+    assert_eq!(kernels(&dump(&dev)), 1, "{text}");
+    let (av, bv) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+    for r in 0..8 {
+        let row: Vec<f32> = bv[r * 3..r * 3 + 3]
+            .iter()
+            .copied()
+            .chain(av[r * 5..r * 5 + 5].iter().map(|v| v.sin()))
+            .chain(bv[r * 3..r * 3 + 3].iter().copied())
+            .collect();
+        let close = values[r * 11..r * 11 + 11].iter().zip(&row).all(|(v, w)| (v - w).abs() <= 1e-6);
+        assert!(close, "row {r}: {:?}, not {row:?}", &values[r * 11..r * 11 + 11]);
+    }
+    // A computed value a tensor still holds is written anyway: the concatenation copies it in
+    // a kernel of its own, and the dump says why.
+    let s = a.sin();
+    Tensor::cat(&[&s, &b], 1).to_vec::<f32>().unwrap();
+    let j = dump(&dev);
+    assert_eq!(kernels(&j), 2, "{}", dev.last_schedule().unwrap().to_text());
+    assert!(refusals(&j).iter().any(|r| r.ends_with("the kernel writes it anyway")), "{:?}", refusals(&j));
+    let held = s.to_vec::<f32>().unwrap();
+    assert!(held.iter().zip(&av).all(|(s, a)| (s - a.sin()).abs() <= 1e-6), "{held:?}");
+}
+
+#[test]
+fn a_reshape_merging_permuted_heads_is_copied_once_by_the_concatenation_that_reads_it() {
+    let dev = braid::testing::test_device();
+    // Heads [b, h, t, d] back to rows [b * t, h * d] (no view of the permute), concatenated
+    // with another block of rows: one copy kernel, each element moved once.
+    let (b, h, t, d) = (2, 3, 4, 5);
+    let heads = data(&dev, &[b, h, t, d]);
+    let other = data(&dev, &[b * t, 7]);
+    dev.sync().unwrap();
+    let joined = Tensor::cat(&[&other, &heads.permute(&[0, 2, 1, 3]).reshape([b * t, h * d])], 1);
+    let joined = joined.to_vec::<f32>().unwrap();
+    let text = dev.last_schedule().unwrap().to_text();
+    assert_eq!(kernels(&dump(&dev)), 1, "{text}");
+    assert!(text.contains(" cat [") && !text.contains("reshape"), "{text}");
+    let (hv, ov) = (heads.to_vec::<f32>().unwrap(), other.to_vec::<f32>().unwrap());
+    for r in 0..b * t {
+        let (bi, ti) = (r / t, r % t);
+        let mut want = ov[r * 7..r * 7 + 7].to_vec();
+        for hi in 0..h {
+            want.extend_from_slice(&hv[((bi * h + hi) * t + ti) * d..][..d]);
+        }
+        assert_eq!(joined[r * (7 + h * d)..][..7 + h * d], want[..], "row {r}");
+    }
+}

@@ -175,7 +175,9 @@ impl Grouper<'_> {
             }
             return;
         }
-        if !self.options.enabled || cls == Class::Other || cls == Class::Attention {
+        // Of the other kinds, only a concatenation fuses: into the map kernel of its inputs.
+        let cat = matches!(node.op, Op::Cat { .. });
+        if !self.options.enabled || (cls == Class::Other && !cat) || cls == Class::Attention {
             self.new_group(i, cls);
             return;
         }
@@ -194,7 +196,7 @@ impl Grouper<'_> {
         // them would reach the kernel's input limit midway through a chain and cut it in two,
         // its middle stored.
         let tried_meeting = candidates.is_empty();
-        if candidates.is_empty() {
+        if candidates.is_empty() && !cat {
             let inputs: Vec<ValueRef> =
                 node.inputs.iter().map(|&v| crate::underlying(self.graph, &self.folded, v)).collect();
             let meets = |g: &usize| {
@@ -413,11 +415,16 @@ impl Grouper<'_> {
             }
             outputs
         };
-        // Whether every read of `u` by `nodes` is the identity over `space`.
+        // Whether every read of `u` by `nodes` is the identity over `space` (a concatenation's
+        // copy loop reads in its own order).
         let direct = |u: ValueRef, nodes: &[usize], space: &Shape| {
             graph.meta(u).1 == space
                 && nodes.iter().all(|&i| {
-                    graph.nodes[i].inputs.iter().all(|&v| v == u || crate::underlying(graph, &self.folded, v) != u)
+                    let cat = matches!(graph.nodes[i].op, Op::Cat { .. });
+                    graph.nodes[i]
+                        .inputs
+                        .iter()
+                        .all(|&v| (v == u && !cat) || crate::underlying(graph, &self.folded, v) != u)
                 })
         };
         let packs = pack::packs(&self, &order, &|g| outputs_of(&self.groups[g]).len());

@@ -169,6 +169,17 @@ pub fn underlying(graph: &FlushGraph, folded: &[bool], mut v: ValueRef) -> Value
     v
 }
 
+/// The region of concatenation `c`'s output that its input `k` fills, as a view over that
+/// input's shape.
+pub fn cat_region(graph: &FlushGraph, c: usize, k: usize) -> View {
+    let node = &graph.nodes[c];
+    let Op::Cat { dim } = node.op else { panic!("n{} is not a concatenation", node.id.index()) };
+    let strides = node.shape.contiguous_strides();
+    let before: usize = node.inputs[..k].iter().map(|&v| graph.meta(v).1.dims()[dim]).sum();
+    let dims = graph.meta(node.inputs[k]).1.dims().into();
+    View { dims, strides: strides.clone(), offset: before * strides[dim] as usize }
+}
+
 /// What a read of a value amounts to once folding is resolved.
 pub enum FoldedRead {
     /// A folded constant of this dtype.

@@ -14,6 +14,8 @@ use braid_graph::expr::{Distribution, ExprBuilder, ExprId};
 use braid_graph::{DType, FlushGraph, Op, ReduceOp, Shape, ValueRef, View};
 use smallvec::SmallVec;
 
+mod cat;
+
 /// Rounds `e` to f16/bf16 when `dtype` is one (values of those types live in f32 registers).
 fn round_half(b: &mut ExprBuilder, dtype: DType, e: ExprId) -> ExprId {
     match dtype {
@@ -78,10 +80,10 @@ impl<'a> Lowering<'a> {
             .collect();
         args.extend(seg.outputs.iter().map(|&n| Arg { dtype: g.nodes[n].dtype, len: g.nodes[n].shape.numel() }));
         let body = match &seg.kind {
-            SegmentKind::Map => Body::Map(vec![self.map(seg, &seg.nodes)]),
+            SegmentKind::Map => Body::Map(self.map(seg, &seg.nodes)),
             SegmentKind::PackedMaps { parts, .. } => {
                 let mut first = 0;
-                let loops = parts.iter().map(|&n| {
+                let loops = parts.iter().flat_map(|&n| {
                     first += n;
                     self.map(seg, &seg.nodes[first - n..first])
                 });
@@ -192,17 +194,19 @@ impl<'a> Lowering<'a> {
     }
 
     /// The loop of `nodes` (all of `seg`'s, or one part of packed maps), storing the segment's
-    /// outputs among them.
-    fn map(&self, seg: &Segment, nodes: &[usize]) -> MapLoop {
+    /// outputs among them; a concatenation among them (see `cat.rs`) takes the values the loop
+    /// computes as stores into its regions, and the loops filling its other regions follow.
+    fn map(&self, seg: &Segment, nodes: &[usize]) -> Vec<MapLoop> {
         let g = self.graph;
+        let is_cat = |i: usize| matches!(g.nodes[i].op, Op::Cat { .. });
         let space = g.nodes[nodes[0]].shape.clone();
         let mut bld = Builder::new();
         let mut map: Vec<Option<ExprId>> = vec![None; g.nodes.len()];
-        for &i in nodes {
+        for &i in nodes.iter().filter(|&&i| !is_cat(i)) {
             let x = self.operands(seg, &mut bld, &map, i, &|v, s| v.broadcast_to(s));
             map[i] = Some(self.node_expr(&mut bld.b, i, &x));
         }
-        let stores = seg
+        let mut stores: Vec<Store> = seg
             .outputs
             .iter()
             .filter(|o| map[**o].is_some())
@@ -213,9 +217,26 @@ impl<'a> Lowering<'a> {
                 value: bld.b.stored(map[o].expect("output is in its segment"), g.nodes[o].dtype),
             })
             .collect();
+        let computed = |v: ValueRef| matches!(v, ValueRef::Node(j) if map[j].is_some());
+        let cats: Vec<usize> = nodes.iter().copied().filter(|&c| is_cat(c)).collect();
+        for &c in &cats {
+            for (k, &v) in g.nodes[c].inputs.iter().enumerate() {
+                if let ValueRef::Node(j) = v
+                    && let Some(value) = map[j]
+                {
+                    let dtype = g.nodes[c].dtype;
+                    let view = braid_fusion::cat_region(g, c, k);
+                    stores.push(Store { arg: Self::out_arg(seg, c), dtype, view, value: bld.b.stored(value, dtype) });
+                }
+            }
+        }
         let mut l = MapLoop { dims: space.dims().into(), loads: bld.loads, expr: bld.b.finish(), stores };
         l.simplify();
-        l
+        let mut loops = vec![l];
+        for &c in &cats {
+            loops.extend(self.cat_loops(seg, c, &computed));
+        }
+        loops
     }
 
     fn rows(&self, seg: &Segment, full: &Shape, axis: Option<usize>) -> RowKernel {
@@ -404,21 +425,7 @@ impl<'a> Lowering<'a> {
                     out,
                 })
             }
-            Op::Cat { dim } => {
-                let out_strides = node.shape.contiguous_strides();
-                let mut offset = 0;
-                let loops = node
-                    .inputs
-                    .iter()
-                    .map(|&v| {
-                        let (arg, dtype, view) = value_view(v);
-                        let store = View { dims: view.dims.clone(), strides: out_strides.clone(), offset };
-                        offset += view.dims[*dim] * out_strides[*dim] as usize;
-                        copy(arg, dtype, view, store)
-                    })
-                    .collect();
-                Body::Map(loops)
-            }
+            Op::Cat { .. } => Body::Map(self.cat_loops(seg, i, &|_| false)),
             op => {
                 let (arg, dtype, view) = value_view(node.inputs[0]);
                 let moved = match op {

@@ -8,8 +8,9 @@ use crate::Options;
 use braid_graph::{FlushGraph, Op, ValueRef, View};
 
 /// Whether reader `r` takes node `i`, a constant of value `v`, as a constant: an expression
-/// does; a scatter-add takes a zero base as no base at all (its sums are the result). Matrix
-/// products and copies need a buffer.
+/// does; a scatter-add takes a zero base as no base at all (its sums are the result); a
+/// concatenation fills the constant's region (a padded product's gradient: zeros beside the
+/// narrowed value's). Matrix products and other copies need a buffer.
 fn takes_constant(graph: &FlushGraph, r: usize, i: usize, v: f64) -> bool {
     let reader = &graph.nodes[r];
     match reader.op {
@@ -18,6 +19,7 @@ fn takes_constant(graph: &FlushGraph, r: usize, i: usize, v: f64) -> bool {
                 && reader.inputs[0] == ValueRef::Node(i)
                 && reader.inputs[1..].iter().all(|&x| x != ValueRef::Node(i))
         }
+        Op::Cat { .. } => true,
         _ => matches!(class(&reader.op), Class::Elementwise | Class::Reduce),
     }
 }
@@ -77,6 +79,13 @@ pub(super) fn fold(
                     }
                     folded[i] = true;
                     views[i] = Some(v);
+                } else if matches!(node.op, Op::Reshape | Op::Contiguous)
+                    && splits_into_cats(graph, i, &readers[i], &base)
+                {
+                    // No view, but every reader is a concatenation that can copy it in its
+                    // input's order (`braid_lowering`'s `lower/cat.rs`); nothing reads it as a
+                    // view (`views[i]` stays empty).
+                    folded[i] = true;
                 }
             }
             _ => {}
@@ -84,6 +93,21 @@ pub(super) fn fold(
     }
     let transposes = views.iter().map(|v| v.as_ref().is_some_and(transposed)).collect();
     (folded, transposes)
+}
+
+/// Whether every reader of reshape `i` (of `input`, which it is no view of) is a
+/// concatenation whose region for it splits into `input`'s shape, so that the concatenation
+/// can copy it in `input`'s order.
+fn splits_into_cats(graph: &FlushGraph, i: usize, readers: &[usize], input: &View) -> bool {
+    let shape = input.shape();
+    !readers.is_empty()
+        && readers.iter().all(|&r| {
+            let cat = &graph.nodes[r];
+            matches!(cat.op, Op::Cat { .. })
+                && (cat.inputs.iter().enumerate())
+                    .filter(|&(_, &v)| v == ValueRef::Node(i))
+                    .all(|(k, _)| crate::cat_region(graph, r, k).reshape(&shape).is_some())
+        })
 }
 
 /// Whether `view`, a transpose (its last dimension walked at a stride, another one contiguous),

@@ -52,6 +52,35 @@ impl Grouper<'_> {
         false
     }
 
+    /// Whether concatenation `i` may join map kernel `g`: the kernel computes some of its
+    /// inputs, reads it directly, and writes them nowhere else (nothing else reads them, none is
+    /// kept), so the loop stores them into their regions instead (`braid_lowering`'s
+    /// `lower/cat.rs`); one concatenation per kernel.
+    fn cat_joins(&self, g: usize, i: usize) -> Result<(), String> {
+        let nid = self.graph.nodes[i].id.index();
+        let nodes = &self.groups[g].nodes;
+        if nodes.iter().any(|&k| matches!(self.graph.nodes[k].op, Op::Cat { .. })) {
+            return Err("this kernel already writes a concatenation".into());
+        }
+        let mut claimed = false;
+        for (_, j, _) in self.producers(i) {
+            if self.group_of[j] != Some(g) {
+                continue;
+            }
+            if self.graph.nodes[j].keep || self.readers[j].iter().any(|&r| r != i) {
+                return Err(format!(
+                    "n{} is read beside concatenation n{nid}: the kernel writes it anyway",
+                    self.graph.nodes[j].id.index()
+                ));
+            }
+            claimed = true;
+        }
+        if !claimed {
+            return Err(format!("concatenation n{nid} takes no value this kernel computes"));
+        }
+        Ok(())
+    }
+
     /// Can node `i` join group `g`? The level it would have, or why not.
     pub(super) fn check(&self, g: usize, i: usize) -> Result<Level, String> {
         let grp = &self.groups[g];
@@ -69,10 +98,18 @@ impl Grouper<'_> {
             return Err(format!("n{nid} reads a value of this kernel through a view"));
         }
         let inside = |j: usize| self.group_of[j] == Some(g);
+        // A concatenation in a map kernel is written region by region; no node reads it there.
+        if producers.iter().any(|&(_, j, _)| inside(j) && matches!(self.graph.nodes[j].op, Op::Cat { .. })) {
+            return Err(format!("n{nid} reads a concatenation this kernel writes region by region"));
+        }
         let levels: Vec<Level> =
             producers.iter().filter(|&&(_, j, _)| inside(j)).map(|&(_, j, _)| self.level[j]).collect();
         let level = match (&grp.kind, class(&node.op)) {
             (Kind::Single | Kind::Attention, _) => return Err("a kernel of this kind does not fuse".into()),
+            (Kind::Map(_), Class::Other) if matches!(node.op, Op::Cat { .. }) => {
+                self.cat_joins(g, i)?;
+                Level::Full
+            }
             (Kind::Map(space), Class::Elementwise) if &node.shape == space => Level::Full,
             (Kind::Map(space), Class::Reduce) if self.graph.meta(node.inputs[0]).1 == space => {
                 if self.options.copy_transposed_rows
@@ -139,7 +176,8 @@ impl Grouper<'_> {
             (Kind::Map(space) | Kind::Matmul(space), _) => {
                 return Err(format!("n{nid} ({}, {}) does not fit a kernel over {space}", node.op.name(), node.shape));
             }
-            (Kind::Rows(..), _) => return Err("a matrix product starts its own kernel".into()),
+            (Kind::Rows(..), Class::Matmul) => return Err("a matrix product starts its own kernel".into()),
+            (Kind::Rows(..), _) => return Err(format!("n{nid} ({}) does not join a row kernel", node.op.name())),
         };
         // The target's limit on kernel size.
         if grp.nodes.len() >= self.options.max_nodes {
