@@ -9,8 +9,10 @@
 //! `gpt2::batch`); each step's loss is read back, so every step computes the loss, all
 //! gradients, the clipping and the update before the clock stops.
 //!
-//! Printed: each step's loss and time, one more eager step profiled (its kernels' time against
-//! the step's, by kind and the costliest), then the median step (steps 5 and later) as ms,
+//! Printed: each step's loss and time (and how long the call took to return: recording and
+//! issuing), one more eager step profiled (its kernels' time against the step's, by kind and
+//! the costliest; every kernel to `$OUT/g6_kernels.tsv`), one more captured step profiled (its
+//! kernels to `$OUT/g6_captured_kernels.tsv`), then the median step (steps 5 and later) as ms,
 //! tokens/s and MFU (nanoGPT's count: `6 N + 12 L C T` FLOPs a token with N the parameters
 //! without the position table, against the H200's 989 TFLOP/s of dense bf16), and the peak
 //! device memory. The losses go to `$OUT/gpt2_braid_losses.json` for the peer to print beside
@@ -154,10 +156,13 @@ fn main() -> Result<()> {
                 Some(run) => run.step(ids, targets)?,
                 None => gpt2::eager_step(&model, &params, &mut opt, (&ids, &targets), Some(DType::BF16))?,
             };
+            let issued = start.elapsed().as_secs_f64() * 1e3;
             let value = loss.item::<f32>()?;
             dev.sync()?;
             let ms = start.elapsed().as_secs_f64() * 1e3;
-            println!("braid {mode} step {step:>3}: loss {value:.4}  {ms:.1} ms");
+            println!(
+                "braid {mode} step {step:>3}: loss {value:.4}  {ms:.1} ms ({issued:.1} ms until the step returned)"
+            );
             run_losses.push(value);
             times.push(ms);
         }
@@ -173,9 +178,37 @@ fn main() -> Result<()> {
                 dev.memory().peak as f64 / (1u64 << 30) as f64
             );
         }
-        if !captured {
-            losses = run_losses;
-            profile_one_step(&dev, &model, &params, &mut opt, text, (batch, seq), (&out, dump))?;
+        match &mut captured_run {
+            None => {
+                losses = run_losses;
+                profile_one_step(&dev, &model, &params, &mut opt, text, (batch, seq), (&out, dump))?;
+            }
+            Some(run) => {
+                // One more captured step, profiled (it runs as a flush then): its kernels' GPU
+                // time against its wall time and the step's.
+                let (ids, targets) = gpt2::batch(text, batch, seq, steps, &dev);
+                dev.set_profiling(true);
+                let start = std::time::Instant::now();
+                run.step(ids, targets)?.item::<f32>()?;
+                dev.sync()?;
+                let ms = start.elapsed().as_secs_f64() * 1e3;
+                dev.set_profiling(false);
+                if let Some(p) = dev.last_profile() {
+                    println!(
+                        "g6 profile of one captured step: {ms:.1} ms; {} kernels, {:.1} ms of kernel time in {:.1} ms of the flush's wall time",
+                        p.kernels().count(),
+                        p.kernel_time().as_secs_f64() * 1e3,
+                        p.wall.as_secs_f64() * 1e3
+                    );
+                    let listing: String = (p.kernels())
+                        .map(|k| format!("{:.4}\t{}\t{}\n", k.duration.as_secs_f64() * 1e3, k.bytes, k.name))
+                        .collect();
+                    let list = out.join("g6_captured_kernels.tsv");
+                    std::fs::write(&list, format!("ms\tbytes\tkernel\n{listing}"))
+                        .map_err(|e| Error::Io(e.to_string()))?;
+                    println!("  every kernel of it: {}", list.display());
+                }
+            }
         }
     }
     let json = serde_json::to_string(&losses).expect("losses serialise");

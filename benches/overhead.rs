@@ -89,6 +89,7 @@ fn flush_graph() -> FlushGraph {
             keep: i % 1000 == 999,
             offload_hint: false,
             persistent: false,
+            recomputed: false,
         });
     }
     g

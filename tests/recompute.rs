@@ -226,3 +226,76 @@ fn split_heads_step(recompute: bool) -> (u64, u64) {
     assert!(stats.checked >= c * 3 * c, "{stats:?}");
     (read.1, read.0)
 }
+
+/// A language-model head's step flushed whole (forward and backward passes in one flush, as a
+/// captured `Step` runs them): recomputing, the cross-entropy's f32 exponentials are computed
+/// again inside the backward kernel from the low-precision logits instead of written by the
+/// forward kernel and read back, so the flush's planned peak is lower; the gradients are the
+/// bits recomputation off gives, and the reference interpreter's.
+#[test]
+fn a_step_flushed_whole_computes_its_saved_exponentials_again_in_the_backward_kernel() {
+    let name = "a_step_flushed_whole_computes_its_saved_exponentials_again_in_the_backward_kernel";
+    let dev = device();
+    if !recomputes(&dev, name) {
+        return;
+    }
+    let Some(low) = low_precision(&dev) else {
+        println!("skipped: {name}: {} computes in neither bf16 nor f16", dev.name());
+        return;
+    };
+    let (peak_off, dw_off) = whole_step(low, false);
+    let (peak_on, dw_on) = whole_step(low, true);
+    let (rows, vocab) = (64u64, 1001u64);
+    println!("planned peak of the flush: {peak_off} B recomputation off, {peak_on} B on");
+    // Off, the exponentials (f32) live from the forward kernel to the backward one; on, the
+    // low-precision logits do.
+    assert!(peak_off >= peak_on + rows * vocab * (4 - low.size() as u64), "{peak_off} B off, {peak_on} B on");
+    assert_eq!(dw_on, dw_off, "the same bits with and without recomputation");
+    // The same step captured as a `Step` (its capture copies the same way), replayed twice.
+    let dev = device();
+    let (h, w, target) = head_inputs(&dev);
+    let step = braid::Step::new(move |args: &[Tensor]| {
+        let w = args[1].detach().requires_grad();
+        let loss = braid::amp::autocast(low, || args[0].matmul(&w)).cross_entropy(&args[2]);
+        vec![loss.backward().unwrap().get(&w).unwrap()]
+    });
+    for _ in 0..2 {
+        let dw = step.call(&[h.clone(), w.clone(), target.clone()]).unwrap().remove(0);
+        let bits: Vec<u32> = dw.to_vec::<f32>().unwrap().iter().map(|x| x.to_bits()).collect();
+        assert_eq!(bits, dw_off, "the captured step's gradient");
+        let text = dev.last_schedule().unwrap().to_text();
+        assert!(text.contains("+exp+select+"), "{text}");
+    }
+}
+
+/// The head's inputs: `h [64, 32]`, `w [32, 1001]` and 64 targets.
+fn head_inputs(dev: &Device) -> (Tensor, Tensor, Tensor) {
+    let (rows, width, vocab) = (64, 32, 1001);
+    let mut rng = Rng::new(3);
+    let h = Tensor::from_vec(normal_vec(&mut rng, rows * width), [rows, width], dev);
+    let w = Tensor::from_vec(normal_vec(&mut rng, width * vocab), [width, vocab], dev);
+    let targets: Vec<i64> = (0..rows).map(|_| rng.below(vocab) as i64).collect();
+    (h, w, Tensor::from_vec(targets, [rows], dev))
+}
+
+/// The step of `lm_head_step` recorded whole, then its weight gradient read (one flush, checked
+/// against the reference): (the flush's planned peak, dW's bits).
+fn whole_step(low: DType, recompute: bool) -> (u64, Vec<u32>) {
+    let dev = device();
+    dev.set_recompute(recompute);
+    let (width, vocab) = (32, 1001);
+    let (h, w, target) = head_inputs(&dev);
+    let w = w.requires_grad();
+    dev.sync().unwrap();
+    let loss = braid::amp::autocast(low, || h.matmul(&w)).cross_entropy(&target);
+    let dw = loss.backward().unwrap().get(&w).unwrap();
+    let bits = dw.to_vec::<f32>().unwrap().iter().map(|x| x.to_bits()).collect();
+    let schedule = dev.last_schedule().unwrap();
+    let dump: serde_json::Value = serde_json::from_str(&schedule.to_json()).unwrap();
+    // The backward kernel computes the exponentials again, or reads them.
+    let text = schedule.to_text();
+    assert_eq!(text.contains("+exp+select+"), recompute, "{text}");
+    let stats = common::check_recorded(&[&dw]).unwrap();
+    assert!(stats.checked >= width * vocab, "{stats:?}");
+    (dump["planned_peak_bytes"].as_u64().unwrap(), bits)
+}

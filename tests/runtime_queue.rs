@@ -169,6 +169,7 @@ fn the_simulation_catches_frees_that_lose_their_gates() {
         keep,
         offload_hint: false,
         persistent: false,
+        recomputed: false,
     };
     let mut graph = FlushGraph::default();
     graph.nodes.push(node(Op::Arange { start: 1 }, 0, &[], &[], false));

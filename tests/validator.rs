@@ -104,6 +104,7 @@ fn random_graph(rng: &mut Rng) -> FlushGraph {
             keep: false,
             offload_hint: rng.chance(0.25),
             persistent: rng.chance(0.2),
+            recomputed: false,
         });
     }
     // Keep values nobody reads (the flush's results) and a few others.

@@ -37,6 +37,9 @@ pub struct FlushNode {
     pub offload_hint: bool,
     /// A parameter: its buffer comes from exact-size memory.
     pub persistent: bool,
+    /// Computed again for a backward pass in this flush (see `braid_graph::Node::recomputed`):
+    /// it joins only kernels that such copies start, where the backward pass's nodes join it.
+    pub recomputed: bool,
 }
 
 impl FlushNode {

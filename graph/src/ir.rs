@@ -280,6 +280,19 @@ impl<V> Graph<V> {
         !self.slots[id.index()].outs.is_empty()
     }
 
+    /// Makes `source` input number `slot` of `to`, in place of the node that was (which loses
+    /// that edge; the slot keeps its place among `to`'s inputs).
+    pub fn retarget(&mut self, to: NodeId, slot: u16, source: NodeId) {
+        assert!(self.contains(source), "graph: retargeting to {source:?}, which is not present");
+        let at = (self.slots[to.index()].ins.iter().position(|e| e.edge == Edge::Data(slot)))
+            .unwrap_or_else(|| panic!("graph: {to:?} has no data input {slot}"));
+        let old = self.slots[to.index()].ins[at];
+        self.remove_out(old.from, old.at);
+        let out_at = self.slots[source.index()].outs.len() as u32;
+        self.slots[source.index()].outs.push(Out { to, at: at as u32 });
+        self.slots[to.index()].ins[at] = In { from: source, edge: old.edge, at: out_at };
+    }
+
     /// Removes the incoming edges of `id` (it no longer needs its inputs) and returns the
     /// former predecessors.
     pub fn detach_inputs(&mut self, id: NodeId) -> SmallVec<[NodeId; 4]> {
@@ -402,6 +415,7 @@ mod tests {
         Control(usize, usize),
         Detach(usize),
         Remove(usize),
+        Retarget(usize, usize, usize),
     }
 
     fn steps() -> impl Strategy<Value = Vec<Step>> {
@@ -410,12 +424,13 @@ mod tests {
             1 => (0usize..64, 0usize..64).prop_map(|(a, b)| Step::Control(a, b)),
             1 => (0usize..64).prop_map(Step::Detach),
             2 => (0usize..64).prop_map(Step::Remove),
+            1 => (0usize..64, 0usize..4, 0usize..64).prop_map(|(a, s, b)| Step::Retarget(a, s, b)),
         ];
         proptest::collection::vec(step, 1..200)
     }
 
     proptest! {
-        /// Random adds, control edges, detaches and removals (fan-outs of many consumers
+        /// Random adds, control edges, detaches, removals and retargeted inputs (fan-outs of many consumers
         /// included, since picks favour few live nodes) against a list of edges: inputs in
         /// slot order, control predecessors, successors and counts always agree.
         #[test]
@@ -447,6 +462,17 @@ mod tests {
                         want.sort();
                         prop_assert_eq!(got, want);
                         edges.retain(|e| e.1 != id);
+                    }
+                    Step::Retarget(i, slot, j) if !live.is_empty() => {
+                        let (to, source) = (pick(i), pick(j));
+                        let slots = edges.iter().filter(|e| e.1 == to && matches!(e.2, Edge::Data(_))).count();
+                        if slots > 0 {
+                            let slot = (slot % slots) as u16;
+                            if let Some(e) = edges.iter_mut().find(|e| e.1 == to && e.2 == Edge::Data(slot)) {
+                                g.retarget(to, slot, source);
+                                e.0 = source;
+                            }
+                        }
                     }
                     Step::Remove(i) if !live.is_empty() => {
                         let id = pick(i);

@@ -415,6 +415,7 @@ mod tests {
             keep: false,
             offload_hint: false,
             persistent: false,
+            recomputed: false,
         }
     }
 

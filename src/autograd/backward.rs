@@ -169,6 +169,9 @@ impl Tensor {
                 }
             }
         }
+        // Where the backward pass starts in the recording order: a flush holding both passes
+        // computes cheap saved values again for it (the engine's `recompute_copies`).
+        self.device().engine().mark_backward();
         // Gradients keep their forward dtypes: autocast does not apply to the backward pass.
         crate::amp::off(|| {
             no_grad(|| {

@@ -100,7 +100,7 @@ impl PlanCache {
             stream(n.stream).hash(&mut w);
             n.inputs.hash(&mut w);
             n.after.hash(&mut w);
-            (n.keep, n.offload_hint, n.persistent).hash(&mut w);
+            (n.keep, n.offload_hint, n.persistent, n.recomputed).hash(&mut w);
         }
         for e in &graph.externals {
             e.dtype.hash(&mut w);

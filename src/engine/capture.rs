@@ -190,6 +190,10 @@ impl Engine {
                 }
                 continue;
             }
+            if self.recompute_under(&env) && super::recompute_copies::copy_for_backward(&mut st, &walked.order, out_ids)
+            {
+                continue; // saved values copied for the step's backward pass: walk again
+            }
             check_leaks(&st, start, out_ids)?;
             check_work(&st, &walked.order, start, arg_nodes)?;
             let outputs = classify_outputs(&st, out_ids, start, arg_nodes)?;

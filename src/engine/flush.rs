@@ -91,6 +91,12 @@ impl Engine {
             if walked.order.is_empty() {
                 return lost_target.map_or(Ok(()), |r| Err(Error::ValueLost(r)));
             }
+            // A backward pass flushed with its forward pass: saved values copied for it change
+            // the flush's nodes, so walk again.
+            if self.recompute_under(&env) && super::recompute_copies::copy_for_backward(&mut st, &walked.order, targets)
+            {
+                continue;
+            }
             let extracted = self.extract(&mut st, &walked.order, Some(targets), env);
             drop(st);
             self.run(extracted)?;
@@ -180,7 +186,7 @@ impl Engine {
             _ => (HashSet::new(), Default::default()),
         };
         lazy.extend(recompute.pending.iter().copied());
-        let EngineState { graph: recorded, marks, .. } = st;
+        let EngineState { graph: recorded, marks, backward_marks, .. } = st;
         let mut graph = FlushGraph { nodes: Vec::with_capacity(order.len()), externals: Vec::new() };
         let mut externals = Vec::new();
         for &id in order {
@@ -258,6 +264,7 @@ impl Engine {
                 keep,
                 offload_hint: n.offload_hint,
                 persistent: n.persistent,
+                recomputed: super::recompute_copies::is_copy(backward_marks, n.seq),
             });
         }
         let ticket = Arc::new(Ticket::default());

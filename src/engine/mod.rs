@@ -29,6 +29,7 @@ mod flush;
 mod marks;
 pub(crate) mod profile;
 mod recompute;
+mod recompute_copies;
 mod run;
 mod state;
 
@@ -161,6 +162,7 @@ impl Engine {
                 marks: marks::Marks::default(),
                 deferred: Vec::new(),
                 last_collective: HashMap::new(),
+                backward_marks: Vec::new(),
             }),
             plans: Mutex::new(Default::default()),
             last_schedule: Mutex::new(None),

@@ -104,6 +104,8 @@ pub(crate) struct EngineState {
     /// Per group: the latest collective recorded here, with its recording order (see
     /// `collective.rs`).
     pub(super) last_collective: HashMap<u64, (NodeId, u64)>,
+    /// The latest backward passes recorded here (see `recompute_copies.rs`).
+    pub(super) backward_marks: Vec<super::recompute_copies::BackwardMark>,
 }
 
 /// The engine's state under its lock. Handles on other engines' nodes that were dropped
@@ -152,6 +154,11 @@ pub(crate) fn next_seq() -> u64 {
 /// Takes a place in the recording order for a node recorded later (see [`SEQ`]).
 pub(crate) fn reserve_seq() -> u64 {
     SEQ.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Takes `n` places in the recording order at once; returns the first.
+pub(crate) fn reserve_seqs(n: u64) -> u64 {
+    SEQ.fetch_add(n, Ordering::Relaxed)
 }
 
 /// A value a tensor holds itself, without a node (see `Tensor::cell`): host data or a

@@ -92,6 +92,11 @@ impl Grouper<'_> {
         if node.after.iter().any(|a| grp.waits.binary_search(a).is_err()) {
             return Err(format!("an event wait or control edge orders n{nid} after work in this kernel"));
         }
+        // A copy computed again for a backward pass joins only kernels copies start (where the
+        // backward pass's readers join it): in a forward kernel it would be written out.
+        if node.recomputed && !self.graph.nodes[grp.nodes[0]].recomputed {
+            return Err(format!("n{nid} is computed again for the backward pass, not in a forward kernel"));
+        }
         // Every read of a value of this group must be direct (no view of a value being computed).
         let producers = self.producers(i);
         if producers.iter().any(|&(_, j, via)| via && self.group_of[j] == Some(g)) {

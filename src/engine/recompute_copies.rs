@@ -1,0 +1,163 @@
+//! Saved values computed again inside one flush: the forward and backward passes of a training
+//! step flushed together (a captured `Step`, or a step read only at its end).
+//!
+//! `recompute.rs` leaves a cheap saved value uncomputed when a read splits the forward pass from
+//! its backward pass (the loss read of an eager step), so that the backward pass computes it
+//! again inside its own kernels. When both passes run in one flush there is no such split: the
+//! forward kernel that computes `exp(logits - max)` for a language model's cross-entropy also
+//! writes it (f32, twice the bf16 logits' bytes) for the backward kernel to read. Here the same
+//! choice is made at the start of a backward pass (`BackwardMark`, recorded by
+//! `Tensor::backward`): a value the forward pass computes and the backward pass reads, chosen
+//! by `recompute::choose` with the forward part of the flush as the flush, gets copies of its
+//! cheap nodes for the backward readers; the forward kernels compute it inline and never store
+//! it, the backward kernels compute the copies inline from what the forward pass keeps.
+//!
+//! The copies are ordinary pending nodes: recorded into the graph with places in the recording
+//! order reserved below the backward pass's first (`COPY_PLACES`), and the backward readers'
+//! inputs retargeted to them. Must never: copy anything but the elementwise ops and views
+//! `recompute::choose` accepts, or change what any node computes.
+
+use super::recompute::{Recompute, choose};
+use super::{Engine, EngineState};
+use braid_graph::{Node, NodeId};
+use hashbrown::{HashMap, HashSet};
+
+/// Places in the recording order kept below each backward pass's first node for copies.
+const COPY_PLACES: u64 = 1 << 20;
+
+/// Backward passes remembered per device (older ones have long been flushed).
+const MARKS: usize = 64;
+
+/// Where a backward pass began in the recording order, and the next of the places reserved
+/// below it for copies.
+pub(super) struct BackwardMark {
+    first: u64,
+    next_copy: u64,
+}
+
+impl Engine {
+    /// Notes that a backward pass starts recording now: its nodes come after a gap of
+    /// [`COPY_PLACES`] places in the recording order, for copies of the values it reads.
+    pub(crate) fn mark_backward(&self) {
+        let mut st = self.state();
+        let base = super::state::reserve_seqs(COPY_PLACES);
+        if st.backward_marks.len() == MARKS {
+            st.backward_marks.remove(0);
+        }
+        st.backward_marks.push(BackwardMark { first: base + COPY_PLACES, next_copy: base });
+    }
+}
+
+/// Whether a node at place `seq` in the recording order is a copy (its place is one reserved
+/// below a backward pass's first).
+pub(super) fn is_copy(marks: &[BackwardMark], seq: u64) -> bool {
+    marks.iter().any(|m| seq >= m.first - COPY_PLACES && seq < m.first)
+}
+
+/// Copies, for the backward readers in `order` (a flush's nodes, in recording order), the saved
+/// values the forward part computes that are cheaper to compute again (see the module docs).
+/// Returns whether it recorded any (the caller then walks again: the flush's nodes changed).
+pub(super) fn copy_for_backward(st: &mut EngineState, order: &[NodeId], targets: &[NodeId]) -> bool {
+    let (Some(&first), Some(&last)) = (order.first(), order.last()) else { return false };
+    let (lo, hi) = (st.graph.node(first).seq, st.graph.node(last).seq);
+    let in_order: HashSet<NodeId> = order.iter().copied().collect();
+    let mut copied = false;
+    for m in 0..st.backward_marks.len() {
+        // Copies take places at and after `split`: they belong to the backward pass.
+        let split = st.backward_marks[m].first - COPY_PLACES;
+        if split <= lo || split > hi {
+            continue;
+        }
+        let early: Vec<NodeId> = order.iter().copied().take_while(|&id| st.graph.node(id).seq < split).collect();
+        let before: HashSet<NodeId> = early.iter().copied().collect();
+        let forward = |id: NodeId| before.contains(&id);
+        let chosen = choose(st, &early, targets, forward);
+        // Only values every later reader of which is in this flush (a reader left pending would
+        // still need the value itself, stored), computed from a reduction of the flush (see
+        // `after_a_reduction`).
+        let values: Vec<NodeId> = (chosen.pending.iter().copied())
+            .filter(|&v| {
+                let mut late = st.graph.successors(v).filter(|&s| !forward(s)).peekable();
+                late.peek().is_some() && late.all(|s| in_order.contains(&s)) && after_a_reduction(st, &chosen, v)
+            })
+            .collect();
+        if values.is_empty() {
+            continue;
+        }
+        copied |= copy(st, m, &chosen, &values, &forward);
+    }
+    copied
+}
+
+/// Whether `v` is computed (through the nodes `chosen` leaves pending) from a reduction: the
+/// row kernel that computes both writes `v` for a later kernel, since what reads `v` later
+/// needs the reduction's result too, a second pass (`exp(x - max)` of a cross-entropy, read by
+/// its derivative beside the sum). A value of elementwise work alone is left to fusion, which
+/// may put its backward readers in its own kernel (the last layer's `h + gelu(h W)` under a
+/// mean's constant gradient); copied, it would split that kernel.
+fn after_a_reduction(st: &EngineState, chosen: &Recompute, v: NodeId) -> bool {
+    let mut stack = vec![v];
+    let mut seen: Vec<NodeId> = Vec::new();
+    while let Some(n) = stack.pop() {
+        if seen.contains(&n) {
+            continue;
+        }
+        seen.push(n);
+        if chosen.pending.contains(&n) {
+            stack.extend(st.graph.inputs(n));
+        } else if matches!(st.graph.node(n).op, braid_graph::Op::Reduce { .. }) {
+            return true;
+        }
+    }
+    false
+}
+
+/// Records copies of `values` and of the nodes of `chosen.pending` they are computed through,
+/// and points the readers outside `forward` at them.
+fn copy(
+    st: &mut EngineState,
+    mark: usize,
+    chosen: &Recompute,
+    values: &[NodeId],
+    forward: &dyn Fn(NodeId) -> bool,
+) -> bool {
+    // The nodes to copy: each value and what it is computed through, in recording order.
+    let mut nodes: Vec<NodeId> = Vec::new();
+    let mut stack: Vec<NodeId> = values.to_vec();
+    while let Some(n) = stack.pop() {
+        if chosen.pending.contains(&n) && !nodes.contains(&n) {
+            nodes.push(n);
+            stack.extend(st.graph.inputs(n));
+        }
+    }
+    nodes.sort_by_key(|&n| st.graph.node(n).seq);
+    let BackwardMark { first, next_copy } = st.backward_marks[mark];
+    if next_copy + nodes.len() as u64 >= first {
+        return false; // the reserved places are used up
+    }
+    let mut copy_of: HashMap<NodeId, NodeId> = HashMap::with_capacity(nodes.len());
+    for (k, &n) in nodes.iter().enumerate() {
+        let original = st.graph.node(n);
+        let mut node =
+            Node::new(original.op.clone(), original.dtype, original.shape.clone(), original.device, original.stream);
+        node.seq = next_copy + k as u64;
+        let inputs: Vec<NodeId> = st.graph.inputs(n).iter().map(|p| *copy_of.get(p).unwrap_or(p)).collect();
+        let id = st.graph.add(node, &inputs);
+        copy_of.insert(n, id);
+        st.pending += 1;
+    }
+    st.backward_marks[mark].next_copy = next_copy + nodes.len() as u64;
+    for &v in values {
+        let mut readers: Vec<NodeId> = st.graph.successors(v).filter(|&s| !forward(s)).collect();
+        readers.sort_unstable();
+        readers.dedup();
+        for r in readers {
+            let inputs = st.graph.inputs(r);
+            for (slot, _) in inputs.iter().enumerate().filter(|&(_, &p)| p == v) {
+                st.graph.retarget(r, slot as u16, copy_of[&v]);
+            }
+        }
+    }
+    tracing::debug!(target: "braid::flush", values = values.len(), nodes = nodes.len(), "saved values copied for a backward pass");
+    true
+}
