@@ -73,12 +73,12 @@ pub(super) fn copy_for_backward(st: &mut EngineState, order: &[NodeId], targets:
         let forward = |id: NodeId| before.contains(&id);
         let chosen = choose(st, &early, targets, forward);
         // Only values every later reader of which is in this flush (a reader left pending would
-        // still need the value itself, stored), computed from a reduction of the flush (see
-        // `after_a_reduction`).
+        // still need the value itself, stored), computed from a reduction or broadcast from far
+        // fewer bytes (see `worth_copying`).
         let values: Vec<NodeId> = (chosen.pending.iter().copied())
             .filter(|&v| {
                 let mut late = st.graph.successors(v).filter(|&s| !forward(s)).peekable();
-                late.peek().is_some() && late.all(|s| in_order.contains(&s)) && after_a_reduction(st, &chosen, v)
+                late.peek().is_some() && late.all(|s| in_order.contains(&s)) && worth_copying(st, &chosen, v)
             })
             .collect();
         if values.is_empty() {
@@ -89,27 +89,33 @@ pub(super) fn copy_for_backward(st: &mut EngineState, order: &[NodeId], targets:
     copied
 }
 
-/// Whether `v` is computed (through the nodes `chosen` leaves pending) from a reduction: the
-/// row kernel that computes both writes `v` for a later kernel, since what reads `v` later
-/// needs the reduction's result too, a second pass (`exp(x - max)` of a cross-entropy, read by
-/// its derivative beside the sum). A value of elementwise work alone is left to fusion, which
-/// may put its backward readers in its own kernel (the last layer's `h + gelu(h W)` under a
-/// mean's constant gradient); copied, it would split that kernel.
-fn after_a_reduction(st: &EngineState, chosen: &Recompute, v: NodeId) -> bool {
+/// Whether copying `v` (computed through the nodes `chosen` leaves pending from the rest, its
+/// frontier) is worth it: the frontier holds a reduction (the row kernel that computes both
+/// writes `v` for a later kernel, since what reads `v` later needs the reduction's result too,
+/// a second pass: `exp(x - max)` of a cross-entropy, read by its derivative beside the sum), or
+/// is a small fraction of `v`'s bytes (a broadcast: the cross-entropy's one-hot mask, from the
+/// targets). Other elementwise values are left to fusion, which may put their backward readers
+/// in their own kernel (the last layer's `h + gelu(h W)` under a mean's constant gradient);
+/// copied, they would split that kernel.
+fn worth_copying(st: &EngineState, chosen: &Recompute, v: NodeId) -> bool {
     let mut stack = vec![v];
     let mut seen: Vec<NodeId> = Vec::new();
+    let mut frontier_bytes = 0usize;
     while let Some(n) = stack.pop() {
         if seen.contains(&n) {
             continue;
         }
         seen.push(n);
+        let node = st.graph.node(n);
         if chosen.pending.contains(&n) {
             stack.extend(st.graph.inputs(n));
-        } else if matches!(st.graph.node(n).op, braid_graph::Op::Reduce { .. }) {
+        } else if matches!(node.op, braid_graph::Op::Reduce { .. }) {
             return true;
+        } else {
+            frontier_bytes += node.bytes();
         }
     }
-    false
+    frontier_bytes.saturating_mul(8) <= st.graph.node(v).bytes()
 }
 
 /// Records copies of `values` and of the nodes of `chosen.pending` they are computed through,
