@@ -378,6 +378,7 @@ fn printed_kernels_compute_what_the_cpu_computes() {
     cases.extend((0..40).map(|n| chunked_map_case(&mut more, n, MathLib::Host)));
     cases.extend(peeled_row_cases(&mut more, 1000, MathLib::Host));
     cases.extend(short_row_cases(&mut Rng::new(0x5407), 1100, MathLib::Host));
+    cases.extend((0..40).map(|n| padded_row_map_case(&mut Rng::new(0x9AD0 + n as u64), n, MathLib::Host)));
     let dir = std::env::temp_dir().join(format!("braid_cuda_printer_{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     for h in ["cuda_fp16.h", "cuda_bf16.h"] {
@@ -387,7 +388,7 @@ fn printed_kernels_compute_what_the_cpu_computes() {
     let mut runs = String::new();
     let mut cpu = vec![];
     let mut printed = vec![];
-    let mut short_rows = 0;
+    let (mut short_rows, mut padded_rows) = (0, 0);
     for (n, case) in cases.iter().enumerate() {
         let after =
             run_cpu(&case.kernel, &case.init).unwrap_or_else(|e| panic!("{}: the CPU rejects it: {e}", case.label));
@@ -397,6 +398,9 @@ fn printed_kernels_compute_what_the_cpu_computes() {
         let short = src.source.contains("// Short rows of");
         assert!(!short || case.label.starts_with("short"), "{}:\n{}", case.label, src.source);
         short_rows += usize::from(short);
+        // (Random map cases may walk rows too.)
+        let padded = src.source.contains("chunks starting each row of");
+        padded_rows += usize::from(padded && case.label.starts_with("padded-row"));
         let mut init = case.init.clone();
         case.from_cpu.iter().for_each(|&a| init[a] = after[a].clone());
         let (offsets, total) = layout(&init, n);
@@ -411,6 +415,7 @@ fn printed_kernels_compute_what_the_cpu_computes() {
         printed.push(src);
     }
     assert!(short_rows >= 3, "{short_rows} of the short-row cases take the short-row path");
+    assert!(padded_rows >= 10, "{padded_rows} of the padded-row map cases walk chunks from each row's start");
     let _ = writeln!(
         main,
         "int main(int argc, char** argv) {{\n  if (argc < 2) return 2;\n  std::string dir = argv[1];\n{runs}  return 0;\n}}"

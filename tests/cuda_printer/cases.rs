@@ -382,9 +382,24 @@ pub(crate) fn chunked_map_case(rng: &mut Rng, n: usize, lib: MathLib) -> Case {
     map_case_through(rng, format!("chunked map {n}"), &dims, lib, &view)
 }
 
+/// A random map loop over 2-3 dimensions, the last of an odd length from 17 to 39, whose loads
+/// and stores go mostly through views of padded rows ([`chunked_view`]'s, each row's start
+/// a multiple of 16 elements): the vector path that starts a chunk at each row and goes
+/// through its partial last chunk index by index (a narrow of a padded product's logits).
+pub(crate) fn padded_row_map_case(rng: &mut Rng, n: usize, lib: MathLib) -> Case {
+    let mut dims: Vec<usize> = (0..1 + rng.below(2)).map(|_| 1 + rng.below(3)).collect();
+    dims.push(17 + 2 * rng.below(12));
+    let view = |rng: &mut Rng, dims: &[usize], broadcast: bool| match rng.chance(0.8) {
+        true => chunked_view(rng, dims),
+        false => random_view(rng, dims, broadcast),
+    };
+    map_case_through(rng, format!("padded-row map {n}"), &dims, lib, &view)
+}
+
 /// A view over `dims` whose last dimension is contiguous and whose other dimensions (in a
 /// random order, some reversed, some padded) step by multiples of 16 elements from an offset
-/// that is one too: a chunk of up to 16 neighbouring indices reads neighbouring elements.
+/// that is one too: a chunk of up to 16 neighbouring indices reads neighbouring elements (rows
+/// of a length no multiple of 16 are padded to one).
 /// With the buffer length it needs.
 pub(crate) fn chunked_view(rng: &mut Rng, dims: &[usize]) -> (View, usize) {
     let last = dims.len() - 1;
@@ -394,7 +409,7 @@ pub(crate) fn chunked_view(rng: &mut Rng, dims: &[usize]) -> (View, usize) {
     }
     let mut strides = vec![0isize; dims.len()];
     strides[last] = 1;
-    let mut acc = dims[last] + 16 * rng.below(2);
+    let mut acc = dims[last].next_multiple_of(16) + 16 * rng.below(2);
     for &d in order.iter().rev() {
         strides[d] = acc as isize;
         acc *= dims[d] + rng.below(2);

@@ -3,16 +3,77 @@
 //! `width` neighbouring indices, its loads and stores one access each (`vector.rs`) where
 //! they are contiguous or walk whole chunks of contiguous rows (a permute of attention's heads,
 //! the parts of a concatenation: [`chunked`]), the indices a chunk does not cover (the tail, or
-//! all of them when an argument is not aligned at run time) left to the scalar loop.
+//! all of them when an argument is not aligned at run time) left to the scalar loop. Rows whose
+//! length is no multiple of the width but whose starts are aligned (a narrow of padded rows:
+//! logits over 50,257 classes in rows of 50,304) are walked row by row instead ([`plan_rows`]):
+//! each row's chunks start at its first index and its partial last chunk goes index by index.
 //! Must never: assume a grid or block size (any grid covers the loop).
 
 use super::vector::{Vector, aligned, copy_chunk, declare_chunk, read_chunk, width};
 use super::*;
 
-/// The vector path of `l`, if it has one: the live loads and the stores, at least one, that
+/// How a vector path numbers its chunks.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Walk {
+    /// Chunk `c` is indices `c * width ..`: the loop's indices in order.
+    Flat,
+    /// Rows of `n` indices (`n` no multiple of the width): each row's chunks start at its
+    /// first index, and its last chunk is partial (its indices one by one).
+    Rows(usize),
+}
+
+/// The vector path of `l`, if it has one, and how it walks: [`plan_flat`]'s, else
+/// [`plan_rows`]'s.
+fn plan_vector(l: &MapLoop, live: &[bool]) -> Option<(Vector, Walk)> {
+    match plan_flat(l, live) {
+        Some(v) => Some((v, Walk::Flat)),
+        None => plan_rows(l, live),
+    }
+}
+
+/// The live loads and the stores with a contiguous last dimension (the candidates a chunk
+/// could walk), and the width their largest element gives (it fills 16 bytes).
+fn candidates(l: &MapLoop, live: &[bool]) -> Option<usize> {
+    let nodes = &l.expr.nodes;
+    let candidate =
+        |v: &View| v.is_contiguous() || (v.dims.last().is_some_and(|&d| d > 1) && v.strides.last() == Some(&1));
+    let loads = (0..nodes.len()).filter_map(|i| match nodes[i].op {
+        ExprOp::Load(slot) if live[i] && candidate(&l.loads[slot as usize].view) => {
+            Some(l.loads[slot as usize].dtype.size())
+        }
+        _ => None,
+    });
+    width(loads.chain(l.stores.iter().filter(|s| candidate(&s.view)).map(|s| s.dtype.size())))
+}
+
+/// The vector path over rows whose length `n` is no multiple of the width (a narrow of padded
+/// rows: a language model's logits over a vocabulary of 50,257 in rows of 50,304): the live
+/// loads and the stores, at least one, whose last dimension is contiguous and whose other
+/// dimensions and offset step by multiples of the width, so that every row starts a chunk.
+fn plan_rows(l: &MapLoop, live: &[bool]) -> Option<(Vector, Walk)> {
+    let (last, n) = (l.dims.len().checked_sub(1)?, *l.dims.last()?);
+    let width = candidates(l, live)?;
+    if width <= 1 || n < width || n.is_multiple_of(width) {
+        return None;
+    }
+    let walks = |v: &View| {
+        v.strides.last() == Some(&1)
+            && v.offset.is_multiple_of(width)
+            && (0..last).all(|d| v.dims[d] <= 1 || v.strides[d].unsigned_abs().is_multiple_of(width))
+    };
+    let nodes = &l.expr.nodes;
+    let loads: Vec<bool> = (0..nodes.len())
+        .map(|i| matches!(nodes[i].op, ExprOp::Load(slot) if live[i] && walks(&l.loads[slot as usize].view)))
+        .collect();
+    let stores: Vec<bool> = l.stores.iter().map(|s| walks(&s.view)).collect();
+    let any = loads.iter().chain(&stores).any(|&v| v);
+    any.then_some((Vector { width, loads, stores }, Walk::Rows(n)))
+}
+
+/// The flat vector path of `l`, if it has one: the live loads and the stores, at least one, that
 /// are contiguous or [`chunked`], whose offsets are multiples of the width (the largest
 /// element fills 16 bytes), over at least one chunk of indices.
-fn plan_vector(l: &MapLoop, live: &[bool]) -> Option<Vector> {
+fn plan_flat(l: &MapLoop, live: &[bool]) -> Option<Vector> {
     let nodes = &l.expr.nodes;
     // Views a chunk could walk: contiguous ones, and those whose last dimension is.
     let candidate =
@@ -85,7 +146,10 @@ fn print_loop(out: &mut String, l: &MapLoop, name: &str, params: &[Param], grid:
         "\n// {numel} indices over dims {:?}, one per thread{}.\n{} {{",
         l.dims.as_slice(),
         match &vector {
-            Some(v) => format!(" ({} per thread where the arguments are aligned)", v.width),
+            Some((v, Walk::Flat)) => format!(" ({} per thread where the arguments are aligned)", v.width),
+            Some((v, Walk::Rows(n))) => {
+                format!(" ({} per thread where the arguments are aligned, chunks starting each row of {n})", v.width)
+            }
             None => String::new(),
         },
         match grid {
@@ -94,8 +158,8 @@ fn print_loop(out: &mut String, l: &MapLoop, name: &str, params: &[Param], grid:
         }
     );
     let first = match &vector {
-        Some(v) => {
-            print_vector_path(out, l, v, &live, &used, grid)?;
+        Some((v, walk)) => {
+            print_vector_path(out, l, v, *walk, &live, &used, grid)?;
             "vec_end"
         }
         None => "0",
@@ -105,25 +169,59 @@ fn print_loop(out: &mut String, l: &MapLoop, name: &str, params: &[Param], grid:
     print_index(out, "    ", l, &scalar, &live, &used)?;
     out.push_str("  }\n}\n");
     // A vector path wants a thread per chunk; the scalar loop strides over whatever grid runs.
-    let threads = vector.map_or(numel, |v| numel.div_ceil(v.width));
+    let threads = match vector {
+        None => numel,
+        Some((v, Walk::Flat)) => numel.div_ceil(v.width),
+        Some((v, Walk::Rows(n))) => numel / n * n.div_ceil(v.width),
+    };
     Ok(Entry { name: name.into(), launch: Launch::Map { numel: threads, block: MAP_BLOCK } })
 }
 
 /// Prints the vector path: `vec` tests the arguments' alignment once, `vec_end` is the first
-/// index it leaves to the scalar loop (0 when they are not aligned).
+/// index it leaves to the scalar loop (0 when they are not aligned). Walking rows, chunk `c`
+/// is chunk `c % per_row` of row `c / per_row`; a row's last, partial chunk goes index by index.
 fn print_vector_path(
     out: &mut String,
     l: &MapLoop,
     v: &Vector,
+    walk: Walk,
     live: &[bool],
     used: &[bool],
     grid: Grid,
 ) -> Result<(), String> {
     let (w, numel, nodes) = (v.width, l.numel(), &l.expr.nodes);
     let _ = writeln!(out, "  const bool vec = {};", aligned(&v.args(&l.expr, &l.loads, &l.stores)));
-    let _ = writeln!(out, "  const long long vec_end = vec ? {}LL : 0LL;", numel / w * w);
-    let _ = writeln!(out, "  for (long long c = {}; c * {w} < vec_end; c += {}) {{", grid.first(), grid.stride());
-    let _ = writeln!(out, "    const long long i0 = c * {w};");
+    match walk {
+        Walk::Flat => {
+            let _ = writeln!(out, "  const long long vec_end = vec ? {}LL : 0LL;", numel / w * w);
+            let _ =
+                writeln!(out, "  for (long long c = {}; c * {w} < vec_end; c += {}) {{", grid.first(), grid.stride());
+            let _ = writeln!(out, "    const long long i0 = c * {w};");
+        }
+        Walk::Rows(n) => {
+            let (per_row, full) = (n.div_ceil(w), n / w);
+            let _ = writeln!(out, "  const long long vec_end = vec ? {numel}LL : 0LL;");
+            let _ = writeln!(
+                out,
+                "  for (long long c = {}; vec && c < {}LL; c += {}) {{",
+                grid.first(),
+                numel / n * per_row,
+                grid.stride()
+            );
+            let _ = writeln!(out, "    const long long row = c / {per_row}LL, k = c % {per_row}LL;");
+            let _ = writeln!(out, "    const long long i0 = row * {n}LL + k * {w};");
+            let _ = writeln!(out, "    if (k == {full}LL) {{");
+            let _ = writeln!(out, "      for (long long i = i0; i < row * {n}LL + {n}LL; ++i) {{");
+            let scalar = Vector { width: 1, loads: vec![false; live.len()], stores: vec![false; l.stores.len()] };
+            print_index(out, "        ", l, &scalar, live, used)?;
+            out.push_str(
+                "      }
+      continue;
+    }
+",
+            );
+        }
+    }
     // Where the chunks of strided views start: their offsets at index `i0`, worked out in a
     // scope of their own (the indices' variables are declared again per element below).
     let loads = v.loads.iter().enumerate().filter(|&(_, &x)| x).map(|(i, _)| match nodes[i].op {

@@ -49,3 +49,53 @@ fn packed_loops_are_one_launch_each_loop_a_range_of_its_blocks() {
     assert_eq!(p.entries[0].launch, Launch::Rows { rows: 1, threads: 256 });
     assert!(!p.source.contains("upd_loops_part1(a1"), "{}", p.source);
 }
+
+#[test]
+fn rows_no_multiple_of_the_width_walk_chunks_from_each_rows_start() {
+    // A narrow of padded rows (37 of every 48 bf16 elements), times 2: every row starts a
+    // chunk of 8; its last chunk (5 elements) goes index by index.
+    let (rows, n, padded) = (3usize, 37usize, 48usize);
+    let view = |offset: usize| View {
+        dims: [rows, n].as_slice().into(),
+        strides: [padded as isize, 1].as_slice().into(),
+        offset,
+    };
+    let mut b = ExprBuilder::new();
+    let x = b.load(0, DType::BF16);
+    let two = b.constant(2.0, DType::BF16);
+    let y = b.mul(x, two);
+    let l = MapLoop {
+        dims: [rows, n].as_slice().into(),
+        loads: vec![load(0, DType::BF16, view(0))],
+        expr: b.finish(),
+        stores: vec![store(1, DType::BF16, view(16), y)],
+    };
+    let k = Kernel {
+        args: args(&[(DType::BF16, rows * padded), (DType::BF16, rows * padded + 16)]),
+        inputs: 1,
+        body: Body::Map(vec![l.clone()]),
+    };
+    let p = print(&k, "pad").unwrap();
+    // 5 chunks a row (4 whole, 1 partial), 15 in all.
+    assert_eq!(p.entries[0].launch, Launch::Map { numel: 15, block: 256 });
+    in_order(
+        &p.source,
+        &[
+            "8 per thread where the arguments are aligned, chunks starting each row of 37",
+            "const long long vec_end = vec ? 111LL : 0LL;",
+            "for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; vec && c < 15LL;",
+            "const long long row = c / 5LL, k = c % 5LL;",
+            "const long long i0 = row * 37LL + k * 8;",
+            "if (k == 4LL) {",
+            "for (long long i = i0; i < row * 37LL + 37LL; ++i) {",
+            "*reinterpret_cast<uint4*>(a1 + at_s0)",
+            "for (long long i = vec_end + ",
+        ],
+    );
+    // A view the flat path walks (a contiguous store) keeps the flat path.
+    let mut contiguous = l.clone();
+    contiguous.stores[0].view = View::contiguous(&braid_graph::Shape::new(&[rows, n]));
+    let k = Kernel { body: Body::Map(vec![contiguous]), ..k };
+    let p = print(&k, "pad").unwrap();
+    assert!(p.source.contains("c * 8 < vec_end") && !p.source.contains("row * 37LL"), "{}", p.source);
+}
