@@ -51,7 +51,9 @@ impl Engine {
 /// Whether a node at place `seq` in the recording order is a copy (its place is one reserved
 /// below a backward pass's first).
 pub(super) fn is_copy(marks: &[BackwardMark], seq: u64) -> bool {
-    marks.iter().any(|m| seq >= m.first - COPY_PLACES && seq < m.first)
+    // Marks are in recording order: the first one past `seq` is the only one it can be below.
+    let after = marks.partition_point(|m| m.first <= seq);
+    marks.get(after).is_some_and(|m| seq >= m.first - COPY_PLACES)
 }
 
 /// Copies, for the backward readers in `order` (a flush's nodes, in recording order), the saved
@@ -60,14 +62,16 @@ pub(super) fn is_copy(marks: &[BackwardMark], seq: u64) -> bool {
 pub(super) fn copy_for_backward(st: &mut EngineState, order: &[NodeId], targets: &[NodeId]) -> bool {
     let (Some(&first), Some(&last)) = (order.first(), order.last()) else { return false };
     let (lo, hi) = (st.graph.node(first).seq, st.graph.node(last).seq);
+    // Copies take places at and after a mark's `split`: they belong to the backward pass.
+    let split = |m: &BackwardMark| m.first - COPY_PLACES;
+    let marks: Vec<usize> =
+        (0..st.backward_marks.len()).filter(|&m| (lo + 1..=hi).contains(&split(&st.backward_marks[m]))).collect();
+    if marks.is_empty() {
+        return false; // no backward pass starts inside this flush
+    }
     let in_order: HashSet<NodeId> = order.iter().copied().collect();
-    let mut copied = false;
-    for m in 0..st.backward_marks.len() {
-        // Copies take places at and after `split`: they belong to the backward pass.
-        let split = st.backward_marks[m].first - COPY_PLACES;
-        if split <= lo || split > hi {
-            continue;
-        }
+    for m in marks {
+        let split = split(&st.backward_marks[m]);
         let early: Vec<NodeId> = order.iter().copied().take_while(|&id| st.graph.node(id).seq < split).collect();
         let before: HashSet<NodeId> = early.iter().copied().collect();
         let forward = |id: NodeId| before.contains(&id);
@@ -81,12 +85,12 @@ pub(super) fn copy_for_backward(st: &mut EngineState, order: &[NodeId], targets:
                 late.peek().is_some() && late.all(|s| in_order.contains(&s)) && worth_copying(st, &chosen, v)
             })
             .collect();
-        if values.is_empty() {
-            continue;
+        // The graph changed: the caller walks again, and this runs again on the new nodes.
+        if !values.is_empty() && copy(st, m, &chosen, &values, &forward) {
+            return true;
         }
-        copied |= copy(st, m, &chosen, &values, &forward);
     }
-    copied
+    false
 }
 
 /// Whether copying `v` (computed through the nodes `chosen` leaves pending from the rest, its
