@@ -376,7 +376,9 @@ impl<'a> Lowering<'a> {
         let node = &g.nodes[i];
         let out = Self::out_arg(seg, i);
         let value_view = |v: ValueRef| -> (u16, DType, View) {
-            let Source::Value(u, view) = self.source(v) else { unreachable!("constants fold only into expressions") };
+            let Source::Value(u, view) = self.source(v) else {
+                unreachable!("constants fold only into expressions, scatter-add bases and concatenations")
+            };
             (Self::arg_of(seg, u), g.meta(u).0, view)
         };
         let copy = |arg: u16, dtype: DType, load: View, store: View| -> MapLoop {

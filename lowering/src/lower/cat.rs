@@ -45,22 +45,22 @@ impl Lowering<'_> {
                 continue;
             }
             let mut region = braid_fusion::cat_region(self.graph, c, k);
-            let mut b = ExprBuilder::new();
-            let (value, loads) = match self.merged_rows(v) {
+            let read = match self.merged_rows(v) {
                 // A reshape that is no view of what it reads, folded into the concatenation:
                 // copied in its input's order into the region split the same way.
                 Some((u, view)) => {
                     region = region.reshape(&view.shape()).expect("fusion folds such a reshape only where it splits");
+                    Source::Value(u, view)
+                }
+                None => self.source(v),
+            };
+            let mut b = ExprBuilder::new();
+            let (value, loads) = match read {
+                Source::Const(x, dtype) => (b.constant(x, dtype), vec![]),
+                Source::Value(u, view) => {
                     let dtype = self.graph.meta(u).0;
                     (b.load(0, dtype), vec![Load { arg: Self::arg_of(seg, u), dtype, view }])
                 }
-                None => match self.source(v) {
-                    Source::Const(x, dtype) => (b.constant(x, dtype), vec![]),
-                    Source::Value(u, view) => {
-                        let dtype = self.graph.meta(u).0;
-                        (b.load(0, dtype), vec![Load { arg: Self::arg_of(seg, u), dtype, view }])
-                    }
-                },
             };
             let mut l = MapLoop {
                 dims: region.dims.clone(),
