@@ -447,3 +447,29 @@ fn a_reshape_merging_permuted_heads_is_copied_once_by_the_concatenation_that_rea
         assert_eq!(joined[r * (7 + h * d)..][..7 + h * d], want[..], "row {r}");
     }
 }
+
+#[test]
+fn a_reduction_does_not_join_a_kernel_that_writes_a_concatenation() {
+    let dev = braid::testing::test_device();
+    let x = data(&dev, &[4, 8]);
+    dev.sync().unwrap();
+    // `exp` and the concatenation of it, then `cos` and its row sums, in one flush: the sums
+    // would turn the map kernel into a row kernel, which writes no regions.
+    let c = Tensor::cat(&[&x.exp(), &Tensor::zeros([4, 2], DType::F32, &dev)], 1);
+    let s = x.cos().sum_dim(1, false);
+    dev.sync().unwrap();
+    let reasons = refusals(&dump(&dev));
+    assert!(
+        reasons.iter().any(|r| r.ends_with("would make a row kernel of one that writes a concatenation")),
+        "{reasons:?}"
+    );
+    let (xv, cv, sv) = (x.to_vec::<f32>().unwrap(), c.to_vec::<f32>().unwrap(), s.to_vec::<f32>().unwrap());
+    for r in 0..4 {
+        for k in 0..10 {
+            let want = if k < 8 { xv[r * 8 + k].exp() } else { 0.0 };
+            assert!((cv[r * 10 + k] - want).abs() <= 1e-6 * want.abs().max(1.0), "c[{r}][{k}]");
+        }
+        let want: f32 = xv[r * 8..r * 8 + 8].iter().map(|v| v.cos()).sum();
+        assert!((sv[r] - want).abs() <= 1e-5, "s[{r}] = {}, not {want}", sv[r]);
+    }
+}

@@ -103,9 +103,14 @@ impl Grouper<'_> {
             return Err(format!("n{nid} reads a value of this kernel through a view"));
         }
         let inside = |j: usize| self.group_of[j] == Some(g);
-        // A concatenation in a map kernel is written region by region; no node reads it there.
+        // A concatenation in a map kernel is written region by region; no node reads it there,
+        // and no reduction turns the kernel into a row kernel (which writes no regions).
+        let writes_cat = || grp.nodes.iter().any(|&k| matches!(self.graph.nodes[k].op, Op::Cat { .. }));
         if producers.iter().any(|&(_, j, _)| inside(j) && matches!(self.graph.nodes[j].op, Op::Cat { .. })) {
             return Err(format!("n{nid} reads a concatenation this kernel writes region by region"));
+        }
+        if class(&node.op) == Class::Reduce && writes_cat() {
+            return Err(format!("n{nid} would make a row kernel of one that writes a concatenation"));
         }
         let levels: Vec<Level> =
             producers.iter().filter(|&&(_, j, _)| inside(j)).map(|&(_, j, _)| self.level[j]).collect();
