@@ -39,7 +39,8 @@ impl Saves {
 }
 
 /// The operations a derivative may use. Every value has the dtype of the op being
-/// differentiated (comparisons give masks usable only by `select`).
+/// differentiated, or f32 between [`widen`](Diff::widen) and [`narrow`](Diff::narrow) for a
+/// half-precision op (comparisons give masks usable only by `select`).
 pub trait Diff {
     fn unary(&mut self, op: UnaryOp, x: Dv) -> Dv;
     fn binary(&mut self, op: BinaryOp, a: Dv, b: Dv) -> Dv;
@@ -50,6 +51,14 @@ pub trait Diff {
     fn select(&mut self, cond: Dv, a: Dv, b: Dv) -> Dv;
     /// Zeros shaped like `x`.
     fn zeros_like(&mut self, x: Dv) -> Dv;
+    /// `x` in the precision a long derivative of a half-precision op is computed in: `f32` for
+    /// an `f16` or `bf16` value, `x` itself otherwise. A rule that widens its inputs computes in
+    /// f32 and rounds once, at [`narrow`](Diff::narrow), as PyTorch's `gelu_backward` does;
+    /// without it, every step of the rule would round to the op's dtype (GELU's derivative in
+    /// bf16 rounded 14 times, and its `1 - tanh^2` lost to cancellation).
+    fn widen(&mut self, x: Dv) -> Dv;
+    /// `x` back in the dtype of the op being differentiated (undoes [`widen`](Diff::widen)).
+    fn narrow(&mut self, x: Dv) -> Dv;
 }
 
 /// Shorthands for derivative rows.
@@ -83,28 +92,35 @@ impl dyn Diff + '_ {
     }
 }
 
-/// `d/dx gelu(x)` for the tanh form, times `g`.
+/// `d/dx gelu(x)` for the tanh form, times `g`, computed in f32 for half-precision values and
+/// rounded once before the product with `g`.
+///
+/// With `u = c (x + k x^3)` and `s = 1 / (1 + e^(-2u))` (so that `gelu(x) = x s`, which is how
+/// the forward kernel computes it): `gelu'(x) = s + x s (1 - s) 2u'`, `2u' = 2c (1 + 3k x^2)`.
+/// `e^(-2u)` is computed from the same operations in the same order as the forward kernel's, so
+/// a kernel holding both computes it once (and no `tanh` at all), and `1 - s` never suffers
+/// the cancellation of `1 - tanh(u)^2` where `tanh(u)` is near 1. Where `e^(-2u)` overflows,
+/// `s` is 0 and the derivative 0.
 pub(crate) fn gelu_grad(d: &mut dyn Diff, x: Dv, g: Dv) -> Dv {
     let c = (2.0 / std::f64::consts::PI).sqrt();
     let k = 0.044715;
-    // u = c (x + k x^3), t = tanh(u):
-    // gelu' = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 k x^2)
+    let x = d.widen(x);
     let x2 = d.unary(UnaryOp::Square, x);
-    let x3 = d.mul(x2, x);
-    let kx3 = d.scale(x3, k);
-    let inner = d.add(x, kx3);
-    let u = d.scale(inner, c);
-    let t = d.unary(UnaryOp::Tanh, u);
-    let one_plus_t = d.scalar(BinaryOp::Add, t, 1.0, false);
-    let left = d.scale(one_plus_t, 0.5);
-    let t2 = d.unary(UnaryOp::Square, t);
-    let sech2 = d.rsub(1.0, t2);
-    let x2k = d.scale(x2, 3.0 * k);
-    let du = d.scalar(BinaryOp::Add, x2k, 1.0, false);
-    let du = d.scale(du, 0.5 * c);
-    let right = d.mul(x, sech2);
-    let right = d.mul(right, du);
-    let total = d.add(left, right);
+    // -2u = x (-2c - 2ck x^2), as `gelu_kernel` in the table writes it.
+    let poly = d.scale(x2, -2.0 * c * k);
+    let poly = d.scalar(BinaryOp::Add, poly, -2.0 * c, false);
+    let minus_2u = d.mul(x, poly);
+    let e = d.unary(UnaryOp::Exp, minus_2u);
+    let den = d.scalar(BinaryOp::Add, e, 1.0, false);
+    let s = d.unary(UnaryOp::Recip, den);
+    let one_minus_s = d.rsub(1.0, s);
+    let du = d.scale(x2, 6.0 * c * k);
+    let du = d.scalar(BinaryOp::Add, du, 2.0 * c, false);
+    let r = d.mul(x, one_minus_s);
+    let r = d.mul(r, du);
+    let r = d.mul(r, s);
+    let total = d.add(r, s);
+    let total = d.narrow(total);
     d.mul(g, total)
 }
 
@@ -199,6 +215,12 @@ mod tests {
         }
         fn zeros_like(&mut self, _: Dv) -> Dv {
             self.push(0.0)
+        }
+        fn widen(&mut self, x: Dv) -> Dv {
+            x
+        }
+        fn narrow(&mut self, x: Dv) -> Dv {
+            x
         }
     }
 

@@ -171,11 +171,11 @@ macro_rules! unary_ops {
             Tanh { method: tanh, doc: "Hyperbolic tangent.", dtypes: Float,
                 reference: |x| x.tanh(), reference_int: None,
                 kernel: |b, x| b.tanh(x), sensitivity: Lipschitz(1.0), ulps: 4.0,
-                grad: |d, _, y, g| { let y2 = d.unary(UnaryOp::Square, y); let s = d.rsub(1.0, y2); d.mul(g, s) }, saves: Output };
+                grad: |d, _, y, g| { let y = d.widen(y); let y2 = d.unary(UnaryOp::Square, y); let s = d.rsub(1.0, y2); let s = d.narrow(s); d.mul(g, s) }, saves: Output };
             Sigmoid { method: sigmoid, doc: "`1 / (1 + e^-x)`.", dtypes: Float,
                 reference: |x| 1.0 / (1.0 + (-x).exp()), reference_int: None,
                 kernel: sigmoid_kernel, sensitivity: Lipschitz(0.25), ulps: 6.0,
-                grad: |d, _, y, g| { let s = d.rsub(1.0, y); let s = d.mul(y, s); d.mul(g, s) }, saves: Output };
+                grad: |d, _, y, g| { let y = d.widen(y); let s = d.rsub(1.0, y); let s = d.mul(y, s); let s = d.narrow(s); d.mul(g, s) }, saves: Output };
             Relu { method: relu, doc: "`max(x, 0)` (NaN stays NaN).", dtypes: Numeric,
                 reference: |x| if x.is_nan() { x } else { x.max(0.0) }, reference_int: Some(|x| x.max(0)),
                 kernel: |b, x| { let z = b.constant_like(x, 0.0); b.max(x, z) },

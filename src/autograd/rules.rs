@@ -446,18 +446,31 @@ impl TensorDiff {
 
     /// The value as a tensor (a constant is recorded once, as a one-element tensor, then
     /// reused).
-    fn tensor(&mut self, v: Dv) -> Tensor {
+    fn tensor(&mut self, v: Dv, dtype: DType) -> Tensor {
         match self.values[v.0 as usize] {
             Val::T(ref t) => t.clone(),
             Val::S(s) => {
-                if let Some((_, t)) = self.recorded.iter().find(|(bits, _)| *bits == s.to_bits()) {
+                if let Some((_, t)) = self.recorded.iter().find(|(bits, t)| *bits == s.to_bits() && t.dtype() == dtype)
+                {
                     return t.clone();
                 }
-                let t = Tensor::full((), s, self.dtype, &self.device);
+                let t = Tensor::full((), s, dtype, &self.device);
                 self.recorded.push((s.to_bits(), t.clone()));
                 t
             }
         }
+    }
+
+    /// The dtype constants among `values` are recorded in: the first tensor's (a widened rule
+    /// computes in f32), else the op's.
+    fn dtype_of(&self, values: &[Dv]) -> DType {
+        values
+            .iter()
+            .find_map(|v| match &self.values[v.0 as usize] {
+                Val::T(t) => Some(t.dtype()),
+                Val::S(_) => None,
+            })
+            .unwrap_or(self.dtype)
     }
 
     fn take(&self, v: Dv) -> Val {
@@ -499,7 +512,8 @@ impl Diff for TensorDiff {
             let v = if (op.def().reference)(*x, *y) { 1.0 } else { 0.0 };
             return self.push_val(Val::S(v));
         }
-        let (a, b) = (self.tensor(a), self.tensor(b));
+        let dtype = self.dtype_of(&[a, b]);
+        let (a, b) = (self.tensor(a, dtype), self.tensor(b, dtype));
         self.push(a.compare(op, &b))
     }
     fn select(&mut self, cond: Dv, a: Dv, b: Dv) -> Dv {
@@ -507,10 +521,25 @@ impl Diff for TensorDiff {
             let pick = if c != 0.0 { a } else { b };
             return self.push_val(self.values[pick.0 as usize].clone());
         }
-        let (c, a, b) = (self.tensor(cond), self.tensor(a), self.tensor(b));
+        let dtype = self.dtype_of(&[a, b]);
+        let (c, a, b) = (self.tensor(cond, dtype), self.tensor(a, dtype), self.tensor(b, dtype));
         self.push(c.select(&a, &b))
     }
     fn zeros_like(&mut self, _: Dv) -> Dv {
         self.push_val(Val::S(0.0))
+    }
+    fn widen(&mut self, x: Dv) -> Dv {
+        let v = match &self.values[x.0 as usize] {
+            Val::T(t) if matches!(t.dtype(), DType::F16 | DType::BF16) => Val::T(t.to_dtype(DType::F32)),
+            v => v.clone(),
+        };
+        self.push_val(v)
+    }
+    fn narrow(&mut self, x: Dv) -> Dv {
+        let v = match &self.values[x.0 as usize] {
+            Val::T(t) if t.dtype() != self.dtype => Val::T(t.to_dtype(self.dtype)),
+            v => v.clone(),
+        };
+        self.push_val(v)
     }
 }
