@@ -302,8 +302,8 @@ pub(crate) fn long_row_cases(rng: &mut Rng, first: usize) -> Vec<Case> {
             let mut case = loop {
                 let case = rows_case_over(rng, first + cases.len(), &dims, axis, MathLib::Host, false);
                 let d = case.kernel.args[0].dtype;
-                // The last split column kernel folds two reductions in one pass.
-                let merged = path != "split-columns" || k < 2 || first_level_reductions(&case) >= 2;
+                // The last split kernel of each shape folds two reductions in one pass.
+                let merged = !path.starts_with("split") || k < 2 || first_level_reductions(&case) >= 2;
                 if d.compute() != DType::F32 && (path == "split" || d.size() == 8) && merged {
                     break case;
                 }

@@ -38,6 +38,18 @@ impl RowPlan<'_> {
         sweeps
     }
 
+    /// The per-row values the first pass's folds may read (every node before its last
+    /// reduction that reads no reduction's value), printed: what a split kernel's merged first
+    /// pass (`split.rs`) prints before its sweep. Nothing without a first pass.
+    pub fn per_row_values_before_first_pass(&self, out: &mut String) -> Result<(), String> {
+        let Some(&(last, ..)) = self.first_pass().last() else { return Ok(()) };
+        let after = after_reductions(&self.r.expr);
+        (0..last).filter(|&j| !after[j]).try_for_each(|j| {
+            // Never called: a node that reads no reduction is none.
+            self.per_row_value(out, j, &mut |_, i, _, _, _| Err(format!("node {i}: a reduction before the first pass")))
+        })
+    }
+
     /// [`Self::per_row_values`] of every node, the first pass's reductions printed together by
     /// `merged` where the first of them falls (after the per-row values they may read, none of
     /// which reads a reduction), the later ones by `reduced`.

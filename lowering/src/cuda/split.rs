@@ -2,11 +2,14 @@
 //! GPU (a whole-tensor reduction, the column sums of a tall matrix), which one block per row
 //! would leave to a few multiprocessors.
 //!
-//! Per live reduction, in order: `partial<i>` runs one block per (row, segment) and folds the
-//! segment (float sums compensated per thread, as in one block) into a partial result in
-//! scratch memory; `combine<i>` runs one block per row, folds the row's partials (argmax with
-//! their positions, so the first maximum still wins) and writes the reduction's value to
-//! scratch. Later entries read those values and recompute the per-row values they feed. A last
+//! First the reductions that read no reduction's value, when there are two or more (the
+//! kernel's first pass, `first_pass.rs`: a gradient norm's sums of squares of several tensors):
+//! `partial` runs one block per (row, segment) and folds the segment into a partial result of
+//! each of them (float sums compensated per thread, as in one block) in scratch memory;
+//! `combine` runs one block per row, folds the row's partials of each (argmax with their
+//! positions, so the first maximum still wins) and writes their values to scratch. Then per
+//! later live reduction, in order, `partial<i>` and `combine<i>` do the same for it alone,
+//! reading the values before it and recomputing the per-row values they feed. A last
 //! entry, `finish`, runs one block per (row, segment) again: one thread writes the per-row
 //! stores, every block its segment's per-element stores.
 //!
@@ -16,7 +19,8 @@
 //! in shared memory (each entry reads its segment once per phase it needs), or rely on the
 //! order in which blocks of one entry run.
 
-use super::reduce::reduction;
+use super::first_pass::Reduction;
+use super::reduce::{reduction, reductions};
 use super::rows::RowPlan;
 use super::*;
 
@@ -124,7 +128,36 @@ pub(super) fn print_split(
         entries.push(Entry { name, launch: Launch::Rows { rows: grid, threads } });
         Ok(())
     };
-    for (i, op, x, d) in p.reductions() {
+    // The reductions that read none (a gradient norm's sums of squares of several tensors):
+    // one pass for all of their partial results, one for all of their values.
+    let first = p.first_pass();
+    if !first.is_empty() {
+        let names: Vec<String> = first.iter().map(|&(i, ..)| format!("v{i}")).collect();
+        let names = names.join(", ");
+        let comment = format!("Reductions {names}, pass 1: {segments} segments of {seg_len} per row, a block each.");
+        entry(out, "partial", blocks, comment)?;
+        segment(out);
+        p.per_row_values_before_first_pass(out)?;
+        let _ = writeln!(out, "{end}");
+        let roots: Vec<usize> = first.iter().map(|&(_, _, x, _)| x).collect();
+        reductions(out, &first, [len, threads as usize], &|out, body| p.sweep(out, range, &roots, &[], body, None))?;
+        let _ = writeln!(out, "  if (threadIdx.x == 0) {{");
+        for &(i, op, _, d) in &first {
+            let _ = writeln!(out, "    {}[blockIdx.x] = acc{i};", scratch.partials(i, d));
+            if op == ReduceOp::ArgMax {
+                let _ = writeln!(out, "    {}[blockIdx.x] = arg{i};", scratch.positions(i));
+            }
+        }
+        let _ = writeln!(out, "  }}\n}}");
+        let comment = format!("Reductions {names}, pass 2: each row's {segments} partial results, a block per row.");
+        entry(out, "combine", rows, comment)?;
+        let _ = writeln!(out, "  const long long row = blockIdx.x;");
+        for &(i, op, x, d) in &first {
+            combine_partials(out, &scratch, (i, op, x, d), [len, segments, threads as usize])?;
+        }
+        out.push_str("}\n");
+    }
+    for (i, op, x, d) in p.reductions().into_iter().filter(|r| !first.contains(r)) {
         let arg = op == ReduceOp::ArgMax;
         // Pass 1: each segment's partial result.
         let comment = format!("Reduction v{i}, pass 1: {segments} segments of {seg_len} per row, a block each.");
@@ -144,16 +177,8 @@ pub(super) fn print_split(
         let comment = format!("Reduction v{i}, pass 2: each row's {segments} partial results, a block per row.");
         entry(out, &format!("combine{i}"), rows, comment)?;
         let _ = writeln!(out, "  const long long row = blockIdx.x;");
-        let value = reduction(out, i, op, x, d, [len, threads as usize], &|out, body| {
-            let _ = writeln!(out, "  for (long long k = threadIdx.x; k < {segments}LL; k += blockDim.x) {{");
-            let _ = writeln!(out, "    const {} v{x} = {}[row * {segments} + k];", ctype(d), scratch.partials(i, d));
-            if arg {
-                let _ = writeln!(out, "    const long long t = {}[row * {segments} + k];", scratch.positions(i));
-            }
-            let _ = writeln!(out, "{body}  }}");
-            Ok(())
-        })?;
-        let _ = writeln!(out, "  if (threadIdx.x == 0) {}[row] = {value};\n}}", scratch.results(i, nodes[i].dtype));
+        combine_partials(out, &scratch, (i, op, x, d), [len, segments, threads as usize])?;
+        out.push_str("}\n");
     }
     // The outputs.
     let comment = format!("The outputs: {segments} segments of {seg_len} per row, a block each.");
@@ -164,4 +189,26 @@ pub(super) fn print_split(
     p.print_stores(out, "seg == 0 && threadIdx.x == 0", range, None)?;
     out.push_str("}\n");
     Ok((entries, scratch.bytes))
+}
+
+/// Prints the fold of reduction `i`'s partial results of row `row` (their positions stand for
+/// `t`) into its value in scratch, by the block: pass 2 of a split row.
+fn combine_partials(
+    out: &mut String,
+    scratch: &Scratch,
+    (i, op, x, d): Reduction,
+    [len, segments, threads]: [usize; 3],
+) -> Result<(), String> {
+    let value = reduction(out, i, op, x, d, [len, threads], &|out, body| {
+        let _ = writeln!(out, "  for (long long k = threadIdx.x; k < {segments}LL; k += blockDim.x) {{");
+        let _ = writeln!(out, "    const {} v{x} = {}[row * {segments} + k];", ctype(d), scratch.partials(i, d));
+        if op == ReduceOp::ArgMax {
+            let _ = writeln!(out, "    const long long t = {}[row * {segments} + k];", scratch.positions(i));
+        }
+        let _ = writeln!(out, "{body}  }}");
+        Ok(())
+    })?;
+    let dtype = if op == ReduceOp::ArgMax { DType::I64 } else { d };
+    let _ = writeln!(out, "  if (threadIdx.x == 0) {}[row] = {value};", scratch.results(i, dtype));
+    Ok(())
 }

@@ -277,3 +277,60 @@ fn many_short_rows_share_blocks_a_segment_of_lanes_each() {
     );
     assert!(!p.source.contains("__shared__") && !p.source.contains("__syncthreads"), "{}", p.source);
 }
+
+/// `sum(x^2) + sum(y^2)` of two f32 tensors of `len` elements, stored as one value: a gradient
+/// norm's sums of squares of two tensors in one kernel.
+fn sums_of_squares(len: usize) -> Kernel {
+    let mut b = ExprBuilder::new();
+    let x = b.load(0, DType::F32);
+    let x2 = b.mul(x, x);
+    let sx = b.reduce(ReduceOp::Sum, x2);
+    let y = b.load(1, DType::F32);
+    let y2 = b.mul(y, y);
+    let sy = b.reduce(ReduceOp::Sum, y2);
+    let total = b.add(sx, sy);
+    let dims = [len];
+    let r = RowKernel {
+        dims: dims.as_slice().into(),
+        axis: None,
+        loads: vec![load(0, DType::F32, contiguous(&dims)), load(1, DType::F32, contiguous(&dims))],
+        expr: b.finish(),
+        stores: vec![store(2, DType::F32, view(&dims, &[0], 0), total)],
+    };
+    Kernel { args: args(&[(DType::F32, len), (DType::F32, len), (DType::F32, 1)]), inputs: 2, body: Body::Rows(r) }
+}
+
+#[test]
+fn reductions_of_a_split_row_that_read_none_share_two_passes() {
+    // Two whole-tensor sums of 3 segments: one pass folds each segment into a partial result of
+    // both, one block combines both (three launches, not five: in a CUDA graph each dependent
+    // launch costs microseconds, which a gradient norm over 148 tensors paid 100 times).
+    let p = print(&sums_of_squares(3 * SEGMENT), "norm").unwrap();
+    let launches: Vec<(&str, Launch)> = p.entries.iter().map(|e| (e.name.as_str(), e.launch)).collect();
+    let (segs, one) = (Launch::Rows { rows: 3, threads: 256 }, Launch::Rows { rows: 1, threads: 256 });
+    assert_eq!(launches, [("norm_rows_partial", segs), ("norm_rows_combine", one), ("norm_rows_finish", segs)]);
+    assert_eq!(p.scratch_bytes, 2 * (16 + 8), "3 partials and a value per sum, regions of 8 bytes");
+    in_order(
+        &p.source,
+        &[
+            "// Reductions v2, v5, pass 1: 3 segments of 4096 per row, a block each.",
+            "void norm_rows_partial(",
+            "for (int t = seg * 4096LL + threadIdx.x; t < end; t += blockDim.x) {",
+            "const float v0 = a0[d0];",
+            "const float v3 = a1[d0];",
+            "{ const float y = v1 - cmp2;",
+            "{ const float y = v4 - cmp5;",
+            "if (threadIdx.x == 0) {",
+            "((float*)(a3 + 0))[blockIdx.x] = acc2;",
+            "((float*)(a3 + 24))[blockIdx.x] = acc5;",
+            "// Reductions v2, v5, pass 2: each row's 3 partial results, a block per row.",
+            "void norm_rows_combine(",
+            "if (threadIdx.x == 0) ((float*)(a3 + 16))[row] = acc2;",
+            "if (threadIdx.x == 0) ((float*)(a3 + 40))[row] = acc5;",
+            "void norm_rows_finish(",
+            "const float v6 = v2 + v5;",
+        ],
+    );
+    let finish = &p.source[p.source.find("void norm_rows_finish(").unwrap()..];
+    assert!(!finish.contains("a0[") && !finish.contains("a1["), "the outputs read no input:\n{finish}");
+}
