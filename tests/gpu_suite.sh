@@ -4,8 +4,9 @@
 # $OUT/suites.tar.gz), under compute-sanitizer, and checks the CUDA disk cache.
 #
 #   bash tests/gpu_suite.sh pack                here, after ../shared/gpu/stage: fixes the staged names
-#                                               (bench targets are bench-*, and tests/streams.rs is
-#                                               not replaced by the streams bench) and packs .gpu/bin
+#                                               (bench targets are bench-*, and tests/streams.rs,
+#                                               attention.rs and layouts.rs are not replaced by the
+#                                               benches of their names) and packs .gpu/bin
 #                                               into .gpupack/bin.tar.xz (about 20 MiB; the staged
 #                                               binaries are about 250 MiB). Send with carry
 #                                               [".gpupack"] and start the command there with
@@ -33,12 +34,13 @@ case "${1:-}" in
   pack)
     set -e
     cd .gpu/bin
-    for b in card overhead fusion_guard streams gpu_card data_parallel; do rm -f "test-$b"; done
-    # The stage names every target test-NAME, so the streams bench overwrote tests/streams.rs's
-    # binary; both are rebuilt (no-ops when fresh) to find them by kind.
+    for b in card overhead fusion_guard streams attention layouts gpu_card data_parallel; do rm -f "test-$b"; done
+    # The stage names every target test-NAME, so a bench overwrote the test of its name
+    # (streams, attention, layouts); both are rebuilt (no-ops when fresh) to find them by kind.
     json=$(mktemp)
-    cargo test --release --no-run --test streams --message-format=json >"$json"
-    cargo build --release --bench gpu_card --bench data_parallel --message-format=json >>"$json"
+    cargo test --release --no-run --test streams --test attention --test layouts --message-format=json >"$json"
+    cargo build --release --bench gpu_card --bench data_parallel --bench attention --bench layouts \
+      --message-format=json >>"$json"
     python3 - "$json" <<'PY'
 import json, shutil, sys
 for line in open(sys.argv[1]):
@@ -49,7 +51,7 @@ for line in open(sys.argv[1]):
         if kind in ("test", "bench"):  # not the `braid` binary the tests need built
             shutil.copy2(m["executable"], f'{kind}-{m["target"]["name"]}')
 PY
-    strip test-streams bench-gpu_card bench-data_parallel
+    strip test-streams test-attention test-layouts bench-gpu_card bench-data_parallel bench-attention bench-layouts
     cd ../..
     mkdir -p .gpupack && cp -r .gpu/debs .gpu/run .gpupack/
     grep -qx '/.gpupack/' .git/info/exclude 2>/dev/null || echo '/.gpupack/' >>.git/info/exclude

@@ -8,6 +8,10 @@
 //! and `cuda_bf16.h`): `$CUDA_PATH/include`, `$CUDA_HOME/include`, `/usr/local/cuda/include`,
 //! `/opt/cuda/include`, `/usr/include`, the first that has `cuda_fp16.h`.
 //!
+//! With `BRAID_CUDA_LINEINFO=1` NVRTC also gets `-lineinfo`, so that `compute-sanitizer` and
+//! Nsight name the line of the printed source (kept in the kernel cache's entries) where a
+//! report points; it is one more option, so such kernels are cached apart.
+//!
 //! Must never: cache anything (that is [`super::compile`]'s job), load modules, or panic on a
 //! source NVRTC rejects (its log comes back in the error).
 
@@ -95,6 +99,10 @@ pub fn target(compute_capability: (i32, i32)) -> Result<Target, DeviceError> {
     if let Some(dir) = include_dir() {
         options.push(format!("-I{}", dir.display()));
     }
+    if line_info() {
+        // Source lines for compute-sanitizer and profilers; the same machine code otherwise.
+        options.push("-lineinfo".into());
+    }
     Ok(Target { arch, kind, options, nvrtc_version: version })
 }
 
@@ -165,4 +173,10 @@ fn program_log(program: &Program) -> Result<String, DeviceError> {
         check(sys::nvrtcGetProgramLog(program.0, log.as_mut_ptr() as *mut c_char), "nvrtcGetProgramLog")?;
         Ok(String::from_utf8_lossy(&log).trim_end_matches('\0').to_string())
     }
+}
+
+/// `BRAID_CUDA_LINEINFO=1` (read once): compile with `-lineinfo`.
+fn line_info() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("BRAID_CUDA_LINEINFO").is_ok_and(|v| v == "1"))
 }
