@@ -129,6 +129,13 @@ __device__ __forceinline__ void att_forward(const att_t* q, const att_t* k, cons
       if (LSE && t4 == 0 && query < ATT_SQ) lse[b * ATT_SQ + query] = fmaf(m[mi][h], ATT_SCALE, logf(sum));
     }
   }
+  // No tile walked (no keys; or, for key and value gradients, no query that sees these keys):
+  // the tiles' asynchronous copies may still be landing in the rows the stores stage through,
+  // and no barrier has ordered them (compute-sanitizer racecheck found this).
+  if (ntiles == 0) {
+    att_cp_wait();
+    __syncthreads();
+  }
   if (OUT) {
 #pragma unroll
     for (int mi = 0; mi < ATT_MT; ++mi) {
@@ -225,6 +232,13 @@ __device__ __forceinline__ void att_grad_q(const att_t* q, const att_t* k, const
       __syncthreads();
       if (t + 1 < ntiles) fetch(buf ^ 1, k0 + BK);
     }
+  }
+  // No tile walked (no keys; or, for key and value gradients, no query that sees these keys):
+  // the tiles' asynchronous copies may still be landing in the rows the stores stage through,
+  // and no barrier has ordered them (compute-sanitizer racecheck found this).
+  if (ntiles == 0) {
+    att_cp_wait();
+    __syncthreads();
   }
   att_store<ATT_MT>(dq, b * ATT_SQ + q0, row0, ATT_SQ - q0, acc, ATT_SCALE, qs + row0 * ATT_LDS, lane);
 }
@@ -329,6 +343,13 @@ __device__ __forceinline__ void att_grad_kv(const att_t* q, const att_t* k, cons
       __syncthreads();
       if (t + 1 < ntiles) fetch(buf ^ 1, i0 + BQ);
     }
+  }
+  // No tile walked (no keys; or, for key and value gradients, no query that sees these keys):
+  // the tiles' asynchronous copies may still be landing in the rows the stores stage through,
+  // and no barrier has ordered them (compute-sanitizer racecheck found this).
+  if (ntiles == 0) {
+    att_cp_wait();
+    __syncthreads();
   }
   // Each warp stages its own keys' rows of the k and v tiles (no other warp reads them).
   if (DK) att_store<ATT_MT>(dk, b * ATT_SK + k0, row0, ATT_SK - k0, gk, ATT_SCALE, ks + row0 * ATT_LDS, lane);
