@@ -232,6 +232,13 @@ impl<V> Graph<V> {
         self.len == 0
     }
 
+    /// One more than the largest node index there has been: a bound of every node index, at
+    /// no cost (tables indexed by node are sized by it once per flush; [`Self::node_bound`]
+    /// scans the free slots at the end, which a program that once held many nodes keeps).
+    pub fn slot_count(&self) -> usize {
+        self.slots.len()
+    }
+
     /// One more than the largest node index in use (for tables indexed by node).
     pub fn node_bound(&self) -> usize {
         self.slots.iter().rposition(|s| s.node.is_some()).map_or(0, |i| i + 1)

@@ -324,7 +324,7 @@ pub(super) fn walk(st: &mut EngineState, targets: &[NodeId]) -> Walked {
     // up to a bound: a read of one value among many pending ones walks few of them.
     let pending = st.pending.min(4096);
     let EngineState { graph, marks, .. } = st;
-    marks.start(graph.node_bound());
+    marks.start(graph.slot_count());
     // (seq, id): sorted by recording order at the end.
     let mut order: Vec<(u64, NodeId)> = Vec::with_capacity(pending);
     let mut waits: Vec<Arc<Ticket>> = Vec::new();
