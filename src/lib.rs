@@ -41,6 +41,7 @@ pub mod io;
 pub mod nn;
 pub mod optim;
 pub mod prelude;
+pub mod quant;
 mod recorder;
 mod step;
 mod stream;

@@ -77,7 +77,9 @@ pub struct Step<F> {
 struct Signature {
     device: Device,
     budget: Option<u64>,
-    args: Vec<(DType, Shape, Option<usize>)>,
+    /// Each argument's dtype, shape, quantized layout (a quantized weight's bytes differ with
+    /// it) and alias.
+    args: Vec<(DType, Shape, Option<braid_graph::QuantLayout>, Option<usize>)>,
 }
 
 impl Signature {
@@ -85,14 +87,18 @@ impl Signature {
         self.device == *device
             && self.budget == device.memory_budget()
             && self.args.len() == args.len()
-            && self.args.iter().zip(args).enumerate().all(|(i, ((dtype, shape, alias), a))| {
-                *dtype == a.dtype() && shape == a.shape() && *alias == first_alias(values, i)
+            && self.args.iter().zip(args).enumerate().all(|(i, ((dtype, shape, quant, alias), a))| {
+                *dtype == a.dtype()
+                    && shape == a.shape()
+                    && *quant == a.quant_layout()
+                    && *alias == first_alias(values, i)
             })
     }
 
     fn of(device: &Device, args: &[Tensor], values: &[u64]) -> Signature {
-        let args =
-            args.iter().enumerate().map(|(i, a)| (a.dtype(), a.shape().clone(), first_alias(values, i))).collect();
+        let args = (args.iter().enumerate())
+            .map(|(i, a)| (a.dtype(), a.shape().clone(), a.quant_layout(), first_alias(values, i)))
+            .collect();
         Signature { device: device.clone(), budget: device.memory_budget(), args }
     }
 }

@@ -38,6 +38,8 @@ mod cases;
 mod common;
 #[path = "cuda_printer/gathers.rs"]
 mod gathers;
+#[path = "cuda_printer/quant_cases.rs"]
+mod quant_cases;
 #[path = "cuda_printer/scatters.rs"]
 mod scatters;
 #[path = "cuda_printer/warps.rs"]
@@ -121,7 +123,23 @@ fn tolerance(case: &Case) -> (Vec<bool>, f64, f64) {
             let rounding = if m.epilogue.is_some() { 4.0 * m.dtype.epsilon() } else { 0.0 };
             return (approx, m.k as f64 * largest(m.lhs.arg) * largest(m.rhs.arg), rounding);
         }
-        Body::Collective(_) => unreachable!("the generators make no collectives"),
+        Body::QuantMatmul(q) => {
+            approx[q.product as usize] = true;
+            if let Some(e) = &q.epilogue {
+                let reads_product =
+                    |i: usize| matches!(e.expr.nodes[i].op, ExprOp::Load(s) if e.loads[s as usize].arg == q.product);
+                mark(&mut approx, &e.expr, &e.stores, &reads_product);
+            }
+            let (d, x) = (k.args[q.lhs.arg as usize].dtype, &case.init[q.lhs.arg as usize]);
+            let largest_x =
+                (0..x.len() / d.size()).filter_map(|i| element(d, x, i).ok()).fold(0f64, |a, v| a.max(v.abs()));
+            let w = q.layout.dequantize(&case.init[q.weight as usize]);
+            let largest_w = w.iter().fold(0f64, |a, v| a.max(v.abs() as f64));
+            // Sums in another order (the scales applied to partial sums), then one rounding
+            // to the product's dtype, which may land an ulp away (and an epilogue's bias).
+            return (approx, q.layout.k as f64 * largest_x * largest_w, 4.0 * q.dtype.epsilon());
+        }
+        Body::Collective(_) | Body::Quantize(_) => unreachable!("the generators make no collectives or quantizations"),
     }
     (approx, 0.0, 0.0)
 }
@@ -345,6 +363,31 @@ fn matrix_products_match_the_cpu() {
         cases.push(matmul_case_over(&mut rng, 2000 + i, spec));
     }
     check_cases(&h, "matrix products", &cases, |_, _| vec![]);
+}
+
+#[test]
+fn quantized_products_match_the_cpu() {
+    use braid_graph::{QuantLayout, Scheme};
+    let mut rng = Rng::new(0x9A47);
+    let mut cases: Vec<Case> =
+        (0..if quick() { 20 } else { 60 }).map(|n| quant_cases::quant_case(&mut rng, n).0).collect();
+    // Serving's shapes: one to sixteen rows (the few-rows path, vector loads of the inputs)
+    // and more (the tiled path) over long rows of weights.
+    let int4 = |group| Scheme::Int4 { group };
+    let shapes = [
+        (DType::BF16, int4(32), DType::F16, 1, 4096, 256),
+        (DType::BF16, Scheme::Int8, DType::F16, 1, 4096, 96),
+        (DType::F32, int4(128), DType::F32, 8, 1024, 200),
+        (DType::F16, Scheme::Int8, DType::F32, 16, 768, 130),
+        (DType::BF16, int4(64), DType::F16, 17, 768, 70),
+        (DType::BF16, Scheme::Int8, DType::F16, 130, 1001, 65),
+    ];
+    for (i, &(d, scheme, scale, m, k, n)) in shapes.iter().enumerate() {
+        let layout = QuantLayout::new(scheme, k, n, scale).unwrap();
+        cases.push(quant_cases::quant_case_of(&mut rng, 1000 + i, d, layout, m).0);
+    }
+    let Some(h) = gpu("quantized products") else { return };
+    check_cases(&h, "quantized products", &cases, |_, _| vec![]);
 }
 
 #[test]

@@ -40,6 +40,8 @@ mod cases;
 mod common;
 #[path = "cuda_printer/gathers.rs"]
 mod gathers;
+#[path = "cuda_printer/quant_cases.rs"]
+mod quant_cases;
 #[path = "cuda_printer/scatters.rs"]
 mod scatters;
 #[path = "cuda_printer/warps.rs"]
@@ -138,7 +140,18 @@ static unsigned __ballot_sync(unsigned mask, int pred) {
   __syncthreads();
   return bits;
 }
+template <class T> static T __shfl_xor_sync(unsigned mask, T v, int lanes) {
+  return braid_shuffle(mask, v, threadIdx.x ^ (unsigned)lanes);
+}
 static inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
+struct alignas(16) float4 { float x, y, z, w; };
+static inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+template <class T> static T __ldg(const T* p) { return *p; }
+template <class T> static T __ldcs(const T* p) { return *p; }
+static inline float __uint_as_float(unsigned b) { float f; std::memcpy(&f, &b, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned b; std::memcpy(&b, &f, 4); return b; }
+using std::fmaf;
+using std::rintf;
 static inline float __int_as_float(int b) { float f; std::memcpy(&f, &b, 4); return f; }
 static inline double __longlong_as_double(long long b) { double f; std::memcpy(&f, &b, 8); return f; }
 // x rounded to nearest-even with p significant bits and smallest normal exponent emin.
@@ -257,12 +270,16 @@ fn close(want: f64, got: f64, storage: DType, approx: bool, floor: f64) -> bool 
 
 /// The first element where the printed kernel's arguments after the run (`got`, the case's
 /// file) differ from the CPU's (`cpu`), if any.
-fn compare(case: &Case, n: usize, cpu: &[Vec<u8>], got: &[u8]) -> Option<String> {
+/// `bound`: per element of a product (and of each output laid out as it), how far the printed
+/// kernel may be from the CPU (a quantized product sums in another order).
+fn compare(case: &Case, n: usize, cpu: &[Vec<u8>], got: &[u8], bound: Option<&[f64]>) -> Option<String> {
     let (offsets, _) = layout(&case.init, n);
     let (loops, rows): (Vec<&MapLoop>, Option<&RowKernel>) = match &case.kernel.body {
         Body::Map(l) => (l.iter().collect(), None),
         Body::Rows(r) => (vec![], Some(r)),
         Body::Matmul(m) => (m.epilogue.iter().collect(), None),
+        Body::QuantMatmul(q) => (q.epilogue.iter().collect(), None),
+        Body::Quantize(_) => unreachable!("the generators make no quantizations (the CPU runs them)"),
         Body::Gather(_) | Body::Scatter(_) => return gathers::differ(case, &offsets, cpu, got),
         Body::Collective(_) => unreachable!("the generators make no collectives"),
         Body::Attention(_) => unreachable!("the generators make no attention kernels (tests/attention.rs checks them)"),
@@ -277,8 +294,12 @@ fn compare(case: &Case, n: usize, cpu: &[Vec<u8>], got: &[u8]) -> Option<String>
         let got = &got[offsets[a]..offsets[a] + case.init[a].len()];
         for e in 0..case.kernel.args[a].len {
             let (w, g) = (element(d, &cpu[a], e), element(d, got, e));
+            let within = |w: f64, g: f64| {
+                let extra = bound.and_then(|b| b.get(e)).copied().unwrap_or(-1.0);
+                extra >= 0.0 && (w - g).abs() <= extra + 4.0 * d.epsilon() * w.abs().max(g.abs())
+            };
             let ok = match (w, g) {
-                (Ok(w), Ok(g)) => close(w, g, d, approx[a], if rows.is_some() { 1.0 } else { 0.0 }),
+                (Ok(w), Ok(g)) => close(w, g, d, approx[a], if rows.is_some() { 1.0 } else { 0.0 }) || within(w, g),
                 (w, g) => w == g,
             };
             if !ok {
@@ -330,12 +351,17 @@ fn cpp_runner(n: usize, case: &Case, src: &cuda::CudaSource, offsets: &[usize], 
         for (a, d) in src.params.iter().enumerate() {
             match offsets.get(a) {
                 Some(o) => _ = writeln!(f, "  auto a{a} = ({}*)(p + {o});", cuda::storage_ctype(*d)),
-                // Scratch memory (a split row kernel's), filled with garbage.
+                // Scratch memory (a split row kernel's, or a quantized product's), filled with
+                // garbage.
                 None => {
-                    let words = src.scratch_bytes / 8 + 1;
+                    let product = match &case.kernel.body {
+                        Body::QuantMatmul(q) => q.numel() * q.dtype.size(),
+                        _ => 0,
+                    };
+                    let words = src.scratch_bytes.max(product) / 8 + 1;
                     let _ =
                         writeln!(f, "  std::vector<unsigned long long> scratch{a}({words}, 0xBAD0BAD0BAD0BAD0ULL);");
-                    let _ = writeln!(f, "  auto a{a} = (unsigned char*)scratch{a}.data();");
+                    let _ = writeln!(f, "  auto a{a} = ({}*)scratch{a}.data();", cuda::storage_ctype(*d));
                 }
             }
         }
@@ -345,7 +371,9 @@ fn cpp_runner(n: usize, case: &Case, src: &cuda::CudaSource, offsets: &[usize], 
                 (Launch::Map { numel, .. }, _) => ("braid_launch", numel.div_ceil(8).min(3), 8),
                 (Launch::Rows { rows, .. }, Some(t)) if t > 1 => ("braid_launch_threads", rows, t),
                 (Launch::Rows { rows, .. }, _) => ("braid_launch", rows, 1),
-                (Launch::Tiles { .. }, _) => unreachable!("the generators make no attention kernels"),
+                // Quantized products (attention kernels are not generated): whole blocks of host
+                // threads, which meet at barriers and shuffles.
+                (Launch::Tiles { blocks, threads, .. }, _) => ("braid_launch_threads", blocks, threads),
             };
             let (name, params) = (&e.name, params.join(", "));
             let _ = writeln!(f, "  {launcher}({grid}, {block}, [&] {{ case{n}::{name}({params}); }});");
@@ -379,6 +407,14 @@ fn printed_kernels_compute_what_the_cpu_computes() {
     cases.extend(peeled_row_cases(&mut more, 1000, MathLib::Host));
     cases.extend(short_row_cases(&mut Rng::new(0x5407), 1100, MathLib::Host));
     cases.extend((0..40).map(|n| padded_row_map_case(&mut Rng::new(0x9AD0 + n as u64), n, MathLib::Host)));
+    // Products with quantized weights, with the bound of each product element.
+    let mut bounds: Vec<Option<Vec<f64>>> = vec![None; cases.len()];
+    let mut quant = Rng::new(0x9A47);
+    for n in 0..40 {
+        let (c, b) = quant_cases::quant_case(&mut quant, n);
+        cases.push(c);
+        bounds.push(Some(b));
+    }
     let dir = std::env::temp_dir().join(format!("braid_cuda_printer_{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     for h in ["cuda_fp16.h", "cuda_bf16.h"] {
@@ -465,7 +501,7 @@ fn printed_kernels_compute_what_the_cpu_computes() {
     for (n, case) in cases.iter().enumerate() {
         for run in runs_of(case, &printed[n]) {
             let got = std::fs::read(dir.join(out_name(n, run))).unwrap();
-            if let Some(f) = compare(case, n, &cpu[n], &got) {
+            if let Some(f) = compare(case, n, &cpu[n], &got, bounds[n].as_deref()) {
                 if failures.len() < 3 {
                     eprintln!("--- {} ({run:?} threads)\n{:#?}\n{}", case.label, case.kernel, printed[n].source);
                 }

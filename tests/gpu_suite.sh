@@ -5,7 +5,7 @@
 #
 #   bash tests/gpu_suite.sh pack                here, after ../shared/gpu/stage: fixes the staged names
 #                                               (bench targets are bench-*, and tests/streams.rs,
-#                                               attention.rs and layouts.rs are not replaced by the
+#                                               attention.rs, layouts.rs and quant.rs are not replaced by the
 #                                               benches of their names) and packs .gpu/bin
 #                                               into .gpupack/bin.tar.xz (about 20 MiB; the staged
 #                                               binaries are about 250 MiB). Send with carry
@@ -34,12 +34,12 @@ case "${1:-}" in
   pack)
     set -e
     cd .gpu/bin
-    for b in card overhead fusion_guard streams attention layouts gpu_card data_parallel; do rm -f "test-$b"; done
+    for b in card overhead fusion_guard streams attention layouts quant gpu_card data_parallel; do rm -f "test-$b"; done
     # The stage names every target test-NAME, so a bench overwrote the test of its name
-    # (streams, attention, layouts); both are rebuilt (no-ops when fresh) to find them by kind.
+    # (streams, attention, layouts, quant); both are rebuilt (no-ops when fresh) to find them by kind.
     json=$(mktemp)
-    cargo test --release --no-run --test streams --test attention --test layouts --message-format=json >"$json"
-    cargo build --release --bench gpu_card --bench data_parallel --bench attention --bench layouts \
+    cargo test --release --no-run --test streams --test attention --test layouts --test quant --message-format=json >"$json"
+    cargo build --release --bench gpu_card --bench data_parallel --bench attention --bench layouts --bench quant \
       --message-format=json >>"$json"
     python3 - "$json" <<'PY'
 import json, shutil, sys
@@ -51,7 +51,7 @@ for line in open(sys.argv[1]):
         if kind in ("test", "bench"):  # not the `braid` binary the tests need built
             shutil.copy2(m["executable"], f'{kind}-{m["target"]["name"]}')
 PY
-    strip test-streams test-attention test-layouts bench-gpu_card bench-data_parallel bench-attention bench-layouts
+    strip test-streams test-attention test-layouts test-quant bench-gpu_card bench-data_parallel bench-attention bench-layouts bench-quant
     cd ../..
     mkdir -p .gpupack && cp -r .gpu/debs .gpu/run .gpupack/
     grep -qx '/.gpupack/' .git/info/exclude 2>/dev/null || echo '/.gpupack/' >>.git/info/exclude

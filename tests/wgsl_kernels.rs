@@ -10,6 +10,8 @@
 //! from 1 to 50,000 (one workgroup per row, and rows split into segments over two passes),
 //! whole-tensor reductions over 2^20 elements and more; batched, strided, transposed matrix
 //! products of f32, f16, bf16, i32 and u8 with epilogues, sizes across the 16 x 16 tiles;
+//! products with quantized weights (`cuda_printer/quant_cases.rs`: int8 and int4 weights,
+//! f32 and f16 scales, x of f32, f16 and bf16 through any strides, with and without epilogues);
 //! the CUDA printer test's gathers (every element dtype wgpu holds, moved bit for bit) and
 //! scatter-adds (f32, i32, u8) with i32 indices, out-of-range ones included;
 //! sub-word outputs (u8, bool, f16, bf16) written by neighbouring threads; a map loop of more
@@ -24,7 +26,8 @@
 //! DAGs never feed such values to comparisons, casts to integers or halves, additions or
 //! divisions, and `sin`/`cos` read arguments clamped to [-8, 8]. A matrix product element may
 //! differ by `k * 2^-23 * sum |a b|` (two summation orders of `k` products) plus 2 ulps of its
-//! storage type; integer products exactly. On a hardware adapter (not lavapipe), every float
+//! storage type (a quantized product's bound adds an ulp of an f16 or bf16 product);
+//! integer products exactly. On a hardware adapter (not lavapipe), every float
 //! result is judged like an approximate one: its driver may divide in 2.5 ulps and fuse
 //! multiplies with adds, as WGSL's accuracy rules allow (on the H100, 2 of 193 kernels
 //! differed from the CPU by 1 ulp for that reason, and lavapipe matches the CPU bit for bit).
@@ -36,6 +39,8 @@ mod common;
 #[path = "cuda_printer/gathers.rs"]
 #[allow(dead_code)] // the CUDA printer's checks of its cases
 mod gathers;
+#[path = "cuda_printer/quant_cases.rs"]
+mod quant_cases;
 #[path = "cuda_printer/scatters.rs"]
 #[allow(dead_code)]
 mod scatters;
@@ -91,9 +96,10 @@ fn compare(case: &Case, cpu: &[Vec<u8>], got: &[Vec<u8>], bound: Option<&Bound>,
         Body::Map(l) => (l.iter().collect(), None),
         Body::Rows(r) => (vec![], Some(r)),
         Body::Matmul(m) => (m.epilogue.iter().collect(), None),
+        Body::QuantMatmul(q) => (q.epilogue.iter().collect(), None),
         // Elements moved, or summed in the CPU's order: exact.
         Body::Gather(_) | Body::Scatter(_) => (vec![], None),
-        Body::Collective(_) => unreachable!("the generators make no collectives"),
+        Body::Collective(_) | Body::Quantize(_) => unreachable!("the generators make no collectives or quantizations"),
         Body::Attention(_) => {
             unreachable!("the generators make no attention kernels (tests/wgsl_attention.rs checks them)")
         }
@@ -232,6 +238,11 @@ fn kernels() -> Vec<(Case, Option<Bound>)> {
             out.push((c, Some(b)));
             m += 1;
         }
+    }
+    // Products with quantized weights (int8, int4 in groups of 32, 64 and 128).
+    for n in 0..40 {
+        let (c, b) = quant_cases::quant_case(&mut rng, n);
+        out.push((c, Some(Bound(b))));
     }
     out
 }

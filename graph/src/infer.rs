@@ -194,6 +194,41 @@ pub fn matmul(a: (&Shape, DType), b: (&Shape, DType)) -> Inferred {
     Ok((Shape::from(dims), a.1))
 }
 
+/// A product of `x [m, k]` (a float dtype other than f64) and a quantized weight of `layout`,
+/// held as `weight` (a `U8` value of the layout's bytes): `[m, n]` of x's dtype.
+pub fn quant_matmul(x: (&Shape, DType), weight: (&Shape, DType), layout: &crate::quant::QuantLayout) -> Inferred {
+    if !matches!(x.1, DType::F32 | DType::F16 | DType::BF16) {
+        return Err(format!("a quantized product takes f32, f16 or bf16 inputs, not {}", x.1));
+    }
+    let dx = x.0.dims();
+    if dx.len() != 2 || dx[1] != layout.k {
+        return Err(format!(
+            "a quantized product of [{}, {}] weights takes [m, {}] inputs, not {}",
+            layout.k, layout.n, layout.k, x.0
+        ));
+    }
+    if weight.1 != DType::U8 || weight.0.dims() != [layout.bytes()] {
+        return Err(format!(
+            "a quantized {layout} weight is {} bytes, not {} of {}",
+            layout.bytes(),
+            weight.0,
+            weight.1
+        ));
+    }
+    Ok((Shape::from([dx[0], layout.n]), x.1))
+}
+
+/// Quantizing a float `[k, n]` weight to `layout`: a `U8` value of the layout's bytes.
+pub fn quantize(w: (&Shape, DType), layout: &crate::quant::QuantLayout) -> Inferred {
+    if !matches!(w.1, DType::F32 | DType::F16 | DType::BF16) {
+        return Err(format!("quantizes f32, f16 or bf16 weights, not {}", w.1));
+    }
+    if w.0.dims() != [layout.k, layout.n] {
+        return Err(format!("a {layout} quantization of a {} weight", w.0));
+    }
+    Ok((Shape::from([layout.bytes()]), DType::U8))
+}
+
 /// The dtype of attention's row statistics (the log-sum-exp and `rowsum(d_out * out)`): f64 for
 /// f64 inputs, f32 for the others (f16 and bf16 compute in f32).
 pub fn attention_stats(dtype: DType) -> DType {

@@ -17,6 +17,7 @@ pub mod flush;
 pub mod infer;
 pub mod ir;
 pub mod op;
+pub mod quant;
 #[cfg(feature = "reference")]
 pub mod reference;
 pub mod rng;
@@ -29,6 +30,7 @@ pub use dtype::{DType, DTypeClass, Element};
 pub use flush::{External, FlushGraph, FlushNode, ValueRef};
 pub use ir::{DeviceId, Edge, Graph, Node, NodeId, StreamId};
 pub use op::{AttentionPart, Collective, CollectiveKind, Op, ReduceOp, Scalar};
+pub use quant::{QuantLayout, Scheme};
 pub use shape::Shape;
 pub use table::{BinaryOp, CompareOp, DTypeRule, Sensitivity, UnaryOp};
 pub use target::{CostModel, DTypes, MemoryKind, PlatformMath, ProductPadding, Target};

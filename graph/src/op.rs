@@ -4,6 +4,7 @@
 //! reductions, matrix products and movement. An `Op` is pure description: its result's shape
 //! and dtype live on the node, and how it runs is decided by lowering.
 
+use crate::quant::QuantLayout;
 use crate::table::{BinaryOp, CompareOp, UnaryOp};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -102,6 +103,15 @@ pub enum Op {
     },
     /// `[.., m, k] x [.., k, n]` with broadcast batch dimensions.
     Matmul,
+    /// `x [m, k]` times a quantized weight `[k, n]`: inputs `[x, weight]`, the weight a `U8`
+    /// value of the layout's bytes ([`crate::quant`]). Each weight element is dequantized in
+    /// f32, the dot products accumulate in f32, and the result `[m, n]` has x's (float) dtype.
+    /// (Boxed, as `Permute`.)
+    QuantMatmul(Box<QuantLayout>),
+    /// A float `[k, n]` weight quantized to the layout's bytes (a `U8` value; see
+    /// [`crate::quant`] for the rounding). Recorded on CPU devices only: quantizing is a
+    /// load-time step, and a device's weights travel to the CPU and back for it.
+    Quantize(Box<QuantLayout>),
     /// Same elements, the node's shape.
     Reshape,
     /// The node's dimension `i` is input dimension `perm[i]`. (Boxed: the largest variant sets
@@ -256,6 +266,8 @@ impl Op {
             Op::Cast => "cast",
             Op::Reduce { op, .. } => op.name(),
             Op::Matmul => "matmul",
+            Op::QuantMatmul(_) => "quant_matmul",
+            Op::Quantize(_) => "quantize",
             Op::Reshape => "reshape",
             Op::Permute(_) => "permute",
             Op::Expand => "expand",

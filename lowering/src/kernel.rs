@@ -3,14 +3,14 @@
 //! A kernel reads and writes numbered buffer arguments through strided [`View`]s. Its body is
 //! either a set of map loops (an index space, loads, an expression DAG from
 //! [`braid_graph::expr`], stores), a row kernel (reductions with the elementwise work around
-//! them), a matrix product with an elementwise epilogue, a gather, a scatter-add, a pass of
+//! them), a matrix product (of float or quantized weights) with an elementwise epilogue, a gather, a scatter-add, a pass of
 //! fused attention, or a collective (a library call). Targets interpret it (the
 //! CPU) or print it (CUDA C, WGSL); none of them needs to know which graph ops it came from.
 //! The IR holds no buffers and no data, so kernels can be cached by structure.
 
-use braid_graph::DType;
 pub use braid_graph::View;
 use braid_graph::expr::{Expr, ExprOp};
+use braid_graph::{DType, QuantLayout};
 use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
 
@@ -151,6 +151,77 @@ impl MatmulKernel {
         }
         self.lhs.check(self.m, self.k, self.dtype, &arg)?;
         self.rhs.check(self.k, self.n, self.dtype, &arg)
+    }
+}
+
+/// A product with a quantized weight (`Op::QuantMatmul`): `x [m, k]` (operand `lhs`, one
+/// batch, a float dtype) times the `[k, n]` weight of `layout` held in argument `weight` (`U8`,
+/// the layout's bytes; see `braid_graph::quant`), each weight element dequantized in f32 and
+/// the dot products accumulated in f32, written contiguously (`[m, n]`, `dtype`) to argument
+/// `product` (one past the last argument: a scratch buffer the target provides), then the
+/// optional epilogue, as in [`MatmulKernel`]. No target ever writes a dequantized weight.
+#[derive(Clone, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+pub struct QuantMatmulKernel {
+    pub dtype: DType,
+    pub lhs: MatmulOperand,
+    pub weight: u16,
+    pub layout: QuantLayout,
+    pub product: u16,
+    pub m: usize,
+    pub epilogue: Option<MapLoop>,
+}
+
+impl QuantMatmulKernel {
+    /// The checks every target runs before touching an operand: `x` lies inside its argument of
+    /// the product's dtype, and the weight argument holds the layout's bytes.
+    pub fn check_operands(&self, arg: impl Fn(u16) -> Option<(DType, usize)>) -> Result<(), String> {
+        if self.lhs.batch_offsets.len() != 1 {
+            return Err(format!("a quantized product of {} batches (one is lowered)", self.lhs.batch_offsets.len()));
+        }
+        let l = &self.layout;
+        QuantLayout::new(l.scheme, l.k, l.n, l.scale)?;
+        self.lhs.check(self.m, self.layout.k, self.dtype, &arg)?;
+        match arg(self.weight) {
+            Some((DType::U8, len)) if len == self.layout.bytes() => Ok(()),
+            Some((dtype, len)) => Err(format!(
+                "a quantized {} weight is {} bytes, its argument {len} of {dtype}",
+                self.layout,
+                self.layout.bytes()
+            )),
+            None => Err(format!("quantized weight of argument {}, which does not exist", self.weight)),
+        }
+    }
+
+    /// The product's length in elements.
+    pub fn numel(&self) -> usize {
+        self.m * self.layout.n
+    }
+}
+
+/// Quantization of a float `[k, n]` weight (`Op::Quantize`): operand `src` (one batch, of
+/// `dtype`), read as `k x n`, becomes the layout's bytes in argument `out` (`U8`). Only the CPU
+/// runs it (quantizing is a load-time step the recorder places there); printers refuse it.
+#[derive(Clone, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+pub struct QuantizeKernel {
+    pub dtype: DType,
+    pub src: MatmulOperand,
+    pub layout: QuantLayout,
+    pub out: u16,
+}
+
+impl QuantizeKernel {
+    /// The source lies inside its argument of `dtype`; the output holds the layout's bytes.
+    pub fn check_operands(&self, arg: impl Fn(u16) -> Option<(DType, usize)>) -> Result<(), String> {
+        if self.src.batch_offsets.len() != 1 {
+            return Err("a quantized weight is one matrix".into());
+        }
+        let l = &self.layout;
+        QuantLayout::new(l.scheme, l.k, l.n, l.scale)?;
+        self.src.check(self.layout.k, self.layout.n, self.dtype, &arg)?;
+        match arg(self.out) {
+            Some((DType::U8, len)) if len == self.layout.bytes() => Ok(()),
+            _ => Err(format!("a quantized {} weight needs {} bytes of output", self.layout, self.layout.bytes())),
+        }
     }
 }
 
@@ -335,6 +406,8 @@ pub enum Body {
     Map(Vec<MapLoop>),
     Rows(RowKernel),
     Matmul(MatmulKernel),
+    QuantMatmul(QuantMatmulKernel),
+    Quantize(QuantizeKernel),
     Gather(GatherKernel),
     Scatter(ScatterKernel),
     /// Boxed: the largest variant would set the size of every kernel body.

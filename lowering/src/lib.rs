@@ -19,7 +19,7 @@ pub mod wgsl;
 
 pub use attention::{AttentionGradInputs, AttentionKernel, AttentionPass};
 pub use kernel::{
-    Arg, Body, GatherKernel, Kernel, Load, MapLoop, MatmulKernel, MatmulOperand, RowKernel, ScatterKernel, Store, View,
-    check_access, check_args,
+    Arg, Body, GatherKernel, Kernel, Load, MapLoop, MatmulKernel, MatmulOperand, QuantMatmulKernel, QuantizeKernel,
+    RowKernel, ScatterKernel, Store, View, check_access, check_args,
 };
 pub use lower::Lowering;

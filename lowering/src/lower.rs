@@ -7,7 +7,8 @@
 //! never allocates buffers or runs anything.
 
 use crate::kernel::{
-    Arg, Body, GatherKernel, Kernel, Load, MapLoop, MatmulKernel, MatmulOperand, RowKernel, ScatterKernel, Store,
+    Arg, Body, GatherKernel, Kernel, Load, MapLoop, MatmulKernel, MatmulOperand, QuantMatmulKernel, QuantizeKernel,
+    RowKernel, ScatterKernel, Store,
 };
 use braid_fusion::{FoldedRead as Source, Fusion, Segment, SegmentKind};
 use braid_graph::expr::{Distribution, ExprBuilder, ExprId};
@@ -90,7 +91,7 @@ impl<'a> Lowering<'a> {
                 Body::Map(loops.collect())
             }
             SegmentKind::Rows { full, axis } => Body::Rows(self.rows(seg, full, *axis)),
-            SegmentKind::Matmul => Body::Matmul(self.matmul(seg, args.len())),
+            SegmentKind::Matmul => self.matmul(seg, args.len()),
             SegmentKind::Attention => Body::Attention(Box::new(self.attention(seg))),
             // A transfer is a copy step, not a kernel; as a kernel it would be this same copy.
             SegmentKind::Single if matches!(g.nodes[seg.nodes[0]].op, Op::Collective(_)) => {
@@ -276,7 +277,7 @@ impl<'a> Lowering<'a> {
         RowKernel { dims: full.dims().into(), axis, loads: bld.loads, expr: bld.b.finish(), stores }
     }
 
-    fn matmul(&self, seg: &Segment, nargs: usize) -> MatmulKernel {
+    fn matmul(&self, seg: &Segment, nargs: usize) -> Body {
         let g = self.graph;
         let mm = seg.nodes[0];
         let node = &g.nodes[mm];
@@ -310,7 +311,34 @@ impl<'a> Lowering<'a> {
             }
         };
         let lhs = operand(node.inputs[0], m, k);
+        let (product, epilogue) = self.product_and_epilogue(seg, nargs);
+        if let Op::QuantMatmul(layout) = &node.op {
+            let Source::Value(u, _) = self.source(node.inputs[1]) else {
+                unreachable!("a quantized weight is a value")
+            };
+            let weight = Self::arg_of(seg, u);
+            let layout = **layout;
+            return Body::QuantMatmul(QuantMatmulKernel {
+                dtype: node.dtype,
+                lhs,
+                weight,
+                layout,
+                product,
+                m,
+                epilogue,
+            });
+        }
         let rhs = operand(node.inputs[1], k, n);
+        Body::Matmul(MatmulKernel { dtype: node.dtype, lhs, rhs, product, m, n, k, epilogue })
+    }
+
+    /// Where a product segment's product goes (its own output, another output of its dtype,
+    /// or scratch: one past the last argument) and its epilogue, which reads the product.
+    fn product_and_epilogue(&self, seg: &Segment, nargs: usize) -> (u16, Option<MapLoop>) {
+        let g = self.graph;
+        let mm = seg.nodes[0];
+        let node = &g.nodes[mm];
+        let out = &node.shape;
         let product = if seg.outputs.contains(&mm) {
             Self::out_arg(seg, mm)
         } else {
@@ -342,7 +370,7 @@ impl<'a> Lowering<'a> {
             l.simplify();
             l
         });
-        MatmulKernel { dtype: node.dtype, lhs, rhs, product, m, n, k, epilogue }
+        (product, epilogue)
     }
 
     /// The kernel of an attention segment: its parts' shared operands as views, each part's
@@ -395,6 +423,16 @@ impl<'a> Lowering<'a> {
             l
         };
         match &node.op {
+            Op::Quantize(layout) => {
+                let (arg, dtype, view) = value_view(node.inputs[0]);
+                let src = MatmulOperand {
+                    arg,
+                    batch_offsets: vec![view.offset_of(&[0, 0]) as usize],
+                    rs: view.strides[0],
+                    cs: view.strides[1],
+                };
+                Body::Quantize(QuantizeKernel { dtype, src, layout: **layout, out })
+            }
             Op::Gather { .. } | Op::IndexSelect { .. } => {
                 let (src_arg, src_dtype, src_view) = value_view(node.inputs[0]);
                 let (index_arg, index_dtype, index_view) = value_view(node.inputs[1]);

@@ -171,6 +171,9 @@ fn take_node_sources(inputs: &mut [InputSlot], stack: &mut SmallVec<[Arc<GradNod
 /// Marks `t` as a leaf whose gradient [`Grads`] collects. Misuse (checked by the caller):
 /// an integer tensor, or one that already has gradient history from ops.
 pub(crate) fn mark_leaf(t: &Tensor) -> Result<(), &'static str> {
+    if t.quant_layout().is_some() {
+        return Err("a quantized weight has no gradient (quantize a trained weight for serving)");
+    }
     if !t.dtype().is_float() {
         return Err("only floating-point tensors can require gradients");
     }
@@ -236,6 +239,8 @@ fn differentiable(op: &Op) -> bool {
         // Collectives carry no gradient: data parallelism reduces gradients, it does not
         // differentiate through the reduction.
         Op::Event | Op::Collective(_) => false,
+        // Refused when recorded with an input that needs a gradient (see `Tensor::matmul`).
+        Op::QuantMatmul(_) | Op::Quantize(_) => false,
     }
 }
 

@@ -135,7 +135,7 @@ impl ScheduleDump {
                 .kernels
                 .iter()
                 .flat_map(|k| &live.schedule.fusion.segments[k.segment].nodes)
-                .filter(|&&n| matches!(live.graph.nodes[n].op, Op::Matmul))
+                .filter(|&&n| matches!(live.graph.nodes[n].op, Op::Matmul | Op::QuantMatmul(_)))
                 .count(),
             None => self.dump().product_count(),
         }

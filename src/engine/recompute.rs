@@ -77,7 +77,7 @@ pub(super) fn choose(
         let view = is_view(&graph.node(id).op);
         graph.successors(id).filter(|&s| in_flush(s)).all(|s| {
             let n = graph.node(s);
-            let reads_views = matches!(n.op, Op::Matmul | Op::Attention { .. });
+            let reads_views = matches!(n.op, Op::Matmul | Op::QuantMatmul(_) | Op::Attention { .. });
             n.stream == stream && (cheap(&n.op) || matches!(n.op, Op::Reduce { .. }) || (view && reads_views))
         })
     };

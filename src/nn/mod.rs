@@ -88,8 +88,14 @@ impl Params {
         let device = self.entries.first().map_or_else(Device::cpu, |(_, t)| t.device().clone());
         let loaded = crate::io::load(path, &device)?;
         for (name, t) in self.named() {
+            if t.quant_layout().is_some() {
+                return Err(crate::Error::Io(format!(
+                    "{name}: a quantized weight is not updated in place; load it with braid::io::load and \
+                     build its layer from it"
+                )));
+            }
             match loaded.get(name) {
-                Some(v) if v.shape() == t.shape() && v.dtype() == t.dtype() => {}
+                Some(v) if v.shape() == t.shape() && v.dtype() == t.dtype() && v.quant_layout().is_none() => {}
                 Some(v) => {
                     return Err(crate::Error::Io(format!(
                         "{name}: the file has {} {}, the parameter is {} {}",
@@ -149,6 +155,56 @@ impl Linear {
             weight: init::uniform([outputs, inputs], -bound, bound, dtype, device),
             bias: bias.then(|| init::uniform([outputs], -bound, bound, dtype, device)),
         }
+    }
+}
+
+impl Linear {
+    /// A serving copy of this layer with its weight quantized (see [`crate::quant`]): the
+    /// weight `[out, in]` becomes a quantized `[in, out]` (its transpose, channels along `out`,
+    /// groups along `in`); the bias stays as it is.
+    ///
+    /// ```
+    /// use braid::prelude::*;
+    /// use braid::nn::{Linear, Module};
+    /// use braid::quant::Scheme;
+    /// let cpu = Device::cpu();
+    /// let layer = Linear::new(64, 3, &cpu);
+    /// let served = layer.quantize(Scheme::Int4 { group: 64 });
+    /// let x = Tensor::randn([2, 64], DType::F32, &cpu);
+    /// assert_eq!(braid::no_grad(|| served.forward(&x)).dims(), &[2, 3]);
+    /// ```
+    #[track_caller]
+    pub fn quantize(&self, scheme: crate::quant::Scheme) -> QuantizedLinear {
+        let weight = crate::no_grad(|| self.weight.t().quantize(scheme));
+        QuantizedLinear { weight, bias: self.bias.as_ref().map(Tensor::detach) }
+    }
+}
+
+/// `y = x Q + b` with a quantized weight `Q` `[in, out]` (see [`Linear::quantize`]); for
+/// serving: it has no gradient.
+#[derive(Clone, Debug)]
+pub struct QuantizedLinear {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+}
+
+impl Module for QuantizedLinear {
+    #[track_caller]
+    fn forward(&self, x: &Tensor) -> Tensor {
+        let y = x.matmul(&self.weight);
+        match &self.bias {
+            Some(b) => &y + &b.to_dtype(y.dtype()),
+            None => y,
+        }
+    }
+
+    fn params(&self) -> Params {
+        let mut p = Params::new();
+        p.push("weight", &self.weight);
+        if let Some(b) = &self.bias {
+            p.push("bias", b);
+        }
+        p
     }
 }
 

@@ -12,6 +12,7 @@ mod indexing;
 mod movement;
 mod operators;
 mod print;
+mod quant;
 mod read;
 mod reduce;
 
@@ -63,6 +64,11 @@ struct TensorInner {
     grad: Mutex<Option<GradSource>>,
     /// A value autograd keeps for a derivative (its handle counts in the node's `saved`).
     saved: bool,
+    /// For a quantized weight (`braid::quant`): its layout. Then `shape` and `dtype` are the
+    /// weight's (`[k, n]`, the dtype it was quantized from) while the value (node or held) is
+    /// the layout's `U8` bytes; only a quantized product reads it (`Tensor::record` refuses
+    /// every other op).
+    quant: Option<braid_graph::QuantLayout>,
 }
 
 /// The version cell of a tensor that holds its value and has no node yet.
@@ -103,6 +109,7 @@ impl Tensor {
             device,
             grad: Mutex::new(None),
             saved,
+            quant: None,
         }))
     }
 
@@ -117,6 +124,7 @@ impl Tensor {
             device,
             grad: Mutex::new(None),
             saved: false,
+            quant: None,
         }))
     }
 
@@ -166,7 +174,21 @@ impl Tensor {
     /// Records the held value (if it is still held) as a leaf and points the cell at it.
     fn attach(&self) {
         let inner = &*self.0;
-        inner.device.engine().attach_held(&inner.node, &inner.held, inner.dtype, &inner.shape);
+        let (dtype, shape) = self.value_meta();
+        inner.device.engine().attach_held(&inner.node, &inner.held, dtype, &shape);
+    }
+
+    /// The dtype and shape of the value itself: the tensor's, or a quantized weight's bytes.
+    pub(crate) fn value_meta(&self) -> (DType, Shape) {
+        match &self.0.quant {
+            Some(layout) => (DType::U8, Shape::from([layout.bytes()])),
+            None => (self.0.dtype, self.0.shape.clone()),
+        }
+    }
+
+    /// The layout of a quantized weight (`None` for every other tensor).
+    pub fn quant_layout(&self) -> Option<braid_graph::QuantLayout> {
+        self.0.quant
     }
 
     /// Who this tensor's value is, for telling arguments that are the same value apart
@@ -183,6 +205,9 @@ impl Tensor {
     /// too large to address is misuse, reported here.
     #[track_caller]
     pub(crate) fn record(op: Op, dtype: DType, shape: Shape, device: &Device, inputs: &[&Tensor]) -> Tensor {
+        if !matches!(op, Op::QuantMatmul(_)) && inputs.iter().any(|t| t.0.quant.is_some()) {
+            quant::refuse(op.name(), inputs);
+        }
         let addressable = shape
             .dims()
             .iter()
@@ -232,6 +257,9 @@ impl Tensor {
     /// readers recorded earlier keep the old one.
     #[track_caller]
     pub(crate) fn record_new_version(&self, name: &str, op: Op, inputs: &[&Tensor]) {
+        if self.0.quant.is_some() || inputs.iter().any(|t| t.0.quant.is_some()) {
+            quant::refuse(name, &[&[self], inputs].concat());
+        }
         if let Err(problem) = autograd::check_in_place(self) {
             misuse(name, problem, &[("self", self.describe())]);
         }
@@ -360,7 +388,10 @@ impl Tensor {
 
     /// `[2, 3] f32 on cpu`, as misuse messages print an operand.
     pub(crate) fn describe(&self) -> String {
-        format!("{} {} on {}", self.0.shape, self.0.dtype, self.0.device)
+        match &self.0.quant {
+            Some(l) => format!("{} {} quantized {} on {}", self.0.shape, self.0.dtype, l.scheme, self.0.device),
+            None => format!("{} {} on {}", self.0.shape, self.0.dtype, self.0.device),
+        }
     }
 }
 

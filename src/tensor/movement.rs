@@ -118,6 +118,9 @@ impl Tensor {
     /// A copy on `device` (lazy: nothing synchronises now).
     #[track_caller]
     pub fn to_device(&self, device: &Device) -> Tensor {
+        if let Some(layout) = self.quant_layout() {
+            return self.quantized_to_device(layout, device);
+        }
         Tensor::record(Op::ToDevice, self.dtype(), self.shape().clone(), device, &[self])
     }
 

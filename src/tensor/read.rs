@@ -19,6 +19,9 @@ impl Tensor {
     /// assert!(x.to_vec::<f64>().is_err());
     /// ```
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        if self.quant_layout().is_some() {
+            return Err(super::quant::read_error(self));
+        }
         if T::DTYPE != self.dtype() {
             return Err(Error::DTypeMismatch { tensor: self.dtype(), requested: T::DTYPE });
         }
@@ -37,6 +40,9 @@ impl Tensor {
 
     /// The single element of a one-element tensor.
     pub fn item<T: Element>(&self) -> Result<T> {
+        if self.quant_layout().is_some() {
+            return Err(super::quant::read_error(self));
+        }
         if self.numel() != 1 {
             return Err(Error::NotAScalar { shape: self.shape().clone(), numel: self.numel() });
         }

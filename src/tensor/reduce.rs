@@ -134,6 +134,9 @@ impl Tensor {
     /// Matrix product `[.., m, k] x [.., k, n] -> [.., m, n]`; batch dimensions broadcast.
     #[track_caller]
     pub fn matmul(&self, other: &Tensor) -> Tensor {
+        if let Some(layout) = other.quant_layout() {
+            return self.quant_product(other, layout);
+        }
         if crate::amp::autocast_dtype().is_some() {
             // Autocast: both operands in its low precision (see `crate::amp`).
             let (a, b) = (self.autocast_product_operand(), other.autocast_product_operand());
@@ -214,6 +217,11 @@ impl Tensor {
             operands.extend(bias.map(|b| ("bias", b.describe())));
             operands
         };
+        if weight.quant_layout().is_some() {
+            let problem = "takes a float weight [out, in]; a quantized weight [in, out] multiplies as x.matmul(&q) \
+                           (nn::Linear::quantize makes a layer of one)";
+            super::misuse("linear", problem, &describe());
+        }
         if weight.dims().len() != 2 || inputs != Some(weight.dims()[1]) {
             super::misuse("linear", "needs x [.., in] and weight [out, in]", &describe());
         }

@@ -178,6 +178,9 @@ pub fn call(op: &Op, inputs: &[&Tensor], shape: &Shape, dtype: DType, dev: &Devi
             }
         }
         Op::Matmul => inputs[0].matmul(inputs[1]),
+        Op::QuantMatmul(_) | Op::Quantize(_) => {
+            unreachable!("random programs draw no quantized weights (tests/quant.rs checks them)")
+        }
         Op::Gather { dim } => inputs[0].gather(*dim, inputs[1]),
         Op::IndexSelect { dim } if inputs[1].rank() == 1 => inputs[0].index_select(*dim, inputs[1]),
         Op::IndexSelect { dim: 0 } => inputs[1].embedding(inputs[0]),

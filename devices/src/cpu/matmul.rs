@@ -84,24 +84,9 @@ pub fn run_matmul_with(
     let get = |i: u16| args.get(i as usize).copied().ok_or_else(|| format!("matmul argument {i} missing"));
     let (lhs, rhs) = (get(k.lhs.arg)?, get(k.rhs.arg)?);
     k.check_operands(|i| args.get(i as usize).map(|a| (a.dtype, a.len)))?;
-    // The product goes to an argument, or to scratch memory when no output can hold it.
     let total = k.lhs.batch_offsets.len() * k.m * k.n;
-    let mut scratch: Vec<u64> = Vec::new();
-    let mut all: Vec<ArgPtr> = args.to_vec();
-    let product = if (k.product as usize) < args.len() {
-        args[k.product as usize]
-    } else {
-        scratch.resize((total * k.dtype.size()).div_ceil(8), 0);
-        let p = ArgPtr { ptr: scratch.as_mut_ptr() as *mut u8, len: total, dtype: k.dtype };
-        all.push(p);
-        p
-    };
-    if product.len != total || product.dtype != k.dtype {
-        return Err(format!(
-            "matmul product of {total} {} into an argument of {} {}",
-            k.dtype, product.len, product.dtype
-        ));
-    }
+    let mut scratch = Vec::new();
+    let (product, all) = product_target(args, k.product, total, k.dtype, &mut scratch)?;
     let batches = Batches::new(k, lhs, rhs, product);
     // SAFETY: the operands were checked against their arguments above, and the product holds
     // `batches * m * n` elements of the kernel's dtype.
@@ -124,28 +109,52 @@ pub fn run_matmul_with(
     Ok(())
 }
 
+/// Where a product of `total` elements of `dtype` goes: argument `product`, or memory in
+/// `scratch` when `product` is one past the last argument (no output can hold it). Returns it
+/// and the arguments an epilogue sees (the kernel's, then the scratch if any).
+pub(super) fn product_target(
+    args: &[ArgPtr],
+    product: u16,
+    total: usize,
+    dtype: DType,
+    scratch: &mut Vec<u64>,
+) -> Result<(ArgPtr, Vec<ArgPtr>), String> {
+    let mut all: Vec<ArgPtr> = args.to_vec();
+    let p = if (product as usize) < args.len() {
+        args[product as usize]
+    } else {
+        scratch.resize((total * dtype.size()).div_ceil(8), 0);
+        let p = ArgPtr { ptr: scratch.as_mut_ptr() as *mut u8, len: total, dtype };
+        all.push(p);
+        p
+    };
+    if p.len != total || p.dtype != dtype {
+        return Err(format!("matmul product of {total} {dtype} into an argument of {} {}", p.len, p.dtype));
+    }
+    Ok((p, all))
+}
+
 /// The epilogue of matrix-product kernel `kernel` (whose body is `k`) as a kernel of one map
 /// loop, so that it can be compiled like any other. Its first argument is the product, an input
 /// here (it is complete before the epilogue starts); the matrix kernel's arguments follow, one
 /// place later. An epilogue may overwrite the product in place (each index reads and writes
 /// the same element: the product's loads and stores share one view); `None` when it writes to
 /// the product otherwise (that kernel stays interpreted).
-pub fn epilogue_kernel(kernel: &Kernel, k: &MatmulKernel, epilogue: &MapLoop) -> Option<Kernel> {
+pub fn epilogue_kernel(kernel: &Kernel, product: Arg, product_arg: u16, epilogue: &MapLoop) -> Option<Kernel> {
     let mut l = epilogue.clone();
-    let mut product_views = (l.loads.iter().filter(|x| x.arg == k.product).map(|x| &x.view))
-        .chain(l.stores.iter().filter(|s| s.arg == k.product).map(|s| &s.view));
+    let mut product_views = (l.loads.iter().filter(|x| x.arg == product_arg).map(|x| &x.view))
+        .chain(l.stores.iter().filter(|s| s.arg == product_arg).map(|s| &s.view));
     let first = product_views.next();
-    let in_place = l.stores.iter().any(|s| s.arg == k.product);
+    let in_place = l.stores.iter().any(|s| s.arg == product_arg);
     if in_place && product_views.any(|v| Some(v) != first) {
         return None;
     }
     for x in &mut l.loads {
-        x.arg = if x.arg == k.product { 0 } else { x.arg + 1 };
+        x.arg = if x.arg == product_arg { 0 } else { x.arg + 1 };
     }
     for s in &mut l.stores {
         s.arg += 1;
     }
-    let product = Arg { dtype: k.dtype, len: k.lhs.batch_offsets.len() * k.m * k.n };
     let args = std::iter::once(product).chain(kernel.args.iter().cloned()).collect();
     Some(Kernel { args, inputs: kernel.inputs + 1, body: Body::Map(vec![l]) })
 }

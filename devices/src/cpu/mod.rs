@@ -13,6 +13,7 @@ mod keep;
 pub mod map;
 pub mod matmul;
 pub mod native;
+mod quant;
 mod queue;
 mod reduce;
 pub mod rows;
@@ -29,7 +30,7 @@ use crate::runtime::pool::{HostMemory, Pool, Slice};
 use crate::runtime::{Backend, Driver, Flush};
 use crate::{Buffer, DeviceBuffer, DeviceError, MemoryStats};
 use braid_graph::{MemoryKind, Target};
-use braid_lowering::{Body, Kernel, MatmulKernel};
+use braid_lowering::{Arg, Body, Kernel, MapLoop, MatmulKernel, QuantMatmulKernel};
 use braid_scheduler::{BufferPlan, Schedule, Space};
 use map::ArgPtr;
 use std::ptr::NonNull;
@@ -196,8 +197,10 @@ impl CpuDevice {
 
     /// Runs `kernel`, preparing it once per distinct (interned) kernel.
     fn run(&self, kernel: &Arc<Kernel>, args: &[ArgPtr]) -> Result<(), String> {
-        if let Body::Matmul(m) = &kernel.body {
-            return self.run_matmul(kernel, m, args);
+        match &kernel.body {
+            Body::Matmul(m) => return self.run_matmul(kernel, m, args),
+            Body::QuantMatmul(q) => return self.run_quant_matmul(kernel, q, args),
+            _ => {}
         }
         let reordered;
         let kernel = match &kernel.body {
@@ -285,29 +288,55 @@ impl CpuDevice {
     /// interpreted until then.
     fn run_matmul(&self, kernel: &Arc<Kernel>, m: &MatmulKernel, args: &[ArgPtr]) -> Result<(), String> {
         let Some(l) = &m.epilogue else { return matmul::run_matmul(m, args) };
-        let epilogue = {
-            let key = Arc::as_ptr(kernel) as usize;
-            let mut prep = self.prepared.lock().unwrap_or_else(|p| p.into_inner());
-            if prep.epilogues.len() >= MAX_PREPARED {
-                prep.epilogues.clear();
-            }
-            let entry = (prep.epilogues.entry(key))
-                .or_insert_with(|| (kernel.clone(), matmul::epilogue_kernel(kernel, m, l).map(Arc::new)));
-            entry.1.clone()
+        let product = Arg { dtype: m.dtype, len: m.lhs.batch_offsets.len() * m.m * m.n };
+        let epilogue = self.epilogue(kernel, product, m.product, l);
+        matmul::run_matmul_with(m, args, |l, all| self.run_epilogue(epilogue, m.product, l, args, all))
+    }
+
+    /// [`CpuDevice::run_matmul`] for a product with a quantized weight.
+    fn run_quant_matmul(&self, kernel: &Arc<Kernel>, q: &QuantMatmulKernel, args: &[ArgPtr]) -> Result<(), String> {
+        let epilogue = match &q.epilogue {
+            Some(l) => self.epilogue(kernel, Arg { dtype: q.dtype, len: q.numel() }, q.product, l),
+            None => None,
         };
-        matmul::run_matmul_with(m, args, |l, all| {
-            let compiled = epilogue.as_ref().and_then(|e| Some((e, self.native.library(e, None)?)));
-            match compiled {
-                Some((e, lib)) => {
-                    // The epilogue kernel's arguments: the product, then the matrix kernel's.
-                    let product = *all.get(m.product as usize).ok_or("matmul product missing")?;
-                    let with_product: Vec<ArgPtr> = std::iter::once(product).chain(args.iter().copied()).collect();
-                    // SAFETY: `library` gives the library printed from this very kernel.
-                    unsafe { lib.run(e, &with_product) }
-                }
-                None => map::run_loop(l, all),
+        quant::run_quant_matmul_with(q, args, |l, all| self.run_epilogue(epilogue, q.product, l, args, all))
+    }
+
+    /// The epilogue `l` of product kernel `kernel` as a map kernel of its own (prepared once
+    /// per interned kernel), or `None` when it stays interpreted.
+    fn epilogue(&self, kernel: &Arc<Kernel>, product: Arg, product_arg: u16, l: &MapLoop) -> Option<Arc<Kernel>> {
+        let key = Arc::as_ptr(kernel) as usize;
+        let mut prep = self.prepared.lock().unwrap_or_else(|p| p.into_inner());
+        if prep.epilogues.len() >= MAX_PREPARED {
+            prep.epilogues.clear();
+        }
+        let entry = (prep.epilogues.entry(key)).or_insert_with(|| {
+            (kernel.clone(), matmul::epilogue_kernel(kernel, product, product_arg, l).map(Arc::new))
+        });
+        entry.1.clone()
+    }
+
+    /// Runs a product's epilogue: compiled once its library is, else interpreted over `all`
+    /// (the kernel's arguments `args`, then the product's scratch if any).
+    fn run_epilogue(
+        &self,
+        epilogue: Option<Arc<Kernel>>,
+        product_arg: u16,
+        l: &MapLoop,
+        args: &[ArgPtr],
+        all: &[ArgPtr],
+    ) -> Result<(), String> {
+        let compiled = epilogue.as_ref().and_then(|e| Some((e, self.native.library(e, None)?)));
+        match compiled {
+            Some((e, lib)) => {
+                // The epilogue kernel's arguments: the product, then the matrix kernel's.
+                let product = *all.get(product_arg as usize).ok_or("matmul product missing")?;
+                let with_product: Vec<ArgPtr> = std::iter::once(product).chain(args.iter().copied()).collect();
+                // SAFETY: `library` gives the library printed from this very kernel.
+                unsafe { lib.run(e, &with_product) }
             }
-        })
+            None => map::run_loop(l, all),
+        }
     }
 
     /// A buffer of `bytes`; with `poison`, its memory is filled with 0xFF bytes (NaN for floats)
@@ -396,6 +425,8 @@ fn run_prepared(kernel: &Kernel, row_plan: Option<&rows::Plan>, args: &[ArgPtr])
             None => rows::run_rows(r, &rows::plan(r), args),
         },
         Body::Matmul(m) => matmul::run_matmul(m, args),
+        Body::QuantMatmul(q) => quant::run_quant_matmul_with(q, args, map::run_loop),
+        Body::Quantize(q) => quant::run_quantize(q, args),
         Body::Gather(g) => gather::run_gather(g, args),
         Body::Scatter(s) => scatter::run_scatter(s, args),
         Body::Attention(a) => attention::run_attention(a, args),

@@ -32,7 +32,7 @@ pub(super) fn class(op: &Op) -> Class {
         _ if op.is_elementwise() => Class::Elementwise,
         Op::Full(_) | Op::Arange { .. } | Op::Rand { .. } | Op::Randn { .. } => Class::Elementwise,
         Op::Reduce { .. } => Class::Reduce,
-        Op::Matmul => Class::Matmul,
+        Op::Matmul | Op::QuantMatmul(_) => Class::Matmul,
         Op::Attention { .. } => Class::Attention,
         _ => Class::Other,
     }

@@ -26,7 +26,10 @@ impl Grouper<'_> {
         let node = &self.graph.nodes[i];
         let [ValueRef::Node(p)] = node.inputs.as_slice() else { return false };
         let product = &self.graph.nodes[*p];
-        if node.op != Op::Cast || product.op != Op::Matmul || node.dtype.size() <= product.dtype.size() {
+        if node.op != Op::Cast
+            || !matches!(product.op, Op::Matmul | Op::QuantMatmul(_))
+            || node.dtype.size() <= product.dtype.size()
+        {
             return false;
         }
         let product_written = product.keep || self.readers[*p].iter().any(|&r| r != i);

@@ -236,7 +236,12 @@ pub fn evaluate(program: &[ProgNode]) -> Vec<RefValue> {
 fn eval_op(op: &Op, dtype: DType, shape: &Shape, ins: &[&RefValue]) -> RefValue {
     let arity = match op {
         Op::Input | Op::Full(_) | Op::Arange { .. } | Op::Rand { .. } | Op::Randn { .. } => 0,
-        Op::Binary(_) | Op::Compare(_) | Op::Matmul | Op::Gather { .. } | Op::IndexSelect { .. } => 2,
+        Op::Binary(_)
+        | Op::Compare(_)
+        | Op::Matmul
+        | Op::QuantMatmul(_)
+        | Op::Gather { .. }
+        | Op::IndexSelect { .. } => 2,
         Op::Select | Op::ScatterAdd { .. } => 3,
         Op::Cat { .. } => ins.len().max(1),
         Op::Attention { part, .. } if part.is_backward() => 6,
@@ -263,6 +268,8 @@ fn eval_op(op: &Op, dtype: DType, shape: &Shape, ins: &[&RefValue]) -> RefValue 
         Op::Cast => elementwise::cast(dtype, ins[0]),
         Op::Reduce { op, dim, .. } => reduce::reduce(*op, *dim, dtype, shape, ins[0]),
         Op::Matmul => reduce::matmul(dtype, shape, ins[0], ins[1]),
+        Op::QuantMatmul(layout) => reduce::matmul(dtype, shape, ins[0], &dequantized(layout, ins[1])),
+        Op::Quantize(layout) => quantized(layout, ins[0]),
         Op::Gather { dim } => indexing::eval(indexing::IndexOp::Gather { dim: *dim }, dtype, shape, ins),
         Op::IndexSelect { dim } => indexing::eval(indexing::IndexOp::IndexSelect { dim: *dim }, dtype, shape, ins),
         Op::ScatterAdd { dim } => indexing::eval(indexing::IndexOp::ScatterAdd { dim: *dim }, dtype, shape, ins),
@@ -273,6 +280,27 @@ fn eval_op(op: &Op, dtype: DType, shape: &Shape, ins: &[&RefValue]) -> RefValue 
         Op::Cat { dim } => movement::cat(ins, *dim, shape),
         Op::Attention { causal, part } => attention::eval(*part, *causal, dtype, shape, ins),
     }
+}
+
+/// A quantized weight's `[k, n]` f32 elements (`crate::quant`), each with a bound of half an
+/// f32 ulp: a kernel may apply a scale to a sum of `value x input` terms instead of to each
+/// value, which rounds differently by at most that much a term.
+fn dequantized(layout: &crate::quant::QuantLayout, bytes: &RefValue) -> RefValue {
+    let raw: Vec<u8> = (0..bytes.numel()).map(|i| bytes.int_at(i).0 as u8).collect();
+    let values: Vec<f64> = layout.dequantize(&raw).into_iter().map(f64::from).collect();
+    let half_ulp = DType::F32.epsilon();
+    let bounds = values.iter().map(|v| v.abs() * half_ulp).collect();
+    RefValue::from_floats(DType::F32, Shape::from([layout.k, layout.n]), values, bounds)
+}
+
+/// A weight's quantized bytes: exact when every element is, else all uncertain (rounding to a
+/// level is discontinuous, and one element moves its whole block's scale).
+fn quantized(layout: &crate::quant::QuantLayout, w: &RefValue) -> RefValue {
+    let values: Vec<f32> = (0..w.numel()).map(|i| w.float_at(i).0 as f32).collect();
+    let exact = (0..w.numel()).all(|i| w.float_at(i).1 == 0.0);
+    let bytes: Vec<i64> = layout.quantize(&values).into_iter().map(i64::from).collect();
+    let bounds = vec![if exact { 0.0 } else { bounds::UNCERTAIN }; bytes.len()];
+    RefValue::from_ints(DType::U8, Shape::from([bytes.len()]), bytes, bounds)
 }
 
 impl RefValue {

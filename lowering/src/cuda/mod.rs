@@ -47,6 +47,7 @@ mod first_pass; // a row kernel's reductions that read none folded in one sweep
 mod gather; // gathers: a computed index per element
 mod loops; // map loops
 mod product; // integer matrix products, printed whole
+mod quant; // products with quantized weights: few-rows and tiled paths
 mod reduce; // one reduction's fold and warp-shuffle combine
 mod row_keep; // which values a row kernel keeps in shared memory between its sweeps
 mod row_vector; // which of a row kernel's accesses move 16 bytes at a time, and from where
@@ -159,9 +160,11 @@ pub fn print(kernel: &Kernel, name: &str) -> Result<CudaSource, String> {
     let mut scratch_bytes = 0;
     let exprs: Vec<&Expr> = match &kernel.body {
         Body::Collective(c) => return Err(format!("{} is a library call (NCCL), not a printed kernel", c.kind.name())),
+        Body::Quantize(q) => return Err(format!("a {} quantization runs on the CPU, not as a CUDA kernel", q.layout)),
         Body::Map(loops) => loops.iter().map(|l| &l.expr).collect(),
         Body::Rows(r) => vec![&r.expr],
         Body::Matmul(m) => m.epilogue.iter().map(|l| &l.expr).collect(),
+        Body::QuantMatmul(q) => q.epilogue.iter().map(|l| &l.expr).collect(),
         Body::Gather(_) | Body::Scatter(_) | Body::Attention(_) => vec![],
     };
     match &kernel.body {
@@ -179,7 +182,19 @@ pub fn print(kernel: &Kernel, name: &str) -> Result<CudaSource, String> {
             entries.extend(e);
             scratch_bytes = scratch;
         }
-        Body::Collective(_) => unreachable!("refused above"),
+        Body::Collective(_) | Body::Quantize(_) => unreachable!("refused above"),
+        Body::QuantMatmul(q) => {
+            if q.product as usize == params.len() {
+                // Scratch memory for the product, written by the printed product.
+                params.push(Param { dtype: q.dtype, len: q.numel(), writable: true });
+            } else if q.product as usize > params.len() {
+                return Err(format!("quantized product in argument {} of {}", q.product, params.len()));
+            }
+            entries.push(quant::print_quant_product(&mut body, q, &format!("{name}_qproduct"), &params)?);
+            if let Some(e) = &q.epilogue {
+                entries.push(print_map(&mut body, e, &format!("{name}_epilogue"), &params)?);
+            }
+        }
         Body::Gather(g) => entries.push(gather::print_gather(&mut body, g, &format!("{name}_gather"), &params)?),
         Body::Scatter(s) => entries.extend(scatter::print_scatter(&mut body, s, &format!("{name}_scatter"), &params)?),
         Body::Attention(a) => entries.extend(attention::print_attention(&mut body, a, name, &params)?),

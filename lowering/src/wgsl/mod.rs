@@ -15,6 +15,9 @@
 //! - A matrix product (there is no vendor library) is a tiled product (16 x 16 outputs per
 //!   workgroup, operand tiles in workgroup memory) with any operand strides and per-batch
 //!   offsets, written to its product argument or a scratch buffer, then the epilogue entry.
+//! - A product with a quantized weight is one thread per output element, reading the packed
+//!   int8 or int4 values and their f32 or f16 scales from the weight's u32 words (see
+//!   `quant`), written to its product argument or a scratch buffer, then the epilogue entry.
 //! - A gather is one entry, a thread per output element; a scatter-add zeroes its output, adds
 //!   each row's elements in order (every output element by one thread: no float atomics) and
 //!   adds the base (see `indexing`). Their indices are i32.
@@ -55,6 +58,7 @@ mod indexing;
 mod map;
 mod matmul;
 mod memory;
+mod quant;
 mod rows;
 mod scalar;
 mod split;
@@ -62,6 +66,8 @@ mod split;
 mod tests;
 #[cfg(test)]
 mod tests_attention;
+#[cfg(test)]
+mod tests_quant;
 
 pub use memory::binding_bytes;
 
@@ -259,6 +265,8 @@ pub fn print(kernel: &Kernel, features: &Features) -> Result<WgslSource, String>
         }
         Body::Rows(r) => rows::print_rows(&mut m, r)?,
         Body::Matmul(mm) => matmul::print_matmul(&mut m, mm)?,
+        Body::QuantMatmul(q) => quant::print_quant_matmul(&mut m, q)?,
+        Body::Quantize(q) => return Err(format!("a {} quantization runs on the CPU, not as a WGSL kernel", q.layout)),
         Body::Collective(c) => return Err(format!("{}: the wgpu device runs no collectives", c.kind.name())),
         Body::Gather(g) => indexing::print_gather(&mut m, g)?,
         Body::Scatter(s) => indexing::print_scatter(&mut m, s)?,
