@@ -6,9 +6,13 @@
 //! `neg`, read and written), its bytes over its time.
 //!
 //! Each row rotates over enough copies of the weight (at least 256 MiB in all) that every
-//! product reads its weight from memory, not from the L2 cache of the one before; products are
-//! recorded back to back before one flush, all their outputs held; the kernel time is the
-//! median over the products of 5 flushes. Also printed: the error each scheme makes against the
+//! product reads its weight from memory, not from the L2 cache of the one before: one captured
+//! `braid::Step` takes `x` and every copy and returns their products joined (`cat`, one
+//! output), replayed as one CUDA graph that reads the weights where they are; the time of a
+//! product is the median of 5 timings of 10 replays (each to the end of the last, synced),
+//! divided by the products, so it includes each replay's launch, its `cat` and the copy of its
+//! output (a few microseconds a replay: the figures understate the products' bandwidth a
+//! little). Also printed: the error each scheme makes against the
 //! f32 product on random normal weights (`[4096 x 4096]`, 8 rows; max and mean of
 //! `|y_q - y| / mean |y|`), and each row's product checked against the f32 product of its
 //! dequantized weight.
@@ -16,9 +20,10 @@
 //! Run: `BRAID_DEVICE=cuda cargo bench --bench quant` (on the CPU, the default device, at a
 //! sixteenth of the sizes).
 
+use braid::Step;
 use braid::prelude::*;
 use braid::quant::{QuantLayout, Scheme};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const SCHEMES: [Scheme; 4] =
     [Scheme::Int8, Scheme::Int4 { group: 32 }, Scheme::Int4 { group: 64 }, Scheme::Int4 { group: 128 }];
@@ -106,24 +111,36 @@ fn main() {
             let weights: Vec<Tensor> =
                 (0..copies).map(|_| Tensor::from_quantized(l, &values, &scales, DType::BF16, &dev)).collect();
             let x = Tensor::randn([1, k], DType::F32, &dev).to_dtype(DType::BF16);
+            let step = Step::new(|a: &[Tensor]| {
+                let ys: Vec<Tensor> = a[1..].iter().map(|w| a[0].matmul(w)).collect();
+                vec![Tensor::cat(&ys.iter().collect::<Vec<_>>(), 0)]
+            });
+            let args: Vec<Tensor> = std::iter::once(x.clone()).chain(weights.iter().cloned()).collect();
+            let mut held = Vec::new();
+            // The capture, the replay that records the graph, and a warm-up.
+            for _ in 0..3 {
+                held = step.call(&args).unwrap();
+            }
             dev.sync().unwrap();
             let mut times = Vec::new();
-            let mut held = Vec::new();
             for _ in 0..5 {
-                held = braid::no_grad(|| weights.iter().map(|w| x.matmul(w)).collect::<Vec<_>>());
+                let start = Instant::now();
+                for _ in 0..10 {
+                    held = step.call(&args).unwrap();
+                }
                 dev.sync().unwrap();
-                times.extend(kernel_times(&dev, "quant_matmul"));
+                times.push(start.elapsed() / (10 * copies as u32));
             }
             let t = median(times);
             let bw = l.payload_bytes() as f64 / t.as_secs_f64();
-            // The last product against the f32 product of the dequantized weight.
+            // The first product against the f32 product of the dequantized weight.
             let want = x.to_dtype(DType::F32).matmul(&weights[0].dequantize().unwrap().to_device(&dev));
             let want = want.to_vec::<f32>().unwrap();
-            let got = held[copies - 1].to_dtype(DType::F32).to_vec::<f32>().unwrap();
+            let got = held[0].narrow(0, 0, 1).to_dtype(DType::F32).to_vec::<f32>().unwrap();
             let scale = want.iter().map(|v| v.abs()).fold(0f32, f32::max).max(1e-30);
             let err = want.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / scale;
             println!(
-                "g9 [{k} x {n}] {scheme}: {:.2} MB in {:.2} us = {:.0} GB/s = {:.2} of the copy floor ({copies} weights rotated; max error {err:.1e} of max |y|)",
+                "g9 [{k} x {n}] {scheme}: {:.2} MB in {:.2} us = {:.0} GB/s = {:.2} of the copy floor ({copies} weights a replay; max error {err:.1e} of max |y|)",
                 l.payload_bytes() as f64 / 1e6,
                 t.as_secs_f64() * 1e6,
                 bw / 1e9,

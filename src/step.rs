@@ -41,10 +41,13 @@ const MAX_CAPTURES: usize = 32;
 ///
 /// On CUDA the first replay records the plan into a CUDA graph and every later replay is one
 /// graph launch (the host's cost of a replay no longer grows with its kernels): the arguments
-/// are copied into the graph's own buffers and the outputs out into fresh ones. The graph keeps
-/// the memory of the step's intermediates for as long as the step lives (counted in
-/// `Device::memory`); `BRAID_CUDA_GRAPHS=0` turns graphs off, and replays under a memory
-/// budget, profiled ones and plans over 256 MiB of buffers run as flushes.
+/// are copied into the graph's own buffers (but an argument passed as the same buffer at the
+/// call before the graph is recorded, such as a weight, is read where it is: the graph holds
+/// it, and another buffer for it later records the graph again) and the outputs out into fresh
+/// ones. The graph keeps the memory of the step's intermediates for as long as the step lives
+/// (counted in `Device::memory`); `BRAID_CUDA_GRAPHS=0` turns graphs off, and replays under a memory
+/// budget, profiled ones and plans over 256 MiB of buffers (those read in place aside) run as
+/// flushes.
 ///
 /// ```
 /// use braid::prelude::*;
@@ -170,9 +173,7 @@ fn capture(device: &Device, args: &[Tensor], f: impl FnOnce() -> Vec<Tensor>) ->
     capture::refuse_while_capturing("capturing another step")?;
     let engine = device.engine();
     // Arguments are computed first, so that the step's flush starts from their values.
-    for a in args {
-        a.materialize()?;
-    }
+    let buffers: Vec<Buffer> = args.iter().map(Tensor::materialize).collect::<Result<_>>()?;
     let arg_nodes: Vec<NodeId> = args.iter().map(Tensor::node).collect();
     let start = engine.next_seq();
     let outs = capture::during(device.id(), start, f)?;
@@ -185,6 +186,7 @@ fn capture(device: &Device, args: &[Tensor], f: impl FnOnce() -> Vec<Tensor>) ->
     drop(outs);
     let out_ids: Vec<NodeId> = detached.iter().map(Tensor::node).collect();
     let c = engine.capture(start, &arg_nodes, &out_ids)?;
+    c.note_args(&buffers);
     Ok((c, detached))
 }
 

@@ -390,6 +390,34 @@ fn replayed_steps_run_as_cuda_graphs() {
 }
 
 #[test]
+fn cuda_graphs_read_arguments_passed_again_in_place() {
+    let Some((dev, _turn)) = gpu("cuda_graphs_read_arguments_passed_again_in_place") else { return };
+    if std::env::var("BRAID_CUDA_GRAPHS").is_ok_and(|v| v.trim() == "0") {
+        eprintln!("skipped: cuda_graphs_read_arguments_passed_again_in_place: BRAID_CUDA_GRAPHS=0 turns graphs off");
+        return;
+    }
+    dev.seed(12);
+    let f = |a: &[Tensor]| vec![a[0].matmul(&a[1]).tanh(), a[1].sum()];
+    let step = braid::Step::new(f);
+    // A weight of 16 MiB, the same tensor at every call: the graph reads it where it is.
+    let w = Tensor::randn([2048, 2048], DType::F32, &dev);
+    let before = backend(&dev).graph_launches();
+    for call in 0..6 {
+        if call == 3 {
+            // A new version (a new buffer: the graph holds the old one): the graph is recorded
+            // again, at the call after, with the new buffer.
+            braid::no_grad(|| w.add_assign(&Tensor::full([2048, 2048], 0.25, DType::F32, &dev)));
+        }
+        let x = Tensor::randn([4, 2048], DType::F32, &dev);
+        let out = step.call(&[x.clone(), w.clone()]).unwrap();
+        let eager = f(&[x, w.clone()]);
+        assert_eq!(out.iter().map(bits).collect::<Vec<_>>(), eager.iter().map(bits).collect::<Vec<_>>(), "call {call}");
+    }
+    // Calls 1, 2, 4 and 5 launched a graph; call 3 (another buffer for the weight) ran the plan.
+    assert_eq!(backend(&dev).graph_launches() - before, 4, "graph launches");
+}
+
+#[test]
 fn kernels_of_thousands_of_buffers_are_split_to_fit_the_parameter_space() {
     // 4,200 kept values of one input would be one horizontally fused kernel, and their cat one
     // kernel of 4,201 buffers: more device addresses than kernel parameters hold (32 KiB since

@@ -148,6 +148,12 @@ struct alignas(16) float4 { float x, y, z, w; };
 static inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 template <class T> static T __ldg(const T* p) { return *p; }
 template <class T> static T __ldcs(const T* p) { return *p; }
+// Byte n of the result is byte (s >> 4n) & 7 of the eight bytes of x (0-3) and y (4-7).
+static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  unsigned long long b = (unsigned long long)y << 32 | x, r = 0;
+  for (int n = 0; n < 4; ++n) r |= (b >> (8 * ((s >> (4 * n)) & 7)) & 0xff) << (8 * n);
+  return (unsigned)r;
+}
 static inline float __uint_as_float(unsigned b) { float f; std::memcpy(&f, &b, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned b; std::memcpy(&b, &f, 4); return b; }
 using std::fmaf;
@@ -354,11 +360,7 @@ fn cpp_runner(n: usize, case: &Case, src: &cuda::CudaSource, offsets: &[usize], 
                 // Scratch memory (a split row kernel's, or a quantized product's), filled with
                 // garbage.
                 None => {
-                    let product = match &case.kernel.body {
-                        Body::QuantMatmul(q) => q.numel() * q.dtype.size(),
-                        _ => 0,
-                    };
-                    let words = src.scratch_bytes.max(product) / 8 + 1;
+                    let words = src.scratch_bytes / 8 + 1;
                     let _ =
                         writeln!(f, "  std::vector<unsigned long long> scratch{a}({words}, 0xBAD0BAD0BAD0BAD0ULL);");
                     let _ = writeln!(f, "  auto a{a} = ({}*)scratch{a}.data();", cuda::storage_ctype(*d));

@@ -9,7 +9,9 @@
 //! backend records device graphs (`Backend::record_graph`, CUDA graphs), the first replay
 //! records the plan into one and later replays launch it; a stale graph is dropped and
 //! recorded again, and a replay that is profiled, has a fault injected or runs under a memory
-//! budget runs the plan as a flush.
+//! budget runs the plan as a flush. An argument passed as the same buffer at the call before
+//! the graph is recorded (a step's weights) is read in place by it, not copied in at each
+//! launch; a later call with another buffer for it records the graph again.
 //!
 //! This module must never keep a plan whose replay could differ from running the function
 //! again. A capture fails with [`Error::Capture`] (and nothing is kept) when the function reads
@@ -140,6 +142,9 @@ pub(crate) struct Capture {
     outputs: Vec<Output>,
     /// The plan recorded into a device graph (CUDA graphs), from the first replay on.
     graph: Mutex<DeviceGraph>,
+    /// The addresses of the arguments' buffers at the last call: those passed again as the same
+    /// buffer are bound to a graph recorded now (read in place, never copied).
+    last_args: Mutex<Vec<usize>>,
 }
 
 /// Whether a capture's plan runs as a device graph.
@@ -155,6 +160,11 @@ impl Capture {
     /// Whether a replay runs a plan (otherwise every output is an argument or host data).
     pub(crate) fn runs(&self) -> bool {
         self.planned.is_some()
+    }
+
+    /// Notes the buffers the arguments had at the capture (see `last_args`).
+    pub(crate) fn note_args(&self, args: &[Buffer]) {
+        *crate::lock(&self.last_args) = args.iter().map(Buffer::address).collect();
     }
 
     /// Kernels one replay runs.
@@ -205,6 +215,7 @@ impl Engine {
                     sources: Vec::new(),
                     outputs,
                     graph: Mutex::new(DeviceGraph::Refused),
+                    last_args: Mutex::new(Vec::new()),
                 });
             }
             // Every view a step makes is computed in it (a replay leaves nothing pending).
@@ -242,7 +253,8 @@ impl Engine {
                 })
                 .collect::<Result<Vec<Output>>>()?;
             let graph = Mutex::new(DeviceGraph::Untried);
-            return Ok(Capture { planned: Some(planned), sources, outputs, graph });
+            let last_args = Mutex::new(Vec::new());
+            return Ok(Capture { planned: Some(planned), sources, outputs, graph, last_args });
         }
     }
 
@@ -251,6 +263,14 @@ impl Engine {
         refuse_while_capturing("running a step")?;
         let mut computed: Vec<Buffer> = Vec::new();
         if let Some(planned) = &c.planned {
+            // Arguments passed as the same buffer as at the last call (weights, above all).
+            let stable: Vec<bool> = {
+                let mut last = crate::lock(&c.last_args);
+                let now: Vec<usize> = args.iter().map(Buffer::address).collect();
+                let stable = (0..args.len()).map(|k| last.get(k) == Some(&now[k])).collect();
+                *last = now;
+                stable
+            };
             let poison = self.poison_under(env);
             let externals = c
                 .sources
@@ -289,12 +309,20 @@ impl Engine {
                     flush: number,
                     profile: None,
                 };
-                let launched =
-                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.launch_graph(c, job, &externals)))
-                        .unwrap_or_else(|panic| {
-                            let what = braid_devices::panic_message(panic.as_ref());
-                            Err(Error::Internal(format!("a step's device graph panicked (a bug in braid): {what}")))
-                        });
+                // Bound: stable arguments read where they are (not those an offload left on the host).
+                let bound: Vec<Option<Buffer>> = (c.sources.iter())
+                    .map(|s| match s {
+                        Source::Arg(k) if stable[*k] && !args[*k].is_offloaded() => Some(args[*k].clone()),
+                        _ => None,
+                    })
+                    .collect();
+                let launched = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    self.launch_graph(c, job, &externals, &bound)
+                }))
+                .unwrap_or_else(|panic| {
+                    let what = braid_devices::panic_message(panic.as_ref());
+                    Err(Error::Internal(format!("a step's device graph panicked (a bug in braid): {what}")))
+                });
                 if let Some(outputs) = launched? {
                     self.publish_dump(&planned.schedule, &planned.graph, number, None, env);
                     return Ok(c.produced(outputs));
@@ -329,14 +357,20 @@ impl Engine {
 
     /// Runs a captured plan as a device graph (recorded at its first replay, where the device
     /// records graphs): the outputs, or `None` when the plan must run as a flush this time.
-    fn launch_graph(&self, c: &Capture, job: Job<'_>, inputs: &[Input]) -> Result<Option<Vec<Buffer>>> {
+    fn launch_graph(
+        &self,
+        c: &Capture,
+        job: Job<'_>,
+        inputs: &[Input],
+        bound: &[Option<Buffer>],
+    ) -> Result<Option<Vec<Buffer>>> {
         // The graph is taken out of the capture's slot and launched without holding it, so that
         // replays of one step from several threads run at the same time where the device lets
         // them (a CPU graph keeps nothing between launches; CUDA orders its launches itself).
         let graph = {
             let mut slot = crate::lock(&c.graph);
             if matches!(*slot, DeviceGraph::Untried) {
-                *slot = match self.backend.record_graph(job) {
+                *slot = match self.backend.record_graph(job, bound) {
                     None => DeviceGraph::Refused,
                     Some(Ok(g)) => DeviceGraph::Recorded(Arc::from(g)),
                     Some(Err(e)) => {

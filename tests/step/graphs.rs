@@ -71,7 +71,7 @@ impl Backend for GraphBackend {
     fn begin<'a>(&'a self, schedule: &'a Schedule, poison: bool) -> Result<Box<dyn Flush + 'a>, DeviceError> {
         self.cpu.begin(schedule, poison)
     }
-    fn record_graph(&self, job: Job<'_>) -> Option<Result<Box<dyn Graph>, DeviceError>> {
+    fn record_graph(&self, job: Job<'_>, _bound: &[Option<Buffer>]) -> Option<Result<Box<dyn Graph>, DeviceError>> {
         assert!(job.fail_at.is_none() && job.profile.is_none(), "a graph is never recorded for such a flush");
         self.graphs.recorded.fetch_add(1, Ordering::SeqCst);
         let plan =

@@ -499,9 +499,11 @@ impl Backend for CpuDevice {
         self.pool.persistent()
     }
 
+    /// (A CPU graph reads its inputs where they are at every launch: `bound` changes nothing.)
     fn record_graph(
         &self,
         job: crate::runtime::Job<'_>,
+        _bound: &[Option<Buffer>],
     ) -> Option<Result<Box<dyn crate::runtime::Graph>, DeviceError>> {
         graph::record(self, job)
     }

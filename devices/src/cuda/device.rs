@@ -354,7 +354,7 @@ impl Backend for CudaBackend {
         super::nccl::connect_rank(self, group, token)
     }
 
-    fn record_graph(&self, job: Job<'_>) -> Option<Result<Box<dyn Graph>, DeviceError>> {
-        super::graph::record(self, job)
+    fn record_graph(&self, job: Job<'_>, bound: &[Option<Buffer>]) -> Option<Result<Box<dyn Graph>, DeviceError>> {
+        super::graph::record(self, job, bound)
     }
 }

@@ -13,11 +13,13 @@
 //! every buffer allocated while recording, reused only by a later allocation of the same size
 //! on the same lane after an ungated free (stream order inside the graph keeps that safe);
 //! kernel scratch; the input and output buffers; and the compiled kernels, whose modules stay
-//! loaded. The memory is held while the graph lives and counts as in use. cuBLAS workspaces
+//! loaded. An input the caller binds (`record`'s `bound`: a step's weights, the same buffer
+//! at every call) is read where it is instead: the graph holds that buffer, and a launch given
+//! another one for it is [`GraphRun::Stale`] (recorded again by the caller). The memory is held while the graph lives and counts as in use. cuBLAS workspaces
 //! are the lanes' own: once `Device::trim_memory` gives them back, a graph is stale.
 //!
 //! A launch is ordered like a flush: the origin lane waits for the end of every other lane,
-//! the inputs are copied into the graph's input buffers, the graph runs, each output is copied
+//! the inputs not bound are copied into the graph's input buffers, the graph runs, each output is copied
 //! into a fresh buffer (the caller may still hold an earlier launch's outputs), and a marker at
 //! the end tells the pools when it is done. Later flushes wait for that marker.
 //!
@@ -149,12 +151,20 @@ impl Recording {
     }
 }
 
+/// Where a graph reads one of its inputs.
+enum GraphInput {
+    /// Its own buffer, which each launch fills with a copy of the input.
+    Copied(Arc<CudaBuffer>),
+    /// The caller's buffer, read in place (held, so its memory is never reused meanwhile).
+    Bound(Arc<CudaBuffer>),
+}
+
 /// A recorded schedule: one `cuGraphLaunch` per replay (see the module docs).
 pub(crate) struct CudaGraph {
     pools: Arc<CudaPools>,
     exec: Exec,
     origin: LaneId,
-    inputs: Vec<Arc<CudaBuffer>>,
+    inputs: Vec<GraphInput>,
     outputs: Vec<Arc<CudaBuffer>>,
     /// The memory and kernels the graph refers to (held, never used by anything else).
     _kept: Vec<Arc<CudaBuffer>>,
@@ -166,10 +176,19 @@ pub(crate) struct CudaGraph {
     poison: bool,
 }
 
-/// Records `job`'s schedule into a CUDA graph on `backend` (see the module docs for what is
-/// not recorded: `None`).
-pub(crate) fn record(backend: &CudaBackend, job: Job<'_>) -> Option<Result<Box<dyn Graph>, DeviceError>> {
+/// Records `job`'s schedule into a CUDA graph on `backend`, reading input `i` in place from
+/// `bound[i]` where given (see the module docs for what is not recorded: `None`).
+pub(crate) fn record(
+    backend: &CudaBackend,
+    job: Job<'_>,
+    bound: &[Option<Buffer>],
+) -> Option<Result<Box<dyn Graph>, DeviceError>> {
     let s = job.schedule;
+    // Bound inputs are the caller's memory, not the graph's.
+    let bound_bytes: u64 = (s.external_buffers.iter().zip(bound))
+        .filter(|(_, b)| b.is_some())
+        .map(|(&b, _)| s.buffers[b.index()].bytes as u64)
+        .sum();
     let recordable = backend.graphs.load(Ordering::Relaxed)
         && !backend.timeline.on.load(Ordering::Relaxed)
         && job.profile.is_none()
@@ -177,21 +196,32 @@ pub(crate) fn record(backend: &CudaBackend, job: Job<'_>) -> Option<Result<Box<d
         && s.kernels.len() >= 2
         && !job.kernels.iter().any(|k| matches!(k.body, braid_lowering::Body::Collective(_)))
         && !s.buffers.iter().any(|b| b.upload_at_first_use || b.space == Space::Remote)
-        && s.buffers.iter().map(|b| b.bytes as u64).sum::<u64>() <= GRAPH_MAX_BYTES;
-    recordable.then(|| record_now(backend, job))
+        && s.buffers.iter().map(|b| b.bytes as u64).sum::<u64>() - bound_bytes <= GRAPH_MAX_BYTES;
+    recordable.then(|| record_now(backend, job, bound))
 }
 
-fn record_now(backend: &CudaBackend, job: Job<'_>) -> Result<Box<dyn Graph>, DeviceError> {
+fn record_now(backend: &CudaBackend, job: Job<'_>, bound: &[Option<Buffer>]) -> Result<Box<dyn Graph>, DeviceError> {
     let pools = &backend.pools;
     let s = job.schedule;
     pools.gpu.bind()?;
     let mem = |space: Space| if space == Space::Host { Mem::Pinned } else { Mem::Device };
-    let inputs = (s.external_buffers.iter().map(|b| &s.buffers[b.index()]))
-        .map(|p| pools.buffer(None, p.bytes, mem(p.space), false, job.poison).map(Arc::new))
+    let inputs = (s.external_buffers.iter().enumerate().map(|(i, b)| (i, &s.buffers[b.index()])))
+        .map(|(i, p)| {
+            // A bound input of this device, of the planned size and in device memory.
+            let caller = bound.get(i).and_then(Option::as_ref).and_then(|b| b.arc::<CudaBuffer>());
+            match caller {
+                Some(b) if Arc::ptr_eq(b.pools(), pools) && b.bytes() == p.bytes && p.space != Space::Host => {
+                    Ok(GraphInput::Bound(b))
+                }
+                _ => pools
+                    .buffer(None, p.bytes, mem(p.space), false, job.poison)
+                    .map(|b| GraphInput::Copied(Arc::new(b))),
+            }
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let epoch = pools.blas_epoch();
     let flush = CudaFlush::record(backend, s, job.poison)?;
-    let externals = inputs.iter().map(|b| Input::Buffer(Buffer::new(b.clone()))).collect();
+    let externals = inputs.iter().map(|i| Input::Buffer(Buffer::new(i.buffer().clone()))).collect();
     let (outputs, _held) = execute_on(Driver::IssueThreads, &flush, Job { externals, ..job });
     let recording = flush.into_recording();
     let outputs = outputs?
@@ -205,11 +235,16 @@ fn record_now(backend: &CudaBackend, job: Job<'_>) -> Result<Box<dyn Graph>, Dev
     let exec = lock(&recording.exec).take().ok_or_else(|| DeviceError::Internal("no graph was recorded".into()))?;
     let kernels = std::mem::take(&mut *lock(&recording.kernels));
     let kept = std::mem::take(&mut *lock(&recording.kept));
-    let bytes: usize = kept.iter().chain(&inputs).map(|b| b.bytes()).sum();
+    let copied = inputs.iter().filter_map(|i| match i {
+        GraphInput::Copied(b) => Some(b),
+        GraphInput::Bound(_) => None,
+    });
+    let bytes: usize = kept.iter().chain(copied).map(|b| b.bytes()).sum();
     tracing::debug!(
         target: TRACE_TARGET,
         kernels = kernels.len(),
         bytes,
+        bound = inputs.iter().filter(|i| matches!(i, GraphInput::Bound(_))).count(),
         streams = s.streams.len(),
         "recorded a step into a CUDA graph"
     );
@@ -248,6 +283,14 @@ impl Graph for CudaGraph {
                 inputs.len()
             )));
         }
+        // Another buffer for a bound input: the graph reads the old one; record it again.
+        let rebound = self.inputs.iter().zip(inputs).any(|(slot, input)| match slot {
+            GraphInput::Bound(b) => !input.get::<CudaBuffer>().is_some_and(|i| std::ptr::eq(i, &**b)),
+            GraphInput::Copied(_) => false,
+        });
+        if rebound {
+            return Ok(GraphRun::Stale);
+        }
         pools.gpu.bind()?;
         let origin = pools.stream(self.origin);
         let fence = pools.state().lanes.fence(&pools.events)?;
@@ -268,6 +311,7 @@ impl Graph for CudaGraph {
             r
         };
         for (slot, input) in self.inputs.iter().zip(inputs) {
+            let GraphInput::Copied(slot) = slot else { continue };
             match input.get::<CudaBuffer>() {
                 Some(b) if Arc::ptr_eq(b.pools(), pools) && b.bytes() == slot.bytes() => copy(slot, b)?,
                 _ => {
@@ -295,6 +339,14 @@ impl Graph for CudaGraph {
         backend.launched.fetch_add(self.kernel_count, Ordering::Relaxed);
         backend.graph_launches.fetch_add(1, Ordering::Relaxed);
         Ok(GraphRun::Ran(outputs))
+    }
+}
+
+impl GraphInput {
+    fn buffer(&self) -> &Arc<CudaBuffer> {
+        match self {
+            GraphInput::Copied(b) | GraphInput::Bound(b) => b,
+        }
     }
 }
 

@@ -37,6 +37,17 @@ impl Buffer {
         Buffer(buffer)
     }
 
+    /// Whether both handles name one allocation.
+    pub fn same(&self, other: &Buffer) -> bool {
+        std::ptr::addr_eq(Arc::as_ptr(&self.0), Arc::as_ptr(&other.0))
+    }
+
+    /// An identity of the allocation while it lives (its address: a later allocation may
+    /// reuse it, so this says only "probably the same" once the buffer is gone).
+    pub fn address(&self) -> usize {
+        Arc::as_ptr(&self.0) as *const () as usize
+    }
+
     /// The backend's buffer, when it is one of type `B`.
     pub fn get<B: DeviceBuffer>(&self) -> Option<&B> {
         let any: &dyn Any = self.0.as_ref();

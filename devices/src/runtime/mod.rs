@@ -144,18 +144,22 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
     /// Records `job`'s schedule into a [`Graph`] that later runs it again with one call (a
-    /// CUDA graph), without running it. `job.externals` is ignored: the graph holds buffers
-    /// of its own for the inputs, filled at each [`Graph::launch`]. `None`: this backend
-    /// records no graph of this schedule (the caller runs the plan as usual, and does not ask
-    /// again for it); `Err`: recording failed, nothing ran, and the device stays usable.
-    fn record_graph(&self, job: Job<'_>) -> Option<Result<Box<dyn Graph>, DeviceError>> {
-        let _ = job;
+    /// CUDA graph), without running it. `job.externals` is ignored. Input `i` is read in place
+    /// from `bound[i]` at every launch when that is `Some` (a launch given another buffer for
+    /// it reports [`GraphRun::Stale`]: a step's weights, passed again and again, are never
+    /// copied); the graph holds a buffer of its own for each other input, filled at each
+    /// [`Graph::launch`]. A backend may copy every input instead (`bound` is a permission).
+    /// `None`: this backend records no graph of this schedule (the caller runs the plan as
+    /// usual, and does not ask again for it); `Err`: recording failed, nothing ran, and the
+    /// device stays usable.
+    fn record_graph(&self, job: Job<'_>, bound: &[Option<Buffer>]) -> Option<Result<Box<dyn Graph>, DeviceError>> {
+        let _ = (job, bound);
         None
     }
 }
 
 /// A schedule recorded once into one device call ([`Backend::record_graph`]): a launch copies
-/// the inputs into the graph's own buffers, runs every step of every stream with the
+/// the inputs it does not read in place into the graph's own buffers, runs every step of every stream with the
 /// schedule's event edges, and copies the outputs into fresh buffers (a caller may still hold
 /// an earlier launch's outputs). Launches are ordered after everything enqueued on the device
 /// before them, and work enqueued later comes after them, like a flush.
@@ -171,8 +175,9 @@ pub enum GraphRun {
     Ran(Vec<Buffer>),
     /// It cannot run now (the device is timing each kernel): run the plan instead.
     NotNow,
-    /// It can never run again (memory it refers to was given back, by `Device::trim_memory`):
-    /// drop it, run the plan, and record a new graph if wanted.
+    /// It can never run again (memory it refers to was given back, by `Device::trim_memory`), or
+    /// not on these inputs (another buffer for one it reads in place): drop it, run the plan,
+    /// and record a new graph if wanted. Nothing ran.
     Stale,
 }
 

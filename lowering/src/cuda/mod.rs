@@ -107,8 +107,9 @@ pub struct CudaSource {
     /// False for every other kernel, integer products included (their first entry computes it).
     pub library_product: bool,
     /// Bytes of scratch memory a split row or column kernel's entries share, passed as their last
-    /// parameter (a `u8` in `params`); 0 for every other kernel (a matrix product's scratch is
-    /// the caller's plan).
+    /// parameter (a `u8` in `params`), or a quantized product's when no argument holds it (of
+    /// the product's dtype); 0 for every other kernel (a matrix product's scratch is the
+    /// caller's plan).
     pub scratch_bytes: usize,
 }
 
@@ -187,6 +188,7 @@ pub fn print(kernel: &Kernel, name: &str) -> Result<CudaSource, String> {
             if q.product as usize == params.len() {
                 // Scratch memory for the product, written by the printed product.
                 params.push(Param { dtype: q.dtype, len: q.numel(), writable: true });
+                scratch_bytes = q.numel() * q.dtype.size();
             } else if q.product as usize > params.len() {
                 return Err(format!("quantized product in argument {} of {}", q.product, params.len()));
             }
