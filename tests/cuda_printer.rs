@@ -50,7 +50,7 @@ mod warps;
 use cases::*;
 
 use braid_devices::cpu::run_kernel;
-use braid_graph::DType;
+use braid_graph::{DType, QuantLayout, Scheme};
 use braid_lowering::cuda::{self, Launch};
 use braid_lowering::{Body, Kernel, MapLoop, RowKernel};
 use common::Rng;
@@ -414,6 +414,14 @@ fn printed_kernels_compute_what_the_cpu_computes() {
     let mut quant = Rng::new(0x9A47);
     for n in 0..40 {
         let (c, b) = quant_cases::quant_case(&mut quant, n);
+        cases.push(c);
+        bounds.push(Some(b));
+    }
+    // Rows long enough for warps to share a channel (the few-rows path's split).
+    for (n, (scheme, m, k)) in [(Scheme::Int4 { group: 32 }, 1, 4096), (Scheme::Int8, 3, 2048)].into_iter().enumerate()
+    {
+        let layout = QuantLayout::new(scheme, k, 5, DType::F16).unwrap();
+        let (c, b) = quant_cases::quant_case_of(&mut quant, 40 + n, DType::BF16, layout, m);
         cases.push(c);
         bounds.push(Some(b));
     }

@@ -50,13 +50,26 @@ pub(super) fn print_quant_product(
     let common = format!("a{}, {off}LL, {rs}LL, {cs}LL, a{}, a{}", q.lhs.arg, q.weight, q.product);
     let tail = format!("{}LL, {}LL, {}, {}", l.row_bytes(), l.scales_offset(), l.groups(), l.group());
     let (call, blocks, threads) = if m <= GEMV_ROWS {
-        // Channels a warp: inputs loaded once serve them all (fewer with many rows: registers).
-        let c = if m <= 2 || m > 8 { 2 } else { 4 };
+        // Channels a warp (the inputs it reads serve them all): four for one row of int4
+        // values, where converting the inputs is a large share of the work; two otherwise (more
+        // would spill registers with many rows). Chunks in flight a lane: 128 bytes a channel
+        // pair.
+        let c = if m == 1 && int4 { 4 } else { 2 };
+        let ahead = 16 / c;
+        // Warps sharing a channel's row: enough warps to fill the GPU (about 8,192), as long as
+        // each still has a chunk a lane.
+        let (values, warps) = (if int4 { 32 } else { 16 }, n.div_ceil(c));
+        let chunks = k.div_ceil(values);
+        let split = [4, 2, 1].into_iter().find(|&s| warps * s <= 8192 && chunks >= 32 * s).unwrap_or(1);
         // Eight inputs at a time with one vector load: contiguous rows aligned to 16 bytes.
         let per = (16 / q.dtype.size()) as isize;
         let vecx = cs == 1 && (off as isize) % per == 0 && rs % per == 0;
-        let call = format!("qm_gemv<{m}, {c}, {xk}, {sk}, {int4}, {vecx}>({common}, {k}, {n}, {tail})");
-        (call, n.div_ceil(4 * c), 128)
+        let group = if int4 { l.group() } else { 1 };
+        let tail = format!("{}LL, {}LL, {}", l.row_bytes(), l.scales_offset(), l.groups());
+        let call = format!(
+            "qm_gemv<{m}, {c}, {ahead}, {split}, {xk}, {sk}, {int4}, {vecx}, {k}, {group}>({common}, {n}, {tail})"
+        );
+        (call, n.div_ceil(c * (4 / split)), 128)
     } else {
         let call = format!("qm_tiled<{xk}, {sk}, {int4}>({common}, {m}, {k}, {n}, {tail})");
         (call, m.div_ceil(64) * n.div_ceil(64), 256)

@@ -13,13 +13,17 @@
 // Vector loads are taken only where the address is aligned for them (checked at run time).
 
 __device__ __forceinline__ float qm_f16(unsigned short h) {
+#if defined(__CUDA_ARCH__)
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+#else
+  // (The printer tests run this code on the host: the same conversion, by its bits.)
   const unsigned s = (unsigned)(h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 1023u;
-  if (e == 0) {
-    const float v = (float)m * 5.9604644775390625e-8f;  // m * 2^-24, exact
-    return __uint_as_float(__float_as_uint(v) | s);
-  }
+  if (e == 0) return __uint_as_float(__float_as_uint((float)m * 5.9604644775390625e-8f) | s);
   if (e == 31) return __uint_as_float(s | 0x7f800000u | (m << 13) | (m ? 0x400000u : 0u));
   return __uint_as_float(s | ((e + 112u) << 23) | (m << 13));
+#endif
 }
 __device__ __forceinline__ float qm_bf16(unsigned short b) { return __uint_as_float(((unsigned)b) << 16); }
 __device__ __forceinline__ unsigned short qm_to_bf16(float f) {
@@ -82,13 +86,21 @@ template <int WORDS> __device__ __forceinline__ uint4 qm_bytes(const unsigned ch
   return q;
 }
 
-template <int SK> __device__ __forceinline__ float qm_scale(const unsigned char* w, long long scales, long long at) {
-  if (SK == 0) {
-    const uint4 b = qm_bytes<1>(w + scales + 4 * at, false);
-    return __uint_as_float(b.x);
-  }
-  const unsigned char* p = w + scales + 2 * at;
-  return qm_f16((unsigned short)(__ldg(p) | (unsigned)__ldg(p + 1) << 8));
+// The bits of scale `at` (an index into the scales): one load when the buffer is aligned
+// (then so is every scale: they start at a multiple of 16), else byte by byte. Kept as bits
+// until used, so that a load issued ahead is not waited for by a conversion.
+template <int SK> __device__ __forceinline__ unsigned qm_scale_bits(const unsigned char* w, long long scales,
+                                                                   long long at, bool aligned) {
+  const unsigned char* p = w + scales + (SK == 0 ? 4 : 2) * at;
+  if (SK == 0) return aligned ? __ldg((const unsigned*)p) : qm_bytes<1>(p, false).x;
+  return aligned ? __ldg((const unsigned short*)p) : (unsigned)__ldg(p) | (unsigned)__ldg(p + 1) << 8;
+}
+template <int SK> __device__ __forceinline__ float qm_scale_of(unsigned bits) {
+  return SK == 0 ? __uint_as_float(bits) : qm_f16((unsigned short)bits);
+}
+template <int SK> __device__ __forceinline__ float qm_scale(const unsigned char* w, long long scales, long long at,
+                                                           bool aligned) {
+  return qm_scale_of<SK>(qm_scale_bits<SK>(w, scales, at, aligned));
 }
 
 template <int XK> __device__ __forceinline__ void qm_store(void* out, long long i, float v) {
@@ -103,9 +115,13 @@ template <int XK> __device__ __forceinline__ void qm_store(void* out, long long 
 template <bool INT4> __device__ __forceinline__ void qm_decode8(const uint4& q, int t, float* v) {
   const unsigned w[4] = {q.x, q.y, q.z, q.w};
   if (INT4) {
-    const unsigned word = w[t] ^ 0x88888888u;  // each nibble q + 8, in 0..15
+    // Each nibble q + 8 (in 0..15): the even ones, then the odd ones, a byte each.
+    const unsigned word = w[t] ^ 0x88888888u, lo = word & 0x0F0F0F0Fu, hi = (word >> 4) & 0x0F0F0F0Fu;
 #pragma unroll
-    for (int u = 0; u < 8; ++u) v[u] = __uint_as_float(0x4B000000u | ((word >> (4 * u)) & 0xFu)) - 8388616.f;
+    for (int b = 0; b < 4; ++b) {
+      v[2 * b] = __uint_as_float(__byte_perm(lo, 0x4B000000u, 0x7440u + b)) - 8388616.f;
+      v[2 * b + 1] = __uint_as_float(__byte_perm(hi, 0x4B000000u, 0x7440u + b)) - 8388616.f;
+    }
   } else {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -116,69 +132,102 @@ template <bool INT4> __device__ __forceinline__ void qm_decode8(const uint4& q, 
   }
 }
 
-// Few rows (M <= 16): a warp per C channels, its lanes striding over the channels' 16-byte
-// chunks (streamed: each weight byte is read once), the inputs read through the L1 cache and
-// reused across the C channels. Blocks of QM_WARPS warps.
+// Few rows (M <= 16): each channel's chunks of 16 bytes are streamed once (each weight byte
+// read once), by SPLIT warps of a block taking turns at 32 chunks (one a lane) and summing
+// their parts through shared memory at the end, in a fixed order; a warp serves C channels,
+// reusing the inputs it reads (through the L1 cache) for all of them. A lane keeps AHEAD chunks
+// of each channel in flight: it loads the next batch before it computes the one it holds (K is
+// a constant, so the batches are known and the loads leave early). Blocks of QM_WARPS warps.
 #define QM_WARPS 4
-template <int M, int C, int XK, int SK, bool INT4, bool VECX>
-__device__ __forceinline__ void qm_gemv(const void* x, long long x_off, long long rs, long long cs,
-                                        const unsigned char* w, void* out, int K, int N, long long row_bytes,
-                                        long long scales, int groups, int group) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int j0 = (blockIdx.x * QM_WARPS + warp) * C;
-  constexpr int VALS = INT4 ? 32 : 16;
-  // A warp past the last channel walks nothing but still meets the others' shuffles.
-  const int chunks = j0 < N ? (K + VALS - 1) / VALS : 0, full = K / VALS;
-  const bool vecx = VECX && (unsigned long long)x % 16 == 0;
+// VX: the inputs are read eight at a time (contiguous rows, aligned); WA: the weights are
+// aligned for 16-byte loads (`qm_gemv` decides both once, so that no iteration carries the
+// other path's instructions, predicated off).
+template <int M, int C, int AHEAD, int SPLIT, int XK, int SK, bool INT4, bool VX, bool WA, int K, int GROUP>
+__device__ __forceinline__ void qm_gemv_path(const void* x, long long x_off, long long rs, long long cs,
+                                             const unsigned char* w, void* out, int N, long long row_bytes,
+                                             long long scales, int groups) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, part = warp % SPLIT;
+  const int j0 = (blockIdx.x * (QM_WARPS / SPLIT) + warp / SPLIT) * C;
+  constexpr int VALS = INT4 ? 32 : 16, CHUNKS = (K + VALS - 1) / VALS, FULL = K / VALS;
+  constexpr int BATCHES = (CHUNKS + 32 * AHEAD * SPLIT - 1) / (32 * AHEAD * SPLIT);
   float acc[M][C];
 #pragma unroll
   for (int r = 0; r < M; ++r)
 #pragma unroll
     for (int ch = 0; ch < C; ++ch) acc[r][ch] = 0.f;
-#pragma unroll 2
-  for (int c = lane; c < chunks; c += 32) {
-    uint4 q[C];
+  uint4 cur[AHEAD][C], nxt[AHEAD][C];
+  unsigned scur[AHEAD][C], snxt[AHEAD][C];
+  // The chunk lane `lane` of this warp takes at step `i` of batch `b`.
+  auto chunk = [&](int b, int i) { return ((b * AHEAD + i) * SPLIT + part) * 32 + lane; };
+  // Batch `b`'s chunks of each channel (zeros past the row or the last channel: a warp past
+  // the last channel walks nothing but still meets the others' shuffles and barrier) and the
+  // bits of their scales.
+  auto load = [&](int b, uint4 (&q)[AHEAD][C], unsigned (&sc)[AHEAD][C]) {
 #pragma unroll
-    for (int ch = 0; ch < C; ++ch) {
-      q[ch] = j0 + ch < N ? qm_bytes<4>(w + (long long)(j0 + ch) * row_bytes + 16LL * c, true) : make_uint4(0, 0, 0, 0);
-    }
-    float p[M][C];
+    for (int i = 0; i < AHEAD; ++i) {
+      const int c = chunk(b, i);
 #pragma unroll
-    for (int r = 0; r < M; ++r)
-#pragma unroll
-      for (int ch = 0; ch < C; ++ch) p[r][ch] = 0.f;
-    const long long i0 = (long long)c * VALS;
-#pragma unroll
-    for (int t = 0; t < VALS / 8; ++t) {
-      float wv[C][8];
-#pragma unroll
-      for (int ch = 0; ch < C; ++ch) qm_decode8<INT4>(q[ch], t, wv[ch]);
-#pragma unroll
-      for (int r = 0; r < M; ++r) {
-        float xv[8];
-        const long long at = x_off + r * rs;
-        if (vecx && c < full) {
-          qm_x8<XK>(x, at + i0 + 8 * t, xv);
-        } else {
-#pragma unroll
-          for (int u = 0; u < 8; ++u) {
-            const long long i = i0 + 8 * t + u;
-            xv[u] = i < K ? qm_x<XK>(x, at + i * cs) : 0.f;
-          }
-        }
-#pragma unroll
-        for (int ch = 0; ch < C; ++ch)
-#pragma unroll
-          for (int u = 0; u < 8; ++u) p[r][ch] = fmaf(xv[u], wv[ch][u], p[r][ch]);
+      for (int ch = 0; ch < C; ++ch) {
+        const bool in = c < CHUNKS && j0 + ch < N;
+        const unsigned char* at = w + (long long)(j0 + ch) * row_bytes + 16LL * c;
+        q[i][ch] = !in ? make_uint4(0, 0, 0, 0) : WA ? __ldcs((const uint4*)at) : qm_bytes<4>(at, true);
+        // int4: the chunk lies in one group (groups are whole chunks); int8: scaled at the end.
+        sc[i][ch] = INT4 && in ? qm_scale_bits<SK>(w, scales, (long long)(j0 + ch) * groups + (c * VALS) / GROUP, WA) : 0u;
       }
     }
+  };
+  load(0, cur, scur);
+#pragma unroll 1
+  for (int b = 0; b < BATCHES; ++b) {
+    if (b + 1 < BATCHES) load(b + 1, nxt, snxt);
 #pragma unroll
-    for (int ch = 0; ch < C; ++ch) {
-      // int4: the chunk lies in one group (groups are whole chunks); int8: scaled at the end.
-      const float s = INT4 && j0 + ch < N ? qm_scale<SK>(w, scales, (long long)(j0 + ch) * groups + (c * VALS) / group) : 1.f;
+    for (int i = 0; i < AHEAD; ++i) {
+      const int c = chunk(b, i);
+      if (c >= CHUNKS) continue;
+      float p[M][C];
 #pragma unroll
-      for (int r = 0; r < M; ++r) acc[r][ch] = INT4 ? fmaf(p[r][ch], s, acc[r][ch]) : acc[r][ch] + p[r][ch];
+      for (int r = 0; r < M; ++r)
+#pragma unroll
+        for (int ch = 0; ch < C; ++ch) p[r][ch] = 0.f;
+      const long long i0 = (long long)c * VALS;
+#pragma unroll
+      for (int t = 0; t < VALS / 8; ++t) {
+        float wv[C][8];
+#pragma unroll
+        for (int ch = 0; ch < C; ++ch) qm_decode8<INT4>(cur[i][ch], t, wv[ch]);
+#pragma unroll
+        for (int r = 0; r < M; ++r) {
+          float xv[8];
+          const long long at = x_off + r * rs;
+          if (VX && (K % VALS == 0 || c < FULL)) {
+            qm_x8<XK>(x, at + i0 + 8 * t, xv);
+          } else {
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+              const long long k = i0 + 8 * t + u;
+              xv[u] = k < K ? qm_x<XK>(x, at + k * cs) : 0.f;
+            }
+          }
+#pragma unroll
+          for (int ch = 0; ch < C; ++ch)
+#pragma unroll
+            for (int u = 0; u < 8; ++u) p[r][ch] = fmaf(xv[u], wv[ch][u], p[r][ch]);
+        }
+      }
+#pragma unroll
+      for (int ch = 0; ch < C; ++ch)
+#pragma unroll
+        for (int r = 0; r < M; ++r) {
+          acc[r][ch] = INT4 ? fmaf(p[r][ch], qm_scale_of<SK>(scur[i][ch]), acc[r][ch]) : acc[r][ch] + p[r][ch];
+        }
     }
+#pragma unroll
+    for (int i = 0; i < AHEAD; ++i)
+#pragma unroll
+      for (int ch = 0; ch < C; ++ch) {
+        cur[i][ch] = nxt[i][ch];
+        scur[i][ch] = snxt[i][ch];
+      }
   }
 #pragma unroll
   for (int r = 0; r < M; ++r)
@@ -186,16 +235,46 @@ __device__ __forceinline__ void qm_gemv(const void* x, long long x_off, long lon
     for (int ch = 0; ch < C; ++ch)
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) acc[r][ch] += __shfl_xor_sync(0xffffffffu, acc[r][ch], o);
-  if (lane == 0) {
+  if (SPLIT > 1) {
+    // The parts of one channel, summed in the order of the warps that computed them.
+    __shared__ float parts[QM_WARPS][M][C];
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < M; ++r)
+#pragma unroll
+        for (int ch = 0; ch < C; ++ch) parts[warp][r][ch] = acc[r][ch];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < M; ++r)
+#pragma unroll
+      for (int ch = 0; ch < C; ++ch) {
+        acc[r][ch] = parts[warp - part][r][ch];
+        for (int q = 1; q < SPLIT; ++q) acc[r][ch] += parts[warp - part + q][r][ch];
+      }
+  }
+  if (lane == 0 && part == 0) {
 #pragma unroll
     for (int ch = 0; ch < C; ++ch) {
       if (j0 + ch >= N) continue;
-      const float s = INT4 ? 1.f : qm_scale<SK>(w, scales, j0 + ch);
-#pragma unroll
+      const float s = INT4 ? 1.f : qm_scale<SK>(w, scales, j0 + ch, WA);
       // (+ 0: an exact zero is +0, as the CPU's sum of dequantized terms gives.)
+#pragma unroll
       for (int r = 0; r < M; ++r) qm_store<XK>(out, (long long)r * N + j0 + ch, (INT4 ? acc[r][ch] : acc[r][ch] * s) + 0.f);
     }
   }
+}
+
+template <int M, int C, int AHEAD, int SPLIT, int XK, int SK, bool INT4, bool VECX, int K, int GROUP>
+__device__ __forceinline__ void qm_gemv(const void* x, long long x_off, long long rs, long long cs,
+                                        const unsigned char* w, void* out, int N, long long row_bytes,
+                                        long long scales, int groups) {
+  const bool vx = VECX && (unsigned long long)x % 16 == 0, wa = (unsigned long long)w % 16 == 0;
+#define QM_PATH(V, A) qm_gemv_path<M, C, AHEAD, SPLIT, XK, SK, INT4, V, A, K, GROUP>(x, x_off, rs, cs, w, out, N, row_bytes, scales, groups)
+  if (vx && wa) QM_PATH(VECX, true);
+  else if (wa) QM_PATH(false, true);
+  else QM_PATH(false, false);
+#undef QM_PATH
 }
 
 // Many rows: 64 x 64 tiles of the product, 256 threads of 4 x 4 elements each, over steps of
@@ -228,7 +307,7 @@ __device__ __forceinline__ void qm_tiled(const void* x, long long x_off, long lo
         const unsigned char* row = w + (long long)j * row_bytes;
         if (INT4) qm_decode8<true>(qm_bytes<1>(row + k / 2, false), 0, v);
         else qm_decode8<false>(qm_bytes<2>(row + k, false), 0, v);
-        const float s = qm_scale<SK>(w, scales, (long long)j * groups + k / group);
+        const float s = qm_scale<SK>(w, scales, (long long)j * groups + k / group, (unsigned long long)w % 16 == 0);
 #pragma unroll
         for (int u = 0; u < 8; ++u) v[u] = k + u < K ? v[u] * s : 0.f;
       } else {
