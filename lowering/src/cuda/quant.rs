@@ -52,8 +52,8 @@ pub(super) fn print_quant_product(
     let (call, blocks, threads) = if m <= GEMV_ROWS {
         // Channels a warp (the inputs it reads serve them all): four for one row of int4
         // values, where converting the inputs is a large share of the work; two otherwise (more
-        // would spill registers with many rows). Chunks in flight a lane: 128 bytes a channel
-        // pair.
+        // would spill registers with many rows). Each lane keeps sixteen chunks of 16 bytes in
+        // flight over its channels.
         let c = if m == 1 && int4 { 4 } else { 2 };
         let ahead = 16 / c;
         // Warps sharing a channel's row: enough warps to fill the GPU (about 8,192), as long as
