@@ -53,8 +53,8 @@ pub enum Error {
     /// contents are not a valid safetensors file braid can load (the message says which).
     #[error("{0}")]
     Io(String),
-    /// A read of a quantized weight's elements (`to_vec`, `item`, saving it with
-    /// `save_to_bytes` is fine): it holds packed bytes; `dequantize()` it first.
+    /// A read of a quantized weight's elements (`to_vec`, `item`): it holds packed bytes;
+    /// `dequantize()` it first (saving it with `braid::io` is fine).
     #[error("{0}")]
     Quantized(String),
     /// The validator found a hazard in a schedule (a bug in braid); nothing ran.

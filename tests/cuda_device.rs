@@ -349,13 +349,19 @@ fn bits(t: &Tensor) -> Vec<u32> {
     t.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
 }
 
+/// `gpu(test)`, unless graphs are off (then the test says it skipped and why).
+fn gpu_with_graphs(test: &str) -> Option<(Device, std::sync::MutexGuard<'static, ()>)> {
+    let got = gpu(test)?;
+    if std::env::var("BRAID_CUDA_GRAPHS").is_ok_and(|v| v.trim() == "0") {
+        eprintln!("skipped: {test}: BRAID_CUDA_GRAPHS=0 turns graphs off");
+        return None;
+    }
+    Some(got)
+}
+
 #[test]
 fn replayed_steps_run_as_cuda_graphs() {
-    let Some((dev, _turn)) = gpu("replayed_steps_run_as_cuda_graphs") else { return };
-    if std::env::var("BRAID_CUDA_GRAPHS").is_ok_and(|v| v.trim() == "0") {
-        eprintln!("skipped: replayed_steps_run_as_cuda_graphs: BRAID_CUDA_GRAPHS=0 turns graphs off");
-        return;
-    }
+    let Some((dev, _turn)) = gpu_with_graphs("replayed_steps_run_as_cuda_graphs") else { return };
     dev.seed(11);
     let side = dev.new_stream();
     let step = braid::Step::new(|a: &[Tensor]| two_stream_step(a, &side));
@@ -391,11 +397,7 @@ fn replayed_steps_run_as_cuda_graphs() {
 
 #[test]
 fn cuda_graphs_read_arguments_passed_again_in_place() {
-    let Some((dev, _turn)) = gpu("cuda_graphs_read_arguments_passed_again_in_place") else { return };
-    if std::env::var("BRAID_CUDA_GRAPHS").is_ok_and(|v| v.trim() == "0") {
-        eprintln!("skipped: cuda_graphs_read_arguments_passed_again_in_place: BRAID_CUDA_GRAPHS=0 turns graphs off");
-        return;
-    }
+    let Some((dev, _turn)) = gpu_with_graphs("cuda_graphs_read_arguments_passed_again_in_place") else { return };
     dev.seed(12);
     let f = |a: &[Tensor]| vec![a[0].matmul(&a[1]).tanh(), a[1].sum()];
     let step = braid::Step::new(f);

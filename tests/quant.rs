@@ -154,6 +154,16 @@ fn quantized_products_read_batched_and_transposed_inputs() {
     let (y, yt) = braid::no_grad(|| (x.matmul(&q), xt.t().matmul(&q)));
     assert_eq!((y.dims(), yt.dims()), (&[2, 3, 24][..], &[5, 24][..]));
     check_recorded(&[&y, &yt]).unwrap();
+    // No inputs at all (k = 0): every row's sum is empty.
+    let empty = Tensor::from_quantized(
+        QuantLayout::new(Scheme::Int8, 0, 4, DType::F32).unwrap(),
+        &[],
+        &[1.0; 4],
+        DType::F32,
+        &dev,
+    );
+    let y0 = braid::no_grad(|| Tensor::zeros([2, 3, 0], DType::F32, &dev).matmul(&empty));
+    assert_eq!((y0.dims(), y0.to_vec::<f32>().unwrap()), (&[2, 3, 4][..], vec![0.0; 24]));
 }
 
 #[test]

@@ -309,15 +309,18 @@ impl Engine {
                     flush: number,
                     profile: None,
                 };
-                // Bound: stable arguments read where they are (not those an offload left on the host).
-                let bound: Vec<Option<Buffer>> = (c.sources.iter())
-                    .map(|s| match s {
-                        Source::Arg(k) if stable[*k] && !args[*k].is_offloaded() => Some(args[*k].clone()),
-                        _ => None,
-                    })
-                    .collect();
+                // Bound when a graph is recorded: stable arguments, read where they are (not those
+                // an offload left on the host).
+                let bound = || -> Vec<Option<Buffer>> {
+                    (c.sources.iter())
+                        .map(|s| match s {
+                            Source::Arg(k) if stable[*k] && !args[*k].is_offloaded() => Some(args[*k].clone()),
+                            _ => None,
+                        })
+                        .collect()
+                };
                 let launched = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    self.launch_graph(c, job, &externals, &bound)
+                    self.launch_graph(c, job, &externals, bound)
                 }))
                 .unwrap_or_else(|panic| {
                     let what = braid_devices::panic_message(panic.as_ref());
@@ -362,7 +365,7 @@ impl Engine {
         c: &Capture,
         job: Job<'_>,
         inputs: &[Input],
-        bound: &[Option<Buffer>],
+        bound: impl FnOnce() -> Vec<Option<Buffer>>,
     ) -> Result<Option<Vec<Buffer>>> {
         // The graph is taken out of the capture's slot and launched without holding it, so that
         // replays of one step from several threads run at the same time where the device lets
@@ -370,7 +373,7 @@ impl Engine {
         let graph = {
             let mut slot = crate::lock(&c.graph);
             if matches!(*slot, DeviceGraph::Untried) {
-                *slot = match self.backend.record_graph(job, bound) {
+                *slot = match self.backend.record_graph(job, &bound()) {
                     None => DeviceGraph::Refused,
                     Some(Ok(g)) => DeviceGraph::Recorded(Arc::from(g)),
                     Some(Err(e)) => {

@@ -173,17 +173,12 @@ impl Tensor {
                 &describe(),
             );
         }
-        let rows = x.numel() / layout.k.max(1);
-        let (bytes_shape, bytes_dtype) = (Shape::from([layout.bytes()]), DType::U8);
-        let (x2, r) = match x.dims().last() {
-            Some(&k) if k == layout.k => {
-                let x2 = x.reshape([rows, layout.k]);
-                let r = infer::quant_matmul((x2.shape(), x2.dtype()), (&bytes_shape, bytes_dtype), &layout);
-                (x2, r)
-            }
-            _ => (x.clone(), infer::quant_matmul((x.shape(), x.dtype()), (&bytes_shape, bytes_dtype), &layout)),
-        };
-        let (shape, dtype) = match r {
+        // One `[rows, k]` product (x as it is when its last dimension is not `k`: inference
+        // names the mismatch).
+        let rows: usize = x.dims()[..x.rank() - 1].iter().product();
+        let x2 = if x.dims().last() == Some(&layout.k) { x.reshape([rows, layout.k]) } else { x.clone() };
+        let (bytes_dtype, bytes_shape) = q.value_meta();
+        let (shape, dtype) = match infer::quant_matmul((x2.shape(), x2.dtype()), (&bytes_shape, bytes_dtype), &layout) {
             Ok(r) => r,
             Err(e) => misuse("matmul", &e, &describe()),
         };

@@ -94,15 +94,7 @@ pub(super) fn print_matmul(m: &mut Module<'_>, mm: &MatmulKernel) -> Result<(), 
     }
     mm.check_operands(|i| m.params.get(i as usize).map(|p| (p.dtype, p.len)))?;
     let total = batches * mm.m * mm.n;
-    if mm.product as usize == m.params.len() {
-        m.params.push(Param { dtype: mm.dtype, len: total, writable: true });
-    } else if mm.product as usize > m.params.len() {
-        return Err(format!("matmul product in argument {} of {}", mm.product, m.params.len()));
-    }
-    let p = &m.params[mm.product as usize];
-    if p.len != total || p.dtype != mm.dtype || !p.writable {
-        return Err(format!("matmul product of {total} {} into an argument of {} {}", mm.dtype, p.len, p.dtype));
-    }
+    product_param(m, mm.product, mm.dtype, total, "matmul")?;
     if total as u64 >= 1 << 32 || (mm.m * mm.k.max(1)) as u64 >= 1 << 32 {
         return Err(format!("a product of {total} elements: wgpu kernels index with u32"));
     }
@@ -111,6 +103,28 @@ pub(super) fn print_matmul(m: &mut Module<'_>, mm: &MatmulKernel) -> Result<(), 
     }
     if let Some(e) = &mm.epilogue {
         map::print_loop(m, e, "epilogue")?;
+    }
+    Ok(())
+}
+
+/// The parameter a product of `total` elements of `dtype` is written to: argument `product`,
+/// or scratch memory added as a parameter when `product` is one past the last argument; `Err`
+/// when that argument cannot hold it. `what` names the product in messages.
+pub(super) fn product_param(
+    m: &mut Module<'_>,
+    product: u16,
+    dtype: DType,
+    total: usize,
+    what: &str,
+) -> Result<(), String> {
+    if product as usize == m.params.len() {
+        m.params.push(Param { dtype, len: total, writable: true });
+    } else if product as usize > m.params.len() {
+        return Err(format!("{what} product in argument {product} of {}", m.params.len()));
+    }
+    let p = &m.params[product as usize];
+    if p.len != total || p.dtype != dtype || !p.writable {
+        return Err(format!("{what} product of {total} {dtype} into an argument of {} {}", p.len, p.dtype));
     }
     Ok(())
 }

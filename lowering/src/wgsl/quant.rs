@@ -21,7 +21,7 @@
 
 use super::*;
 use crate::kernel::QuantMatmulKernel;
-use braid_graph::{QuantLayout, Scheme};
+use braid_graph::Scheme;
 
 /// Threads per workgroup of the product entry.
 const THREADS: u32 = 256;
@@ -30,20 +30,11 @@ pub(super) fn print_quant_matmul(m: &mut Module<'_>, q: &QuantMatmulKernel) -> R
     if !matches!(q.dtype, DType::F32 | DType::F16 | DType::BF16) {
         return Err(format!("a quantized product of {}: x is f32, f16 or bf16", q.dtype));
     }
-    // The layout's fields are public: a layout `QuantLayout::new` refuses is refused here too.
+    // (`check_operands` also refuses a layout `QuantLayout::new` would: its fields are public.)
     let l = &q.layout;
-    QuantLayout::new(l.scheme, l.k, l.n, l.scale).map_err(|e| format!("quantized product: {e}"))?;
     q.check_operands(|i| m.params.get(i as usize).map(|p| (p.dtype, p.len)))?;
     let total = q.numel();
-    if q.product as usize == m.params.len() {
-        m.params.push(Param { dtype: q.dtype, len: total, writable: true });
-    } else if q.product as usize > m.params.len() {
-        return Err(format!("quantized product in argument {} of {}", q.product, m.params.len()));
-    }
-    let p = &m.params[q.product as usize];
-    if p.len != total || p.dtype != q.dtype || !p.writable {
-        return Err(format!("quantized product of {total} {} into an argument of {} {}", q.dtype, p.len, p.dtype));
-    }
+    super::matmul::product_param(m, q.product, q.dtype, total, "quantized")?;
     if total as u64 >= 1 << 32 || l.bytes() as u64 >= 1 << 32 {
         return Err(format!(
             "a quantized product of {total} elements over {} weight bytes: wgpu kernels index with u32",
