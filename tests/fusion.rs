@@ -473,3 +473,23 @@ fn a_reduction_does_not_join_a_kernel_that_writes_a_concatenation() {
         assert!((sv[r] - want).abs() <= 1e-5, "s[{r}] = {}, not {want}", sv[r]);
     }
 }
+
+#[test]
+fn a_concatenation_nobody_reads_before_a_user_event_is_still_written_by_its_kernel() {
+    // The event orders the concatenation before it, so the flush runs it though its tensor is
+    // gone; fused into the kernel of `exp` and `sin` (which reads the same input), it is stored
+    // region by region, so the kernel writes it (and the plan frees it at once).
+    let dev = braid::testing::test_device();
+    let x = data(&dev, &[2, 2]);
+    let b = data(&dev, &[2, 1]);
+    dev.sync().unwrap();
+    let k = x.exp();
+    let c = Tensor::cat(&[&x.sin(), &b], 1);
+    let event = dev.default_stream().record_event();
+    drop(c);
+    event.synchronize().unwrap();
+    let text = dev.last_schedule().unwrap().to_text();
+    assert!(text.contains("exp+sin+cat"), "{text}");
+    let (kv, xv) = (k.to_vec::<f32>().unwrap(), x.to_vec::<f32>().unwrap());
+    assert!(kv.iter().zip(&xv).all(|(k, x)| (k - x.exp()).abs() <= 1e-6 * x.exp()), "{kv:?}");
+}

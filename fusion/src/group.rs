@@ -405,7 +405,13 @@ impl Grouper<'_> {
                 .nodes
                 .iter()
                 .copied()
-                .filter(|&i| graph.nodes[i].op != Op::Event && (graph.nodes[i].keep || outside[i]))
+                // A concatenation is stored region by region into its own buffer by the kernel
+                // (nothing in it reads it back), so it is an output even when nobody reads it.
+                .filter(|&i| match graph.nodes[i].op {
+                    Op::Event => false,
+                    Op::Cat { .. } => true,
+                    _ => graph.nodes[i].keep || outside[i],
+                })
                 .collect();
             // A kernel whose values nobody reads (work ordered before a user event) still
             // writes its last value, which the plan frees at once.

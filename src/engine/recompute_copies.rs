@@ -81,7 +81,7 @@ pub(super) fn copy_for_backward(st: &mut EngineState, order: &[NodeId], targets:
         // fewer bytes (see `worth_copying`).
         let values: Vec<NodeId> = (chosen.pending.iter().copied())
             .filter(|&v| {
-                let mut late = st.graph.successors(v).filter(|&s| !forward(s)).peekable();
+                let mut late = late_readers(st, v, &forward).peekable();
                 late.peek().is_some() && late.all(|s| in_order.contains(&s)) && worth_copying(st, &chosen, v)
             })
             .collect();
@@ -91,6 +91,17 @@ pub(super) fn copy_for_backward(st: &mut EngineState, order: &[NodeId], targets:
         }
     }
     false
+}
+
+/// The nodes after the forward part that read `v` as data. A node ordered after `v` by a
+/// control edge alone (a user event, a wait) reads nothing: it is never pointed at a copy, so
+/// counting it would find `v` still read after the copy and copy it again on every walk.
+fn late_readers<'a>(
+    st: &'a EngineState,
+    v: NodeId,
+    forward: &'a dyn Fn(NodeId) -> bool,
+) -> impl Iterator<Item = NodeId> + 'a {
+    st.graph.successors(v).filter(move |&s| !forward(s) && st.graph.inputs(s).contains(&v))
 }
 
 /// Whether copying `v` (computed through the nodes `chosen` leaves pending from the rest, its
@@ -158,7 +169,7 @@ fn copy(
     }
     st.backward_marks[mark].next_copy = next_copy + nodes.len() as u64;
     for &v in values {
-        let mut readers: Vec<NodeId> = st.graph.successors(v).filter(|&s| !forward(s)).collect();
+        let mut readers: Vec<NodeId> = late_readers(st, v, forward).collect();
         readers.sort_unstable();
         readers.dedup();
         for r in readers {
