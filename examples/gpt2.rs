@@ -5,11 +5,19 @@
 //! safetensors under Hugging Face GPT-2's names and `--load` reads them (a downloaded GPT-2
 //! `model.safetensors` loads too).
 //!
+//! `generate` continues prompts instead (bytes as tokens): a prefill with the fused attention,
+//! then one decode step a token over static key/value caches, captured once as a `braid::Step`
+//! (one CUDA graph a token on CUDA), sampling on the device.
+//!
 //! Run: `cargo run --release --example gpt2 -- --device cuda --steps 50`
 //!      `cargo run --release --example gpt2 -- --small --steps 20` (a small model, for a CPU)
+//!      `cargo run --release --example gpt2 -- --small --steps 300 --save w.safetensors`, then
+//!      `cargo run --release --example gpt2 -- --small --load w.safetensors generate --prompt Alice`
 
 #[path = "common/gpt2.rs"]
 mod gpt2;
+#[path = "common/gpt2_generate.rs"]
+mod gpt2_generate;
 #[path = "common/logging.rs"]
 mod logging;
 
@@ -52,6 +60,35 @@ struct Args {
     /// whose loss scaling reads every step's gradients back.
     #[arg(long)]
     capture: bool,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(clap::Subcommand)]
+enum Command {
+    /// Continue prompts with the model (`--load` trained weights first) instead of training.
+    Generate(GenerateArgs),
+}
+
+#[derive(clap::Args)]
+struct GenerateArgs {
+    /// A prompt (bytes as tokens); repeat the flag for a batch of prompts of any lengths.
+    #[arg(long, default_value = "Alice was")]
+    prompt: Vec<String>,
+    /// Tokens to generate after each prompt.
+    #[arg(long, default_value_t = 64)]
+    tokens: usize,
+    /// greedy, temperature:T or topk:K:T.
+    #[arg(long, default_value = "greedy")]
+    sampling: String,
+    /// Decode op by op instead of replaying the captured step.
+    #[arg(long)]
+    eager: bool,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Serve with weight-only quantized products: int8, or int4:G (groups of G = 32, 64 or 128).
+    #[arg(long)]
+    quant: Option<String>,
 }
 
 fn device(name: Option<&str>) -> Result<Device> {
@@ -83,6 +120,9 @@ fn main() -> Result<()> {
     let params = model.params();
     if let Some(path) = &args.load {
         params.load(path)?;
+    }
+    if let Some(Command::Generate(g)) = &args.command {
+        return generate(&model, low, g, &device);
     }
     let text = include_bytes!("data/alice.txt");
     println!(
@@ -148,5 +188,67 @@ fn main() -> Result<()> {
         params.save(path)?;
         println!("saved the weights to {path}");
     }
+    Ok(())
+}
+
+fn sampling(spec: &str) -> Result<braid::nn::generate::Sampling> {
+    use braid::nn::generate::Sampling;
+    let bad = || Error::Io(format!("--sampling {spec}: greedy, temperature:T or topk:K:T"));
+    let parts: Vec<&str> = spec.split(':').collect();
+    let num = |s: &str| s.parse::<f64>().map_err(|_| bad());
+    match parts[..] {
+        ["greedy"] => Ok(Sampling::Greedy),
+        ["temperature", t] => Ok(Sampling::Temperature(num(t)?)),
+        ["topk", k, t] => Ok(Sampling::TopK { k: k.parse().map_err(|_| bad())?, temperature: num(t)? }),
+        _ => Err(bad()),
+    }
+}
+
+fn scheme(spec: &str) -> Result<braid::quant::Scheme> {
+    use braid::quant::Scheme;
+    match spec.split_once(':') {
+        None if spec == "int8" => Ok(Scheme::Int8),
+        Some(("int4", g)) if matches!(g, "32" | "64" | "128") => Ok(Scheme::Int4 { group: g.parse().unwrap_or(32) }),
+        _ => Err(Error::Io(format!("--quant {spec}: int8, int4:32, int4:64 or int4:128"))),
+    }
+}
+
+/// `generate`: continues each prompt by `--tokens` tokens and prints them (as text).
+fn generate(model: &Gpt2, low: Option<DType>, g: &GenerateArgs, device: &Device) -> Result<()> {
+    let how = sampling(&g.sampling)?;
+    let prompts: Vec<Vec<i32>> = g.prompt.iter().map(|p| p.bytes().map(i32::from).collect()).collect();
+    if prompts.iter().any(Vec::is_empty) {
+        return Err(Error::Io("a prompt needs at least one byte".into()));
+    }
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let cache_len = longest + g.tokens;
+    if cache_len > model.cfg.context {
+        return Err(Error::Io(format!("{longest} + {} tokens exceed the context ({})", g.tokens, model.cfg.context)));
+    }
+    // Serving in low precision: the matrices cast (or quantized) once, not at every step.
+    let serving = match g.quant.as_deref() {
+        None => model.with_matrices_in(low.unwrap_or(DType::F32)),
+        Some(q) => model.quantized(scheme(q)?, low.unwrap_or(DType::F32)),
+    };
+    device.seed(g.seed);
+    let start = std::time::Instant::now();
+    let mut run = gpt2_generate::Generation::new(&serving, &prompts, cache_len, how, low, !g.eager);
+    for _ in 1..g.tokens {
+        run.next()?;
+    }
+    let tokens = run.tokens()?;
+    let secs = start.elapsed().as_secs_f64();
+    for (p, t) in g.prompt.iter().zip(&tokens) {
+        let text: Vec<u8> = t.iter().map(|&b| b.clamp(0, 255) as u8).collect();
+        println!("{p}{}", String::from_utf8_lossy(&text));
+    }
+    println!(
+        "{} sequences x {} tokens in {:.2} s ({:.0} tokens/s with the prefill and first captures){}",
+        tokens.len(),
+        g.tokens,
+        secs,
+        (tokens.len() * g.tokens) as f64 / secs,
+        run.kernels_per_token().map_or(String::new(), |k| format!("; {k} kernels a token"))
+    );
     Ok(())
 }

@@ -46,12 +46,19 @@ pub struct Gpt2 {
     wpe: Tensor,
     blocks: Vec<Block>,
     ln_f: LayerNorm,
+    /// The output head quantized (`wte` transposed, `[width, vocabulary]`), when serving with
+    /// quantized weights; else the head is `wte` itself.
+    lm_head: Option<Tensor>,
 }
 
 /// Hugging Face's `Conv1D`, `x W + b` with `W` `[in, out]`: PyTorch's `addmm`, so under
 /// autocast the bias is added in the low precision and the result is low (then the residual
-/// stream, f32, adds it in f32).
+/// stream, f32, adds it in f32). A quantized `W` (`braid::quant`) is read by the quantized
+/// product, dequantized in registers.
 fn conv1d(x: &Tensor, weight: &Tensor, bias: &Tensor) -> Tensor {
+    if weight.quant_layout().is_some() {
+        return &x.matmul(weight) + &bias.to_dtype(x.dtype());
+    }
     x.linear(&weight.t(), Some(bias))
 }
 
@@ -84,6 +91,7 @@ impl Gpt2 {
             wpe: normal([cfg.context, c], 0.01),
             blocks,
             ln_f: LayerNorm::new(c, device),
+            lm_head: None,
         }
     }
 
@@ -105,29 +113,148 @@ impl Gpt2 {
             p.push(format!("h.{i}.mlp.c_proj.bias"), &b.mlp_proj_bias);
         }
         p.extend("ln_f", self.ln_f.params());
+        if let Some(head) = &self.lm_head {
+            p.push("lm_head.weight", head);
+        }
         p
     }
 
     /// Logits `[batch * seq, vocabulary]` for token ids `[batch, seq]` (i32 or i64).
     pub fn logits(&self, ids: &Tensor) -> Tensor {
         let (b, t) = (ids.dims()[0], ids.dims()[1]);
-        let (c, h) = (self.cfg.width, self.cfg.heads);
+        let x = self.embed(ids);
+        let x = self.blocks(x, |_, qkv| self.causal_attention(qkv, b, t));
+        self.head(&x)
+    }
+
+    /// Token and position embeddings of `ids [batch, seq]`, as rows `[batch * seq, width]`.
+    fn embed(&self, ids: &Tensor) -> Tensor {
+        let (b, t) = (ids.dims()[0], ids.dims()[1]);
         assert!(t <= self.cfg.context, "a sequence of {t} tokens is longer than the context ({})", self.cfg.context);
         let positions = self.wpe.narrow(0, 0, t);
-        let mut x = (&ids.embedding(&self.wte) + &positions).reshape([b * t, c]);
-        // [b t, c] columns `at..at + c` -> [b, heads, t, c / heads], read where they lie.
-        let heads = |qkv: &Tensor, at: usize| qkv.narrow(1, at, c).reshape([b, t, h, c / h]).permute(&[0, 2, 1, 3]);
-        for blk in &self.blocks {
+        (&ids.embedding(&self.wte) + &positions).reshape([b * t, self.cfg.width])
+    }
+
+    /// `[rows, width]` columns `at..at + width` of `qkv` as heads `[batch, heads, seq, head
+    /// width]`, read where they lie.
+    fn heads(&self, qkv: &Tensor, at: usize, b: usize, t: usize) -> Tensor {
+        let (c, h) = (self.cfg.width, self.cfg.heads);
+        qkv.narrow(1, at, c).reshape([b, t, h, c / h]).permute(&[0, 2, 1, 3])
+    }
+
+    /// Causal self-attention of `qkv [b t, 3 width]` (the fused kernel), as rows `[b t, width]`.
+    fn causal_attention(&self, qkv: &Tensor, b: usize, t: usize) -> Tensor {
+        let c = self.cfg.width;
+        let (q, k, v) = (self.heads(qkv, 0, b, t), self.heads(qkv, c, b, t), self.heads(qkv, 2 * c, b, t));
+        q.scaled_dot_product_attention(&k, &v, true).permute(&[0, 2, 1, 3]).reshape([b * t, c])
+    }
+
+    /// The residual stream `x [rows, width]` through every block, each attending with
+    /// `attend(layer, qkv)` (`qkv [rows, 3 width]` -> `[rows, width]`).
+    fn blocks(&self, mut x: Tensor, mut attend: impl FnMut(usize, &Tensor) -> Tensor) -> Tensor {
+        for (l, blk) in self.blocks.iter().enumerate() {
             let qkv = conv1d(&blk.ln_1.forward(&x), &blk.c_attn_weight, &blk.c_attn_bias);
-            let y = heads(&qkv, 0).scaled_dot_product_attention(&heads(&qkv, c), &heads(&qkv, 2 * c), true);
-            let y = y.permute(&[0, 2, 1, 3]).reshape([b * t, c]);
+            let y = attend(l, &qkv);
             x = &x + &conv1d(&y, &blk.attn_proj_weight, &blk.attn_proj_bias);
             let hidden = conv1d(&blk.ln_2.forward(&x), &blk.c_fc_weight, &blk.c_fc_bias).gelu();
             x = &x + &conv1d(&hidden, &blk.mlp_proj_weight, &blk.mlp_proj_bias);
         }
+        x
+    }
+
+    /// Logits of rows `x [rows, width]` of the residual stream.
+    fn head(&self, x: &Tensor) -> Tensor {
         // The head tied to the embedding: a linear layer without bias over `wte` (as Hugging
         // Face's GPT-2 ties `lm_head.weight`), so the device may pad its rows in place.
-        self.ln_f.forward(&x).linear(&self.wte, None)
+        match &self.lm_head {
+            Some(head) => self.ln_f.forward(x).matmul(head),
+            None => self.ln_f.forward(x).linear(&self.wte, None),
+        }
+    }
+
+    /// Prefill for generation: runs prompts `ids [batch, seq]` (padded on the right; sequence
+    /// `i` is `lengths[i]` tokens, at least 1) with the fused causal attention. Returns the
+    /// logits after each prompt's last token (`[batch, vocabulary]`) and every layer's keys and
+    /// values as a static cache of `cache_len` positions (`[batch, heads, cache_len, head
+    /// width]`, layer by layer, keys then values; positions from a prompt's length on hold
+    /// padding, which decoding overwrites or masks).
+    pub fn prefill(&self, ids: &Tensor, lengths: &[usize], cache_len: usize) -> (Tensor, Vec<Tensor>) {
+        let (b, t) = (ids.dims()[0], ids.dims()[1]);
+        assert!(lengths.len() == b && lengths.iter().all(|&l| 1 <= l && l <= t), "lengths {lengths:?} of [{b}, {t}]");
+        assert!(t <= cache_len && cache_len <= self.cfg.context, "a cache of {cache_len} for prompts of {t}");
+        let c = self.cfg.width;
+        let mut caches = Vec::with_capacity(2 * self.cfg.layers);
+        let x = self.blocks(self.embed(ids), |_, qkv| {
+            for at in [c, 2 * c] {
+                let heads = self.heads(qkv, at, b, t);
+                let pad = [b, self.cfg.heads, cache_len - t, c / self.cfg.heads];
+                caches.push(Tensor::cat(&[&heads, &Tensor::zeros(pad, heads.dtype(), heads.device())], 2));
+            }
+            self.causal_attention(qkv, b, t)
+        });
+        let last: Vec<i64> = lengths.iter().enumerate().map(|(i, &l)| (i * t + l - 1) as i64).collect();
+        let last = Tensor::from_vec(last, [b], ids.device());
+        (self.head(&x.index_select(0, &last)), caches)
+    }
+
+    /// One decode step: the logits `[batch, vocabulary]` after token `tokens [batch, 1]` at
+    /// positions `pos [batch]` (I64) of each sequence, attending over the static caches
+    /// ([`prefill`](Self::prefill)'s layout) with the new keys and values written at `pos`;
+    /// returns the logits and the updated caches.
+    pub fn decode(&self, tokens: &Tensor, pos: &Tensor, caches: &[Tensor]) -> (Tensor, Vec<Tensor>) {
+        use braid::nn::generate::{cache_write, cached_attention};
+        let b = tokens.dims()[0];
+        let (c, h) = (self.cfg.width, self.cfg.heads);
+        let x = (&tokens.embedding(&self.wte) + &pos.reshape([b, 1]).embedding(&self.wpe)).reshape([b, c]);
+        let mut updated = Vec::with_capacity(caches.len());
+        let x = self.blocks(x, |l, qkv| {
+            let heads = |at: usize| qkv.narrow(1, at, c).reshape([b, h, 1, c / h]);
+            let keys = cache_write(&caches[2 * l], &heads(c), pos);
+            let values = cache_write(&caches[2 * l + 1], &heads(2 * c), pos);
+            let y = cached_attention(&heads(0), &keys, &values, pos).reshape([b, c]);
+            updated.extend([keys, values]);
+            y
+        });
+        (self.head(&x), updated)
+    }
+
+    /// The model for serving with weight-only quantized products (`braid::quant`): the four
+    /// matrices of every block and the output head (`wte` transposed) quantized with `scheme`
+    /// from their f32 values, the embeddings in `dtype` (bf16 for serving), the rest as it is.
+    pub fn quantized(&self, scheme: braid::quant::Scheme, dtype: DType) -> Gpt2 {
+        let q = |w: &Tensor| w.to_dtype(DType::F32).quantize(scheme);
+        let blocks = (self.blocks.iter())
+            .map(|b| Block {
+                ln_1: b.ln_1.clone(),
+                c_attn_weight: q(&b.c_attn_weight),
+                c_attn_bias: b.c_attn_bias.clone(),
+                attn_proj_weight: q(&b.attn_proj_weight),
+                attn_proj_bias: b.attn_proj_bias.clone(),
+                ln_2: b.ln_2.clone(),
+                c_fc_weight: q(&b.c_fc_weight),
+                c_fc_bias: b.c_fc_bias.clone(),
+                mlp_proj_weight: q(&b.mlp_proj_weight),
+                mlp_proj_bias: b.mlp_proj_bias.clone(),
+            })
+            .collect();
+        Gpt2 {
+            cfg: self.cfg,
+            wte: self.wte.to_dtype(dtype),
+            wpe: self.wpe.to_dtype(dtype),
+            blocks,
+            ln_f: self.ln_f.clone(),
+            lm_head: Some(q(&self.wte.t())),
+        }
+    }
+
+    /// The model with every matrix (the products' weights, both embeddings) in `dtype`, the
+    /// biases and layer norms as they are: for serving in bf16, whose products then read half
+    /// the bytes without casting the weights at every step.
+    pub fn with_matrices_in(&self, dtype: DType) -> Gpt2 {
+        assert!(self.lm_head.is_none(), "a quantized model's matrices stay as they are");
+        let tensors: Vec<Tensor> =
+            self.params().iter().map(|p| if p.rank() == 2 { p.to_dtype(dtype) } else { p.clone() }).collect();
+        Gpt2::from_tensors(self.cfg, &tensors)
     }
 
     /// The mean cross-entropy of predicting `targets [batch, seq]` after each prefix of `ids`.
@@ -174,7 +301,8 @@ impl Gpt2 {
             })
             .collect();
         let ln_f = norm(&mut take);
-        Gpt2 { cfg, wte, wpe, blocks, ln_f }
+        let lm_head = next.next();
+        Gpt2 { cfg, wte, wpe, blocks, ln_f, lm_head }
     }
 }
 

@@ -20,6 +20,7 @@
 //! assert!(layer.forward(&x).square().mean().item::<f32>().unwrap() < loss.item::<f32>().unwrap());
 //! ```
 
+pub mod generate;
 pub mod init;
 
 use crate::device::Device;

@@ -1,0 +1,186 @@
+//! Building blocks of autoregressive generation: a static key/value cache written at each
+//! sequence's own position, attention of one new position over that cache, and sampling of the
+//! next token on the device (greedy, temperature, top-k), so that a decode step's shapes never
+//! change and it can be captured once as a [`crate::Step`] and replayed for every token, with
+//! only the token ids coming back to the host.
+//!
+//! Positions are tensors (`[batch]`, I64), one per sequence: prompts of different lengths are
+//! padded on the right, each sequence's cache is written at its own position and its attention
+//! reads only the positions up to it (what lies beyond, padding or stale values, is masked).
+//!
+//! Everything here records ordinary ops (no kernel of its own): the cache write is a map kernel
+//! over the cache (a select of the new row at the position), the attention two products and a
+//! softmax with the length mask, sampling a few row kernels. Nothing here reads a value.
+//!
+//! ```
+//! use braid::prelude::*;
+//! use braid::nn::generate::{cache_write, cached_attention, sample, Sampling};
+//!
+//! let cpu = Device::cpu();
+//! cpu.seed(1);
+//! let (b, h, t, d) = (2, 2, 8, 4);
+//! let keys = Tensor::zeros([b, h, t, d], DType::F32, &cpu);
+//! let values = Tensor::zeros([b, h, t, d], DType::F32, &cpu);
+//! // Sequence 0 is at position 3, sequence 1 at position 5.
+//! let pos = Tensor::from_vec(vec![3i64, 5], [b], &cpu);
+//! let (k, v) = (Tensor::randn([b, h, 1, d], DType::F32, &cpu), Tensor::randn([b, h, 1, d], DType::F32, &cpu));
+//! let keys = cache_write(&keys, &k, &pos);
+//! let values = cache_write(&values, &v, &pos);
+//! let q = Tensor::randn([b, h, 1, d], DType::F32, &cpu);
+//! let y = cached_attention(&q, &keys, &values, &pos);
+//! assert_eq!(y.dims(), &[b, h, 1, d]);
+//! let logits = Tensor::from_vec(vec![0.0f32, 3.0, 1.0, 5.0, 4.0, 2.0], [2, 3], &cpu);
+//! let next = sample(&logits, Sampling::Greedy, None);
+//! assert_eq!(next.to_vec::<i32>().unwrap(), vec![1, 0]);
+//! ```
+
+use crate::tensor::Tensor;
+use braid_graph::DType;
+
+/// The position axis of a cache `[batch, heads, positions, head width]`.
+const POSITIONS: usize = 2;
+
+/// Halvings of the interval that holds a row's k-th largest logit (see [`Sampling::TopK`]).
+const TOP_K_HALVINGS: usize = 40;
+
+/// `[batch, 1, positions, 1]` comparisons of each cache position with its sequence's position.
+fn positions_vs(pos: &Tensor, positions: usize) -> (Tensor, Tensor) {
+    let b = pos.dims()[0];
+    let at = Tensor::arange(0, positions as i64, pos.device()).reshape([1, 1, positions, 1]);
+    let pos = pos.to_dtype(DType::I64).reshape([b, 1, 1, 1]);
+    (at, pos)
+}
+
+/// Checks a cache and a per-sequence position tensor against each other.
+#[track_caller]
+fn check_cache(what: &str, cache: &Tensor, pos: &Tensor) {
+    let ok = cache.rank() == 4
+        && pos.rank() == 1
+        && pos.dims()[0] == cache.dims()[0]
+        && matches!(pos.dtype(), DType::I64 | DType::I32);
+    if !ok {
+        crate::tensor::misuse(
+            what,
+            "the cache must be [batch, heads, positions, head width] and the positions [batch] (I64 or I32)",
+            &[("cache", cache.describe()), ("pos", pos.describe())],
+        );
+    }
+}
+
+/// The cache `[batch, heads, positions, d]` with `new [batch, heads, 1, d]` written at position
+/// `pos[i]` (`[batch]`, I64 or I32) of each sequence `i`; a position outside the cache writes
+/// nothing. A new tensor: one map kernel reads the cache and writes the result (in place where
+/// the old cache is read by nothing else).
+#[track_caller]
+pub fn cache_write(cache: &Tensor, new: &Tensor, pos: &Tensor) -> Tensor {
+    check_cache("cache_write", cache, pos);
+    let d = cache.dims();
+    if new.dims() != [d[0], d[1], 1, d[3]] {
+        crate::tensor::misuse(
+            "cache_write",
+            "the new row must be [batch, heads, 1, head width] of the cache",
+            &[("cache", cache.describe()), ("new", new.describe())],
+        );
+    }
+    let (at, pos) = positions_vs(pos, d[POSITIONS]);
+    at.eq(&pos).select(&new.to_dtype(cache.dtype()), cache)
+}
+
+/// Attention of one query a sequence, `q [batch, heads, 1, d]`, over the cache's positions
+/// `0..=pos[i]` of each sequence `i` (`keys` and `values` `[batch, heads, positions, d]`, the
+/// new position already written): `softmax(q k^T / sqrt(d)) v` with later positions masked.
+/// Returns `[batch, heads, 1, d]`.
+#[track_caller]
+pub fn cached_attention(q: &Tensor, keys: &Tensor, values: &Tensor, pos: &Tensor) -> Tensor {
+    check_cache("cached_attention", keys, pos);
+    let d = keys.dims();
+    if values.dims() != d || q.dims() != [d[0], d[1], 1, d[3]] {
+        crate::tensor::misuse(
+            "cached_attention",
+            "q must be [batch, heads, 1, d] and the values the keys' shape",
+            &[("q", q.describe()), ("keys", keys.describe()), ("values", values.describe())],
+        );
+    }
+    let scores = q.matmul(&keys.transpose(2, 3)) * (1.0 / (d[3] as f64).sqrt());
+    let (at, pos) = positions_vs(pos, d[POSITIONS]);
+    // [b, 1, positions, 1] -> [b, 1, 1, positions], beside the scores' [b, h, 1, positions].
+    let later = at.gt(&pos).reshape([d[0], 1, 1, d[POSITIONS]]);
+    scores.masked_fill(&later, f64::NEG_INFINITY).softmax(3).matmul(values)
+}
+
+/// How [`sample`] picks the next token from a row of logits.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Sampling {
+    /// The largest logit (the first of equal ones).
+    Greedy,
+    /// A draw from `softmax(logits / temperature)`.
+    Temperature(f64),
+    /// A draw from `softmax(logits / temperature)` over the `k` largest logits of the row (and
+    /// any within 2^-40 of the row's range of the k-th, which are ties at the precision of the
+    /// search that finds it).
+    TopK { k: usize, temperature: f64 },
+}
+
+/// The next token of each row of `logits [batch, vocabulary]`: `[batch]` I32 ids, computed on
+/// the device. A draw (temperature, top-k) takes `uniform`, numbers in `[0, 1)` of the logits'
+/// shape (F32; `Tensor::rand` outside a captured step, passed to it as an argument), and picks
+/// the largest `logit / temperature - ln(-ln(u))` (the Gumbel-max trick: a draw from the
+/// softmax without normalising it).
+///
+/// Misuse (at the caller's line): logits that are not `[batch, vocabulary]`, a draw without
+/// `uniform` or with a shape other than the logits', a temperature that is not positive, `k`
+/// of 0 or above the vocabulary.
+#[track_caller]
+pub fn sample(logits: &Tensor, how: Sampling, uniform: Option<&Tensor>) -> Tensor {
+    let describe = || vec![("logits", logits.describe())];
+    if logits.rank() != 2 || !logits.dtype().is_float() {
+        crate::tensor::misuse("sample", "the logits must be [batch, vocabulary], floating point", &describe());
+    }
+    let logits = logits.to_dtype(DType::F32);
+    let (temperature, k) = match how {
+        Sampling::Greedy => return logits.argmax_dim_as(1, false, DType::I32),
+        Sampling::Temperature(t) => (t, None),
+        Sampling::TopK { k, temperature } => (temperature, Some(k)),
+    };
+    if !(temperature > 0.0 && temperature.is_finite()) {
+        crate::tensor::misuse("sample", &format!("a temperature of {temperature} (it must be positive)"), &describe());
+    }
+    let Some(u) = uniform.filter(|u| u.dims() == logits.dims() && u.dtype() == DType::F32) else {
+        let problem = "a draw needs uniform numbers in [0, 1), F32, of the logits' shape";
+        let mut operands = describe();
+        operands.extend(uniform.map(|u| ("uniform", u.describe())));
+        crate::tensor::misuse("sample", problem, &operands);
+    };
+    let mut scaled = &logits * (1.0 / temperature);
+    if let Some(k) = k {
+        if k == 0 || k > logits.dims()[1] {
+            crate::tensor::misuse("sample", &format!("top-k with k = {k}"), &describe());
+        }
+        let kth = kth_largest(&scaled, k);
+        scaled = scaled.masked_fill(&scaled.lt(&kth), f64::NEG_INFINITY);
+    }
+    let gumbel = u.log().neg().log().neg();
+    (&scaled + &gumbel).argmax_dim_as(1, false, DType::I32)
+}
+
+/// Each row's k-th largest value of `x [batch, n]` (F32), as `[batch, 1]`: found by halving an
+/// interval `[lo, hi]` whose `lo` has at least `k` values at or above it (a row's minimum to
+/// start) and whose `hi` has fewer (above the maximum, unless the maximum itself has `k`).
+/// After [`TOP_K_HALVINGS`] halvings, `lo` is the k-th largest or below it by less than 2^-40
+/// of the row's range; the values kept at or above it are the top k and such near-ties.
+fn kth_largest(x: &Tensor, k: usize) -> Tensor {
+    let count_at_least = |t: &Tensor| x.ge(t).to_dtype(DType::F32).sum_dim(1, true);
+    let k_f = Tensor::full((), k as f64, DType::F32, x.device());
+    let mut lo = x.min_dim(1, true);
+    let max = x.max_dim(1, true);
+    // Where the maximum itself is held by k values, it is the answer and the search is empty.
+    let max_enough = count_at_least(&max).ge(&k_f);
+    let mut hi = &max + &(&(&max - &lo).abs() + 1.0);
+    for _ in 0..TOP_K_HALVINGS {
+        let mid = &lo + &((&hi - &lo) * 0.5);
+        let enough = count_at_least(&mid).ge(&k_f);
+        lo = enough.select(&mid, &lo);
+        hi = enough.select(&hi, &mid);
+    }
+    max_enough.select(&max, &lo)
+}
