@@ -14,7 +14,8 @@
 //! static caches written in place (indexed assignment, the cache marked static), SDPA with the length mask, greedy argmax, the
 //! 100 tokens read at the end; eager and `torch.compile(mode="reduce-overhead")`.
 //!
-//! Run: `BRAID_DEVICE=cuda cargo bench --bench generate` (on the CPU, the default device, a
+//! Run: `BRAID_DEVICE=cuda cargo bench --bench generate` (`-- --only gpt2-124m,bf16` for some
+//! rows; on the CPU, the default device, a
 //! small model only: 2 layers, width 64, 39 timed steps).
 
 #[path = "../examples/common/gpt2.rs"]
@@ -23,6 +24,8 @@ mod gpt2;
 #[path = "../examples/common/gpt2_generate.rs"]
 #[allow(dead_code)]
 mod gpt2_generate;
+#[path = "../examples/common/logging.rs"]
+mod logging;
 
 use braid::nn::generate::Sampling;
 use braid::prelude::*;
@@ -56,7 +59,14 @@ fn decode_rate(model: &Gpt2, batch: usize, timed: usize) -> Result<(f64, Option<
 }
 
 fn main() -> Result<()> {
+    logging::init();
     let device = Device::from_env()?;
+    // `-- --only NAME,...`: the rows whose model or weights are named (all by default).
+    let args: Vec<String> = std::env::args().collect();
+    let only: Vec<String> = (args.iter().position(|a| a == "--only"))
+        .and_then(|i| args.get(i + 1))
+        .map_or_else(Vec::new, |v| v.split(',').map(str::to_string).collect());
+    let wanted = |name: &str| only.is_empty() || only.iter().any(|o| o == name);
     let on_gpu = device.name().starts_with("cuda");
     // Steps timed: 100, or as many as the small model's context holds.
     let timed = if on_gpu { 100 } else { Config::SMALL.context - PROMPT - 1 - WARM };
@@ -69,7 +79,7 @@ fn main() -> Result<()> {
         vec![("small", Config::SMALL)]
     };
     println!("g8 on {}: decode tokens/s, greedy, prompts of {PROMPT}, {timed} timed steps", device.name());
-    for (name, cfg) in models {
+    for (name, cfg) in models.into_iter().filter(|(name, _)| wanted(name)) {
         let model = Gpt2::new(cfg, &device, 0);
         // Int4's group: the largest of 128, 64 and 32 that divides the width.
         let group = [128, 64, 32].into_iter().find(|g| cfg.width % g == 0).expect("a width of a multiple of 32");
@@ -77,6 +87,9 @@ fn main() -> Result<()> {
         for (weights, scheme) in
             [("bf16", None), ("int8", Some(Scheme::Int8)), (int4.as_str(), Some(Scheme::Int4 { group }))]
         {
+            if !wanted(weights) {
+                continue;
+            }
             let started = Instant::now();
             let serving = match scheme {
                 None => model.with_matrices_in(DType::BF16),

@@ -34,12 +34,12 @@ case "${1:-}" in
   pack)
     set -e
     cd .gpu/bin
-    for b in card overhead fusion_guard streams attention layouts quant gpu_card data_parallel; do rm -f "test-$b"; done
+    for b in card overhead fusion_guard streams attention layouts quant generate gpu_card data_parallel; do rm -f "test-$b"; done
     # The stage names every target test-NAME, so a bench overwrote the test of its name
-    # (streams, attention, layouts, quant); both are rebuilt (no-ops when fresh) to find them by kind.
+    # (streams, attention, layouts, quant, generate); both are rebuilt (no-ops when fresh) to find them by kind.
     json=$(mktemp)
-    cargo test --release --no-run --test streams --test attention --test layouts --test quant --message-format=json >"$json"
-    cargo build --release --bench gpu_card --bench data_parallel --bench attention --bench layouts --bench quant \
+    cargo test --release --no-run --test streams --test attention --test layouts --test quant --test generate --message-format=json >"$json"
+    cargo build --release --bench gpu_card --bench data_parallel --bench attention --bench layouts --bench quant --bench generate \
       --message-format=json >>"$json"
     python3 - "$json" <<'PY'
 import json, shutil, sys
@@ -51,7 +51,7 @@ for line in open(sys.argv[1]):
         if kind in ("test", "bench"):  # not the `braid` binary the tests need built
             shutil.copy2(m["executable"], f'{kind}-{m["target"]["name"]}')
 PY
-    strip test-streams test-attention test-layouts test-quant bench-gpu_card bench-data_parallel bench-attention bench-layouts bench-quant
+    strip test-streams test-attention test-layouts test-quant test-generate bench-gpu_card bench-data_parallel bench-attention bench-layouts bench-quant bench-generate
     cd ../..
     mkdir -p .gpupack && cp -r .gpu/debs .gpu/run .gpupack/
     grep -qx '/.gpupack/' .git/info/exclude 2>/dev/null || echo '/.gpupack/' >>.git/info/exclude

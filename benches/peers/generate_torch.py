@@ -10,7 +10,8 @@ final norm and head, greedy argmax. Eager, and `torch.compile(mode="reduce-overh
 graphs). int8: `torch._weight_int8pack_mm` (per-channel int8 weights, bf16 activations) for
 every block matrix and the head, eager only (compiled where it works).
 
-Run: `python3 benches/peers/generate_torch.py` (on a CUDA machine).
+Run: `python3 benches/peers/generate_torch.py [NAME,...]` (on a CUDA machine; names of models
+or weights select rows).
 """
 import math
 import sys
@@ -125,8 +126,14 @@ def main():
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
     print(f"g8 peer: torch {torch.__version__} on {torch.cuda.get_device_name()}")
     compiled = torch.compile(decode, mode="reduce-overhead", fullgraph=True)
+    only = sys.argv[1].split(",") if len(sys.argv) > 1 else []
+    wanted = lambda n: not only or n in only  # noqa: E731
     for name, layers, heads, width in MODELS:
+        if not wanted(name):
+            continue
         for weights in ["bf16", "int8"]:
+            if not wanted(weights):
+                continue
             try:
                 m = make_model(layers, width, weights == "int8")
             except Exception as e:  # noqa: BLE001

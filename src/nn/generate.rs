@@ -117,7 +117,8 @@ pub enum Sampling {
     Temperature(f64),
     /// A draw from `softmax(logits / temperature)` over the `k` largest logits of the row (and
     /// any within 2^-40 of the row's range of the k-th, which are ties at the precision of the
-    /// search that finds it).
+    /// search that finds it). The logits must be finite (a masked vocabulary's `-inf` would
+    /// make the search's interval infinite); the search costs 40 small row reductions.
     TopK { k: usize, temperature: f64 },
 }
 
