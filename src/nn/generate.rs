@@ -9,8 +9,9 @@
 //! reads only the positions up to it (what lies beyond, padding or stale values, is masked).
 //!
 //! Everything here records ordinary ops (no kernel of its own): the cache write is a map kernel
-//! over the cache (a select of the new row at the position), the attention two products and a
-//! softmax with the length mask, sampling a few row kernels. Nothing here reads a value.
+//! over the cache (a select of the new row at the position), the attention a row kernel (the
+//! scores), a softmax with the length mask and a column kernel (the weighted values), sampling
+//! a few row kernels. Nothing here reads a value.
 //!
 //! ```
 //! use braid::prelude::*;
@@ -101,11 +102,18 @@ pub fn cached_attention(q: &Tensor, keys: &Tensor, values: &Tensor, pos: &Tensor
             &[("q", q.describe()), ("keys", keys.describe()), ("values", values.describe())],
         );
     }
-    let scores = q.matmul(&keys.transpose(2, 3)) * (1.0 / (d[3] as f64).sqrt());
-    let (at, pos) = positions_vs(pos, d[POSITIONS]);
-    // [b, 1, positions, 1] -> [b, 1, 1, positions], beside the scores' [b, h, 1, positions].
-    let later = at.gt(&pos).reshape([d[0], 1, 1, d[POSITIONS]]);
-    scores.masked_fill(&later, f64::NEG_INFINITY).softmax(3).matmul(values)
+    // As reductions, not products: one query row against the cache is a matrix-vector
+    // product, bound by reading the keys and values once; a row kernel reads each position's
+    // key (its dot product with q), a column kernel the values (their sum weighted by the
+    // probabilities). In f32 from the stored precision, like a product's accumulation.
+    let (b, t) = (d[0], d[POSITIONS]);
+    let f32 = |x: &Tensor| x.to_dtype(DType::F32);
+    let scores = (&f32(q) * &f32(keys)).sum_dim(3, false) * (1.0 / (d[3] as f64).sqrt());
+    let (at, pos) = positions_vs(pos, t);
+    // [b, 1, positions, 1] -> [b, 1, positions], beside the scores' [b, h, positions].
+    let later = at.gt(&pos).reshape([b, 1, t]);
+    let p = scores.masked_fill(&later, f64::NEG_INFINITY).softmax(2).unsqueeze(3);
+    (&p * &f32(values)).sum_dim(2, true).to_dtype(q.dtype())
 }
 
 /// How [`sample`] picks the next token from a row of logits.
