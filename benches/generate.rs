@@ -61,12 +61,15 @@ fn decode_rate(model: &Gpt2, batch: usize, timed: usize) -> Result<(f64, Option<
 fn main() -> Result<()> {
     logging::init();
     let device = Device::from_env()?;
-    // `-- --only NAME,...`: the rows whose model or weights are named (all by default).
+    // `-- --only NAME,...`: the rows of the models and weights named (a list that names no model
+    // keeps every model, one that names no weights every weights).
     let args: Vec<String> = std::env::args().collect();
     let only: Vec<String> = (args.iter().position(|a| a == "--only"))
         .and_then(|i| args.get(i + 1))
         .map_or_else(Vec::new, |v| v.split(',').map(str::to_string).collect());
-    let wanted = |name: &str| only.is_empty() || only.iter().any(|o| o == name);
+    let is_model = |o: &String| o.starts_with("gpt2") || o == "small";
+    let wanted_model = |n: &str| !only.iter().any(is_model) || only.iter().any(|o| o == n);
+    let wanted_weights = |w: &str| only.iter().all(is_model) || only.iter().any(|o| w.starts_with(o.as_str()));
     let on_gpu = device.name().starts_with("cuda");
     // Steps timed: 100, or as many as the small model's context holds.
     let timed = if on_gpu { 100 } else { Config::SMALL.context - PROMPT - 1 - WARM };
@@ -79,7 +82,7 @@ fn main() -> Result<()> {
         vec![("small", Config::SMALL)]
     };
     println!("g8 on {}: decode tokens/s, greedy, prompts of {PROMPT}, {timed} timed steps", device.name());
-    for (name, cfg) in models.into_iter().filter(|(name, _)| wanted(name)) {
+    for (name, cfg) in models.into_iter().filter(|(name, _)| wanted_model(name)) {
         let model = Gpt2::new(cfg, &device, 0);
         // Int4's group: the largest of 128, 64 and 32 that divides the width.
         let group = [128, 64, 32].into_iter().find(|g| cfg.width % g == 0).expect("a width of a multiple of 32");
@@ -87,7 +90,7 @@ fn main() -> Result<()> {
         for (weights, scheme) in
             [("bf16", None), ("int8", Some(Scheme::Int8)), (int4.as_str(), Some(Scheme::Int4 { group }))]
         {
-            if !wanted(weights) {
+            if !wanted_weights(weights) {
                 continue;
             }
             let started = Instant::now();
