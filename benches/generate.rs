@@ -82,8 +82,16 @@ fn main() -> Result<()> {
         vec![("small", Config::SMALL)]
     };
     println!("g8 on {}: decode tokens/s, greedy, prompts of {PROMPT}, {timed} timed steps", device.name());
+    let mut warmed = false;
     for (name, cfg) in models.into_iter().filter(|(name, _)| wanted_model(name)) {
         let model = Gpt2::new(cfg, &device, 0);
+        if !warmed {
+            // The first decoding of a process on a GPU machine that has just started ran 30x
+            // slower than later ones for seconds (seen on the H200: 40 tokens/s, then 1,340 for
+            // the same row); a warm-up run, not reported, takes that out of the rows.
+            decode_rate(&model.with_matrices_in(DType::BF16), 1, timed)?;
+            warmed = true;
+        }
         // Int4's group: the largest of 128, 64 and 32 that divides the width.
         let group = [128, 64, 32].into_iter().find(|g| cfg.width % g == 0).expect("a width of a multiple of 32");
         let int4 = format!("int4-g{group}");

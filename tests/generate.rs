@@ -10,7 +10,7 @@ mod gpt2;
 #[allow(dead_code)]
 mod gpt2_generate;
 
-use braid::nn::generate::{Sampling, cache_write, cached_attention, sample};
+use braid::nn::generate::{CachePositions, Sampling, cache_write, cached_attention, sample};
 use braid::prelude::*;
 use gpt2::{Config, Gpt2};
 use gpt2_generate::Generation;
@@ -115,6 +115,7 @@ fn the_cache_is_written_at_each_sequences_position_and_attended_up_to_it() {
     let new = Tensor::randn([b, h, 1, d], DType::F32, &device);
     let pos = [2usize, 0, 5];
     let pos_t = Tensor::from_vec(pos.iter().map(|&p| p as i64).collect::<Vec<_>>(), [b], &device);
+    let pos_t = CachePositions::new(&pos_t, t);
     let written = cache_write(&cache, &new, &pos_t);
     let (c, n, w) = (cache.to_vec::<f32>().unwrap(), new.to_vec::<f32>().unwrap(), written.to_vec::<f32>().unwrap());
     for i in 0..b {
@@ -207,7 +208,9 @@ fn generation_misuse_is_reported_at_the_callers_line() {
     let m = message(&|| drop(sample(&logits, Sampling::Temperature(0.0), Some(&u))));
     assert!(m.contains("temperature"), "{m}");
     let cache = Tensor::zeros([2, 1, 4, 3], DType::F32, &device);
-    let pos = Tensor::from_vec(vec![0i64, 1, 2], [3], &device);
+    let pos = CachePositions::new(&Tensor::from_vec(vec![0i64, 1, 2], [3], &device), 4);
     let m = message(&|| drop(cache_write(&cache, &Tensor::zeros([2, 1, 1, 3], DType::F32, &device), &pos)));
     assert!(m.contains("cache_write") && m.contains("tests/generate.rs"), "{m}");
+    let m = message(&|| drop(CachePositions::new(&Tensor::zeros([3], DType::F32, &device), 4)));
+    assert!(m.contains("CachePositions::new") && m.contains("tests/generate.rs"), "{m}");
 }

@@ -57,7 +57,8 @@ pub struct Gpt2 {
 /// product, dequantized in registers.
 fn conv1d(x: &Tensor, weight: &Tensor, bias: &Tensor) -> Tensor {
     if weight.quant_layout().is_some() {
-        return &x.matmul(weight) + &bias.to_dtype(x.dtype());
+        let y = x.matmul(weight);
+        return &y + &bias.to_dtype(y.dtype());
     }
     x.linear(&weight.t(), Some(bias))
 }
@@ -202,16 +203,17 @@ impl Gpt2 {
     /// ([`prefill`](Self::prefill)'s layout) with the new keys and values written at `pos`;
     /// returns the logits and the updated caches.
     pub fn decode(&self, tokens: &Tensor, pos: &Tensor, caches: &[Tensor]) -> (Tensor, Vec<Tensor>) {
-        use braid::nn::generate::{cache_write, cached_attention};
+        use braid::nn::generate::{CachePositions, cache_write, cached_attention};
         let b = tokens.dims()[0];
         let (c, h) = (self.cfg.width, self.cfg.heads);
         let x = (&tokens.embedding(&self.wte) + &pos.reshape([b, 1]).embedding(&self.wpe)).reshape([b, c]);
         let mut updated = Vec::with_capacity(caches.len());
+        let at = CachePositions::new(pos, caches[0].dims()[2]);
         let x = self.blocks(x, |l, qkv| {
             let heads = |at: usize| qkv.narrow(1, at, c).reshape([b, h, 1, c / h]);
-            let keys = cache_write(&caches[2 * l], &heads(c), pos);
-            let values = cache_write(&caches[2 * l + 1], &heads(2 * c), pos);
-            let y = cached_attention(&heads(0), &keys, &values, pos).reshape([b, c]);
+            let keys = cache_write(&caches[2 * l], &heads(c), &at);
+            let values = cache_write(&caches[2 * l + 1], &heads(2 * c), &at);
+            let y = cached_attention(&heads(0), &keys, &values, &at).reshape([b, c]);
             updated.extend([keys, values]);
             y
         });
@@ -220,21 +222,22 @@ impl Gpt2 {
 
     /// The model for serving with weight-only quantized products (`braid::quant`): the four
     /// matrices of every block and the output head (`wte` transposed) quantized with `scheme`
-    /// from their f32 values, the embeddings in `dtype` (bf16 for serving), the rest as it is.
+    /// from their f32 values, the embeddings and biases in `dtype` (bf16 for serving), the layer
+    /// norms as they are.
     pub fn quantized(&self, scheme: braid::quant::Scheme, dtype: DType) -> Gpt2 {
         let q = |w: &Tensor| w.to_dtype(DType::F32).quantize(scheme);
         let blocks = (self.blocks.iter())
             .map(|b| Block {
                 ln_1: b.ln_1.clone(),
                 c_attn_weight: q(&b.c_attn_weight),
-                c_attn_bias: b.c_attn_bias.clone(),
+                c_attn_bias: b.c_attn_bias.to_dtype(dtype),
                 attn_proj_weight: q(&b.attn_proj_weight),
-                attn_proj_bias: b.attn_proj_bias.clone(),
+                attn_proj_bias: b.attn_proj_bias.to_dtype(dtype),
                 ln_2: b.ln_2.clone(),
                 c_fc_weight: q(&b.c_fc_weight),
-                c_fc_bias: b.c_fc_bias.clone(),
+                c_fc_bias: b.c_fc_bias.to_dtype(dtype),
                 mlp_proj_weight: q(&b.mlp_proj_weight),
-                mlp_proj_bias: b.mlp_proj_bias.clone(),
+                mlp_proj_bias: b.mlp_proj_bias.to_dtype(dtype),
             })
             .collect();
         Gpt2 {
@@ -247,13 +250,14 @@ impl Gpt2 {
         }
     }
 
-    /// The model with every matrix (the products' weights, both embeddings) in `dtype`, the
-    /// biases and layer norms as they are: for serving in bf16, whose products then read half
-    /// the bytes without casting the weights at every step.
+    /// The model with every matrix (the products' weights, both embeddings) and the products'
+    /// biases in `dtype`, the layer norms as they are: for serving under `dtype`'s autocast,
+    /// whose products then read half the bytes and cast nothing at each step.
     pub fn with_matrices_in(&self, dtype: DType) -> Gpt2 {
         assert!(self.lm_head.is_none(), "a quantized model's matrices stay as they are");
-        let tensors: Vec<Tensor> =
-            self.params().iter().map(|p| if p.rank() == 2 { p.to_dtype(dtype) } else { p.clone() }).collect();
+        let tensors: Vec<Tensor> = (self.params().named())
+            .map(|(name, p)| if p.rank() == 2 || !name.contains("ln_") { p.to_dtype(dtype) } else { p.clone() })
+            .collect();
         Gpt2::from_tensors(self.cfg, &tensors)
     }
 

@@ -15,7 +15,7 @@
 //!
 //! ```
 //! use braid::prelude::*;
-//! use braid::nn::generate::{cache_write, cached_attention, sample, Sampling};
+//! use braid::nn::generate::{cache_write, cached_attention, sample, CachePositions, Sampling};
 //!
 //! let cpu = Device::cpu();
 //! cpu.seed(1);
@@ -23,7 +23,7 @@
 //! let keys = Tensor::zeros([b, h, t, d], DType::F32, &cpu);
 //! let values = Tensor::zeros([b, h, t, d], DType::F32, &cpu);
 //! // Sequence 0 is at position 3, sequence 1 at position 5.
-//! let pos = Tensor::from_vec(vec![3i64, 5], [b], &cpu);
+//! let pos = CachePositions::new(&Tensor::from_vec(vec![3i64, 5], [b], &cpu), t);
 //! let (k, v) = (Tensor::randn([b, h, 1, d], DType::F32, &cpu), Tensor::randn([b, h, 1, d], DType::F32, &cpu));
 //! let keys = cache_write(&keys, &k, &pos);
 //! let values = cache_write(&values, &v, &pos);
@@ -44,37 +44,61 @@ const POSITIONS: usize = 2;
 /// Halvings of the interval that holds a row's k-th largest logit (see [`Sampling::TopK`]).
 const TOP_K_HALVINGS: usize = 40;
 
-/// `[batch, 1, positions, 1]` comparisons of each cache position with its sequence's position.
-fn positions_vs(pos: &Tensor, positions: usize) -> (Tensor, Tensor) {
-    let b = pos.dims()[0];
-    let at = Tensor::arange(0, positions as i64, pos.device()).reshape([1, 1, positions, 1]);
-    let pos = pos.to_dtype(DType::I64).reshape([b, 1, 1, 1]);
-    (at, pos)
+/// Where each sequence is in a cache of `positions` positions: the masks that a decode step's
+/// cache writes and attention share, computed once a step (not once a layer).
+#[derive(Clone, Debug)]
+pub struct CachePositions {
+    /// `[batch, 1, positions, 1]`: the position each sequence writes.
+    write: Tensor,
+    /// `[batch, 1, positions]`: the positions after each sequence's, which it must not attend to.
+    later: Tensor,
 }
 
-/// Checks a cache and a per-sequence position tensor against each other.
+impl CachePositions {
+    /// For `pos` (`[batch]`, I64 or I32: each sequence's position) in caches of `positions`.
+    #[track_caller]
+    pub fn new(pos: &Tensor, positions: usize) -> CachePositions {
+        if pos.rank() != 1 || !matches!(pos.dtype(), DType::I64 | DType::I32) {
+            crate::tensor::misuse(
+                "CachePositions::new",
+                "the positions must be [batch], I64 or I32",
+                &[("pos", pos.describe())],
+            );
+        }
+        let b = pos.dims()[0];
+        let at = Tensor::arange(0, positions as i64, pos.device()).reshape([1, 1, positions, 1]);
+        let pos = pos.to_dtype(DType::I64).reshape([b, 1, 1, 1]);
+        CachePositions { write: at.eq(&pos), later: at.gt(&pos).reshape([b, 1, positions]) }
+    }
+
+    /// Sequences and positions, `(batch, positions)`.
+    fn dims(&self) -> (usize, usize) {
+        (self.write.dims()[0], self.write.dims()[POSITIONS])
+    }
+}
+
+/// Checks a cache against the positions.
 #[track_caller]
-fn check_cache(what: &str, cache: &Tensor, pos: &Tensor) {
-    let ok = cache.rank() == 4
-        && pos.rank() == 1
-        && pos.dims()[0] == cache.dims()[0]
-        && matches!(pos.dtype(), DType::I64 | DType::I32);
-    if !ok {
+fn check_cache(what: &str, cache: &Tensor, at: &CachePositions) {
+    let (b, t) = at.dims();
+    if cache.rank() != 4 || cache.dims()[0] != b || cache.dims()[POSITIONS] != t {
         crate::tensor::misuse(
             what,
-            "the cache must be [batch, heads, positions, head width] and the positions [batch] (I64 or I32)",
-            &[("cache", cache.describe()), ("pos", pos.describe())],
+            &format!(
+                "the cache must be [batch, heads, positions, head width] of the positions' {b} sequences and {t} positions"
+            ),
+            &[("cache", cache.describe())],
         );
     }
 }
 
-/// The cache `[batch, heads, positions, d]` with `new [batch, heads, 1, d]` written at position
-/// `pos[i]` (`[batch]`, I64 or I32) of each sequence `i`; a position outside the cache writes
-/// nothing. A new tensor: one map kernel reads the cache and writes the result (in place where
-/// the old cache is read by nothing else).
+/// The cache `[batch, heads, positions, d]` with `new [batch, heads, 1, d]` written at each
+/// sequence's position (`at`); a position outside the cache writes nothing. A new tensor: a
+/// map over the cache (a select), which fusion joins to the kernel that reads the cache next
+/// (the attention's scores), so the write costs no kernel of its own.
 #[track_caller]
-pub fn cache_write(cache: &Tensor, new: &Tensor, pos: &Tensor) -> Tensor {
-    check_cache("cache_write", cache, pos);
+pub fn cache_write(cache: &Tensor, new: &Tensor, at: &CachePositions) -> Tensor {
+    check_cache("cache_write", cache, at);
     let d = cache.dims();
     if new.dims() != [d[0], d[1], 1, d[3]] {
         crate::tensor::misuse(
@@ -83,17 +107,16 @@ pub fn cache_write(cache: &Tensor, new: &Tensor, pos: &Tensor) -> Tensor {
             &[("cache", cache.describe()), ("new", new.describe())],
         );
     }
-    let (at, pos) = positions_vs(pos, d[POSITIONS]);
-    at.eq(&pos).select(&new.to_dtype(cache.dtype()), cache)
+    at.write.select(&new.to_dtype(cache.dtype()), cache)
 }
 
-/// Attention of one query a sequence, `q [batch, heads, 1, d]`, over the cache's positions
-/// `0..=pos[i]` of each sequence `i` (`keys` and `values` `[batch, heads, positions, d]`, the
-/// new position already written): `softmax(q k^T / sqrt(d)) v` with later positions masked.
-/// Returns `[batch, heads, 1, d]`.
+/// Attention of one query a sequence, `q [batch, heads, 1, d]`, over the cache's positions up
+/// to each sequence's own (`at`; `keys` and `values` `[batch, heads, positions, d]`, the new
+/// position already written): `softmax(q k^T / sqrt(d)) v` with later positions masked.
+/// Returns `[batch, heads, 1, d]` in q's dtype.
 #[track_caller]
-pub fn cached_attention(q: &Tensor, keys: &Tensor, values: &Tensor, pos: &Tensor) -> Tensor {
-    check_cache("cached_attention", keys, pos);
+pub fn cached_attention(q: &Tensor, keys: &Tensor, values: &Tensor, at: &CachePositions) -> Tensor {
+    check_cache("cached_attention", keys, at);
     let d = keys.dims();
     if values.dims() != d || q.dims() != [d[0], d[1], 1, d[3]] {
         crate::tensor::misuse(
@@ -106,13 +129,9 @@ pub fn cached_attention(q: &Tensor, keys: &Tensor, values: &Tensor, pos: &Tensor
     // product, bound by reading the keys and values once; a row kernel reads each position's
     // key (its dot product with q), a column kernel the values (their sum weighted by the
     // probabilities). In f32 from the stored precision, like a product's accumulation.
-    let (b, t) = (d[0], d[POSITIONS]);
     let f32 = |x: &Tensor| x.to_dtype(DType::F32);
     let scores = (&f32(q) * &f32(keys)).sum_dim(3, false) * (1.0 / (d[3] as f64).sqrt());
-    let (at, pos) = positions_vs(pos, t);
-    // [b, 1, positions, 1] -> [b, 1, positions], beside the scores' [b, h, positions].
-    let later = at.gt(&pos).reshape([b, 1, t]);
-    let p = scores.masked_fill(&later, f64::NEG_INFINITY).softmax(2).unsqueeze(3);
+    let p = scores.masked_fill(&at.later, f64::NEG_INFINITY).softmax(2).unsqueeze(3);
     (&p * &f32(values)).sum_dim(2, true).to_dtype(q.dtype())
 }
 

@@ -176,13 +176,18 @@ impl Tensor {
         // One `[rows, k]` product (x as it is when its last dimension is not `k`: inference
         // names the mismatch).
         let rows: usize = x.dims()[..x.rank() - 1].iter().product();
-        let x2 = if x.dims().last() == Some(&layout.k) { x.reshape([rows, layout.k]) } else { x.clone() };
+        let flatten = x.rank() > 2 && x.dims().last() == Some(&layout.k);
+        let x2 = if flatten { x.reshape([rows, layout.k]) } else { x.clone() };
         let (bytes_dtype, bytes_shape) = q.value_meta();
         let (shape, dtype) = match infer::quant_matmul((x2.shape(), x2.dtype()), (&bytes_shape, bytes_dtype), &layout) {
             Ok(r) => r,
             Err(e) => misuse("matmul", &e, &describe()),
         };
         let y = Tensor::record(Op::QuantMatmul(Box::new(layout)), dtype, shape, self.device(), &[&x2, q]);
+        if !flatten {
+            // No view over the product: an elementwise op after it fuses as its epilogue.
+            return y;
+        }
         let mut dims = x.dims().to_vec();
         *dims.last_mut().expect("rank >= 2") = layout.n;
         y.reshape(dims)
