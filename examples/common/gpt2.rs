@@ -173,94 +173,6 @@ impl Gpt2 {
         }
     }
 
-    /// Prefill for generation: runs prompts `ids [batch, seq]` (padded on the right; sequence
-    /// `i` is `lengths[i]` tokens, at least 1) with the fused causal attention. Returns the
-    /// logits after each prompt's last token (`[batch, vocabulary]`) and every layer's keys and
-    /// values as a static cache of `cache_len` positions (`[batch, heads, cache_len, head
-    /// width]`, layer by layer, keys then values; positions from a prompt's length on hold
-    /// padding, which decoding overwrites or masks).
-    pub fn prefill(&self, ids: &Tensor, lengths: &[usize], cache_len: usize) -> (Tensor, Vec<Tensor>) {
-        let (b, t) = (ids.dims()[0], ids.dims()[1]);
-        assert!(lengths.len() == b && lengths.iter().all(|&l| 1 <= l && l <= t), "lengths {lengths:?} of [{b}, {t}]");
-        assert!(t <= cache_len && cache_len <= self.cfg.context, "a cache of {cache_len} for prompts of {t}");
-        let c = self.cfg.width;
-        let mut caches = Vec::with_capacity(2 * self.cfg.layers);
-        let x = self.blocks(self.embed(ids), |_, qkv| {
-            for at in [c, 2 * c] {
-                let heads = self.heads(qkv, at, b, t);
-                let pad = [b, self.cfg.heads, cache_len - t, c / self.cfg.heads];
-                caches.push(Tensor::cat(&[&heads, &Tensor::zeros(pad, heads.dtype(), heads.device())], 2));
-            }
-            self.causal_attention(qkv, b, t)
-        });
-        let last: Vec<i64> = lengths.iter().enumerate().map(|(i, &l)| (i * t + l - 1) as i64).collect();
-        let last = Tensor::from_vec(last, [b], ids.device());
-        (self.head(&x.index_select(0, &last)), caches)
-    }
-
-    /// One decode step: the logits `[batch, vocabulary]` after token `tokens [batch, 1]` at
-    /// positions `pos [batch]` (I64) of each sequence, attending over the static caches
-    /// ([`prefill`](Self::prefill)'s layout) with the new keys and values written at `pos`;
-    /// returns the logits and the updated caches.
-    pub fn decode(&self, tokens: &Tensor, pos: &Tensor, caches: &[Tensor]) -> (Tensor, Vec<Tensor>) {
-        use braid::nn::generate::{CachePositions, cache_write, cached_attention};
-        let b = tokens.dims()[0];
-        let (c, h) = (self.cfg.width, self.cfg.heads);
-        let x = (&tokens.embedding(&self.wte) + &pos.reshape([b, 1]).embedding(&self.wpe)).reshape([b, c]);
-        let mut updated = Vec::with_capacity(caches.len());
-        let at = CachePositions::new(pos, caches[0].dims()[2]);
-        let x = self.blocks(x, |l, qkv| {
-            let heads = |at: usize| qkv.narrow(1, at, c).reshape([b, h, 1, c / h]);
-            let keys = cache_write(&caches[2 * l], &heads(c), &at);
-            let values = cache_write(&caches[2 * l + 1], &heads(2 * c), &at);
-            let y = cached_attention(&heads(0), &keys, &values, &at).reshape([b, c]);
-            updated.extend([keys, values]);
-            y
-        });
-        (self.head(&x), updated)
-    }
-
-    /// The model for serving with weight-only quantized products (`braid::quant`): the four
-    /// matrices of every block and the output head (`wte` transposed) quantized with `scheme`
-    /// from their f32 values, the embeddings and biases in `dtype` (bf16 for serving), the layer
-    /// norms as they are.
-    pub fn quantized(&self, scheme: braid::quant::Scheme, dtype: DType) -> Gpt2 {
-        let q = |w: &Tensor| w.to_dtype(DType::F32).quantize(scheme);
-        let blocks = (self.blocks.iter())
-            .map(|b| Block {
-                ln_1: b.ln_1.clone(),
-                c_attn_weight: q(&b.c_attn_weight),
-                c_attn_bias: b.c_attn_bias.to_dtype(dtype),
-                attn_proj_weight: q(&b.attn_proj_weight),
-                attn_proj_bias: b.attn_proj_bias.to_dtype(dtype),
-                ln_2: b.ln_2.clone(),
-                c_fc_weight: q(&b.c_fc_weight),
-                c_fc_bias: b.c_fc_bias.to_dtype(dtype),
-                mlp_proj_weight: q(&b.mlp_proj_weight),
-                mlp_proj_bias: b.mlp_proj_bias.to_dtype(dtype),
-            })
-            .collect();
-        Gpt2 {
-            cfg: self.cfg,
-            wte: self.wte.to_dtype(dtype),
-            wpe: self.wpe.to_dtype(dtype),
-            blocks,
-            ln_f: self.ln_f.clone(),
-            lm_head: Some(q(&self.wte.t())),
-        }
-    }
-
-    /// The model with every matrix (the products' weights, both embeddings) and the products'
-    /// biases in `dtype`, the layer norms as they are: for serving under `dtype`'s autocast,
-    /// whose products then read half the bytes and cast nothing at each step.
-    pub fn with_matrices_in(&self, dtype: DType) -> Gpt2 {
-        assert!(self.lm_head.is_none(), "a quantized model's matrices stay as they are");
-        let tensors: Vec<Tensor> = (self.params().named())
-            .map(|(name, p)| if p.rank() == 2 || !name.contains("ln_") { p.to_dtype(dtype) } else { p.clone() })
-            .collect();
-        Gpt2::from_tensors(self.cfg, &tensors)
-    }
-
     /// The mean cross-entropy of predicting `targets [batch, seq]` after each prefix of `ids`.
     pub fn loss(&self, ids: &Tensor, targets: &Tensor) -> Tensor {
         let n = targets.shape().numel();
@@ -421,5 +333,98 @@ impl CapturedTraining {
     #[allow(dead_code)] // the example saves them; the bench does not
     pub fn params(&self) -> &[Tensor] {
         &self.state[..self.state.len() / 3]
+    }
+}
+
+/// Serving: what generation adds to the model (not every program that includes this file
+/// generates).
+#[allow(dead_code)]
+impl Gpt2 {
+    /// Prefill for generation: runs prompts `ids [batch, seq]` (padded on the right; sequence
+    /// `i` is `lengths[i]` tokens, at least 1) with the fused causal attention. Returns the
+    /// logits after each prompt's last token (`[batch, vocabulary]`) and every layer's keys and
+    /// values as a static cache of `cache_len` positions (`[batch, heads, cache_len, head
+    /// width]`, layer by layer, keys then values; positions from a prompt's length on hold
+    /// padding, which decoding overwrites or masks).
+    pub fn prefill(&self, ids: &Tensor, lengths: &[usize], cache_len: usize) -> (Tensor, Vec<Tensor>) {
+        let (b, t) = (ids.dims()[0], ids.dims()[1]);
+        assert!(lengths.len() == b && lengths.iter().all(|&l| 1 <= l && l <= t), "lengths {lengths:?} of [{b}, {t}]");
+        assert!(t <= cache_len && cache_len <= self.cfg.context, "a cache of {cache_len} for prompts of {t}");
+        let c = self.cfg.width;
+        let mut caches = Vec::with_capacity(2 * self.cfg.layers);
+        let x = self.blocks(self.embed(ids), |_, qkv| {
+            for at in [c, 2 * c] {
+                let heads = self.heads(qkv, at, b, t);
+                let pad = [b, self.cfg.heads, cache_len - t, c / self.cfg.heads];
+                caches.push(Tensor::cat(&[&heads, &Tensor::zeros(pad, heads.dtype(), heads.device())], 2));
+            }
+            self.causal_attention(qkv, b, t)
+        });
+        let last: Vec<i64> = lengths.iter().enumerate().map(|(i, &l)| (i * t + l - 1) as i64).collect();
+        let last = Tensor::from_vec(last, [b], ids.device());
+        (self.head(&x.index_select(0, &last)), caches)
+    }
+
+    /// One decode step: the logits `[batch, vocabulary]` after token `tokens [batch, 1]` at
+    /// positions `pos [batch]` (I64) of each sequence, attending over the static caches
+    /// ([`prefill`](Self::prefill)'s layout) with the new keys and values written at `pos`;
+    /// returns the logits and the updated caches.
+    pub fn decode(&self, tokens: &Tensor, pos: &Tensor, caches: &[Tensor]) -> (Tensor, Vec<Tensor>) {
+        use braid::nn::generate::{CachePositions, cache_write, cached_attention};
+        let b = tokens.dims()[0];
+        let (c, h) = (self.cfg.width, self.cfg.heads);
+        let x = (&tokens.embedding(&self.wte) + &pos.reshape([b, 1]).embedding(&self.wpe)).reshape([b, c]);
+        let mut updated = Vec::with_capacity(caches.len());
+        let at = CachePositions::new(pos, caches[0].dims()[2]);
+        let x = self.blocks(x, |l, qkv| {
+            let heads = |at: usize| qkv.narrow(1, at, c).reshape([b, h, 1, c / h]);
+            let keys = cache_write(&caches[2 * l], &heads(c), &at);
+            let values = cache_write(&caches[2 * l + 1], &heads(2 * c), &at);
+            let y = cached_attention(&heads(0), &keys, &values, &at).reshape([b, c]);
+            updated.extend([keys, values]);
+            y
+        });
+        (self.head(&x), updated)
+    }
+
+    /// The model for serving with weight-only quantized products (`braid::quant`): the four
+    /// matrices of every block and the output head (`wte` transposed) quantized with `scheme`
+    /// from their f32 values, the embeddings and biases in `dtype` (bf16 for serving), the layer
+    /// norms as they are.
+    pub fn quantized(&self, scheme: braid::quant::Scheme, dtype: DType) -> Gpt2 {
+        let q = |w: &Tensor| w.to_dtype(DType::F32).quantize(scheme);
+        let blocks = (self.blocks.iter())
+            .map(|b| Block {
+                ln_1: b.ln_1.clone(),
+                c_attn_weight: q(&b.c_attn_weight),
+                c_attn_bias: b.c_attn_bias.to_dtype(dtype),
+                attn_proj_weight: q(&b.attn_proj_weight),
+                attn_proj_bias: b.attn_proj_bias.to_dtype(dtype),
+                ln_2: b.ln_2.clone(),
+                c_fc_weight: q(&b.c_fc_weight),
+                c_fc_bias: b.c_fc_bias.to_dtype(dtype),
+                mlp_proj_weight: q(&b.mlp_proj_weight),
+                mlp_proj_bias: b.mlp_proj_bias.to_dtype(dtype),
+            })
+            .collect();
+        Gpt2 {
+            cfg: self.cfg,
+            wte: self.wte.to_dtype(dtype),
+            wpe: self.wpe.to_dtype(dtype),
+            blocks,
+            ln_f: self.ln_f.clone(),
+            lm_head: Some(q(&self.wte.t())),
+        }
+    }
+
+    /// The model with every matrix (the products' weights, both embeddings) and the products'
+    /// biases in `dtype`, the layer norms as they are: for serving under `dtype`'s autocast,
+    /// whose products then read half the bytes and cast nothing at each step.
+    pub fn with_matrices_in(&self, dtype: DType) -> Gpt2 {
+        assert!(self.lm_head.is_none(), "a quantized model's matrices stay as they are");
+        let tensors: Vec<Tensor> = (self.params().named())
+            .map(|(name, p)| if p.rank() == 2 || !name.contains("ln_") { p.to_dtype(dtype) } else { p.clone() })
+            .collect();
+        Gpt2::from_tensors(self.cfg, &tensors)
     }
 }
