@@ -58,7 +58,8 @@ pub struct Gpt2 {
 fn conv1d(x: &Tensor, weight: &Tensor, bias: &Tensor) -> Tensor {
     if weight.quant_layout().is_some() {
         let y = x.matmul(weight);
-        return &y + &bias.to_dtype(y.dtype());
+        // (`to_dtype` always makes a new value, a kernel of its own for a broadcast bias.)
+        return if bias.dtype() == y.dtype() { &y + bias } else { &y + &bias.to_dtype(y.dtype()) };
     }
     x.linear(&weight.t(), Some(bias))
 }

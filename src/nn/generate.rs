@@ -8,10 +8,10 @@
 //! padded on the right, each sequence's cache is written at its own position and its attention
 //! reads only the positions up to it (what lies beyond, padding or stale values, is masked).
 //!
-//! Everything here records ordinary ops (no kernel of its own): the cache write is a map kernel
-//! over the cache (a select of the new row at the position), the attention a row kernel (the
-//! scores), a softmax with the length mask and a column kernel (the weighted values), sampling
-//! a few row kernels. Nothing here reads a value.
+//! Everything here records ordinary ops (no kernel of its own): the cache write is a select of
+//! the new row at the position, which fusion joins to the attention's row kernel (the scores);
+//! then a softmax with the length mask and a column kernel (the weighted values); sampling is a
+//! few row kernels. Nothing here reads a value.
 //!
 //! ```
 //! use braid::prelude::*;
@@ -44,6 +44,12 @@ const POSITIONS: usize = 2;
 /// Halvings of the interval that holds a row's k-th largest logit (see [`Sampling::TopK`]).
 const TOP_K_HALVINGS: usize = 40;
 
+/// `x` in `dtype`: itself when it is already (`to_dtype` always makes a new value, which costs a
+/// copy kernel where fusion cannot fold it).
+fn in_dtype(x: &Tensor, dtype: DType) -> Tensor {
+    if x.dtype() == dtype { x.clone() } else { x.to_dtype(dtype) }
+}
+
 /// Where each sequence is in a cache of `positions` positions: the masks that a decode step's
 /// cache writes and attention share, computed once a step (not once a layer).
 #[derive(Clone, Debug)]
@@ -67,7 +73,7 @@ impl CachePositions {
         }
         let b = pos.dims()[0];
         let at = Tensor::arange(0, positions as i64, pos.device()).reshape([1, 1, positions, 1]);
-        let pos = pos.to_dtype(DType::I64).reshape([b, 1, 1, 1]);
+        let pos = in_dtype(pos, DType::I64).reshape([b, 1, 1, 1]);
         CachePositions { write: at.eq(&pos), later: at.gt(&pos).reshape([b, 1, positions]) }
     }
 
@@ -107,7 +113,7 @@ pub fn cache_write(cache: &Tensor, new: &Tensor, at: &CachePositions) -> Tensor 
             &[("cache", cache.describe()), ("new", new.describe())],
         );
     }
-    at.write.select(&new.to_dtype(cache.dtype()), cache)
+    at.write.select(&in_dtype(new, cache.dtype()), cache)
 }
 
 /// Attention of one query a sequence, `q [batch, heads, 1, d]`, over the cache's positions up
@@ -129,10 +135,10 @@ pub fn cached_attention(q: &Tensor, keys: &Tensor, values: &Tensor, at: &CachePo
     // product, bound by reading the keys and values once; a row kernel reads each position's
     // key (its dot product with q), a column kernel the values (their sum weighted by the
     // probabilities). In f32 from the stored precision, like a product's accumulation.
-    let f32 = |x: &Tensor| x.to_dtype(DType::F32);
+    let f32 = |x: &Tensor| in_dtype(x, DType::F32);
     let scores = (&f32(q) * &f32(keys)).sum_dim(3, false) * (1.0 / (d[3] as f64).sqrt());
     let p = scores.masked_fill(&at.later, f64::NEG_INFINITY).softmax(2).unsqueeze(3);
-    (&p * &f32(values)).sum_dim(2, true).to_dtype(q.dtype())
+    in_dtype(&(&p * &f32(values)).sum_dim(2, true), q.dtype())
 }
 
 /// How [`sample`] picks the next token from a row of logits.
@@ -164,7 +170,7 @@ pub fn sample(logits: &Tensor, how: Sampling, uniform: Option<&Tensor>) -> Tenso
     if logits.rank() != 2 || !logits.dtype().is_float() {
         crate::tensor::misuse("sample", "the logits must be [batch, vocabulary], floating point", &describe());
     }
-    let logits = logits.to_dtype(DType::F32);
+    let logits = in_dtype(logits, DType::F32);
     let (temperature, k) = match how {
         Sampling::Greedy => return logits.argmax_dim_as(1, false, DType::I32),
         Sampling::Temperature(t) => (t, None),
