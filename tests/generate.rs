@@ -214,3 +214,20 @@ fn generation_misuse_is_reported_at_the_callers_line() {
     let m = message(&|| drop(CachePositions::new(&Tensor::zeros([3], DType::F32, &device), 4)));
     assert!(m.contains("CachePositions::new") && m.contains("tests/generate.rs"), "{m}");
 }
+
+#[test]
+fn a_quantized_decode_step_runs_as_many_kernels_as_a_bf16_one() {
+    // The quantized products take their bias adds as epilogues, as the bf16 products do: no
+    // cast or copy of a bias a step (`to_dtype` of a bias already bf16 was one kernel each).
+    let device = braid::testing::test_device();
+    let model = Gpt2::new(CFG, &device, 1);
+    let kernels = |m: &Gpt2| {
+        let mut g = Generation::new(m, &prompts(), 16, Sampling::Greedy, Some(DType::BF16), true);
+        g.next().unwrap();
+        g.kernels_per_token().expect("captured")
+    };
+    let bf16 = kernels(&model.with_matrices_in(DType::BF16));
+    for scheme in [braid::quant::Scheme::Int8, braid::quant::Scheme::Int4 { group: 32 }] {
+        assert_eq!(kernels(&model.quantized(scheme, DType::BF16)), bf16, "{scheme:?}");
+    }
+}
