@@ -213,6 +213,13 @@ fn generation_misuse_is_reported_at_the_callers_line() {
     assert!(m.contains("cache_write") && m.contains("tests/generate.rs"), "{m}");
     let m = message(&|| drop(CachePositions::new(&Tensor::zeros([3], DType::F32, &device), 4)));
     assert!(m.contains("CachePositions::new") && m.contains("tests/generate.rs"), "{m}");
+    // Decoding past the caches' last position is refused, not written nowhere.
+    let model = Gpt2::new(CFG, &device, 2);
+    let mut g = Generation::new(&model, &prompts(), 10, Sampling::Greedy, None, true);
+    g.next().unwrap();
+    let full = std::sync::Mutex::new(g);
+    let m = message(&|| drop(full.lock().unwrap_or_else(|p| p.into_inner()).next()));
+    assert!(m.contains("hold 10 positions"), "{m}");
 }
 
 #[test]

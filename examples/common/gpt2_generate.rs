@@ -44,6 +44,9 @@ pub struct Generation {
     produced: Vec<Tensor>,
     low: Option<DType>,
     captured: bool,
+    /// Positions the caches hold, and the next position of the longest prompt's sequence.
+    cache_len: usize,
+    next_pos: usize,
 }
 
 impl Generation {
@@ -78,16 +81,32 @@ impl Generation {
         let (cfg, n) = (model.cfg, model.params().len());
         let f: StepFn = Box::new(move |args: &[Tensor]| decode_step(cfg, n, args, how, low));
         let params = model.params().iter().cloned().collect();
-        Generation { cfg, params, step: braid::Step::new(f), state, how, produced: vec![first], low, captured }
+        let (step, produced, next_pos) = (braid::Step::new(f), vec![first], t);
+        Generation { cfg, params, step, state, how, produced, low, captured, cache_len, next_pos }
     }
 
-    /// Decodes one more token of every sequence (nothing is read back).
-    pub fn next(&mut self) -> Result<()> {
+    /// The decode step's arguments: the parameters, the state, and for a draw `uniform(batch,
+    /// vocabulary)`.
+    fn args(&self, uniform: impl FnOnce(usize, usize) -> Tensor) -> Vec<Tensor> {
         let mut args: Vec<Tensor> = self.params.iter().cloned().chain(self.state.iter().cloned()).collect();
         if self.how != Sampling::Greedy {
-            let (b, v) = (self.state[2 * self.cfg.layers].dims()[0], self.cfg.vocabulary);
-            args.push(Tensor::rand([b, v], 0.0, 1.0, DType::F32, args[0].device()));
+            args.push(uniform(self.state[2 * self.cfg.layers].dims()[0], self.cfg.vocabulary));
         }
+        args
+    }
+
+    /// Decodes one more token of every sequence (nothing is read back). Misuse: a step past the
+    /// caches' last position.
+    #[track_caller]
+    pub fn next(&mut self) -> Result<()> {
+        assert!(
+            self.next_pos < self.cache_len,
+            "the caches hold {} positions: the longest sequence has used them all",
+            self.cache_len
+        );
+        self.next_pos += 1;
+        let device = self.params[0].device().clone();
+        let args = self.args(|b, v| Tensor::rand([b, v], 0.0, 1.0, DType::F32, &device));
         let mut out = if self.captured {
             self.step.call(&args)?
         } else {
@@ -114,14 +133,10 @@ impl Generation {
         Ok(seqs)
     }
 
-    /// Decode steps a replay of the captured step runs as kernels (after its first call).
+    /// Kernels a replay of the captured decode step runs (`None` before its first call).
     pub fn kernels_per_token(&self) -> Option<usize> {
-        let mut args: Vec<Tensor> = self.params.iter().cloned().chain(self.state.iter().cloned()).collect();
-        if self.how != Sampling::Greedy {
-            let (b, v) = (self.state[2 * self.cfg.layers].dims()[0], self.cfg.vocabulary);
-            args.push(Tensor::zeros([b, v], DType::F32, args[0].device()));
-        }
-        self.step.kernel_count(&args)
+        let device = self.params[0].device().clone();
+        self.step.kernel_count(&self.args(|b, v| Tensor::zeros([b, v], DType::F32, &device)))
     }
 }
 
