@@ -60,7 +60,7 @@ fn decoding_over_the_cache_equals_recomputing_the_prefix() {
         }
         // Feed each sequence a token (not the model's choice: any token must work).
         let next: Vec<i32> = (0..b).map(|i| ((step * 7 + i * 13) % v) as i32).collect();
-        let pos: Vec<i64> = seqs.iter().map(|s| s.len() as i64).collect();
+        let pos: Vec<i32> = seqs.iter().map(|s| s.len() as i32).collect();
         for (seq, &n) in seqs.iter_mut().zip(&next) {
             seq.push(n);
         }
@@ -114,7 +114,7 @@ fn the_cache_is_written_at_each_sequences_position_and_attended_up_to_it() {
     let cache = Tensor::randn([b, h, t, d], DType::F32, &device);
     let new = Tensor::randn([b, h, 1, d], DType::F32, &device);
     let pos = [2usize, 0, 5];
-    let pos_t = Tensor::from_vec(pos.iter().map(|&p| p as i64).collect::<Vec<_>>(), [b], &device);
+    let pos_t = Tensor::from_vec(pos.iter().map(|&p| p as i32).collect::<Vec<_>>(), [b], &device);
     let pos_t = CachePositions::new(&pos_t, t);
     let written = cache_write(&cache, &new, &pos_t);
     let (c, n, w) = (cache.to_vec::<f32>().unwrap(), new.to_vec::<f32>().unwrap(), written.to_vec::<f32>().unwrap());
@@ -208,7 +208,7 @@ fn generation_misuse_is_reported_at_the_callers_line() {
     let m = message(&|| drop(sample(&logits, Sampling::Temperature(0.0), Some(&u))));
     assert!(m.contains("temperature"), "{m}");
     let cache = Tensor::zeros([2, 1, 4, 3], DType::F32, &device);
-    let pos = CachePositions::new(&Tensor::from_vec(vec![0i64, 1, 2], [3], &device), 4);
+    let pos = CachePositions::new(&Tensor::from_vec(vec![0i32, 1, 2], [3], &device), 4);
     let m = message(&|| drop(cache_write(&cache, &Tensor::zeros([2, 1, 1, 3], DType::F32, &device), &pos)));
     assert!(m.contains("cache_write") && m.contains("tests/generate.rs"), "{m}");
     let m = message(&|| drop(CachePositions::new(&Tensor::zeros([3], DType::F32, &device), 4)));

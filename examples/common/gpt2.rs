@@ -361,13 +361,13 @@ impl Gpt2 {
             }
             self.causal_attention(qkv, b, t)
         });
-        let last: Vec<i64> = lengths.iter().enumerate().map(|(i, &l)| (i * t + l - 1) as i64).collect();
+        let last: Vec<i32> = lengths.iter().enumerate().map(|(i, &l)| (i * t + l - 1) as i32).collect();
         let last = Tensor::from_vec(last, [b], ids.device());
         (self.head(&x.index_select(0, &last)), caches)
     }
 
     /// One decode step: the logits `[batch, vocabulary]` after token `tokens [batch, 1]` at
-    /// positions `pos [batch]` (I64) of each sequence, attending over the static caches
+    /// positions `pos [batch]` (I32 or I64) of each sequence, attending over the static caches
     /// ([`prefill`](Self::prefill)'s layout) with the new keys and values written at `pos`;
     /// returns the logits and the updated caches.
     pub fn decode(&self, tokens: &Tensor, pos: &Tensor, caches: &[Tensor]) -> (Tensor, Vec<Tensor>) {

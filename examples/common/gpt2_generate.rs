@@ -11,7 +11,7 @@ type StepFn = Box<dyn Fn(&[Tensor]) -> Vec<Tensor>>;
 
 /// The decode step as a pure function of its arguments, for `braid::Step`: the model's `n`
 /// parameters (in `Gpt2::params`' order), its `2 layers` caches, the tokens `[batch, 1]` (I32),
-/// the positions `[batch]` (I64) and, when `how` draws, uniform numbers `[batch, vocabulary]`.
+/// the positions `[batch]` (I32) and, when `how` draws, uniform numbers `[batch, vocabulary]`.
 /// Under `low`'s autocast. Returns the next tokens `[batch, 1]`, the next positions and the
 /// updated caches: the next call's arguments after the parameters.
 pub fn decode_step(cfg: Config, n: usize, args: &[Tensor], how: Sampling, low: Option<DType>) -> Vec<Tensor> {
@@ -75,7 +75,7 @@ impl Generation {
             None => prefill(),
         });
         let first = sample(&logits, how, uniform(how, &logits).as_ref()).reshape([b, 1]);
-        let pos: Vec<i64> = lengths.iter().map(|&l| l as i64).collect();
+        let pos: Vec<i32> = lengths.iter().map(|&l| l as i32).collect();
         let mut state = caches;
         state.extend([first.clone(), Tensor::from_vec(pos, [b], &device)]);
         let (cfg, n) = (model.cfg, model.params().len());

@@ -4,9 +4,10 @@
 //! change and it can be captured once as a [`crate::Step`] and replayed for every token, with
 //! only the token ids coming back to the host.
 //!
-//! Positions are tensors (`[batch]`, I64), one per sequence: prompts of different lengths are
-//! padded on the right, each sequence's cache is written at its own position and its attention
-//! reads only the positions up to it (what lies beyond, padding or stale values, is masked).
+//! Positions are tensors (`[batch]`, I32 or I64: wgpu has no 64-bit integers), one per
+//! sequence: prompts of different lengths are padded on the right, each sequence's cache is
+//! written at its own position and its attention reads only the positions up to it (what lies
+//! beyond, padding or stale values, is masked).
 //!
 //! Everything here records ordinary ops (no kernel of its own): the cache write is a select of
 //! the new row at the position, which fusion joins to the attention's row kernel (the scores);
@@ -23,7 +24,7 @@
 //! let keys = Tensor::zeros([b, h, t, d], DType::F32, &cpu);
 //! let values = Tensor::zeros([b, h, t, d], DType::F32, &cpu);
 //! // Sequence 0 is at position 3, sequence 1 at position 5.
-//! let pos = CachePositions::new(&Tensor::from_vec(vec![3i64, 5], [b], &cpu), t);
+//! let pos = CachePositions::new(&Tensor::from_vec(vec![3i32, 5], [b], &cpu), t);
 //! let (k, v) = (Tensor::randn([b, h, 1, d], DType::F32, &cpu), Tensor::randn([b, h, 1, d], DType::F32, &cpu));
 //! let keys = cache_write(&keys, &k, &pos);
 //! let values = cache_write(&values, &v, &pos);
@@ -72,8 +73,9 @@ impl CachePositions {
             );
         }
         let b = pos.dims()[0];
-        let at = Tensor::arange(0, positions as i64, pos.device()).reshape([1, 1, positions, 1]);
-        let pos = in_dtype(pos, DType::I64).reshape([b, 1, 1, 1]);
+        // Compared in the positions' own dtype (I32 for devices without 64-bit integers).
+        let at = Tensor::arange_as(0, positions as i64, pos.dtype(), pos.device()).reshape([1, 1, positions, 1]);
+        let pos = pos.reshape([b, 1, 1, 1]);
         CachePositions { write: at.eq(&pos), later: at.gt(&pos).reshape([b, 1, positions]) }
     }
 
