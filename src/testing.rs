@@ -37,6 +37,12 @@ pub fn device_with_backend(backend: Arc<dyn braid_devices::Backend>) -> Device {
     Device::with_backend(backend)
 }
 
+/// How many nodes `device`'s graph holds (pending work, held values, events still waited on):
+/// what a leak test watches.
+pub fn graph_nodes(device: &Device) -> usize {
+    device.engine().with_state(|st| st.graph.node_ids().count())
+}
+
 /// Runs `f` while `device`'s engine lock is held by this thread: work on other devices must go
 /// on meanwhile (their engines share no lock with this one).
 pub fn hold_engine_lock<R>(device: &Device, f: impl FnOnce() -> R) -> R {

@@ -324,3 +324,29 @@ fn eight_threads_on_their_own_streams_with_cross_stream_tensors() {
         }
     }
 }
+
+#[test]
+fn a_wait_left_on_a_stream_that_records_nothing_more_is_released_once_its_event_is_reached() {
+    // A stream made for one piece of work, waiting for an event and then dropped: waiting for
+    // a reached event orders nothing, so the wait list lets the event go when it is reached
+    // (it held the event node forever: a leak of one node a stream).
+    let dev = braid::testing::test_device();
+    let x = data(&dev, 64, 1.0);
+    dev.sync().unwrap();
+    let abandon = || {
+        let y = &x + 1.0;
+        let event = dev.default_stream().record_event();
+        let s = dev.new_stream();
+        s.wait_event(&event);
+        event.synchronize().unwrap();
+        y.to_vec::<f32>().unwrap();
+    };
+    // (The first use of x records it as a leaf of the graph: one node from then on.)
+    abandon();
+    let before = braid::testing::graph_nodes(&dev);
+    for _ in 0..50 {
+        abandon();
+    }
+    let after = braid::testing::graph_nodes(&dev);
+    assert_eq!(after, before, "nodes before and after 50 abandoned waits");
+}

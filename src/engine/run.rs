@@ -400,11 +400,13 @@ fn install(
         st.graph.node_mut(graph.nodes[i].id).value = Some(Value::Ready(buffer));
     }
     let mut candidates: Vec<NodeId> = Vec::with_capacity(graph.nodes.len());
+    let mut events_reached = false;
     // Readers first: a node left pending is seen before the nodes it is computed from.
     for n in graph.nodes.iter().rev() {
         if n.keep {
             if n.op == Op::Event {
                 st.graph.node_mut(n.id).value = Some(Value::Done);
+                events_reached = true;
             }
             candidates.extend(st.graph.detach_inputs(n.id));
             // Its tensor may have been dropped while it was computed.
@@ -424,4 +426,7 @@ fn install(
         }
     }
     collect(st, candidates);
+    if events_reached && !st.waits.is_empty() {
+        st.forget_reached_waits();
+    }
 }

@@ -194,16 +194,38 @@ impl EngineState {
         self.graph.add(node, inputs)
     }
 
+    /// Whether event node `e` (this device's, or a remote leaf for another's) is reached.
+    fn reached(&self, e: NodeId) -> bool {
+        match &self.graph.node(e).value {
+            Some(Value::Done) => true,
+            Some(Value::Remote(r)) => r.reached,
+            _ => false,
+        }
+    }
+
+    /// Forgets the waits of every stream on events already reached (waiting for one orders
+    /// nothing), releasing the handles the wait lists hold: a stream that waited and then
+    /// recorded nothing more would otherwise keep its events forever.
+    pub(super) fn forget_reached_waits(&mut self) {
+        let mut done = Vec::new();
+        let waits = std::mem::take(&mut self.waits);
+        for (stream, events) in waits {
+            let (reached, waiting): (Vec<NodeId>, Vec<NodeId>) = events.into_iter().partition(|&e| self.reached(e));
+            done.extend(reached);
+            if !waiting.is_empty() {
+                self.waits.insert(stream, waiting);
+            }
+        }
+        for e in done {
+            self.drop_handle(e);
+        }
+    }
+
     /// Orders node `id` (just recorded on `stream`) after the events its stream waits for.
     /// Events already reached are forgotten.
     pub(super) fn apply_waits(&mut self, id: NodeId, stream: StreamId) {
         let Some(events) = self.waits.remove(&stream) else { return };
-        let reached = |st: &EngineState, e: NodeId| match &st.graph.node(e).value {
-            Some(Value::Done) => true,
-            Some(Value::Remote(r)) => r.reached,
-            _ => false,
-        };
-        let (done, waiting): (Vec<NodeId>, Vec<NodeId>) = events.into_iter().partition(|&e| reached(self, e));
+        let (done, waiting): (Vec<NodeId>, Vec<NodeId>) = events.into_iter().partition(|&e| self.reached(e));
         for &e in &waiting {
             self.graph.add_control(e, id);
         }
