@@ -151,9 +151,10 @@ pub enum Sampling {
     /// A draw from `softmax(logits / temperature)`.
     Temperature(f64),
     /// A draw from `softmax(logits / temperature)` over the `k` largest logits of the row (and
-    /// any within 2^-40 of the row's range of the k-th, which are ties at the precision of the
-    /// search that finds it). The logits must be finite (a masked vocabulary's `-inf` would
-    /// make the search's interval infinite); the search costs 40 small row reductions.
+    /// any below the k-th by less than `(2 range + 1) / 2^40`, the row's range of scaled
+    /// logits: ties at the precision of the search that finds it). The logits must be finite
+    /// (a masked vocabulary's `-inf` would make the search's interval infinite); the search
+    /// costs 40 small row reductions.
     TopK { k: usize, temperature: f64 },
 }
 
@@ -202,8 +203,9 @@ pub fn sample(logits: &Tensor, how: Sampling, uniform: Option<&Tensor>) -> Tenso
 /// Each row's k-th largest value of `x [batch, n]` (F32), as `[batch, 1]`: found by halving an
 /// interval `[lo, hi]` whose `lo` has at least `k` values at or above it (a row's minimum to
 /// start) and whose `hi` has fewer (above the maximum, unless the maximum itself has `k`).
-/// After [`TOP_K_HALVINGS`] halvings, `lo` is the k-th largest or below it by less than 2^-40
-/// of the row's range; the values kept at or above it are the top k and such near-ties.
+/// The interval starts `2 range + 1` wide; after [`TOP_K_HALVINGS`] halvings, `lo` is the k-th
+/// largest or below it by less than that width over 2^40, and the values kept at or above it
+/// are the top k and such near-ties.
 fn kth_largest(x: &Tensor, k: usize) -> Tensor {
     let count_at_least = |t: &Tensor| x.ge(t).to_dtype(DType::F32).sum_dim(1, true);
     let k_f = Tensor::full((), k as f64, DType::F32, x.device());
