@@ -1,9 +1,9 @@
 //! g8: decode tokens per second of GPT-2 (`examples/common/gpt2.rs`, random weights) with a
 //! static key/value cache, greedy sampling on the device, for GPT-2 124M and a 1.5B-shaped
 //! model (48 layers, width 1600, 25 heads), batch 1 and 8, weights in bf16, int8 (per channel)
-//! and int4 (groups of 128 for 124M, 64 for the
-//! 1.5B shape, whose width 1600 is no multiple of 128): every block's four matrices and the output head quantized, the
-//! embeddings bf16, activations under bf16 autocast.
+//! and int4 (groups of 128 for 124M, 64 for the 1.5B shape, whose width 1600 is no multiple of
+//! 128): every block's four matrices and the output head quantized, the embeddings bf16,
+//! activations under bf16 autocast.
 //!
 //! Each row prefills prompts of 16 tokens, decodes 8 tokens to capture the step (and record
 //! its CUDA graph), reads them, then times 100 decode steps (each one replay of the captured
@@ -11,12 +11,13 @@
 //! each sequence's position, the greedy token) and the read of all 100 tokens of every
 //! sequence at the end, which waits for the last step. Tokens/s = batch x 100 / that time.
 //! What PyTorch computes in the same call (`benches/peers/generate_torch.py`): the same model,
-//! static caches written in place (indexed assignment, the cache marked static), SDPA with the length mask, greedy argmax, the
-//! 100 tokens read at the end; eager and `torch.compile(mode="reduce-overhead")`.
+//! static caches written in place (indexed assignment, the cache marked static), SDPA with the
+//! length mask, greedy argmax, the 100 tokens read at the end; eager and
+//! `torch.compile(mode="reduce-overhead")`.
 //!
 //! Run: `BRAID_DEVICE=cuda cargo bench --bench generate` (`-- --only gpt2-124m,bf16` for some
-//! rows; on the CPU, the default device, a
-//! small model only: 2 layers, width 64, 39 timed steps).
+//! rows; on the CPU, the default device, a small model only: 2 layers, width 64, 39 timed
+//! steps).
 
 #[path = "../examples/common/gpt2.rs"]
 #[allow(dead_code)]

@@ -115,7 +115,7 @@ impl Tensor {
             return None;
         }
         let to = operands.iter().fold(first, |d, t| wider(d, t.dtype()));
-        Some(operands.iter().map(|t| if t.dtype() == to { (*t).clone() } else { t.to_dtype(to) }).collect())
+        Some(operands.iter().map(|t| t.as_dtype(to)).collect())
     }
 
     /// Under autocast, an f16 or bf16 tensor as f32 (the input of a reduction, norm or loss

@@ -58,8 +58,7 @@ pub struct Gpt2 {
 fn conv1d(x: &Tensor, weight: &Tensor, bias: &Tensor) -> Tensor {
     if weight.quant_layout().is_some() {
         let y = x.matmul(weight);
-        // (`to_dtype` always makes a new value, a kernel of its own for a broadcast bias.)
-        return if bias.dtype() == y.dtype() { &y + bias } else { &y + &bias.to_dtype(y.dtype()) };
+        return &y + &bias.as_dtype(y.dtype());
     }
     x.linear(&weight.t(), Some(bias))
 }
@@ -393,25 +392,25 @@ impl Gpt2 {
     /// from their f32 values, the embeddings and biases in `dtype` (bf16 for serving), the layer
     /// norms as they are.
     pub fn quantized(&self, scheme: braid::quant::Scheme, dtype: DType) -> Gpt2 {
-        let q = |w: &Tensor| w.to_dtype(DType::F32).quantize(scheme);
+        let q = |w: &Tensor| w.as_dtype(DType::F32).quantize(scheme);
         let blocks = (self.blocks.iter())
             .map(|b| Block {
                 ln_1: b.ln_1.clone(),
                 c_attn_weight: q(&b.c_attn_weight),
-                c_attn_bias: b.c_attn_bias.to_dtype(dtype),
+                c_attn_bias: b.c_attn_bias.as_dtype(dtype),
                 attn_proj_weight: q(&b.attn_proj_weight),
-                attn_proj_bias: b.attn_proj_bias.to_dtype(dtype),
+                attn_proj_bias: b.attn_proj_bias.as_dtype(dtype),
                 ln_2: b.ln_2.clone(),
                 c_fc_weight: q(&b.c_fc_weight),
-                c_fc_bias: b.c_fc_bias.to_dtype(dtype),
+                c_fc_bias: b.c_fc_bias.as_dtype(dtype),
                 mlp_proj_weight: q(&b.mlp_proj_weight),
-                mlp_proj_bias: b.mlp_proj_bias.to_dtype(dtype),
+                mlp_proj_bias: b.mlp_proj_bias.as_dtype(dtype),
             })
             .collect();
         Gpt2 {
             cfg: self.cfg,
-            wte: self.wte.to_dtype(dtype),
-            wpe: self.wpe.to_dtype(dtype),
+            wte: self.wte.as_dtype(dtype),
+            wpe: self.wpe.as_dtype(dtype),
             blocks,
             ln_f: self.ln_f.clone(),
             lm_head: Some(q(&self.wte.t())),
@@ -424,7 +423,7 @@ impl Gpt2 {
     pub fn with_matrices_in(&self, dtype: DType) -> Gpt2 {
         assert!(self.lm_head.is_none(), "a quantized model's matrices stay as they are");
         let tensors: Vec<Tensor> = (self.params().named())
-            .map(|(name, p)| if p.rank() == 2 || !name.contains("ln_") { p.to_dtype(dtype) } else { p.clone() })
+            .map(|(name, p)| if p.rank() == 2 || !name.contains("ln_") { p.as_dtype(dtype) } else { p.clone() })
             .collect();
         Gpt2::from_tensors(self.cfg, &tensors)
     }

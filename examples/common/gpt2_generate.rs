@@ -62,7 +62,8 @@ impl Generation {
         low: Option<DType>,
         captured: bool,
     ) -> Generation {
-        let device = model.params().iter().next().expect("a model has parameters").device().clone();
+        let params: Vec<Tensor> = model.params().iter().cloned().collect();
+        let device = params.first().expect("a model has parameters").device().clone();
         let b = prompts.len();
         let t = prompts.iter().map(Vec::len).max().unwrap_or(0);
         let lengths: Vec<usize> = prompts.iter().map(Vec::len).collect();
@@ -78,9 +79,8 @@ impl Generation {
         let pos: Vec<i32> = lengths.iter().map(|&l| l as i32).collect();
         let mut state = caches;
         state.extend([first.clone(), Tensor::from_vec(pos, [b], &device)]);
-        let (cfg, n) = (model.cfg, model.params().len());
+        let (cfg, n) = (model.cfg, params.len());
         let f: StepFn = Box::new(move |args: &[Tensor]| decode_step(cfg, n, args, how, low));
-        let params = model.params().iter().cloned().collect();
         let (step, produced, next_pos) = (braid::Step::new(f), vec![first], t);
         Generation { cfg, params, step, state, how, produced, low, captured, cache_len, next_pos }
     }

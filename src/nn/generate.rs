@@ -45,12 +45,6 @@ const POSITIONS: usize = 2;
 /// Halvings of the interval that holds a row's k-th largest logit (see [`Sampling::TopK`]).
 const TOP_K_HALVINGS: usize = 40;
 
-/// `x` in `dtype`: itself when it is already (`to_dtype` always makes a new value, which costs a
-/// copy kernel where fusion cannot fold it).
-fn in_dtype(x: &Tensor, dtype: DType) -> Tensor {
-    if x.dtype() == dtype { x.clone() } else { x.to_dtype(dtype) }
-}
-
 /// Where each sequence is in a cache of `positions` positions: the masks that a decode step's
 /// cache writes and attention share, computed once a step (not once a layer).
 #[derive(Clone, Debug)]
@@ -115,7 +109,7 @@ pub fn cache_write(cache: &Tensor, new: &Tensor, at: &CachePositions) -> Tensor 
             &[("cache", cache.describe()), ("new", new.describe())],
         );
     }
-    at.write.select(&in_dtype(new, cache.dtype()), cache)
+    at.write.select(&new.as_dtype(cache.dtype()), cache)
 }
 
 /// Attention of one query a sequence, `q [batch, heads, 1, d]`, over the cache's positions up
@@ -137,10 +131,10 @@ pub fn cached_attention(q: &Tensor, keys: &Tensor, values: &Tensor, at: &CachePo
     // product, bound by reading the keys and values once; a row kernel reads each position's
     // key (its dot product with q), a column kernel the values (their sum weighted by the
     // probabilities). In f32 from the stored precision, like a product's accumulation.
-    let f32 = |x: &Tensor| in_dtype(x, DType::F32);
+    let f32 = |x: &Tensor| x.as_dtype(DType::F32);
     let scores = (&f32(q) * &f32(keys)).sum_dim(3, false) * (1.0 / (d[3] as f64).sqrt());
     let p = scores.masked_fill(&at.later, f64::NEG_INFINITY).softmax(2).unsqueeze(3);
-    in_dtype(&(&p * &f32(values)).sum_dim(2, true), q.dtype())
+    (&p * &f32(values)).sum_dim(2, true).as_dtype(q.dtype())
 }
 
 /// How [`sample`] picks the next token from a row of logits.
@@ -173,7 +167,7 @@ pub fn sample(logits: &Tensor, how: Sampling, uniform: Option<&Tensor>) -> Tenso
     if logits.rank() != 2 || !logits.dtype().is_float() {
         crate::tensor::misuse("sample", "the logits must be [batch, vocabulary], floating point", &describe());
     }
-    let logits = in_dtype(logits, DType::F32);
+    let logits = logits.as_dtype(DType::F32);
     let (temperature, k) = match how {
         Sampling::Greedy => return logits.argmax_dim_as(1, false, DType::I32),
         Sampling::Temperature(t) => (t, None),

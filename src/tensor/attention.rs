@@ -89,10 +89,10 @@ pub(crate) fn grads(
     causal: bool,
     needs: [bool; 3],
 ) -> [Option<Tensor>; 3] {
-    let g = if g.dtype() == q.dtype() { g.clone() } else { g.to_dtype(q.dtype()) };
+    let g = g.as_dtype(q.dtype());
     let stats = infer::attention_stats(q.dtype());
     let lse = lse.unwrap_or_else(|| part(AttentionPart::Lse, causal, &[q, k, v]));
-    let widen = |t: &Tensor| if t.dtype() == stats { t.clone() } else { t.to_dtype(stats) };
+    let widen = |t: &Tensor| t.as_dtype(stats);
     let delta = (&widen(&g) * &widen(out)).sum_dim(-1, false);
     let ins = [q, k, v, &g, &lse, &delta];
     let [nq, nk, nv] = needs;

@@ -185,6 +185,15 @@ impl Tensor {
         Tensor::record(Op::Cast, dtype, self.shape().clone(), self.device(), &[self])
     }
 
+    /// This tensor in `dtype`: a handle of the same value when it has that dtype already (as
+    /// PyTorch's `x.to(dtype)`), else [`Tensor::to_dtype`]'s conversion. Where a cast is only
+    /// there to match dtypes, this records nothing for a tensor that matches (a copy of a
+    /// broadcast operand would be a kernel of its own).
+    #[track_caller]
+    pub fn as_dtype(&self, dtype: DType) -> Tensor {
+        if self.dtype() == dtype { self.clone() } else { self.to_dtype(dtype) }
+    }
+
     /// Shorthand for `self.to_dtype(DType::F32)`.
     #[track_caller]
     pub fn to_f32(&self) -> Tensor {

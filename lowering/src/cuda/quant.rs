@@ -48,7 +48,6 @@ pub(super) fn print_quant_product(
     out.push('\n');
     out.push_str(QUANT);
     let common = format!("a{}, {off}LL, {rs}LL, {cs}LL, a{}, a{}", q.lhs.arg, q.weight, q.product);
-    let tail = format!("{}LL, {}LL, {}, {}", l.row_bytes(), l.scales_offset(), l.groups(), l.group());
     let (call, blocks, threads) = if m <= GEMV_ROWS {
         // Channels a warp (the inputs it reads serve them all): four for one row of int4
         // values, where converting the inputs is a large share of the work; two otherwise (more
@@ -71,6 +70,7 @@ pub(super) fn print_quant_product(
         );
         (call, n.div_ceil(c * (4 / split)), 128)
     } else {
+        let tail = format!("{}LL, {}LL, {}, {}", l.row_bytes(), l.scales_offset(), l.groups(), l.group());
         let call = format!("qm_tiled<{xk}, {sk}, {int4}>({common}, {m}, {k}, {n}, {tail})");
         (call, m.div_ceil(64) * n.div_ceil(64), 256)
     };
