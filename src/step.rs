@@ -24,15 +24,21 @@ const MAX_CAPTURES: usize = 32;
 /// The function must be a pure function of its arguments, as the engine sees it:
 /// - it reads only its arguments and tensors it creates itself (constants, `from_vec`);
 /// - it does not read values (`to_vec`, `item`, `sync`) while it is recorded;
-/// - it returns every tensor it makes that should outlive it (no in-place updates of tensors
-///   from outside, arguments included, and no tensors stored elsewhere): a training step
-///   returns the new parameters, or their gradients, and the caller assigns them;
+/// - it returns every tensor it makes that should outlive it (no tensors stored elsewhere, no
+///   in-place updates of tensors from outside but its arguments), or updates an argument in
+///   place (`assign`, `add_assign`, [`Tensor::scatter_assign`], ...): every replay updates that
+///   argument again, as calling the function would. Where nothing but the argument's tensor
+///   reads its value, the update is written into the argument's buffer (a key/value cache's new
+///   rows, a parameter's SGD update: no copy of the argument); otherwise on a private copy, so
+///   that the other readers keep the old value. The function must not return an updated
+///   argument's old value, nor update an argument passed twice;
 /// - it makes no random tensors (every replay would draw the numbers of the capture: pass
 ///   them as arguments), and records and waits for no user events.
 ///
 /// A capture that breaks these rules returns [`Error::Capture`] saying which, and keeps
-/// nothing; the in-place updates and waits it refuses are not done, so tensors and streams
-/// from outside the step are as they were (the device's random sequence too). The outputs
+/// nothing; the in-place updates and waits it refuses are not done, and its arguments' updates
+/// are undone, so tensors and streams from outside the step are as they were (the device's
+/// random sequence too). The outputs
 /// carry no gradient history: a step that trains computes its gradients inside, with
 /// `backward`, and returns them. The plan is the one a flush of the same work would run (same
 /// kernels, same results), planned under the device's memory budget of the time; a new
@@ -44,7 +50,8 @@ const MAX_CAPTURES: usize = 32;
 /// are copied into the graph's own buffers (but an argument passed as the same buffer at the
 /// call before the graph is recorded, such as a weight, is read where it is: the graph holds
 /// it, and another buffer for it later records the graph again) and the outputs out into fresh
-/// ones. The graph keeps the memory of the step's intermediates for as long as the step lives
+/// ones (but an argument updated in place, passed again as the buffer the last call left it
+/// in, is read and written where it is). The graph keeps the memory of the step's intermediates for as long as the step lives
 /// (counted in `Device::memory`); `BRAID_CUDA_GRAPHS=0` turns graphs off, and replays under a memory
 /// budget, profiled ones and plans over 256 MiB of buffers (those read in place aside) run as
 /// flushes.
@@ -141,7 +148,7 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Step<F> {
         // Recorded first (a held value becomes a leaf), as the capture reads them.
         let values: Vec<u64> = args.iter().map(|a| a.node().index() as u64).collect();
         let signature = Signature::of(&device, args, &values);
-        let (c, outputs) = capture(&device, args, || (self.f)(args))?;
+        let (c, outputs) = capture(&device, args, &values, || (self.f)(args))?;
         let mut captures = lock(&self.captures);
         if captures.len() >= MAX_CAPTURES {
             captures.remove(0);
@@ -167,43 +174,120 @@ impl<F: Fn(&[Tensor]) -> Vec<Tensor>> Step<F> {
     }
 }
 
-/// Runs `f` (the step's function applied to `args`) and captures it; returns the capture and
-/// this first run's outputs (computed, without gradient history).
-fn capture(device: &Device, args: &[Tensor], f: impl FnOnce() -> Vec<Tensor>) -> Result<(Capture, Vec<Tensor>)> {
+/// Runs `f` (the step's function applied to `args`, whose node ids are `values`) and captures
+/// it; returns the capture and this first run's outputs (computed, without gradient history).
+/// Arguments `f` updated in place are updated (their new values are extra outputs of the
+/// capture); if the capture fails, they are as they were.
+fn capture(
+    device: &Device,
+    args: &[Tensor],
+    values: &[u64],
+    f: impl FnOnce() -> Vec<Tensor>,
+) -> Result<(Capture, Vec<Tensor>)> {
     capture::refuse_while_capturing("capturing another step")?;
     let engine = device.engine();
-    // Arguments are computed first, so that the step's flush starts from their values.
-    let buffers: Vec<Buffer> = args.iter().map(Tensor::materialize).collect::<Result<_>>()?;
-    let arg_nodes: Vec<NodeId> = args.iter().map(Tensor::node).collect();
+    // Arguments are computed first, so that the step's flush starts from their values (and
+    // dropped before it: a handle of ours would keep an updated argument from being written
+    // over in place).
+    let addresses: Vec<usize> = args.iter().map(|a| a.materialize().map(|b| b.address())).collect::<Result<_>>()?;
+    // Which arguments only their tensors read (an update may write over them in place).
+    let sole: Vec<bool> = args.iter().map(|a| engine.sole_value(a.cell(), 0)).collect();
+    // The arguments' versions, held until the capture is done: a failed one points the
+    // arguments it updated back at them.
+    let before: Vec<Tensor> = args.iter().map(Tensor::detach).collect();
+    let arg_nodes: Vec<NodeId> = before.iter().map(Tensor::node).collect();
     let start = engine.next_seq();
-    let outs = capture::during(device.id(), start, f)?;
-    if let Some(t) = outs.iter().find(|t| t.device() != device) {
-        return Err(Error::Capture(format!("an output is on {}, the arguments on {device}", t.device())));
-    }
+    let cells: Vec<&std::sync::atomic::AtomicU32> = args.iter().map(Tensor::cell).collect();
+    let captured = capture::during(device.id(), start, &cells, f).and_then(|outs| {
+        let updated: Vec<usize> = (0..args.len()).filter(|&k| args[k].node() != arg_nodes[k]).collect();
+        if let Some(&k) =
+            updated.iter().find(|&&k| first_alias(values, k).is_some() || values[k + 1..].contains(&values[k]))
+        {
+            return Err(Error::Capture(format!(
+                "the step updates argument {k} in place, and the same tensor is passed as another argument"
+            )));
+        }
+        if let Some(t) = outs.iter().find(|t| t.device() != device) {
+            return Err(Error::Capture(format!("an output is on {}, the arguments on {device}", t.device())));
+        }
+        let old = |t: &Tensor| updated.iter().find(|&&k| t.node() == arg_nodes[k]).copied();
+        if let Some(k) = outs.iter().find_map(old) {
+            return Err(Error::Capture(format!(
+                "the step returns argument {k}'s value from before it updates the argument in place; \
+                 a replay writes over that value"
+            )));
+        }
+        Ok((outs, updated))
+    });
+    let (outs, updated) = match captured {
+        Ok(done) => done,
+        Err(e) => {
+            undo_updates(engine, args, &before);
+            return Err(e);
+        }
+    };
     // Outputs carry no gradient history (a replay records none): dropping the originals
     // releases what autograd kept for a backward pass the function did not run.
     let detached: Vec<Tensor> = outs.iter().map(Tensor::detach).collect();
     drop(outs);
-    let out_ids: Vec<NodeId> = detached.iter().map(Tensor::node).collect();
-    let c = engine.capture(start, &arg_nodes, &out_ids)?;
-    c.note_args(&buffers);
+    // The updated arguments' new versions are the capture's last outputs.
+    let out_ids: Vec<NodeId> =
+        detached.iter().map(Tensor::node).chain(updated.iter().map(|&k| args[k].node())).collect();
+    let c = match engine.capture(start, &arg_nodes, &out_ids, &updated, &sole) {
+        Ok(c) => c,
+        Err(e) => {
+            undo_updates(engine, args, &before);
+            return Err(e);
+        }
+    };
+    drop(before);
+    c.note_args(&addresses);
+    for &k in &updated {
+        c.note_arg(k, &args[k].materialize()?);
+    }
     Ok((c, detached))
 }
 
-/// Runs a captured step on `args` (matching its signature) and wraps its outputs as tensors.
+/// Points the arguments a failed capture updated back at their versions from before it.
+fn undo_updates(engine: &crate::engine::Engine, args: &[Tensor], before: &[Tensor]) {
+    for (a, b) in args.iter().zip(before) {
+        engine.restore_version(a.cell(), b.node());
+    }
+}
+
+/// Runs a captured step on `args` (matching its signature) and wraps its outputs as tensors;
+/// the arguments it updates get their new versions.
 fn replay(device: &Device, c: &Capture, args: &[Tensor]) -> Result<Vec<Tensor>> {
     capture::refuse_while_capturing("running a step")?;
     let engine = device.engine();
     // Read once for the whole step: the arguments' uploads and the replay.
     let env = FlushEnv::for_replay()?;
     let poison = Some(engine.poison_under(&env));
-    let buffers: smallvec::SmallVec<[Buffer; 8]> = if c.runs() {
+    let mut buffers: smallvec::SmallVec<[Buffer; 8]> = if c.runs() {
         args.iter().map(|a| a.materialize_with(poison)).collect::<Result<_>>()?
     } else {
         smallvec::SmallVec::new()
     };
-    let produced = engine.replay(c, &buffers, &env)?;
+    // An argument the step updates is written over in place when nothing else reads its value
+    // (our handle, and the device graph's if it reads it in place, aside); otherwise the step
+    // updates a private copy and the argument's old value stays as it is for its readers.
+    for &k in c.updated() {
+        let ours = 1 + usize::from(c.holds(k, &buffers[k]));
+        if !engine.sole_value(args[k].cell(), ours) {
+            buffers[k] = engine.private_copy(&buffers[k])?;
+        }
+    }
+    let mut produced = engine.replay(c, &buffers, &env)?;
     drop(buffers);
+    let updates = produced.split_off(produced.len() - c.updated().len());
+    for (&k, p) in c.updated().iter().zip(updates) {
+        let Produced::Computed { buffer, dtype, shape } = p else {
+            return Err(Error::Internal("a step's updated argument is not computed by it".into()));
+        };
+        c.note_arg(k, &buffer);
+        let stream = recorder::current_stream(device.id());
+        engine.install_version(args[k].cell(), dtype, shape.clone(), stream, buffer);
+    }
     // Computed outputs are held by their tensors, outside the graph, unless a memory budget is
     // set (the planner then weighs what the graph holds; see `Tensor::cell`).
     let held = engine.memory_budget().is_none();

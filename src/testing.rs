@@ -43,6 +43,12 @@ pub fn graph_nodes(device: &Device) -> usize {
     device.engine().with_state(|st| st.graph.node_ids().count())
 }
 
+/// The identity of the buffer that holds `t`'s value (computed first): what an in-place test
+/// watches (the same identity after an update means it was written where it lies).
+pub fn buffer_identity(t: &crate::Tensor) -> crate::Result<usize> {
+    t.materialize().map(|b| b.address())
+}
+
 /// Runs `f` while `device`'s engine lock is held by this thread: work on other devices must go
 /// on meanwhile (their engines share no lock with this one).
 pub fn hold_engine_lock<R>(device: &Device, f: impl FnOnce() -> R) -> R {

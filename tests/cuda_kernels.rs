@@ -95,7 +95,7 @@ fn tolerance(case: &Case) -> (Vec<bool>, f64, f64) {
     }
     match &k.body {
         // Gathers move bits; scatter-adds fold each sum in the CPU's order.
-        Body::Gather(_) | Body::Scatter(_) => return (approx, 0.0, 0.0),
+        Body::Gather(_) | Body::Scatter(_) | Body::ScatterWrite(_) => return (approx, 0.0, 0.0),
         Body::Attention(_) => unreachable!("the generators make no attention kernels (tests/attention.rs checks them)"),
         Body::Map(loops) => loops.iter().for_each(|l| mark(&mut approx, &l.expr, &l.stores, &|_| false)),
         Body::Rows(r) => {
@@ -188,7 +188,7 @@ fn check_cases(h: &Harness, what: &str, cases: &[Case], blocks: impl Fn(&Case, u
         let printed = cuda::print(&case.kernel, "k").unwrap_or_else(|e| panic!("{}: {e}", case.label));
         let threads = printed.entries.iter().find_map(|e| match e.launch {
             Launch::Rows { threads, .. } => Some(threads),
-            Launch::Map { .. } | Launch::Tiles { .. } => None,
+            Launch::Map { .. } | Launch::Copy { .. } | Launch::Tiles { .. } => None,
         });
         let sizes: Vec<Option<u32>> = match threads {
             Some(t) => blocks(case, t).into_iter().map(Some).collect(),
@@ -398,6 +398,7 @@ fn gathers_and_scatter_adds_match_the_cpu_bit_for_bit() {
     let n = if quick() { 100 } else { 300 };
     let mut cases = gathers::gather_cases(&mut rng, n);
     cases.extend(scatters::scatter_cases(&mut rng, n));
+    cases.extend(scatters::scatter_write_cases(&mut Rng::new(0x5CA7), n));
     let Some(h) = gpu("gathers and scatter-adds") else { return };
     check_cases(&h, "gathers and scatter-adds", &cases, |_, _| vec![]);
 }

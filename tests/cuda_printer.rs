@@ -286,7 +286,7 @@ fn compare(case: &Case, n: usize, cpu: &[Vec<u8>], got: &[u8], bound: Option<&[f
         Body::Matmul(m) => (m.epilogue.iter().collect(), None),
         Body::QuantMatmul(q) => (q.epilogue.iter().collect(), None),
         Body::Quantize(_) => unreachable!("the generators make no quantizations (the CPU runs them)"),
-        Body::Gather(_) | Body::Scatter(_) => return gathers::differ(case, &offsets, cpu, got),
+        Body::Gather(_) | Body::Scatter(_) | Body::ScatterWrite(_) => return gathers::differ(case, &offsets, cpu, got),
         Body::Collective(_) => unreachable!("the generators make no collectives"),
         Body::Attention(_) => unreachable!("the generators make no attention kernels (tests/attention.rs checks them)"),
     };
@@ -370,7 +370,9 @@ fn cpp_runner(n: usize, case: &Case, src: &cuda::CudaSource, offsets: &[usize], 
         let params: Vec<String> = (0..src.params.len()).map(|a| format!("a{a}")).collect();
         for e in &src.entries {
             let (launcher, grid, block) = match (e.launch, run) {
-                (Launch::Map { numel, .. }, _) => ("braid_launch", numel.div_ceil(8).min(3), 8),
+                (Launch::Map { numel, .. } | Launch::Copy { numel, .. }, _) => {
+                    ("braid_launch", numel.div_ceil(8).min(3), 8)
+                }
                 (Launch::Rows { rows, .. }, Some(t)) if t > 1 => ("braid_launch_threads", rows, t),
                 (Launch::Rows { rows, .. }, _) => ("braid_launch", rows, 1),
                 // Quantized products (attention kernels are not generated): whole blocks of host
@@ -403,6 +405,7 @@ fn printed_kernels_compute_what_the_cpu_computes() {
     cases.extend((0..16).map(|n| matmul_case(&mut rng, n)));
     cases.extend(gathers::gather_cases(&mut rng, 40));
     cases.extend(scatters::scatter_cases(&mut rng, 40));
+    cases.extend(scatters::scatter_write_cases(&mut Rng::new(0x5CA7), 40));
     // Their own random sequence, so that the cases above stay the ones their checks expect.
     let mut more = Rng::new(0xC4C5);
     cases.extend((0..40).map(|n| chunked_map_case(&mut more, n, MathLib::Host)));

@@ -10,7 +10,7 @@ mod gpt2;
 #[allow(dead_code)]
 mod gpt2_generate;
 
-use braid::nn::generate::{CachePositions, Sampling, cache_write, cached_attention, sample};
+use braid::nn::generate::{CachePositions, Sampling, cache_update, cache_write, cached_attention, sample};
 use braid::prelude::*;
 use gpt2::{Config, Gpt2};
 use gpt2_generate::Generation;
@@ -50,7 +50,7 @@ fn decoding_over_the_cache_equals_recomputing_the_prefix() {
         prompts.iter().flat_map(|p| p.iter().copied().chain(std::iter::repeat_n(0, t - p.len()))).collect();
     let ids = Tensor::from_vec(ids, [b, t], &device);
     let lengths: Vec<usize> = prompts.iter().map(Vec::len).collect();
-    let (logits, mut caches) = braid::no_grad(|| model.prefill(&ids, &lengths, cache_len));
+    let (logits, caches) = braid::no_grad(|| model.prefill(&ids, &lengths, cache_len));
     let mut seqs = prompts.clone();
     let mut logits = logits.to_vec::<f32>().unwrap();
     for step in 0..8 {
@@ -66,9 +66,9 @@ fn decoding_over_the_cache_equals_recomputing_the_prefix() {
         }
         let tokens = Tensor::from_vec(next, [b, 1], &device);
         let pos = Tensor::from_vec(pos, [b], &device);
-        let (l, c) = braid::no_grad(|| model.decode(&tokens, &pos, &caches));
+        // The caches are updated in place.
+        let l = braid::no_grad(|| model.decode(&tokens, &pos, &caches));
         logits = l.to_vec::<f32>().unwrap();
-        caches = c;
     }
 }
 
@@ -81,9 +81,15 @@ fn a_captured_decode_step_generates_what_eager_decoding_does() {
         for captured in [false, true] {
             device.seed(11);
             let mut g = Generation::new(&model, &prompts(), 24, how, None, captured);
+            let identities = |g: &Generation| -> Vec<usize> {
+                g.caches().iter().map(|c| braid::testing::buffer_identity(c).unwrap()).collect()
+            };
+            let before = identities(&g);
             for _ in 0..10 {
                 g.next().unwrap();
             }
+            // Every token's keys and values were written into the caches where they lie.
+            assert_eq!(identities(&g), before, "{how:?}, captured {captured}: a cache was copied");
             runs.push(g.tokens().unwrap());
         }
         assert_eq!(runs[0], runs[1], "{how:?}: eager and captured decoding differ");
@@ -117,6 +123,10 @@ fn the_cache_is_written_at_each_sequences_position_and_attended_up_to_it() {
     let pos_t = Tensor::from_vec(pos.iter().map(|&p| p as i32).collect::<Vec<_>>(), [b], &device);
     let pos_t = CachePositions::new(&pos_t, t);
     let written = cache_write(&cache, &new, &pos_t);
+    // The same rows written in place, into a cache of the same value.
+    let updated = cache.detach();
+    cache_update(&updated, &new, &pos_t);
+    assert_eq!(updated.to_vec::<f32>().unwrap(), written.to_vec::<f32>().unwrap());
     let (c, n, w) = (cache.to_vec::<f32>().unwrap(), new.to_vec::<f32>().unwrap(), written.to_vec::<f32>().unwrap());
     for i in 0..b {
         for j in 0..h {
@@ -211,6 +221,8 @@ fn generation_misuse_is_reported_at_the_callers_line() {
     let pos = CachePositions::new(&Tensor::from_vec(vec![0i32, 1, 2], [3], &device), 4);
     let m = message(&|| drop(cache_write(&cache, &Tensor::zeros([2, 1, 1, 3], DType::F32, &device), &pos)));
     assert!(m.contains("cache_write") && m.contains("tests/generate.rs"), "{m}");
+    let m = message(&|| cache_update(&cache, &Tensor::zeros([3, 1, 2, 3], DType::F32, &device), &pos));
+    assert!(m.contains("cache_update") && m.contains("tests/generate.rs"), "{m}");
     let m = message(&|| drop(CachePositions::new(&Tensor::zeros([3], DType::F32, &device), 4)));
     assert!(m.contains("CachePositions::new") && m.contains("tests/generate.rs"), "{m}");
     // Decoding past the caches' last position is refused, not written nowhere.

@@ -207,3 +207,49 @@ fn cross_entropy_of_targets_in_and_out_of_range_matches_its_definition() {
         check_recorded(&[&logits.cross_entropy(&target)]).unwrap();
     }
 }
+
+#[test]
+fn a_scatter_writes_over_its_base_in_place_and_matches_the_reference() {
+    let dev = braid::testing::test_device();
+    for dtype in index_dtypes(&dev) {
+        scatter_case(&dev, dtype);
+    }
+}
+
+/// A key/value cache `[3, 2, 9, 5]` with a new row a sequence written at its own position
+/// (one out of range), in f32, bf16 and i32; then rows colliding along the dimension (the last
+/// one wins). Written over the cache's buffer when nothing else holds the old value.
+fn scatter_case(dev: &Device, dtype: DType) {
+    let dev = dev.clone();
+    dev.seed(6);
+    let (b, h, t, d) = (3, 2, 9, 5);
+    let positions = index(vec![4, 0, 9], [b, 1, 1, 1], dtype, &dev).expand([b, h, 1, d]);
+    for value in [DType::F32, DType::BF16, DType::I32] {
+        let cache = (Tensor::randn([b, h, t, d], DType::F32, &dev) * 10.0).to_dtype(value);
+        let new = (Tensor::randn([b, h, 1, d], DType::F32, &dev) * 10.0).to_dtype(value);
+        let written = cache.scatter(2, &positions, &new);
+        let stats = check_recorded(&[&written]).unwrap();
+        assert_eq!(stats.checked, b * h * t * d, "{value}: {stats:?}");
+        // In place: the cache's old value is held by nothing else once it moves on.
+        let identity = braid::testing::buffer_identity(&cache).unwrap();
+        cache.scatter_assign(2, &positions, &new);
+        assert_eq!(braid::testing::buffer_identity(&cache).unwrap(), identity, "{value}: the cache was copied");
+        let text = dev.last_schedule().unwrap().to_text();
+        assert!(text.contains("(in place"), "{value}: the scatter was not written over the cache:\n{text}");
+        let as_f32 = |t: &Tensor| t.to_dtype(DType::F32).to_vec::<f32>().unwrap();
+        assert_eq!(as_f32(&cache), as_f32(&written), "{value}");
+    }
+    // Four rows a sequence, colliding along the positions: the last write wins.
+    let colliding = index(vec![1, 3, 1, 1, 0, 0, 8, 0, 2, 5, 7, 5], [b, 1, 4, 1], dtype, &dev).expand([b, h, 4, d]);
+    let cache = Tensor::randn([b, h, t, d], DType::F32, &dev);
+    let rows = Tensor::randn([b, h, 4, d], DType::F32, &dev);
+    let written = cache.scatter(2, &colliding, &rows);
+    check_recorded(&[&written]).unwrap();
+    let cache = cache.to_vec::<f32>().unwrap();
+    let (rows, written) = (rows.to_vec::<f32>().unwrap(), written.to_vec::<f32>().unwrap());
+    // Sequence 0, head 0, element 0: position 1 holds the fourth row's (n = 3), position 3 the
+    // second's, position 2 the cache's own.
+    assert_eq!(written[d], rows[3 * d]);
+    assert_eq!(written[3 * d], rows[d]);
+    assert_eq!(written[2 * d], cache[2 * d]);
+}

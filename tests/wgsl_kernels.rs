@@ -98,7 +98,7 @@ fn compare(case: &Case, cpu: &[Vec<u8>], got: &[Vec<u8>], bound: Option<&Bound>,
         Body::Matmul(m) => (m.epilogue.iter().collect(), None),
         Body::QuantMatmul(q) => (q.epilogue.iter().collect(), None),
         // Elements moved, or summed in the CPU's order: exact.
-        Body::Gather(_) | Body::Scatter(_) => (vec![], None),
+        Body::Gather(_) | Body::Scatter(_) | Body::ScatterWrite(_) => (vec![], None),
         Body::Collective(_) | Body::Quantize(_) => unreachable!("the generators make no collectives or quantizations"),
         Body::Attention(_) => {
             unreachable!("the generators make no attention kernels (tests/wgsl_attention.rs checks them)")
@@ -228,6 +228,9 @@ fn kernels() -> Vec<(Case, Option<Bound>)> {
             scattered += 1;
         }
     }
+    // Scatters (bits moved, the last write winning) over dtypes wgpu holds.
+    let mut writes = Rng::new(0x5CA7);
+    out.extend((scatters::scatter_write_cases(&mut writes, 40).into_iter()).filter(storable).map(|c| (c, None)));
     let mut m = 0;
     for d in [F32, F16, BF16, I32, U8] {
         for _ in 0..4 {

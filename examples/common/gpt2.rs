@@ -367,24 +367,22 @@ impl Gpt2 {
 
     /// One decode step: the logits `[batch, vocabulary]` after token `tokens [batch, 1]` at
     /// positions `pos [batch]` (I32 or I64) of each sequence, attending over the static caches
-    /// ([`prefill`](Self::prefill)'s layout) with the new keys and values written at `pos`;
-    /// returns the logits and the updated caches.
-    pub fn decode(&self, tokens: &Tensor, pos: &Tensor, caches: &[Tensor]) -> (Tensor, Vec<Tensor>) {
-        use braid::nn::generate::{CachePositions, cache_write, cached_attention};
+    /// ([`prefill`](Self::prefill)'s layout), whose new keys and values are written at `pos` in
+    /// place (`cache_update`: one row a sequence and head).
+    pub fn decode(&self, tokens: &Tensor, pos: &Tensor, caches: &[Tensor]) -> Tensor {
+        use braid::nn::generate::{CachePositions, cache_update, cached_attention};
         let b = tokens.dims()[0];
         let (c, h) = (self.cfg.width, self.cfg.heads);
         let x = (&tokens.embedding(&self.wte) + &pos.reshape([b, 1]).embedding(&self.wpe)).reshape([b, c]);
-        let mut updated = Vec::with_capacity(caches.len());
         let at = CachePositions::new(pos, caches[0].dims()[2]);
         let x = self.blocks(x, |l, qkv| {
             let heads = |at: usize| qkv.narrow(1, at, c).reshape([b, h, 1, c / h]);
-            let keys = cache_write(&caches[2 * l], &heads(c), &at);
-            let values = cache_write(&caches[2 * l + 1], &heads(2 * c), &at);
-            let y = cached_attention(&heads(0), &keys, &values, &at).reshape([b, c]);
-            updated.extend([keys, values]);
-            y
+            let (keys, values) = (&caches[2 * l], &caches[2 * l + 1]);
+            cache_update(keys, &heads(c), &at);
+            cache_update(values, &heads(2 * c), &at);
+            cached_attention(&heads(0), keys, values, &at).reshape([b, c])
         });
-        (self.head(&x), updated)
+        self.head(&x)
     }
 
     /// The model for serving with weight-only quantized products (`braid::quant`): the four

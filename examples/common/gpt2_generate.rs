@@ -12,18 +12,17 @@ type StepFn = Box<dyn Fn(&[Tensor]) -> Vec<Tensor>>;
 /// The decode step as a pure function of its arguments, for `braid::Step`: the model's `n`
 /// parameters (in `Gpt2::params`' order), its `2 layers` caches, the tokens `[batch, 1]` (I32),
 /// the positions `[batch]` (I32) and, when `how` draws, uniform numbers `[batch, vocabulary]`.
-/// Under `low`'s autocast. Returns the next tokens `[batch, 1]`, the next positions and the
-/// updated caches: the next call's arguments after the parameters.
+/// Under `low`'s autocast. Updates the caches in place (a replay of the captured step writes
+/// the new rows into the caches' buffers) and returns the next tokens `[batch, 1]` and the next
+/// positions: the next call's last arguments.
 pub fn decode_step(cfg: Config, n: usize, args: &[Tensor], how: Sampling, low: Option<DType>) -> Vec<Tensor> {
     let run = || {
         let model = Gpt2::from_tensors(cfg, &args[..n]);
         let caches = &args[n..n + 2 * cfg.layers];
         let (tokens, pos) = (&args[n + 2 * cfg.layers], &args[n + 2 * cfg.layers + 1]);
-        let (logits, caches) = model.decode(tokens, pos, caches);
+        let logits = model.decode(tokens, pos, caches);
         let next = sample(&logits, how, args.get(n + 2 * cfg.layers + 2));
-        let mut out = vec![next.reshape([tokens.dims()[0], 1]), pos + 1.0];
-        out.extend(caches);
-        out
+        vec![next.reshape([tokens.dims()[0], 1]), pos + 1.0]
     };
     // Inference: no gradient history (the model's parameters may require gradients).
     braid::no_grad(|| match low {
@@ -107,18 +106,26 @@ impl Generation {
         self.next_pos += 1;
         let device = self.params[0].device().clone();
         let args = self.args(|b, v| Tensor::rand([b, v], 0.0, 1.0, DType::F32, &device));
-        let mut out = if self.captured {
+        let out = if self.captured {
             self.step.call(&args)?
         } else {
             let n = self.params.len();
             decode_step(self.cfg, n, &args, self.how, self.low)
         };
-        // out: next tokens, next positions, caches; the state is caches, tokens, positions.
-        let (tokens, pos) = (out.remove(0), out.remove(0));
+        drop(args);
+        // The caches were updated in place; the state's tokens and positions are the outputs.
+        let [tokens, pos] = <[Tensor; 2]>::try_from(out).expect("a decode step returns tokens and positions");
         self.produced.push(tokens.clone());
-        out.extend([tokens, pos]);
-        self.state = out;
+        let l = 2 * self.cfg.layers;
+        self.state.truncate(l);
+        self.state.extend([tokens, pos]);
         Ok(())
+    }
+
+    /// The key and value caches, two a layer (updated in place at every token).
+    #[allow(dead_code)] // tests/generate.rs watches them; the example and the bench do not
+    pub fn caches(&self) -> &[Tensor] {
+        &self.state[..2 * self.cfg.layers]
     }
 
     /// Every token produced so far, per sequence (reads them from the device).

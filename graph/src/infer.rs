@@ -110,16 +110,29 @@ pub fn scatter_add(base: (&Shape, DType), index: (&Shape, DType), src: (&Shape, 
     if matches!(base.1, DType::F16 | DType::BF16) {
         return Err(format!("scatter_add: {} sums run in f32; convert with to_dtype", base.1));
     }
-    let (b, i) = (base.0.dims(), index.0.dims());
-    let fits =
-        dim < b.len() && index.0 == src.0 && b.len() == i.len() && (0..b.len()).all(|d| d == dim || b[d] == i[d]);
-    if !fits {
-        return Err(format!(
-            "scatter_add: the index ({}) and source ({}) must have one shape, the base's ({}) but along dimension {dim}",
-            index.0, src.0, base.0
-        ));
-    }
+    scatter_shapes("scatter_add", base.0, index.0, src.0, dim)?;
     Ok((base.0.clone(), base.1))
+}
+
+/// `base.scatter(dim, index, src)` ([`Op::Scatter`](crate::Op::Scatter)): any dtype, the
+/// source's the base's.
+pub fn scatter(base: (&Shape, DType), index: (&Shape, DType), src: (&Shape, DType), dim: usize) -> Inferred {
+    check_index("scatter", index.1)?;
+    same_dtype("scatter", base.1, src.1)?;
+    scatter_shapes("scatter", base.0, index.0, src.0, dim)?;
+    Ok((base.0.clone(), base.1))
+}
+
+/// The index and source of one shape, the base's but along `dim`.
+fn scatter_shapes(op: &str, base: &Shape, index: &Shape, src: &Shape, dim: usize) -> Result<(), String> {
+    let (b, i) = (base.dims(), index.dims());
+    let fits = dim < b.len() && index == src && b.len() == i.len() && (0..b.len()).all(|d| d == dim || b[d] == i[d]);
+    if fits {
+        return Ok(());
+    }
+    Err(format!(
+        "{op}: the index ({index}) and source ({src}) must have one shape, the base's ({base}) but along dimension {dim}"
+    ))
 }
 
 pub fn clamp(shape: &Shape, dtype: DType, lo: f64, hi: f64) -> Inferred {

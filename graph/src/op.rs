@@ -147,6 +147,15 @@ pub enum Op {
     ScatterAdd {
         dim: usize,
     },
+    /// `base` with, for each source element in order along `dim`, `src[p]` written at `p` with
+    /// dimension `dim` replaced by `j = index[p]` (the last write to an element wins): inputs
+    /// `[base, index, src]`, shaped as `ScatterAdd`'s, any dtype. An index outside
+    /// `0..base.dims[dim]` writes nothing (`scatter`, a key/value cache's new rows). The
+    /// scheduler writes it over the base's buffer when it may (then only the source's elements
+    /// are stored).
+    Scatter {
+        dim: usize,
+    },
     /// A contiguous copy.
     Contiguous,
     /// A copy to the node's device.
@@ -276,6 +285,7 @@ impl Op {
             Op::Gather { .. } => "gather",
             Op::IndexSelect { .. } => "index_select",
             Op::ScatterAdd { .. } => "scatter_add",
+            Op::Scatter { .. } => "scatter",
             Op::Contiguous => "contiguous",
             Op::ToDevice => "to_device",
             Op::Event => "event",

@@ -400,6 +400,81 @@ impl ScatterKernel {
     }
 }
 
+/// A scatter (`Op::Scatter`): the output (argument `out`, contiguous over `out_dims`) is the
+/// base with, for each row of the source space `dims` (the index's and the source's shape; a
+/// row is its elements that differ only along `dim`), the row's elements written in order at
+/// the positions along `dim` their indices name (a later one wins; an index outside
+/// `0..out_dims[dim]` writes nothing). Two steps: the base copied into the output, then one
+/// thread per row. The copy is skipped when the base and the output are one buffer and the
+/// base is read as it lies (`base_in_place`): the scheduler wrote the scatter over its base,
+/// and only the source's elements are stored (a key/value cache's new rows). Any dtype: the
+/// elements move as bits.
+#[derive(Clone, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+pub struct ScatterWriteKernel {
+    pub dims: SmallVec<[usize; 4]>,
+    pub dim: usize,
+    pub src: Load,
+    pub index: Load,
+    pub base: Load,
+    pub out_dims: SmallVec<[usize; 4]>,
+    pub out: u16,
+}
+
+impl ScatterWriteKernel {
+    pub fn dtype(&self) -> DType {
+        self.src.dtype
+    }
+
+    /// Rows of the source space: its elements that differ only along `dim`.
+    pub fn rows(&self) -> usize {
+        let k = self.dims[self.dim];
+        self.dims.iter().product::<usize>().checked_div(k).unwrap_or(0)
+    }
+
+    /// The output's stride along `dim` (it is contiguous).
+    pub fn out_along(&self) -> isize {
+        self.out_dims[self.dim + 1..].iter().product::<usize>() as isize
+    }
+
+    /// Whether the base is read as the output lies (contiguous from element 0): then, bound to
+    /// the output's buffer, it is already the output's first step, and the copy is skipped.
+    pub fn base_in_place(&self) -> bool {
+        self.base.view == View::contiguous(&braid_graph::Shape::new(&self.out_dims))
+    }
+
+    /// The checks every target runs before touching memory: the dtypes, the shapes, and every
+    /// view within its argument (the output contiguous, of the output's length).
+    pub fn check(&self, arg: impl Fn(u16) -> Option<(DType, usize)>) -> Result<(), String> {
+        let dtype = self.dtype();
+        if self.base.dtype != dtype {
+            return Err(format!("a scatter of {dtype} into {}", self.base.dtype));
+        }
+        if !matches!(self.index.dtype, DType::I64 | DType::I32) {
+            return Err(format!("a scatter's index is {}, not i64 or i32", self.index.dtype));
+        }
+        let loads = [&self.src, &self.index, &self.base];
+        if loads.iter().any(|l| l.view.strides.len() != l.view.dims.len() || l.arg == self.out) {
+            return Err("a scatter's views need a stride per dimension, and its output its own argument".into());
+        }
+        let (d, o) = (&self.dims, &self.out_dims);
+        let shapes = self.dim < d.len()
+            && d.len() == o.len()
+            && (0..d.len()).all(|i| i == self.dim || d[i] == o[i])
+            && self.src.view.dims == *d
+            && self.index.view.dims == *d
+            && self.base.view.dims == *o;
+        if !shapes {
+            return Err(format!("a scatter along {} of {d:?} into {o:?}", self.dim));
+        }
+        let numel: usize = o.iter().product();
+        let out = Store { arg: self.out, dtype, view: View::contiguous(&braid_graph::Shape::new(o)), value: 0 };
+        match arg(self.out) {
+            Some((_, len)) if len != numel => Err(format!("a scatter of {numel} elements into {len}")),
+            _ => check_args(&loads.map(Load::clone), &[out], arg),
+        }
+    }
+}
+
 #[derive(Clone, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
 pub enum Body {
     /// Loops run one after another (a concatenation is one loop per part).
@@ -410,6 +485,7 @@ pub enum Body {
     Quantize(QuantizeKernel),
     Gather(GatherKernel),
     Scatter(ScatterKernel),
+    ScatterWrite(ScatterWriteKernel),
     /// Boxed: the largest variant would set the size of every kernel body.
     Attention(Box<crate::attention::AttentionKernel>),
     /// This device's part of a collective over a group of devices, reading argument 0 (the

@@ -20,6 +20,6 @@ pub mod wgsl;
 pub use attention::{AttentionGradInputs, AttentionKernel, AttentionPass};
 pub use kernel::{
     Arg, Body, GatherKernel, Kernel, Load, MapLoop, MatmulKernel, MatmulOperand, QuantMatmulKernel, QuantizeKernel,
-    RowKernel, ScatterKernel, Store, View, check_access, check_args,
+    RowKernel, ScatterKernel, ScatterWriteKernel, Store, View, check_access, check_args,
 };
 pub use lower::Lowering;

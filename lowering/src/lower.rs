@@ -8,7 +8,7 @@
 
 use crate::kernel::{
     Arg, Body, GatherKernel, Kernel, Load, MapLoop, MatmulKernel, MatmulOperand, QuantMatmulKernel, QuantizeKernel,
-    RowKernel, ScatterKernel, Store,
+    RowKernel, ScatterKernel, ScatterWriteKernel, Store,
 };
 use braid_fusion::{FoldedRead as Source, Fusion, Segment, SegmentKind};
 use braid_graph::expr::{Distribution, ExprBuilder, ExprId};
@@ -456,6 +456,22 @@ impl<'a> Lowering<'a> {
                 };
                 let (index, src) = (load(node.inputs[1]), load(node.inputs[2]));
                 Body::Scatter(ScatterKernel {
+                    dims: index.view.dims.clone(),
+                    dim: *dim,
+                    src,
+                    index,
+                    base,
+                    out_dims: node.shape.dims().into(),
+                    out,
+                })
+            }
+            Op::Scatter { dim } => {
+                let load = |v: ValueRef| {
+                    let (arg, dtype, view) = value_view(v);
+                    Load { arg, dtype, view }
+                };
+                let (base, index, src) = (load(node.inputs[0]), load(node.inputs[1]), load(node.inputs[2]));
+                Body::ScatterWrite(ScatterWriteKernel {
                     dims: index.view.dims.clone(),
                     dim: *dim,
                     src,

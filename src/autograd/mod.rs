@@ -229,6 +229,7 @@ fn differentiable(op: &Op) -> bool {
         | Op::Gather { .. }
         | Op::IndexSelect { .. }
         | Op::ScatterAdd { .. }
+        | Op::Scatter { .. }
         | Op::Contiguous
         | Op::ToDevice => true,
         Op::Reduce { op, .. } => *op != ReduceOp::ArgMax,
@@ -260,6 +261,8 @@ fn saves(op: &Op, needs: &[bool]) -> (SmallVec<[bool; 3]>, bool) {
         Op::Gather { .. } | Op::IndexSelect { .. } => (SmallVec::from_slice(&[false, needs[0]]), false),
         // The source's gradient is gathered from where the index sent it.
         Op::ScatterAdd { .. } => (SmallVec::from_slice(&[false, needs[2], false]), false),
+        // The base's gradient is zeroed where the index wrote, the source's gathered there.
+        Op::Scatter { .. } => (SmallVec::from_slice(&[false, needs[0] || needs[2], false]), false),
         // Every gradient recomputes the scores from q and k and reads v and the output.
         Op::Attention { .. } => (all(true), true),
         _ => (all(false), false),

@@ -241,6 +241,18 @@ fn other_grads(
             let src = needs[2].then(|| g.gather(*dim, &input(1)));
             smallvec![Some(g.clone()), None, src]
         }
+        Op::Scatter { dim } => {
+            // The base's elements that were written over get no gradient; each source
+            // element gets the gradient of the element it was written to (as PyTorch's, also
+            // where a later write replaced it; none where its index was out of range).
+            let index = input(1);
+            let base = needs[0].then(|| {
+                let zeros = Tensor::zeros(index.shape().clone(), g.dtype(), g.device());
+                g.scatter(*dim, &index, &zeros)
+            });
+            let src = needs[2].then(|| g.gather(*dim, &index));
+            smallvec![base, None, src]
+        }
         Op::IndexSelect { dim } => {
             // The same scatter, the index's dimensions flattened into one and the index
             // repeated along the source's other dimensions.

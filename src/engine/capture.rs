@@ -42,6 +42,9 @@ thread_local! {
     static REFUSED: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
     /// The running capture's device, and the recording order its work starts at.
     static START: Cell<Option<(DeviceId, u64)>> = const { Cell::new(None) };
+    /// The version cells (addresses) of the running capture's arguments: the tensors from
+    /// outside it that it may update in place.
+    static ARGUMENTS: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Whether this thread is inside a capture.
@@ -86,22 +89,31 @@ pub(crate) fn from_outside(engine: &Engine, cell: &AtomicU32) -> bool {
     device != engine.id || engine.with_state(|st| st.graph.node(super::current(cell)).seq < start)
 }
 
+/// Inside a capture: whether `cell` is the version cell of one of its arguments (which the step
+/// may update in place: a replay updates it again).
+pub(crate) fn is_argument(cell: &AtomicU32) -> bool {
+    let address = cell as *const AtomicU32 as usize;
+    capturing() && ARGUMENTS.with(|a| a.borrow().contains(&address))
+}
+
 /// Runs the step's function `f` as a capture on this thread of the work recorded on `device`
 /// from recording order `start` on: reads, syncs and flushes inside are refused, and so are
 /// in-place updates of tensors from outside the step, random tensors and user events; the
 /// first refusal fails the capture even if `f` ignored the `Err`.
-pub(crate) fn during<R>(device: DeviceId, start: u64, f: impl FnOnce() -> R) -> Result<R> {
-    struct Restore(Option<(DeviceId, u64)>);
+pub(crate) fn during<R>(device: DeviceId, start: u64, arguments: &[&AtomicU32], f: impl FnOnce() -> R) -> Result<R> {
+    struct Restore(Option<(DeviceId, u64)>, Vec<usize>);
     impl Drop for Restore {
         fn drop(&mut self) {
             CAPTURING.with(|c| c.set(c.get() - 1));
             START.with(|s| s.set(self.0));
+            ARGUMENTS.with(|a| *a.borrow_mut() = std::mem::take(&mut self.1));
         }
     }
     CAPTURING.with(|c| c.set(c.get() + 1));
     REFUSED.with(|r| r.borrow_mut().take());
+    let cells = arguments.iter().map(|&c| c as *const AtomicU32 as usize).collect();
     let out = {
-        let _restore = Restore(START.with(|s| s.replace(Some((device, start)))));
+        let _restore = Restore(START.with(|s| s.replace(Some((device, start)))), ARGUMENTS.with(|a| a.replace(cells)));
         f()
     };
     match REFUSED.with(|r| r.borrow_mut().take()) {
@@ -145,6 +157,11 @@ pub(crate) struct Capture {
     /// The addresses of the arguments' buffers at the last call: those passed again as the same
     /// buffer are bound to a graph recorded now (read in place, never copied).
     last_args: Mutex<Vec<usize>>,
+    /// Per argument, the address of the buffer the recorded device graph reads in place (and
+    /// holds), if any.
+    bound_args: Mutex<Vec<Option<usize>>>,
+    /// The arguments the step updates in place (see [`Capture::updated`]).
+    updated: Vec<usize>,
 }
 
 /// Whether a capture's plan runs as a device graph.
@@ -163,8 +180,28 @@ impl Capture {
     }
 
     /// Notes the buffers the arguments had at the capture (see `last_args`).
-    pub(crate) fn note_args(&self, args: &[Buffer]) {
-        *crate::lock(&self.last_args) = args.iter().map(Buffer::address).collect();
+    pub(crate) fn note_args(&self, addresses: &[usize]) {
+        *crate::lock(&self.last_args) = addresses.to_vec();
+    }
+
+    /// The arguments the step updates in place (their new values are its last outputs).
+    pub(crate) fn updated(&self) -> &[usize] {
+        &self.updated
+    }
+
+    /// Notes that argument `k` is `buffer` now (a step's argument it updated: passed as it is
+    /// at the next call, it counts as the same buffer).
+    pub(crate) fn note_arg(&self, k: usize, buffer: &Buffer) {
+        if let Some(a) = crate::lock(&self.last_args).get_mut(k) {
+            *a = buffer.address();
+        }
+    }
+
+    /// Whether the recorded device graph holds `buffer` as argument `k`, read in place (one of
+    /// the buffer's holders, besides the tensor's).
+    pub(crate) fn holds(&self, k: usize, buffer: &Buffer) -> bool {
+        matches!(*crate::lock(&self.graph), DeviceGraph::Recorded(_))
+            && crate::lock(&self.bound_args).get(k) == Some(&Some(buffer.address()))
     }
 
     /// Kernels one replay runs.
@@ -181,7 +218,17 @@ impl Engine {
 
     /// Flushes what the captured function's outputs (`out_ids`, recorded since `start`, from
     /// arguments `arg_nodes`) need, in one flush, and keeps it as a capture.
-    pub(crate) fn capture(&self, start: u64, arg_nodes: &[NodeId], out_ids: &[NodeId]) -> Result<Capture> {
+    /// Arguments `updated` (positions in `arg_nodes`) are updated in place by the step: their
+    /// inputs may be written over (`External::overwritable`), on a private copy unless nothing
+    /// but their tensors read their values (`sole`, per argument, found before the step ran).
+    pub(crate) fn capture(
+        &self,
+        start: u64,
+        arg_nodes: &[NodeId],
+        out_ids: &[NodeId],
+        updated: &[usize],
+        sole: &[bool],
+    ) -> Result<Capture> {
         // Read before the lock is taken, as a flush reads it.
         let env = FlushEnv::for_flush()?;
         loop {
@@ -216,18 +263,31 @@ impl Engine {
                     outputs,
                     graph: Mutex::new(DeviceGraph::Refused),
                     last_args: Mutex::new(Vec::new()),
+                    bound_args: Mutex::new(Vec::new()),
+                    updated: updated.to_vec(),
                 });
             }
             // Every view a step makes is computed in it (a replay leaves nothing pending).
             let mut ex = self.extract(&mut st, &walked.order, None, env);
             drop(st);
             // Inputs stay with the step: nothing of them is handed to the flush to free.
+            // Arguments the step updates may be written over: where only their tensors read
+            // them, in place; otherwise on a private copy.
             let mut sources = Vec::with_capacity(ex.graph.externals.len());
-            for (meta, data) in ex.graph.externals.iter_mut().zip(&ex.externals) {
+            for (meta, data) in ex.graph.externals.iter_mut().zip(ex.externals.iter_mut()) {
+                let arg = arg_nodes.iter().position(|&a| a == meta.id);
+                let update = arg.is_some_and(|k| updated.contains(&k));
+                if update
+                    && !arg.is_some_and(|k| sole[k])
+                    && let ExternalData::Device(buffer) = data
+                {
+                    *buffer = self.private_copy(buffer)?;
+                }
+                let on_device = matches!(data, ExternalData::Device(b) if !b.is_offloaded());
                 meta.donated = false;
                 meta.on_host = false;
-                meta.overwritable = false;
-                sources.push(match (arg_nodes.iter().position(|&a| a == meta.id), data) {
+                meta.overwritable = update && on_device;
+                sources.push(match (arg, data) {
                     (Some(k), _) => Source::Arg(k),
                     (None, ExternalData::Host(bytes)) => Source::Host(bytes.clone()),
                     (None, _) => unreachable!("check_work admits only arguments and host data"),
@@ -253,9 +313,17 @@ impl Engine {
                 })
                 .collect::<Result<Vec<Output>>>()?;
             let graph = Mutex::new(DeviceGraph::Untried);
-            let last_args = Mutex::new(Vec::new());
-            return Ok(Capture { planned: Some(planned), sources, outputs, graph, last_args });
+            let (last_args, bound_args) = (Mutex::new(Vec::new()), Mutex::new(Vec::new()));
+            let updated = updated.to_vec();
+            return Ok(Capture { planned: Some(planned), sources, outputs, graph, last_args, bound_args, updated });
         }
+    }
+
+    /// A copy of `buffer` in a new buffer of this device (through the host: for the rare step
+    /// argument updated in place whose value something else still reads).
+    pub(crate) fn private_copy(&self, buffer: &Buffer) -> Result<Buffer> {
+        let bytes = self.backend.download(buffer).map_err(|e| self.device_error(e))?;
+        self.backend.upload(&bytes, self.poison_enabled()).map_err(|e| self.device_error(e))
     }
 
     /// Runs a captured step on the buffers of its arguments: one execution of the kept plan.
@@ -373,7 +441,16 @@ impl Engine {
         let graph = {
             let mut slot = crate::lock(&c.graph);
             if matches!(*slot, DeviceGraph::Untried) {
-                *slot = match self.backend.record_graph(job, &bound()) {
+                let bound = bound();
+                let mut by_arg = vec![None; c.sources.len()];
+                for (s, b) in c.sources.iter().zip(&bound) {
+                    if let (Source::Arg(k), Some(b)) = (s, b) {
+                        by_arg.resize(by_arg.len().max(k + 1), None);
+                        by_arg[*k] = Some(b.address());
+                    }
+                }
+                *crate::lock(&c.bound_args) = by_arg;
+                *slot = match self.backend.record_graph(job, &bound) {
                     None => DeviceGraph::Refused,
                     Some(Ok(g)) => DeviceGraph::Recorded(Arc::from(g)),
                     Some(Err(e)) => {

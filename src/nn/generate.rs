@@ -9,14 +9,17 @@
 //! written at its own position and its attention reads only the positions up to it (what lies
 //! beyond, padding or stale values, is masked).
 //!
-//! Everything here records ordinary ops (no kernel of its own): the cache write is a select of
-//! the new row at the position, which fusion joins to the attention's row kernel (the scores);
-//! then a softmax with the length mask and a column kernel (the weighted values); sampling is a
-//! few row kernels. Nothing here reads a value.
+//! Everything here records ordinary ops (no kernel of its own). [`cache_update`] writes the new
+//! rows into the cache in place (a scatter: one row a sequence and head, never a copy of the
+//! cache, also inside a [`crate::Step`], whose argument the cache is); [`cache_write`] is its
+//! functional twin (a select of the new row at the position, which fusion joins to the kernel
+//! that reads the cache next, but which stores the whole cache again). Attention is a row kernel
+//! (the scores), a softmax with the length mask and a column kernel (the weighted values);
+//! sampling is a few row kernels. Nothing here reads a value.
 //!
 //! ```
 //! use braid::prelude::*;
-//! use braid::nn::generate::{cache_write, cached_attention, sample, CachePositions, Sampling};
+//! use braid::nn::generate::{cache_update, cached_attention, sample, CachePositions, Sampling};
 //!
 //! let cpu = Device::cpu();
 //! cpu.seed(1);
@@ -26,8 +29,9 @@
 //! // Sequence 0 is at position 3, sequence 1 at position 5.
 //! let pos = CachePositions::new(&Tensor::from_vec(vec![3i32, 5], [b], &cpu), t);
 //! let (k, v) = (Tensor::randn([b, h, 1, d], DType::F32, &cpu), Tensor::randn([b, h, 1, d], DType::F32, &cpu));
-//! let keys = cache_write(&keys, &k, &pos);
-//! let values = cache_write(&values, &v, &pos);
+//! // Written in place: one row a sequence and head.
+//! cache_update(&keys, &k, &pos);
+//! cache_update(&values, &v, &pos);
 //! let q = Tensor::randn([b, h, 1, d], DType::F32, &cpu);
 //! let y = cached_attention(&q, &keys, &values, &pos);
 //! assert_eq!(y.dims(), &[b, h, 1, d]);
@@ -49,6 +53,8 @@ const TOP_K_HALVINGS: usize = 40;
 /// cache writes and attention share, computed once a step (not once a layer).
 #[derive(Clone, Debug)]
 pub struct CachePositions {
+    /// `[batch, 1, 1, 1]`: each sequence's position (the index of its cache updates).
+    pos: Tensor,
     /// `[batch, 1, positions, 1]`: the position each sequence writes.
     write: Tensor,
     /// `[batch, 1, positions]`: the positions after each sequence's, which it must not attend to.
@@ -70,7 +76,7 @@ impl CachePositions {
         // Compared in the positions' own dtype (I32 for devices without 64-bit integers).
         let at = Tensor::arange_as(0, positions as i64, pos.dtype(), pos.device()).reshape([1, 1, positions, 1]);
         let pos = pos.reshape([b, 1, 1, 1]);
-        CachePositions { write: at.eq(&pos), later: at.gt(&pos).reshape([b, 1, positions]) }
+        CachePositions { write: at.eq(&pos), later: at.gt(&pos).reshape([b, 1, positions]), pos }
     }
 
     /// Sequences and positions, `(batch, positions)`.
@@ -94,22 +100,42 @@ fn check_cache(what: &str, cache: &Tensor, at: &CachePositions) {
     }
 }
 
+/// Writes `new [batch, heads, 1, d]` into the cache `[batch, heads, positions, d]` at each
+/// sequence's position (`at`), in place: a new version of `cache` (see
+/// [`Tensor::scatter_assign`]); a position outside the cache writes nothing. Where nothing else
+/// reads the cache's old value (a cache a generation loop owns, or a [`crate::Step`]'s
+/// argument), only the new rows are stored, into the cache's own buffer.
+#[track_caller]
+pub fn cache_update(cache: &Tensor, new: &Tensor, at: &CachePositions) {
+    check_new_row("cache_update", cache, new, at);
+    let d = cache.dims();
+    let index = at.pos.expand([d[0], d[1], 1, d[3]]);
+    cache.scatter_assign(POSITIONS, &index, &new.as_dtype(cache.dtype()));
+}
+
 /// The cache `[batch, heads, positions, d]` with `new [batch, heads, 1, d]` written at each
-/// sequence's position (`at`); a position outside the cache writes nothing. A new tensor: a
-/// map over the cache (a select), which fusion joins to the kernel that reads the cache next
-/// (the attention's scores), so the write costs no kernel of its own.
+/// sequence's position (`at`), as a new tensor (the cache is not changed); a position outside
+/// the cache writes nothing. A map over the cache (a select), which fusion joins to the kernel
+/// that reads the cache next (the attention's scores): no kernel of its own, but the whole
+/// cache is stored again. [`cache_update`] writes only the new rows.
 #[track_caller]
 pub fn cache_write(cache: &Tensor, new: &Tensor, at: &CachePositions) -> Tensor {
-    check_cache("cache_write", cache, at);
+    check_new_row("cache_write", cache, new, at);
+    at.write.select(&new.as_dtype(cache.dtype()), cache)
+}
+
+/// Checks a cache and a new row against the positions.
+#[track_caller]
+fn check_new_row(what: &str, cache: &Tensor, new: &Tensor, at: &CachePositions) {
+    check_cache(what, cache, at);
     let d = cache.dims();
     if new.dims() != [d[0], d[1], 1, d[3]] {
         crate::tensor::misuse(
-            "cache_write",
+            what,
             "the new row must be [batch, heads, 1, head width] of the cache",
             &[("cache", cache.describe()), ("new", new.describe())],
         );
     }
-    at.write.select(&new.as_dtype(cache.dtype()), cache)
 }
 
 /// Attention of one query a sequence, `q [batch, heads, 1, d]`, over the cache's positions up

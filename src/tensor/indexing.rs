@@ -205,6 +205,69 @@ impl Tensor {
         Tensor::record(Op::ScatterAdd { dim }, dtype, shape, self.device(), &[self, &index, src])
     }
 
+    /// This tensor with `src`'s elements written where `index` names along `dim`, as
+    /// PyTorch's `scatter(dim, index, src)`: for `dim = 0`, `out[index[i][j]][j] = src[i][j]`.
+    /// `index` (integers) and `src` (this tensor's dtype, any dtype) have one shape, equal to
+    /// this tensor's along every dimension but `dim`; elements no index names keep their value.
+    /// Where several source elements name one element, the last along `dim` wins (on every
+    /// device, every run); an index outside `0..self.dims()[dim]` writes nothing. The
+    /// gradient of `src` is the output's gradient gathered at `index` (as PyTorch's), of this
+    /// tensor the output's gradient where nothing was written.
+    ///
+    /// ```
+    /// use braid::prelude::*;
+    /// let cpu = Device::cpu();
+    /// let x = Tensor::from_vec(vec![0.0f32; 4], [4], &cpu);
+    /// let i = Tensor::from_vec(vec![3i64, 1, 3], [3], &cpu);
+    /// let s = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], [3], &cpu);
+    /// assert_eq!(x.scatter(0, &i, &s).to_vec::<f32>().unwrap(), vec![0.0, 2.0, 0.0, 3.0]);
+    /// ```
+    #[track_caller]
+    pub fn scatter(&self, dim: impl Dim, index: &Tensor, src: &Tensor) -> Tensor {
+        let (dim, index) = self.scatter_operands("scatter", dim, index, src);
+        let shape = self.shape().clone();
+        Tensor::record(Op::Scatter { dim }, self.dtype(), shape, self.device(), &[self, &index, src])
+    }
+
+    /// [`scatter`](Tensor::scatter) in place: a new version of this tensor (see
+    /// [`assign`](Tensor::assign)). Where nothing else reads the old value, the scheduler writes
+    /// only `src`'s elements into this tensor's buffer (a key/value cache's new rows, each
+    /// token), and otherwise copies it first. Inside a [`Step`](crate::Step), an argument
+    /// updated this way is updated in place at every replay.
+    ///
+    /// ```
+    /// use braid::prelude::*;
+    /// let cpu = Device::cpu();
+    /// let cache = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], [2, 3], &cpu);
+    /// let at = Tensor::from_vec(vec![2i32, 0], [2, 1], &cpu);
+    /// cache.scatter_assign(1, &at, &Tensor::from_vec(vec![-1.0f32, -2.0], [2, 1], &cpu));
+    /// assert_eq!(cache.to_vec::<f32>().unwrap(), vec![1.0, 2.0, -1.0, -2.0, 5.0, 6.0]);
+    /// ```
+    #[track_caller]
+    pub fn scatter_assign(&self, dim: impl Dim, index: &Tensor, src: &Tensor) {
+        let (dim, index) = self.scatter_operands("scatter_assign", dim, index, src);
+        self.record_new_version("scatter_assign", Op::Scatter { dim }, &[self, &index, src]);
+    }
+
+    /// The checked dimension and index (as i32 or i64) of a scatter of `src` at `index`.
+    #[track_caller]
+    fn scatter_operands(&self, op: &str, dim: impl Dim, index: &Tensor, src: &Tensor) -> (usize, Tensor) {
+        let operands = [("x", self), ("index", index), ("src", src)];
+        same_device(op, &operands);
+        let dim = self.dim(op, dim);
+        let index = Tensor::index_of(op, index, &operands);
+        let checked = infer::scatter(
+            (self.shape(), self.dtype()),
+            (index.shape(), index.dtype()),
+            (src.shape(), src.dtype()),
+            dim,
+        );
+        if let Err(problem) = checked {
+            misuse(op, &problem, &describe(&operands));
+        }
+        (dim, index)
+    }
+
     /// Index (I64) of the first minimum along `dim`; a NaN counts as the minimum (as
     /// `argmax_dim`, whose kernel it shares: the first maximum of an order-reversed copy,
     /// `-x` for floats and `-1 - x` for integers, which never overflows). On a device without

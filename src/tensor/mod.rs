@@ -263,13 +263,14 @@ impl Tensor {
         if let Err(problem) = autograd::check_in_place(self) {
             misuse(name, problem, &[("self", self.describe())]);
         }
-        if capture::from_outside(self.0.device.engine(), self.cell()) {
+        // A step's argument may be updated: a replay updates it again (see `Step`).
+        if capture::from_outside(self.0.device.engine(), self.cell()) && !capture::is_argument(self.cell()) {
             // Not recorded: a failed capture leaves the tensor as it was.
             capture::refuse(|| {
                 format!(
-                    "an in-place update ({name}) of a tensor from outside the step (an argument, or a tensor \
-                     made before it): a replay would not update it; return the new value as an output and \
-                     assign it outside the step"
+                    "an in-place update ({name}) of a tensor from outside the step that is not one of its \
+                     arguments: a replay would not update it; pass it as an argument, or return the new \
+                     value as an output and assign it outside the step"
                 )
             });
             return;

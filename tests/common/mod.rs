@@ -186,6 +186,7 @@ pub fn call(op: &Op, inputs: &[&Tensor], shape: &Shape, dtype: DType, dev: &Devi
         Op::IndexSelect { dim: 0 } => inputs[1].embedding(inputs[0]),
         Op::IndexSelect { .. } => unreachable!("the API selects along other dimensions with a 1-D index only"),
         Op::ScatterAdd { dim } => inputs[0].scatter_add(*dim, inputs[1], inputs[2]),
+        Op::Scatter { dim } => inputs[0].scatter(*dim, inputs[1], inputs[2]),
         Op::Reshape => inputs[0].reshape(shape.clone()),
         Op::Permute(p) => {
             let x = inputs[0];

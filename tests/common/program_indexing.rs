@@ -1,5 +1,5 @@
 //! Random indexing steps of the random programs: `gather`, `index_select`, `embedding`,
-//! `scatter_add`, `argmin_dim` and `cross_entropy` recorded through braid's API, mirrored by
+//! `scatter_add`, `scatter` (and `scatter_assign`), `argmin_dim` and `cross_entropy` recorded through braid's API, mirrored by
 //! the reference's direct definitions ([`IndexOp`]) or, for cross-entropy, its textbook
 //! formula one op at a time. Indices are random, about one in eight outside `0..n` (braid
 //! reads 0 / adds nothing there), in a random integer dtype the device holds (i32 and u8 on
@@ -20,7 +20,7 @@ impl Gen<'_> {
         }
         let dim = self.rng.below(rank);
         let n = shape.dims()[dim];
-        match self.rng.below(6) {
+        match self.rng.below(7) {
             0 => {
                 let mut dims: Vec<usize> = shape.dims().iter().map(|&d| self.rng.below(d + 1)).collect();
                 dims[dim] = self.rng.below(5);
@@ -109,6 +109,30 @@ impl Gen<'_> {
                 self.push_result(node, t, "argmin_dim");
             }
             5 if dtype.is_float() && shape.dims()[rank - 1] > 0 => self.cross_entropy(x, dtype, shape),
+            6 => {
+                // Any dtype; colliding indices too (the last along `dim` wins on every device).
+                let mut dims = shape.dims().to_vec();
+                dims[dim] = self.rng.below(5);
+                let index = self.index_leaf(Shape::from(dims.clone()), n);
+                let src = self.h.random(&mut self.rng, dtype, Shape::from(dims));
+                let t = if self.rng.chance(0.5) {
+                    self.call(&[x, index, src], |t| t[0].scatter(dim, t[1], t[2]))
+                } else {
+                    // In place, on a new tensor of the same value (`x` keeps its own).
+                    self.call(&[x, index, src], |t| {
+                        let y = t[0].detach();
+                        y.scatter_assign(dim, t[1], t[2]);
+                        y
+                    })
+                };
+                let node = ProgNode::Indexing {
+                    op: IndexOp::Scatter { dim },
+                    dtype,
+                    shape: shape.clone(),
+                    inputs: vec![x, index, src],
+                };
+                self.push_result(node, t, "scatter");
+            }
             _ => {}
         }
     }

@@ -14,13 +14,14 @@
 //! and bases are finite (moderate values in [-4, 4), now and then much larger ones, whose sums
 //! round differently in another order; no NaN, whose bits a GPU's arithmetic does not keep),
 //! integers random bits; outputs start as random bits (the kernel zeroes them), and are compared
-//! with the CPU's byte for byte ([`super::gathers::differ`]).
+//! with the CPU's byte for byte ([`super::gathers::differ`]). Scatters (`Body::ScatterWrite`,
+//! [`scatter_write_cases`]) take the same shapes, views and indices, in any dtype.
 
 use super::cases::{Case, new_case};
 use super::common::Rng;
 use super::gathers::index_bytes;
 use braid_graph::DType;
-use braid_lowering::{Arg, Body, Load, ScatterKernel, View};
+use braid_lowering::{Arg, Body, Load, ScatterKernel, ScatterWriteKernel, View};
 
 /// The dtypes a scatter-add takes; case `n` adds `DTYPES[n % 5]`.
 const DTYPES: [DType; 5] = [DType::F32, DType::F64, DType::I32, DType::I64, DType::U8];
@@ -297,5 +298,111 @@ pub(crate) fn scatter_cases(rng: &mut Rng, count: usize) -> Vec<Case> {
     any("reading i64::MIN or i64::MAX", &|c, s| read_indices(c, s).iter().any(|&j| j == i64::MIN || j == i64::MAX));
     let missing = missing.into_inner();
     assert!(missing.is_empty(), "no scatter case {}", missing.join("; no scatter case "));
+    cases
+}
+
+/// The dtypes of the scatter (`Body::ScatterWrite`) cases: it moves bits, so any; case `n`
+/// writes `WRITE_DTYPES[n % 6]`.
+const WRITE_DTYPES: [DType; 6] = [DType::F32, DType::BF16, DType::I32, DType::I64, DType::U8, DType::F64];
+
+/// A random scatter (`Body::ScatterWrite`): as [`scatter_case`]'s shapes, views and indices
+/// (many source elements naming one output element, so the last write must win), with a base
+/// always read (a third of the cases contiguous, as the engine's in-place scatters read it),
+/// arguments in a random order, then the output.
+pub(crate) fn scatter_write_case(rng: &mut Rng, n: usize) -> Case {
+    let d = WRITE_DTYPES[n % WRITE_DTYPES.len()];
+    let rank = *rng.pick(&[1, 2, 2, 3, 3]);
+    let dim = rng.below(rank);
+    let mut out_dims: Vec<usize> = (0..rank).map(|_| if rng.chance(0.05) { 0 } else { 1 + rng.below(5) }).collect();
+    out_dims[dim] = *rng.pick(&[1, 2, 3, 4, 6, 9]);
+    let mut dims = out_dims.clone();
+    dims[dim] = *rng.pick(&[0, 1, 1, 2, 3, 5, 8, 17]);
+    let zero = |rng: &mut Rng, p: f64| (0..rank).map(|_| rng.chance(p)).collect::<Vec<bool>>();
+    let z = zero(rng, 0.15);
+    let (src_view, src_len) = random_layout(rng, &dims, &z);
+    let z = zero(rng, 0.2);
+    let (index_view, index_len) = random_layout(rng, &dims, &z);
+    let (base_view, base_len) = if n.is_multiple_of(3) {
+        let numel = out_dims.iter().product::<usize>();
+        (View::contiguous(&braid_graph::Shape::new(&out_dims)), numel.max(1))
+    } else {
+        let z = zero(rng, 0.2);
+        random_layout(rng, &out_dims, &z)
+    };
+    let mut inputs = vec![Input::Source, Input::Index, Input::Base];
+    for i in (1..inputs.len()).rev() {
+        inputs.swap(i, rng.below(i + 1));
+    }
+    let arg_of = |what: Input| inputs.iter().position(|&i| i == what).unwrap() as u16;
+    let label = format!(
+        "scatter write {n} ({d}, {dims:?} along {dim} into {}, source {:?}+{}, index {:?}+{}, base {:?}+{})",
+        out_dims[dim],
+        src_view.strides.as_slice(),
+        src_view.offset,
+        index_view.strides.as_slice(),
+        index_view.offset,
+        base_view.strides.as_slice(),
+        base_view.offset,
+    );
+    let index_dtype = if rng.chance(0.5) { DType::I64 } else { DType::I32 };
+    let mut c = new_case(format!("{label} at {index_dtype}"), inputs.len(), Body::Map(vec![]));
+    for &input in &inputs {
+        let (arg, init) = match input {
+            Input::Source => (Arg { dtype: d, len: src_len }, random_elements(rng, d, src_len)),
+            Input::Index => {
+                let values = random_index(rng, out_dims[dim], index_len);
+                (Arg { dtype: index_dtype, len: index_len }, index_bytes(index_dtype, &values))
+            }
+            Input::Base => (Arg { dtype: d, len: base_len }, random_elements(rng, d, base_len)),
+        };
+        c.kernel.args.push(arg);
+        c.init.push(init);
+    }
+    let numel: usize = out_dims.iter().product();
+    c.kernel.args.push(Arg { dtype: d, len: numel });
+    c.init.push((0..numel * d.size()).map(|_| rng.next() as u8).collect());
+    let s = ScatterWriteKernel {
+        dims: dims.as_slice().into(),
+        dim,
+        src: Load { arg: arg_of(Input::Source), dtype: d, view: src_view },
+        index: Load { arg: arg_of(Input::Index), dtype: index_dtype, view: index_view },
+        base: Load { arg: arg_of(Input::Base), dtype: d, view: base_view },
+        out_dims: out_dims.as_slice().into(),
+        out: inputs.len() as u16,
+    };
+    let args = &c.kernel.args;
+    s.check(|a| args.get(a as usize).map(|a| (a.dtype, a.len)))
+        .unwrap_or_else(|e| panic!("{}: the generated scatter fails its check: {e}", c.label));
+    c.kernel.body = Body::ScatterWrite(s);
+    c
+}
+
+/// `count` random scatters ([`scatter_write_case`]); asserts that some write several source
+/// elements to one output element (the last must win), read a contiguous base, and read
+/// indices out of range.
+pub(crate) fn scatter_write_cases(rng: &mut Rng, count: usize) -> Vec<Case> {
+    let cases: Vec<Case> = (0..count).map(|n| scatter_write_case(rng, n)).collect();
+    let writes: Vec<(&Case, &ScatterWriteKernel)> = (cases.iter())
+        .map(|c| match &c.kernel.body {
+            Body::ScatterWrite(s) => (c, s),
+            _ => unreachable!("scatter cases"),
+        })
+        .collect();
+    let as_add = |s: &ScatterWriteKernel| ScatterKernel {
+        dims: s.dims.clone(),
+        dim: s.dim,
+        src: s.src.clone(),
+        index: s.index.clone(),
+        base: None,
+        out_dims: s.out_dims.clone(),
+        out: s.out,
+    };
+    let colliding = writes.iter().filter(|(c, s)| most_per_element(c, &as_add(s)) >= 2).count();
+    assert!(colliding >= count / 4, "only {colliding} scatters write two elements to one");
+    assert!(writes.iter().any(|(_, s)| s.base_in_place() && s.rows() > 0), "no scatter reads a contiguous base");
+    let outside = |c: &Case, s: &ScatterWriteKernel| {
+        read_indices(c, &as_add(s)).iter().any(|&j| j < 0 || j >= s.out_dims[s.dim] as i64)
+    };
+    assert!(writes.iter().any(|(c, s)| outside(c, s)), "no scatter reads an index out of range");
     cases
 }

@@ -18,6 +18,7 @@ mod queue;
 mod reduce;
 pub mod rows;
 mod scatter;
+mod scatter_write;
 mod split;
 mod tile;
 
@@ -429,6 +430,7 @@ fn run_prepared(kernel: &Kernel, row_plan: Option<&rows::Plan>, args: &[ArgPtr])
         Body::Quantize(q) => quant::run_quantize(q, args),
         Body::Gather(g) => gather::run_gather(g, args),
         Body::Scatter(s) => scatter::run_scatter(s, args),
+        Body::ScatterWrite(s) => scatter_write::run_scatter_write(s, args),
         Body::Attention(a) => attention::run_attention(a, args),
         Body::Collective(c) => Err(format!("{} runs through the queue's rendezvous, not as a kernel", c.kind.name())),
     }

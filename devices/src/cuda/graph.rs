@@ -20,7 +20,8 @@
 //!
 //! A launch is ordered like a flush: the origin lane waits for the end of every other lane,
 //! the inputs not bound are copied into the graph's input buffers, the graph runs, each output is copied
-//! into a fresh buffer (the caller may still hold an earlier launch's outputs), and a marker at
+//! into a fresh buffer (the caller may still hold an earlier launch's outputs; but an output
+//! written over a bound input in place, a step's argument it updates, is that input), and a marker at
 //! the end tells the pools when it is done. Later flushes wait for that marker.
 //!
 //! What is not recorded ([`record`] says `None`, and the plan runs as a flush): schedules of
@@ -166,6 +167,9 @@ pub(crate) struct CudaGraph {
     origin: LaneId,
     inputs: Vec<GraphInput>,
     outputs: Vec<Arc<CudaBuffer>>,
+    /// Per output, the bound input it was written over in place (a step's argument it
+    /// updates): that output is the caller's buffer itself, not copied out.
+    in_place: Vec<Option<usize>>,
     /// The memory and kernels the graph refers to (held, never used by anything else).
     _kept: Vec<Arc<CudaBuffer>>,
     _kernels: Vec<Arc<CudaKernel>>,
@@ -248,12 +252,16 @@ fn record_now(backend: &CudaBackend, job: Job<'_>, bound: &[Option<Buffer>]) -> 
         streams = s.streams.len(),
         "recorded a step into a CUDA graph"
     );
+    let in_place = (outputs.iter())
+        .map(|o| inputs.iter().position(|i| matches!(i, GraphInput::Bound(b) if Arc::ptr_eq(b, o))))
+        .collect();
     Ok(Box::new(CudaGraph {
         pools: pools.clone(),
         exec,
         origin: recording.origin,
         inputs,
         outputs,
+        in_place,
         kernel_count: kernels.len() as u64,
         _kept: kept,
         _kernels: kernels,
@@ -327,7 +335,12 @@ impl Graph for CudaGraph {
         pools.bump(self.origin);
         launched?;
         let mut outputs = Vec::with_capacity(self.outputs.len());
-        for slot in &self.outputs {
+        for (slot, in_place) in self.outputs.iter().zip(&self.in_place) {
+            if let Some(i) = *in_place {
+                // Written over the caller's buffer, which the caller gave up for it.
+                outputs.push(inputs[i].clone());
+                continue;
+            }
             let mem = if slot.is_pinned() { Mem::Pinned } else { Mem::Device };
             let fresh = pools.buffer(Some(self.origin), slot.bytes(), mem, false, self.poison)?;
             copy(&fresh, slot)?;

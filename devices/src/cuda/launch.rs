@@ -70,8 +70,14 @@ pub unsafe fn launch_entries(
         let function = module.function(&entry.name)?;
         let mut shared = 0;
         let (grid, block) = match entry.launch {
-            Launch::Map { numel: 0, .. } | Launch::Rows { rows: 0, .. } | Launch::Tiles { blocks: 0, .. } => continue,
-            Launch::Map { numel, block } => (numel.div_ceil(block as usize).min(max_map_blocks), block),
+            Launch::Map { numel: 0, .. }
+            | Launch::Copy { numel: 0, .. }
+            | Launch::Rows { rows: 0, .. }
+            | Launch::Tiles { blocks: 0, .. } => continue,
+            Launch::Copy { from, to, .. } if params.get(from as usize) == params.get(to as usize) => continue,
+            Launch::Map { numel, block } | Launch::Copy { numel, block, .. } => {
+                (numel.div_ceil(block as usize).min(max_map_blocks), block)
+            }
             Launch::Tiles { blocks, threads, shared_bytes } => {
                 if shared_bytes > STATIC_SHARED_LIMIT {
                     // SAFETY: `function` is a live entry of `module`; the driver refuses sizes

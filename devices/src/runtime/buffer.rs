@@ -87,6 +87,12 @@ impl Buffer {
         Arc::strong_count(&self.0) > 1
     }
 
+    /// How many handles to this buffer exist, this one included (those [`Buffer::arc`] made
+    /// count too).
+    pub fn holders(&self) -> usize {
+        Arc::strong_count(&self.0)
+    }
+
     /// Copies the buffer's bytes into `dst` (exactly `bytes()` long), once the work that writes
     /// them is done.
     pub fn read_into(&self, dst: &mut [u8]) -> Result<(), DeviceError> {

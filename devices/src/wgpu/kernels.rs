@@ -164,7 +164,19 @@ impl WgpuContext {
             })
         })?;
         // One pass per entry: each entry reads what the previous one wrote.
+        // The buffer and offset bound to argument `arg`.
+        let bound = |arg: u16| {
+            let b = bindings.iter().position(|b| matches!(b, Binding::Arg { arg: a, .. } if *a == arg))?;
+            buffers.get(b).map(|&(buffer, offset)| (buffer, offset))
+        };
         for (entry, pipeline) in kernel.source.entries.iter().zip(&kernel.pipelines) {
+            if let Some((from, to)) = entry.copy
+                && let (Some((a, x)), Some((b, y))) = (bound(from), bound(to))
+                && a == b
+                && x == y
+            {
+                continue; // a copy onto itself: the scatter was written over its base
+            }
             let mut pass = encoder
                 .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some(&entry.name), timestamp_writes: None });
             pass.set_pipeline(pipeline);

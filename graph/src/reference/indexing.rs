@@ -8,6 +8,7 @@
 //! gather and adds nothing in a scatter-add. Bounds: a gather moves a value and its bound; a
 //! scatter-add is the sum of the chosen terms (bounded like a `Sum` reduction, which also
 //! covers the device's zero terms, added exactly) followed by an `Add` of the table; an
+//! scatter moves values and bounds, the last write to an element winning; an
 //! argmin is the argmax of the order-reversed values (`-x`, or `-1 - x` for integers), with
 //! its certainty rule. An uncertain index makes every element it could reach uncertain.
 
@@ -28,6 +29,8 @@ pub enum IndexOp {
     IndexSelect { dim: usize },
     /// Inputs `[base, index, src]`; the result has the base's shape.
     ScatterAdd { dim: usize },
+    /// Inputs `[base, index, src]`; the result has the base's shape.
+    Scatter { dim: usize },
     /// Input `[x]`; the first minimum's index along `dim` (in the node's dtype, I64 or I32), NaN
     /// counting as the smallest.
     ArgMin { dim: usize, keepdim: bool },
@@ -52,6 +55,7 @@ pub(super) fn eval(op: IndexOp, dtype: DType, shape: &Shape, ins: &[&RefValue]) 
         IndexOp::Gather { dim } => gather(dim, dtype, shape, ins[0], ins[1]),
         IndexOp::IndexSelect { dim } => index_select(dim, dtype, shape, ins[0], ins[1]),
         IndexOp::ScatterAdd { dim } => scatter_add(dim, dtype, shape, ins[0], ins[1], ins[2]),
+        IndexOp::Scatter { dim } => scatter(dim, shape, ins[0], ins[1], ins[2]),
         IndexOp::ArgMin { dim, keepdim: _ } => argmin(dim, dtype, shape, ins[0]),
     }
 }
@@ -167,6 +171,41 @@ fn scatter_add(dim: usize, dtype: DType, shape: &Shape, base: &RefValue, index: 
         RefValue::from_ints(dtype, shape.clone(), values, bounds)
     };
     elementwise::binary(BinaryOp::Add, dtype, shape, base, &contribution)
+}
+
+/// The base with each source element moved to where its index names, in order (a later write
+/// to an element replaces an earlier one, value and bound).
+fn scatter(dim: usize, shape: &Shape, base: &RefValue, index: &RefValue, src: &RefValue) -> RefValue {
+    assert_eq!(shape, &base.shape, "scatter: the result has the base's shape");
+    let n = shape.dims()[dim];
+    let mut out = base.clone();
+    let mut uncertain = vec![false; shape.numel()];
+    for c in 0..src.numel() {
+        let mut at = unravel(&src.shape, c);
+        match target(index, c, n) {
+            Ok(Some(j)) => {
+                at[dim] = j;
+                let o = ravel(shape, &at);
+                match (&mut out.values, &src.values) {
+                    (Values::Float(o_v), Values::Float(s_v)) => o_v[o] = s_v[c],
+                    (Values::Int(o_v), Values::Int(s_v)) => o_v[o] = s_v[c],
+                    _ => panic!("scatter: the source's dtype is the base's"),
+                }
+                out.bounds[o] = src.bound(c);
+            }
+            Ok(None) => {}
+            Err(()) => {
+                for j in 0..n {
+                    at[dim] = j;
+                    uncertain[ravel(shape, &at)] = true;
+                }
+            }
+        }
+    }
+    for (b, _) in out.bounds.iter_mut().zip(&uncertain).filter(|(_, u)| **u) {
+        *b = UNCERTAIN;
+    }
+    out
 }
 
 fn argmin(dim: usize, dtype: DType, shape: &Shape, x: &RefValue) -> RefValue {

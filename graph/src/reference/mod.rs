@@ -242,7 +242,7 @@ fn eval_op(op: &Op, dtype: DType, shape: &Shape, ins: &[&RefValue]) -> RefValue 
         | Op::QuantMatmul(_)
         | Op::Gather { .. }
         | Op::IndexSelect { .. } => 2,
-        Op::Select | Op::ScatterAdd { .. } => 3,
+        Op::Select | Op::ScatterAdd { .. } | Op::Scatter { .. } => 3,
         Op::Cat { .. } => ins.len().max(1),
         Op::Attention { part, .. } if part.is_backward() => 6,
         Op::Attention { .. } => 3,
@@ -273,6 +273,7 @@ fn eval_op(op: &Op, dtype: DType, shape: &Shape, ins: &[&RefValue]) -> RefValue 
         Op::Gather { dim } => indexing::eval(indexing::IndexOp::Gather { dim: *dim }, dtype, shape, ins),
         Op::IndexSelect { dim } => indexing::eval(indexing::IndexOp::IndexSelect { dim: *dim }, dtype, shape, ins),
         Op::ScatterAdd { dim } => indexing::eval(indexing::IndexOp::ScatterAdd { dim: *dim }, dtype, shape, ins),
+        Op::Scatter { dim } => indexing::eval(indexing::IndexOp::Scatter { dim: *dim }, dtype, shape, ins),
         Op::Reshape | Op::Contiguous | Op::ToDevice => movement::reshape(ins[0], shape),
         Op::Permute(perm) => movement::permute(ins[0], perm, shape),
         Op::Expand => movement::expand(ins[0], shape),

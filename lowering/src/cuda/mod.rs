@@ -53,6 +53,7 @@ mod row_keep; // which values a row kernel keeps in shared memory between its sw
 mod row_vector; // which of a row kernel's accesses move 16 bytes at a time, and from where
 mod rows; // row kernels: sweeps, phases, loads kept in shared memory
 mod scatter; // scatter-adds: rows of the source folded in order into the output
+mod scatter_write; // scatters: the base copied (unless in place), rows of the source written
 mod short_rows; // short rows, several a block: a segment of a warp's lanes a row
 mod split; // long rows among few rows: segments, partial results in scratch
 #[cfg(test)]
@@ -134,6 +135,9 @@ pub enum Launch {
     /// memory (above 48 KiB the launcher opts the function in first); fused attention's tiles.
     /// Nothing to launch when `blocks` is 0.
     Tiles { blocks: usize, threads: u32, shared_bytes: u32 },
+    /// A [`Launch::Map`] that copies parameter `from` into `to`: not launched when they are one
+    /// address (a scatter's base, when the scheduler wrote the scatter over it).
+    Copy { numel: usize, block: u32, from: u16, to: u16 },
 }
 
 /// A parameter of the printed entry points.
@@ -166,7 +170,7 @@ pub fn print(kernel: &Kernel, name: &str) -> Result<CudaSource, String> {
         Body::Rows(r) => vec![&r.expr],
         Body::Matmul(m) => m.epilogue.iter().map(|l| &l.expr).collect(),
         Body::QuantMatmul(q) => q.epilogue.iter().map(|l| &l.expr).collect(),
-        Body::Gather(_) | Body::Scatter(_) | Body::Attention(_) => vec![],
+        Body::Gather(_) | Body::Scatter(_) | Body::ScatterWrite(_) | Body::Attention(_) => vec![],
     };
     match &kernel.body {
         Body::Map(loops) if loops.len() > 1 => {
@@ -199,6 +203,9 @@ pub fn print(kernel: &Kernel, name: &str) -> Result<CudaSource, String> {
         }
         Body::Gather(g) => entries.push(gather::print_gather(&mut body, g, &format!("{name}_gather"), &params)?),
         Body::Scatter(s) => entries.extend(scatter::print_scatter(&mut body, s, &format!("{name}_scatter"), &params)?),
+        Body::ScatterWrite(s) => {
+            entries.extend(scatter_write::print_scatter_write(&mut body, s, &format!("{name}_scatter"), &params)?)
+        }
         Body::Attention(a) => entries.extend(attention::print_attention(&mut body, a, name, &params)?),
         Body::Matmul(m) => {
             library_product = m.dtype.is_float();

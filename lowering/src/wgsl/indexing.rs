@@ -12,12 +12,16 @@
 //!   atomics on values, the same bits on every run (sub-word outputs use the packed atomic
 //!   stores of [`memory`], which only keep neighbouring threads' bytes apart).
 //!
+//! - A scatter is two entries: the base's bits copied into the output (skipped by the runtime
+//!   when they are one buffer: [`Entry::copy`]), then a thread per row of the source space
+//!   writing the row's elements in order where their indices name (a later write wins).
+//!
 //! Offsets are u32 with wrapping arithmetic, as everywhere in this printer. Must never: read
 //! the source or write the output at an index outside its range, or add a row's elements out
 //! of order.
 
 use super::*;
-use crate::kernel::{GatherKernel, ScatterKernel, View};
+use crate::kernel::{GatherKernel, ScatterKernel, ScatterWriteKernel, View};
 
 /// ` + var * stride` (or ` - ...` for a negative stride) in wrapping u32 arithmetic.
 fn term(var: &str, stride: isize) -> String {
@@ -150,6 +154,56 @@ pub(super) fn print_scatter(m: &mut Module<'_>, s: &ScatterKernel) -> Result<(),
         let sum = memory::load(s.out, d, true, "i")?;
         let _ = writeln!(out, "  let total = {};", add(d, &base, &sum));
         let _ = writeln!(out, "  {}\n}}", memory::store(s.out, d, "i", "total")?);
+    }
+    Ok(())
+}
+
+pub(super) fn print_scatter_write(m: &mut Module<'_>, s: &ScatterWriteKernel) -> Result<(), String> {
+    s.check(|a| m.params.get(a as usize).map(|p| (p.dtype, p.len)))?;
+    let (d, dim) = (s.dtype(), s.dim);
+    check_index(s.index.dtype, s.out_dims[dim])?;
+    let numel: usize = s.out_dims.iter().product();
+    let (rows, k) = (s.rows(), s.dims[dim]);
+    if numel as u64 >= 1 << 32 || rows as u64 >= 1 << 32 {
+        return Err(format!("a scatter into {numel} elements: wgpu kernels index with u32"));
+    }
+    if numel == 0 {
+        return Ok(());
+    }
+    let written = m.written();
+    let groups = |n: usize| (n as u64).div_ceil(MAP_THREADS as u64);
+    m.begin_entry("scatter_base", groups(numel), MAP_THREADS, "A scatter: the base copied.")?;
+    if s.base_in_place() {
+        m.skip_when_one_buffer(s.base.arg, s.out);
+    }
+    let out = &mut m.body;
+    let _ = writeln!(out, "  let i = wg * {MAP_THREADS}u + lid;\n  if (i >= {numel}u) {{ return; }}");
+    let all: Vec<usize> = (0..s.out_dims.len()).collect();
+    memory::decompose(out, "  ", "i", &s.out_dims, &all);
+    let bits = memory::load_bits(s.base.arg, d, written[s.base.arg as usize], &memory::offset(&s.base.view))?;
+    let _ = writeln!(out, "  {}\n}}", memory::store_bits(s.out, d, "i", &bits)?);
+
+    if rows > 0 && k > 0 {
+        let comment = format!("{rows} rows of {k} elements written in order, a thread per row.");
+        m.begin_entry("scatter_rows", groups(rows), MAP_THREADS, &comment)?;
+        let out = &mut m.body;
+        let _ = writeln!(out, "  let r = wg * {MAP_THREADS}u + lid;\n  if (r >= {rows}u) {{ return; }}");
+        let which: Vec<usize> = (0..s.dims.len()).filter(|&x| x != dim).collect();
+        memory::decompose(out, "  ", "r", &s.dims, &which);
+        let out_view = View::contiguous(&braid_graph::Shape::new(&s.out_dims));
+        let out_strides = View { dims: s.dims.clone(), ..out_view };
+        let _ = writeln!(out, "  let src_at = {};", offset_without(&s.src.view, dim));
+        let _ = writeln!(out, "  let index_at = {};", offset_without(&s.index.view, dim));
+        let _ = writeln!(out, "  let out_at = {};", offset_without(&out_strides, dim));
+        let _ = writeln!(out, "  for (var n = 0u; n < {k}u; n++) {{");
+        let j =
+            memory::load(s.index.arg, DType::I32, false, &format!("index_at{}", term("n", s.index.view.strides[dim])))?;
+        let _ = writeln!(out, "    let j = {j};");
+        let _ = writeln!(out, "    if (j < 0 || u32(j) >= {}u) {{ continue; }}", s.out_dims[dim]);
+        let from = format!("src_at{}", term("n", s.src.view.strides[dim]));
+        let bits = memory::load_bits(s.src.arg, d, written[s.src.arg as usize], &from)?;
+        let at = format!("out_at{}", term("u32(j)", s.out_along()));
+        let _ = writeln!(out, "    {}\n  }}\n}}", memory::store_bits(s.out, d, &at, &bits)?);
     }
     Ok(())
 }

@@ -125,6 +125,10 @@ pub struct Entry {
     pub workgroups: [u32; 3],
     /// Threads per workgroup (the entry's `@workgroup_size`).
     pub threads: u32,
+    /// For an entry that copies argument `.0` into argument `.1` (a scatter's base): not
+    /// dispatched when both are bound to the same bytes of one buffer (the scatter written
+    /// over its base in place).
+    pub copy: Option<(u16, u16)>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -204,11 +208,18 @@ impl Module<'_> {
         Ok(())
     }
 
+    /// Marks the entry begun last as a copy of argument `from` into `to` ([`Entry::copy`]).
+    pub fn skip_when_one_buffer(&mut self, from: u16, to: u16) {
+        if let Some(e) = self.entries.last_mut() {
+            e.copy = Some((from, to));
+        }
+    }
+
     /// Adds an entry of `groups` workgroups of `threads` threads: its header and the linear
     /// workgroup index `wg`, returning early past `groups` (a uniform branch).
     pub fn begin_entry(&mut self, name: &str, groups: u64, threads: u32, comment: &str) -> Result<(), String> {
         let workgroups = split_workgroups(groups, self.features.max_workgroups_per_dimension)?;
-        self.entries.push(Entry { name: name.into(), workgroups, threads });
+        self.entries.push(Entry { name: name.into(), workgroups, threads, copy: None });
         let _ = write!(
             self.body,
             "\n// {comment}\n@compute @workgroup_size({threads})\nfn {name}(@builtin(workgroup_id) wid: vec3<u32>, \
@@ -270,6 +281,7 @@ pub fn print(kernel: &Kernel, features: &Features) -> Result<WgslSource, String>
         Body::Collective(c) => return Err(format!("{}: the wgpu device runs no collectives", c.kind.name())),
         Body::Gather(g) => indexing::print_gather(&mut m, g)?,
         Body::Scatter(s) => indexing::print_scatter(&mut m, s)?,
+        Body::ScatterWrite(s) => indexing::print_scatter_write(&mut m, s)?,
         Body::Attention(a) => attention::print_attention(&mut m, a)?,
     }
     let mut bindings: Vec<Binding> = vec![];

@@ -74,7 +74,10 @@ fn bindings_are_the_arguments_then_scratch_then_zero() {
     // Written sub-word elements are atomics; constants reach the shader as opaque bits.
     assert!(src.source.contains("var<storage, read_write> a1: array<atomic<u32>>"));
     assert!(src.source.contains("atomicOr(&a1["));
-    assert_eq!(src.entries, vec![Entry { name: "loop0".into(), workgroups: [1, 1, 1], threads: MAP_THREADS }]);
+    assert_eq!(
+        src.entries,
+        vec![Entry { name: "loop0".into(), workgroups: [1, 1, 1], threads: MAP_THREADS, copy: None }]
+    );
     let f = print(&double(DType::F32, &[7]), &Features::default()).unwrap();
     assert!(f.source.contains("bitcast<f32>(braid_opaque(0x40000000u))"), "{}", f.source);
     assert!(f.source.contains("braid_zero = braid_zero_uniform.x;"));

@@ -49,7 +49,10 @@ fn one_thread_per_product_element_then_the_epilogue() {
     let f = Features::default();
     let src = print(&kernel(DType::F32, Scheme::Int8, DType::F32, [37, 301, 70], false), &f).unwrap();
     let groups = (37u32 * 70).div_ceil(256);
-    assert_eq!(src.entries, vec![Entry { name: "product".into(), workgroups: [groups, 1, 1], threads: 256 }]);
+    assert_eq!(
+        src.entries,
+        vec![Entry { name: "product".into(), workgroups: [groups, 1, 1], threads: 256, copy: None }]
+    );
     // 301 = 75 words of four values and one of one.
     assert!(src.source.contains("c < 75u") && src.source.contains("a1[w0 + g * 75u + 75u]"), "{}", src.source);
     assert_eq!(src.source.matches("acc = acc + ").count(), 5);

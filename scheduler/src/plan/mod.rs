@@ -280,15 +280,19 @@ impl<'a> Planner<'a> {
                     .collect();
                 (seg.outputs.iter().map(|n| part_of[n]).collect(), input_part)
             }
+            SegmentKind::Single if scatter_base(self.graph, seg).is_some() => (vec![0], &[]),
             _ => return (pairs, note),
         };
         let input_part = |i: usize| if input_part.is_empty() { Some(0) } else { input_part[i] };
+        // A scatter writes over its base only (its other inputs are read at other positions).
+        let scatter = scatter_base(self.graph, seg);
         for (o, &out) in seg.outputs.iter().enumerate() {
             let node = &self.graph.nodes[out];
             for (i, &v) in seg.inputs.iter().enumerate() {
                 let (dtype, shape) = self.graph.meta(v);
                 let taken = pairs.iter().any(|&(_, input)| input == i);
-                if taken || !seg.direct[i] || dtype != node.dtype || shape != &node.shape {
+                let direct = scatter.map_or(seg.direct[i], |base| base == i);
+                if taken || !direct || dtype != node.dtype || shape != &node.shape {
                     continue;
                 }
                 if input_part(i) != Some(output_part[o]) {
@@ -566,4 +570,18 @@ impl<'a> Planner<'a> {
             offloads,
         }
     }
+}
+
+/// For a segment that is one scatter (`Op::Scatter`) reading its base as it lies (no movement
+/// folded into the load) and through no other input: the base's input position, which the
+/// scatter may overwrite in place (then only the source's elements are written).
+fn scatter_base(graph: &FlushGraph, seg: &Segment) -> Option<usize> {
+    let [n] = seg.nodes[..] else { return None };
+    let node = &graph.nodes[n];
+    let Op::Scatter { .. } = node.op else { return None };
+    // Three distinct values: the base is read by the base's load alone.
+    if seg.inputs.len() != 3 {
+        return None;
+    }
+    seg.inputs.iter().position(|&v| v == node.inputs[0])
 }
