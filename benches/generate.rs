@@ -16,7 +16,7 @@
 //! `torch.compile(mode="reduce-overhead")`.
 //!
 //! Run: `BRAID_DEVICE=cuda cargo bench --bench generate` (`-- --only gpt2-124m,bf16` for some
-//! rows; on the CPU, the default device, a small model only: 2 layers, width 64, 39 timed
+//! rows, `-- --prompt 896` for prompts of 896 tokens: a context of 896 to 1,004 positions; on the CPU, the default device, a small model only: 2 layers, width 64, 39 timed
 //! steps).
 
 #[path = "../examples/common/gpt2.rs"]
@@ -35,15 +35,17 @@ use gpt2::{Config, Gpt2};
 use gpt2_generate::Generation;
 use std::time::Instant;
 
+/// Prompt tokens a sequence, unless `-- --prompt N` says otherwise.
 const PROMPT: usize = 16;
 const WARM: usize = 8;
 
-/// Tokens/s of `timed` greedy decode steps of `model` for `batch` prompts, and its kernels a step.
-fn decode_rate(model: &Gpt2, batch: usize, timed: usize) -> Result<(f64, Option<usize>)> {
+/// Tokens/s of `timed` greedy decode steps of `model` for `batch` prompts of `prompt` tokens,
+/// and its kernels a step.
+fn decode_rate(model: &Gpt2, batch: usize, prompt: usize, timed: usize) -> Result<(f64, Option<usize>)> {
     let v = model.cfg.vocabulary.min(256) as i32;
     let prompts: Vec<Vec<i32>> =
-        (0..batch).map(|i| (0..PROMPT).map(|j| ((i * 31 + j * 7) as i32) % v).collect()).collect();
-    let cache_len = PROMPT + 1 + WARM + timed;
+        (0..batch).map(|i| (0..prompt).map(|j| ((i * 31 + j * 7) as i32) % v).collect()).collect();
+    let cache_len = prompt + 1 + WARM + timed;
     let mut g = Generation::new(model, &prompts, cache_len, Sampling::Greedy, Some(DType::BF16), true);
     for _ in 0..WARM {
         g.next()?;
@@ -71,6 +73,14 @@ fn main() -> Result<()> {
     let is_model = |o: &String| o.starts_with("gpt2") || o == "small";
     let wanted_model = |n: &str| !only.iter().any(is_model) || only.iter().any(|o| o == n);
     let wanted_weights = |w: &str| only.iter().all(is_model) || only.iter().any(|o| w.starts_with(o.as_str()));
+    // `-- --prompt N`: prompts of N tokens (the attention's context at every timed step).
+    let prompt: usize = match (args.iter().position(|a| a == "--prompt")).map(|i| args.get(i + 1)) {
+        None => PROMPT,
+        Some(n) => n.and_then(|n| n.parse().ok()).unwrap_or_else(|| {
+            eprintln!("--prompt takes a number of tokens");
+            std::process::exit(2)
+        }),
+    };
     let on_gpu = device.name().starts_with("cuda");
     // Steps timed: 100, or as many as the small model's context holds.
     let timed = if on_gpu { 100 } else { Config::SMALL.context - PROMPT - 1 - WARM };
@@ -82,7 +92,7 @@ fn main() -> Result<()> {
     } else {
         vec![("small", Config::SMALL)]
     };
-    println!("g8 on {}: decode tokens/s, greedy, prompts of {PROMPT}, {timed} timed steps", device.name());
+    println!("g8 on {}: decode tokens/s, greedy, prompts of {prompt}, {timed} timed steps", device.name());
     let mut warmed = false;
     for (name, cfg) in models.into_iter().filter(|(name, _)| wanted_model(name)) {
         let model = Gpt2::new(cfg, &device, 0);
@@ -90,7 +100,7 @@ fn main() -> Result<()> {
             // The first decoding of a process on a GPU machine that has just started ran 30x
             // slower than later ones for seconds (seen on the H200: 40 tokens/s, then 1,340 for
             // the same row); a warm-up run, not reported, takes that out of the rows.
-            decode_rate(&model.with_matrices_in(DType::BF16), 1, timed)?;
+            decode_rate(&model.with_matrices_in(DType::BF16), 1, PROMPT, timed)?;
             warmed = true;
         }
         // Int4's group: the largest of 128, 64 and 32 that divides the width.
@@ -110,7 +120,7 @@ fn main() -> Result<()> {
             device.sync()?;
             let prepared = started.elapsed().as_secs_f64();
             for batch in [1, 8] {
-                let (rate, kernels) = decode_rate(&serving, batch, timed)?;
+                let (rate, kernels) = decode_rate(&serving, batch, prompt, timed)?;
                 let kernels = kernels.map_or("-".to_string(), |k| k.to_string());
                 println!(
                     "g8 {name} {weights} batch {batch}: braid {rate:.0} tokens/s ({kernels} kernels a step; weights prepared in {prepared:.1} s)"

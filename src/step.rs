@@ -38,11 +38,11 @@ const MAX_CAPTURES: usize = 32;
 /// A capture that breaks these rules returns [`Error::Capture`] saying which, and keeps
 /// nothing; the in-place updates and waits it refuses are not done, and its arguments' updates
 /// are undone, so tensors and streams from outside the step are as they were (the device's
-/// random sequence too). The outputs
-/// carry no gradient history: a step that trains computes its gradients inside, with
-/// `backward`, and returns them. The plan is the one a flush of the same work would run (same
-/// kernels, same results), planned under the device's memory budget of the time; a new
-/// budget, or arguments of new shapes or dtypes, capture again. Capture a step while no other
+/// random sequence too). The outputs carry no gradient history: a step that trains computes
+/// its gradients inside, with `backward`, and returns them (or applies them to its
+/// arguments). The plan is the one a flush of the same work would run (same kernels, same
+/// results), planned under the device's memory budget of the time; a new budget, or arguments
+/// of new shapes or dtypes, capture again. Capture a step while no other
 /// thread records work on the same device.
 ///
 /// On CUDA the first replay records the plan into a CUDA graph and every later replay is one
@@ -51,10 +51,10 @@ const MAX_CAPTURES: usize = 32;
 /// call before the graph is recorded, such as a weight, is read where it is: the graph holds
 /// it, and another buffer for it later records the graph again) and the outputs out into fresh
 /// ones (but an argument updated in place, passed again as the buffer the last call left it
-/// in, is read and written where it is). The graph keeps the memory of the step's intermediates for as long as the step lives
-/// (counted in `Device::memory`); `BRAID_CUDA_GRAPHS=0` turns graphs off, and replays under a memory
-/// budget, profiled ones and plans over 256 MiB of buffers (those read in place aside) run as
-/// flushes.
+/// in, is read and written where it is). The graph keeps the memory of the step's
+/// intermediates for as long as the step lives (counted in `Device::memory`);
+/// `BRAID_CUDA_GRAPHS=0` turns graphs off, and replays under a memory budget, profiled ones and
+/// plans over 256 MiB of buffers (those read in place aside) run as flushes.
 ///
 /// ```
 /// use braid::prelude::*;

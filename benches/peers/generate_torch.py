@@ -10,8 +10,8 @@ final norm and head, greedy argmax. Eager, and `torch.compile(mode="reduce-overh
 graphs). int8: `torch._weight_int8pack_mm` (per-channel int8 weights, bf16 activations) for
 every block matrix and the head, eager only (compiled where it works).
 
-Run: `python3 benches/peers/generate_torch.py [NAME,...]` (on a CUDA machine; names of models
-or weights select rows).
+Run: `python3 benches/peers/generate_torch.py [NAME,...] [--prompt N]` (on a CUDA machine; names
+of models or weights select rows; prompts of N tokens, 16 by default).
 """
 import math
 import sys
@@ -126,7 +126,14 @@ def main():
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
     print(f"g8 peer: torch {torch.__version__} on {torch.cuda.get_device_name()}")
     compiled = torch.compile(decode, mode="reduce-overhead", fullgraph=True)
-    only = sys.argv[1].split(",") if len(sys.argv) > 1 else []
+    global PROMPT
+    argv = sys.argv[1:]
+    if "--prompt" in argv:
+        i = argv.index("--prompt")
+        PROMPT = int(argv[i + 1])
+        del argv[i : i + 2]
+    print(f"g8 peer: prompts of {PROMPT}, {TIMED} timed steps")
+    only = argv[0].split(",") if argv else []
     wanted = lambda n: not only or n in only  # noqa: E731
     for name, layers, heads, width in MODELS:
         if not wanted(name):

@@ -16,9 +16,11 @@
 //! This module must never keep a plan whose replay could differ from running the function
 //! again. A capture fails with [`Error::Capture`] (and nothing is kept) when the function reads
 //! a value while it is recorded, needs a tensor that is not an argument, keeps a tensor it does
-//! not return, updates a tensor from outside the step in place, makes a random tensor (every
-//! replay would draw the capture's numbers), or records or waits for a user event. The updates
-//! and waits are refused when they are recorded and not done, so that a failed capture leaves
+//! not return, updates a tensor from outside the step in place (its arguments aside: their new
+//! versions are extra outputs of the capture, and a replay installs them, written over the
+//! arguments' buffers where only the step reads them), makes a random tensor (every replay
+//! would draw the capture's numbers), or records or waits for a user event. The updates and
+//! waits are refused when they are recorded and not done, so that a failed capture leaves
 //! every tensor and stream from outside the step as it was.
 
 use super::env::FlushEnv;
