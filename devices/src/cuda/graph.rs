@@ -160,16 +160,23 @@ enum GraphInput {
     Bound(Arc<CudaBuffer>),
 }
 
+/// Where a graph leaves one of its outputs.
+enum GraphOutput {
+    /// Its own buffer, copied into a fresh one at each launch.
+    Own(Arc<CudaBuffer>),
+    /// Bound input `i`, written over in place (a step's argument it updates): the output is the
+    /// caller's buffer itself, and the graph holds it only as that input (so that the caller can
+    /// tell who else holds it).
+    Input(usize),
+}
+
 /// A recorded schedule: one `cuGraphLaunch` per replay (see the module docs).
 pub(crate) struct CudaGraph {
     pools: Arc<CudaPools>,
     exec: Exec,
     origin: LaneId,
     inputs: Vec<GraphInput>,
-    outputs: Vec<Arc<CudaBuffer>>,
-    /// Per output, the bound input it was written over in place (a step's argument it
-    /// updates): that output is the caller's buffer itself, not copied out.
-    in_place: Vec<Option<usize>>,
+    outputs: Vec<GraphOutput>,
     /// The memory and kernels the graph refers to (held, never used by anything else).
     _kept: Vec<Arc<CudaBuffer>>,
     _kernels: Vec<Arc<CudaKernel>>,
@@ -252,8 +259,11 @@ fn record_now(backend: &CudaBackend, job: Job<'_>, bound: &[Option<Buffer>]) -> 
         streams = s.streams.len(),
         "recorded a step into a CUDA graph"
     );
-    let in_place = (outputs.iter())
-        .map(|o| inputs.iter().position(|i| matches!(i, GraphInput::Bound(b) if Arc::ptr_eq(b, o))))
+    let outputs = (outputs.into_iter())
+        .map(|o| match inputs.iter().position(|i| matches!(i, GraphInput::Bound(b) if Arc::ptr_eq(b, &o))) {
+            Some(i) => GraphOutput::Input(i),
+            None => GraphOutput::Own(o),
+        })
         .collect();
     Ok(Box::new(CudaGraph {
         pools: pools.clone(),
@@ -261,7 +271,6 @@ fn record_now(backend: &CudaBackend, job: Job<'_>, bound: &[Option<Buffer>]) -> 
         origin: recording.origin,
         inputs,
         outputs,
-        in_place,
         kernel_count: kernels.len() as u64,
         _kept: kept,
         _kernels: kernels,
@@ -335,12 +344,15 @@ impl Graph for CudaGraph {
         pools.bump(self.origin);
         launched?;
         let mut outputs = Vec::with_capacity(self.outputs.len());
-        for (slot, in_place) in self.outputs.iter().zip(&self.in_place) {
-            if let Some(i) = *in_place {
-                // Written over the caller's buffer, which the caller gave up for it.
-                outputs.push(inputs[i].clone());
-                continue;
-            }
+        for slot in &self.outputs {
+            let slot = match slot {
+                GraphOutput::Own(slot) => slot,
+                GraphOutput::Input(i) => {
+                    // Written over the caller's buffer, which the caller gave up for it.
+                    outputs.push(inputs[*i].clone());
+                    continue;
+                }
+            };
             let mem = if slot.is_pinned() { Mem::Pinned } else { Mem::Device };
             let fresh = pools.buffer(Some(self.origin), slot.bytes(), mem, false, self.poison)?;
             copy(&fresh, slot)?;
