@@ -97,10 +97,15 @@ fn main() -> Result<()> {
     for (name, cfg) in models.into_iter().filter(|(name, _)| wanted_model(name)) {
         let model = Gpt2::new(cfg, &device, 0);
         if !warmed {
-            // The first decoding of a process on a GPU machine that has just started ran 30x
-            // slower than later ones for seconds (seen on the H200: 40 tokens/s, then 1,340 for
-            // the same row); a warm-up run, not reported, takes that out of the rows.
-            decode_rate(&model.with_matrices_in(DType::BF16), 1, PROMPT, timed)?;
+            // The first decoding at a batch size in a process on a GPU machine that has just
+            // started ran 30-50x slower than later ones (seen on the H200: 40 tokens/s, then
+            // 1,340 for the same row; 261, then 11,957 at batch 8), for the whole row: not
+            // explained (BENCHMARKS.md). A warm-up run at both batch sizes, not reported, takes
+            // it out of the rows.
+            let warm = model.with_matrices_in(DType::BF16);
+            for batch in [1, 8] {
+                decode_rate(&warm, batch, PROMPT, timed)?;
+            }
             warmed = true;
         }
         // Int4's group: the largest of 128, 64 and 32 that divides the width.
