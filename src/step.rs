@@ -226,6 +226,11 @@ fn capture(
             return Err(e);
         }
     };
+    // Updated arguments carry no gradient history, as outputs carry none (a replay records
+    // none): what autograd kept for it is released.
+    for &k in &updated {
+        args[k].drop_history();
+    }
     // Outputs carry no gradient history (a replay records none): dropping the originals
     // releases what autograd kept for a backward pass the function did not run.
     let detached: Vec<Tensor> = outs.iter().map(Tensor::detach).collect();
@@ -287,6 +292,7 @@ fn replay(device: &Device, c: &Capture, args: &[Tensor]) -> Result<Vec<Tensor>> 
         c.note_arg(k, &buffer);
         let stream = recorder::current_stream(device.id());
         engine.install_version(args[k].cell(), dtype, shape.clone(), stream, buffer);
+        args[k].drop_history();
     }
     // Computed outputs are held by their tensors, outside the graph, unless a memory budget is
     // set (the planner then weighs what the graph holds; see `Tensor::cell`).

@@ -313,6 +313,21 @@ impl Tensor {
         autograd::source_of(self).is_some()
     }
 
+    /// Forgets the gradient history of the op that made this tensor's current version (a
+    /// step's argument it updated in place: a replay records no history), keeping a leaf's
+    /// `requires_grad` mark. What the history kept for derivatives is released here, after
+    /// the lock is let go.
+    pub(crate) fn drop_history(&self) {
+        let old = {
+            let mut meta = self.0.grad.lock().unwrap_or_else(|p| p.into_inner());
+            match *meta {
+                Some(GradSource::Node(_)) => autograd::replace_meta(&mut meta, None),
+                _ => None,
+            }
+        };
+        drop(old);
+    }
+
     /// Asks the scheduler to move this value (its current version) to host memory while it is
     /// idle within a flush, and to bring it back in time for its next use, with or without a
     /// memory budget. Typical for activations saved for the backward pass. Returns the tensor.

@@ -88,3 +88,84 @@ fn a_training_step_updates_its_parameters_in_place_as_the_function_would() {
     }
     assert_eq!(step.captures(), 1);
 }
+
+/// A random program of `tests/step.rs` whose step also updates its state argument in place (an
+/// add, an assign, or a row written by a scatter), replayed against the same function run op by
+/// op on a twin of the state: outputs and states equal bit for bit at every call, with work on
+/// two streams; now and then another tensor holds the state's old value across a call, which
+/// must keep it.
+#[test]
+fn random_steps_that_update_their_state_replay_like_eager_runs() {
+    use super::{Rng, bits, random_args, random_program, run_program};
+    for seed in 0..24u64 {
+        let dev = braid::testing::test_device();
+        let side = dev.new_stream();
+        let mut rng = Rng::new(5000 + seed);
+        let len = 2 + rng.below(8);
+        let program = random_program(&mut rng, len);
+        let (grad, update) = (rng.chance(0.5), rng.below(3));
+        let (rows, cols) = (1 + rng.below(6), 1 + rng.below(9));
+        // Arguments: x, the state, the [cols, cols] matrix, the row to write.
+        let f = |a: &[Tensor]| {
+            let outs = run_program(&program, &a[..3], &side, grad);
+            let last = &outs[0];
+            // Without gradient history, as a state (an optimizer's moments, a cache) is kept.
+            braid::no_grad(|| match update {
+                0 => a[1].add_assign(&(last * 0.5)),
+                1 => a[1].assign(&last.tanh()),
+                _ => a[1].scatter_assign(0, &a[3], &last.narrow(0, 0, 1)),
+            });
+            outs
+        };
+        let step = Step::new(f);
+        let init = random_args(&mut rng, &dev, rows, cols).swap_remove(1);
+        let (state, twin) = (init.detach(), init.detach());
+        drop(init);
+        for call in 0..4 {
+            let mut args = random_args(&mut rng, &dev, rows, cols);
+            let row = rng.below(rows) as i32;
+            let at = Tensor::from_vec(vec![row; cols], [1, cols], &dev);
+            let held = rng.chance(0.3).then(|| (state.detach(), state.to_vec::<f32>().unwrap()));
+            args[1] = state.clone();
+            args.push(at.clone());
+            let replayed = step.call(&args).unwrap_or_else(|e| panic!("seed {seed}: {e}\n{program:?}"));
+            args[1] = twin.clone();
+            let eager = f(&args);
+            for (r, e) in replayed.iter().zip(&eager) {
+                assert_eq!(bits(r), bits(e), "seed {seed}, call {call}, update {update}: {program:?}");
+            }
+            assert_eq!(bits(&state), bits(&twin), "seed {seed}, call {call}, update {update}: the states differ");
+            if let Some((old, values)) = held {
+                assert_eq!(old.to_vec::<f32>().unwrap(), values, "seed {seed}, call {call}: a held value changed");
+            }
+        }
+        assert_eq!(step.captures(), 1, "seed {seed}");
+    }
+}
+
+/// An argument updated with a value that has gradient history (not under `no_grad`): the step
+/// captures (autograd's kept values are released, not a tensor the step leaks), and the
+/// argument carries no history after any call, as outputs carry none.
+#[test]
+fn an_argument_updated_with_a_differentiable_value_keeps_no_history() {
+    let dev = braid::testing::test_device();
+    let step = Step::new(|a: &[Tensor]| {
+        let w = a[0].detach().requires_grad();
+        let y = (&w * 2.0).tanh();
+        a[1].assign(&y);
+        vec![y.sum().backward().unwrap().get(&w).unwrap()]
+    });
+    let state = Tensor::zeros([3], DType::F32, &dev);
+    for v in [0.5f32, -1.0, 0.25] {
+        let x = Tensor::from_vec(vec![v, 2.0 * v, -v], [3], &dev);
+        let grad = step.call(&[x, state.clone()]).unwrap();
+        assert!(!state.needs_grad());
+        let want: Vec<f32> = [v, 2.0 * v, -v].iter().map(|x| (2.0 * x).tanh()).collect();
+        assert_eq!(state.to_vec::<f32>().unwrap(), want);
+        let d: Vec<f32> = want.iter().map(|t| 2.0 * (1.0 - t * t)).collect();
+        for (g, d) in grad[0].to_vec::<f32>().unwrap().iter().zip(&d) {
+            assert!((g - d).abs() < 1e-6, "{g} vs {d}");
+        }
+    }
+    assert_eq!(step.captures(), 1);
+}
