@@ -161,11 +161,11 @@ fn an_argument_updated_with_a_differentiable_value_keeps_no_history() {
         let grad = step.call(&[x, state.clone()]).unwrap();
         assert!(!state.needs_grad());
         let want: Vec<f32> = [v, 2.0 * v, -v].iter().map(|x| (2.0 * x).tanh()).collect();
-        assert_eq!(state.to_vec::<f32>().unwrap(), want);
+        // Within a few ulps: a device's tanh is not Rust's.
+        let near = |got: Vec<f32>, want: &[f32]| got.iter().zip(want).all(|(g, w)| (g - w).abs() < 1e-6);
+        assert!(near(state.to_vec::<f32>().unwrap(), &want));
         let d: Vec<f32> = want.iter().map(|t| 2.0 * (1.0 - t * t)).collect();
-        for (g, d) in grad[0].to_vec::<f32>().unwrap().iter().zip(&d) {
-            assert!((g - d).abs() < 1e-6, "{g} vs {d}");
-        }
+        assert!(near(grad[0].to_vec::<f32>().unwrap(), &d));
     }
     assert_eq!(step.captures(), 1);
 }
