@@ -553,7 +553,11 @@ fn indexing_ops_and_cross_entropy() {
     check_gradients("embedding", std::slice::from_ref(&x), &|xs| tokens.embedding(&xs[0]));
     let src = (vec![2, 4], values(&mut rng, 8, false));
     let sc = ids(vec![2, 0, 2, 1, 0, 0, 5, 1], &[2, 4]);
-    check_gradients("scatter_add(0)", &[x.clone(), src], &|xs| xs[0].scatter_add(0, &sc, &xs[1]));
+    check_gradients("scatter_add(0)", &[x.clone(), src.clone()], &|xs| xs[0].scatter_add(0, &sc, &xs[1]));
+    // Distinct rows in each column (a later write would take an earlier one's gradient, as in
+    // PyTorch), one out of range (no gradient): the base's gradient is zero where written.
+    let wi = ids(vec![2, 0, 1, 5, 0, 1, 2, 2], &[2, 4]);
+    check_gradients("scatter(0)", &[x.clone(), src], &|xs| xs[0].scatter(0, &wi, &xs[1]));
     let logits = (vec![2, 3, 4], values(&mut rng, 24, false));
     let target = ids(vec![3, 0, 1, 1, 2, 0], &[2, 3]);
     check_gradients("cross_entropy", &[logits], &|xs| xs[0].cross_entropy(&target));
