@@ -341,8 +341,7 @@ impl ScatterKernel {
 
     /// Rows of the source space: its elements that differ only along `dim`.
     pub fn rows(&self) -> usize {
-        let k = self.dims[self.dim];
-        self.dims.iter().product::<usize>().checked_div(k).unwrap_or(0)
+        source_rows(&self.dims, self.dim)
     }
 
     /// Threads per row of a GPU scatter-add: enough for about 64Ki threads in all, at most 64
@@ -400,6 +399,11 @@ impl ScatterKernel {
     }
 }
 
+/// Rows of a scatter's source space `dims`: its elements that differ only along `dim`.
+fn source_rows(dims: &[usize], dim: usize) -> usize {
+    dims.iter().product::<usize>().checked_div(dims[dim]).unwrap_or(0)
+}
+
 /// A scatter (`Op::Scatter`): the output (argument `out`, contiguous over `out_dims`) is the
 /// base with, for each row of the source space `dims` (the index's and the source's shape; a
 /// row is its elements that differ only along `dim`), the row's elements written in order at
@@ -427,8 +431,7 @@ impl ScatterWriteKernel {
 
     /// Rows of the source space: its elements that differ only along `dim`.
     pub fn rows(&self) -> usize {
-        let k = self.dims[self.dim];
-        self.dims.iter().product::<usize>().checked_div(k).unwrap_or(0)
+        source_rows(&self.dims, self.dim)
     }
 
     /// The output's stride along `dim` (it is contiguous).

@@ -409,6 +409,10 @@ impl<'a> Lowering<'a> {
             };
             (Self::arg_of(seg, u), g.meta(u).0, view)
         };
+        let load = |v: ValueRef| {
+            let (arg, dtype, view) = value_view(v);
+            Load { arg, dtype, view }
+        };
         let copy = |arg: u16, dtype: DType, load: View, store: View| -> MapLoop {
             let mut b = ExprBuilder::new();
             let x = b.load(0, dtype);
@@ -445,10 +449,6 @@ impl<'a> Lowering<'a> {
                 ))
             }
             Op::ScatterAdd { dim } => {
-                let load = |v: ValueRef| {
-                    let (arg, dtype, view) = value_view(v);
-                    Load { arg, dtype, view }
-                };
                 // A base of zeros is folded (fusion folds only zeros into a scatter-add).
                 let base = match self.source(node.inputs[0]) {
                     Source::Const(..) => None,
@@ -466,10 +466,6 @@ impl<'a> Lowering<'a> {
                 })
             }
             Op::Scatter { dim } => {
-                let load = |v: ValueRef| {
-                    let (arg, dtype, view) = value_view(v);
-                    Load { arg, dtype, view }
-                };
                 let (base, index, src) = (load(node.inputs[0]), load(node.inputs[1]), load(node.inputs[2]));
                 Body::ScatterWrite(ScatterWriteKernel {
                     dims: index.view.dims.clone(),
