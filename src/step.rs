@@ -76,6 +76,28 @@ const MAX_CAPTURES: usize = 32;
 /// }
 /// assert_eq!(step.captures(), 1);
 /// ```
+///
+/// A step that updates an argument in place, as a decode step writes its key/value cache: each
+/// call writes one row of `cache` where its buffer lies, and returns the rows' sums.
+///
+/// ```
+/// use braid::prelude::*;
+/// use braid::Step;
+///
+/// let cpu = Device::cpu();
+/// let step = Step::new(|a: &[Tensor]| {
+///     a[0].scatter_assign(0, &a[1], &a[2]); // cache[at[0][j]][j] = row[0][j]
+///     vec![a[0].sum_dim(1, false)]
+/// });
+/// let cache = Tensor::zeros([3, 2], DType::F32, &cpu);
+/// for (p, v) in [(0i32, 1.0f32), (2, 5.0), (0, 3.0)] {
+///     let at = Tensor::from_vec(vec![p, p], [1, 2], &cpu);
+///     let row = Tensor::from_vec(vec![v, -v], [1, 2], &cpu);
+///     step.call(&[cache.clone(), at, row]).unwrap();
+/// }
+/// assert_eq!(cache.to_vec::<f32>().unwrap(), vec![3.0, -3.0, 0.0, 0.0, 5.0, -5.0]);
+/// assert_eq!(step.captures(), 1);
+/// ```
 pub struct Step<F> {
     f: F,
     captures: Mutex<Vec<(Signature, Arc<Capture>)>>,

@@ -163,12 +163,12 @@ impl WgpuContext {
                 entries: &entries,
             })
         })?;
-        // One pass per entry: each entry reads what the previous one wrote.
         // The buffer and offset bound to argument `arg`.
         let bound = |arg: u16| {
             let b = bindings.iter().position(|b| matches!(b, Binding::Arg { arg: a, .. } if *a == arg))?;
             buffers.get(b).map(|&(buffer, offset)| (buffer, offset))
         };
+        // One pass per entry: each entry reads what the previous one wrote.
         for (entry, pipeline) in kernel.source.entries.iter().zip(&kernel.pipelines) {
             if let Some((from, to)) = entry.copy
                 && let (Some((a, x)), Some((b, y))) = (bound(from), bound(to))
