@@ -275,6 +275,13 @@ fn capture(
     Ok((c, detached))
 }
 
+/// A copy of `t`'s value in a buffer of its own, made by a copy kernel on its device (for an
+/// argument the step updates while something else still reads its value).
+fn private_copy(t: &Tensor, poison: Option<bool>) -> Result<Buffer> {
+    let copy = Tensor::record(braid_graph::Op::Contiguous, t.dtype(), t.shape().clone(), t.device(), &[t]);
+    copy.materialize_with(poison)
+}
+
 /// Points the arguments a failed capture updated back at their versions from before it.
 fn undo_updates(engine: &crate::engine::Engine, args: &[Tensor], before: &[Tensor]) {
     for (a, b) in args.iter().zip(before) {
@@ -301,7 +308,7 @@ fn replay(device: &Device, c: &Capture, args: &[Tensor]) -> Result<Vec<Tensor>> 
     for &k in c.updated() {
         let ours = 1 + usize::from(c.holds(k, &buffers[k]));
         if !engine.sole_value(args[k].cell(), ours) {
-            buffers[k] = engine.private_copy(&buffers[k])?;
+            buffers[k] = private_copy(&args[k], poison)?;
         }
     }
     let mut produced = engine.replay(c, &buffers, &env)?;

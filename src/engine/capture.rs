@@ -321,9 +321,10 @@ impl Engine {
         }
     }
 
-    /// A copy of `buffer` in a new buffer of this device (through the host: for the rare step
-    /// argument updated in place whose value something else still reads).
-    pub(crate) fn private_copy(&self, buffer: &Buffer) -> Result<Buffer> {
+    /// A copy of `buffer` in a new buffer of this device, through the host (for a capture's
+    /// argument updated in place whose value something else still reads: the capture's flush
+    /// takes the arguments' buffers as they are; a replay copies on the device).
+    fn private_copy(&self, buffer: &Buffer) -> Result<Buffer> {
         let bytes = self.backend.download(buffer).map_err(|e| self.device_error(e))?;
         self.backend.upload(&bytes, self.poison_enabled()).map_err(|e| self.device_error(e))
     }
