@@ -350,3 +350,38 @@ fn a_wait_left_on_a_stream_that_records_nothing_more_is_released_once_its_event_
     let after = braid::testing::graph_nodes(&dev);
     assert_eq!(after, before, "nodes before and after 50 abandoned waits");
 }
+
+#[test]
+fn a_scatter_over_a_value_another_stream_reads_comes_after_that_read() {
+    // The cache is computed by the flush and read by a sum on a side stream; the scatter that
+    // updates it in place may write over its buffer only once that read is done (the
+    // validator, run on every schedule here, checks the events), and the sum sees the old rows.
+    let dev = braid::testing::test_device();
+    let side = dev.new_stream();
+    let (rows, cols) = (64, 64);
+    let values: Vec<f32> = (0..rows * cols).map(|i| (i % 7) as f32).collect();
+    let old_sum: f32 = values.iter().sum();
+    let cache = Tensor::from_vec(values, [rows, cols], &dev) * 1.0;
+    let total = side.scope(|| cache.sum());
+    let at = Tensor::from_vec(vec![3i32; cols], [1, cols], &dev);
+    cache.scatter_assign(0, &at, &Tensor::full([1, cols], 100.0, DType::F32, &dev));
+    dev.sync().unwrap(); // one flush of all of it
+    let json = last_json(&dev);
+    let (new, sum) = (cache.to_vec::<f32>().unwrap(), total.item::<f32>().unwrap());
+    assert_eq!(sum, old_sum, "the side stream's sum saw the scatter");
+    assert!(new[3 * cols..4 * cols].iter().all(|&v| v == 100.0));
+    assert_eq!(
+        new[..3 * cols].iter().sum::<f32>() + new[4 * cols..].iter().sum::<f32>(),
+        old_sum - (0..cols).map(|j| ((3 * cols + j) % 7) as f32).sum::<f32>()
+    );
+    // The scatter is in place only after a wait for the side stream, or not in place at all.
+    let main = steps_of(&json, 0);
+    let at_scatter =
+        main.iter().position(|s| s["kind"] == "kernel" && s["ops"][0] == "scatter").expect("a scatter kernel");
+    if main[at_scatter].get("in_place").is_some() {
+        assert!(
+            main[..at_scatter].iter().any(|s| s["kind"] == "wait"),
+            "in place before the side stream's read is done: {json}"
+        );
+    }
+}
