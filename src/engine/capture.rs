@@ -445,7 +445,7 @@ impl Engine {
             let mut slot = crate::lock(&c.graph);
             if matches!(*slot, DeviceGraph::Untried) {
                 let bound = bound();
-                let mut by_arg = vec![None; c.sources.len()];
+                let mut by_arg = Vec::new();
                 for (s, b) in c.sources.iter().zip(&bound) {
                     if let (Source::Arg(k), Some(b)) = (s, b) {
                         by_arg.resize(by_arg.len().max(k + 1), None);

@@ -49,14 +49,14 @@ const POSITIONS: usize = 2;
 /// Halvings of the interval that holds a row's k-th largest logit (see [`Sampling::TopK`]).
 const TOP_K_HALVINGS: usize = 40;
 
-/// Where each sequence is in a cache of `positions` positions: the masks that a decode step's
-/// cache writes and attention share, computed once a step (not once a layer).
+/// Where each sequence is in a cache of `positions` positions: what a decode step's cache
+/// writes and attention share, recorded once a step (not once a layer).
 #[derive(Clone, Debug)]
 pub struct CachePositions {
     /// `[batch, 1, 1, 1]`: each sequence's position (the index of its cache updates).
     pos: Tensor,
-    /// `[batch, 1, positions, 1]`: the position each sequence writes.
-    write: Tensor,
+    /// `[1, 1, positions, 1]`: the positions, in the positions' dtype.
+    positions: Tensor,
     /// `[batch, 1, positions]`: the positions after each sequence's, which it must not attend to.
     later: Tensor,
 }
@@ -76,12 +76,12 @@ impl CachePositions {
         // Compared in the positions' own dtype (I32 for devices without 64-bit integers).
         let at = Tensor::arange_as(0, positions as i64, pos.dtype(), pos.device()).reshape([1, 1, positions, 1]);
         let pos = pos.reshape([b, 1, 1, 1]);
-        CachePositions { write: at.eq(&pos), later: at.gt(&pos).reshape([b, 1, positions]), pos }
+        CachePositions { later: at.gt(&pos).reshape([b, 1, positions]), positions: at, pos }
     }
 
     /// Sequences and positions, `(batch, positions)`.
     fn dims(&self) -> (usize, usize) {
-        (self.write.dims()[0], self.write.dims()[POSITIONS])
+        (self.pos.dims()[0], self.positions.dims()[POSITIONS])
     }
 }
 
@@ -121,7 +121,9 @@ pub fn cache_update(cache: &Tensor, new: &Tensor, at: &CachePositions) {
 #[track_caller]
 pub fn cache_write(cache: &Tensor, new: &Tensor, at: &CachePositions) -> Tensor {
     check_new_row("cache_write", cache, new, at);
-    at.write.select(&new.as_dtype(cache.dtype()), cache)
+    // `[batch, 1, positions, 1]`: the position each sequence writes (joined to the select).
+    let write = at.positions.eq(&at.pos);
+    write.select(&new.as_dtype(cache.dtype()), cache)
 }
 
 /// Checks a cache and a new row against the positions.
