@@ -32,6 +32,7 @@
 
 pub mod amp;
 pub(crate) mod autograd;
+pub mod autotune;
 pub mod backends;
 mod device;
 pub mod dist;

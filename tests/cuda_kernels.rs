@@ -194,14 +194,18 @@ fn check_cases(h: &Harness, what: &str, cases: &[Case], blocks: impl Fn(&Case, u
             Some(t) => blocks(case, t).into_iter().map(Some).collect(),
             None => vec![None],
         };
-        for row_threads in sizes {
+        for (i, row_threads) in sizes.into_iter().enumerate() {
             let mut args = init.clone();
             runs += 1;
-            let r = run_kernel_on_gpu_with(h, &case.kernel, &mut args, LaunchOptions { row_threads, skew });
+            // Map loops under the tuner's launch variants too (`devices/src/cuda/tune.rs`):
+            // blocks of 128 to 512 threads, grids of 4 to 32 blocks a multiprocessor.
+            let (map_block, per_sm) =
+                [(None, None), (Some(128), Some(4)), (Some(512), Some(8)), (Some(256), Some(16))][(n + i) % 4];
+            let options = LaunchOptions { row_threads, skew, map_block, map_blocks_per_sm: per_sm };
+            let r = run_kernel_on_gpu_with(h, &case.kernel, &mut args, options);
             let failure = match r {
-                Err(e) => Some(format!("{} ({row_threads:?} threads, skew {skew}): {e}", case.label)),
-                Ok(()) => compare(case, &cpu, &args)
-                    .map(|f| format!("{f} ({row_threads:?} threads per row, arguments {skew} bytes past aligned)")),
+                Err(e) => Some(format!("{} ({options:?}): {e}", case.label)),
+                Ok(()) => compare(case, &cpu, &args).map(|f| format!("{f} ({options:?})")),
             };
             if let Some(f) = failure {
                 if failures.len() < 3 {

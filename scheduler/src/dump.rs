@@ -61,6 +61,10 @@ pub enum DumpStep {
         /// Why a buffer was not reused in place (another stream may still read it).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         note: Option<String>,
+        /// The launch variant the device's tuner chose for it (absent: its default, or a
+        /// device without variants).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        variant: Option<String>,
     },
     Alloc {
         buffer: String,
@@ -174,6 +178,7 @@ impl Dump {
                                 node_streams: seg.nodes.iter().map(|&n| graph.nodes[n].stream.0).collect(),
                                 in_place: plan.in_place.iter().map(|&(o, _)| plan.outputs[o].to_string()).collect(),
                                 note: plan.note.clone(),
+                                variant: None,
                             }
                         }
                         StreamStep::Alloc(b) => DumpStep::Alloc { buffer: b.to_string() },
@@ -274,6 +279,15 @@ impl Dump {
             None => return Err("not a braid schedule dump: no \"schema\" field".into()),
         }
         serde_json::from_value(value).map_err(|e| format!("malformed schedule dump: {e}"))
+    }
+
+    /// Sets each kernel's `variant` to what `of` says for its id (`"k3"`).
+    pub fn set_variants(&mut self, of: impl Fn(&str) -> Option<String>) {
+        for step in self.streams.iter_mut().flat_map(|s| &mut s.steps) {
+            if let DumpStep::Kernel { id, variant, .. } = step {
+                *variant = of(id);
+            }
+        }
     }
 
     pub fn kernel_count(&self) -> usize {
@@ -456,14 +470,15 @@ fn step_text(step: &DumpStep, buffers: &[DumpBuffer], events: &[DumpEvent]) -> S
         _ => "",
     };
     match step {
-        DumpStep::Kernel { id, ops, nodes, inputs, outputs, in_place, note, .. } => format!(
-            "{id} {} [{}] {} -> {}{}{}",
+        DumpStep::Kernel { id, ops, nodes, inputs, outputs, in_place, note, variant, .. } => format!(
+            "{id} {} [{}] {} -> {}{}{}{}",
             ops.join("+"),
             nodes.iter().map(|n| format!("n{n}")).collect::<Vec<_>>().join(" "),
             inputs.join(" "),
             outputs.join(" "),
             if in_place.is_empty() { String::new() } else { format!(" (in place: {})", in_place.join(" ")) },
-            note.as_ref().map_or(String::new(), |n| format!(" ({n})"))
+            note.as_ref().map_or(String::new(), |n| format!(" ({n})")),
+            variant.as_ref().map_or(String::new(), |v| format!(" [variant: {v}]"))
         ),
         DumpStep::Alloc { buffer } => format!("alloc {buffer} ({} B)", bytes(buffer)),
         DumpStep::Free { buffer, after } if after.is_empty() => format!("free {buffer}"),

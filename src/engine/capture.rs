@@ -398,7 +398,7 @@ impl Engine {
                     Err(Error::Internal(format!("a step's device graph panicked (a bug in braid): {what}")))
                 });
                 if let Some(outputs) = launched? {
-                    self.publish_dump(&planned.schedule, &planned.graph, number, None, env);
+                    self.publish_dump(&planned.schedule, &planned.graph, &planned.kernels, number, None, env);
                     return Ok(c.produced(outputs));
                 }
             }
@@ -424,7 +424,7 @@ impl Engine {
                     return Err(Error::Internal(format!("a step's replay panicked (a bug in braid): {what}")));
                 }
             };
-            self.publish_dump(&planned.schedule, &planned.graph, number, None, env);
+            self.publish_dump(&planned.schedule, &planned.graph, &planned.kernels, number, None, env);
         }
         Ok(c.produced(computed))
     }

@@ -5,10 +5,15 @@
 //! text and DOT are produced when first asked for.
 
 use crate::lock;
+use braid_devices::Backend;
 use braid_graph::{FlushGraph, Op};
+use braid_lowering::Kernel;
 use braid_scheduler::{Dump, Schedule};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+/// A flush's kernels and their device, which says each one's launch variant.
+pub(crate) type KernelsRan = (Arc<[Arc<Kernel>]>, Weak<dyn Backend>);
 
 /// What a flush planned, kept until its dump is asked for.
 struct Live {
@@ -17,6 +22,8 @@ struct Live {
     flush: u64,
     device: Arc<str>,
     not_run: Option<String>,
+    /// The kernels it ran and their device.
+    variants: Option<KernelsRan>,
 }
 
 /// The schedule of one flush, as a value: JSON (schema version 1), text and DOT.
@@ -37,8 +44,9 @@ impl ScheduleDump {
         flush: u64,
         device: Arc<str>,
         not_run: Option<String>,
+        variants: Option<KernelsRan>,
     ) -> ScheduleDump {
-        let live = Live { schedule, graph, flush, device, not_run };
+        let live = Live { schedule, graph, flush, device, not_run, variants };
         ScheduleDump(Arc::new(Source { live: Some(live), built: OnceLock::new() }))
     }
 
@@ -69,6 +77,12 @@ impl ScheduleDump {
             let live = self.0.live.as_ref().expect("a loaded dump is built already");
             let mut dump = Dump::new(&live.schedule, &live.graph, live.flush, &live.device);
             dump.not_run = live.not_run.clone();
+            if let Some((kernels, backend)) = &live.variants
+                && let Some(backend) = backend.upgrade()
+            {
+                let index = |id: &str| id.strip_prefix('k')?.parse::<usize>().ok();
+                dump.set_variants(|id| backend.kernel_variant(kernels.get(index(id)?)?));
+            }
             dump
         })
     }

@@ -46,7 +46,8 @@ pub(crate) struct FlushEnv {
 
 impl FlushEnv {
     /// Reads and checks every `BRAID_*` variable a flush reads (`BRAID_POISON`, `BRAID_FUSION`,
-    /// `BRAID_RECOMPUTE`, `BRAID_VALIDATE`, `BRAID_CPU_COMPILE`, `BRAID_DUMP`, `BRAID_TRACE`).
+    /// `BRAID_RECOMPUTE`, `BRAID_VALIDATE`, `BRAID_CPU_COMPILE`, `BRAID_AUTOTUNE`, `BRAID_DUMP`,
+    /// `BRAID_TRACE`).
     pub(crate) fn for_flush() -> Result<FlushEnv> {
         let poison = flag("BRAID_POISON")?;
         let fusion = flag("BRAID_FUSION")?;
@@ -58,6 +59,12 @@ impl FlushEnv {
         {
             let reason = "expected off, background (also on, 1) or blocking".into();
             return Err(Error::Environment { name: "BRAID_CPU_COMPILE", value, reason });
+        }
+        if let Ok(value) = std::env::var("BRAID_AUTOTUNE")
+            && braid_devices::runtime::tune::Mode::parse(&value).is_none()
+        {
+            let reason = "expected on, off or exhaustive".into();
+            return Err(Error::Environment { name: "BRAID_AUTOTUNE", value, reason });
         }
         Ok(FlushEnv { poison, fusion, recompute, validate, ..FlushEnv::destinations()? })
     }

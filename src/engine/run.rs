@@ -125,7 +125,7 @@ impl Engine {
             }
         };
         let not_run = (!ran).then(|| result.as_ref().err().map(|e| e.to_string())).flatten();
-        self.publish_dump(&schedule, &graph, ex.number, not_run, &env);
+        self.publish_dump(&schedule, &graph, &kernels, ex.number, not_run, &env);
 
         let mut st = self.state();
         for (id, buffer) in &prepared.uploaded {
@@ -257,6 +257,7 @@ impl Engine {
         &self,
         schedule: &Arc<Schedule>,
         graph: &Arc<FlushGraph>,
+        kernels: &Arc<[Arc<Kernel>]>,
         number: u64,
         not_run: Option<String>,
         env: &FlushEnv,
@@ -264,7 +265,9 @@ impl Engine {
         let mut last = lock(&self.last_schedule);
         let renumbered = not_run.is_none() && last.as_mut().is_some_and(|d| d.renumber(schedule, graph, number));
         if !renumbered {
-            *last = Some(ScheduleDump::live(schedule.clone(), graph.clone(), number, self.name.clone(), not_run));
+            let variants = Some((kernels.clone(), Arc::downgrade(&self.backend)));
+            *last =
+                Some(ScheduleDump::live(schedule.clone(), graph.clone(), number, self.name.clone(), not_run, variants));
         }
         if let Some(dir) = &env.dump {
             let dump = last.clone().expect("published above");

@@ -47,14 +47,35 @@ pub fn run_loop(l: &MapLoop, args: &[ArgPtr]) -> Result<(), String> {
     in_tasks(n, |start, end| run_range(l, shared, start, end))
 }
 
-/// Runs `f(start, end)` over indices `0..n` split into tasks of [`TASK`] indices, in parallel
-/// on rayon; on the calling thread when `n` is under two tasks. Interpreted and compiled loops
-/// split alike.
+thread_local! {
+    /// Elements per task of the kernel the thread runs now ([`with_task_size`]).
+    static TASK_SIZE: std::cell::Cell<usize> = const { std::cell::Cell::new(TASK) };
+}
+
+/// Elements (or a row kernel's positions) per parallel task for the kernel this thread runs
+/// now: [`TASK`], unless a tuned variant (`super::tune`) set another around it.
+pub(super) fn task_size() -> usize {
+    TASK_SIZE.with(|t| t.get())
+}
+
+/// Runs `f` with tasks of `task` elements on this thread (every size a multiple of
+/// [`CHUNK`], so chunks fall where they fall with [`TASK`] and results keep their bits).
+pub(super) fn with_task_size<T>(task: usize, f: impl FnOnce() -> T) -> T {
+    let before = TASK_SIZE.with(|t| t.replace(task));
+    let out = f();
+    TASK_SIZE.with(|t| t.set(before));
+    out
+}
+
+/// Runs `f(start, end)` over indices `0..n` split into tasks of [`task_size`] indices, in
+/// parallel on rayon; on the calling thread when `n` is under two tasks. Interpreted and
+/// compiled loops split alike.
 pub(super) fn in_tasks(n: usize, f: impl Fn(usize, usize) -> Result<(), String> + Sync) -> Result<(), String> {
-    if n < 2 * TASK {
+    let task = task_size();
+    if n < 2 * task {
         return f(0, n);
     }
-    (0..n.div_ceil(TASK)).into_par_iter().try_for_each(|t| f(t * TASK, ((t + 1) * TASK).min(n)))
+    (0..n.div_ceil(task)).into_par_iter().try_for_each(|t| f(t * task, ((t + 1) * task).min(n)))
 }
 
 /// The position of `at` (a multi-index over `v`'s dims) in `v`'s argument.

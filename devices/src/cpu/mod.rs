@@ -21,6 +21,7 @@ mod scatter;
 mod scatter_write;
 mod split;
 mod tile;
+pub mod tune;
 
 /// braid's f32 `exp` and `tanh` (defined next to the kernel IR, whose host C printer prints them).
 pub use braid_lowering::vmath;
@@ -151,6 +152,8 @@ pub(crate) struct KeptKernel {
     compiled: std::sync::OnceLock<Arc<native::NativeKernel>>,
     /// Whether a compiled run checked the library's accesses against the arguments.
     checked: AtomicBool,
+    /// Its tuned task size (`tune`), read at its first compiled run.
+    task: std::sync::OnceLock<usize>,
 }
 
 /// The CPU device runtime. Its pool is the device memory that `memory()` reports and budgets
@@ -196,8 +199,58 @@ impl CpuDevice {
         self.graph_launches.load(Ordering::Relaxed)
     }
 
-    /// Runs `kernel`, preparing it once per distinct (interned) kernel.
+    /// Runs `kernel`, preparing it once per distinct (interned) kernel, with the task size
+    /// tuned for it (`tune`; timed now when it is first ready).
     fn run(&self, kernel: &Arc<Kernel>, args: &[ArgPtr]) -> Result<(), String> {
+        if !tune::tunable(kernel) {
+            return self.run_untuned(kernel, args);
+        }
+        let key = Arc::as_ptr(kernel) as usize;
+        let known = self.prepared.lock().unwrap_or_else(|p| p.into_inner()).tasks.get(&key).map(|t| t.1);
+        let task = match known {
+            Some(task) => task,
+            None => {
+                let ready = || self.native.mode() == CompileMode::Off || self.compiled(kernel);
+                let run = |task| map::with_task_size(task, || self.run_untuned(kernel, args));
+                match tune::choose(kernel, args, ready, run)? {
+                    tune::Choice::NotYet => map::TASK,
+                    tune::Choice::Task(task) => {
+                        let mut prep = self.prepared.lock().unwrap_or_else(|p| p.into_inner());
+                        if prep.tasks.len() >= MAX_PREPARED {
+                            prep.tasks.clear();
+                        }
+                        prep.tasks.insert(key, (kernel.clone(), task));
+                        task
+                    }
+                }
+            }
+        };
+        map::with_task_size(task, || self.run_untuned(kernel, args))
+    }
+
+    /// Whether `kernel` runs as compiled code now (asking starts its compile if it has none).
+    fn compiled(&self, kernel: &Arc<Kernel>) -> bool {
+        match &kernel.body {
+            Body::Map(loops) if loops.iter().any(tile::reorders) => {
+                self.native.library(&self.reordered_map(kernel), None)
+            }
+            Body::Rows(r) => {
+                let p = rows::plan(r);
+                self.native.library(kernel, Some(native::PlannedRows { kernel: p.kernel(r), split: p.splits() }))
+            }
+            _ => self.native.library(kernel, None),
+        }
+        .is_some()
+    }
+
+    /// The task size chosen for `kernel`, if it was tuned here.
+    fn task_of(&self, kernel: &Arc<Kernel>) -> Option<usize> {
+        let prep = self.prepared.lock().unwrap_or_else(|p| p.into_inner());
+        prep.tasks.get(&(Arc::as_ptr(kernel) as usize)).map(|t| t.1)
+    }
+
+    /// [`CpuDevice::run`] with the task size the thread has set.
+    fn run_untuned(&self, kernel: &Arc<Kernel>, args: &[ArgPtr]) -> Result<(), String> {
         match &kernel.body {
             Body::Matmul(m) => return self.run_matmul(kernel, m, args),
             Body::QuantMatmul(q) => return self.run_quant_matmul(kernel, q, args),
@@ -277,9 +330,10 @@ impl CpuDevice {
             },
         };
         let check = !kept.checked.load(Ordering::Relaxed);
+        let task = *kept.task.get_or_init(|| self.task_of(kernel).unwrap_or(map::TASK));
         // SAFETY: the library was printed from this very kernel (`library` gave it for it), and
         // unchecked only after a checked run with arguments like these (the caller's promise).
-        unsafe { lib.run_checking(kernel, args, check) }?;
+        map::with_task_size(task, || unsafe { lib.run_checking(kernel, args, check) })?;
         kept.checked.store(true, Ordering::Relaxed);
         Ok(())
     }
@@ -446,6 +500,8 @@ struct Prepared {
     maps: hashbrown::HashMap<usize, (Arc<Kernel>, Arc<Kernel>)>,
     /// Matrix-product kernels' epilogues as kernels of their own (`matmul::epilogue_kernel`).
     epilogues: hashbrown::HashMap<usize, (Arc<Kernel>, Option<Arc<Kernel>>)>,
+    /// The task size tuned for each kernel (`tune`).
+    tasks: hashbrown::HashMap<usize, (Arc<Kernel>, usize)>,
 }
 
 const MAX_PREPARED: usize = 4096;
@@ -502,6 +558,10 @@ impl Backend for CpuDevice {
     }
 
     /// (A CPU graph reads its inputs where they are at every launch: `bound` changes nothing.)
+    fn kernel_variant(&self, kernel: &Arc<Kernel>) -> Option<String> {
+        tune::variant_name(self.task_of(kernel)?)
+    }
+
     fn record_graph(
         &self,
         job: crate::runtime::Job<'_>,

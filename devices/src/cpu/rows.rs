@@ -179,7 +179,7 @@ pub fn run_rows(k: &RowKernel, p: &Plan, args: &[ArgPtr]) -> Result<(), String> 
         // the number of threads).
         return (0..outer).try_for_each(|o| super::split::run_row(k, p, shared, o));
     }
-    let per_task = (TASK / row.max(1)).max(1);
+    let per_task = (super::map::task_size() / row.max(1)).max(1);
     if outer <= per_task {
         return run_range(k, p, shared, 0, outer);
     }

@@ -28,6 +28,7 @@ use super::pools::{CudaBuffer, CudaPools, Mem};
 use super::queue::CudaFlush;
 use crate::collective::RankGroup;
 use crate::collective::net::TOKEN_BYTES;
+use crate::runtime::tune::Tuner;
 use crate::runtime::{Backend, Driver, Flush, Graph, Job};
 use crate::{Buffer, DeviceBuffer, DeviceError, MemoryStats};
 use braid_graph::{CostModel, DTypes, MemoryKind, Target};
@@ -108,6 +109,8 @@ pub struct CudaBackend {
     name: String,
     pub(crate) pools: Arc<CudaPools>,
     pub(crate) compiler: Arc<Compiler>,
+    /// The GPU's kernel variants chosen (`super::tune`), shared by its devices.
+    pub(crate) tuner: Arc<Tuner>,
     /// Held by a flush from `begin` to its end.
     pub(crate) issue: Mutex<()>,
     prepared: Mutex<Prepared>,
@@ -123,20 +126,39 @@ pub struct CudaBackend {
 /// address is not reused while it is a key).
 type Prepared = HashMap<usize, (Arc<Kernel>, Arc<CudaKernel>)>;
 
-/// A GPU opened by this process, with its compiler.
-type Opened = (usize, Arc<Gpu>, Arc<Compiler>);
+/// A GPU opened by this process, its compiler and its tuner.
+type Shared = (Arc<Gpu>, Arc<Compiler>, Arc<Tuner>);
 
-/// GPU `ordinal` and its compiler, opened once per process.
-fn open_gpu(ordinal: usize) -> Result<(Arc<Gpu>, Arc<Compiler>), DeviceError> {
-    static OPEN: Mutex<Vec<Opened>> = Mutex::new(Vec::new());
+/// GPU `ordinal`, its compiler and its tuner, opened once per process.
+fn open_gpu(ordinal: usize) -> Result<Shared, DeviceError> {
+    static OPEN: Mutex<Vec<(usize, Shared)>> = Mutex::new(Vec::new());
     let mut open = lock(&OPEN);
-    if let Some((_, gpu, compiler)) = open.iter().find(|(o, _, _)| *o == ordinal) {
-        return Ok((gpu.clone(), compiler.clone()));
+    if let Some((_, shared)) = open.iter().find(|(o, _)| *o == ordinal) {
+        return Ok(shared.clone());
     }
     let gpu = Gpu::open(ordinal)?;
     let compiler = Arc::new(Compiler::new(&gpu)?);
-    open.push((ordinal, gpu.clone(), compiler.clone()));
-    Ok((gpu, compiler))
+    let tuner = Arc::new(open_tuner(&gpu));
+    open.push((ordinal, (gpu.clone(), compiler.clone(), tuner.clone())));
+    Ok((gpu, compiler, tuner))
+}
+
+/// The tuner of `gpu`: its file in the kernel cache directory, under the GPU's name, its
+/// architecture and multiprocessors, the driver's version and braid's (a new braid may print
+/// kernels that tune otherwise).
+fn open_tuner(gpu: &Gpu) -> Tuner {
+    let (major, minor) = gpu.compute_capability;
+    let device = format!(
+        "{} (sm_{major}{minor}, {} SMs), driver {}, braid {}",
+        gpu.name,
+        gpu.multiprocessors,
+        gpu.driver_version,
+        env!("CARGO_PKG_VERSION")
+    );
+    let dir = super::disk_cache::DiskCache::default_dir()
+        .and_then(|d| super::disk_cache::DiskCache::open(d).ok())
+        .map(|c| c.dir().to_path_buf());
+    Tuner::open(device, dir)
 }
 
 impl CudaBackend {
@@ -144,13 +166,14 @@ impl CudaBackend {
     /// libraries or the GPU are not there. f32 products use TF32 when `BRAID_TF32=1`; replayed
     /// steps run as CUDA graphs unless `BRAID_CUDA_GRAPHS=0`.
     pub fn open(ordinal: usize) -> Result<CudaBackend, DeviceError> {
-        let (gpu, compiler) = open_gpu(ordinal)?;
+        let (gpu, compiler, tuner) = open_gpu(ordinal)?;
         let tf32 = std::env::var("BRAID_TF32").is_ok_and(|v| v.trim() == "1");
         let pools = CudaPools::new(&gpu, tf32)?;
         Ok(CudaBackend {
             name: format!("cuda:{ordinal}"),
             pools,
             compiler,
+            tuner,
             issue: Mutex::new(()),
             prepared: Mutex::new(HashMap::new()),
             launched: AtomicU64::new(0),
@@ -356,5 +379,11 @@ impl Backend for CudaBackend {
 
     fn record_graph(&self, job: Job<'_>, bound: &[Option<Buffer>]) -> Option<Result<Box<dyn Graph>, DeviceError>> {
         super::graph::record(self, job, bound)
+    }
+
+    fn kernel_variant(&self, kernel: &Arc<Kernel>) -> Option<String> {
+        let compiled = lock(&self.prepared).get(&(Arc::as_ptr(kernel) as usize))?.1.clone();
+        let v = compiled.variants()?;
+        Some(v.variants[self.tuner.chosen(&v.key, &v.variants)].name.clone()).filter(|n| n != "default")
     }
 }

@@ -3,7 +3,8 @@
 //! product through cuBLAS first ([`super::matmul`]).
 //!
 //! Grids: a map entry (a grid-stride loop) gets one thread per index in blocks of the printed
-//! size, at most 32 blocks per multiprocessor (the loop covers the rest); a row entry gets one
+//! size, at most 32 blocks per multiprocessor (the loop covers the rest), or the block and
+//! blocks per multiprocessor a tuned variant asks for ([`super::tune`]); a row entry gets one
 //! block per row and the printed number of threads, or fewer ([`LaunchOptions::row_threads`],
 //! a power of two: the printed reduction trees are correct for any, which tests check); a tile
 //! entry (fused attention) gets its blocks of exactly the printed threads and its dynamic shared
@@ -39,6 +40,11 @@ pub struct LaunchOptions {
     /// Threads per block of row kernels: `None` for the printed number; otherwise a power of
     /// two no larger than it.
     pub row_threads: Option<u32>,
+    /// Threads per block of map loops and copies: `None` for the printed number.
+    pub map_block: Option<u32>,
+    /// Most blocks of a map loop or copy per multiprocessor (the loop strides over the rest):
+    /// `None` for 32.
+    pub map_blocks_per_sm: Option<u32>,
     /// Bytes past an aligned address at which the test harness (`harness.rs`) places every
     /// argument; ignored by launches themselves, 0 in the engine. 8 keeps every element
     /// aligned but no argument aligned for a vector access, so kernels take their scalar paths.
@@ -62,7 +68,8 @@ pub unsafe fn launch_entries(
     if params.len() != src.params.len() {
         return Err(DeviceError::Internal(format!("{} addresses for {} parameters", params.len(), src.params.len())));
     }
-    let max_map_blocks = module.gpu().multiprocessors as usize * 32;
+    let max_map_blocks =
+        module.gpu().multiprocessors as usize * options.map_blocks_per_sm.unwrap_or(32).max(1) as usize;
     // The driver reads each parameter through a pointer to its value.
     let mut values: Vec<CUdeviceptr> = params.to_vec();
     let mut pointers: Vec<*mut c_void> = values.iter_mut().map(|v| v as *mut CUdeviceptr as *mut c_void).collect();
@@ -76,6 +83,7 @@ pub unsafe fn launch_entries(
             | Launch::Tiles { blocks: 0, .. } => continue,
             Launch::Copy { from, to, .. } if params.get(from as usize) == params.get(to as usize) => continue,
             Launch::Map { numel, block } | Launch::Copy { numel, block, .. } => {
+                let block = options.map_block.unwrap_or(block).clamp(32, 1024);
                 (numel.div_ceil(block as usize).min(max_map_blocks), block)
             }
             Launch::Tiles { blocks, threads, shared_bytes } => {
@@ -121,6 +129,8 @@ pub struct CudaKernel {
     matmul: Option<MatmulPlan>,
     /// Loops run as the driver's 2-D copies, not printed (`super::line_copies`).
     copies: Vec<LineCopy>,
+    /// The ways it may launch, when it has a choice (`super::tune`).
+    variants: Option<super::tune::Variants>,
 }
 
 impl CudaKernel {
@@ -142,7 +152,14 @@ impl CudaKernel {
             Body::Matmul(m) if source.library_product => Some(MatmulPlan::new(compiler, kernel, m, product_ld)?),
             _ => None,
         };
-        Ok(CudaKernel { kernel: kernel.clone(), source, module, matmul, copies })
+        let mut compiled = CudaKernel { kernel: kernel.clone(), source, module, matmul, copies, variants: None };
+        compiled.variants = super::tune::variants(&compiled);
+        Ok(compiled)
+    }
+
+    /// The ways this kernel may launch, the default first, when it has a choice.
+    pub fn variants(&self) -> Option<&super::tune::Variants> {
+        self.variants.as_ref()
     }
 
     pub fn kernel(&self) -> &Kernel {

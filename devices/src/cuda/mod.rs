@@ -44,6 +44,7 @@ pub mod nvrtc;
 mod pools;
 mod queue;
 mod row_padding;
+pub mod tune;
 
 pub use blas::{BLAS_WORKSPACE_BYTES, Blas};
 pub use compile::{CompileStats, Compiler};

@@ -215,6 +215,8 @@ impl Flush for CudaFlush<'_> {
 
     fn finish(&self, failed: bool) -> Result<(), DeviceError> {
         let pools = &self.backend.pools;
+        // Choices this flush made go to the GPU's file (nothing is written when none was).
+        self.backend.tuner.save();
         if let Some(rec) = &self.recording {
             // Nothing ran: the capture ends (always, so the lanes leave capture mode).
             let ok = !failed && !self.failed.load(Ordering::SeqCst);
@@ -304,8 +306,18 @@ impl CudaQueue<'_, '_> {
         // (the walker checked the sizes and holds them for the call); the schedule's events
         // order every other access to them around this point of the stream; the scratch slice
         // is cuda_buffer until the stream passes the launch.
-        let launched =
-            unsafe { compiled.launch(self.stream.raw(), blas.as_deref(), &args, addr, LaunchOptions::default()) };
+        let options = match compiled.variants() {
+            None => LaunchOptions::default(),
+            Some(v) => {
+                // SAFETY: as for the launch below (tuning launches the kernel on the same
+                // arguments first).
+                unsafe {
+                    super::tune::options(&backend.tuner, &compiled, v, &self.stream, blas.as_deref(), &args, addr)
+                }
+            }
+        };
+        // SAFETY: as above.
+        let launched = unsafe { compiled.launch(self.stream.raw(), blas.as_deref(), &args, addr, options) };
         pools.bump(self.lane);
         if let Some(s) = scratch {
             let gate = vec![pools.state().lanes.point(self.lane)];
@@ -349,9 +361,13 @@ impl CudaQueue<'_, '_> {
             0 => 0,
             n => rec.alloc(pools, self.lane, n, Mem::Device, false, false)?.addr(),
         };
+        // A graph runs the variant chosen already (the capture's eager flush tuned it).
+        let tuner = &self.flush.backend.tuner;
+        let options =
+            compiled.variants().map_or(LaunchOptions::default(), |v| v.options[tuner.chosen(&v.key, &v.variants)]);
         // SAFETY: as for a launch; the stream is capturing, so this only adds graph nodes, and
         // the graph keeps the argument and scratch memory for as long as it lives.
-        unsafe { compiled.launch(self.stream.raw(), blas, args, scratch, LaunchOptions::default()) }
+        unsafe { compiled.launch(self.stream.raw(), blas, args, scratch, options) }
             .map_err(|e| e.in_kernel(&call.describe()))?;
         lock(&rec.kernels).push(compiled.clone());
         Ok(())

@@ -21,6 +21,7 @@
 pub mod buffer;
 pub mod pool;
 pub mod registry;
+pub mod tune;
 mod walk;
 mod workers;
 
@@ -142,6 +143,12 @@ pub trait Backend: Send + Sync {
     fn connect_spanning(&self, group: &Arc<RankGroup>, token: [u8; TOKEN_BYTES]) -> Result<(), DeviceError> {
         let _ = (group, token);
         Ok(())
+    }
+    /// The launch variant the device's tuner chose for `kernel` (`runtime::tune`), for dumps:
+    /// `None` for its default, a kernel not prepared here, or a device without variants.
+    fn kernel_variant(&self, kernel: &Arc<Kernel>) -> Option<String> {
+        let _ = kernel;
+        None
     }
     /// Records `job`'s schedule into a [`Graph`] that later runs it again with one call (a
     /// CUDA graph), without running it. `job.externals` is ignored. Input `i` is read in place

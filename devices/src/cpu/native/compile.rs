@@ -87,7 +87,7 @@ fn target_flags(level: Simd) -> Vec<&'static str> {
 }
 
 /// Where compiled kernels are kept: created if missing, and checked to be private.
-fn cache_dir() -> Result<PathBuf, String> {
+pub(crate) fn cache_dir() -> Result<PathBuf, String> {
     let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
     // SAFETY: geteuid has no preconditions and cannot fail.
     let uid = unsafe { libc::geteuid() };

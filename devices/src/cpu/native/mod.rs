@@ -23,11 +23,12 @@
 //! This module never changes what a kernel computes and never touches the schedule.
 
 mod compile;
+pub(crate) use compile::cache_dir;
 
 use super::CompileMode;
 use super::eval::{Simd, simd};
 use super::map::{ArgPtr, in_tasks};
-use super::rows::{Plan, TASK};
+use super::rows::Plan;
 use braid_lowering::{Body, Kernel, RowKernel, check_args, host_c};
 use hashbrown::HashMap;
 use libloading::Library;
@@ -175,7 +176,7 @@ impl NativeKernel {
             }
             Ok::<(), String>(())
         };
-        let per_task = (TASK / row.max(1)).max(1);
+        let per_task = (super::map::task_size() / row.max(1)).max(1);
         if outer <= per_task {
             return call(0, outer);
         }

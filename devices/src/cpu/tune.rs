@@ -1,0 +1,145 @@
+//! The CPU's kernel variants and their tuning at first run ([`crate::runtime::tune`] chooses
+//! and keeps them): how many elements (map loops) or row positions (row kernels) one parallel
+//! task takes, 8K, 32K (the default, [`super::map::TASK`]) or 128K, or the whole kernel on the
+//! calling thread (exhaustive mode adds 4K and 512K). Tasks only split independent elements
+//! and rows, so every variant gives the default's bytes (checked all the same).
+//!
+//! A kernel is tuned on its real arguments the first time it runs as compiled code (or
+//! interpreted, when compiling is off): the interpreter's timings would not hold for the code
+//! that replaces it. Kernels of arguments under [`MIN_TUNED_ELEMENTS`] (a task or two: the
+//! split cannot matter) or whose outputs share memory with an input (written in place) are
+//! not timed. The choice is kept per interned kernel, so a later run pays one lookup.
+//!
+//! The choice reaches the loops through a thread-local ([`super::map::with_task_size`]) that
+//! the calling thread sets around one kernel; rayon's workers never read it.
+//!
+//! Must never: time a kernel that writes over one of its inputs.
+
+use super::map::{ArgPtr, TASK};
+use crate::runtime::tune::{Mode, Output, Plan, Trial, TuneKey, Tuner, Variant, content_hash, mode};
+use braid_lowering::{Body, Kernel};
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+
+/// Kernels whose arguments all hold fewer elements than this keep the default.
+pub const MIN_TUNED_ELEMENTS: usize = 4 * TASK;
+
+/// Tasks of the whole kernel: every range under two of them runs on the calling thread.
+const ONE_THREAD: usize = usize::MAX / 4;
+
+/// The variants (the default first) and their task sizes.
+fn variants() -> &'static (Vec<Variant>, Vec<usize>) {
+    static V: OnceLock<(Vec<Variant>, Vec<usize>)> = OnceLock::new();
+    V.get_or_init(|| {
+        let mut names = Vec::new();
+        let mut sizes = Vec::new();
+        for (task, short_list) in [
+            (TASK, true),
+            (TASK / 4, true),
+            (TASK * 4, true),
+            (ONE_THREAD, true),
+            (TASK / 8, false),
+            (TASK * 16, false),
+        ] {
+            let name = if task == ONE_THREAD { "one thread".to_string() } else { format!("tasks of {}K", task / 1024) };
+            names.push(Variant { name, bitwise: true, short_list });
+            sizes.push(task);
+        }
+        (names, sizes)
+    })
+}
+
+/// The process's CPU tuner: one file for every CPU device (they share the machine's cores),
+/// in the compiled kernels' cache directory, under the CPU's model and the thread count.
+pub fn tuner() -> &'static Tuner {
+    static T: OnceLock<Tuner> = OnceLock::new();
+    T.get_or_init(|| {
+        let model = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+            })
+            .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+        let device =
+            format!("cpu {model}, {} threads, braid {}", rayon::current_num_threads(), env!("CARGO_PKG_VERSION"));
+        Tuner::open(device, super::native::cache_dir().ok())
+    })
+}
+
+/// What a kernel runs with once its choice is known.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Choice {
+    /// Tasks of this many elements (or row positions).
+    Task(usize),
+    /// Not known yet (the kernel's compiled code is not ready, or it ran in place): the
+    /// default, and ask again next time.
+    NotYet,
+}
+
+/// Whether `kernel` has variants at all: map loops and row kernels with an argument of at
+/// least [`MIN_TUNED_ELEMENTS`] (a row kernel's input, for a reduction).
+pub fn tunable(kernel: &Kernel) -> bool {
+    matches!(kernel.body, Body::Map(_) | Body::Rows(_)) && kernel.args.iter().any(|a| a.len >= MIN_TUNED_ELEMENTS)
+}
+
+/// The task size to run `kernel` with: the choice made, or after timing the variants with
+/// `run` (which runs the kernel on `args` with the task size set) when the plan says so.
+/// `ready`: whether the kernel runs as it will from now on (compiled, or never compiled).
+/// A kernel written in place keeps the default for the rest of the process.
+pub fn choose(
+    kernel: &Arc<Kernel>,
+    args: &[ArgPtr],
+    ready: impl FnOnce() -> bool,
+    run: impl Fn(usize) -> Result<(), String>,
+) -> Result<Choice, String> {
+    let (names, sizes) = variants();
+    if mode() == Mode::Off {
+        return Ok(Choice::Task(TASK));
+    }
+    let key = TuneKey::new(content_hash(&**kernel), &[kernel.output_elements()], kernel.args.iter().map(|a| a.dtype));
+    let tuner = tuner();
+    let candidates = match tuner.plan(&key, names) {
+        Plan::Use(i) => return Ok(Choice::Task(sizes[i])),
+        Plan::Tune(c) => c,
+    };
+    let outputs = &args[kernel.inputs..];
+    let in_place = outputs.iter().any(|o| args[..kernel.inputs].iter().any(|i| i.ptr == o.ptr));
+    if in_place {
+        return Ok(Choice::Task(TASK));
+    }
+    if !ready() {
+        return Ok(Choice::NotYet);
+    }
+    let reps = mode().repetitions();
+    let trial = |c: usize| -> Result<Trial, String> {
+        run(sizes[c])?;
+        let mut seconds = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            let t0 = Instant::now();
+            run(sizes[c])?;
+            seconds.push(t0.elapsed().as_secs_f64());
+        }
+        // SAFETY: every output argument points to `len` elements of its dtype (the caller's
+        // arguments, checked by the run just made), not written by anything else meanwhile.
+        let outputs = outputs
+            .iter()
+            .map(|a| Output {
+                dtype: a.dtype,
+                bytes: unsafe { std::slice::from_raw_parts(a.ptr, a.len * a.dtype.size()) }.to_vec(),
+            })
+            .collect();
+        Ok(Trial { seconds, outputs })
+    };
+    let tuned = tuner.tune(&key, names, &candidates, trial)?;
+    tuner.save();
+    Ok(Choice::Task(sizes[tuned.chosen]))
+}
+
+/// The name of the variant of task size `task` (for dumps): `None` for the default.
+pub fn variant_name(task: usize) -> Option<String> {
+    let (names, sizes) = variants();
+    let i = sizes.iter().position(|&s| s == task)?;
+    (i != 0).then(|| names[i].name.clone())
+}

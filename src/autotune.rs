@@ -1,0 +1,36 @@
+//! Autotuning: kernels that can launch in several ways are timed in each on their real
+//! arguments the first time they run, checked against their default's outputs, and run in the
+//! fastest from then on; the choices are kept per device in the kernel cache directory, so a
+//! second process on the same machine times nothing.
+//!
+//! What has variants: on CUDA, map loops (threads a block, blocks a multiprocessor) and row
+//! kernels (threads a row); on the CPU, the elements or rows one parallel task takes (or one
+//! thread). A variant that adds in another order than the default (a row kernel with fewer
+//! threads) agrees with it within the tolerance of
+//! `braid_devices::runtime::tune::tolerance` and is never used in deterministic mode, which
+//! keeps every result bit for bit as with tuning off.
+//!
+//! Settings: `BRAID_AUTOTUNE=on|off|exhaustive` (default `on`: a short list of variants;
+//! `exhaustive` times every one) and `BRAID_DETERMINISTIC=1`, or [`set_mode`] and
+//! [`set_deterministic`] for the rest of the process. With a `tracing` subscriber,
+//! `RUST_LOG=braid::autotune=debug` logs each tuning with its times and choice; rejected
+//! variants and unusable tuning files are warnings. A dump names each tuned kernel's variant
+//! (`variant` in the JSON, `[variant: ...]` in the text) when it is not the default.
+//!
+//! ```
+//! use braid::autotune;
+//! use braid::prelude::*;
+//!
+//! // A program that must reproduce earlier results bit for bit:
+//! autotune::set_deterministic(true);
+//! let cpu = Device::cpu();
+//! let x = Tensor::from_vec((0..4096).map(|i| i as f32).collect(), [64, 64], &cpu);
+//! let s = x.sum_dim(1, false);
+//! assert_eq!(s.to_vec::<f32>().unwrap()[0], (0..64).sum::<i32>() as f32);
+//! // Tuning time so far, in this process, on every device:
+//! println!("{} kernels tuned in {:.3} s ({:?})", autotune::tunings(), autotune::tuning_seconds(), autotune::mode());
+//! ```
+
+pub use braid_devices::runtime::tune::{
+    Mode, deterministic, mode, set_deterministic, set_mode, tuning_seconds, tunings,
+};
