@@ -10,8 +10,12 @@
 //! its workload has fails (`benches/common/products.rs`).
 //!
 //! Run: `cargo bench --bench card` (or `cargo bench --bench card -- c1` for one workload; with
-//! `BRAID_NO_PEERS=1` the peer scripts are not run).
+//! `BRAID_NO_PEERS=1` the peer scripts are not run). `-- --autotune-pairs N [c1]`: instead,
+//! every workload (or the one named) alternately with tuning off and on, N pairs
+//! (`benches/common/autotune_compare.rs`).
 
+#[path = "common/autotune_compare.rs"]
+mod autotune_compare;
 #[path = "../examples/common/micrograd.rs"]
 mod micrograd;
 #[path = "../examples/common/mini_gpt.rs"]
@@ -299,6 +303,30 @@ fn main() {
     dev.set_compile_mode(CompileMode::Blocking);
     println!("braid bench card (CPU, {} threads)", rayon::current_num_threads());
     let all = which == "all";
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(i) = args.iter().position(|a| a == "--autotune-pairs") {
+        let pairs: usize = args.get(i + 1).and_then(|v| v.parse().ok()).expect("--autotune-pairs N");
+        let which = args.iter().skip(1).find(|a| !a.starts_with('-') && a.parse::<usize>().is_err()).cloned();
+        let ms =
+            |f: fn(&Device) -> (f64, String), id: &'static str, dev: &Device| vec![(id.to_string(), f(dev).0 * 1e3)];
+        let table: [(&str, fn(&Device) -> (f64, String)); 7] = [
+            ("c1", c1),
+            ("c2", c2),
+            ("c3", training::c3),
+            ("c4", c4),
+            ("c4_step", c4_step),
+            ("c5", training::c5),
+            ("c5_step", training::c5_step),
+        ];
+        let dev = &dev;
+        let workloads = table
+            .into_iter()
+            .filter(|(id, _)| which.as_deref().is_none_or(|w| id.starts_with(w)))
+            .map(|(id, f)| (id, Box::new(move || ms(f, id, dev)) as Box<dyn FnMut() -> Vec<(String, f64)>>))
+            .collect();
+        println!("{}", autotune_compare::compare(workloads, pairs));
+        return;
+    }
     if all || which == "c1" {
         println!("{}", c1(&dev).1);
         peers("c1").iter().for_each(|l| println!("{l}"));

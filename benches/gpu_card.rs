@@ -6,7 +6,9 @@
 //! `bash .gpu/run bin bench-gpu_card --device cuda --out $OUT`, or here
 //! `cargo bench --bench gpu_card -- --device cpu --scale small`. Options: `--device cpu|cuda|cuda:N|wgpu`
 //! (default `BRAID_DEVICE`, else cpu), `--scale full|small` (BENCH.md's sizes, or small ones for
-//! a quick check), `--only g1,g3`, `--out DIR` (default `$OUT`, else `bench-out`), `--no-peers`.
+//! a quick check), `--only g1,g3`, `--out DIR` (default `$OUT`, else `bench-out`), `--no-peers`,
+//! `--autotune-pairs N` (instead of the card: each workload alternately with tuning off and on,
+//! N pairs, `benches/common/autotune_compare.rs`).
 //! The peer script is found relative to the current directory.
 //!
 //! Every workload is checked first (against f64 on the host, or against the same workload on the
@@ -20,6 +22,8 @@
 //! the same run (on the CPU, of a host memcpy measured here); peak memory is the device's peak
 //! over what was live before the run.
 
+#[path = "common/autotune_compare.rs"]
+mod autotune_compare;
 #[path = "common/products.rs"]
 mod products;
 #[path = "gpu_card/report.rs"]
@@ -41,6 +45,8 @@ struct Options {
     only: Option<Vec<String>>,
     out: PathBuf,
     peers: bool,
+    /// Pairs of runs with tuning off and on, instead of the card.
+    autotune_pairs: Option<usize>,
 }
 
 fn options() -> Options {
@@ -63,6 +69,7 @@ fn options() -> Options {
         only: value("--only").map(|v| v.split(',').map(|s| s.trim().to_lowercase()).collect()),
         out: PathBuf::from(out),
         peers: !args.iter().any(|a| a == "--no-peers") && std::env::var_os("BRAID_NO_PEERS").is_none(),
+        autotune_pairs: value("--autotune-pairs").map(|v| v.parse().expect("--autotune-pairs N")),
     }
 }
 
@@ -98,6 +105,17 @@ fn peers(opts: &Options, ids: &[&str]) -> Result<Vec<PeerRow>, String> {
     Ok(String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| serde_json::from_str(l).ok()).collect())
 }
 
+/// Checks and times workload `id`.
+fn run_workload(id: &str, dev: &Device, scale: Scale) -> Row {
+    match id {
+        "g1" => workloads::g1(dev, scale),
+        "g2" => workloads::g2(dev, scale),
+        "g3" => workloads::g3(dev, scale),
+        "g4" => workloads::g4(dev, scale),
+        _ => workloads::g5(dev, scale),
+    }
+}
+
 fn main() {
     // `RUST_LOG=braid::kernel=debug` shows each kernel's host issue time, for example.
     if std::env::var_os("RUST_LOG").is_some() {
@@ -109,6 +127,21 @@ fn main() {
     let wanted = |id: &str| opts.only.as_ref().is_none_or(|o| o.iter().any(|x| x == id));
     let ids: Vec<&str> = ["g1", "g2", "g3", "g4", "g5"].into_iter().filter(|id| wanted(id)).collect();
     println!("gpu_card on {} ({:?} scale)", dev.name(), opts.scale);
+    if let Some(pairs) = opts.autotune_pairs {
+        let scale = opts.scale;
+        let workloads = ids
+            .iter()
+            .map(|&id| {
+                let run = move || {
+                    let row = run_workload(id, dev, scale);
+                    std::iter::once(&row).chain(&row.extra).map(|r| (r.id.to_string(), r.ms)).collect()
+                };
+                (id, Box::new(run) as Box<dyn FnMut() -> Vec<(String, f64)>>)
+            })
+            .collect();
+        println!("\n{}", autotune_compare::compare(workloads, pairs));
+        return;
+    }
     // The peers run first, while this process holds no GPU memory.
     let peer_rows = peers(&opts, &ids);
     let copy_gbs = match &peer_rows {
@@ -117,13 +150,7 @@ fn main() {
     };
     let mut rows: Vec<Row> = Vec::new();
     for id in &ids {
-        let row = match *id {
-            "g1" => workloads::g1(dev, opts.scale),
-            "g2" => workloads::g2(dev, opts.scale),
-            "g3" => workloads::g3(dev, opts.scale),
-            "g4" => workloads::g4(dev, opts.scale),
-            _ => workloads::g5(dev, opts.scale),
-        };
+        let row = run_workload(id, dev, opts.scale);
         let extra = row.extra.clone();
         println!("{}", row.line());
         extra.iter().for_each(|e| println!("{}", e.line()));
