@@ -307,9 +307,9 @@ fn main() {
     if let Some(i) = args.iter().position(|a| a == "--autotune-pairs") {
         let pairs: usize = args.get(i + 1).and_then(|v| v.parse().ok()).expect("--autotune-pairs N");
         let which = args.iter().skip(1).find(|a| !a.starts_with('-') && a.parse::<usize>().is_err()).cloned();
-        let ms =
-            |f: fn(&Device) -> (f64, String), id: &'static str, dev: &Device| vec![(id.to_string(), f(dev).0 * 1e3)];
-        let table: [(&str, fn(&Device) -> (f64, String)); 7] = [
+        type Card = fn(&Device) -> (f64, String);
+        let ms = |f: Card, id: &'static str, dev: &Device| vec![(id.to_string(), f(dev).0 * 1e3)];
+        let table: [(&str, Card); 7] = [
             ("c1", c1),
             ("c2", c2),
             ("c3", training::c3),
