@@ -182,3 +182,67 @@ fn deterministic_mode_gives_the_bits_of_tuning_off() {
         }
     }
 }
+
+/// The GPU's comparison of a candidate's outputs with the default's (`tune_compare.cu`) gives
+/// the host's verdict (`braid_devices::runtime::tune::agree`) on random pairs: equal, a few
+/// ulps apart, far apart, NaNs and infinities moved, in every float dtype and for integers,
+/// bitwise or within the tolerance.
+#[test]
+fn gpu_comparisons_give_the_host_rules_verdicts() {
+    use braid_devices::DeviceError;
+    use braid_devices::cuda::{Harness, compare_on_gpu};
+    use braid_devices::runtime::tune::{Output, agree};
+    use braid_graph::DType;
+    let h = match Harness::new(0, None) {
+        Ok(h) => h,
+        Err(DeviceError::Unavailable(why)) => {
+            let _ = writeln!(std::io::stderr(), "skipped: gpu_comparisons: {why}");
+            return;
+        }
+        Err(e) => panic!("the GPU is there but unusable: {e}"),
+    };
+    let encode = |dtype: DType, v: &[f64]| -> Vec<u8> {
+        v.iter()
+            .flat_map(|&x| match dtype {
+                DType::F64 => x.to_le_bytes().to_vec(),
+                DType::F32 => (x as f32).to_le_bytes().to_vec(),
+                DType::F16 => half::f16::from_f64(x).to_le_bytes().to_vec(),
+                DType::BF16 => half::bf16::from_f64(x).to_le_bytes().to_vec(),
+                _ => (x as i32).to_le_bytes().to_vec(),
+            })
+            .collect()
+    };
+    let mut agreed = [0usize; 2];
+    for case in 0..200u64 {
+        let dtype = [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32][case as usize % 5];
+        let n = 1 + (case as usize * 7919) % 3000;
+        let want: Vec<f64> = random(n, case).iter().map(|&x| x as f64 * 100.0).collect();
+        let mut got = want.clone();
+        let at = (case as usize * 31) % n;
+        match case % 6 {
+            0 => {}
+            1 => got[at] *= 1.0 + 1e-6,
+            2 => got[at] += 1.0,
+            3 => got[at] = f64::NAN,
+            4 => got[at] *= 1.0 + 1e-3,
+            _ => {
+                got[at] = f64::INFINITY;
+                if at + 1 < n {
+                    got[at + 1] = f64::NAN;
+                }
+            }
+        }
+        let (a, b) = (encode(dtype, &want), encode(dtype, &got));
+        for bitwise in [true, false] {
+            let host = agree(&[Output { dtype, bytes: a.clone() }], &[Output { dtype, bytes: b.clone() }], bitwise);
+            let gpu = compare_on_gpu(&h, dtype, &a, &b, bitwise).unwrap();
+            assert_eq!(
+                gpu.is_ok(),
+                host.is_ok(),
+                "case {case} ({dtype}, bitwise {bitwise}): gpu {gpu:?}, host {host:?}"
+            );
+            agreed[host.is_ok() as usize] += 1;
+        }
+    }
+    assert!(agreed[0] > 50 && agreed[1] > 50, "both verdicts were tried: {agreed:?}");
+}

@@ -152,7 +152,7 @@ pub(crate) struct KeptKernel {
     compiled: std::sync::OnceLock<Arc<native::NativeKernel>>,
     /// Whether a compiled run checked the library's accesses against the arguments.
     checked: AtomicBool,
-    /// Its tuned task size (`tune`), read at its first compiled run.
+    /// Its tuned task size (`tune`), once settled.
     task: std::sync::OnceLock<usize>,
 }
 
@@ -319,6 +319,16 @@ impl CpuDevice {
         if !plain || self.native.mode() == CompileMode::Off {
             return self.run(kernel, args);
         }
+        // Until its task size is settled (`tune`: timed at its first compiled run), the kernel
+        // runs as an eager flush runs it.
+        let task = match kept.task.get() {
+            Some(&task) => task,
+            None if !tune::tunable(kernel) => *kept.task.get_or_init(|| map::TASK),
+            None => match self.task_of(kernel) {
+                Some(task) => *kept.task.get_or_init(|| task),
+                None => return self.run(kernel, args),
+            },
+        };
         let lib = match kept.compiled.get() {
             Some(lib) => {
                 self.native.count_launch();
@@ -330,7 +340,6 @@ impl CpuDevice {
             },
         };
         let check = !kept.checked.load(Ordering::Relaxed);
-        let task = *kept.task.get_or_init(|| self.task_of(kernel).unwrap_or(map::TASK));
         // SAFETY: the library was printed from this very kernel (`library` gave it for it), and
         // unchecked only after a checked run with arguments like these (the caller's promise).
         map::with_task_size(task, || unsafe { lib.run_checking(kernel, args, check) })?;

@@ -130,7 +130,7 @@ pub fn choose(
                 bytes: unsafe { std::slice::from_raw_parts(a.ptr, a.len * a.dtype.size()) }.to_vec(),
             })
             .collect();
-        Ok(Trial { seconds, outputs })
+        Ok(Trial { seconds, outputs, compared: None })
     };
     let tuned = tuner.tune(&key, names, &candidates, trial)?;
     tuner.save();

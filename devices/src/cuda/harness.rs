@@ -129,3 +129,38 @@ pub fn run_compiled_on_gpu(
     let freed = unsafe { free_device_chunk(&h.gpu, chunk) };
     result.and(freed)
 }
+
+/// Compares `got` with `want` (the bytes of elements of `dtype`) on the harness's GPU as the
+/// tuner compares a candidate's outputs with the default's (`super::tune::compare_at`):
+/// `Ok(Err(why))` when they disagree. Tests check it against the host's rules
+/// (`crate::runtime::tune::agree`).
+pub fn compare_on_gpu(
+    h: &Harness,
+    dtype: braid_graph::DType,
+    want: &[u8],
+    got: &[u8],
+    bitwise: bool,
+) -> Result<Result<(), String>, DeviceError> {
+    if want.len() != got.len() || want.len() % dtype.size() != 0 {
+        return Err(DeviceError::Internal("outputs of different lengths".into()));
+    }
+    let module = super::tune::compare_module(&h.compiler)?;
+    let n = want.len().next_multiple_of(256);
+    let chunk = alloc_device_chunk(&h.gpu, (2 * n + 256) as u64)?;
+    let stream = h.stream.raw();
+    let run = || -> Result<Result<(), String>, DeviceError> {
+        // SAFETY: both copies and the comparison stay inside the chunk (two parts of `n`
+        // bytes, then the counters); the host slices outlive the synchronisation in
+        // `compare_at`.
+        unsafe {
+            copy_host_to_device(chunk, want.as_ptr(), want.len(), stream)?;
+            copy_host_to_device(chunk + n as u64, got.as_ptr(), got.len(), stream)?;
+            let outputs = [(dtype, want.len() / dtype.size(), chunk + n as u64)];
+            super::tune::compare_at(&module, &h.stream, &outputs, chunk, chunk + 2 * n as u64, bitwise)
+        }
+    };
+    let result = run();
+    // SAFETY: the chunk's only users were the operations above; the free waits for the GPU.
+    let freed = unsafe { free_device_chunk(&h.gpu, chunk) };
+    freed.and(result)
+}

@@ -33,6 +33,7 @@ const KERNEL_NAME: &str = "braid";
 /// Dynamic shared memory a function may use without opting in (CUDA's static limit).
 const STATIC_SHARED_LIMIT: u32 = 48 * 1024;
 const MAX_DYNAMIC_SHARED: CUfunction_attribute = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+const MAX_THREADS: CUfunction_attribute = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK;
 
 /// Choices a caller may make about a launch.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -40,7 +41,8 @@ pub struct LaunchOptions {
     /// Threads per block of row kernels: `None` for the printed number; otherwise a power of
     /// two no larger than it.
     pub row_threads: Option<u32>,
-    /// Threads per block of map loops and copies: `None` for the printed number.
+    /// Threads per block of map loops and copies: `None` for the printed number; more than
+    /// printed only as many as the function's registers allow.
     pub map_block: Option<u32>,
     /// Most blocks of a map loop or copy per multiprocessor (the loop strides over the rest):
     /// `None` for 32.
@@ -83,7 +85,17 @@ pub unsafe fn launch_entries(
             | Launch::Tiles { blocks: 0, .. } => continue,
             Launch::Copy { from, to, .. } if params.get(from as usize) == params.get(to as usize) => continue,
             Launch::Map { numel, block } | Launch::Copy { numel, block, .. } => {
-                let block = options.map_block.unwrap_or(block).clamp(32, 1024);
+                let block = match options.map_block {
+                    // More threads than printed: no more than the function's registers allow.
+                    Some(b) if b > block => {
+                        // SAFETY: `function` is a live entry of `module`.
+                        let most = unsafe { cu::function::get_function_attribute(function, MAX_THREADS) }
+                            .or_device(&format!("`{}`: its most threads a block", entry.name))?;
+                        b.min(most.max(32) as u32)
+                    }
+                    Some(b) => b.max(32),
+                    None => block,
+                };
                 (numel.div_ceil(block as usize).min(max_map_blocks), block)
             }
             Launch::Tiles { blocks, threads, shared_bytes } => {

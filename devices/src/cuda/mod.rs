@@ -50,7 +50,7 @@ pub use blas::{BLAS_WORKSPACE_BYTES, Blas};
 pub use compile::{CompileStats, Compiler};
 pub use context::{Event, Gpu, Stream, available, device_count};
 pub use device::{CUDA_TARGET, CudaBackend, KernelSpan};
-pub use harness::{Harness, run_compiled_on_gpu, run_kernel_on_gpu, run_kernel_on_gpu_with};
+pub use harness::{Harness, compare_on_gpu, run_compiled_on_gpu, run_kernel_on_gpu, run_kernel_on_gpu_with};
 pub use launch::{CudaKernel, LaunchOptions};
 pub use pools::CudaBuffer;
 

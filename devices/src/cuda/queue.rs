@@ -309,11 +309,16 @@ impl CudaQueue<'_, '_> {
         let options = match compiled.variants() {
             None => LaunchOptions::default(),
             Some(v) => {
+                let bench = super::tune::Bench {
+                    tuner: &backend.tuner,
+                    compiler: &backend.compiler,
+                    pools,
+                    lane: self.lane,
+                    stream: &self.stream,
+                };
                 // SAFETY: as for the launch below (tuning launches the kernel on the same
                 // arguments first).
-                unsafe {
-                    super::tune::options(&backend.tuner, &compiled, v, &self.stream, blas.as_deref(), &args, addr)
-                }
+                unsafe { super::tune::options(&bench, &compiled, v, blas.as_deref(), &args, addr) }
             }
         };
         // SAFETY: as above.

@@ -12,9 +12,10 @@
 //! no variants.
 //!
 //! Tuning runs on the kernel's real arguments, on its stream, when it is first launched by an
-//! eager flush: each candidate once to warm up, then timed with CUDA events, the stream
-//! synchronised (the one time a queue blocks the host outside a failure), the outputs copied
-//! back and compared with the default's. A kernel whose outputs share a buffer with an input
+//! eager flush: each candidate once to warm up, then timed with CUDA events, its outputs
+//! compared with the default's on the device (`tune_compare.cu`: the default's outputs are
+//! copied aside first; a few counters come back), the stream synchronised (the one time a
+//! queue blocks the host outside a failure). A kernel whose outputs share a buffer with an input
 //! (written in place) is never timed on its arguments: it runs its default until a launch of
 //! the same kernel elsewhere tuned it. A flush recorded into a CUDA graph only reads the
 //! choices made (a captured step's kernels were tuned by its capture, an eager flush).
@@ -22,17 +23,25 @@
 //! Must never: time a kernel that writes over one of its inputs, or keep a variant whose
 //! outputs were not compared with the default's.
 
+use super::DriverResult;
+use super::compile::{Compiler, Module};
 use super::context::{Event, Stream};
+use super::lanes::LaneId;
 use super::launch::{CudaKernel, LaunchOptions};
+use super::memory::{copy_device_to_device, copy_device_to_host, fill_device};
+use super::pools::{CudaPools, Mem};
 use crate::DeviceError;
-use crate::runtime::tune::{Mode, Output, Plan, Trial, TuneKey, Tuner, Variant, content_hash};
+use crate::runtime::tune::{Mode, Plan, TRACE_TARGET, Trial, TuneKey, Tuner, Variant, content_hash, tolerance};
+use braid_graph::DType;
 use braid_lowering::cuda::Launch;
+use cudarc::driver::result as cu;
 use cudarc::driver::sys::CUdeviceptr;
+use std::ffi::c_void;
 
 /// Kernels moving fewer bytes than this are not tuned.
 pub const MIN_TUNED_BYTES: usize = 1 << 20;
-/// Kernels whose outputs hold more than this are not tuned (each candidate's outputs are
-/// copied to the host to be compared).
+/// Kernels whose outputs hold more than this are not tuned (the default's outputs are kept on
+/// the device while the candidates run, to be compared with theirs).
 const MAX_COMPARED_BYTES: usize = 1 << 30;
 
 /// A kernel's variants and the launch options of each (the default first).
@@ -99,23 +108,37 @@ pub fn variants(kernel: &CudaKernel) -> Option<Variants> {
     Some(Variants { key, variants, options })
 }
 
+/// The GPU code that compares a candidate's outputs with the default's.
+const COMPARE_SOURCE: &str = include_str!("tune_compare.cu");
+const COMPARE_ENTRIES: [&str; 5] =
+    ["braid_compare_bytes", "braid_compare_f64", "braid_compare_f32", "braid_compare_f16", "braid_compare_bf16"];
+
+/// What a tuning launch needs besides the kernel: the GPU's compiler (for the compare code),
+/// its pools (for the default's outputs, kept on the device) and the stream's lane.
+pub struct Bench<'a> {
+    pub tuner: &'a Tuner,
+    pub compiler: &'a Compiler,
+    pub pools: &'a CudaPools,
+    pub lane: LaneId,
+    pub stream: &'a Stream,
+}
+
 /// The launch options to run `kernel` with: the choice made, or after timing the candidates
 /// now when the plan says so and the arguments allow it (`args`: one address per argument,
 /// `scratch` as for a launch); the default when tuning fails.
 ///
 /// # Safety
-/// As [`CudaKernel::launch`], `stream` being the one the kernel is launched on; every launch
-/// here comes after the stream's waits for the kernel's inputs.
+/// As [`CudaKernel::launch`], `bench.stream` being the one the kernel is launched on; every
+/// launch here comes after the stream's waits for the kernel's inputs.
 pub unsafe fn options(
-    tuner: &Tuner,
+    bench: &Bench<'_>,
     kernel: &CudaKernel,
     v: &Variants,
-    stream: &Stream,
     blas: Option<&super::Blas>,
     args: &[CUdeviceptr],
     scratch: CUdeviceptr,
 ) -> LaunchOptions {
-    let candidates = match tuner.plan(&v.key, &v.variants) {
+    let candidates = match bench.tuner.plan(&v.key, &v.variants) {
         Plan::Use(i) => return v.options[i],
         Plan::Tune(c) => c,
     };
@@ -126,6 +149,49 @@ pub unsafe fn options(
     if in_place || out_bytes > MAX_COMPARED_BYTES {
         return LaunchOptions::default();
     }
+    // The default's outputs, kept on the device for the candidates to be compared with.
+    let kept = match bench.pools.slice(Some(bench.lane), out_bytes.max(1), Mem::Device, false) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::debug!(target: TRACE_TARGET, "not tuned now, no memory for the comparison: {e}");
+            return LaunchOptions::default();
+        }
+    };
+    // SAFETY: the caller's contract; `kept` holds `out_bytes` bytes until it is given back
+    // below, after the stream was synchronised.
+    let tuned = unsafe { tune_now(bench, kernel, v, &candidates, blas, args, scratch, kept.addr) };
+    let gate = vec![bench.pools.state().lanes.point(bench.lane)];
+    bench.pools.give(kept, Mem::Device, false, gate, false);
+    match tuned {
+        Ok(o) => o,
+        Err(e) => {
+            tracing::warn!(target: TRACE_TARGET, "tuning a kernel failed, its default runs: {e}");
+            LaunchOptions::default()
+        }
+    }
+}
+
+/// Times `candidates` with the default's outputs copied to `kept` and the others compared
+/// with them there.
+///
+/// # Safety
+/// As [`options`], `kept` holding the kernel's output bytes.
+#[allow(clippy::too_many_arguments)]
+unsafe fn tune_now(
+    bench: &Bench<'_>,
+    kernel: &CudaKernel,
+    v: &Variants,
+    candidates: &[usize],
+    blas: Option<&super::Blas>,
+    args: &[CUdeviceptr],
+    scratch: CUdeviceptr,
+    kept: CUdeviceptr,
+) -> Result<LaunchOptions, DeviceError> {
+    let k = kernel.kernel();
+    let stream = bench.stream;
+    let compare = compare_module(bench.compiler)?;
+    let outputs: Vec<(DType, usize, CUdeviceptr)> =
+        (k.args[k.inputs..].iter().zip(&args[k.inputs..])).map(|(a, &addr)| (a.dtype, a.len, addr)).collect();
     let reps = crate::runtime::tune::mode().repetitions().max(Mode::On.repetitions());
     let trial = |c: usize| -> Result<Trial, DeviceError> {
         let o = v.options[c];
@@ -140,26 +206,114 @@ pub unsafe fn options(
             unsafe { kernel.launch(stream.raw(), blas, args, scratch, o)? };
             m.record(stream)?;
         }
+        let compared = if c == 0 {
+            let mut at = kept;
+            for &(dtype, len, addr) in &outputs {
+                // SAFETY: `kept` holds every output's bytes, one after another.
+                unsafe { copy_device_to_device(at, addr, len * dtype.size(), stream.raw())? };
+                at += (len * dtype.size()) as u64;
+            }
+            None
+        } else {
+            // SAFETY: as above.
+            Some(unsafe { compare_outputs(bench, &compare, &outputs, kept, v.variants[c].bitwise)? })
+        };
         stream.synchronize()?;
         let seconds = (marks.windows(2))
             .map(|w| w[1].elapsed_ms_since(&w[0]).map(|ms| ms as f64 * 1e-3))
             .collect::<Result<Vec<_>, _>>()?;
-        let mut outputs = Vec::new();
-        for (a, &addr) in k.args[k.inputs..].iter().zip(&args[k.inputs..]) {
-            let mut bytes = vec![0u8; a.len * a.dtype.size()];
-            // SAFETY: the output holds `a.len` elements; the stream is synchronised below
-            // before the bytes are read.
-            unsafe { super::memory::copy_device_to_host(bytes.as_mut_ptr(), addr, bytes.len(), stream.raw())? };
-            outputs.push(Output { dtype: a.dtype, bytes });
-        }
-        stream.synchronize()?;
-        Ok(Trial { seconds, outputs })
+        Ok(Trial { seconds, outputs: Vec::new(), compared })
     };
-    match tuner.tune(&v.key, &v.variants, &candidates, trial) {
-        Ok(t) => v.options[t.chosen],
-        Err(e) => {
-            tracing::warn!(target: crate::runtime::tune::TRACE_TARGET, "tuning a kernel failed, its default runs: {e}");
-            LaunchOptions::default()
+    let t = bench.tuner.tune(&v.key, &v.variants, candidates, trial)?;
+    Ok(v.options[t.chosen])
+}
+
+/// Compares `outputs` with the default's in `kept`, on the device, by the rules of
+/// `crate::runtime::tune::agree`: `Err` says where they differ.
+///
+/// # Safety
+/// As [`tune_now`].
+unsafe fn compare_outputs(
+    bench: &Bench<'_>,
+    compare: &Module,
+    outputs: &[(DType, usize, CUdeviceptr)],
+    kept: CUdeviceptr,
+    bitwise: bool,
+) -> Result<Result<(), String>, DeviceError> {
+    let found = bench.pools.slice(Some(bench.lane), 24 * outputs.len(), Mem::Device, false)?;
+    // SAFETY: the caller's contract; `found` holds the counters.
+    let verdict = unsafe { compare_at(compare, bench.stream, outputs, kept, found.addr, bitwise) };
+    let gate = vec![bench.pools.state().lanes.point(bench.lane)];
+    bench.pools.give(found, Mem::Device, false, gate, false);
+    verdict
+}
+
+/// The compare code's module, compiled once per GPU (the compiler's cache).
+pub fn compare_module(compiler: &Compiler) -> Result<std::sync::Arc<Module>, DeviceError> {
+    compiler.module(COMPARE_SOURCE, "braid_compare", &COMPARE_ENTRIES)
+}
+
+/// [`compare_outputs`] with the counters at `counters` (three per output): the outputs at
+/// their addresses against the same outputs one after another from `kept`; waits for the
+/// stream.
+///
+/// # Safety
+/// Every address points to live device memory of its output's bytes (`kept` to all of them),
+/// `counters` to `24 * outputs.len()` bytes; nothing else writes them until this returns.
+pub unsafe fn compare_at(
+    compare: &Module,
+    stream: &Stream,
+    outputs: &[(DType, usize, CUdeviceptr)],
+    kept: CUdeviceptr,
+    counters: CUdeviceptr,
+    bitwise: bool,
+) -> Result<Result<(), String>, DeviceError> {
+    let words = 3 * outputs.len();
+    let mut host = vec![0u64; words];
+    // SAFETY: `counters` holds `words` counters (the caller's contract).
+    unsafe { fill_device(counters, 0, words * 8, stream.raw())? };
+    let mut at = kept;
+    for (i, &(dtype, len, addr)) in outputs.iter().enumerate() {
+        let (entry, n) = match dtype {
+            _ if bitwise || !dtype.is_float() => ("braid_compare_bytes", len * dtype.size()),
+            DType::F64 => ("braid_compare_f64", len),
+            DType::F16 => ("braid_compare_f16", len),
+            DType::BF16 => ("braid_compare_bf16", len),
+            _ => ("braid_compare_f32", len),
+        };
+        let function = compare.function(entry)?;
+        let (mut a, mut b, mut n64, mut r) = (at, addr, n as u64, counters + (24 * i) as u64);
+        let mut params = [
+            &mut a as *mut u64 as *mut c_void,
+            &mut b as *mut u64 as *mut c_void,
+            &mut n64 as *mut u64 as *mut c_void,
+            &mut r as *mut u64 as *mut c_void,
+        ];
+        let blocks = n.div_ceil(256).clamp(1, stream.gpu().multiprocessors as usize * 8) as u32;
+        // SAFETY: the entry reads `n` elements at `a` and `b` and adds to three counters at
+        // `r`; the parameters live through the call.
+        unsafe { cu::launch_kernel(function, (blocks, 1, 1), (256, 1, 1), 0, stream.raw(), &mut params) }
+            .or_device(&format!("launching `{entry}`"))?;
+        at += (len * dtype.size()) as u64;
+    }
+    // SAFETY: `host` holds `words` counters; read after the synchronisation.
+    unsafe { copy_device_to_host(host.as_mut_ptr() as *mut u8, counters, words * 8, stream.raw())? };
+    stream.synchronize()?;
+    for (i, &(dtype, _, _)) in outputs.iter().enumerate() {
+        let (count, scale, diff) = (host[3 * i], f64::from_bits(host[3 * i + 1]), f64::from_bits(host[3 * i + 2]));
+        if bitwise || !dtype.is_float() {
+            if count > 0 {
+                return Ok(Err(format!("output {i}: {count} bytes differ (the variant must give the same bits)")));
+            }
+            continue;
+        }
+        let limit = tolerance(dtype) * scale.max(f64::MIN_POSITIVE);
+        if count > 0 {
+            return Ok(Err(format!("output {i}: {count} NaNs or infinities where the default has others")));
+        }
+        if diff > limit {
+            return Ok(Err(format!("output {i}: differs from the default's by {diff:e} (limit {limit:e})")));
         }
     }
+    Ok(Ok(()))
 }

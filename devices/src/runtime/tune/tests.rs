@@ -30,7 +30,7 @@ fn dir(name: &str) -> PathBuf {
 
 /// A trial whose candidate `c` takes `times[c]` seconds and gives `outputs(c)`.
 fn trials(times: [f64; 4], outputs: impl Fn(usize) -> Vec<Output>) -> impl FnMut(usize) -> Result<Trial, String> {
-    move |c| Ok(Trial { seconds: vec![times[c]; 3], outputs: outputs(c) })
+    move |c| Ok(Trial { seconds: vec![times[c]; 3], outputs: outputs(c), compared: None })
 }
 
 #[test]
