@@ -141,7 +141,7 @@ pub fn compare_on_gpu(
     got: &[u8],
     bitwise: bool,
 ) -> Result<Result<(), String>, DeviceError> {
-    if want.len() != got.len() || want.len() % dtype.size() != 0 {
+    if want.len() != got.len() || !want.len().is_multiple_of(dtype.size()) {
         return Err(DeviceError::Internal("outputs of different lengths".into()));
     }
     let module = super::tune::compare_module(&h.compiler)?;
