@@ -199,56 +199,6 @@ impl CpuDevice {
         self.graph_launches.load(Ordering::Relaxed)
     }
 
-    /// Runs `kernel`, preparing it once per distinct (interned) kernel, with the task size
-    /// tuned for it (`tune`; timed now when it is first ready).
-    fn run(&self, kernel: &Arc<Kernel>, args: &[ArgPtr]) -> Result<(), String> {
-        if !tune::tunable(kernel) {
-            return self.run_untuned(kernel, args);
-        }
-        let key = Arc::as_ptr(kernel) as usize;
-        let known = self.prepared.lock().unwrap_or_else(|p| p.into_inner()).tasks.get(&key).map(|t| t.1);
-        let task = match known {
-            Some(task) => task,
-            None => {
-                let ready = || self.native.mode() == CompileMode::Off || self.compiled(kernel);
-                let run = |task| map::with_task_size(task, || self.run_untuned(kernel, args));
-                match tune::choose(kernel, args, ready, run)? {
-                    tune::Choice::NotYet => map::TASK,
-                    tune::Choice::Task(task) => {
-                        let mut prep = self.prepared.lock().unwrap_or_else(|p| p.into_inner());
-                        if prep.tasks.len() >= MAX_PREPARED {
-                            prep.tasks.clear();
-                        }
-                        prep.tasks.insert(key, (kernel.clone(), task));
-                        task
-                    }
-                }
-            }
-        };
-        map::with_task_size(task, || self.run_untuned(kernel, args))
-    }
-
-    /// Whether `kernel` runs as compiled code now (asking starts its compile if it has none).
-    fn compiled(&self, kernel: &Arc<Kernel>) -> bool {
-        match &kernel.body {
-            Body::Map(loops) if loops.iter().any(tile::reorders) => {
-                self.native.library(&self.reordered_map(kernel), None)
-            }
-            Body::Rows(r) => {
-                let p = rows::plan(r);
-                self.native.library(kernel, Some(native::PlannedRows { kernel: p.kernel(r), split: p.splits() }))
-            }
-            _ => self.native.library(kernel, None),
-        }
-        .is_some()
-    }
-
-    /// The task size chosen for `kernel`, if it was tuned here.
-    fn task_of(&self, kernel: &Arc<Kernel>) -> Option<usize> {
-        let prep = self.prepared.lock().unwrap_or_else(|p| p.into_inner());
-        prep.tasks.get(&(Arc::as_ptr(kernel) as usize)).map(|t| t.1)
-    }
-
     /// [`CpuDevice::run`] with the task size the thread has set.
     fn run_untuned(&self, kernel: &Arc<Kernel>, args: &[ArgPtr]) -> Result<(), String> {
         match &kernel.body {
@@ -322,6 +272,7 @@ impl CpuDevice {
         // Until its task size is settled (`tune`: timed at its first compiled run), the kernel
         // runs as an eager flush runs it.
         let task = match kept.task.get() {
+            _ if tune::mode_is_off() => map::TASK,
             Some(&task) => task,
             None if !tune::tunable(kernel) => *kept.task.get_or_init(|| map::TASK),
             None => match self.task_of(kernel) {
@@ -568,6 +519,9 @@ impl Backend for CpuDevice {
 
     /// (A CPU graph reads its inputs where they are at every launch: `bound` changes nothing.)
     fn kernel_variant(&self, kernel: &Arc<Kernel>) -> Option<String> {
+        if tune::mode_is_off() {
+            return None;
+        }
         tune::variant_name(self.task_of(kernel)?)
     }
 

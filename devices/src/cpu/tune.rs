@@ -10,7 +10,8 @@
 //! split cannot matter) or whose outputs share memory with an input (written in place) are
 //! not timed. The choice is kept per interned kernel, so a later run pays one lookup.
 //!
-//! The choice reaches the loops through a thread-local ([`super::map::with_task_size`]) that
+//! `CpuDevice::run` (here) looks the choice up, or tunes, around every kernel it runs. The
+//! choice reaches the loops through a thread-local ([`super::map::with_task_size`]) that
 //! the calling thread sets around one kernel; rayon's workers never read it.
 //!
 //! Must never: time a kernel that writes over one of its inputs.
@@ -137,9 +138,66 @@ pub fn choose(
     Ok(Choice::Task(sizes[tuned.chosen]))
 }
 
+/// Whether tuning is off now (every kernel then runs its default, whatever was chosen).
+pub fn mode_is_off() -> bool {
+    mode() == Mode::Off
+}
+
 /// The name of the variant of task size `task` (for dumps): `None` for the default.
 pub fn variant_name(task: usize) -> Option<String> {
     let (names, sizes) = variants();
     let i = sizes.iter().position(|&s| s == task)?;
     (i != 0).then(|| names[i].name.clone())
+}
+
+impl super::CpuDevice {
+    /// Runs `kernel`, preparing it once per distinct (interned) kernel, with the task size
+    /// tuned for it (`tune`; timed now when it is first ready).
+    pub(super) fn run(&self, kernel: &Arc<Kernel>, args: &[ArgPtr]) -> Result<(), String> {
+        if !tunable(kernel) || mode() == Mode::Off {
+            return self.run_untuned(kernel, args);
+        }
+        let key = Arc::as_ptr(kernel) as usize;
+        let known = self.prepared.lock().unwrap_or_else(|p| p.into_inner()).tasks.get(&key).map(|t| t.1);
+        let task = match known {
+            Some(task) => task,
+            None => {
+                let ready = || self.native.mode() == super::CompileMode::Off || self.compiled(kernel);
+                let run = |task| super::map::with_task_size(task, || self.run_untuned(kernel, args));
+                match choose(kernel, args, ready, run)? {
+                    Choice::NotYet => TASK,
+                    Choice::Task(task) => {
+                        let mut prep = self.prepared.lock().unwrap_or_else(|p| p.into_inner());
+                        if prep.tasks.len() >= super::MAX_PREPARED {
+                            prep.tasks.clear();
+                        }
+                        prep.tasks.insert(key, (kernel.clone(), task));
+                        task
+                    }
+                }
+            }
+        };
+        super::map::with_task_size(task, || self.run_untuned(kernel, args))
+    }
+
+    /// Whether `kernel` runs as compiled code now (asking starts its compile if it has none).
+    fn compiled(&self, kernel: &Arc<Kernel>) -> bool {
+        match &kernel.body {
+            Body::Map(loops) if loops.iter().any(super::tile::reorders) => {
+                self.native.library(&self.reordered_map(kernel), None)
+            }
+            Body::Rows(r) => {
+                let p = super::rows::plan(r);
+                self.native.library(kernel, Some(super::native::PlannedRows { kernel: p.kernel(r), split: p.splits() }))
+            }
+            _ => self.native.library(kernel, None),
+        }
+        .is_some()
+    }
+
+    /// The task size chosen for `kernel`, if it was tuned here.
+    pub(super) fn task_of(&self, kernel: &Arc<Kernel>) -> Option<usize> {
+        let prep = self.prepared.lock().unwrap_or_else(|p| p.into_inner());
+        prep.tasks.get(&(Arc::as_ptr(kernel) as usize)).map(|t| t.1)
+    }
 }
