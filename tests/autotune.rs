@@ -246,3 +246,36 @@ fn gpu_comparisons_give_the_host_rules_verdicts() {
     }
     assert!(agreed[0] > 50 && agreed[1] > 50, "both verdicts were tried: {agreed:?}");
 }
+
+/// A dump names a tuned kernel's variant (JSON `variant`, text `[variant: ...]`) when it is not
+/// the default, and reads back with it.
+#[test]
+fn dumps_name_the_variant_a_kernel_ran() {
+    let dev = test_device();
+    dev.set_compile_mode(braid::CompileMode::Blocking);
+    let x = Tensor::from_vec(random(1 << 20, 3), [1 << 20], &dev);
+    for _ in 0..2 {
+        let y = (&x * 2.0 + 1.0).tanh();
+        y.to_vec::<f32>().unwrap();
+    }
+    let dump = dev.last_schedule().unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(&dump.to_json()).unwrap();
+    let kernels = |j: &mut serde_json::Value| -> Vec<serde_json::Value> {
+        let steps = j["streams"].as_array().unwrap().iter().flat_map(|s| s["steps"].as_array().unwrap().clone());
+        steps.filter(|s| s["kind"] == "kernel").collect()
+    };
+    let text = dump.to_text();
+    for k in kernels(&mut json) {
+        if let Some(v) = k.get("variant").and_then(|v| v.as_str()) {
+            assert!(text.contains(&format!("[variant: {v}]")), "{text}");
+        }
+    }
+    // Written by hand into a dump file, a variant reads back and prints.
+    let first =
+        json["streams"].as_array_mut().unwrap().iter_mut().flat_map(|s| s["steps"].as_array_mut().unwrap().iter_mut());
+    let step = first.into_iter().find(|s| s["kind"] == "kernel").expect("a kernel");
+    step["variant"] = serde_json::Value::from("tasks of 8K");
+    let read = braid::ScheduleDump::from_json(&json.to_string()).unwrap();
+    assert!(read.to_text().contains("[variant: tasks of 8K]"), "{}", read.to_text());
+    assert!(read.to_json().contains("\"variant\""));
+}

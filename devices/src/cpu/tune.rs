@@ -5,8 +5,9 @@
 //! and rows, so every variant gives the default's bytes (checked all the same).
 //!
 //! A kernel is tuned on its real arguments the first time it runs as compiled code (or
-//! interpreted, when compiling is off): the interpreter's timings would not hold for the code
-//! that replaces it. Kernels of arguments under [`MIN_TUNED_ELEMENTS`] (a task or two: the
+//! interpreted, when compiling is off: a key of its own), never while its code compiles: the
+//! interpreter's timings would not hold for the code that replaces it. Long kernels are timed
+//! fewer times (two runs a candidate from 20 ms). Kernels of arguments under [`MIN_TUNED_ELEMENTS`] (a task or two: the
 //! split cannot matter) or whose outputs share memory with an input (written in place) are
 //! not timed. The choice is kept per interned kernel, so a later run pays one lookup.
 //!
@@ -85,37 +86,55 @@ pub fn tunable(kernel: &Kernel) -> bool {
     matches!(kernel.body, Body::Map(_) | Body::Rows(_)) && kernel.args.iter().any(|a| a.len >= MIN_TUNED_ELEMENTS)
 }
 
+/// How a kernel runs now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Code {
+    /// Interpreted, for good (compiling is off).
+    Interpreted,
+    /// As compiled code.
+    Compiled,
+    /// Interpreted until its compiled code is ready.
+    Pending,
+}
+
 /// The task size to run `kernel` with: the choice made, or after timing the variants with
 /// `run` (which runs the kernel on `args` with the task size set) when the plan says so.
-/// `ready`: whether the kernel runs as it will from now on (compiled, or never compiled).
-/// A kernel written in place keeps the default for the rest of the process.
+/// Interpreted and compiled code are tuned apart (their keys differ); a pending kernel is
+/// tuned once its code is ready. A kernel written in place keeps the default for the rest of
+/// the process.
 pub fn choose(
     kernel: &Arc<Kernel>,
     args: &[ArgPtr],
-    ready: impl FnOnce() -> bool,
+    code: Code,
     run: impl Fn(usize) -> Result<(), String>,
 ) -> Result<Choice, String> {
     let (names, sizes) = variants();
     if mode() == Mode::Off {
         return Ok(Choice::Task(TASK));
     }
-    let key = TuneKey::new(content_hash(&**kernel), &[kernel.output_elements()], kernel.args.iter().map(|a| a.dtype));
+    let outputs = &args[kernel.inputs..];
+    if outputs.iter().any(|o| args[..kernel.inputs].iter().any(|i| i.ptr == o.ptr)) {
+        return Ok(Choice::Task(TASK));
+    }
+    if code == Code::Pending {
+        return Ok(Choice::NotYet);
+    }
+    let hash = content_hash(&(&**kernel, code == Code::Compiled));
+    let key = TuneKey::new(hash, &[kernel.output_elements()], kernel.args.iter().map(|a| a.dtype));
     let tuner = tuner();
     let candidates = match tuner.plan(&key, names) {
         Plan::Use(i) => return Ok(Choice::Task(sizes[i])),
         Plan::Tune(c) => c,
     };
-    let outputs = &args[kernel.inputs..];
-    let in_place = outputs.iter().any(|o| args[..kernel.inputs].iter().any(|i| i.ptr == o.ptr));
-    if in_place {
-        return Ok(Choice::Task(TASK));
-    }
-    if !ready() {
-        return Ok(Choice::NotYet);
-    }
-    let reps = mode().repetitions();
     let trial = |c: usize| -> Result<Trial, String> {
+        let t0 = Instant::now();
         run(sizes[c])?;
+        // Long kernels vary less from run to run: fewer runs time them as well.
+        let reps = match t0.elapsed().as_secs_f64() {
+            t if t >= 0.02 => 2,
+            t if t >= 0.002 => 3,
+            _ => mode().repetitions(),
+        };
         let mut seconds = Vec::with_capacity(reps);
         for _ in 0..reps {
             let t0 = Instant::now();
@@ -162,9 +181,13 @@ impl super::CpuDevice {
         let task = match known {
             Some(task) => task,
             None => {
-                let ready = || self.native.mode() == super::CompileMode::Off || self.compiled(kernel);
+                let code = match self.native.mode() {
+                    super::CompileMode::Off => Code::Interpreted,
+                    _ if self.compiled(kernel) => Code::Compiled,
+                    _ => Code::Pending,
+                };
                 let run = |task| super::map::with_task_size(task, || self.run_untuned(kernel, args));
-                match choose(kernel, args, ready, run)? {
+                match choose(kernel, args, code, run)? {
                     Choice::NotYet => TASK,
                     Choice::Task(task) => {
                         let mut prep = self.prepared.lock().unwrap_or_else(|p| p.into_inner());
