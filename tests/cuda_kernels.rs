@@ -201,7 +201,7 @@ fn check_cases(h: &Harness, what: &str, cases: &[Case], blocks: impl Fn(&Case, u
             // blocks of 128 to 512 threads, grids of 4 to 32 blocks a multiprocessor.
             let (map_block, per_sm) =
                 [(None, None), (Some(128), Some(4)), (Some(512), Some(8)), (Some(256), Some(16))][(n + i) % 4];
-            let options = LaunchOptions { row_threads, skew, map_block, map_blocks_per_sm: per_sm };
+            let options = LaunchOptions { row_threads, skew, map_block, map_blocks_per_sm: per_sm, printed: 0 };
             let r = run_kernel_on_gpu_with(h, &case.kernel, &mut args, options);
             let failure = match r {
                 Err(e) => Some(format!("{} ({options:?}): {e}", case.label)),
@@ -333,6 +333,46 @@ fn long_rows_and_whole_tensor_reductions_match_the_cpu() {
         }
     }
     check_cases(&h, "long rows", &cases, |_, threads| powers(32, threads));
+}
+
+/// Long rows, whole-tensor reductions and long columns printed with the tuner's other splits
+/// (`braid_lowering::cuda::PrintOptions`: segments of 2K to 16K elements, columns over 64 to
+/// 512 blocks) give the CPU's results, as the default printing does.
+#[test]
+fn long_rows_printed_with_other_splits_match_the_cpu() {
+    let Some(h) = gpu("long rows, other splits") else { return };
+    let mut rng = Rng::new(0x5E6);
+    let shapes: [(Vec<usize>, Option<usize>); 5] = [
+        (vec![1 << 20], None),
+        (vec![3, 2, 200_000], None),
+        (vec![2, 3, 400_000], Some(2)),
+        (vec![20_000, 64], Some(0)),
+        (vec![100_000, 40], Some(0)),
+    ];
+    let (mut runs, mut failures) = (0, vec![]);
+    for (i, (dims, axis)) in shapes.iter().cycle().take(if quick() { 5 } else { 15 }).enumerate() {
+        let case = loop {
+            let case = rows_case_over(&mut rng, i, dims, *axis, MathLib::Cuda, false);
+            if case.kernel.args[0].dtype.compute() != DType::F32 {
+                break case;
+            }
+        };
+        let cpu = run_cpu(&case.kernel, &case.init);
+        let compiled = braid_devices::cuda::CudaKernel::new(&h.compiler, &case.kernel).unwrap();
+        assert!(!compiled.printed().is_empty(), "{}: no other splits printed", case.label);
+        for p in 1..=compiled.printed().len() {
+            let options = LaunchOptions { printed: p as u8, ..LaunchOptions::default() };
+            let mut args = case.init.clone();
+            runs += 1;
+            let failure = match run_compiled_on_gpu(&h, &compiled, &mut args, options) {
+                Err(e) => Some(format!("{} ({:?}): {e}", case.label, compiled.printed()[p - 1].options)),
+                Ok(()) => compare(&case, &cpu, &args).map(|f| format!("{f} ({:?})", compiled.printed()[p - 1].options)),
+            };
+            failures.extend(failure);
+        }
+    }
+    eprintln!("long rows, other splits: {runs} GPU runs");
+    assert!(failures.is_empty(), "{} differ:\n{}", failures.len(), failures.join("\n"));
 }
 
 #[test]

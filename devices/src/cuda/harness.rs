@@ -104,8 +104,9 @@ pub fn run_compiled_on_gpu(
         offsets.push(total + options.skew);
         total += (options.skew + bytes.len()).next_multiple_of(256);
     }
+    compiled.prepare(&h.compiler, options)?;
     let scratch_at = total;
-    total += compiled.scratch_bytes();
+    total += compiled.scratch_bytes_with(options);
     let chunk = alloc_device_chunk(&h.gpu, total as u64)?;
     let stream = h.stream.raw();
     let ptrs: Vec<CUdeviceptr> = offsets.iter().map(|&o| chunk + o as u64).collect();

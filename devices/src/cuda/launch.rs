@@ -19,12 +19,12 @@ use super::line_copies::LineCopy;
 use super::matmul::MatmulPlan;
 use super::{DriverResult, TRACE_TARGET};
 use crate::DeviceError;
-use braid_lowering::cuda::{self, CudaSource, Launch};
+use braid_lowering::cuda::{self, CudaSource, Launch, PrintOptions};
 use braid_lowering::{Body, Kernel};
 use cudarc::driver::result as cu;
 use cudarc::driver::sys::{CUdeviceptr, CUfunction_attribute, CUstream};
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// Name of every printed kernel's entry points (the same kernel prints the same source, so
 /// equal kernels share one compiled module whatever plan they came from).
@@ -47,6 +47,9 @@ pub struct LaunchOptions {
     /// Most blocks of a map loop or copy per multiprocessor (the loop strides over the rest):
     /// `None` for 32.
     pub map_blocks_per_sm: Option<u32>,
+    /// Which printing of the kernel runs: 0 for its own, `i` for its `i`-th printed variant
+    /// ([`CudaKernel::printed`], prepared first with [`CudaKernel::prepare`]).
+    pub printed: u8,
     /// Bytes past an aligned address at which the test harness (`harness.rs`) places every
     /// argument; ignored by launches themselves, 0 in the engine. 8 keeps every element
     /// aligned but no argument aligned for a vector access, so kernels take their scalar paths.
@@ -143,6 +146,16 @@ pub struct CudaKernel {
     copies: Vec<LineCopy>,
     /// The ways it may launch, when it has a choice (`super::tune`).
     variants: Option<super::tune::Variants>,
+    /// The kernel printed with other split choices, for the tuner.
+    reprinted: Vec<Printed>,
+}
+
+/// A kernel printed with other [`PrintOptions`] (a tuning variant, `super::tune`), compiled
+/// when first asked for.
+pub struct Printed {
+    pub options: PrintOptions,
+    pub source: CudaSource,
+    module: OnceLock<Arc<Module>>,
 }
 
 impl CudaKernel {
@@ -164,9 +177,64 @@ impl CudaKernel {
             Body::Matmul(m) if source.library_product => Some(MatmulPlan::new(compiler, kernel, m, product_ld)?),
             _ => None,
         };
-        let mut compiled = CudaKernel { kernel: kernel.clone(), source, module, matmul, copies, variants: None };
+        // Other splits of a large row kernel's work, each printed once here (compiled only if
+        // the tuner times it), those that print as the default does left out.
+        let mut reprinted: Vec<Printed> = Vec::new();
+        if matches!(kernel.body, Body::Rows(_)) && kernel.bytes_moved() >= super::tune::MIN_TUNED_BYTES {
+            for options in super::tune::print_variants() {
+                let Ok(other) = cuda::print_with(&printed, KERNEL_NAME, &options) else { continue };
+                if other.source != source.source && reprinted.iter().all(|p| p.source.source != other.source) {
+                    reprinted.push(Printed { options, source: other, module: OnceLock::new() });
+                }
+            }
+        }
+        let mut compiled =
+            CudaKernel { kernel: kernel.clone(), source, module, matmul, copies, variants: None, reprinted };
         compiled.variants = super::tune::variants(&compiled);
         Ok(compiled)
+    }
+
+    /// Its printed variants (other splits of a row kernel's work), for [`LaunchOptions::printed`].
+    pub fn printed(&self) -> &[Printed] {
+        &self.reprinted
+    }
+
+    /// Compiles (or loads from the disk cache) the printing `options` launch, if it is a
+    /// printed variant not compiled yet.
+    pub fn prepare(&self, compiler: &Compiler, options: LaunchOptions) -> Result<(), DeviceError> {
+        let Some(i) = (options.printed as usize).checked_sub(1) else { return Ok(()) };
+        let p = self.reprinted.get(i).ok_or_else(|| DeviceError::Internal(format!("no printed variant {}", i + 1)))?;
+        if p.module.get().is_none() {
+            let names: Vec<&str> = p.source.entries.iter().map(|e| e.name.as_str()).collect();
+            let module = compiler.module(&p.source.source, KERNEL_NAME, &names)?;
+            let _ = p.module.set(module);
+        }
+        Ok(())
+    }
+
+    /// The source and module a launch with `options` runs.
+    fn code(&self, options: LaunchOptions) -> Result<(&CudaSource, Option<&Arc<Module>>), DeviceError> {
+        match (options.printed as usize).checked_sub(1) {
+            None => Ok((&self.source, self.module.as_ref())),
+            Some(i) => {
+                let p = self
+                    .reprinted
+                    .get(i)
+                    .ok_or_else(|| DeviceError::Internal(format!("no printed variant {}", i + 1)))?;
+                let module =
+                    p.module.get().ok_or_else(|| DeviceError::Internal("a printed variant not prepared".into()))?;
+                Ok((&p.source, Some(module)))
+            }
+        }
+    }
+
+    /// [`CudaKernel::scratch_bytes`] of a launch with `options` (a printed variant splits its
+    /// rows otherwise).
+    pub fn scratch_bytes_with(&self, options: LaunchOptions) -> usize {
+        match (options.printed as usize).checked_sub(1).and_then(|i| self.reprinted.get(i)) {
+            Some(p) => p.source.scratch_bytes,
+            None => self.scratch_bytes(),
+        }
     }
 
     /// The ways this kernel may launch, the default first, when it has a choice.
@@ -202,7 +270,7 @@ impl CudaKernel {
     }
 
     /// Queues the kernel on `stream` over `args` (one device address per kernel argument),
-    /// with `scratch` holding [`CudaKernel::scratch_bytes`] bytes (any value when 0) and `blas`
+    /// with `scratch` holding [`CudaKernel::scratch_bytes_with`] bytes (any value when 0) and `blas`
     /// a handle bound to the same stream when [`CudaKernel::needs_blas`].
     ///
     /// # Safety
@@ -224,8 +292,9 @@ impl CudaKernel {
                 self.kernel.args.len()
             )));
         }
+        let (source, module) = self.code(options)?;
         let mut params = args.to_vec();
-        if self.source.params.len() == args.len() + 1 {
+        if source.params.len() == args.len() + 1 {
             // The product in scratch memory (or a split row kernel's scratch) is the last
             // parameter of the printed entries; a float plan places it at the start of the
             // scratch memory.
@@ -241,10 +310,10 @@ impl CudaKernel {
         }
         // SAFETY: the caller's contract.
         unsafe { super::line_copies::run(&self.copies, args, stream)? };
-        if let Some(module) = &self.module {
-            tracing::trace!(target: TRACE_TARGET, entries = self.source.entries.len(), "launch");
+        if let Some(module) = module {
+            tracing::trace!(target: TRACE_TARGET, entries = source.entries.len(), "launch");
             // SAFETY: the caller's contract.
-            unsafe { launch_entries(module, &self.source, &params, stream, options)? };
+            unsafe { launch_entries(module, source, &params, stream, options)? };
         }
         Ok(())
     }

@@ -287,25 +287,6 @@ impl CudaQueue<'_, '_> {
         if let Some(rec) = &self.flush.recording {
             return self.capture(rec, call, &compiled, blas.as_deref(), &args);
         }
-        let logged = tracing::enabled!(target: "braid::kernel", tracing::Level::DEBUG);
-        let t0 = logged.then(Instant::now);
-        let span = if call.timed || backend.timeline.on.load(Ordering::Relaxed) {
-            let (start, end) = (Event::timing(&pools.gpu)?, Event::timing(&pools.gpu)?);
-            start.record(&self.stream)?;
-            Some((start, end))
-        } else {
-            None
-        };
-        // Taken last, so that no error leaves it unreturned.
-        let scratch = match compiled.scratch_bytes() {
-            0 => None,
-            n => Some(pools.slice(Some(self.lane), n, Mem::Device, false)?),
-        };
-        let addr = scratch.as_ref().map_or(0, |s| s.addr);
-        // SAFETY: every argument is a live buffer of this device holding the kernel's length
-        // (the walker checked the sizes and holds them for the call); the schedule's events
-        // order every other access to them around this point of the stream; the scratch slice
-        // is cuda_buffer until the stream passes the launch.
         let options = match compiled.variants() {
             None => LaunchOptions::default(),
             Some(v) => {
@@ -316,12 +297,31 @@ impl CudaQueue<'_, '_> {
                     lane: self.lane,
                     stream: &self.stream,
                 };
-                // SAFETY: as for the launch below (tuning launches the kernel on the same
-                // arguments first).
-                unsafe { super::tune::options(&bench, &compiled, v, blas.as_deref(), &args, addr) }
+                // SAFETY: every argument is a live buffer of this device holding the kernel's
+                // length (the walker checked the sizes and holds them for the call); the
+                // schedule's events order every other access to them around this point of the
+                // stream. Tuning launches the kernel on them (and its own scratch) first.
+                unsafe { super::tune::options(&bench, &compiled, v, blas.as_deref(), &args) }
             }
         };
-        // SAFETY: as above.
+        compiled.prepare(&backend.compiler, options).map_err(|e| e.in_kernel(&label()))?;
+        let logged = tracing::enabled!(target: "braid::kernel", tracing::Level::DEBUG);
+        let t0 = logged.then(Instant::now);
+        let span = if call.timed || backend.timeline.on.load(Ordering::Relaxed) {
+            let (start, end) = (Event::timing(&pools.gpu)?, Event::timing(&pools.gpu)?);
+            start.record(&self.stream)?;
+            Some((start, end))
+        } else {
+            None
+        };
+        // Taken last, so that no error leaves it unreturned.
+        let scratch = match compiled.scratch_bytes_with(options) {
+            0 => None,
+            n => Some(pools.slice(Some(self.lane), n, Mem::Device, false)?),
+        };
+        let addr = scratch.as_ref().map_or(0, |s| s.addr);
+        // SAFETY: as above; the scratch slice is the kernel's until the stream passes the
+        // launch.
         let launched = unsafe { compiled.launch(self.stream.raw(), blas.as_deref(), &args, addr, options) };
         pools.bump(self.lane);
         if let Some(s) = scratch {
@@ -361,15 +361,16 @@ impl CudaQueue<'_, '_> {
         blas: Option<&super::Blas>,
         args: &[u64],
     ) -> Result<(), DeviceError> {
-        let pools = &self.flush.backend.pools;
-        let scratch = match compiled.scratch_bytes() {
+        let backend = self.flush.backend;
+        let pools = &backend.pools;
+        // A graph runs the variant chosen already (the capture's eager flush tuned it).
+        let options = (compiled.variants())
+            .map_or(LaunchOptions::default(), |v| v.options[backend.tuner.chosen(&v.key, &v.variants)]);
+        compiled.prepare(&backend.compiler, options).map_err(|e| e.in_kernel(&call.describe()))?;
+        let scratch = match compiled.scratch_bytes_with(options) {
             0 => 0,
             n => rec.alloc(pools, self.lane, n, Mem::Device, false, false)?.addr(),
         };
-        // A graph runs the variant chosen already (the capture's eager flush tuned it).
-        let tuner = &self.flush.backend.tuner;
-        let options =
-            compiled.variants().map_or(LaunchOptions::default(), |v| v.options[tuner.chosen(&v.key, &v.variants)]);
         // SAFETY: as for a launch; the stream is capturing, so this only adds graph nodes, and
         // the graph keeps the argument and scratch memory for as long as it lives.
         unsafe { compiled.launch(self.stream.raw(), blas, args, scratch, options) }

@@ -1,13 +1,15 @@
 //! The variants of a printed CUDA kernel and their tuning at its first launch
 //! ([`crate::runtime::tune`] chooses and keeps them).
 //!
-//! Variants change only the launch, never the printed code: map loops (grid-stride loops, so
-//! any grid covers them) take 128, 256 or 512 threads a block (1024 when exhaustive) and a grid
-//! of 4 to 32 blocks a multiprocessor (fewer blocks: more elements a thread); both give the
-//! default's bytes. Row kernels take the printed threads a row or half or a quarter of them
-//! (down to 32 when exhaustive): their reduction trees are correct for any power of two, but
-//! add in another order, so these variants are marked non-bitwise (never under
-//! `BRAID_DETERMINISTIC=1`). Fused attention's tiles, products (cuBLAS) and kernels moving
+//! Launch variants: map loops (grid-stride loops, so any grid covers them) take 128, 256 or
+//! 512 threads a block (1024 when exhaustive, and never more than the function's registers
+//! allow) and a grid of 4 to 32 blocks a multiprocessor (fewer blocks: more elements a
+//! thread); both give the default's bytes. Row kernels take the printed threads a row or half
+//! or a quarter of them (down to 32 when exhaustive): their reduction trees are correct for
+//! any power of two, but add in another order, so these variants are marked non-bitwise
+//! (never under `BRAID_DETERMINISTIC=1`). Printed variants ([`print_variants`]): a large row
+//! kernel printed with its long rows split in other segments, or its long columns over other
+//! blocks (`braid_lowering::cuda::PrintOptions`), compiled only when timed; non-bitwise too. Fused attention's tiles, products (cuBLAS) and kernels moving
 //! under [`MIN_TUNED_BYTES`] (launch-bound: the launch costs more than any variant saves) have
 //! no variants.
 //!
@@ -33,7 +35,7 @@ use super::pools::{CudaPools, Mem};
 use crate::DeviceError;
 use crate::runtime::tune::{Mode, Plan, TRACE_TARGET, Trial, TuneKey, Tuner, Variant, content_hash, tolerance};
 use braid_graph::DType;
-use braid_lowering::cuda::Launch;
+use braid_lowering::cuda::{Launch, PrintOptions};
 use cudarc::driver::result as cu;
 use cudarc::driver::sys::CUdeviceptr;
 use std::ffi::c_void;
@@ -92,6 +94,16 @@ pub fn variants(kernel: &CudaKernel) -> Option<Variants> {
             }
         }
     }
+    for (i, p) in kernel.printed().iter().enumerate() {
+        let default = PrintOptions::default();
+        let name = if p.options.segment != default.segment {
+            format!("rows split in segments of {}", p.options.segment)
+        } else {
+            format!("columns over {} blocks", p.options.column_blocks)
+        };
+        variants.push(Variant { name, bitwise: false, short_list: true });
+        options.push(LaunchOptions { printed: i as u8 + 1, ..Default::default() });
+    }
     if let Some(printed) = row_threads {
         let mut t = printed / 2;
         while t >= 32 {
@@ -106,6 +118,16 @@ pub fn variants(kernel: &CudaKernel) -> Option<Variants> {
     }
     let key = TuneKey::new(content_hash(&src.source), &extents, k.args.iter().map(|a| a.dtype));
     Some(Variants { key, variants, options })
+}
+
+/// The other printings a large row kernel is offered in: long rows among few split in
+/// segments of 2K, 8K or 16K elements (4K by default), long columns spread over 64, 256 or 512
+/// blocks (128). Those that print as the default does are left out.
+pub fn print_variants() -> Vec<PrintOptions> {
+    let d = PrintOptions::default();
+    let segments = [2048, 8192, 16384].map(|segment| PrintOptions { segment, ..d });
+    let columns = [64, 256, 512].map(|column_blocks| PrintOptions { column_blocks, ..d });
+    segments.into_iter().chain(columns).collect()
 }
 
 /// The GPU code that compares a candidate's outputs with the default's.
@@ -136,7 +158,6 @@ pub unsafe fn options(
     v: &Variants,
     blas: Option<&super::Blas>,
     args: &[CUdeviceptr],
-    scratch: CUdeviceptr,
 ) -> LaunchOptions {
     let candidates = match bench.tuner.plan(&v.key, &v.variants) {
         Plan::Use(i) => return v.options[i],
@@ -149,19 +170,24 @@ pub unsafe fn options(
     if in_place || out_bytes > MAX_COMPARED_BYTES {
         return LaunchOptions::default();
     }
-    // The default's outputs, kept on the device for the candidates to be compared with.
-    let kept = match bench.pools.slice(Some(bench.lane), out_bytes.max(1), Mem::Device, false) {
+    // The default's outputs, kept on the device for the candidates to be compared with, then
+    // the scratch memory of the candidate that needs most.
+    let scratch_bytes = candidates.iter().map(|&c| kernel.scratch_bytes_with(v.options[c])).max().unwrap_or(0);
+    let memory =
+        bench.pools.slice(Some(bench.lane), out_bytes.next_multiple_of(256) + scratch_bytes.max(1), Mem::Device, false);
+    let memory = match memory {
         Ok(s) => s,
         Err(e) => {
             tracing::debug!(target: TRACE_TARGET, "not tuned now, no memory for the comparison: {e}");
             return LaunchOptions::default();
         }
     };
-    // SAFETY: the caller's contract; `kept` holds `out_bytes` bytes until it is given back
-    // below, after the stream was synchronised.
-    let tuned = unsafe { tune_now(bench, kernel, v, &candidates, blas, args, scratch, kept.addr) };
+    let (kept, scratch) = (memory.addr, memory.addr + out_bytes.next_multiple_of(256) as u64);
+    // SAFETY: the caller's contract; `memory` holds the outputs' bytes and the scratch until
+    // it is given back below, after the stream was synchronised.
+    let tuned = unsafe { tune_now(bench, kernel, v, &candidates, blas, args, scratch, kept) };
     let gate = vec![bench.pools.state().lanes.point(bench.lane)];
-    bench.pools.give(kept, Mem::Device, false, gate, false);
+    bench.pools.give(memory, Mem::Device, false, gate, false);
     match tuned {
         Ok(o) => o,
         Err(e) => {
@@ -195,6 +221,7 @@ unsafe fn tune_now(
     let reps = crate::runtime::tune::mode().repetitions().max(Mode::On.repetitions());
     let trial = |c: usize| -> Result<Trial, DeviceError> {
         let o = v.options[c];
+        kernel.prepare(bench.compiler, o)?;
         // SAFETY: the caller's contract; every launch writes the same outputs from the same
         // inputs.
         unsafe { kernel.launch(stream.raw(), blas, args, scratch, o)? };

@@ -47,7 +47,7 @@ const COLUMN_THREADS: u32 = 1024;
 /// Blocks a column kernel is spread over when its columns are long enough: one block of
 /// [`COLUMN_THREADS`] (64 warps' worth of loads in flight, eight per thread) on about each of an
 /// H100's or H200's 132 multiprocessors. G2-axis0's 128 groups need no split.
-const TARGET_BLOCKS: usize = 128;
+pub(super) const TARGET_BLOCKS: usize = 128;
 
 /// Positions of a column per segment at least (16 per thread of a block's 32 lines).
 const MIN_SEGMENT: usize = 512;
@@ -75,11 +75,11 @@ pub(super) fn columns(p: &RowPlan<'_>) -> bool {
     p.r.axis.is_some_and(|a| a + 1 < rank) && p.r.dims[rank - 1] >= 8 && p.rows > 0
 }
 
-/// The segments each column of `p` is split into: enough blocks for [`TARGET_BLOCKS`], none
-/// shorter than [`MIN_SEGMENT`] positions.
+/// The segments each column of `p` is split into: enough blocks for [`TARGET_BLOCKS`] (or as
+/// its options say), none shorter than [`MIN_SEGMENT`] positions.
 pub(super) fn segments(p: &RowPlan<'_>) -> usize {
     let groups = p.rows.div_ceil(COLUMNS);
-    (TARGET_BLOCKS / groups).clamp(1, (p.len / MIN_SEGMENT).max(1))
+    (p.options.column_blocks / groups).clamp(1, (p.len / MIN_SEGMENT).max(1))
 }
 
 /// Prints `p` as column-kernel entries; returns them and the scratch bytes they need.

@@ -147,10 +147,35 @@ struct Param {
     writable: bool,
 }
 
+/// Choices of how a kernel is printed that a tuner may vary (`devices/src/cuda/tune.rs`);
+/// [`print`] prints the default ones. Each changes only how the work is split, never what is
+/// computed, but sums then add in another order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PrintOptions {
+    /// Elements per segment of a split row (a long row among few rows: `split.rs`).
+    pub segment: usize,
+    /// Blocks a column kernel is spread over when its columns are long (`columns.rs`).
+    pub column_blocks: usize,
+}
+
+impl Default for PrintOptions {
+    fn default() -> PrintOptions {
+        PrintOptions { segment: SEGMENT, column_blocks: columns::TARGET_BLOCKS }
+    }
+}
+
 /// Prints `kernel` as CUDA C; entry points are named after `name` (a C identifier). Errors on
 /// IR the CPU would reject too (ill-typed expressions, views outside their arguments) and on
 /// views whose dims differ from their loop's.
 pub fn print(kernel: &Kernel, name: &str) -> Result<CudaSource, String> {
+    print_with(kernel, name, &PrintOptions::default())
+}
+
+/// [`print`] with other [`PrintOptions`].
+pub fn print_with(kernel: &Kernel, name: &str, options: &PrintOptions) -> Result<CudaSource, String> {
+    if options.segment == 0 || options.column_blocks == 0 {
+        return Err(format!("{options:?}: segments and blocks must be positive"));
+    }
     let ident = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
         && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
     if !ident {
@@ -183,7 +208,7 @@ pub fn print(kernel: &Kernel, name: &str) -> Result<CudaSource, String> {
             }
         }
         Body::Rows(r) => {
-            let (e, scratch) = print_rows(&mut body, r, &format!("{name}_rows"), &mut params)?;
+            let (e, scratch) = print_rows(&mut body, r, &format!("{name}_rows"), &mut params, options)?;
             entries.extend(e);
             scratch_bytes = scratch;
         }

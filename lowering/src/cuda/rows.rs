@@ -42,6 +42,8 @@ pub(super) struct RowPlan<'a> {
     pub step: &'static str,
     /// Positions a scalar sweep's loop is unrolled by (loads in flight per thread).
     pub unroll: u32,
+    /// How its work is split (long rows, long columns).
+    pub options: PrintOptions,
     /// A test and the constant `step` equals when it holds (a column kernel launched with the
     /// block size it was printed for): scalar sweeps are then printed twice, once stepping by
     /// the constant (see `scalar_sweep`).
@@ -86,6 +88,7 @@ impl<'a> RowPlan<'a> {
             lane: "threadIdx.x",
             step: "blockDim.x",
             unroll: 4,
+            options: PrintOptions::default(),
             constant_step: None,
             index: String::new(),
             vector: None,
@@ -465,8 +468,10 @@ pub(super) fn print_rows(
     r: &RowKernel,
     name: &str,
     params: &mut Vec<Param>,
+    options: &PrintOptions,
 ) -> Result<(Vec<Entry>, usize), String> {
     let mut p = RowPlan::new(r, params)?;
+    p.options = *options;
     if super::split::splits(&p) {
         return super::split::print_split(out, &p, name, params);
     }

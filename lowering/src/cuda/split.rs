@@ -29,9 +29,9 @@ pub const SEGMENT: usize = 4096;
 /// Rows below which rows of at least two segments are split (an H100 has 132 multiprocessors).
 pub const SPLIT_BELOW_ROWS: usize = 128;
 
-/// Whether `p` is printed split.
+/// Whether `p` is printed split (segments of [`SEGMENT`] elements, or as its options say).
 pub(super) fn splits(p: &RowPlan<'_>) -> bool {
-    p.rows < SPLIT_BELOW_ROWS && p.len >= 2 * SEGMENT
+    p.rows < SPLIT_BELOW_ROWS && p.len >= 2 * p.options.segment
 }
 
 /// Where a split kernel's reductions keep their values in scratch memory, its last parameter
@@ -98,7 +98,7 @@ pub(super) fn print_split(
     params: &mut Vec<Param>,
 ) -> Result<(Vec<Entry>, usize), String> {
     let (rows, len, threads) = (p.rows, p.len, p.threads);
-    let segments = len.div_ceil(SEGMENT);
+    let segments = len.div_ceil(p.options.segment);
     let seg_len = len.div_ceil(segments);
     let blocks = rows * segments;
     let nodes = &p.r.expr.nodes;
