@@ -3,16 +3,21 @@
 //! fastest from then on; the choices are kept per device in the kernel cache directory, so a
 //! second process on the same machine times nothing.
 //!
-//! What has variants: on CUDA, map loops (threads a block, blocks a multiprocessor) and row
-//! kernels (threads a row); on the CPU, the elements or rows one parallel task takes (or one
-//! thread). A variant that adds in another order than the default (a row kernel with fewer
-//! threads) agrees with it within the tolerance of
-//! `braid_devices::runtime::tune::tolerance` and is never used in deterministic mode, which
-//! keeps every result bit for bit as with tuning off.
+//! What has variants: on CUDA, map loops (threads a block, blocks a multiprocessor), row
+//! kernels (threads a row) and large row kernels printed with other splits of their long rows
+//! or columns (compiled only when timed); on the CPU, the elements or rows one parallel task
+//! takes (or one thread). A variant that adds in another order than the default (a row
+//! kernel with fewer threads, rows split otherwise) agrees with it within the tolerance of
+//! `braid_devices::runtime::tune::tolerance` and is used only outside deterministic mode.
+//! Deterministic mode is the default: every result keeps its bits as with tuning off, so a
+//! flush under a memory budget, with fusion off or recomputing, and a replayed step give the
+//! bits of the plain eager run, as braid promises; `BRAID_DETERMINISTIC=0` lets tuning choose
+//! the reordering variants too (faster where they win; two plans of one program may then
+//! differ in the last bits).
 //!
 //! Settings: `BRAID_AUTOTUNE=on|off|exhaustive` (default `on`: a short list of variants;
-//! `exhaustive` times every one) and `BRAID_DETERMINISTIC=1`, or [`set_mode`] and
-//! [`set_deterministic`] for the rest of the process. With a `tracing` subscriber,
+//! `exhaustive` times every one) and `BRAID_DETERMINISTIC=1|0` (default `1`), or [`set_mode`]
+//! and [`set_deterministic`] for the rest of the process. With a `tracing` subscriber,
 //! `RUST_LOG=braid::autotune=debug` logs each tuning with its times and choice; rejected
 //! variants and unusable tuning files are warnings. A dump names each tuned kernel's variant
 //! (`variant` in the JSON, `[variant: ...]` in the text) when it is not the default.
@@ -21,7 +26,7 @@
 //! use braid::autotune;
 //! use braid::prelude::*;
 //!
-//! // A program that must reproduce earlier results bit for bit:
+//! // Results bit for bit as with tuning off (the default; `false` allows reordered sums):
 //! autotune::set_deterministic(true);
 //! let cpu = Device::cpu();
 //! let x = Tensor::from_vec((0..4096).map(|i| i as f32).collect(), [64, 64], &cpu);

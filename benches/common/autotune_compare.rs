@@ -19,6 +19,12 @@ fn median(v: &[f64]) -> f64 {
 /// Runs every workload `pairs` times under each setting; the report as Markdown.
 pub fn compare(workloads: Vec<Workload<'_>>, pairs: usize) -> String {
     let mut lines = vec![
+        format!(
+            "Tuning on: `{:?}` mode, {} (BRAID_DETERMINISTIC={}).\n",
+            Mode::On,
+            if autotune::deterministic() { "bitwise variants only" } else { "variants that add in another order too" },
+            autotune::deterministic() as u8
+        ),
         "| row | tuning off (ms) | tuning on (ms) | on / off | kernels tuned (first on run) | tuning time (s) |"
             .to_string(),
         "|---|---|---|---|---|---|".to_string(),

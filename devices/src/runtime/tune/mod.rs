@@ -20,12 +20,15 @@
 //!
 //! Checking: a variant marked `bitwise` must give the default's bytes exactly (threads or tasks
 //! that split independent elements differently); one that adds in another order (a reduction
-//! tree of fewer threads) must agree within [`tolerance`] and is never used under
-//! `BRAID_DETERMINISTIC=1` ([`deterministic`]), which keeps every result bit for bit as with
-//! tuning off.
+//! tree of fewer threads, rows split otherwise) must agree within [`tolerance`] and is used
+//! only under `BRAID_DETERMINISTIC=0` ([`deterministic`]). The default, `1`, keeps every
+//! result bit for bit as with tuning off, and so keeps braid's promises that hold across
+//! plans: a flush under a memory budget, with fusion off or recomputing gives the bits of the
+//! plain one, a replayed step those of the eager run. With `0`, two plans of one program may
+//! choose differently for their (different) kernels and differ in the last bits.
 //!
 //! Settings: `BRAID_AUTOTUNE=on|off|exhaustive` (default on: a short list of variants;
-//! exhaustive: every variant, more repetitions), read once, and [`set_mode`] /
+//! exhaustive: every variant, more repetitions) and `BRAID_DETERMINISTIC=1|0`, read once, and [`set_mode`] /
 //! [`set_deterministic`] for a program or test that changes them later (choices already
 //! made stay, but a non-bitwise one is not used while deterministic). Logs: target
 //! `braid::autotune` (`RUST_LOG=braid::autotune=debug`: every tuning with its times and why
@@ -127,13 +130,14 @@ pub fn set_mode(mode: Mode) {
 }
 
 /// Whether results must stay bit for bit as with tuning off: [`set_deterministic`]'s, else
-/// `BRAID_DETERMINISTIC=1`.
+/// `BRAID_DETERMINISTIC` (`1` by default; `0` lets tuning choose variants that add in another
+/// order).
 pub fn deterministic() -> bool {
     match DETERMINISTIC.load(Ordering::Relaxed) {
         1 => false,
         2 => true,
         _ => {
-            let on = std::env::var("BRAID_DETERMINISTIC").is_ok_and(|v| v.trim() == "1");
+            let on = std::env::var("BRAID_DETERMINISTIC").map_or(true, |v| v.trim() != "0");
             let _ = DETERMINISTIC.compare_exchange(UNSET, 1 + on as u8, Ordering::Relaxed, Ordering::Relaxed);
             on
         }
@@ -201,6 +205,11 @@ pub fn content_hash(value: &impl Hash) -> u64 {
 /// The checksum of a set of variants: their names and bitwise marks, in order.
 pub fn checksum(variants: &[Variant]) -> u64 {
     content_hash(&variants.iter().map(|v| (&v.name, v.bitwise)).collect::<Vec<_>>())
+}
+
+/// [`checksum`] of the variants at `candidates`.
+fn checksum_of(variants: &[Variant], candidates: &[usize]) -> u64 {
+    checksum(&candidates.iter().map(|&i| variants[i].clone()).collect::<Vec<_>>())
 }
 
 /// What to do at a launch.
@@ -289,15 +298,19 @@ impl Tuner {
         if mode == Mode::Off || variants.len() < 2 {
             return Plan::Use(0);
         }
-        let sum = checksum(variants);
+        let candidates: Vec<usize> = (0..variants.len())
+            .filter(|&i| i == 0 || (usable(&variants[i]) && (variants[i].short_list || mode == Mode::Exhaustive)))
+            .collect();
+        if candidates.len() < 2 {
+            return Plan::Use(0);
+        }
+        // A choice counts when it was made among the candidates these settings time.
+        let sum = checksum_of(variants, &candidates);
         if let Some(c) = lock(&self.choices).get(key).filter(|c| c.checksum == sum) {
             let found = variants.iter().position(|v| v.name == c.variant);
             return Plan::Use(found.filter(|&i| usable(&variants[i])).unwrap_or(0));
         }
-        let candidates: Vec<usize> = (0..variants.len())
-            .filter(|&i| i == 0 || (usable(&variants[i]) && (variants[i].short_list || mode == Mode::Exhaustive)))
-            .collect();
-        if candidates.len() < 2 { Plan::Use(0) } else { Plan::Tune(candidates) }
+        Plan::Tune(candidates)
     }
 
     /// The variant already chosen for `key`, without tuning ([`Plan::Use`]'s index, or the
@@ -365,7 +378,7 @@ impl Tuner {
         tracing::debug!(target: TRACE_TARGET, device = self.device, key = ?key, ms = elapsed.as_secs_f64() * 1e3, "tuned: {why}");
         let choice = StoredChoice {
             key: key.clone(),
-            checksum: checksum(variants),
+            checksum: checksum_of(variants, candidates),
             variant: variants[best.0].name.clone(),
             bitwise: variants[best.0].bitwise,
             why: why.clone(),

@@ -27,7 +27,7 @@ pub const FORMAT: u32 = 1;
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash)]
 pub struct StoredChoice {
     pub key: TuneKey,
-    /// [`super::checksum`] of the variants it was chosen among.
+    /// [`super::checksum`] of the variants it was chosen among (those timed).
     pub checksum: u64,
     /// The chosen variant's name.
     pub variant: String,
