@@ -127,7 +127,9 @@ fn two_processes_tuning_at_once_leave_one_valid_file_and_the_next_tunes_nothing(
     let files = tuning_files(&dir);
     assert_eq!(files.len(), 1, "one file, no temporary left: {files:?}");
     let file = files[0].1.as_ref().expect("a valid file");
-    assert!(file.choices.len() >= 2, "the tuned kernels' choices: {file:?}");
+    // The chain's map kernel at least (row kernels have only reordering variants on CUDA,
+    // which the default, deterministic, settings do not time).
+    assert!(!file.choices.is_empty(), "the tuned kernels' choices: {file:?}");
     let third = children(&dir, 1);
     assert_eq!(tunings(&third[0]), 0, "a later process times nothing:\n{}", third[0]);
     let _ = std::fs::remove_dir_all(&dir);

@@ -290,7 +290,7 @@ impl CudaQueue<'_, '_> {
         let options = match compiled.variants() {
             None => LaunchOptions::default(),
             Some(v) => {
-                let bench = super::tune::Bench {
+                let tuning = super::tune::Tuning {
                     tuner: &backend.tuner,
                     compiler: &backend.compiler,
                     pools,
@@ -301,7 +301,7 @@ impl CudaQueue<'_, '_> {
                 // length (the walker checked the sizes and holds them for the call); the
                 // schedule's events order every other access to them around this point of the
                 // stream. Tuning launches the kernel on them (and its own scratch) first.
-                unsafe { super::tune::options(&bench, &compiled, v, blas.as_deref(), &args) }
+                unsafe { super::tune::options(&tuning, &compiled, v, blas.as_deref(), &args) }
             }
         };
         compiled.prepare(&backend.compiler, options).map_err(|e| e.in_kernel(&label()))?;

@@ -137,7 +137,7 @@ const COMPARE_ENTRIES: [&str; 5] =
 
 /// What a tuning launch needs besides the kernel: the GPU's compiler (for the compare code),
 /// its pools (for the default's outputs, kept on the device) and the stream's lane.
-pub struct Bench<'a> {
+pub struct Tuning<'a> {
     pub tuner: &'a Tuner,
     pub compiler: &'a Compiler,
     pub pools: &'a CudaPools,
@@ -150,16 +150,16 @@ pub struct Bench<'a> {
 /// `scratch` as for a launch); the default when tuning fails.
 ///
 /// # Safety
-/// As [`CudaKernel::launch`], `bench.stream` being the one the kernel is launched on; every
+/// As [`CudaKernel::launch`], `tuning.stream` being the one the kernel is launched on; every
 /// launch here comes after the stream's waits for the kernel's inputs.
 pub unsafe fn options(
-    bench: &Bench<'_>,
+    tuning: &Tuning<'_>,
     kernel: &CudaKernel,
     v: &Variants,
     blas: Option<&super::Blas>,
     args: &[CUdeviceptr],
 ) -> LaunchOptions {
-    let candidates = match bench.tuner.plan(&v.key, &v.variants) {
+    let candidates = match tuning.tuner.plan(&v.key, &v.variants) {
         Plan::Use(i) => return v.options[i],
         Plan::Tune(c) => c,
     };
@@ -173,8 +173,12 @@ pub unsafe fn options(
     // The default's outputs, kept on the device for the candidates to be compared with, then
     // the scratch memory of the candidate that needs most.
     let scratch_bytes = candidates.iter().map(|&c| kernel.scratch_bytes_with(v.options[c])).max().unwrap_or(0);
-    let memory =
-        bench.pools.slice(Some(bench.lane), out_bytes.next_multiple_of(256) + scratch_bytes.max(1), Mem::Device, false);
+    let memory = tuning.pools.slice(
+        Some(tuning.lane),
+        out_bytes.next_multiple_of(256) + scratch_bytes.max(1),
+        Mem::Device,
+        false,
+    );
     let memory = match memory {
         Ok(s) => s,
         Err(e) => {
@@ -185,9 +189,9 @@ pub unsafe fn options(
     let (kept, scratch) = (memory.addr, memory.addr + out_bytes.next_multiple_of(256) as u64);
     // SAFETY: the caller's contract; `memory` holds the outputs' bytes and the scratch until
     // it is given back below, after the stream was synchronised.
-    let tuned = unsafe { tune_now(bench, kernel, v, &candidates, blas, args, scratch, kept) };
-    let gate = vec![bench.pools.state().lanes.point(bench.lane)];
-    bench.pools.give(memory, Mem::Device, false, gate, false);
+    let tuned = unsafe { tune_now(tuning, kernel, v, &candidates, blas, args, scratch, kept) };
+    let gate = vec![tuning.pools.state().lanes.point(tuning.lane)];
+    tuning.pools.give(memory, Mem::Device, false, gate, false);
     match tuned {
         Ok(o) => o,
         Err(e) => {
@@ -204,7 +208,7 @@ pub unsafe fn options(
 /// As [`options`], `kept` holding the kernel's output bytes.
 #[allow(clippy::too_many_arguments)]
 unsafe fn tune_now(
-    bench: &Bench<'_>,
+    tuning: &Tuning<'_>,
     kernel: &CudaKernel,
     v: &Variants,
     candidates: &[usize],
@@ -214,14 +218,14 @@ unsafe fn tune_now(
     kept: CUdeviceptr,
 ) -> Result<LaunchOptions, DeviceError> {
     let k = kernel.kernel();
-    let stream = bench.stream;
-    let compare = compare_module(bench.compiler)?;
+    let stream = tuning.stream;
+    let compare = compare_module(tuning.compiler)?;
     let outputs: Vec<(DType, usize, CUdeviceptr)> =
         (k.args[k.inputs..].iter().zip(&args[k.inputs..])).map(|(a, &addr)| (a.dtype, a.len, addr)).collect();
     let reps = crate::runtime::tune::mode().repetitions().max(Mode::On.repetitions());
     let trial = |c: usize| -> Result<Trial, DeviceError> {
         let o = v.options[c];
-        kernel.prepare(bench.compiler, o)?;
+        kernel.prepare(tuning.compiler, o)?;
         // SAFETY: the caller's contract; every launch writes the same outputs from the same
         // inputs.
         unsafe { kernel.launch(stream.raw(), blas, args, scratch, o)? };
@@ -243,7 +247,7 @@ unsafe fn tune_now(
             None
         } else {
             // SAFETY: as above.
-            Some(unsafe { compare_outputs(bench, &compare, &outputs, kept, v.variants[c].bitwise)? })
+            Some(unsafe { compare_outputs(tuning, &compare, &outputs, kept, v.variants[c].bitwise)? })
         };
         stream.synchronize()?;
         let seconds = (marks.windows(2))
@@ -251,7 +255,7 @@ unsafe fn tune_now(
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Trial { seconds, outputs: Vec::new(), compared })
     };
-    let t = bench.tuner.tune(&v.key, &v.variants, candidates, trial)?;
+    let t = tuning.tuner.tune(&v.key, &v.variants, candidates, trial)?;
     Ok(v.options[t.chosen])
 }
 
@@ -261,17 +265,17 @@ unsafe fn tune_now(
 /// # Safety
 /// As [`tune_now`].
 unsafe fn compare_outputs(
-    bench: &Bench<'_>,
+    tuning: &Tuning<'_>,
     compare: &Module,
     outputs: &[(DType, usize, CUdeviceptr)],
     kept: CUdeviceptr,
     bitwise: bool,
 ) -> Result<Result<(), String>, DeviceError> {
-    let found = bench.pools.slice(Some(bench.lane), 24 * outputs.len(), Mem::Device, false)?;
+    let found = tuning.pools.slice(Some(tuning.lane), 24 * outputs.len(), Mem::Device, false)?;
     // SAFETY: the caller's contract; `found` holds the counters.
-    let verdict = unsafe { compare_at(compare, bench.stream, outputs, kept, found.addr, bitwise) };
-    let gate = vec![bench.pools.state().lanes.point(bench.lane)];
-    bench.pools.give(found, Mem::Device, false, gate, false);
+    let verdict = unsafe { compare_at(compare, tuning.stream, outputs, kept, found.addr, bitwise) };
+    let gate = vec![tuning.pools.state().lanes.point(tuning.lane)];
+    tuning.pools.give(found, Mem::Device, false, gate, false);
     verdict
 }
 
