@@ -7,19 +7,20 @@
 //! thread); both give the default's bytes. Row kernels take the printed threads a row or half
 //! or a quarter of them (down to 32 when exhaustive): their reduction trees are correct for
 //! any power of two, but add in another order, so these variants are marked non-bitwise
-//! (never under `BRAID_DETERMINISTIC=1`). Printed variants ([`print_variants`]): a large row
-//! kernel printed with its long rows split in other segments, or its long columns over other
-//! blocks (`braid_lowering::cuda::PrintOptions`), compiled only when timed; non-bitwise too. Fused attention's tiles, products (cuBLAS) and kernels moving
-//! under [`MIN_TUNED_BYTES`] (launch-bound: the launch costs more than any variant saves) have
-//! no variants.
+//! (timed only under `BRAID_DETERMINISTIC=0`; a packed map kernel's rows are marked so too,
+//! conservatively). Printed variants ([`print_variants`]): a large row kernel printed with its
+//! long rows split in other segments, or its long columns over other blocks
+//! (`braid_lowering::cuda::PrintOptions`), compiled only when timed; non-bitwise too. Fused
+//! attention's tiles, products (cuBLAS) and kernels moving under [`MIN_TUNED_BYTES`]
+//! (launch-bound: the launch costs more than any variant saves) have no variants.
 //!
 //! Tuning runs on the kernel's real arguments, on its stream, when it is first launched by an
 //! eager flush: each candidate once to warm up, then timed with CUDA events, its outputs
 //! compared with the default's on the device (`tune_compare.cu`: the default's outputs are
 //! copied aside first; a few counters come back), the stream synchronised (the one time a
-//! queue blocks the host outside a failure). A kernel whose outputs share a buffer with an input
-//! (written in place) is never timed on its arguments: it runs its default until a launch of
-//! the same kernel elsewhere tuned it. A flush recorded into a CUDA graph only reads the
+//! queue blocks the host outside a failure). A kernel whose outputs share a buffer with an
+//! input (written in place) is never timed on its arguments: it runs its default until a
+//! launch of the same kernel elsewhere tuned it. A flush recorded into a CUDA graph only reads the
 //! choices made (a captured step's kernels were tuned by its capture, an eager flush).
 //!
 //! Must never: time a kernel that writes over one of its inputs, or keep a variant whose
@@ -53,7 +54,7 @@ pub struct Variants {
     pub options: Vec<LaunchOptions>,
 }
 
-/// The variants of `kernel` (printed for a GPU of `multiprocessors`), if it has a choice.
+/// The variants of `kernel`, the default first, if it has a choice.
 pub fn variants(kernel: &CudaKernel) -> Option<Variants> {
     let k = kernel.kernel();
     let src = kernel.source();

@@ -375,7 +375,8 @@ impl Tuner {
         let elapsed = started.elapsed();
         TUNINGS.fetch_add(1, Ordering::Relaxed);
         TUNING_NANOS.fetch_add(elapsed.as_nanos() as u64, Ordering::Relaxed);
-        tracing::debug!(target: TRACE_TARGET, device = self.device, key = ?key, ms = elapsed.as_secs_f64() * 1e3, "tuned: {why}");
+        let ms = elapsed.as_secs_f64() * 1e3;
+        tracing::debug!(target: TRACE_TARGET, device = self.device, key = ?key, ms, "tuned: {why}");
         let choice = StoredChoice {
             key: key.clone(),
             checksum: checksum_of(variants, candidates),
