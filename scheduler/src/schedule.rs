@@ -160,6 +160,10 @@ pub struct Schedule {
     pub planned_peak_bytes: u64,
     /// Values offloaded to host memory during the flush (to keep the peak under a budget).
     pub offloads: Vec<OffloadPlan>,
+    /// The device memory budget the flush was planned under, if any: a runtime then allocates
+    /// nothing the plan does not (it does not time kernel variants, which needs memory of its
+    /// own).
+    pub memory_budget: Option<u64>,
 }
 
 impl Schedule {

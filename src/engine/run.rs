@@ -176,6 +176,7 @@ impl Engine {
             let base = braid_scheduler::plan(&graph, braid_fusion::segment(&graph, &options));
             place_offloads(&graph, base, budget, &target.cost)
         };
+        schedule.memory_budget = budget;
         if let Some(rewrite) = &rewrite {
             rewrite(&mut schedule);
         }

@@ -64,6 +64,9 @@ pub(crate) struct CudaFlush<'a> {
     times: Mutex<Vec<(usize, usize, Event, Event)>>,
     /// Set when the flush is recorded into a CUDA graph instead of run (`super::graph`).
     recording: Option<Recording>,
+    /// Whether it was planned under a memory budget (it then times no kernel variants, whose
+    /// comparison needs memory the plan does not count).
+    budgeted: bool,
 }
 
 impl<'a> CudaFlush<'a> {
@@ -147,6 +150,7 @@ impl<'a> CudaFlush<'a> {
             error: Mutex::new(None),
             times: Mutex::new(Vec::new()),
             recording,
+            budgeted: schedule.memory_budget.is_some(),
         })
     }
 
@@ -291,6 +295,7 @@ impl CudaQueue<'_, '_> {
             None => LaunchOptions::default(),
             Some(v) => {
                 let tuning = super::tune::Tuning {
+                    may_time: !self.flush.budgeted,
                     tuner: &backend.tuner,
                     compiler: &backend.compiler,
                     pools,

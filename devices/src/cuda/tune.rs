@@ -139,6 +139,9 @@ const COMPARE_ENTRIES: [&str; 5] =
 /// What a tuning launch needs besides the kernel: the GPU's compiler (for the compare code),
 /// its pools (for the default's outputs, kept on the device) and the stream's lane.
 pub struct Tuning<'a> {
+    /// Whether a kernel not tuned yet may be timed now (not in a flush planned under a memory
+    /// budget: the comparison needs memory of its own); it runs its default otherwise.
+    pub may_time: bool,
     pub tuner: &'a Tuner,
     pub compiler: &'a Compiler,
     pub pools: &'a CudaPools,
@@ -168,7 +171,7 @@ pub unsafe fn options(
     let inputs = &args[..k.inputs];
     let in_place = args[k.inputs..].iter().any(|o| inputs.contains(o));
     let out_bytes: usize = k.args[k.inputs..].iter().map(|a| a.len * a.dtype.size()).sum();
-    if in_place || out_bytes > MAX_COMPARED_BYTES {
+    if !tuning.may_time || in_place || out_bytes > MAX_COMPARED_BYTES {
         return LaunchOptions::default();
     }
     // The default's outputs, kept on the device for the candidates to be compared with, then

@@ -568,6 +568,7 @@ impl<'a> Planner<'a> {
             outputs,
             planned_peak_bytes: self.peak,
             offloads,
+            memory_budget: None,
         }
     }
 }
