@@ -181,12 +181,15 @@ impl super::CpuDevice {
         let task = match known {
             Some(task) => task,
             None => {
+                // Neither the probe nor the trial runs count as the program's launches.
+                use super::native::Native;
                 let code = match self.native.mode() {
                     super::CompileMode::Off => Code::Interpreted,
-                    _ if self.compiled(kernel) => Code::Compiled,
+                    _ if Native::uncounted(|| self.compiled(kernel)) => Code::Compiled,
                     _ => Code::Pending,
                 };
-                let run = |task| super::map::with_task_size(task, || self.run_untuned(kernel, args));
+                let run =
+                    |task| Native::uncounted(|| super::map::with_task_size(task, || self.run_untuned(kernel, args)));
                 match choose(kernel, args, code, run)? {
                     Choice::NotYet => TASK,
                     Choice::Task(task) => {

@@ -406,6 +406,11 @@ fn enqueue(slot: Arc<Slot>) {
     let _ = queue.lock().unwrap_or_else(|p| p.into_inner()).send(slot);
 }
 
+thread_local! {
+    /// Set while the tuner runs a kernel for itself ([`Native::uncounted`]).
+    static UNCOUNTED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// A device's view of compiled kernels: its mode, which of its kernels have a library, and how
 /// many kernels it ran compiled.
 pub struct Native {
@@ -447,6 +452,16 @@ impl Native {
 
     pub fn set_mode(&self, mode: CompileMode) {
         self.mode.store(mode as u8, Ordering::Relaxed);
+    }
+
+    /// Runs `f` without counting the libraries it asks for as launches (the tuner's trial
+    /// runs and readiness probes, `super::tune`: [`Native::launches`] counts the runs a
+    /// program asked for).
+    pub fn uncounted<T>(f: impl FnOnce() -> T) -> T {
+        let before = UNCOUNTED.with(|u| u.replace(true));
+        let out = f();
+        UNCOUNTED.with(|u| u.set(before));
+        out
     }
 
     /// Counts a launch of a library its caller kept from an earlier [`Native::library`].
@@ -515,7 +530,9 @@ impl Native {
             }
         };
         let lib = built.as_ref().ok()?.clone();
-        self.launches.fetch_add(1, Ordering::Relaxed);
+        if !UNCOUNTED.with(|u| u.get()) {
+            self.launches.fetch_add(1, Ordering::Relaxed);
+        }
         Some(lib)
     }
 }
