@@ -61,10 +61,16 @@ pub(super) fn task_size() -> usize {
 /// Runs `f` with tasks of `task` elements on this thread (every size a multiple of
 /// [`CHUNK`], so chunks fall where they fall with [`TASK`] and results keep their bits).
 pub(super) fn with_task_size<T>(task: usize, f: impl FnOnce() -> T) -> T {
-    let before = TASK_SIZE.with(|t| t.replace(task));
-    let out = f();
-    TASK_SIZE.with(|t| t.set(before));
-    out
+    /// Puts the size back when dropped, also when `f` panics (the engine catches kernel
+    /// panics and goes on on this thread).
+    struct Restore(usize);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            TASK_SIZE.with(|t| t.set(self.0));
+        }
+    }
+    let _restore = Restore(TASK_SIZE.with(|t| t.replace(task)));
+    f()
 }
 
 /// Runs `f(start, end)` over indices `0..n` split into tasks of [`task_size`] indices, in

@@ -7,9 +7,9 @@
 //! A kernel is tuned on its real arguments the first time it runs as compiled code (or
 //! interpreted, when compiling is off: a key of its own), never while its code compiles: the
 //! interpreter's timings would not hold for the code that replaces it. Long kernels are timed
-//! fewer times (two runs a candidate from 20 ms). Kernels of arguments under [`MIN_TUNED_ELEMENTS`] (a task or two: the
-//! split cannot matter) or whose outputs share memory with an input (written in place) are
-//! not timed. The choice is kept per interned kernel, so a later run pays one lookup.
+//! fewer times (two runs a candidate from 20 ms). Kernels of arguments under
+//! [`MIN_TUNED_ELEMENTS`] (a task or two: the split cannot matter) or whose outputs share
+//! memory with an input (written in place) are not timed. The choice is kept per interned kernel, so a later run pays one lookup.
 //!
 //! `CpuDevice::run` (here) looks the choice up, or tunes, around every kernel it runs. The
 //! choice reaches the loops through a thread-local ([`super::map::with_task_size`]) that

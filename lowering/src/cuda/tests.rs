@@ -593,21 +593,3 @@ fn an_integer_product_without_batches_prints() {
     let p = print(&k, "empty").unwrap();
     declared_before_use(&p.source);
 }
-
-#[test]
-fn print_options_change_how_long_rows_are_split_and_nothing_else() {
-    // Rows of 5 segments of the default length: 3 of 8K elements, or not split at all when a
-    // segment would cover half a row; rows short enough to keep whole print as by default.
-    let long = softmax_rows(2, 5 * SEGMENT);
-    let blocks = |o: PrintOptions| -> Vec<Launch> {
-        print_with(&long, "sm", &o).unwrap().entries.iter().map(|e| e.launch).take(1).collect()
-    };
-    let d = PrintOptions::default();
-    assert_eq!(blocks(d), [Launch::Rows { rows: 10, threads: 256 }]);
-    assert_eq!(blocks(PrintOptions { segment: 2 * SEGMENT, ..d }), [Launch::Rows { rows: 6, threads: 256 }]);
-    assert_eq!(print_with(&long, "sm", &PrintOptions { segment: 3 * SEGMENT, ..d }).unwrap().entries.len(), 1);
-    let short = softmax_rows(2, 2047);
-    let printed = |o: PrintOptions| print_with(&short, "sm", &o).unwrap().source;
-    assert_eq!(printed(d), printed(PrintOptions { segment: 2048, column_blocks: 512 }));
-    assert!(print_with(&short, "sm", &PrintOptions { segment: 0, ..d }).is_err());
-}

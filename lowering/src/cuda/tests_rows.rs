@@ -334,3 +334,21 @@ fn reductions_of_a_split_row_that_read_none_share_two_passes() {
     let finish = &p.source[p.source.find("void norm_rows_finish(").unwrap()..];
     assert!(!finish.contains("a0[") && !finish.contains("a1["), "the outputs read no input:\n{finish}");
 }
+
+#[test]
+fn print_options_change_how_long_rows_are_split_and_nothing_else() {
+    // Rows of 5 segments of the default length: 3 of 8K elements, or not split at all when a
+    // segment would cover half a row; rows short enough to keep whole print as by default.
+    let long = softmax_rows(2, 5 * SEGMENT);
+    let blocks = |o: PrintOptions| -> Vec<Launch> {
+        print_with(&long, "sm", &o).unwrap().entries.iter().map(|e| e.launch).take(1).collect()
+    };
+    let d = PrintOptions::default();
+    assert_eq!(blocks(d), [Launch::Rows { rows: 10, threads: 256 }]);
+    assert_eq!(blocks(PrintOptions { segment: 2 * SEGMENT, ..d }), [Launch::Rows { rows: 6, threads: 256 }]);
+    assert_eq!(print_with(&long, "sm", &PrintOptions { segment: 3 * SEGMENT, ..d }).unwrap().entries.len(), 1);
+    let short = softmax_rows(2, 2047);
+    let printed = |o: PrintOptions| print_with(&short, "sm", &o).unwrap().source;
+    assert_eq!(printed(d), printed(PrintOptions { segment: 2048, column_blocks: 512 }));
+    assert!(print_with(&short, "sm", &PrintOptions { segment: 0, ..d }).is_err());
+}

@@ -458,10 +458,15 @@ impl Native {
     /// runs and readiness probes, `super::tune`: [`Native::launches`] counts the runs a
     /// program asked for).
     pub fn uncounted<T>(f: impl FnOnce() -> T) -> T {
-        let before = UNCOUNTED.with(|u| u.replace(true));
-        let out = f();
-        UNCOUNTED.with(|u| u.set(before));
-        out
+        /// Puts the flag back when dropped, also when `f` panics.
+        struct Restore(bool);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                UNCOUNTED.with(|u| u.set(self.0));
+            }
+        }
+        let _restore = Restore(UNCOUNTED.with(|u| u.replace(true)));
+        f()
     }
 
     /// Counts a launch of a library its caller kept from an earlier [`Native::library`].
@@ -576,42 +581,4 @@ fn slot_for(kernel: &Kernel, rows: Option<PlannedRows<'_>>) -> Option<Arc<Slot>>
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_source_the_compiler_rejects_is_an_error_naming_it() {
-        if let Err(e) = compile::available() {
-            eprintln!("native: SKIPPED, no C compiler: {e}");
-            return;
-        }
-        let source = host_c::HostSource {
-            source: "this is not C;\n".into(),
-            entries: vec!["f".into()],
-            row_scratch: None,
-            split_rows: false,
-        };
-        let err = NativeKernel::load(&source).err().expect("a compile error");
-        assert!(err.contains("failed") && err.contains("error"), "{err}");
-        // A slot whose compile failed stays failed (and its kernel interpreted), without retrying.
-        let slot = Slot { source, built: OnceLock::new(), queued: AtomicBool::new(false), runs: AtomicU64::new(0) };
-        assert!(slot.build().is_err());
-        assert!(slot.build().is_err());
-    }
-
-    #[test]
-    fn a_library_without_the_entry_point_is_an_error() {
-        if compile::available().is_err() {
-            eprintln!("native: SKIPPED, no C compiler");
-            return;
-        }
-        let source = host_c::HostSource {
-            source: "void g(void) {}\n".into(),
-            entries: vec!["f".into()],
-            row_scratch: None,
-            split_rows: false,
-        };
-        let err = NativeKernel::load(&source).err().expect("a missing entry point");
-        assert!(err.contains("entry f not found"), "{err}");
-    }
-}
+mod tests;
