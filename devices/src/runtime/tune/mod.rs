@@ -207,9 +207,9 @@ pub fn checksum(variants: &[Variant]) -> u64 {
     content_hash(&variants.iter().map(|v| (&v.name, v.bitwise)).collect::<Vec<_>>())
 }
 
-/// [`checksum`] of the variants at `candidates`.
+/// [`checksum`] of the variants at `candidates` (without copying them: a launch asks).
 fn checksum_of(variants: &[Variant], candidates: &[usize]) -> u64 {
-    checksum(&candidates.iter().map(|&i| variants[i].clone()).collect::<Vec<_>>())
+    content_hash(&candidates.iter().map(|&i| (&variants[i].name, variants[i].bitwise)).collect::<Vec<_>>())
 }
 
 /// What to do at a launch.
