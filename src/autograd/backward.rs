@@ -1,6 +1,7 @@
 //! The backward pass: walking recorded `GradNode`s from a loss and recording their
 //! derivatives, and [`Grads`], the gradients it produces.
 
+use super::hooks::BackwardHook;
 use super::rules::{self, InFlight, Val};
 use super::{GradNode, GradSource, Saved, no_grad, source_of};
 use crate::device::Device;
@@ -50,6 +51,11 @@ impl Grads {
             );
         }
         self.by_leaf.insert(id, g);
+    }
+
+    /// The gradient of the leaf numbered `leaf`, if there is one.
+    pub(crate) fn of_leaf(&self, leaf: u64) -> Option<Tensor> {
+        self.by_leaf.get(&leaf).cloned()
     }
 
     /// How many leaves have a gradient.
@@ -133,6 +139,18 @@ impl Tensor {
     /// another backward pass through the same ops.
     #[track_caller]
     pub fn backward_with(&self, grads: &mut Grads, keep_graph: bool) -> crate::Result<()> {
+        self.backward_hooked(grads, keep_graph, None)
+    }
+
+    /// [`Tensor::backward_with`], telling `hook` where the walk is and letting it give the
+    /// values of leaves that derivatives read (see [`super::hooks`]).
+    #[track_caller]
+    pub(crate) fn backward_hooked(
+        &self,
+        grads: &mut Grads,
+        keep_graph: bool,
+        mut hook: Option<&mut dyn BackwardHook>,
+    ) -> crate::Result<()> {
         let describe = || [("loss", format!("{:?}", self))];
         if self.numel() != 1 || !self.dtype().is_float() {
             misuse("backward", "the loss must be a floating-point tensor with one element", &describe());
@@ -182,6 +200,14 @@ impl Tensor {
                 let current = crate::recorder::current_stream(self.device().id());
                 for (node, saved) in nodes.iter().zip(&saved) {
                     let Some(g) = pending.remove(&Arc::as_ptr(node)) else { continue };
+                    let replaced = match hook.as_deref_mut() {
+                        Some(hook) => {
+                            hook.reached(node.seq, grads);
+                            super::hooks::substitute(node, saved, hook)
+                        }
+                        None => None,
+                    };
+                    let saved = replaced.as_ref().unwrap_or(saved);
                     let differentiate = || {
                         let input_grads = rules::input_grads(node, saved, g);
                         for (slot, ig) in node.inputs.iter().zip(input_grads) {

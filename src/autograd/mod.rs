@@ -16,6 +16,7 @@
 //! This module never executes anything and never reads device values.
 
 mod backward;
+pub(crate) mod hooks;
 mod rules;
 
 pub use backward::Grads;
@@ -56,6 +57,12 @@ pub(crate) fn replace_meta(meta: &mut Option<GradSource>, new: Option<GradSource
 static NEXT_SEQ: AtomicU64 = AtomicU64::new(0);
 /// Identities of leaves (stable across in-place updates of the leaf).
 static NEXT_LEAF: AtomicU64 = AtomicU64::new(1);
+
+/// The sequence number the next recorded op with gradient history gets: ops recorded after
+/// this call have this number or more (how `braid::dist::Sharded` tells units apart).
+pub(crate) fn next_seq() -> u64 {
+    NEXT_SEQ.load(Ordering::Relaxed)
+}
 
 thread_local! {
     static NO_GRAD_DEPTH: Cell<u32> = const { Cell::new(0) };

@@ -41,8 +41,10 @@
 //! ```
 
 mod data_parallel;
+mod sharded;
 
 pub use data_parallel::DataParallel;
+pub use sharded::Sharded;
 
 use crate::device::Device;
 use crate::engine::{Engine, NewNode};
@@ -336,20 +338,21 @@ impl Group {
 
     /// Records each rank's part on its device's communication stream.
     fn record(&self, kind: CollectiveKind, tensors: &[Tensor], shape: Shape) -> Vec<Tensor> {
+        tensors.iter().enumerate().map(|(i, t)| self.record_rank(kind, i, t, shape.clone())).collect()
+    }
+
+    /// Records the part of this process's `i`-th rank (`t` on its device, checked by the
+    /// caller) on the device's communication stream: every rank must record its parts in the
+    /// same order, one rank at a time or all at once.
+    fn record_rank(&self, kind: CollectiveKind, i: usize, t: &Tensor, shape: Shape) -> Tensor {
         let size = self.size() as u32;
         let group = self.0.runtime.id();
-        tensors
-            .iter()
-            .enumerate()
-            .map(|(i, t)| {
-                let device = t.device();
-                let op = Op::Collective(Collective { kind, group, rank: self.0.ranks[i], size });
-                let stream = device.comm_stream().id;
-                let new = NewNode { op, dtype: t.dtype(), shape: shape.clone(), stream };
-                let node = device.engine().record_collective(new, t.cell());
-                Tensor::from_node(node, shape.clone(), t.dtype(), device.clone())
-            })
-            .collect()
+        let device = t.device();
+        let op = Op::Collective(Collective { kind, group, rank: self.0.ranks[i], size });
+        let stream = device.comm_stream().id;
+        let new = NewNode { op, dtype: t.dtype(), shape: shape.clone(), stream };
+        let node = device.engine().record_collective(new, t.cell());
+        Tensor::from_node(node, shape, t.dtype(), device.clone())
     }
 }
 

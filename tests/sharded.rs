@@ -1,0 +1,416 @@
+//! Sharded data parallel (`braid::dist::Sharded`): training equal to one device's within 1e-5
+//! after 20 AdamW steps on 1, 2 and 4 ranks (one process) and on 2 processes; checkpoints
+//! written on 4 ranks read on 2 and on 1; a failed rank and a missing rank as `Err`s on every
+//! rank; the schedule a step runs (gathers twice, reduce-scatters once per unit, on the
+//! communication stream, the gathers waiting on the compute stream's events). On the CPU the ranks are CPU devices; with
+//! `BRAID_DEVICE=cuda` they are GPUs through NCCL (tests that need more GPUs than the machine
+//! has say they skipped).
+
+mod common;
+
+use braid::dist::{Group, Reduce, Sharded};
+use braid::nn::Params;
+use braid::optim::AdamW;
+use braid::prelude::*;
+use common::Rng;
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+/// Held by every test (see `tests/dist.rs`: two groups' NCCL calls at once may wait forever).
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `n` devices of the kind `BRAID_DEVICE` names, or `None` (with a message) when this machine
+/// cannot make a group of `n` of them.
+fn ranks(n: usize, test: &str) -> Option<Vec<Device>> {
+    let kind = std::env::var("BRAID_DEVICE").unwrap_or_default();
+    let skip = |why: String| {
+        let _ = writeln!(std::io::stderr(), "skipped: {test}: {why}");
+        None
+    };
+    match kind.trim() {
+        "" | "cpu" => Some((0..n).map(|_| Device::new_cpu()).collect()),
+        k if k.starts_with("cuda") => {
+            let count = Device::count("cuda");
+            if count < n {
+                return skip(format!("needs {n} GPUs, this machine has {count}"));
+            }
+            Some((0..n).map(|i| Device::new_cuda(i).expect("a GPU the driver lists")).collect())
+        }
+        other => skip(format!("BRAID_DEVICE={other} runs no collectives")),
+    }
+}
+
+fn random(rng: &mut Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.uniform(-1.0, 1.0) as f32).collect()
+}
+
+fn close(a: &[f32], b: &[f32], tol: f32) -> Result<(), String> {
+    if a.len() != b.len() {
+        return Err(format!("lengths {} and {}", a.len(), b.len()));
+    }
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        if (x - y).abs() > tol * (1.0 + y.abs()) {
+            return Err(format!("element {i}: {x} vs {y}"));
+        }
+    }
+    Ok(())
+}
+
+/// The model's units: unit 0 the input layer and the output head (used first and last, as
+/// tied embeddings are), unit 1 a layer with a gain, unit 2 a layer read transposed. Odd sizes,
+/// so that parameters do not split evenly over the ranks.
+fn init(rng: &mut Rng, device: &Device) -> Vec<Params> {
+    let mut t = |name: &str, dims: &[usize]| {
+        let n: usize = dims.iter().product();
+        (name.to_string(), Tensor::from_vec(random(rng, n), dims, device) * 0.5)
+    };
+    let units = [
+        vec![t("in.w", &[7, 12]), t("in.b", &[12]), t("out.w", &[12, 3])],
+        vec![t("h1.w", &[12, 12]), t("h1.b", &[12]), t("h1.gain", &[12])],
+        vec![t("h2.w", &[12, 12]), t("h2.b", &[5 + 7])],
+    ];
+    units
+        .into_iter()
+        .map(|unit| {
+            let mut p = Params::new();
+            for (name, t) in unit {
+                p.push(name, &t);
+            }
+            p
+        })
+        .collect()
+}
+
+/// The loss over `x [rows, 7]`, `y [rows, 3]`, the units' parameters coming from `unit(u)`
+/// (called where unit `u`'s forward pass starts).
+fn loss(mut unit: impl FnMut(usize) -> Vec<Tensor>, x: &Tensor, y: &Tensor) -> Tensor {
+    let u0 = unit(0);
+    let h = (x.matmul(&u0[0]) + &u0[1]).tanh();
+    let u1 = unit(1);
+    let h = ((h.matmul(&u1[0]) + &u1[1]) * &u1[2]).tanh();
+    let u2 = unit(2);
+    let h = (h.matmul(&u2[0].t()) + &u2[1]).tanh();
+    (h.matmul(&u0[2]) - y).square().mean()
+}
+
+/// Trains for 20 AdamW steps on `reference` (one device, the whole batch) and sharded over
+/// `group` (this process's ranks given their rows), comparing losses at every step and every
+/// parameter at the end.
+fn train_and_compare(group: &Group, reference: &Device) {
+    let local = group.devices().to_vec();
+    let n = group.size();
+    let mut rng = Rng::new(11);
+    let units = init(&mut rng, reference);
+    let single: Vec<Vec<Tensor>> = units.iter().map(|u| u.iter().map(|t| t.requires_grad()).collect()).collect();
+    let mut sharded = Sharded::new(group, &units);
+    let mut opt_single = AdamW::new(0.01);
+    let mut opts: Vec<AdamW> = local.iter().map(|_| AdamW::new(0.01)).collect();
+    let rows = 4;
+    for step in 0..20 {
+        let (xv, yv) = (random(&mut rng, n * rows * 7), random(&mut rng, n * rows * 3));
+        let x = Tensor::from_vec(xv.clone(), [n * rows, 7], reference);
+        let y = Tensor::from_vec(yv.clone(), [n * rows, 3], reference);
+        let want = loss(|u| single[u].clone(), &x, &y);
+        let grads = want.backward().unwrap();
+        let mut flat: Vec<Tensor> = single.concat();
+        opt_single.step(&mut flat, &grads);
+        let losses: Vec<Tensor> = (0..local.len())
+            .map(|i| {
+                let r = group.ranks()[i];
+                // Each rank's rows from the host (not moved from another rank's device, see
+                // `braid::dist`).
+                let xs = Tensor::from_vec(xv[r * rows * 7..(r + 1) * rows * 7].to_vec(), [rows, 7], &local[i]);
+                let ys = Tensor::from_vec(yv[r * rows * 3..(r + 1) * rows * 3].to_vec(), [rows, 3], &local[i]);
+                loss(|u| sharded.gather(i, u), &xs, &ys)
+            })
+            .collect();
+        let grads = sharded.backward(&losses).unwrap();
+        for (i, opt) in opts.iter_mut().enumerate() {
+            opt.step(sharded.shards_mut(i), &grads[i]);
+        }
+        let mean = group.all_reduce(&losses, Reduce::Mean)[0].item::<f32>().unwrap();
+        let want = want.item::<f32>().unwrap();
+        assert!((mean - want).abs() <= 1e-5 * (1.0 + want.abs()), "step {step}: loss {mean} vs {want}");
+    }
+    let gathered = sharded.params();
+    for (u, unit) in single.iter().enumerate() {
+        for (k, p) in unit.iter().enumerate() {
+            let want = p.to_vec::<f32>().unwrap();
+            for (i, params) in gathered.iter().enumerate() {
+                let (name, t) = params.named().nth(units[..u].iter().map(Params::len).sum::<usize>() + k).unwrap();
+                assert_eq!(t.dims(), p.dims(), "{name}");
+                close(&t.to_vec::<f32>().unwrap(), &want, 1e-5)
+                    .unwrap_or_else(|e| panic!("{name} on rank {} after 20 steps: {e}", group.ranks()[i]));
+            }
+        }
+    }
+}
+
+fn matches_single_device(n: usize) {
+    let Some(devices) = ranks(n, &format!("sharded_{n}_ranks")) else { return };
+    let group = Group::new(&devices).unwrap();
+    train_and_compare(&group, &devices[0]);
+}
+
+#[test]
+fn sharded_training_matches_single_device_on_1_rank() {
+    let _serial = serial();
+    matches_single_device(1);
+}
+
+#[test]
+fn sharded_training_matches_single_device_on_2_ranks() {
+    let _serial = serial();
+    matches_single_device(2);
+}
+
+#[test]
+fn sharded_training_matches_single_device_on_4_ranks() {
+    let _serial = serial();
+    matches_single_device(4);
+}
+
+/// A stack of `layers` units of one `[width, width]` weight each, read transposed by every
+/// other layer.
+fn deep_loss(mut unit: impl FnMut(usize) -> Vec<Tensor>, layers: usize, x: &Tensor) -> Tensor {
+    let mut h = x.clone();
+    for l in 0..layers {
+        let w = &unit(l)[0];
+        h = if l % 2 == 0 { h.matmul(w) } else { h.matmul(&w.t()) }.tanh();
+    }
+    h.square().mean()
+}
+
+#[test]
+fn a_step_gathers_each_unit_twice_and_reduces_it_once_on_the_comm_stream() {
+    let _serial = serial();
+    let Some(devices) = ranks(2, "a_step_gathers_each_unit_twice") else { return };
+    let group = Group::new(&devices).unwrap();
+    let (layers, width) = (8, 128);
+    let mut rng = Rng::new(5);
+    let units: Vec<Params> = (0..layers)
+        .map(|l| {
+            let mut p = Params::new();
+            let w = Tensor::from_vec(random(&mut rng, width * width), [width, width], &devices[0]) * 0.2;
+            p.push(format!("layer{l}.w"), &w);
+            p
+        })
+        .collect();
+    let mut sharded = Sharded::new(&group, &units);
+    let mut opts: Vec<AdamW> = devices.iter().map(|_| AdamW::new(0.01)).collect();
+    for _ in 0..2 {
+        let losses: Vec<Tensor> = (0..2)
+            .map(|i| {
+                let x = Tensor::from_vec(random(&mut rng, 2 * width), [2, width], &devices[i]);
+                deep_loss(|u| sharded.gather(i, u), layers, &x)
+            })
+            .collect();
+        let grads = sharded.backward(&losses).unwrap();
+        for (i, opt) in opts.iter_mut().enumerate() {
+            opt.step(sharded.shards_mut(i), &grads[i]);
+        }
+        group.sync().unwrap();
+    }
+    let dump = devices[0].last_schedule().expect("the step's schedule");
+    let text = dump.to_text();
+    let count = |what: &str| text.matches(what).count();
+    assert_eq!(count("all_gather"), 2 * layers, "each unit gathered for forward and again for backward:\n{text}");
+    assert_eq!(count("reduce_scatter"), layers, "one reduce-scatter per unit:\n{text}");
+    let comm = devices[0].comm_stream().id();
+    assert!(text.contains(&format!("stream {comm}:")), "the communication stream is in the dump:\n{text}");
+    let json: serde_json::Value = serde_json::from_str(&dump.to_json()).unwrap();
+    let comm_steps = json["streams"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["id"] == comm)
+        .map(|s| s["steps"].as_array().unwrap().clone())
+        .unwrap();
+    let waits = comm_steps.iter().filter(|s| s["kind"] == "wait").count();
+    assert!(waits >= 2 * layers - 4, "the all-gathers wait on the compute stream's events ({waits} waits):\n{text}");
+    // Without gathering again, the backward pass reads the forward pass's copies.
+    let mut kept = Sharded::new(&group, &units).with_regather(false);
+    let losses: Vec<Tensor> = (0..2)
+        .map(|i| {
+            let x = Tensor::from_vec(random(&mut rng, 2 * width), [2, width], &devices[i]);
+            deep_loss(|u| kept.gather(i, u), layers, &x)
+        })
+        .collect();
+    let grads = kept.backward(&losses).unwrap();
+    drop(losses);
+    let g: Vec<Tensor> = (0..2).map(|i| grads[i].get(&kept.shards(i)[0]).unwrap()).collect();
+    drop(grads);
+    group.sync().unwrap();
+    let text = devices[0].last_schedule().expect("the step's schedule").to_text();
+    assert_eq!(text.matches("all_gather").count(), layers, "one gather per unit:\n{text}");
+    assert_eq!(text.matches("reduce_scatter").count(), layers, "{text}");
+    assert_eq!(g[0].dims(), &[width * width / 2]);
+}
+
+#[test]
+fn a_checkpoint_written_on_4_ranks_loads_on_2_and_on_1() {
+    let _serial = serial();
+    let Some(four) = ranks(4, "a_checkpoint_written_on_4_ranks") else { return };
+    let group = Group::new(&four).unwrap();
+    let mut rng = Rng::new(3);
+    let units = init(&mut rng, &four[0]);
+    let mut sharded = Sharded::new(&group, &units);
+    // One step, so that the saved values are not the initial ones.
+    let mut opts: Vec<AdamW> = four.iter().map(|_| AdamW::new(0.05)).collect();
+    let losses: Vec<Tensor> = (0..4)
+        .map(|i| {
+            let x = Tensor::from_vec(random(&mut rng, 2 * 7), [2, 7], &four[i]);
+            let y = Tensor::from_vec(random(&mut rng, 2 * 3), [2, 3], &four[i]);
+            loss(|u| sharded.gather(i, u), &x, &y)
+        })
+        .collect();
+    let grads = sharded.backward(&losses).unwrap();
+    for (i, opt) in opts.iter_mut().enumerate() {
+        opt.step(sharded.shards_mut(i), &grads[i]);
+    }
+    let dir = std::env::temp_dir().join(format!("braid-sharded-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    sharded.save(&dir).unwrap();
+    let want: Vec<(String, Vec<f32>)> =
+        sharded.params()[0].named().map(|(n, t)| (n.to_string(), t.to_vec::<f32>().unwrap())).collect();
+    assert_ne!(want[0].1, units[0].iter().next().unwrap().to_vec::<f32>().unwrap(), "the step changed the weights");
+    drop((sharded, group));
+    for n in [2, 1] {
+        let devices: Vec<Device> = four[..n].to_vec();
+        let group = Group::new(&devices).unwrap();
+        let loaded = Sharded::load(&group, &dir).unwrap();
+        assert!(loaded.shards(0)[0].numel() * n >= 7 * 12 + 12 + 12 * 3);
+        for params in loaded.params() {
+            let got: Vec<(String, Vec<f32>)> =
+                params.named().map(|(n, t)| (n.to_string(), t.to_vec::<f32>().unwrap())).collect();
+            assert_eq!(got, want, "the checkpoint of 4 ranks read on {n}");
+        }
+    }
+    // A damaged checkpoint is an Err naming the file.
+    std::fs::remove_file(dir.join("shard-00003-of-00004.safetensors")).unwrap();
+    let group = Group::new(&four[..2]).unwrap();
+    let e = Sharded::load(&group, &dir).expect_err("a rank's file is missing").to_string();
+    assert!(e.contains("shard-00003-of-00004"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_failed_rank_mid_step_is_an_err_on_every_rank_and_the_devices_go_on() {
+    let _serial = serial();
+    let Some(devices) = ranks(2, "a_failed_rank_mid_step") else { return };
+    let group = Group::new(&devices).unwrap();
+    group.set_timeout(Duration::from_secs(60));
+    let mut rng = Rng::new(9);
+    let units = init(&mut rng, &devices[0]);
+    let mut sharded = Sharded::new(&group, &units);
+    let losses: Vec<Tensor> = (0..2)
+        .map(|i| {
+            let x = Tensor::from_vec(random(&mut rng, 4 * 7), [4, 7], &devices[i]);
+            let y = Tensor::from_vec(random(&mut rng, 4 * 3), [4, 3], &devices[i]);
+            loss(|u| sharded.gather(i, u), &x, &y)
+        })
+        .collect();
+    let grads = sharded.backward(&losses).unwrap();
+    // Rank 1's flush fails at a kernel in the middle of its step.
+    braid::testing::fail_next_flush_at(&devices[1], 6);
+    let start = Instant::now();
+    let shard_grads: Vec<Tensor> = (0..2).map(|i| grads[i].get(&sharded.shards(i)[1]).unwrap()).collect();
+    let e0 = shard_grads[0].to_vec::<f32>().expect_err("rank 0 cannot finish without rank 1").to_string();
+    let e1 = shard_grads[1].to_vec::<f32>().expect_err("rank 1 failed").to_string();
+    assert!(start.elapsed() < Duration::from_secs(30), "Errs, well before the timeout");
+    assert!(e0.contains("rank 1"), "{e0}");
+    assert!(e1.contains("failure injected") || e1.contains("broken"), "{e1}");
+    assert!(group.broken().is_some());
+    // The devices stay usable for compute. (A new group's collectives on them are not yet:
+    // the failed step's waits on its events stay on the communication stream; see the issue
+    // note of stop 62.)
+    drop((shard_grads, grads, losses, sharded));
+    let x = Tensor::from_vec(random(&mut rng, 4), [4], &devices[1]);
+    assert_eq!((&x * 0.0).sum().item::<f32>().unwrap(), 0.0);
+}
+
+#[test]
+fn a_rank_that_never_arrives_times_out_on_every_rank() {
+    let _serial = serial();
+    let Some(devices) = ranks(2, "a_rank_that_never_arrives") else { return };
+    let group = Group::new(&devices).unwrap();
+    group.set_timeout(Duration::from_millis(500));
+    let mut rng = Rng::new(4);
+    let units = init(&mut rng, &devices[0]);
+    let mut sharded = Sharded::new(&group, &units);
+    let x = Tensor::from_vec(random(&mut rng, 4 * 7), [4, 7], &devices[0]);
+    let y = Tensor::from_vec(random(&mut rng, 4 * 3), [4, 3], &devices[0]);
+    let l0 = loss(|u| sharded.gather(0, u), &x, &y);
+    // Rank 1 is busy (its engine lock held) for longer than the timeout.
+    let err = braid::testing::hold_engine_lock(&devices[1], || {
+        let start = Instant::now();
+        let e = l0.item::<f32>().expect_err("rank 1 cannot arrive");
+        assert!(start.elapsed() < Duration::from_secs(20));
+        e
+    });
+    let m = err.to_string();
+    assert!(m.contains("waited") && m.contains("rank(s) 1"), "{m}");
+}
+
+/// One rank of a group spanning processes (run by
+/// `sharded_training_across_processes_matches_single_device`).
+#[test]
+#[ignore = "a worker process: run by sharded_training_across_processes_matches_single_device"]
+fn sharded_worker_process() {
+    let _serial = serial();
+    let rank: usize = std::env::var("RANK").expect("RANK").parse().unwrap();
+    let cuda = std::env::var("BRAID_DEVICE").unwrap_or_default().starts_with("cuda");
+    let device = if cuda { Device::new_cuda(rank).unwrap() } else { Device::new_cpu() };
+    let group = Group::from_env(&device).expect("every process joins");
+    // Each process trains the reference itself, from the same seed.
+    let reference = if cuda { device.clone() } else { Device::new_cpu() };
+    train_and_compare(&group, &reference);
+    println!("sharded worker {rank}: ok");
+}
+
+#[test]
+fn sharded_training_across_processes_matches_single_device() {
+    let _serial = serial();
+    let kind = std::env::var("BRAID_DEVICE").unwrap_or_default();
+    if kind.starts_with("cuda") && Device::count("cuda") < 2 {
+        let _ = writeln!(std::io::stderr(), "skipped: sharded_training_across_processes: needs 2 GPUs");
+        return;
+    }
+    if !(kind.is_empty() || kind == "cpu" || kind.starts_with("cuda")) {
+        let _ = writeln!(std::io::stderr(), "skipped: sharded_training_across_processes: BRAID_DEVICE={kind}");
+        return;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let exe = std::env::current_exe().unwrap();
+    let mut children: Vec<std::process::Child> = (0..2)
+        .map(|rank| {
+            std::process::Command::new(&exe)
+                .args(["--ignored", "--exact", "sharded_worker_process", "--nocapture", "--test-threads", "1"])
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("BRAID_COLLECTIVE_TIMEOUT", "60")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(240);
+    while children.iter_mut().any(|c| c.try_wait().unwrap().is_none()) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for (rank, mut child) in children.into_iter().enumerate() {
+        if child.try_wait().unwrap().is_none() {
+            let _ = child.kill();
+        }
+        let out = child.wait_with_output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && text.contains(&format!("sharded worker {rank}: ok")), "rank {rank}:\n{text}");
+    }
+}
