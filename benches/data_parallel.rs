@@ -11,6 +11,9 @@
 //! (every GPU, NCCL), or here `cargo bench --bench data_parallel -- --device cpu --scale small`
 //! (2 CPU devices). Options: `--ranks N`, `--scale full|small` (H = batch per device = 4096, or
 //! 256), `--out DIR` (writes `data_parallel.json`).
+//!
+//! `--sharded` measures sharded data parallel instead (GPT-2, `braid::dist::Sharded`; see
+//! `data_parallel/sharded.rs`): `--model medium|small|tiny`, `--batch`, `--seq`, `--steps`.
 
 use braid::dist::{DataParallel, Group};
 use braid::optim::Sgd;
@@ -19,6 +22,11 @@ use std::time::Duration;
 #[path = "common/timing.rs"]
 mod timing;
 use timing::median_ms;
+#[path = "../examples/common/gpt2.rs"]
+#[allow(dead_code)]
+mod gpt2;
+#[path = "data_parallel/sharded.rs"]
+mod sharded;
 
 fn arg(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();
@@ -63,6 +71,10 @@ fn main() {
     let devices: Vec<Device> = (0..ranks)
         .map(|i| if device.starts_with("cuda") { Device::new_cuda(i).expect("a GPU") } else { Device::new_cpu() })
         .collect();
+    if std::env::args().any(|a| a == "--sharded") {
+        sharded::run(&devices, arg);
+        return;
+    }
     let (h, b) = if small { (256, 256) } else { (4096, 4096) };
     println!("data parallel: G3 model, H={h}, batch {b} per device, {ranks} x {}", devices[0].name());
 

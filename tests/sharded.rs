@@ -186,7 +186,7 @@ fn deep_loss(mut unit: impl FnMut(usize) -> Vec<Tensor>, layers: usize, x: &Tens
 }
 
 #[test]
-fn a_step_gathers_each_unit_twice_and_reduces_it_once_on_the_comm_stream() {
+fn a_step_gathers_each_unit_twice_reduces_it_once_and_never_holds_every_full_weight() {
     let _serial = serial();
     let Some(devices) = ranks(2, "a_step_gathers_each_unit_twice") else { return };
     let group = Group::new(&devices).unwrap();
@@ -232,6 +232,17 @@ fn a_step_gathers_each_unit_twice_and_reduces_it_once_on_the_comm_stream() {
         .unwrap();
     let waits = comm_steps.iter().filter(|s| s["kind"] == "wait").count();
     assert!(waits >= 2 * layers - 4, "the all-gathers wait on the compute stream's events ({waits} waits):\n{text}");
+    // The full weights are 8 x 64 KiB; what a rank keeps is 8 x 32 KiB of shards, of AdamW's
+    // two moments and of the shards' gradients. The step never holds every unit's full weights:
+    // each gathered copy is freed after its last reader (the forward pass's after the forward
+    // pass; the backward pass gathers again, one unit ahead).
+    let full = (layers * width * width * 4) as u64;
+    let states = 4 * full / 2;
+    assert!(
+        dump.planned_peak_bytes() < states + full / 2,
+        "planned peak {} bytes: the states are {states} bytes, the full weights {full}:\n{text}",
+        dump.planned_peak_bytes()
+    );
     // Without gathering again, the backward pass reads the forward pass's copies.
     let mut kept = Sharded::new(&group, &units).with_regather(false);
     let losses: Vec<Tensor> = (0..2)
@@ -245,7 +256,10 @@ fn a_step_gathers_each_unit_twice_and_reduces_it_once_on_the_comm_stream() {
     let g: Vec<Tensor> = (0..2).map(|i| grads[i].get(&kept.shards(i)[0]).unwrap()).collect();
     drop(grads);
     group.sync().unwrap();
-    let text = devices[0].last_schedule().expect("the step's schedule").to_text();
+    let kept_dump = devices[0].last_schedule().expect("the step's schedule");
+    let text = kept_dump.to_text();
+    // The trade: the forward pass's copies live until the backward pass read them.
+    assert!(kept_dump.planned_peak_bytes() > full * 3 / 4, "{text}");
     assert_eq!(text.matches("all_gather").count(), layers, "one gather per unit:\n{text}");
     assert_eq!(text.matches("reduce_scatter").count(), layers, "{text}");
     assert_eq!(g[0].dims(), &[width * width / 2]);

@@ -63,6 +63,15 @@ fn conv1d(x: &Tensor, weight: &Tensor, bias: &Tensor) -> Tensor {
     x.linear(&weight.t(), Some(bias))
 }
 
+/// The residual stream `x [rows, width]` through one block, attending with `attend`.
+fn block(blk: &Block, x: Tensor, attend: impl FnOnce(&Tensor) -> Tensor) -> Tensor {
+    let qkv = conv1d(&blk.ln_1.forward(&x), &blk.c_attn_weight, &blk.c_attn_bias);
+    let y = attend(&qkv);
+    let x = &x + &conv1d(&y, &blk.attn_proj_weight, &blk.attn_proj_bias);
+    let hidden = conv1d(&blk.ln_2.forward(&x), &blk.c_fc_weight, &blk.c_fc_bias).gelu();
+    &x + &conv1d(&hidden, &blk.mlp_proj_weight, &blk.mlp_proj_bias)
+}
+
 impl Gpt2 {
     /// GPT-2's initialisation: weights ~ N(0, 0.02), the projections back into the residual
     /// stream ~ N(0, 0.02 / sqrt(2 layers)), biases 0, layer-norm gains 1.
@@ -154,11 +163,7 @@ impl Gpt2 {
     /// `attend(layer, qkv)` (`qkv [rows, 3 width]` -> `[rows, width]`).
     fn blocks(&self, mut x: Tensor, mut attend: impl FnMut(usize, &Tensor) -> Tensor) -> Tensor {
         for (l, blk) in self.blocks.iter().enumerate() {
-            let qkv = conv1d(&blk.ln_1.forward(&x), &blk.c_attn_weight, &blk.c_attn_bias);
-            let y = attend(l, &qkv);
-            x = &x + &conv1d(&y, &blk.attn_proj_weight, &blk.attn_proj_bias);
-            let hidden = conv1d(&blk.ln_2.forward(&x), &blk.c_fc_weight, &blk.c_fc_bias).gelu();
-            x = &x + &conv1d(&hidden, &blk.mlp_proj_weight, &blk.mlp_proj_bias);
+            x = block(blk, x, |qkv| attend(l, qkv));
         }
         x
     }
@@ -425,4 +430,65 @@ impl Gpt2 {
             .collect();
         Gpt2::from_tensors(self.cfg, &tensors)
     }
+}
+
+// Used by `benches/data_parallel/sharded.rs` only (the other users of this module do not shard).
+#[allow(dead_code)]
+impl Gpt2 {
+    /// The units a sharded run gathers one at a time (`braid::dist::Sharded`): unit 0 the
+    /// embeddings and the final norm (the tied head reads `wte` again at the end), then one
+    /// unit per block; parameters named as [`Gpt2::params`] names them.
+    pub fn units(&self) -> Vec<Params> {
+        let all = self.params();
+        let named: Vec<(&str, &Tensor)> = all.named().collect();
+        let mut root = Params::new();
+        for (n, t) in named.iter().filter(|(n, _)| !n.starts_with("h.")) {
+            root.push(*n, t);
+        }
+        let mut units = vec![root];
+        for l in 0..self.cfg.layers {
+            let mut unit = Params::new();
+            let prefix = format!("h.{l}.");
+            for (n, t) in named.iter().filter(|(n, _)| n.starts_with(&prefix)) {
+                unit.push(*n, t);
+            }
+            units.push(unit);
+        }
+        units
+    }
+}
+
+/// The mean cross-entropy of a model in [`Gpt2::units`]' layout whose unit `u` comes from
+/// `unit(u)`, called where the unit's forward pass starts (`Sharded::gather`).
+#[allow(dead_code)]
+pub fn unit_loss(cfg: Config, ids: &Tensor, targets: &Tensor, mut unit: impl FnMut(usize) -> Vec<Tensor>) -> Tensor {
+    let (b, t) = (ids.dims()[0], ids.dims()[1]);
+    let root = unit(0);
+    let norm = |w: &Tensor, bias: &Tensor| LayerNorm { weight: w.clone(), bias: bias.clone(), eps: 1e-5 };
+    let shell = Gpt2 {
+        cfg,
+        wte: root[0].clone(),
+        wpe: root[1].clone(),
+        blocks: Vec::new(),
+        ln_f: norm(&root[2], &root[3]),
+        lm_head: None,
+    };
+    let mut x = shell.embed(ids);
+    for l in 0..cfg.layers {
+        let p = unit(l + 1);
+        let blk = Block {
+            ln_1: norm(&p[0], &p[1]),
+            c_attn_weight: p[2].clone(),
+            c_attn_bias: p[3].clone(),
+            attn_proj_weight: p[4].clone(),
+            attn_proj_bias: p[5].clone(),
+            ln_2: norm(&p[6], &p[7]),
+            c_fc_weight: p[8].clone(),
+            c_fc_bias: p[9].clone(),
+            mlp_proj_weight: p[10].clone(),
+            mlp_proj_bias: p[11].clone(),
+        };
+        x = block(&blk, x, |qkv| shell.causal_attention(qkv, b, t));
+    }
+    shell.head(&x).cross_entropy(&targets.reshape([targets.numel()]))
 }

@@ -278,6 +278,16 @@ impl<V> Graph<V> {
         self.slots[id.index()].outs.iter().map(|e| e.to)
     }
 
+    /// The direct successors that read `id`'s value (not those only ordered after it), possibly
+    /// with repeats.
+    pub fn data_successors(&self, id: NodeId) -> impl Iterator<Item = NodeId> + '_ {
+        self.slots[id.index()]
+            .outs
+            .iter()
+            .filter(|e| matches!(self.slots[e.to.index()].ins[e.at as usize].edge, Edge::Data(_)))
+            .map(|e| e.to)
+    }
+
     /// Whether any node still depends on `id` (data or control).
     pub fn has_successors(&self, id: NodeId) -> bool {
         !self.slots[id.index()].outs.is_empty()

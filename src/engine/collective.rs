@@ -56,6 +56,14 @@ pub(super) fn release_lost(st: &mut EngineState, id: NodeId) {
     }
 }
 
+/// The handles a pending node of `op` holds on itself: one for a collective (until it ran, so
+/// that it runs even when no tensor names it), none for anything else. A flush keeps a value
+/// past its end only for handles beyond these, so a gathered weight nobody names is freed
+/// after its last reader in the flush.
+pub(super) fn own_handles(op: &Op) -> u32 {
+    u32::from(matches!(op, Op::Collective(_)))
+}
+
 /// After a flush ran: its collectives let go of the handle that kept them until they ran.
 pub(super) fn release_ran(st: &mut EngineState, graph: &FlushGraph) {
     for n in &graph.nodes {

@@ -249,9 +249,12 @@ impl Engine {
                 inputs.push(ValueRef::External(e));
             }
             let after = crate::small(control.into_iter().filter_map(|p| marks.node_place(p)));
+            // A collective holds a handle on itself until it ran (`collective.rs`): that one
+            // makes it run, it does not keep its value past the flush. Only readers outside the
+            // flush keep a value; a node merely ordered after it (an event) needs it to have run.
+            let held = n.handles > super::collective::own_handles(&n.op);
             let keep = recompute.kept.contains(&id)
-                || !lazy.contains(&id)
-                    && (n.handles > 0 || recorded.successors(id).any(|s| marks.node_place(s).is_none()));
+                || !lazy.contains(&id) && (held || recorded.data_successors(id).any(|s| marks.node_place(s).is_none()));
             graph.nodes.push(FlushNode {
                 id,
                 op: n.op.clone(),
@@ -267,6 +270,7 @@ impl Engine {
                 recomputed: super::recompute_copies::is_copy(backward_marks, n.seq),
             });
         }
+        keep_collectives_read_later(&mut graph, recorded, marks, &lazy);
         let ticket = Arc::new(Ticket::default());
         for &id in order {
             recorded.node_mut(id).value = Some(Value::InFlight(ticket.clone()));
@@ -282,6 +286,34 @@ impl Engine {
         st.flushes += 1;
         debug_assert!(graph.is_topological());
         Extracted { graph, externals, ticket, number: st.flushes, env }
+    }
+}
+
+/// Keeps every collective of the flush that a node the flush leaves pending reads, directly or
+/// through other nodes left pending: that node is computed again if it is ever read, and a
+/// collective cannot run again on one rank. (Other collectives nobody names are freed after
+/// their last reader: their own handle only makes them run.) The flush graph is in recording
+/// order, so a node's readers come after it and one backward pass decides.
+fn keep_collectives_read_later(
+    graph: &mut FlushGraph,
+    recorded: &braid_graph::Graph<Value>,
+    marks: &super::marks::Marks,
+    lazy: &HashSet<NodeId>,
+) {
+    if !graph.nodes.iter().any(|n| !n.keep && matches!(n.op, Op::Collective(_))) {
+        return;
+    }
+    // Whether the node at each place is pending after the flush (left pending, or not kept and
+    // read by such a node).
+    let mut pending_after = vec![false; graph.nodes.len()];
+    for i in (0..graph.nodes.len()).rev() {
+        let id = graph.nodes[i].id;
+        let read_later = recorded.data_successors(id).any(|s| marks.node_place(s).is_some_and(|j| pending_after[j]));
+        if matches!(graph.nodes[i].op, Op::Collective(_)) {
+            graph.nodes[i].keep |= read_later;
+            continue;
+        }
+        pending_after[i] = lazy.contains(&id) || (!graph.nodes[i].keep && read_later);
     }
 }
 

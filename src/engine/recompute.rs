@@ -133,7 +133,7 @@ pub(super) fn choose(
                 }
             }
             let kept_anyway = chosen.kept.contains(&p)
-                || (pn.handles > 0 && !chosen.pending.contains(&p))
+                || (pn.handles > super::collective::own_handles(&pn.op) && !chosen.pending.contains(&p))
                 || graph.successors(p).any(|s| !in_flush(s));
             if kept_anyway || chosen.pending.contains(&p) {
                 continue;

@@ -415,7 +415,9 @@ fn install(
             candidates.extend(st.graph.detach_inputs(n.id));
             // Its tensor may have been dropped while it was computed.
             candidates.push(n.id);
-        } else if st.graph.node(n.id).handles > 0 || st.graph.successors(n.id).any(|s| st.graph.node(s).value.is_none())
+        } else if !matches!(n.op, Op::Collective(_))
+            && (st.graph.node(n.id).handles > 0
+                || st.graph.data_successors(n.id).any(|s| st.graph.node(s).value.is_none()))
         {
             // A view a tensor names, a value autograd saved, or a node one of those is computed
             // from, left pending by the flush (`flush::lazy_views`, `recompute`; a node without
@@ -424,7 +426,10 @@ fn install(
             st.graph.node_mut(n.id).value = None;
             st.pending += 1;
         } else {
-            // Removing the node removes its edges.
+            // Removing the node removes its edges: a node only ordered before a pending one (a
+            // user event recorded while this flush ran, the next collective) has run, which is
+            // all that order asks. A collective that ran is never left pending (it cannot run
+            // again on one rank): the flush kept it if anything left pending reads it.
             candidates.extend(st.graph.predecessors(n.id));
             st.graph.remove(n.id);
         }

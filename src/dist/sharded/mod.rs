@@ -11,8 +11,8 @@
 //!   stream and the copy out of the gathered vector into the parameters' shapes there; the
 //!   all-gather waits on an event the compute stream reached when unit `u - d` was gathered
 //!   (`d` the [prefetch distance](Sharded::with_prefetch), 1 by default): unit `u + 1` is
-//!   gathered while unit `u` computes, never earlier. The gathered parameters are leaves:
-//!   their gradients are what backward computes.
+//!   gathered while unit `u` computes, never earlier (an all-gather's buffer is taken when it
+//!   runs). The gathered parameters are leaves: their gradients are what backward computes.
 //! - **backward** ([`Sharded::backward`]): derivatives that read a unit's parameters (or their
 //!   transposes and casts) read them from a second all-gather, recorded as the walk enters the
 //!   unit and prefetched one unit ahead the same way (FSDP's `reshard_after_forward`;
@@ -22,12 +22,10 @@
 //! - the optimizer steps the shards only ([`Sharded::shards_mut`]), the padding staying zero.
 //!
 //! Memory: the shards, the shards' gradients and the optimizer's states are `1/N` of the
-//! model's; a unit's full gradients are freed once reduce-scattered. The gathered parameters
-//! are not yet freed after their last reader: the engine holds every collective's result until
-//! the flush that runs it ends (`engine/collective.rs`: a collective keeps a handle on itself
-//! until it ran), so a step's flush holds every unit's gathered parameters at its end (twice
-//! with the second gather). Freeing them after their last reader, gated on every stream that
-//! read them, is what the prefetch gates and the second gather are built for.
+//! model's; a unit's full gradients are freed once reduce-scattered, and each gathered copy
+//! of a unit's parameters after its last reader (gated on the events of every stream that read
+//! it): the forward pass's copies after the forward pass when the backward pass gathers again,
+//! so a step holds about two units' full parameters at a time beside the states.
 //! A schedule dump shows the `all_gather` and `reduce_scatter` steps on the communication
 //! stream and its waits on the compute stream's events (the prefetch distance). Mixed
 //! precision: [`Sharded::with_param_dtype`] gathers in a low
@@ -184,8 +182,9 @@ impl Sharded {
     }
 
     /// Whether the backward pass gathers each unit's parameters again (default `true`, as
-    /// FSDP's `reshard_after_forward`) or reads the forward pass's copies (one all-gather per
-    /// unit and step instead of two). See the module docs for what each holds in memory today.
+    /// FSDP's `reshard_after_forward`: about two units' full parameters at a time) or reads the
+    /// forward pass's copies (one all-gather per unit and step instead of two, and every unit's
+    /// full parameters held from its forward pass to its backward pass).
     pub fn with_regather(mut self, on: bool) -> Sharded {
         self.regather = on;
         self
