@@ -7,13 +7,15 @@
 //! has say they skipped).
 
 mod common;
+#[path = "common/group.rs"]
+mod group;
 
 use braid::dist::{Group, Reduce, Sharded};
 use braid::nn::Params;
 use braid::optim::AdamW;
 use braid::prelude::*;
 use common::Rng;
-use std::io::Write;
+use group::{close, ranks};
 use std::time::{Duration, Instant};
 
 /// Held by every test (see `tests/dist.rs`: two groups' NCCL calls at once may wait forever).
@@ -23,41 +25,8 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// `n` devices of the kind `BRAID_DEVICE` names, or `None` (with a message) when this machine
-/// cannot make a group of `n` of them.
-fn ranks(n: usize, test: &str) -> Option<Vec<Device>> {
-    let kind = std::env::var("BRAID_DEVICE").unwrap_or_default();
-    let skip = |why: String| {
-        let _ = writeln!(std::io::stderr(), "skipped: {test}: {why}");
-        None
-    };
-    match kind.trim() {
-        "" | "cpu" => Some((0..n).map(|_| Device::new_cpu()).collect()),
-        k if k.starts_with("cuda") => {
-            let count = Device::count("cuda");
-            if count < n {
-                return skip(format!("needs {n} GPUs, this machine has {count}"));
-            }
-            Some((0..n).map(|i| Device::new_cuda(i).expect("a GPU the driver lists")).collect())
-        }
-        other => skip(format!("BRAID_DEVICE={other} runs no collectives")),
-    }
-}
-
 fn random(rng: &mut Rng, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.uniform(-1.0, 1.0) as f32).collect()
-}
-
-fn close(a: &[f32], b: &[f32], tol: f32) -> Result<(), String> {
-    if a.len() != b.len() {
-        return Err(format!("lengths {} and {}", a.len(), b.len()));
-    }
-    for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        if (x - y).abs() > tol * (1.0 + y.abs()) {
-            return Err(format!("element {i}: {x} vs {y}"));
-        }
-    }
-    Ok(())
 }
 
 /// The model's units: unit 0 the input layer and the output head (used first and last, as
@@ -389,42 +358,5 @@ fn sharded_worker_process() {
 #[test]
 fn sharded_training_across_processes_matches_single_device() {
     let _serial = serial();
-    let kind = std::env::var("BRAID_DEVICE").unwrap_or_default();
-    if kind.starts_with("cuda") && Device::count("cuda") < 2 {
-        let _ = writeln!(std::io::stderr(), "skipped: sharded_training_across_processes: needs 2 GPUs");
-        return;
-    }
-    if !(kind.is_empty() || kind == "cpu" || kind.starts_with("cuda")) {
-        let _ = writeln!(std::io::stderr(), "skipped: sharded_training_across_processes: BRAID_DEVICE={kind}");
-        return;
-    }
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let exe = std::env::current_exe().unwrap();
-    let mut children: Vec<std::process::Child> = (0..2)
-        .map(|rank| {
-            std::process::Command::new(&exe)
-                .args(["--ignored", "--exact", "sharded_worker_process", "--nocapture", "--test-threads", "1"])
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("BRAID_COLLECTIVE_TIMEOUT", "60")
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let deadline = Instant::now() + Duration::from_secs(240);
-    while children.iter_mut().any(|c| c.try_wait().unwrap().is_none()) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    for (rank, mut child) in children.into_iter().enumerate() {
-        if child.try_wait().unwrap().is_none() {
-            let _ = child.kill();
-        }
-        let out = child.wait_with_output().unwrap();
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        assert!(out.status.success() && text.contains(&format!("sharded worker {rank}: ok")), "rank {rank}:\n{text}");
-    }
+    group::run_workers("sharded_worker_process", "sharded worker", "sharded_training_across_processes");
 }

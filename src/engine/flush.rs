@@ -250,11 +250,10 @@ impl Engine {
             }
             let after = crate::small(control.into_iter().filter_map(|p| marks.node_place(p)));
             // A collective holds a handle on itself until it ran (`collective.rs`): that one
-            // makes it run, it does not keep its value past the flush. Only readers outside the
-            // flush keep a value; a node merely ordered after it (an event) needs it to have run.
+            // makes it run, it does not keep its value past the flush.
             let held = n.handles > super::collective::own_handles(&n.op);
             let keep = recompute.kept.contains(&id)
-                || !lazy.contains(&id) && (held || recorded.data_successors(id).any(|s| marks.node_place(s).is_none()));
+                || !lazy.contains(&id) && (held || recorded.successors(id).any(|s| marks.node_place(s).is_none()));
             graph.nodes.push(FlushNode {
                 id,
                 op: n.op.clone(),
