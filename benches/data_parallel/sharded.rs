@@ -38,6 +38,7 @@ struct Measured {
     comm_ms: f64,
     hidden_ms: f64,
     loss: f32,
+    recording_ms: f64,
 }
 
 /// Trains on `devices` (one rank each) and measures.
@@ -49,7 +50,10 @@ fn measure(devices: &[Device], cfg: gpt2::Config, batch: usize, seq: usize, step
     drop(model);
     let mut opts: Vec<AdamW> = (0..n).map(|_| AdamW::new(6e-4).betas(0.9, 0.95).weight_decay(0.1)).collect();
     let text = include_bytes!("../../examples/data/alice.txt");
+    // Host time spent recording the step (every rank, on this thread), before it runs.
+    let mut recording = Vec::new();
     let mut step = |k: usize| -> Vec<Tensor> {
+        let t = Instant::now();
         let losses: Vec<Tensor> = (0..n)
             .map(|r| {
                 let (ids, targets) = gpt2::batch(text, batch, seq, k * n + r, &devices[r]);
@@ -60,6 +64,7 @@ fn measure(devices: &[Device], cfg: gpt2::Config, batch: usize, seq: usize, step
         for (r, opt) in opts.iter_mut().enumerate() {
             opt.step(sharded.shards_mut(r), &grads[r]);
         }
+        recording.push(t.elapsed().as_secs_f64() * 1e3);
         group.sync().expect("the step runs");
         for l in &losses {
             assert!(l.item::<f32>().expect("a loss").is_finite());
@@ -84,6 +89,8 @@ fn measure(devices: &[Device], cfg: gpt2::Config, batch: usize, seq: usize, step
     devices[0].set_profiling(true);
     step(3 + steps);
     devices[0].set_profiling(false);
+    recording.sort_by(f64::total_cmp);
+    let recording_ms = recording[recording.len() / 2];
     let profile = devices[0].last_profile().expect("a profile");
     let comm_stream = devices[0].comm_stream().id();
     let spans = |pick: &dyn Fn(&braid::profile::ProfileStep) -> bool| -> Vec<(Duration, Duration)> {
@@ -93,7 +100,15 @@ fn measure(devices: &[Device], cfg: gpt2::Config, batch: usize, seq: usize, step
     let compute = spans(&|s| s.kind == "kernel" && s.stream != comm_stream);
     let comm_ms = comm.iter().map(|s| s.1.as_secs_f64()).sum::<f64>() * 1e3;
     let hidden_ms = overlap(&comm, &compute).as_secs_f64() * 1e3;
-    Measured { step_ms, tokens_per_s: (n * batch * seq) as f64 / (step_ms / 1e3), peak_bytes, comm_ms, hidden_ms, loss }
+    Measured {
+        step_ms,
+        tokens_per_s: (n * batch * seq) as f64 / (step_ms / 1e3),
+        peak_bytes,
+        comm_ms,
+        hidden_ms,
+        loss,
+        recording_ms,
+    }
 }
 
 pub fn run(devices: &[Device], arg: impl Fn(&str) -> Option<String>) {
@@ -113,8 +128,9 @@ pub fn run(devices: &[Device], arg: impl Fn(&str) -> Option<String>) {
     for ranks in [1, n] {
         let m = measure(&devices[..ranks], cfg, batch, seq, steps);
         println!(
-            "braid sharded, {ranks} rank(s): {:.1} ms/step, {:.0} tokens/s, peak {:.2} GiB on rank 0, all-gather + reduce-scatter {:.1} ms of which {:.1} ms ({:.0}%) under compute, loss {:.3}",
+            "braid sharded, {ranks} rank(s): {:.1} ms/step ({:.1} ms of it recording every rank on one thread), {:.0} tokens/s, peak {:.2} GiB on rank 0, all-gather + reduce-scatter {:.1} ms of which {:.1} ms ({:.0}%) under compute, loss {:.3}",
             m.step_ms,
+            m.recording_ms,
             m.tokens_per_s,
             m.peak_bytes as f64 / (1u64 << 30) as f64,
             m.comm_ms,

@@ -68,7 +68,7 @@ class Gpt2(torch.nn.Module):
         for blk in self.blocks:
             x = blk(x)
         logits = self.ln_f(x) @ self.wte.weight.t()
-        return F.cross_entropy(logits.float().view(-1, vocabulary), targets.view(-1))
+        return F.cross_entropy(logits.float().view(-1, vocabulary), targets.reshape(-1))
 
 
 dist.init_process_group("nccl")
