@@ -1,10 +1,11 @@
 //! Sharded data parallel (`braid::dist::Sharded`): training equal to one device's within 1e-5
 //! after 20 AdamW steps on 1, 2 and 4 ranks (one process) and on 2 processes; checkpoints
 //! written on 4 ranks read on 2 and on 1; a failed rank and a missing rank as `Err`s on every
-//! rank; the schedule a step runs (gathers twice, reduce-scatters once per unit, on the
-//! communication stream, the gathers waiting on the compute stream's events). On the CPU the ranks are CPU devices; with
-//! `BRAID_DEVICE=cuda` they are GPUs through NCCL (tests that need more GPUs than the machine
-//! has say they skipped).
+//! rank; a memory budget offloading on top of sharding, bit for bit; the schedule a step runs
+//! (gathers twice, reduce-scatters once per unit, on the communication stream, the gathers
+//! waiting on the compute stream's events, never every full weight at once). On the CPU the
+//! ranks are CPU devices; with `BRAID_DEVICE=cuda` they are GPUs through NCCL (tests that need
+//! more GPUs than the machine has say they skipped).
 
 mod common;
 #[path = "common/group.rs"]
@@ -143,6 +144,21 @@ fn sharded_training_matches_single_device_on_4_ranks() {
     matches_single_device(4);
 }
 
+/// `layers` units of one random `[width, width]` weight each (scaled by `scale`), for
+/// [`deep_loss`].
+fn square_units(rng: &mut Rng, layers: usize, width: usize, scale: f64, device: &Device) -> Vec<Params> {
+    (0..layers)
+        .map(|l| {
+            let mut p = Params::new();
+            p.push(
+                format!("layer{l}.w"),
+                &(Tensor::from_vec(random(rng, width * width), [width, width], device) * scale),
+            );
+            p
+        })
+        .collect()
+}
+
 /// A stack of `layers` units of one `[width, width]` weight each, read transposed by every
 /// other layer.
 fn deep_loss(mut unit: impl FnMut(usize) -> Vec<Tensor>, layers: usize, x: &Tensor) -> Tensor {
@@ -161,14 +177,7 @@ fn a_step_gathers_each_unit_twice_reduces_it_once_and_never_holds_every_full_wei
     let group = Group::new(&devices).unwrap();
     let (layers, width) = (8, 128);
     let mut rng = Rng::new(5);
-    let units: Vec<Params> = (0..layers)
-        .map(|l| {
-            let mut p = Params::new();
-            let w = Tensor::from_vec(random(&mut rng, width * width), [width, width], &devices[0]) * 0.2;
-            p.push(format!("layer{l}.w"), &w);
-            p
-        })
-        .collect();
+    let units = square_units(&mut rng, layers, width, 0.2, &devices[0]);
     let mut sharded = Sharded::new(&group, &units);
     let mut opts: Vec<AdamW> = devices.iter().map(|_| AdamW::new(0.01)).collect();
     for _ in 0..2 {
@@ -308,12 +317,25 @@ fn a_failed_rank_mid_step_is_an_err_on_every_rank_and_the_devices_go_on() {
     assert!(e0.contains("rank 1"), "{e0}");
     assert!(e1.contains("failure injected") || e1.contains("broken"), "{e1}");
     assert!(group.broken().is_some());
-    // The devices stay usable for compute. (A new group's collectives on them are not yet:
-    // the failed step's waits on its events stay on the communication stream; see the issue
-    // note of stop 62.)
+    // The failed step's values are lost for good; the devices stay usable, and a new group
+    // over them trains (its collectives on the same communication streams do not wait for the
+    // failed step's events).
     drop((shard_grads, grads, losses, sharded));
     let x = Tensor::from_vec(random(&mut rng, 4), [4], &devices[1]);
     assert_eq!((&x * 0.0).sum().item::<f32>().unwrap(), 0.0);
+    let fresh = Group::new(&devices).unwrap();
+    let mut sharded = Sharded::new(&fresh, &units);
+    let losses: Vec<Tensor> = (0..2)
+        .map(|i| {
+            let x = Tensor::from_vec(random(&mut rng, 4 * 7), [4, 7], &devices[i]);
+            let y = Tensor::from_vec(random(&mut rng, 4 * 3), [4, 3], &devices[i]);
+            loss(|u| sharded.gather(i, u), &x, &y)
+        })
+        .collect();
+    let grads = sharded.backward(&losses).unwrap();
+    let g = grads[1].get(&sharded.shards(1)[0]).unwrap().to_vec::<f32>().unwrap();
+    assert!(g.iter().all(|v| v.is_finite()) && g.iter().any(|&v| v != 0.0));
+    assert!(fresh.broken().is_none());
 }
 
 #[test]
@@ -359,4 +381,50 @@ fn sharded_worker_process() {
 fn sharded_training_across_processes_matches_single_device() {
     let _serial = serial();
     group::run_workers("sharded_worker_process", "sharded worker", "sharded_training_across_processes");
+}
+
+#[test]
+fn a_memory_budget_still_offloads_activations_on_top_of_sharding() {
+    let _serial = serial();
+    let Some(devices) = ranks(2, "a_memory_budget_still_offloads") else { return };
+    let (layers, width, rows) = (6, 64, 512);
+    let mut rng = Rng::new(21);
+    let units = square_units(&mut rng, layers, width, 0.3, &devices[0]);
+    let inputs: Vec<Vec<f32>> = (0..2).map(|_| random(&mut rng, rows * width)).collect();
+    // One step of each run: the planned peak and every rank's new shards.
+    let run = |budget: Option<u64>| -> ((u64, usize), Vec<Vec<f32>>) {
+        let group = Group::new(&devices).unwrap();
+        let mut sharded = Sharded::new(&group, &units);
+        for d in &devices {
+            d.set_memory_budget(budget);
+        }
+        let losses: Vec<Tensor> = (0..2)
+            .map(|i| {
+                let x = Tensor::from_vec(inputs[i].clone(), [rows, width], &devices[i]);
+                deep_loss(|u| sharded.gather(i, u), layers, &x)
+            })
+            .collect();
+        let grads = sharded.backward(&losses).unwrap();
+        let mut opts: Vec<AdamW> = devices.iter().map(|_| AdamW::new(0.01)).collect();
+        for (i, opt) in opts.iter_mut().enumerate() {
+            opt.step(sharded.shards_mut(i), &grads[i]);
+        }
+        drop((losses, grads));
+        group.sync().unwrap();
+        let dump = devices[0].last_schedule().expect("the step's schedule");
+        let offloads = serde_json::from_str::<serde_json::Value>(&dump.to_json()).unwrap()["offloads"]
+            .as_array()
+            .map_or(0, Vec::len);
+        let peak = (dump.planned_peak_bytes(), offloads);
+        for d in &devices {
+            d.set_memory_budget(None);
+        }
+        (peak, (0..2).map(|i| sharded.shards(i)[0].to_vec::<f32>().unwrap()).collect())
+    };
+    let ((free_peak, _), free_shards) = run(None);
+    let budget = free_peak * 3 / 4;
+    let ((peak, offloads), shards) = run(Some(budget));
+    assert!(peak <= budget, "planned peak {peak} under a budget of {budget} (without one: {free_peak})");
+    assert!(offloads > 0, "the budgeted step offloads");
+    assert_eq!(shards, free_shards, "the budget changes where values live, not what the step computes");
 }

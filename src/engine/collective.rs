@@ -74,13 +74,29 @@ pub(super) fn release_ran(st: &mut EngineState, graph: &FlushGraph) {
 }
 
 /// After a failed flush was reverted: its collectives can never run (their group is broken), so
-/// they are lost (their readers get the reason) and let go of the handle that kept them.
+/// they are lost (their readers get the reason) and let go of the handle that kept them. So is
+/// the flush's pending work ordered after them, user events included: a stream waiting for such
+/// an event no longer waits for it (see `EngineState::apply_waits`), so a new group's
+/// collectives on the same communication stream can run.
 pub(super) fn lose_broken(st: &mut EngineState, graph: &FlushGraph, error: &crate::Error) {
+    let reason = format!("its group is broken: {error}");
+    let mut lost: Vec<NodeId> = Vec::new();
+    let mut after: hashbrown::HashSet<NodeId> = hashbrown::HashSet::new();
     for n in &graph.nodes {
-        if matches!(n.op, Op::Collective(_)) && st.graph.contains(n.id) && st.graph.node(n.id).value.is_none() {
-            st.graph.node_mut(n.id).value = Some(Value::Lost(format!("its group is broken: {error}")));
+        if !st.graph.contains(n.id) || st.graph.node(n.id).value.is_some() {
+            continue;
+        }
+        let after_lost = st.graph.predecessors(n.id).any(|p| after.contains(&p));
+        if matches!(n.op, Op::Collective(_)) || after_lost {
+            st.graph.node_mut(n.id).value = Some(Value::Lost(reason.clone()));
             st.pending -= 1;
-            st.drop_handle(n.id);
+            lost.push(n.id);
+            after.insert(n.id);
+        }
+    }
+    for id in lost {
+        if matches!(st.graph.node(id).op, Op::Collective(_)) {
+            st.drop_handle(id);
         }
     }
 }

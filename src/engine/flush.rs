@@ -371,11 +371,19 @@ pub(super) fn walk(st: &mut EngineState, targets: &[NodeId]) -> Walked {
     }
     while let Some((id, expanded)) = stack.pop() {
         if expanded {
-            // Inputs are finished first (post-order), so their lost status is known.
-            let reason = graph.predecessors(id).find_map(|p| match &graph.node(p).value {
-                Some(Value::Lost(r)) => Some(r.clone()),
-                None if marks.get(p) == Some(Marks::LOST) => lost.iter().find(|(l, _)| *l == p).map(|(_, r)| r.clone()),
-                _ => None,
+            // Inputs are finished first (post-order), so their lost status is known. A user
+            // event that can never be reached (ordered after lost work) orders nothing: the
+            // work that waits for it is not lost with it (the lost work's readers report it).
+            let (data, control) = graph.in_edges(id);
+            let ordering_only = |p: &NodeId| graph.node(*p).op == Op::Event;
+            let reason = data.iter().chain(control.iter().filter(|p| !ordering_only(p))).find_map(|&p| {
+                match &graph.node(p).value {
+                    Some(Value::Lost(r)) => Some(r.clone()),
+                    None if marks.get(p) == Some(Marks::LOST) => {
+                        lost.iter().find(|(l, _)| *l == p).map(|(_, r)| r.clone())
+                    }
+                    _ => None,
+                }
             });
             // A collective whose group is broken can never run: it is lost, not flushed.
             let reason = reason.or_else(|| super::collective::broken(&graph.node(id).op));

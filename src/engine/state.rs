@@ -194,6 +194,13 @@ impl EngineState {
         self.graph.add(node, inputs)
     }
 
+    /// Whether event node `e` can never be reached: it was ordered after work a failed flush
+    /// lost for good (a broken group's collectives). Waiting for it would poison its stream;
+    /// the lost work's readers report the failure instead.
+    fn lost(&self, e: NodeId) -> bool {
+        matches!(self.graph.node(e).value, Some(Value::Lost(_)))
+    }
+
     /// Whether event node `e` (this device's, or a remote leaf for another's) is reached.
     fn reached(&self, e: NodeId) -> bool {
         match &self.graph.node(e).value {
@@ -210,7 +217,8 @@ impl EngineState {
         let mut done = Vec::new();
         let waits = std::mem::take(&mut self.waits);
         for (stream, events) in waits {
-            let (reached, waiting): (Vec<NodeId>, Vec<NodeId>) = events.into_iter().partition(|&e| self.reached(e));
+            let (reached, waiting): (Vec<NodeId>, Vec<NodeId>) =
+                events.into_iter().partition(|&e| self.reached(e) || self.lost(e));
             done.extend(reached);
             if !waiting.is_empty() {
                 self.waits.insert(stream, waiting);
@@ -225,7 +233,8 @@ impl EngineState {
     /// Events already reached are forgotten.
     pub(super) fn apply_waits(&mut self, id: NodeId, stream: StreamId) {
         let Some(events) = self.waits.remove(&stream) else { return };
-        let (done, waiting): (Vec<NodeId>, Vec<NodeId>) = events.into_iter().partition(|&e| self.reached(e));
+        let (done, waiting): (Vec<NodeId>, Vec<NodeId>) =
+            events.into_iter().partition(|&e| self.reached(e) || self.lost(e));
         for &e in &waiting {
             self.graph.add_control(e, id);
         }
