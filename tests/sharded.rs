@@ -428,3 +428,31 @@ fn a_memory_budget_still_offloads_activations_on_top_of_sharding() {
     assert!(offloads > 0, "the budgeted step offloads");
     assert_eq!(shards, free_shards, "the budget changes where values live, not what the step computes");
 }
+
+#[test]
+fn misuse_is_reported_at_the_call() {
+    let _serial = serial();
+    let Some(devices) = ranks(2, "sharded_misuse") else { return };
+    let group = Group::new(&devices).unwrap();
+    let mut rng = Rng::new(2);
+    let units = init(&mut rng, &devices[0]);
+    let message = |f: &mut dyn FnMut()| {
+        let p = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).expect_err("misuse panics");
+        let m = p.downcast_ref::<String>().cloned().unwrap_or_default();
+        assert!(m.contains("tests/sharded.rs"), "names the caller's line: {m}");
+        m
+    };
+    let mut sharded = Sharded::new(&group, &units);
+    assert!(message(&mut || drop(sharded.gather(2, 0))).contains("rank 2"));
+    assert!(message(&mut || drop(sharded.gather(0, 3))).contains("unit 3"));
+    drop(sharded.gather(0, 1));
+    assert!(message(&mut || drop(sharded.gather(0, 1))).contains("gathered already"));
+    assert!(message(&mut || drop(sharded.backward(&[]))).contains("losses"));
+    let ints = {
+        let mut p = Params::new();
+        p.push("i", &Tensor::zeros([4], DType::I32, &devices[0]));
+        p
+    };
+    assert!(message(&mut || drop(Sharded::new(&group, std::slice::from_ref(&ints)))).contains("floating-point"));
+    assert!(message(&mut || drop(Sharded::new(&group, &[Params::new()]))).contains("at least one"));
+}

@@ -132,7 +132,11 @@ impl Sharded {
     #[track_caller]
     pub fn new(group: &Group, units: &[Params]) -> Sharded {
         let n = group.size();
-        let layouts: Vec<UnitLayout> = units.iter().map(|u| layout(u, n)).collect();
+        // A loop, not a closure: misuse is reported at the caller's line.
+        let mut layouts: Vec<UnitLayout> = Vec::with_capacity(units.len());
+        for unit in units {
+            layouts.push(layout(unit, n));
+        }
         let spanning = group.devices().len() < n;
         let shards: Vec<Vec<Tensor>> = no_grad(|| {
             let mut shards = vec![Vec::with_capacity(units.len()); group.devices().len()];
@@ -223,6 +227,16 @@ impl Sharded {
     #[track_caller]
     pub fn gather(&mut self, rank: usize, unit: usize) -> Vec<Tensor> {
         self.check_rank_unit("Sharded::gather", rank, unit);
+        if self.steps[rank].gathered.get(unit).is_some_and(Option::is_some) {
+            misuse(
+                "Sharded::gather",
+                &format!(
+                    "unit {unit} was gathered already in this step on rank {rank} (its gradients would be lost); \
+                     gather each unit once a step and reuse its tensors"
+                ),
+                &[],
+            );
+        }
         let device = self.group.devices()[rank].clone();
         let compute = Stream::current(&device);
         // The gate of unit `u` is the event recorded at the gather of unit `u - prefetch`
