@@ -14,7 +14,7 @@
 //!
 //! The peer is `benches/peers/fsdp_torch.py` under `torchrun` (the same model, `fully_shard`
 //! per block and on the root, `MixedPrecisionPolicy(bf16, f32)`, AdamW), run in the same
-//! command by `.exp`/the GPU script.
+//! command on the GPU machine (BENCHMARKS.md has both commands).
 
 use super::gpt2;
 use super::overlap;
