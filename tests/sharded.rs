@@ -67,6 +67,17 @@ fn loss(mut unit: impl FnMut(usize) -> Vec<Tensor>, x: &Tensor, y: &Tensor) -> T
     (h.matmul(&u0[2]) - y).square().mean()
 }
 
+/// Every rank's loss on `rows` random rows of its own (one rank per device of `devices`).
+fn rank_losses(sharded: &mut Sharded, devices: &[Device], rng: &mut Rng, rows: usize) -> Vec<Tensor> {
+    (0..devices.len())
+        .map(|i| {
+            let x = Tensor::from_vec(random(rng, rows * 7), [rows, 7], &devices[i]);
+            let y = Tensor::from_vec(random(rng, rows * 3), [rows, 3], &devices[i]);
+            loss(|u| sharded.gather(i, u), &x, &y)
+        })
+        .collect()
+}
+
 /// Trains for 20 AdamW steps on `reference` (one device, the whole batch) and sharded over
 /// `group` (this process's ranks given their rows), comparing losses at every step and every
 /// parameter at the end.
@@ -253,13 +264,7 @@ fn a_checkpoint_written_on_4_ranks_loads_on_2_and_on_1() {
     let mut sharded = Sharded::new(&group, &units);
     // One step, so that the saved values are not the initial ones.
     let mut opts: Vec<AdamW> = four.iter().map(|_| AdamW::new(0.05)).collect();
-    let losses: Vec<Tensor> = (0..4)
-        .map(|i| {
-            let x = Tensor::from_vec(random(&mut rng, 2 * 7), [2, 7], &four[i]);
-            let y = Tensor::from_vec(random(&mut rng, 2 * 3), [2, 3], &four[i]);
-            loss(|u| sharded.gather(i, u), &x, &y)
-        })
-        .collect();
+    let losses = rank_losses(&mut sharded, &four, &mut rng, 2);
     let grads = sharded.backward(&losses).unwrap();
     for (i, opt) in opts.iter_mut().enumerate() {
         opt.step(sharded.shards_mut(i), &grads[i]);
@@ -299,13 +304,7 @@ fn a_failed_rank_mid_step_is_an_err_on_every_rank_and_the_devices_go_on() {
     let mut rng = Rng::new(9);
     let units = init(&mut rng, &devices[0]);
     let mut sharded = Sharded::new(&group, &units);
-    let losses: Vec<Tensor> = (0..2)
-        .map(|i| {
-            let x = Tensor::from_vec(random(&mut rng, 4 * 7), [4, 7], &devices[i]);
-            let y = Tensor::from_vec(random(&mut rng, 4 * 3), [4, 3], &devices[i]);
-            loss(|u| sharded.gather(i, u), &x, &y)
-        })
-        .collect();
+    let losses = rank_losses(&mut sharded, &devices, &mut rng, 4);
     let grads = sharded.backward(&losses).unwrap();
     // Rank 1's flush fails at a kernel in the middle of its step.
     braid::testing::fail_next_flush_at(&devices[1], 6);
@@ -325,13 +324,7 @@ fn a_failed_rank_mid_step_is_an_err_on_every_rank_and_the_devices_go_on() {
     assert_eq!((&x * 0.0).sum().item::<f32>().unwrap(), 0.0);
     let fresh = Group::new(&devices).unwrap();
     let mut sharded = Sharded::new(&fresh, &units);
-    let losses: Vec<Tensor> = (0..2)
-        .map(|i| {
-            let x = Tensor::from_vec(random(&mut rng, 4 * 7), [4, 7], &devices[i]);
-            let y = Tensor::from_vec(random(&mut rng, 4 * 3), [4, 3], &devices[i]);
-            loss(|u| sharded.gather(i, u), &x, &y)
-        })
-        .collect();
+    let losses = rank_losses(&mut sharded, &devices, &mut rng, 4);
     let grads = sharded.backward(&losses).unwrap();
     let g = grads[1].get(&sharded.shards(1)[0]).unwrap().to_vec::<f32>().unwrap();
     assert!(g.iter().all(|v| v.is_finite()) && g.iter().any(|&v| v != 0.0));

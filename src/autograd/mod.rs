@@ -175,9 +175,10 @@ fn take_node_sources(inputs: &mut [InputSlot], stack: &mut SmallVec<[Arc<GradNod
     }
 }
 
-/// Marks `t` as a leaf whose gradient [`Grads`] collects. Misuse (checked by the caller):
-/// an integer tensor, or one that already has gradient history from ops.
-pub(crate) fn mark_leaf(t: &Tensor) -> Result<(), &'static str> {
+/// Marks `t` as a leaf whose gradient [`Grads`] collects and returns the leaf's identity (the
+/// one it has already, for a leaf). Misuse (checked by the caller): an integer tensor, or one
+/// that already has gradient history from ops.
+pub(crate) fn mark_leaf(t: &Tensor) -> Result<u64, &'static str> {
     if t.quant_layout().is_some() {
         return Err("a quantized weight has no gradient (quantize a trained weight for serving)");
     }
@@ -187,13 +188,14 @@ pub(crate) fn mark_leaf(t: &Tensor) -> Result<(), &'static str> {
     t.device().engine().with_state(|_| {
         let mut meta = t.grad_meta().lock().unwrap_or_else(|p| p.into_inner());
         match &*meta {
-            Some(GradSource::Leaf(_)) => Ok(()),
+            Some(GradSource::Leaf(id)) => Ok(*id),
             Some(GradSource::Node(_)) => {
                 Err("the tensor is the result of recorded ops; only leaves can be marked (use detach() first)")
             }
             None => {
-                replace_meta(&mut meta, Some(GradSource::Leaf(NEXT_LEAF.fetch_add(1, Ordering::Relaxed))));
-                Ok(())
+                let id = NEXT_LEAF.fetch_add(1, Ordering::Relaxed);
+                replace_meta(&mut meta, Some(GradSource::Leaf(id)));
+                Ok(id)
             }
         }
     })

@@ -80,24 +80,20 @@ pub(super) fn release_ran(st: &mut EngineState, graph: &FlushGraph) {
 /// collectives on the same communication stream can run.
 pub(super) fn lose_broken(st: &mut EngineState, graph: &FlushGraph, error: &crate::Error) {
     let reason = format!("its group is broken: {error}");
-    let mut lost: Vec<NodeId> = Vec::new();
-    let mut after: hashbrown::HashSet<NodeId> = hashbrown::HashSet::new();
+    let mut lost: hashbrown::HashSet<NodeId> = hashbrown::HashSet::new();
     for n in &graph.nodes {
         if !st.graph.contains(n.id) || st.graph.node(n.id).value.is_some() {
             continue;
         }
-        let after_lost = st.graph.predecessors(n.id).any(|p| after.contains(&p));
-        if matches!(n.op, Op::Collective(_)) || after_lost {
+        if matches!(n.op, Op::Collective(_)) || st.graph.predecessors(n.id).any(|p| lost.contains(&p)) {
             st.graph.node_mut(n.id).value = Some(Value::Lost(reason.clone()));
             st.pending -= 1;
-            lost.push(n.id);
-            after.insert(n.id);
+            lost.insert(n.id);
         }
     }
-    for id in lost {
-        if matches!(st.graph.node(id).op, Op::Collective(_)) {
-            st.drop_handle(id);
-        }
+    // Handles are dropped after the walk above: dropping one may release the node.
+    for n in graph.nodes.iter().filter(|n| matches!(n.op, Op::Collective(_)) && lost.contains(&n.id)) {
+        st.drop_handle(n.id);
     }
 }
 

@@ -72,7 +72,7 @@ mod checkpoint;
 mod walk;
 
 use super::{Group, Reduce};
-use crate::autograd::{GradSource, Grads, no_grad, source_of};
+use crate::autograd::{Grads, no_grad};
 use crate::error::Result;
 use crate::nn::Params;
 use crate::stream::{Event, Stream};
@@ -245,18 +245,9 @@ impl Sharded {
         step.gates.push_back(compute.record_event());
         let gate = if step.gates.len() > self.prefetch { step.gates.pop_front() } else { None };
         let params = no_grad(|| self.all_gather(rank, unit, gate.as_ref()));
-        let leaves = params
-            .iter()
-            .map(|p| {
-                if let Err(problem) = crate::autograd::mark_leaf(p) {
-                    misuse("Sharded::gather", problem, &[("param", p.describe())]);
-                }
-                match source_of(p) {
-                    Some(GradSource::Leaf(id)) => id,
-                    _ => unreachable!("marked as a leaf above"),
-                }
-            })
-            .collect();
+        // Fresh floating-point values without history: always leaves.
+        let leaves =
+            params.iter().map(|p| crate::autograd::mark_leaf(p).expect("a gathered parameter can be a leaf")).collect();
         let step = &mut self.steps[rank];
         step.gathered.resize_with(self.units.len(), || None);
         step.gathered[unit] = Some((crate::autograd::next_seq(), leaves));
@@ -412,16 +403,13 @@ fn layout(unit: &Params, n: usize) -> UnitLayout {
 /// `unit`'s values as `[n, len]`, row `r` being rank `r`'s shard (on the first parameter's
 /// device).
 fn by_rank(unit: &Params, lay: &UnitLayout, n: usize) -> Tensor {
+    let device = unit.iter().next().expect("a unit is not empty").device().clone();
     let parts: Vec<Tensor> = unit
         .iter()
         .zip(&lay.params)
         .map(|(t, p)| {
             let flat = t.detach().flatten();
-            let flat = if flat.device() == unit.iter().next().expect("not empty").device() {
-                flat
-            } else {
-                flat.to_device(unit.iter().next().expect("not empty").device())
-            };
+            let flat = if flat.device() == &device { flat } else { flat.to_device(&device) };
             pad(&flat, n * p.part).reshape([n, p.part])
         })
         .collect();
