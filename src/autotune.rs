@@ -4,11 +4,16 @@
 //! second process on the same machine times nothing.
 //!
 //! What has variants: on CUDA, map loops (threads a block, blocks a multiprocessor), row
-//! kernels (threads a row) and large row kernels printed with other splits of their long rows
-//! or columns (compiled only when timed); on the CPU, the elements or rows one parallel task
-//! takes (or one thread). A variant that adds in another order than the default (a row
-//! kernel with fewer threads, rows split otherwise) agrees with it within the tolerance of
-//! `braid_devices::runtime::tune::tolerance` and is used only outside deterministic mode.
+//! kernels (threads a row), large row kernels printed with other splits of their long rows
+//! or columns (compiled only when timed), fused attention on tensor cores printed with other
+//! tilings (warps, slabs and register caps over the same tiles: the same bits; other tile
+//! sizes: another order of adds; timed only when `exhaustive`, each compiled first) and large float products made in one cuBLAS call
+//! (cuBLASLt's algorithms for the same call, which add in other orders); on wgpu, map kernels
+//! printed with other workgroup sizes and indices a thread (the same bits, but for the sign
+//! of a NaN, which a driver may set otherwise in another printing); on the CPU, the elements
+//! or rows one parallel task takes (or one thread). A variant that adds in another order than
+//! the default agrees with it within the tolerance of `braid_devices::runtime::tune::tolerance`
+//! and is used only outside deterministic mode.
 //! Deterministic mode is the default: every result keeps its bits as with tuning off, so a
 //! flush under a memory budget, with fusion off or recomputing, and a replayed step give the
 //! bits of the plain eager run, as braid promises; `BRAID_DETERMINISTIC=0` lets tuning choose

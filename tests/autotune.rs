@@ -1,7 +1,8 @@
 //! Autotuning as a program sees it (`braid::autotune`): choices kept in the device's file and
 //! read by the next process, which tunes nothing; a corrupt file ignored with a warning and
 //! rewritten; two processes tuning at once leaving one valid file; deterministic mode giving
-//! the bits of tuning off. On the device `BRAID_DEVICE` names (wgpu has no variants: skipped).
+//! the bits of tuning off. On the device `BRAID_DEVICE` names (cpu, cuda or wgpu: wgpu's
+//! variants are map kernels printed in other workgroup sizes).
 //! The tuner's own checks (variants that disagree, buckets, checksums) are unit tests in
 //! `devices/src/runtime/tune/tests.rs`.
 
@@ -16,7 +17,7 @@ use std::process::{Command, Stdio};
 /// Whether this device offers kernel variants; prints why a test is skipped when not.
 fn tunes(test: &str) -> bool {
     let kind = std::env::var("BRAID_DEVICE").unwrap_or_default();
-    let tunes = kind.is_empty() || kind == "cpu" || kind.starts_with("cuda");
+    let tunes = kind.is_empty() || kind == "cpu" || kind.starts_with("cuda") || kind.starts_with("wgpu");
     if !tunes {
         let _ = writeln!(std::io::stderr(), "skipped: {test}: BRAID_DEVICE={kind} has no kernel variants");
     }

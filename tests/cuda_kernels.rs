@@ -201,7 +201,8 @@ fn check_cases(h: &Harness, what: &str, cases: &[Case], blocks: impl Fn(&Case, u
             // blocks of 128 to 512 threads, grids of 4 to 32 blocks a multiprocessor.
             let (map_block, per_sm) =
                 [(None, None), (Some(128), Some(4)), (Some(512), Some(8)), (Some(256), Some(16))][(n + i) % 4];
-            let options = LaunchOptions { row_threads, skew, map_block, map_blocks_per_sm: per_sm, printed: 0 };
+            let options =
+                LaunchOptions { row_threads, skew, map_block, map_blocks_per_sm: per_sm, printed: 0, blas_algo: 0 };
             let r = run_kernel_on_gpu_with(h, &case.kernel, &mut args, options);
             let failure = match r {
                 Err(e) => Some(format!("{} ({options:?}): {e}", case.label)),

@@ -331,3 +331,53 @@ fn failures_are_errors_and_pipelines_are_cached() {
     assert!(std::sync::Arc::ptr_eq(&compiled, &again) && ctx.cached_kernels() == before);
     assert!(check(&ctx, &case, None, None).is_none());
 }
+
+/// The launch shapes the wgpu device's tuner times (`wgsl::print_with`: 64 to 1024 threads a
+/// workgroup as the adapter allows, several indices a thread) give the default printing's
+/// bytes, NaNs aside (each is compiled anew, and lavapipe's LLVM may give a NaN the other sign
+/// when it orders an addition's operands otherwise): random map loops of every dtype wgpu holds
+/// through random views, and neighbouring threads writing neighbouring bytes (u8 and bool).
+#[test]
+fn map_loops_in_other_launch_shapes_give_the_default_bytes() {
+    let Some(ctx) = context() else { return };
+    let mut rng = Rng::new(0x7E57);
+    let mut all: Vec<Case> = (0..12)
+        .map(|n| {
+            let dims = [1 + rng.below(40), 200 + rng.below(400)];
+            map_case(&mut rng, n, &dims)
+        })
+        .collect();
+    all.push(wide_case(&mut rng, 3 * 65_536 + 17));
+    let shapes = [(64, 1), (128, 1), (512, 1), (1024, 1), (256, 2), (256, 4), (128, 4), (64, 3)];
+    let mut failures = vec![];
+    let mut runs = 0;
+    for case in &all {
+        let mut want = case.init.clone();
+        run_kernel_on_wgpu(&ctx, &case.kernel, &mut want).unwrap_or_else(|e| panic!("{}: {e}", case.label));
+        for (map_threads, map_elements) in shapes {
+            if map_threads > ctx.features.max_invocations_per_workgroup {
+                continue;
+            }
+            let options = wgsl::WgslOptions { map_threads, map_elements };
+            let printed = wgsl::print_with(&case.kernel, &ctx.features, &options).unwrap();
+            let mut got = case.init.clone();
+            run_printed_on_wgpu(&ctx, &case.kernel, printed, &mut got)
+                .unwrap_or_else(|e| panic!("{} {options:?}: {e}", case.label));
+            runs += 1;
+            for a in case.kernel.inputs..got.len() {
+                let d = case.kernel.args[a].dtype;
+                let nan = |b: &[u8], i| element(d, b, i).is_ok_and(f64::is_nan);
+                let differs = (0..case.kernel.args[a].len).find(|&i| {
+                    let at = i * d.size()..(i + 1) * d.size();
+                    got[a][at.clone()] != want[a][at] && !(nan(&got[a], i) && nan(&want[a], i))
+                });
+                if let Some(i) = differs {
+                    failures
+                        .push(format!("{} {options:?}: output {a} element {i} differs from the default's", case.label));
+                }
+            }
+        }
+    }
+    eprintln!("wgsl_kernels: {} map kernels in {runs} other launch shapes", all.len());
+    assert!(runs >= all.len() * 4 && failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -8,6 +8,8 @@
 //! accumulate and reduce in f32 and round once, as the CPU's; f32 products run in full f32
 //! (no TF32) unless the handle was made with `tf32` (then f32 products use the
 //! `CUBLAS_COMPUTE_32F_FAST_TF32` compute type: faster, about 10 bits of mantissa per product).
+//! Beside it, a handle holds a cuBLASLt handle (when the library is there) whose products run on
+//! the same stream, in the same workspace, with the same numerics (`super::blas_lt`).
 //!
 //! Must never: choose a stream, allocate workspace, or run anything but what it is asked to.
 
@@ -60,6 +62,10 @@ pub struct Blas {
     stream: CUstream,
     tf32: bool,
     gpu: Arc<Gpu>,
+    workspace: (CUdeviceptr, usize),
+    /// A cuBLASLt handle for the products' tuning variants (`super::blas_lt`), when the library
+    /// is there; it runs on this handle's stream, in its workspace.
+    lt: Option<super::blas_lt::LtHandle>,
 }
 
 // SAFETY: a cuBLAS handle may be used from any thread, one at a time; `&self` methods only
@@ -84,7 +90,17 @@ impl Blas {
     ) -> Result<Blas, DeviceError> {
         gpu.bind()?;
         let raw = blas::create_handle().map_err(|e| status(e.0, "cublasCreate").unwrap_err())?;
-        let handle = Blas { raw, stream, tf32, gpu: gpu.clone() };
+        // Without it, products have no cuBLASLt variants (and run as ever).
+        let lt = match super::blas_lt::available().then(super::blas_lt::LtHandle::new) {
+            Some(Ok(h)) => Some(h),
+            Some(Err(e)) => {
+                tracing::debug!(target: super::TRACE_TARGET, "no cuBLASLt handle: {e}");
+                None
+            }
+            None => None,
+        };
+        let workspace_of = (workspace, workspace_bytes);
+        let handle = Blas { raw, stream, tf32, gpu: gpu.clone(), workspace: workspace_of, lt };
         // SAFETY: a live handle; the caller's contract for the stream and workspace.
         unsafe {
             status(sys::cublasSetStream_v2(raw, stream as sys::cudaStream_t), "cublasSetStream")?;
@@ -101,6 +117,21 @@ impl Blas {
 
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu
+    }
+
+    /// Whether its f32 products use TF32.
+    pub fn tf32(&self) -> bool {
+        self.tf32
+    }
+
+    /// Its workspace: address and bytes.
+    pub fn workspace(&self) -> (CUdeviceptr, usize) {
+        self.workspace
+    }
+
+    /// Its cuBLASLt handle, if the library is there.
+    pub fn lt(&self) -> Option<&super::blas_lt::LtHandle> {
+        self.lt.as_ref()
     }
 
     /// `C = A * B` for `batches` column-major products (`m x k` times `k x n` into `m x n`,

@@ -384,6 +384,8 @@ impl Backend for CudaBackend {
     fn kernel_variant(&self, kernel: &Arc<Kernel>) -> Option<String> {
         let compiled = lock(&self.prepared).get(&(Arc::as_ptr(kernel) as usize))?.1.clone();
         let v = compiled.variants()?;
-        Some(v.variants[self.tuner.chosen(&v.key, &v.variants)].name.clone()).filter(|n| n != "default")
+        // The default (variant 0: `default`, a product's `cublas`) is not named.
+        let chosen = self.tuner.chosen(&v.key, &v.variants);
+        (chosen != 0).then(|| v.variants[chosen].name.clone())
     }
 }

@@ -50,6 +50,9 @@ pub struct LaunchOptions {
     /// Which printing of the kernel runs: 0 for its own, `i` for its `i`-th printed variant
     /// ([`CudaKernel::printed`], prepared first with [`CudaKernel::prepare`]).
     pub printed: u8,
+    /// How a float product is made: 0 by cuBLAS, `i` by cuBLASLt's `i`-th algorithm minus one
+    /// (`super::tune_products`; cuBLAS's when that cannot run).
+    pub blas_algo: u8,
     /// Bytes past an aligned address at which the test harness (`harness.rs`) places every
     /// argument; ignored by launches themselves, 0 in the engine. 8 keeps every element
     /// aligned but no argument aligned for a vector access, so kernels take their scalar paths.
@@ -177,11 +180,12 @@ impl CudaKernel {
             Body::Matmul(m) if source.library_product => Some(MatmulPlan::new(compiler, kernel, m, product_ld)?),
             _ => None,
         };
-        // Other splits of a large row kernel's work, each printed once here (compiled only if
-        // the tuner times it), those that print as the default does left out.
+        // Other splits of a large row kernel's work, or other tiles of fused attention, each
+        // printed once here (compiled only if the tuner times it), those that print as the
+        // default does left out.
         let mut reprinted: Vec<Printed> = Vec::new();
-        if matches!(kernel.body, Body::Rows(_)) && kernel.bytes_moved() >= super::tune::MIN_TUNED_BYTES {
-            for options in super::tune::print_variants() {
+        if kernel.bytes_moved() >= super::tune::MIN_TUNED_BYTES {
+            for options in super::tune::print_variants(kernel) {
                 let Ok(other) = cuda::print_with(&printed, KERNEL_NAME, &options) else { continue };
                 if other.source != source.source && reprinted.iter().all(|p| p.source.source != other.source) {
                     reprinted.push(Printed { options, source: other, module: OnceLock::new() });
@@ -190,11 +194,12 @@ impl CudaKernel {
         }
         let mut compiled =
             CudaKernel { kernel: kernel.clone(), source, module, matmul, copies, variants: None, reprinted };
-        compiled.variants = super::tune::variants(&compiled);
+        compiled.variants = super::tune::variants(&compiled).or_else(|| super::tune_products::variants(&compiled));
         Ok(compiled)
     }
 
-    /// Its printed variants (other splits of a row kernel's work), for [`LaunchOptions::printed`].
+    /// Its printed variants (other splits of a row kernel's work, other tiles of fused
+    /// attention), for [`LaunchOptions::printed`].
     pub fn printed(&self) -> &[Printed] {
         &self.reprinted
     }
@@ -248,6 +253,11 @@ impl CudaKernel {
 
     pub fn source(&self) -> &CudaSource {
         &self.source
+    }
+
+    /// The cuBLAS plan of a float matrix product.
+    pub fn matmul_plan(&self) -> Option<&MatmulPlan> {
+        self.matmul.as_ref()
     }
 
     /// Whether a launch needs a cuBLAS handle (a float matrix product).
@@ -306,7 +316,7 @@ impl CudaKernel {
                 return Err(DeviceError::Internal("a cuBLAS handle of another stream".into()));
             }
             // SAFETY: the caller's contract.
-            unsafe { plan.run(blas, args, scratch)? };
+            unsafe { plan.run(blas, args, scratch, options.blas_algo)? };
         }
         // SAFETY: the caller's contract.
         unsafe { super::line_copies::run(&self.copies, args, stream)? };

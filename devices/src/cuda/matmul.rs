@@ -26,12 +26,17 @@
 //! `[b, m, k] @ [k, n]` (cuBLAS's batched kernels take a broadcast operand at a fraction of the
 //! speed).
 //!
+//! A large product made in one call can also run as cuBLASLt's algorithms
+//! ([`super::blas_lt`]), variants the tuner times (`super::tune_products`): the same call,
+//! operands and scratch memory, the product made by `cublasLtMatmul` rather than cuBLAS.
+//!
 //! Integer products are not planned here: cuBLAS cannot wrap them as the CPU does, so the
 //! printer prints them as a kernel entry ([`braid_lowering::cuda::CudaSource::library_product`]).
 //!
 //! Must never: allocate, synchronise, or hand cuBLAS a layout it does not document.
 
 use super::blas::{Blas, Op, Operand};
+use super::blas_lt::{GemmShape, LtProduct};
 use super::compile::Compiler;
 use super::launch::{CudaKernel, LaunchOptions};
 use super::memory::{copy_device_2d, fill_device, fill_device_2d};
@@ -167,6 +172,8 @@ pub struct MatmulPlan {
     lhs: OperandPlan,
     rhs: OperandPlan,
     scratch_bytes: usize,
+    /// The one strided-batched call as cuBLASLt runs it (products made in one call only).
+    lt: Option<LtProduct>,
 }
 
 /// A product's operands as one product of all the left-hand side's rows, when its batches follow
@@ -309,7 +316,7 @@ impl MatmulPlan {
         } else {
             (plan_operand(&lhs_operand, (m, mm.k), (pm, pk))?, plan_operand(&rhs_operand, (mm.k, mm.n), (pk, pn))?)
         };
-        Ok(MatmulPlan {
+        let mut plan = MatmulPlan {
             dtype,
             batches,
             m: pm,
@@ -322,19 +329,57 @@ impl MatmulPlan {
             lhs,
             rhs,
             scratch_bytes: scratch,
-        })
+            lt: None,
+        };
+        plan.lt = plan.gemm_shape().map(LtProduct::new);
+        Ok(plan)
     }
 
     pub fn scratch_bytes(&self) -> usize {
         self.scratch_bytes
     }
 
-    /// Queues the product on `blas`'s stream.
+    /// The one strided-batched call of a product made in one (`None` for one call per batch,
+    /// an empty product or one over nothing), as `run` makes it.
+    fn gemm_shape(&self) -> Option<GemmShape> {
+        let stride = |o: &OperandPlan| match o.batches {
+            Batches::Strided { step, .. } => Some(step as i64),
+            Batches::Each(_) => None,
+        };
+        if self.total == 0 || self.empty_sum || self.batches == 0 {
+            return None;
+        }
+        // C^T = B^T A^T: cuBLAS's first operand is braid's right-hand side.
+        Some(GemmShape {
+            dtype: self.dtype,
+            dims: (self.n as i32, self.m as i32, self.k as i32),
+            a: (self.rhs.op, self.rhs.ld, stride(&self.rhs)?),
+            b: (self.lhs.op, self.lhs.ld, stride(&self.lhs)?),
+            ldc: self.n as i32,
+            c_stride: (self.m * self.n) as i64,
+            batches: self.batches as i32,
+        })
+    }
+
+    /// The product's cuBLASLt form, when it is made in one call (see [`MatmulPlan::run`]'s
+    /// `algo`).
+    pub fn lt(&self) -> Option<&LtProduct> {
+        self.lt.as_ref()
+    }
+
+    /// Queues the product on `blas`'s stream: by cuBLAS when `algo` is 0, else (made in one
+    /// call) by cuBLASLt's algorithm `algo - 1` (`super::blas_lt`; cuBLAS's when it cannot run).
     ///
     /// # Safety
     /// As [`CudaKernel::launch`]: `args` and `scratch` live device memory of the sizes the
     /// kernel and [`MatmulPlan::scratch_bytes`] name, the GPU's context current.
-    pub unsafe fn run(&self, blas: &Blas, args: &[CUdeviceptr], scratch: CUdeviceptr) -> Result<(), DeviceError> {
+    pub unsafe fn run(
+        &self,
+        blas: &Blas,
+        args: &[CUdeviceptr],
+        scratch: CUdeviceptr,
+        algo: u8,
+    ) -> Result<(), DeviceError> {
         let (size, stream) = (self.dtype.size(), blas.stream());
         let product = match self.product {
             Some(a) => args[a as usize],
@@ -393,7 +438,15 @@ impl MatmulPlan {
             matches!((&self.lhs.batches, &self.rhs.batches), (Batches::Strided { .. }, Batches::Strided { .. }));
         // C^T = B^T A^T: cuBLAS's first operand is braid's right-hand side.
         let (a, b) = ((&self.rhs, base[1]), (&self.lhs, base[0]));
-        if strided {
+        let by_lt = match self.lt.as_ref().filter(|_| algo > 0 && strided) {
+            Some(lt) => {
+                let (lta, ltb, batches) = (operand(a.0, a.1, 0), operand(b.0, b.1, 0), self.batches as i32);
+                // SAFETY: the caller's contract; the same call as cuBLAS's below.
+                unsafe { lt.run(blas, algo as usize - 1, self.dtype, dims, lta, ltb, product, ldc, c_stride, batches)? }
+            }
+            None => false,
+        };
+        if strided && !by_lt {
             // SAFETY: the caller's contract; layouts checked by `layout` when planned.
             unsafe {
                 blas.gemm_strided(
@@ -407,7 +460,7 @@ impl MatmulPlan {
                     self.batches as i32,
                 )?
             };
-        } else {
+        } else if !strided {
             for batch in 0..self.batches {
                 let c = product + (batch * self.m * self.n * size) as u64;
                 // SAFETY: as above, one batch at a time.

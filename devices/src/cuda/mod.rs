@@ -10,7 +10,8 @@
 //! - [`compile`] (with [`nvrtc`] and [`disk_cache`]): printed CUDA C compiled for the GPU's
 //!   architecture, cached in memory by source and on disk (rkyv).
 //! - [`launch`]: a compiled [`Kernel`](braid_lowering::Kernel) ([`CudaKernel`]): its printed
-//!   entries launched in order, a matrix product through cuBLAS first ([`blas`], [`matmul`]),
+//!   entries launched in order, a matrix product through cuBLAS first ([`blas`], [`matmul`];
+//!   cuBLASLt's algorithms as tuning variants: [`blas_lt`], `tune_products`),
 //!   long lines copied as they are through the driver's 2-D copies ([`line_copies`]).
 //! - [`harness`]: upload, run, download of one kernel, for tests.
 //! - [`CudaBackend`] (`device`, with `queue`, `pools` and `lanes`): the device runtime the
@@ -27,6 +28,7 @@
 //! `tracing` (target `braid::cuda`); no subscriber is installed here.
 
 pub mod blas;
+pub mod blas_lt;
 pub mod compile;
 pub mod context;
 mod device;
@@ -45,6 +47,7 @@ mod pools;
 mod queue;
 mod row_padding;
 pub mod tune;
+mod tune_products;
 
 pub use blas::{BLAS_WORKSPACE_BYTES, Blas};
 pub use compile::{CompileStats, Compiler};

@@ -302,6 +302,8 @@ impl CudaQueue<'_, '_> {
                     lane: self.lane,
                     stream: &self.stream,
                 };
+                // While tuning, a cuBLASLt algorithm that cannot run is a rejected candidate.
+                let _strict = super::blas_lt::Strict::enter();
                 // SAFETY: every argument is a live buffer of this device holding the kernel's
                 // length (the walker checked the sizes and holds them for the call); the
                 // schedule's events order every other access to them around this point of the

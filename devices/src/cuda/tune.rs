@@ -11,8 +11,13 @@
 //! conservatively). Printed variants ([`print_variants`]): a large row kernel printed with its
 //! long rows split in other segments, or its long columns over other blocks
 //! (`braid_lowering::cuda::PrintOptions`), compiled only when timed; non-bitwise too. Fused
-//! attention's tiles, products (cuBLAS) and kernels moving under [`MIN_TUNED_BYTES`]
-//! (launch-bound: the launch costs more than any variant saves) have no variants.
+//! attention on tensor cores printed with other tilings
+//! (`braid_lowering::cuda::attention_shapes`): its tiles over other warps and slabs, or with
+//! another register cap, are bitwise (each row runs the same instructions in the same order);
+//! other tile sizes are not (a row's keys or queries are walked in other groups); they are
+//! timed only when exhaustive (`BRAID_AUTOTUNE=exhaustive`: each is compiled first). Products
+//! (cuBLAS) and kernels moving under [`MIN_TUNED_BYTES`] (launch-bound: the launch costs more
+//! than any variant saves) have no variants here.
 //!
 //! Tuning runs on the kernel's real arguments, on its stream, when it is first launched by an
 //! eager flush: each candidate once to warm up, then timed with CUDA events, its outputs
@@ -36,7 +41,8 @@ use super::pools::{CudaPools, Mem};
 use crate::DeviceError;
 use crate::runtime::tune::{Mode, Plan, TRACE_TARGET, Trial, TuneKey, Tuner, Variant, content_hash, tolerance};
 use braid_graph::DType;
-use braid_lowering::cuda::{Launch, PrintOptions};
+use braid_lowering::cuda::{Launch, PrintOptions, attention_shapes, attention_tiles_with};
+use braid_lowering::{Body, Kernel};
 use cudarc::driver::result as cu;
 use cudarc::driver::sys::CUdeviceptr;
 use std::ffi::c_void;
@@ -74,6 +80,8 @@ pub fn variants(kernel: &CudaKernel) -> Option<Variants> {
                 row_threads = Some(row_threads.map_or(threads, |t: u32| t.min(threads)));
                 extents.push(rows);
             }
+            // Fused attention's only variants are its printed tilings.
+            Launch::Tiles { blocks, .. } if matches!(k.body, Body::Attention(_)) => extents.push(blocks),
             Launch::Tiles { .. } => return None,
         }
     }
@@ -97,12 +105,26 @@ pub fn variants(kernel: &CudaKernel) -> Option<Variants> {
     }
     for (i, p) in kernel.printed().iter().enumerate() {
         let default = PrintOptions::default();
-        let name = if p.options.segment != default.segment {
-            format!("rows split in segments of {}", p.options.segment)
-        } else {
-            format!("columns over {} blocks", p.options.column_blocks)
+        let (name, bitwise, short_list) = match (&k.body, p.options.attention) {
+            (Body::Attention(a), Some(shape)) => {
+                // The same tiles over other warps keep every row's instructions and their
+                // order; other tiles walk a row's keys (or queries) in other groups.
+                let tiles = |s| attention_tiles_with(a, s).map(|t| (t.bq, t.bk)).ok();
+                let same = tiles(None).is_some() && tiles(None) == tiles(Some(shape));
+                let name = format!(
+                    "tiles {}x{} warps x slabs, {} a tile, {} blocks/sm",
+                    shape.warps, shape.mw, shape.other, shape.min_blocks
+                );
+                // Exhaustive only: each tiling is an NVRTC compile of a second or more, and the
+                // table was chosen by timing these on an H200 (BENCHMARKS.md, issue 44).
+                (name, same, false)
+            }
+            _ if p.options.segment != default.segment => {
+                (format!("rows split in segments of {}", p.options.segment), false, true)
+            }
+            _ => (format!("columns over {} blocks", p.options.column_blocks), false, true),
         };
-        variants.push(Variant { name, bitwise: false, short_list: true });
+        variants.push(Variant { name, bitwise, short_list });
         options.push(LaunchOptions { printed: i as u8 + 1, ..Default::default() });
     }
     if let Some(printed) = row_threads {
@@ -121,14 +143,24 @@ pub fn variants(kernel: &CudaKernel) -> Option<Variants> {
     Some(Variants { key, variants, options })
 }
 
-/// The other printings a large row kernel is offered in: long rows among few split in
-/// segments of 2K, 8K or 16K elements (4K by default), long columns spread over 64, 256 or 512
-/// blocks (128). Those that print as the default does are left out.
-pub fn print_variants() -> Vec<PrintOptions> {
+/// The other printings a large kernel is offered in: a row kernel's long rows among few split
+/// in segments of 2K, 8K or 16K elements (4K by default), its long columns spread over 64, 256
+/// or 512 blocks (128); fused attention on tensor cores tiled otherwise
+/// ([`braid_lowering::cuda::attention_shapes`]). Those that print as the default does are left
+/// out by the caller.
+pub fn print_variants(kernel: &Kernel) -> Vec<PrintOptions> {
     let d = PrintOptions::default();
-    let segments = [2048, 8192, 16384].map(|segment| PrintOptions { segment, ..d });
-    let columns = [64, 256, 512].map(|column_blocks| PrintOptions { column_blocks, ..d });
-    segments.into_iter().chain(columns).collect()
+    match &kernel.body {
+        Body::Rows(_) => {
+            let segments = [2048, 8192, 16384].map(|segment| PrintOptions { segment, ..d });
+            let columns = [64, 256, 512].map(|column_blocks| PrintOptions { column_blocks, ..d });
+            segments.into_iter().chain(columns).collect()
+        }
+        Body::Attention(a) => {
+            attention_shapes(a).into_iter().map(|s| PrintOptions { attention: Some(s), ..d }).collect()
+        }
+        _ => vec![],
+    }
 }
 
 /// The GPU code that compares a candidate's outputs with the default's.

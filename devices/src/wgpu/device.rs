@@ -6,7 +6,9 @@
 //! wgpu device of the process (so pipelines compile once); its own memory and open command
 //! encoder (`super::memory`); an issue lock, so that two threads flushing the same device take
 //! turns; the kernels it has printed and compiled, by the identity of the engine's interned
-//! kernels; and its [`Target`], built from the adapter's real limits.
+//! kernels, with their launch variants (`super::tune`: map loops in other workgroup sizes,
+//! timed at a kernel's first launch and kept on disk); and its [`Target`], built from the
+//! adapter's real limits.
 //!
 //! Element types: f32, f16, bf16, i32, u8 and bool (what the WGSL printer holds: f16 and bf16
 //! are packed in u32 words and converted in integer arithmetic, so they need no
@@ -23,6 +25,7 @@ use super::WgpuContext;
 use super::kernels::WgslKernel;
 use super::memory::{WgpuMemory, lock};
 use super::queue::WgpuFlush;
+use super::tune::Variants;
 use crate::runtime::{Backend, Driver, Flush};
 use crate::{Buffer, DeviceBuffer, DeviceError, MemoryStats};
 use braid_graph::{CostModel, DType, DTypes, MemoryKind, Target};
@@ -43,7 +46,10 @@ const MAX_PREPARED: usize = 4096;
 
 /// Kernels ready to encode, by the address of the engine's interned kernel (held, so the
 /// address is not reused while it is a key).
-type Prepared = HashMap<usize, (Arc<Kernel>, Arc<WgslKernel>)>;
+type Prepared = HashMap<usize, (Arc<Kernel>, PreparedKernel)>;
+
+/// One prepared kernel: its default printing compiled, and its variants if it has any.
+pub(crate) type PreparedKernel = (Arc<WgslKernel>, Option<Arc<Variants>>);
 
 /// The runtime of one wgpu device (see the module docs).
 pub struct WgpuBackend {
@@ -160,19 +166,21 @@ impl WgpuBackend {
         &self.shared.ctx
     }
 
-    /// `kernel` printed and compiled, once per interned kernel.
-    pub(crate) fn prepared(&self, kernel: &Arc<Kernel>) -> Result<Arc<WgslKernel>, DeviceError> {
+    /// `kernel` printed and compiled, once per interned kernel, with its variants
+    /// (`super::tune`: printed now, compiled when first run).
+    pub(crate) fn prepared(&self, kernel: &Arc<Kernel>) -> Result<PreparedKernel, DeviceError> {
         let key = Arc::as_ptr(kernel) as usize;
         if let Some((_, k)) = lock(&self.prepared).get(&key) {
             return Ok(k.clone());
         }
         let compiled = self.shared.ctx.kernel(kernel)?;
+        let variants = super::tune::variants(kernel, &compiled, &self.shared.ctx.features).map(Arc::new);
         let mut prepared = lock(&self.prepared);
         if prepared.len() >= MAX_PREPARED {
             prepared.clear();
         }
-        prepared.insert(key, (kernel.clone(), compiled.clone()));
-        Ok(compiled)
+        prepared.insert(key, (kernel.clone(), (compiled.clone(), variants.clone())));
+        Ok((compiled, variants))
     }
 
     /// Whether `buffer` is a buffer of this device.
@@ -194,9 +202,9 @@ impl Backend for WgpuBackend {
         Driver::Interleaved
     }
 
-    fn begin<'a>(&'a self, _schedule: &'a Schedule, poison: bool) -> Result<Box<dyn Flush + 'a>, DeviceError> {
+    fn begin<'a>(&'a self, schedule: &'a Schedule, poison: bool) -> Result<Box<dyn Flush + 'a>, DeviceError> {
         self.shared.ctx.check_alive()?;
-        Ok(Box::new(WgpuFlush::begin(self, poison)))
+        Ok(Box::new(WgpuFlush::begin(self, poison, schedule.memory_budget.is_some())))
     }
 
     fn upload(&self, bytes: &[u8], poison: bool) -> Result<Buffer, DeviceError> {
@@ -240,6 +248,12 @@ impl Backend for WgpuBackend {
 
     fn persistent_memory(&self) -> u64 {
         self.shared.persistent()
+    }
+
+    fn kernel_variant(&self, kernel: &Arc<Kernel>) -> Option<String> {
+        let key = Arc::as_ptr(kernel) as usize;
+        let variants = lock(&self.prepared).get(&key)?.1.1.clone()?;
+        variants.chosen_name(&self.shared.ctx)
     }
 
     fn as_any(&self) -> &dyn std::any::Any {

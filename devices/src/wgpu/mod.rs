@@ -17,6 +17,7 @@ mod device;
 mod kernels;
 mod memory;
 mod queue;
+mod tune;
 
 pub use buffers::{run_kernel_on_wgpu, run_printed_on_wgpu};
 pub use device::{WgpuBackend, wgpu_target};

@@ -18,14 +18,17 @@
 //!   (`tests/runtime_queue.rs` replays the interleaved order against the schedule).
 //!
 //! Offloaded values (the schedule's host space) are host memory: a copy to it submits the
-//! work issued so far and waits for the device (the one place a flush blocks, besides
-//! failures); a copy back is a staging copy in issue order.
+//! work issued so far and waits for the device (one of the two places a flush blocks, besides
+//! failures; the other is a kernel's tuning at its first launch, `super::tune`, which submits
+//! the work issued so far and waits for each trial); a copy back is a staging copy in issue
+//! order.
 //!
 //! Must never: run anything the schedule does not say, or in another order than issued;
 //! return memory that work issued later could see before work issued earlier is done.
 
 use super::device::WgpuBackend;
 use super::memory::{WgpuBuffer, lock};
+use super::tune::{self, Bound};
 use crate::runtime::{Call, Flush, Queue};
 use crate::{Buffer, DeviceBuffer, DeviceError};
 use braid_lowering::wgsl::Binding;
@@ -39,14 +42,16 @@ pub(crate) struct WgpuFlush<'a> {
     backend: &'a WgpuBackend,
     _issue: MutexGuard<'a, ()>,
     poison: bool,
+    /// Planned under a memory budget: kernels are not timed (`super::tune`).
+    budgeted: bool,
     failed: AtomicBool,
     error: Mutex<Option<DeviceError>>,
 }
 
 impl<'a> WgpuFlush<'a> {
-    pub(crate) fn begin(backend: &'a WgpuBackend, poison: bool) -> WgpuFlush<'a> {
+    pub(crate) fn begin(backend: &'a WgpuBackend, poison: bool, budgeted: bool) -> WgpuFlush<'a> {
         let issue = lock(&backend.issue);
-        WgpuFlush { backend, _issue: issue, poison, failed: AtomicBool::new(false), error: Mutex::new(None) }
+        WgpuFlush { backend, _issue: issue, poison, budgeted, failed: AtomicBool::new(false), error: Mutex::new(None) }
     }
 }
 
@@ -101,7 +106,7 @@ impl WgpuQueue<'_, '_> {
         let shared = &backend.shared;
         let timed = tracing::enabled!(target: "braid::kernel", tracing::Level::DEBUG);
         let t0 = timed.then(Instant::now);
-        let compiled = backend.prepared(call.kernel).map_err(|e| e.in_kernel(&call.describe()))?;
+        let (compiled, variants) = backend.prepared(call.kernel).map_err(|e| e.in_kernel(&call.describe()))?;
         // One buffer per binding but the zero uniform, in binding order: the argument it names,
         // or a fresh scratch slice (back to the pool when `held` drops, after the kernel is
         // issued: later users of the memory are issued after it).
@@ -138,6 +143,14 @@ impl WgpuQueue<'_, '_> {
             places.push((place.0, place.2));
         }
         let refs: Vec<(&wgpu::Buffer, u64)> = places.iter().map(|(c, o)| (c, *o)).collect();
+        // The variant chosen for it, or timed now at its first launch (`super::tune`).
+        let compiled = match &variants {
+            Some(v) => {
+                let bound = Bound { kernel: call.kernel, refs: &refs, may_time: !self.flush.budgeted };
+                tune::choose(shared, v, &compiled, &bound)
+            }
+            None => compiled,
+        };
         shared
             .encode(|encoder| shared.ctx.encode_at(encoder, &compiled, &refs))
             .map_err(|e| e.in_kernel(&call.describe()))?;

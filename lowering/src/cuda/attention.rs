@@ -61,8 +61,94 @@ fn pass_of(a: &AttentionKernel) -> Pass {
     }
 }
 
+/// A tiling of fused attention on tensor cores: `warps` warps a block, each owning `mw` slabs
+/// of 16 rows of the block's own side (queries, or keys for the key and value gradients),
+/// `other` rows of the other side a tile, registers capped for `min_blocks` blocks a
+/// multiprocessor. The table in [`attention_tiles`] picks one per pass and head dimension;
+/// [`attention_shapes`] offers others to a tuner.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AttentionShape {
+    pub warps: u32,
+    pub mw: usize,
+    pub other: usize,
+    pub min_blocks: u32,
+}
+
 /// The tiling of `a` (see the module docs); `Err` for a dtype or head dimension not printed.
 pub fn attention_tiles(a: &AttentionKernel) -> Result<AttentionTiles, String> {
+    attention_tiles_with(a, None)
+}
+
+/// The table's shape for a tensor-core pass over a padded head dimension `dp`. Chosen by
+/// timing each pass's variants on an H200 (bf16, causal, d 64 and 128; then again by the
+/// tuner over [`attention_shapes`], which found 4 warps of two slabs 4-5% faster than 8 of one
+/// for the query gradient at d 128 and the key and value gradients at d 64, the same bits);
+/// where two blocks are asked for, ptxas spills at most a few words.
+fn table_shape(pass: Pass, dp: usize) -> AttentionShape {
+    let (warps, mw, other, min_blocks) = match (pass, dp) {
+        (Pass::Forward, ..=64) => (4, 2, 128, 1),
+        (Pass::Forward, ..=128) => (4, 2, 64, 2),
+        (Pass::GradQ, ..=64) => (8, 1, 64, 2),
+        (Pass::GradQ, ..=128) => (4, 2, 32, 1),
+        (Pass::GradKv, ..=64) => (4, 2, 32, 2),
+        (Pass::GradKv, ..=128) => (8, 1, 64, 1),
+        (Pass::Forward | Pass::GradQ, _) => (4, 1, 32, 1),
+        (Pass::GradKv, _) => (4, 1, 16, 1),
+    };
+    AttentionShape { warps, mw, other, min_blocks }
+}
+
+/// The tilings other than the table's that a tuner may time for `a` (tensor cores only, head
+/// dimensions up to 128; none otherwise), each fitting in a block's shared memory: the table's
+/// tile sizes over other warps, slabs and register caps first (every row computed by the same
+/// instructions in the same order: the same bits), then other tile sizes (a row's keys or
+/// queries walked in other groups: another order of adds).
+pub fn attention_shapes(a: &AttentionKernel) -> Vec<AttentionShape> {
+    let Ok(default) = attention_tiles(a) else { return vec![] };
+    if !matches!(a.dtype, DType::F16 | DType::BF16) || default.dp > 128 {
+        return vec![];
+    }
+    let table = table_shape(pass_of(a), default.dp);
+    let own = table.warps as usize * 16 * table.mw;
+    let mut shapes = Vec::new();
+    // The same tiles: warps x slabs covering the same rows, either register cap.
+    for (warps, mw) in [(4u32, own / 64), (8, own / 128)] {
+        for min_blocks in [1, 2] {
+            if (1..=2).contains(&mw) && warps as usize * 16 * mw == own {
+                shapes.push(AttentionShape { warps, mw, other: table.other, min_blocks });
+            }
+        }
+    }
+    // Other tiles: half or twice the other side, half the own side.
+    for other in [table.other / 2, table.other * 2] {
+        if (16..=128).contains(&other) {
+            shapes.push(AttentionShape { other, ..table });
+        }
+    }
+    if table.mw == 2 {
+        shapes.push(AttentionShape { mw: 1, ..table });
+    } else if table.warps == 8 {
+        shapes.push(AttentionShape { warps: 4, ..table });
+    }
+    shapes.retain(|s| *s != table && attention_tiles_with(a, Some(*s)).is_ok_and(|t| t.shared_bytes <= MAX_SHARED));
+    let mut seen = Vec::new();
+    shapes.retain(|s| {
+        !seen.contains(s) && {
+            seen.push(*s);
+            true
+        }
+    });
+    shapes
+}
+
+/// Dynamic shared memory a block may use (227 KiB on Hopper and Ampere's A100).
+const MAX_SHARED: usize = 227 * 1024;
+
+/// [`attention_tiles`] with the tensor-core passes tiled by `shape` rather than the table
+/// (`None`: the table; ignored for f32 and f64). `Err` for a shape the kernels cannot run:
+/// warps other than 4 or 8, slabs other than 1 or 2, the other side's tile not a multiple
+/// of 16 up to 128.
+pub fn attention_tiles_with(a: &AttentionKernel, shape: Option<AttentionShape>) -> Result<AttentionTiles, String> {
     if a.d == 0 || a.d > MAX_HEAD_DIM {
         return Err(format!("attention with head dimension {} (CUDA prints 1 to {MAX_HEAD_DIM})", a.d));
     }
@@ -71,20 +157,15 @@ pub fn attention_tiles(a: &AttentionKernel) -> Result<AttentionTiles, String> {
         DType::F16 | DType::BF16 => {
             let dp = a.d.next_multiple_of(16);
             let lds = dp + 8;
-            // (warps, slabs per warp, the other side's tile, blocks per multiprocessor the
-            // registers are capped for): the block's own side is warps * 16 * slabs rows. Chosen
-            // by timing each pass's variants on an H200 (bf16, causal, d 64 and 128); where two
-            // blocks are asked for, ptxas spills at most a few words.
-            let (warps, mw, other, min_blocks) = match (pass, dp) {
-                (Pass::Forward, ..=64) => (4, 2, 128, 1),
-                (Pass::Forward, ..=128) => (4, 2, 64, 2),
-                (Pass::GradQ, ..=64) => (8, 1, 64, 2),
-                (Pass::GradQ, ..=128) => (8, 1, 32, 2),
-                (Pass::GradKv, ..=64) => (8, 1, 32, 2),
-                (Pass::GradKv, ..=128) => (8, 1, 64, 1),
-                (Pass::Forward | Pass::GradQ, _) => (4, 1, 32, 1),
-                (Pass::GradKv, _) => (4, 1, 16, 1),
-            };
+            let AttentionShape { warps, mw, other, min_blocks } = shape.unwrap_or_else(|| table_shape(pass, dp));
+            let fits = matches!(warps, 4 | 8)
+                && matches!(mw, 1 | 2)
+                && other % 16 == 0
+                && (16..=128).contains(&other)
+                && matches!(min_blocks, 1 | 2);
+            if !fits {
+                return Err(format!("attention tiled {:?}: not a tiling the kernels run", shape));
+            }
             let own = warps as usize * 16 * mw;
             let (bq, bk) = if pass == Pass::GradKv { (other, own) } else { (own, other) };
             let elems = match pass {
@@ -135,9 +216,10 @@ pub(super) fn print_attention(
     a: &AttentionKernel,
     name: &str,
     params: &[Param],
+    options: &PrintOptions,
 ) -> Result<Vec<Entry>, String> {
     a.check(|i| params.get(i as usize).map(|p| (p.dtype, p.len)))?;
-    let tiles = attention_tiles(a)?;
+    let tiles = attention_tiles_with(a, options.attention)?;
     let (outputs, grads) = match &a.pass {
         AttentionPass::Forward { out, lse } => ([*out, *lse], None),
         AttentionPass::GradQ { grads, dq } => ([Some(*dq), None], Some(grads)),

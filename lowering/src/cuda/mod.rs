@@ -70,7 +70,9 @@ mod vector; // 16-byte loads and stores of neighbouring elements, checked for al
 
 pub use crate::cexpr::storage_ctype;
 use crate::cexpr::*;
-pub use attention::{AttentionTiles, MAX_HEAD_DIM, attention_tiles};
+pub use attention::{
+    AttentionShape, AttentionTiles, MAX_HEAD_DIM, attention_shapes, attention_tiles, attention_tiles_with,
+};
 pub use columns::COLUMNS;
 use loops::*;
 use product::print_int_product;
@@ -149,18 +151,21 @@ struct Param {
 
 /// Choices of how a kernel is printed that a tuner may vary (`devices/src/cuda/tune.rs`);
 /// [`print`] prints the default ones. Each changes only how the work is split, never what is
-/// computed, but sums then add in another order.
+/// computed, but sums may then add in another order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct PrintOptions {
     /// Elements per segment of a split row (a long row among few rows: `split.rs`).
     pub segment: usize,
     /// Blocks a column kernel is spread over when its columns are long (`columns.rs`).
     pub column_blocks: usize,
+    /// Fused attention on tensor cores tiled otherwise than by its table
+    /// ([`attention_shapes`]); `None`: the table's tiling.
+    pub attention: Option<AttentionShape>,
 }
 
 impl Default for PrintOptions {
     fn default() -> PrintOptions {
-        PrintOptions { segment: SEGMENT, column_blocks: columns::TARGET_BLOCKS }
+        PrintOptions { segment: SEGMENT, column_blocks: columns::TARGET_BLOCKS, attention: None }
     }
 }
 
@@ -231,7 +236,7 @@ pub fn print_with(kernel: &Kernel, name: &str, options: &PrintOptions) -> Result
         Body::ScatterWrite(s) => {
             entries.extend(scatter_write::print_scatter_write(&mut body, s, &format!("{name}_scatter"), &params)?)
         }
-        Body::Attention(a) => entries.extend(attention::print_attention(&mut body, a, name, &params)?),
+        Body::Attention(a) => entries.extend(attention::print_attention(&mut body, a, name, &params, options)?),
         Body::Matmul(m) => {
             library_product = m.dtype.is_float();
             if m.product as usize == params.len() {

@@ -192,3 +192,53 @@ fn nothing_to_launch_without_problems_or_rows() {
     let k = kernel(DType::F32, 2, &[2], 0, 8, 16, true);
     assert_eq!(print(&k, "att").unwrap().entries.len(), 1);
 }
+
+#[test]
+fn tuning_shapes_print_other_tilings_that_fit() {
+    for dtype in [DType::F16, DType::BF16] {
+        for pass in 0..3 {
+            for d in [16, 64, 80, 128] {
+                for causal in [false, true] {
+                    let k = kernel(dtype, pass, &[2], 300, 200, d, causal);
+                    let a = attention(&k);
+                    let table = attention_tiles(a).unwrap();
+                    let shapes = attention_shapes(a);
+                    assert!(shapes.len() >= 3, "{dtype} pass {pass} d {d}: {shapes:?}");
+                    let same_tiles = shapes.iter().filter(|s| {
+                        let t = attention_tiles_with(a, Some(**s)).unwrap();
+                        (t.bq, t.bk) == (table.bq, table.bk)
+                    });
+                    assert!(same_tiles.count() >= 1, "{dtype} pass {pass} d {d}: no shape keeps the tiles");
+                    let default = print(&k, "att").unwrap();
+                    for s in &shapes {
+                        let t = attention_tiles_with(a, Some(*s)).unwrap();
+                        assert_ne!(t, table, "{s:?} is the table's tiling");
+                        assert!(t.shared_bytes <= 227 * 1024, "{s:?}: {t:?}");
+                        let options = PrintOptions { attention: Some(*s), ..PrintOptions::default() };
+                        let p = print_with(&k, "att", &options).unwrap();
+                        assert_ne!(p.source, default.source);
+                        let own = if pass == 2 { 200usize.div_ceil(t.bk) } else { 300usize.div_ceil(t.bq) };
+                        let launch = Launch::Tiles {
+                            blocks: 2 * own,
+                            threads: s.warps * 32,
+                            shared_bytes: t.shared_bytes as u32,
+                        };
+                        assert_eq!(p.entries[0].launch, launch, "{s:?}");
+                        assert!(p.source.contains(&format!("constexpr int ATT_BK = {};", t.bk)));
+                        assert!(p.source.contains(&format!("__launch_bounds__({}, {})", s.warps * 32, s.min_blocks)));
+                    }
+                }
+            }
+        }
+    }
+    // No other tilings for CUDA cores, nor past a head dimension of 128; shapes the kernels
+    // cannot run are refused.
+    assert!(attention_shapes(attention(&kernel(DType::F32, 0, &[2], 30, 20, 64, false))).is_empty());
+    assert!(attention_shapes(attention(&kernel(DType::BF16, 0, &[2], 30, 20, 200, false))).is_empty());
+    let k = kernel(DType::BF16, 0, &[2], 30, 20, 64, false);
+    for bad in [(3, 1, 64, 1), (4, 3, 64, 1), (4, 1, 40, 1), (4, 1, 256, 1)] {
+        let (warps, mw, other, min_blocks) = bad;
+        let attention = Some(AttentionShape { warps, mw, other, min_blocks });
+        assert!(print_with(&k, "att", &PrintOptions { attention, ..PrintOptions::default() }).is_err(), "{bad:?}");
+    }
+}

@@ -349,6 +349,6 @@ fn print_options_change_how_long_rows_are_split_and_nothing_else() {
     assert_eq!(print_with(&long, "sm", &PrintOptions { segment: 3 * SEGMENT, ..d }).unwrap().entries.len(), 1);
     let short = softmax_rows(2, 2047);
     let printed = |o: PrintOptions| print_with(&short, "sm", &o).unwrap().source;
-    assert_eq!(printed(d), printed(PrintOptions { segment: 2048, column_blocks: 512 }));
+    assert_eq!(printed(d), printed(PrintOptions { segment: 2048, column_blocks: 512, ..d }));
     assert!(print_with(&short, "sm", &PrintOptions { segment: 0, ..d }).is_err());
 }

@@ -4,7 +4,9 @@
 //! The caller binds argument `i` of the kernel at `@group(0) @binding(i)` and each scratch
 //! buffer of [`WgslSource::scratch`] after them, then dispatches [`WgslSource::entries`] in
 //! order with the workgroup counts each names (a dispatch must see the previous one's writes).
-//! - A map loop is one entry, one thread per index, 256 per workgroup.
+//! - A map loop is one entry, one thread per index, 256 per workgroup ([`print_with`] prints
+//!   other workgroup sizes and several indices per thread, for the device's tuner: the same
+//!   bits in another launch shape).
 //! - A row kernel (reductions along one axis, or the whole tensor) runs one workgroup per row,
 //!   phase after phase as the CPU's `rows` module does: each reduction folds the row in
 //!   per-thread accumulators and combines them in a tree in workgroup memory; per-row values
@@ -172,6 +174,29 @@ pub(crate) fn refusal(d: DType) -> String {
 /// Threads per workgroup of map loops and of the elementwise passes.
 pub const MAP_THREADS: u32 = 256;
 
+/// How a kernel is printed where the printer has a choice that cannot change a result: the
+/// device's tuner times them ([`print_with`]). Every choice prints the same statements for
+/// each element, so every printing gives the default's bytes, NaNs aside: each printing is
+/// compiled anew, and a driver may give a NaN another sign or payload (lavapipe's LLVM, where
+/// it orders an addition's operands otherwise), as WGSL allows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct WgslOptions {
+    /// Threads per workgroup of map loops (at most the adapter's
+    /// `max_invocations_per_workgroup`, which printing checks).
+    pub map_threads: u32,
+    /// Indices each thread of a map loop computes, one after another: a workgroup covers
+    /// `map_threads * map_elements` consecutive indices, thread `t` those `t` modulo
+    /// `map_threads` apart (neighbouring threads touch neighbouring elements).
+    pub map_elements: u32,
+}
+
+impl Default for WgslOptions {
+    /// [`MAP_THREADS`] threads, one index each: what [`print()`] prints.
+    fn default() -> WgslOptions {
+        WgslOptions { map_threads: MAP_THREADS, map_elements: 1 }
+    }
+}
+
 /// A parameter of the printed module: an argument or a scratch buffer.
 pub(crate) struct Param {
     pub dtype: DType,
@@ -183,6 +208,7 @@ pub(crate) struct Param {
 /// The module under construction: declarations, entry points, bindings.
 pub(crate) struct Module<'a> {
     pub features: &'a Features,
+    pub options: WgslOptions,
     pub params: Vec<Param>,
     /// Scratch bindings beyond the parameters (raw u32 words, for split row kernels).
     pub words: Vec<u64>,
@@ -256,8 +282,20 @@ pub fn split_workgroups(groups: u64, max: u32) -> Result<[u32; 3], String> {
 /// dims differ from their loop's, on dtypes [`supports`] refuses, and on kernels beyond the
 /// adapter's limits (each error names the limit).
 pub fn print(kernel: &Kernel, features: &Features) -> Result<WgslSource, String> {
+    print_with(kernel, features, &WgslOptions::default())
+}
+
+/// [`print()`] with `options` (the default's printing for [`WgslOptions::default`]): map loops
+/// of other workgroup sizes and indices per thread. Errors as [`print()`] does, and on
+/// options no adapter could run (no threads, or a map loop whose last workgroup would reach
+/// past u32 indices).
+pub fn print_with(kernel: &Kernel, features: &Features, options: &WgslOptions) -> Result<WgslSource, String> {
+    if options.map_threads == 0 || options.map_elements == 0 {
+        return Err(format!("{options:?}: a map loop needs threads and indices per thread"));
+    }
     let mut m = Module {
         features,
+        options: *options,
         params: (kernel.args.iter().enumerate())
             .map(|(i, a)| Param { dtype: a.dtype, len: a.len, writable: i >= kernel.inputs })
             .collect(),

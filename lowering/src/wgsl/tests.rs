@@ -106,3 +106,28 @@ fn batch_offsets_of_broadcast_products_are_computed_not_tabled() {
         assert!(decls.is_empty() && !e.contains('['), "{e}\n{decls}");
     }
 }
+
+#[test]
+fn map_loops_print_in_other_launch_shapes_on_request() {
+    let k = double(DType::F16, &[1000, 3]);
+    let f = Features::default();
+    assert_eq!(print_with(&k, &f, &WgslOptions::default()).unwrap(), print(&k, &f).unwrap());
+    for (threads, per) in [(64, 1), (128, 1), (256, 2), (64, 4)] {
+        let o = WgslOptions { map_threads: threads, map_elements: per };
+        let p = print_with(&k, &f, &o).unwrap();
+        let groups = 3000u32.div_ceil(threads * per);
+        assert_eq!(p.entries.len(), 1);
+        assert_eq!((p.entries[0].threads, p.entries[0].workgroups), (threads, [groups, 1, 1]), "{o:?}");
+        assert!(p.source.contains(&format!("@workgroup_size({threads})")), "{}", p.source);
+        assert_eq!(p.source.contains("for (var k = 0u;"), per > 1, "{}", p.source);
+        assert_eq!(p.bindings, print(&k, &f).unwrap().bindings);
+    }
+    // More threads than the adapter allows, none, or spans past u32 indices are refused.
+    let o = WgslOptions { map_threads: 512, map_elements: 1 };
+    assert!(print_with(&k, &f, &o).unwrap_err().contains("max_compute_invocations_per_workgroup (256)"));
+    assert!(print_with(&k, &f, &WgslOptions { map_threads: 0, map_elements: 1 }).is_err());
+    let huge = double(DType::U8, &[(1 << 32) - 100]);
+    let o = WgslOptions { map_threads: 256, map_elements: 4 };
+    let f = Features { max_storage_buffer_binding_size: 1 << 33, ..f };
+    assert!(print_with(&huge, &f, &o).unwrap_err().contains("passes u32"));
+}
