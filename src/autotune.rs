@@ -5,7 +5,10 @@
 //!
 //! What has variants: on CUDA, map loops (threads a block, blocks a multiprocessor), row
 //! kernels (threads a row), large row kernels printed with other splits of their long rows
-//! or columns (compiled only when timed), fused attention on tensor cores printed with other
+//! or columns (compiled only when timed), large map loops and row kernels printed with
+//! narrower vector accesses (8 bytes a thread's access, or none, for the default's 16: the
+//! same bits for map loops, another order of adds for rows; timed only when `exhaustive`,
+//! each compiled first), fused attention on tensor cores printed with other
 //! tilings (warps, slabs and register caps over the same tiles: the same bits; other tile
 //! sizes: another order of adds; timed only when `exhaustive`, each compiled first) and large float products made in one cuBLAS call
 //! (cuBLASLt's algorithms for the same call, which add in other orders); on wgpu, map kernels

@@ -6,6 +6,8 @@
 //! The tuner's own checks (variants that disagree, buckets, checksums) are unit tests in
 //! `devices/src/runtime/tune/tests.rs`.
 
+mod common;
+
 use braid::autotune::{self, Mode};
 use braid::prelude::*;
 use braid::testing::test_device;
@@ -25,15 +27,7 @@ fn tunes(test: &str) -> bool {
 }
 
 fn random(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
-        })
-        .collect()
+    common::uniform_f32(n, seed, 2.0)
 }
 
 /// Kernels large enough to be tuned on every device with variants: a map chain, row sums, a

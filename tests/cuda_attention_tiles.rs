@@ -12,24 +12,12 @@
 
 mod common;
 
-use braid_devices::DeviceError;
-use braid_devices::cuda::{CudaKernel, Harness, LaunchOptions, run_compiled_on_gpu};
+use braid_devices::cuda::{CudaKernel, LaunchOptions, run_compiled_on_gpu};
 use braid_devices::runtime::tune::tolerance;
 use braid_graph::{DType, Shape, View};
 use braid_lowering::kernel::Arg;
 use braid_lowering::{AttentionGradInputs, AttentionKernel, AttentionPass, Body, Kernel, Load};
 use common::Rng;
-
-fn gpu(test: &str) -> Option<Harness> {
-    match Harness::new(0, None) {
-        Ok(h) => Some(h),
-        Err(DeviceError::Unavailable(why)) => {
-            eprintln!("skipped: {test}: {why}");
-            None
-        }
-        Err(e) => panic!("{test}: the GPU is there but unusable: {e}"),
-    }
-}
 
 /// Attention over contiguous `[problems, rows, d]` operands: q, k, v (and for a backward pass
 /// d_out, lse, delta), then the outputs (forward: out, lse; query gradient: dq; key and value
@@ -111,7 +99,7 @@ fn differs(dtype: DType, want: &[u8], got: &[u8]) -> Option<String> {
 
 #[test]
 fn every_tiling_the_tuner_may_choose_agrees_with_the_table() {
-    let Some(h) = gpu("attention tilings") else { return };
+    let Some(h) = common::cuda_harness("attention tilings") else { return };
     let mut rng = Rng::new(0xA77);
     let (mut runs, mut failures) = (0, vec![]);
     // bf16 in every case; f16 (the same kernels but for the conversions) at head dimension 64,

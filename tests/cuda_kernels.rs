@@ -42,6 +42,9 @@ mod gathers;
 mod quant_cases;
 #[path = "cuda_printer/scatters.rs"]
 mod scatters;
+// Kernels printed with the tuner's other options (splits, vector widths).
+#[path = "cuda_printer/printed_variants.rs"]
+mod printed_variants;
 #[path = "cuda_printer/warps.rs"]
 mod warps;
 
@@ -57,18 +60,6 @@ use cases::*;
 use common::Rng;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-
-/// The GPU harness, or `None` after printing why the test is skipped.
-fn gpu(test: &str) -> Option<Harness> {
-    match Harness::new(0, None) {
-        Ok(h) => Some(h),
-        Err(DeviceError::Unavailable(why)) => {
-            eprintln!("skipped: {test}: {why}");
-            None
-        }
-        Err(e) => panic!("{test}: the GPU is there but unusable: {e}"),
-    }
-}
 
 fn quick() -> bool {
     std::env::var_os("BRAID_CUDA_TEST_QUICK").is_some()
@@ -244,7 +235,7 @@ fn opening_a_missing_gpu_is_an_error_not_a_panic() {
 
 #[test]
 fn map_loops_concatenations_and_edges_match_the_cpu() {
-    let Some(h) = gpu("map loops") else { return };
+    let Some(h) = common::cuda_harness("map loops") else { return };
     let mut rng = Rng::new(0x6A9);
     let mut cases = vec![edges_case()];
     let n = if quick() { 40 } else { 300 };
@@ -260,7 +251,7 @@ fn map_loops_concatenations_and_edges_match_the_cpu() {
 
 #[test]
 fn row_kernels_match_the_cpu_at_every_block_size() {
-    let Some(h) = gpu("row kernels") else { return };
+    let Some(h) = common::cuda_harness("row kernels") else { return };
     let mut rng = Rng::new(0x20_55);
     let n = if quick() { 40 } else { 150 };
     let mut cases: Vec<Case> = (0..n).map(|i| rows_case(&mut rng, i, MathLib::Cuda)).collect();
@@ -299,7 +290,7 @@ fn row_kernels_match_the_cpu_at_every_block_size() {
 
 #[test]
 fn long_rows_and_whole_tensor_reductions_match_the_cpu() {
-    let Some(h) = gpu("long rows") else { return };
+    let Some(h) = common::cuda_harness("long rows") else { return };
     let mut rng = Rng::new(0x10_0000);
     let shapes: Vec<(Vec<usize>, Option<usize>)> = if quick() {
         vec![(vec![1 << 20], None)]
@@ -336,49 +327,9 @@ fn long_rows_and_whole_tensor_reductions_match_the_cpu() {
     check_cases(&h, "long rows", &cases, |_, threads| powers(32, threads));
 }
 
-/// Long rows, whole-tensor reductions and long columns printed with the tuner's other splits
-/// (`braid_lowering::cuda::PrintOptions`: segments of 2K to 16K elements, columns over 64 to
-/// 512 blocks) give the CPU's results, as the default printing does.
-#[test]
-fn long_rows_printed_with_other_splits_match_the_cpu() {
-    let Some(h) = gpu("long rows, other splits") else { return };
-    let mut rng = Rng::new(0x5E6);
-    let shapes: [(Vec<usize>, Option<usize>); 5] = [
-        (vec![1 << 20], None),
-        (vec![3, 2, 200_000], None),
-        (vec![2, 3, 400_000], Some(2)),
-        (vec![20_000, 64], Some(0)),
-        (vec![100_000, 40], Some(0)),
-    ];
-    let (mut runs, mut failures) = (0, vec![]);
-    for (i, (dims, axis)) in shapes.iter().cycle().take(if quick() { 5 } else { 15 }).enumerate() {
-        let case = loop {
-            let case = rows_case_over(&mut rng, i, dims, *axis, MathLib::Cuda, false);
-            if case.kernel.args[0].dtype.compute() != DType::F32 {
-                break case;
-            }
-        };
-        let cpu = run_cpu(&case.kernel, &case.init);
-        let compiled = braid_devices::cuda::CudaKernel::new(&h.compiler, &case.kernel).unwrap();
-        assert!(!compiled.printed().is_empty(), "{}: no other splits printed", case.label);
-        for p in 1..=compiled.printed().len() {
-            let options = LaunchOptions { printed: p as u8, ..LaunchOptions::default() };
-            let mut args = case.init.clone();
-            runs += 1;
-            let failure = match run_compiled_on_gpu(&h, &compiled, &mut args, options) {
-                Err(e) => Some(format!("{} ({:?}): {e}", case.label, compiled.printed()[p - 1].options)),
-                Ok(()) => compare(&case, &cpu, &args).map(|f| format!("{f} ({:?})", compiled.printed()[p - 1].options)),
-            };
-            failures.extend(failure);
-        }
-    }
-    eprintln!("long rows, other splits: {runs} GPU runs");
-    assert!(failures.is_empty(), "{} differ:\n{}", failures.len(), failures.join("\n"));
-}
-
 #[test]
 fn matrix_products_match_the_cpu() {
-    let Some(h) = gpu("matrix products") else { return };
+    let Some(h) = common::cuda_harness("matrix products") else { return };
     let mut rng = Rng::new(0x3A7);
     let mut cases = vec![];
     let dtypes = [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64, DType::U8];
@@ -431,7 +382,7 @@ fn quantized_products_match_the_cpu() {
         let layout = QuantLayout::new(scheme, k, n, scale).unwrap();
         cases.push(quant_cases::quant_case_of(&mut rng, 1000 + i, d, layout, m).0);
     }
-    let Some(h) = gpu("quantized products") else { return };
+    let Some(h) = common::cuda_harness("quantized products") else { return };
     check_cases(&h, "quantized products", &cases, |_, _| vec![]);
 }
 
@@ -444,7 +395,7 @@ fn gathers_and_scatter_adds_match_the_cpu_bit_for_bit() {
     let mut cases = gathers::gather_cases(&mut rng, n);
     cases.extend(scatters::scatter_cases(&mut rng, n));
     cases.extend(scatters::scatter_write_cases(&mut Rng::new(0x5CA7), n));
-    let Some(h) = gpu("gathers and scatter-adds") else { return };
+    let Some(h) = common::cuda_harness("gathers and scatter-adds") else { return };
     check_cases(&h, "gathers and scatter-adds", &cases, |_, _| vec![]);
 }
 
@@ -538,7 +489,7 @@ fn the_disk_cache_trusts_only_valid_entries_of_their_own_key() {
 
 #[test]
 fn compiled_kernels_come_back_from_disk_and_bad_entries_are_recompiled() {
-    let Some(h) = gpu("disk cache") else { return };
+    let Some(h) = common::cuda_harness("disk cache") else { return };
     let dir = temp_dir("gpu");
     let mut rng = Rng::new(0xD15C);
     let (ka, kb) = (map_case(&mut rng, 0, MathLib::Cuda), rows_case(&mut rng, 1, MathLib::Cuda));

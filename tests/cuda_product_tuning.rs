@@ -12,21 +12,15 @@
 
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use braid::autotune::{self, Mode};
 use braid::prelude::*;
 use std::io::Write;
 use std::process::Command;
 
 fn random(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        })
-        .collect()
+    common::uniform_f32(n, seed, 1.0)
 }
 
 /// The products: (name, dtype, left-hand shape, right-hand shape).

@@ -3,7 +3,8 @@
 //! spreads over both), as many pairs as asked; each run times itself as the bench always does
 //! (warm-up, then the median of its runs: the first `on` run tunes during its warm-up and
 //! checks, never in the timed runs). Reports the median of each side per row, their ratio, and
-//! what the first tuning of each workload cost.
+//! what the first tuning of each workload cost. "On" is `BRAID_AUTOTUNE`'s mode when it is
+//! `exhaustive` (every variant timed), else `on` (the short list).
 
 use braid::autotune::{self, Mode};
 
@@ -18,10 +19,11 @@ fn median(v: &[f64]) -> f64 {
 
 /// Runs every workload `pairs` times under each setting; the report as Markdown.
 pub fn compare(workloads: Vec<Workload<'_>>, pairs: usize) -> String {
+    let tuned_mode = if autotune::mode() == Mode::Exhaustive { Mode::Exhaustive } else { Mode::On };
     let mut lines = vec![
         format!(
             "Tuning on: `{:?}` mode, {} (BRAID_DETERMINISTIC={}).\n",
-            Mode::On,
+            tuned_mode,
             if autotune::deterministic() { "bitwise variants only" } else { "variants that add in another order too" },
             autotune::deterministic() as u8
         ),
@@ -35,7 +37,7 @@ pub fn compare(workloads: Vec<Workload<'_>>, pairs: usize) -> String {
         let mut cost = None;
         for pair in 0..pairs {
             for tuned in if pair % 2 == 0 { [false, true] } else { [true, false] } {
-                autotune::set_mode(if tuned { Mode::On } else { Mode::Off });
+                autotune::set_mode(if tuned { tuned_mode } else { Mode::Off });
                 let (before, secs) = (autotune::tunings(), autotune::tuning_seconds());
                 let rows = run();
                 if tuned {
@@ -54,6 +56,6 @@ pub fn compare(workloads: Vec<Workload<'_>>, pairs: usize) -> String {
             lines.push(format!("| {id} | {o:.3} | {n:.3} | {:.2} | {count} | {secs:.2} |", n / o));
         }
     }
-    autotune::set_mode(Mode::On);
+    autotune::set_mode(tuned_mode);
     lines.join("\n")
 }

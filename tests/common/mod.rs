@@ -11,6 +11,26 @@ use braid_graph::reference::{CheckStats, ProgNode, RefValue};
 use braid_graph::{Op, ReduceOp};
 use half::{bf16, f16};
 
+/// `n` values uniform in `[-bound, bound)` from `seed` (random inputs for tests that only need
+/// floats, never all zeros).
+pub fn uniform_f32(n: usize, seed: u64, bound: f32) -> Vec<f32> {
+    let mut rng = Rng::new(seed);
+    (0..n).map(|_| rng.uniform(-bound as f64, bound as f64) as f32).collect()
+}
+
+/// The CUDA test harness on GPU 0, or `None` after printing why `test` is skipped (no GPU, no
+/// driver or NVRTC); a GPU that is there but unusable fails the test.
+pub fn cuda_harness(test: &str) -> Option<braid_devices::cuda::Harness> {
+    match braid_devices::cuda::Harness::new(0, None) {
+        Ok(h) => Some(h),
+        Err(braid_devices::DeviceError::Unavailable(why)) => {
+            eprintln!("skipped: {test}: {why}");
+            None
+        }
+        Err(e) => panic!("{test}: the GPU is there but unusable: {e}"),
+    }
+}
+
 /// A small deterministic generator (SplitMix64), so a failing case is reproducible from its
 /// seed.
 #[derive(Clone, Debug)]

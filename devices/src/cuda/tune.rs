@@ -10,7 +10,10 @@
 //! (timed only under `BRAID_DETERMINISTIC=0`; a packed map kernel's rows are marked so too,
 //! conservatively). Printed variants ([`print_variants`]): a large row kernel printed with its
 //! long rows split in other segments, or its long columns over other blocks
-//! (`braid_lowering::cuda::PrintOptions`), compiled only when timed; non-bitwise too. Fused
+//! (`braid_lowering::cuda::PrintOptions`), compiled only when timed; non-bitwise too. A map
+//! loop or row kernel printed with vector accesses of 8 bytes or none (16 by default): bitwise
+//! for map loops (each index computed alone), not for row kernels (a thread sums other
+//! positions of its row); timed only when exhaustive (each is a compile). Fused
 //! attention on tensor cores printed with other tilings
 //! (`braid_lowering::cuda::attention_shapes`): its tiles over other warps and slabs, or with
 //! another register cap, are bitwise (each row runs the same instructions in the same order);
@@ -119,6 +122,16 @@ pub fn variants(kernel: &CudaKernel) -> Option<Variants> {
                 // table was chosen by timing these on an H200 (BENCHMARKS.md, issue 44).
                 (name, same, false)
             }
+            _ if p.options.vector_bytes != default.vector_bytes => {
+                let width = match p.options.vector_bytes {
+                    0 => "no vector accesses".to_string(),
+                    b => format!("vector accesses of {b} bytes"),
+                };
+                // A map loop computes each index alone whatever its accesses; a row kernel's
+                // thread sums other positions of its row when its chunks are narrower.
+                // Exhaustive only: each is an NVRTC compile (BENCHMARKS.md, issue 44, stop 64).
+                (width, matches!(k.body, Body::Map(_)), false)
+            }
             _ if p.options.segment != default.segment => {
                 (format!("rows split in segments of {}", p.options.segment), false, true)
             }
@@ -145,16 +158,19 @@ pub fn variants(kernel: &CudaKernel) -> Option<Variants> {
 
 /// The other printings a large kernel is offered in: a row kernel's long rows among few split
 /// in segments of 2K, 8K or 16K elements (4K by default), its long columns spread over 64, 256
-/// or 512 blocks (128); fused attention on tensor cores tiled otherwise
+/// or 512 blocks (128); a map loop's or row kernel's vector accesses 8 bytes wide or none (16
+/// by default); fused attention on tensor cores tiled otherwise
 /// ([`braid_lowering::cuda::attention_shapes`]). Those that print as the default does are left
 /// out by the caller.
 pub fn print_variants(kernel: &Kernel) -> Vec<PrintOptions> {
     let d = PrintOptions::default();
+    let vectors = [8, 0].map(|vector_bytes| PrintOptions { vector_bytes, ..d });
     match &kernel.body {
+        Body::Map(_) => vectors.to_vec(),
         Body::Rows(_) => {
             let segments = [2048, 8192, 16384].map(|segment| PrintOptions { segment, ..d });
             let columns = [64, 256, 512].map(|column_blocks| PrintOptions { column_blocks, ..d });
-            segments.into_iter().chain(columns).collect()
+            segments.into_iter().chain(columns).chain(vectors).collect()
         }
         Body::Attention(a) => {
             attention_shapes(a).into_iter().map(|s| PrintOptions { attention: Some(s), ..d }).collect()

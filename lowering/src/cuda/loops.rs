@@ -24,16 +24,16 @@ enum Walk {
 
 /// The vector path of `l`, if it has one, and how it walks: [`plan_flat`]'s, else
 /// [`plan_rows`]'s.
-fn plan_vector(l: &MapLoop, live: &[bool]) -> Option<(Vector, Walk)> {
-    match plan_flat(l, live) {
+fn plan_vector(l: &MapLoop, live: &[bool], bytes: usize) -> Option<(Vector, Walk)> {
+    match plan_flat(l, live, bytes) {
         Some(v) => Some((v, Walk::Flat)),
-        None => plan_rows(l, live),
+        None => plan_rows(l, live, bytes),
     }
 }
 
 /// The live loads and the stores with a contiguous last dimension (the candidates a chunk
-/// could walk), and the width their largest element gives (it fills 16 bytes).
-fn candidates(l: &MapLoop, live: &[bool]) -> Option<usize> {
+/// could walk), and the width their largest element gives (it fills `bytes`).
+fn candidates(l: &MapLoop, live: &[bool], bytes: usize) -> Option<usize> {
     let nodes = &l.expr.nodes;
     let candidate =
         |v: &View| v.is_contiguous() || (v.dims.last().is_some_and(|&d| d > 1) && v.strides.last() == Some(&1));
@@ -43,16 +43,16 @@ fn candidates(l: &MapLoop, live: &[bool]) -> Option<usize> {
         }
         _ => None,
     });
-    width(loads.chain(l.stores.iter().filter(|s| candidate(&s.view)).map(|s| s.dtype.size())))
+    width(bytes, loads.chain(l.stores.iter().filter(|s| candidate(&s.view)).map(|s| s.dtype.size())))
 }
 
 /// The vector path over rows whose length `n` is no multiple of the width (a narrow of padded
 /// rows: a language model's logits over a vocabulary of 50,257 in rows of 50,304): the live
 /// loads and the stores, at least one, whose last dimension is contiguous and whose other
 /// dimensions and offset step by multiples of the width, so that every row starts a chunk.
-fn plan_rows(l: &MapLoop, live: &[bool]) -> Option<(Vector, Walk)> {
+fn plan_rows(l: &MapLoop, live: &[bool], bytes: usize) -> Option<(Vector, Walk)> {
     let (last, n) = (l.dims.len().checked_sub(1)?, *l.dims.last()?);
-    let width = candidates(l, live)?;
+    let width = candidates(l, live, bytes)?;
     if width <= 1 || n < width || n.is_multiple_of(width) {
         return None;
     }
@@ -72,8 +72,8 @@ fn plan_rows(l: &MapLoop, live: &[bool]) -> Option<(Vector, Walk)> {
 
 /// The flat vector path of `l`, if it has one: the live loads and the stores, at least one, that
 /// are contiguous or [`chunked`], whose offsets are multiples of the width (the largest
-/// element fills 16 bytes), over at least one chunk of indices.
-fn plan_flat(l: &MapLoop, live: &[bool]) -> Option<Vector> {
+/// element fills `bytes`), over at least one chunk of indices.
+fn plan_flat(l: &MapLoop, live: &[bool], bytes: usize) -> Option<Vector> {
     let nodes = &l.expr.nodes;
     // Views a chunk could walk: contiguous ones, and those whose last dimension is.
     let candidate =
@@ -83,7 +83,7 @@ fn plan_flat(l: &MapLoop, live: &[bool]) -> Option<Vector> {
         _ => None,
     };
     let sizes = (0..nodes.len()).filter_map(|i| load_of(i).map(|ld| ld.dtype.size()));
-    let width = width(sizes.chain(l.stores.iter().filter(|s| candidate(&s.view)).map(|s| s.dtype.size())))?;
+    let width = width(bytes, sizes.chain(l.stores.iter().filter(|s| candidate(&s.view)).map(|s| s.dtype.size())))?;
     let walks = |v: &View| (v.is_contiguous() || chunked(v, width)) && v.offset.is_multiple_of(width);
     let loads: Vec<bool> = (0..nodes.len()).map(|i| load_of(i).is_some_and(|ld| walks(&ld.view))).collect();
     let stores: Vec<bool> = l.stores.iter().map(|s| walks(&s.view)).collect();
@@ -128,19 +128,34 @@ impl Grid {
     }
 }
 
-pub(super) fn print_map(out: &mut String, l: &MapLoop, name: &str, params: &[Param]) -> Result<Entry, String> {
-    print_loop(out, l, name, params, Grid::Launch)
+/// Prints map loop `l` as an entry point, its vector accesses at most `vector_bytes` wide
+/// (`PrintOptions::vector_bytes`).
+pub(super) fn print_map(
+    out: &mut String,
+    l: &MapLoop,
+    name: &str,
+    params: &[Param],
+    vector_bytes: usize,
+) -> Result<Entry, String> {
+    print_loop(out, l, name, params, Grid::Launch, vector_bytes)
 }
 
 /// [`print_map`] as an entry point (`Grid::Launch`) or as the device function of one loop of
 /// a packed kernel (`Grid::Share`, see [`print_packed`]).
-fn print_loop(out: &mut String, l: &MapLoop, name: &str, params: &[Param], grid: Grid) -> Result<Entry, String> {
+fn print_loop(
+    out: &mut String,
+    l: &MapLoop,
+    name: &str,
+    params: &[Param],
+    grid: Grid,
+    vector_bytes: usize,
+) -> Result<Entry, String> {
     check_io(&l.loads, &l.stores, &l.expr, &l.dims, params)?;
     let numel = l.numel();
     let (live, views) = live(&l.expr, &l.loads, &l.stores);
     let strided: Vec<&View> = views.into_iter().filter(|v| !v.is_contiguous()).collect();
     let used = used_dims(&l.dims, &strided, false);
-    let vector = plan_vector(l, &live);
+    let vector = plan_vector(l, &live, vector_bytes);
     let _ = writeln!(
         out,
         "\n// {numel} indices over dims {:?}, one per thread{}.\n{} {{",
@@ -322,12 +337,18 @@ const PACKED_BLOCKS_PER_LOOP: usize = 4096;
 /// a device function, and the entry gives each loop a range of its blocks (as many as its
 /// threads need, at most [`PACKED_BLOCKS_PER_LOOP`]), in which the loop strides as it would over
 /// a grid of its own. One launch instead of one per loop; any block size covers every loop.
-pub(super) fn print_packed(out: &mut String, loops: &[MapLoop], name: &str, params: &[Param]) -> Result<Entry, String> {
+pub(super) fn print_packed(
+    out: &mut String,
+    loops: &[MapLoop],
+    name: &str,
+    params: &[Param],
+    vector_bytes: usize,
+) -> Result<Entry, String> {
     let mut ranges = vec![];
     let mut blocks = 0usize;
     for (k, l) in loops.iter().enumerate() {
         let loop_name = format!("{name}_part{k}");
-        let entry = print_loop(out, l, &loop_name, params, Grid::Share)?;
+        let entry = print_loop(out, l, &loop_name, params, Grid::Share, vector_bytes)?;
         let Launch::Map { numel: threads, block } = entry.launch else { unreachable!("a loop launches as a map") };
         if threads == 0 {
             continue;

@@ -161,11 +161,20 @@ pub struct PrintOptions {
     /// Fused attention on tensor cores tiled otherwise than by its table
     /// ([`attention_shapes`]); `None`: the table's tiling.
     pub attention: Option<AttentionShape>,
+    /// The widest vector access a thread makes in map loops and row kernels (`vector.rs`): 16
+    /// bytes (CUDA's 128-bit loads and stores) by default; 8 or 4 for narrower ones, 0 for none
+    /// (every element accessed on its own).
+    pub vector_bytes: usize,
 }
 
 impl Default for PrintOptions {
     fn default() -> PrintOptions {
-        PrintOptions { segment: SEGMENT, column_blocks: columns::TARGET_BLOCKS, attention: None }
+        PrintOptions {
+            segment: SEGMENT,
+            column_blocks: columns::TARGET_BLOCKS,
+            attention: None,
+            vector_bytes: vector::VECTOR_BYTES,
+        }
     }
 }
 
@@ -180,6 +189,9 @@ pub fn print(kernel: &Kernel, name: &str) -> Result<CudaSource, String> {
 pub fn print_with(kernel: &Kernel, name: &str, options: &PrintOptions) -> Result<CudaSource, String> {
     if options.segment == 0 || options.column_blocks == 0 {
         return Err(format!("{options:?}: segments and blocks must be positive"));
+    }
+    if !matches!(options.vector_bytes, 0 | 4 | 8 | 16) {
+        return Err(format!("{options:?}: vector accesses are 0 (none), 4, 8 or 16 bytes wide"));
     }
     let ident = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
         && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
@@ -204,11 +216,11 @@ pub fn print_with(kernel: &Kernel, name: &str, options: &PrintOptions) -> Result
     };
     match &kernel.body {
         Body::Map(loops) if loops.len() > 1 => {
-            entries.push(print_packed(&mut body, loops, &format!("{name}_loops"), &params)?)
+            entries.push(print_packed(&mut body, loops, &format!("{name}_loops"), &params, options.vector_bytes)?)
         }
         Body::Map(loops) => {
             for (k, l) in loops.iter().enumerate() {
-                let e = print_map(&mut body, l, &format!("{name}_loop{k}"), &params)?;
+                let e = print_map(&mut body, l, &format!("{name}_loop{k}"), &params, options.vector_bytes)?;
                 entries.push(e);
             }
         }
@@ -228,7 +240,7 @@ pub fn print_with(kernel: &Kernel, name: &str, options: &PrintOptions) -> Result
             }
             entries.push(quant::print_quant_product(&mut body, q, &format!("{name}_qproduct"), &params)?);
             if let Some(e) = &q.epilogue {
-                entries.push(print_map(&mut body, e, &format!("{name}_epilogue"), &params)?);
+                entries.push(print_map(&mut body, e, &format!("{name}_epilogue"), &params, options.vector_bytes)?);
             }
         }
         Body::Gather(g) => entries.push(gather::print_gather(&mut body, g, &format!("{name}_gather"), &params)?),
@@ -258,7 +270,7 @@ pub fn print_with(kernel: &Kernel, name: &str, options: &PrintOptions) -> Result
                 entries.push(print_int_product(&mut body, m, &format!("{name}_product"), &params)?);
             }
             if let Some(e) = &m.epilogue {
-                entries.push(print_map(&mut body, e, &format!("{name}_epilogue"), &params)?);
+                entries.push(print_map(&mut body, e, &format!("{name}_epilogue"), &params, options.vector_bytes)?);
             }
         }
     }

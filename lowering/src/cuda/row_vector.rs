@@ -1,6 +1,6 @@
 //! The vector paths of plain row kernels (`rows.rs`): which of a row kernel's loads and stores
-//! move as chunks of `width` neighbouring positions (16 bytes), and where a row's first chunk
-//! starts when rows do not all start aligned. Must never: chunk a view whose chunks would not
+//! move as chunks of `width` neighbouring positions (16 bytes by default), and where a row's
+//! first chunk starts when rows do not all start aligned. Must never: chunk a view whose chunks would not
 //! start at multiples of the width (given an aligned argument), or one that is kept in shared
 //! memory by position when rows are peeled (their chunks start at each row's `head`).
 
@@ -55,12 +55,13 @@ impl<'a> Walking<'a> {
 /// whose length is a multiple of the width, the live per-element loads and the per-element
 /// stores that walk the row with stride 1 from an offset and row strides that are multiples of
 /// the width (so that every row's chunks are aligned when the argument is), at least one of
-/// them; the width fills 16 bytes with the largest of their elements and of the kept values.
+/// them; the width fills 16 bytes (`PrintOptions::vector_bytes`) with the largest of their elements
+/// and of the kept values.
 pub(super) fn plan_vector(p: &RowPlan<'_>, kept: &[bool]) -> Option<Vector> {
     let (r, nodes) = (p.r, &p.r.expr.nodes);
     let walking = Walking::of(p)?;
     let kept_sizes = (0..nodes.len()).filter(|&i| kept[i]).map(|i| nodes[i].dtype.size());
-    let width = width(walking.views(r).map(|(_, size)| size).chain(kept_sizes))?;
+    let width = width(p.options.vector_bytes, walking.views(r).map(|(_, size)| size).chain(kept_sizes))?;
     let rows_aligned = |v: &View| {
         v.offset.is_multiple_of(width)
             && (0..v.dims.len())
@@ -77,7 +78,8 @@ pub(super) fn plan_vector(p: &RowPlan<'_>, kept: &[bool]) -> Option<Vector> {
 /// per-element loads and per-element stores that walk the row with stride 1 and whose offset
 /// and row strides leave the same remainders as those of the first such view that differs from
 /// row to row (the one streamed from memory; a view every row shares stays in cache), so that
-/// one `head` aligns them all; the width fills 16 bytes with the largest of their elements.
+/// one `head` aligns them all; the width fills 16 bytes (`PrintOptions::vector_bytes`) with the
+/// largest of their elements.
 pub(super) fn plan_peeled_vector(p: &RowPlan<'_>, kept: &[bool]) -> Option<(Vector, String)> {
     if kept.iter().any(|&k| k) {
         return None;
@@ -94,10 +96,10 @@ pub(super) fn plan_peeled_vector(p: &RowPlan<'_>, kept: &[bool]) -> Option<(Vect
             .collect();
         (v.offset % w, strides)
     };
-    let w0 = width([size])?;
+    let w0 = width(p.options.vector_bytes, [size])?;
     let with_first = |v: &View| phase(v, w0) == phase(first, w0);
     // Element sizes are powers of two, so the width divides `w0` and the remainders agree.
-    let width = width(views.iter().filter(|(v, _)| with_first(v)).map(|&(_, size)| size))?;
+    let width = width(p.options.vector_bytes, views.iter().filter(|(v, _)| with_first(v)).map(|&(_, size)| size))?;
     if width < 2 || p.len < 4 * width {
         return None;
     }

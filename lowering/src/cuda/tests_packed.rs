@@ -99,3 +99,31 @@ fn rows_no_multiple_of_the_width_walk_chunks_from_each_rows_start() {
     let p = print(&k, "pad").unwrap();
     assert!(p.source.contains("c * 8 < vec_end") && !p.source.contains("row * 37LL"), "{}", p.source);
 }
+
+#[test]
+fn vector_bytes_narrow_a_map_loops_chunks_or_leave_none() {
+    // y = x * 2 over 1,024 bf16: chunks of 8 (16 bytes) by default, of 4 (`uint2`) at 8 bytes,
+    // of 2 (`unsigned int`) at 4 bytes; at 0 every index goes alone.
+    let mut b = ExprBuilder::new();
+    let x = b.load(0, DType::BF16);
+    let two = b.constant(2.0, DType::BF16);
+    let y = b.mul(x, two);
+    let n = 1024;
+    let l = MapLoop {
+        dims: [n].as_slice().into(),
+        loads: vec![load(0, DType::BF16, contiguous(&[n]))],
+        expr: b.finish(),
+        stores: vec![store(1, DType::BF16, contiguous(&[n]), y)],
+    };
+    let k = Kernel { args: args(&[(DType::BF16, n), (DType::BF16, n)]), inputs: 1, body: Body::Map(vec![l]) };
+    let printed = |vector_bytes| print_with(&k, "x2", &PrintOptions { vector_bytes, ..PrintOptions::default() });
+    for (bytes, width, chunk) in [(16, 8, "uint4"), (8, 4, "uint2"), (4, 2, "unsigned int")] {
+        let p = printed(bytes).unwrap();
+        assert_eq!(p.entries[0].launch, Launch::Map { numel: n / width, block: 256 }, "{bytes} bytes");
+        let read = format!("*reinterpret_cast<{chunk}*>(l0) = *reinterpret_cast<const {chunk}*>(a0 + i0);");
+        in_order(&p.source, &[&format!("({width} per thread where the arguments are aligned)"), &read]);
+    }
+    let scalar = printed(0).unwrap();
+    assert_eq!(scalar.entries[0].launch, Launch::Map { numel: n, block: 256 });
+    assert!(!scalar.source.contains("vec"), "{}", scalar.source);
+}

@@ -352,3 +352,27 @@ fn print_options_change_how_long_rows_are_split_and_nothing_else() {
     assert_eq!(printed(d), printed(PrintOptions { segment: 2048, column_blocks: 512, ..d }));
     assert!(print_with(&short, "sm", &PrintOptions { segment: 0, ..d }).is_err());
 }
+
+#[test]
+fn vector_bytes_narrow_a_row_kernels_chunks_or_leave_none() {
+    // Rows of 64 f32 (see softmax_rows_move_sixteen_bytes_at_a_time_where_aligned): 8 bytes
+    // move 2 positions a chunk as `uint2`s; 4 bytes hold one f32, so no chunk at all, as 0.
+    let k = softmax_also_storing(1);
+    let d = PrintOptions::default();
+    let printed = |vector_bytes| print_with(&k, "exp", &PrintOptions { vector_bytes, ..d }).unwrap().source;
+    let eight = printed(8);
+    in_order(
+        &eight,
+        &[
+            "const bool vec = (unsigned long long)a0 % 8u == 0",
+            "for (int t0 = threadIdx.x * 2; t0 < 64LL; t0 += blockDim.x * 2) {",
+            "*reinterpret_cast<uint2*>(l0) = *reinterpret_cast<const uint2*>(a0 + d0 * 64 + d1);",
+        ],
+    );
+    assert!(!eight.contains("uint4"), "{eight}");
+    for none in [printed(4), printed(0)] {
+        assert!(!none.contains("vec") && !none.contains("reinterpret_cast"), "{none}");
+    }
+    assert_eq!(printed(16), print(&k, "exp").unwrap().source);
+    assert!(print_with(&k, "exp", &PrintOptions { vector_bytes: 2, ..d }).is_err());
+}

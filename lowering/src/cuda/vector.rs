@@ -13,7 +13,8 @@
 
 use super::*;
 
-/// The widest access a thread makes (CUDA's 128-bit loads and stores).
+/// The widest access a thread makes (CUDA's 128-bit loads and stores): the default of
+/// `PrintOptions::vector_bytes`.
 pub(super) const VECTOR_BYTES: usize = 16;
 
 /// The unsigned type that moves `bytes` (1 to 16, a power of two) in one access.
@@ -27,10 +28,11 @@ fn chunk_type(bytes: usize) -> &'static str {
     }
 }
 
-/// Elements per vector access for elements of the given sizes in bytes: the largest fills 16
-/// bytes. `None` when there is no element at all.
-pub(super) fn width(sizes: impl IntoIterator<Item = usize>) -> Option<usize> {
-    sizes.into_iter().max().map(|s| VECTOR_BYTES / s.max(1))
+/// Elements per vector access of `bytes` (at most 16, a power of two, `PrintOptions::vector_bytes`)
+/// for elements of the given sizes in bytes: the largest fills `bytes`. `None` when there is no
+/// element at all or the largest does not fit twice (no vector access then).
+pub(super) fn width(bytes: usize, sizes: impl IntoIterator<Item = usize>) -> Option<usize> {
+    sizes.into_iter().max().map(|s| bytes / s.max(1)).filter(|&w| w >= 2)
 }
 
 /// Declares `name` as an aligned array of `width` elements of C type `ty` (the chunk a vector
