@@ -211,6 +211,43 @@ impl Adam {
     pub fn step(&mut self, params: &mut [Tensor], grads: &Grads) {
         self.update(params.iter(), grads)
     }
+
+    /// The moments and step count kept for `param` (PyTorch's `exp_avg`, `exp_avg_sq` and
+    /// `step`), for a checkpoint; `None` before its first update. Misuse: `param` is not a
+    /// leaf.
+    #[track_caller]
+    pub fn state(&self, param: &Tensor) -> Option<AdamState> {
+        let s = self.state.get(&leaf_of(param, "Adam::state"))?;
+        Some(AdamState { exp_avg: s.m.clone(), exp_avg_sq: s.v.clone(), step: s.steps })
+    }
+
+    /// Continues `param` from `state` (read from a checkpoint): its next update is step
+    /// `state.step + 1`. Misuse: `param` is not a leaf, or the moments' shape, dtype or device
+    /// are not `param`'s.
+    #[track_caller]
+    pub fn set_state(&mut self, param: &Tensor, state: AdamState) {
+        let id = leaf_of(param, "Adam::set_state");
+        for (what, m) in [("exp_avg", &state.exp_avg), ("exp_avg_sq", &state.exp_avg_sq)] {
+            let fits = m.dims() == param.dims() && m.dtype() == param.dtype() && m.device() == param.device();
+            if !fits {
+                let detail = [("param", format!("{param:?}")), (what, format!("{m:?}"))];
+                misuse("Adam::set_state", "moments must have the parameter's shape, dtype and device", &detail);
+            }
+        }
+        let moments = Moments { m: state.exp_avg.detach(), v: state.exp_avg_sq.detach(), steps: state.step };
+        self.state.insert(id, moments);
+    }
+}
+
+/// One parameter's state in [`Adam`] and [`AdamW`] (see [`Adam::state`]).
+#[derive(Debug, Clone)]
+pub struct AdamState {
+    /// The first moment (running mean of the gradients).
+    pub exp_avg: Tensor,
+    /// The second moment (running mean of the squared gradients).
+    pub exp_avg_sq: Tensor,
+    /// Updates done so far (the bias corrections' exponent).
+    pub step: i32,
 }
 
 impl Optimizer for Adam {
@@ -297,6 +334,44 @@ impl AdamW {
     #[track_caller]
     pub fn step(&mut self, params: &mut [Tensor], grads: &Grads) {
         self.0.step(params, grads)
+    }
+
+    /// See [`Adam::state`].
+    #[track_caller]
+    pub fn state(&self, param: &Tensor) -> Option<AdamState> {
+        self.0.state(param)
+    }
+
+    /// See [`Adam::set_state`].
+    #[track_caller]
+    pub fn set_state(&mut self, param: &Tensor, state: AdamState) {
+        self.0.set_state(param, state)
+    }
+}
+
+/// AdamW is Adam with decoupled weight decay: code that reads or restores Adam's states
+/// (checkpoints, `braid::dist::Sharded::save_with_optimizers`) takes either.
+impl AsRef<Adam> for AdamW {
+    fn as_ref(&self) -> &Adam {
+        &self.0
+    }
+}
+
+impl AsMut<Adam> for AdamW {
+    fn as_mut(&mut self) -> &mut Adam {
+        &mut self.0
+    }
+}
+
+impl AsRef<Adam> for Adam {
+    fn as_ref(&self) -> &Adam {
+        self
+    }
+}
+
+impl AsMut<Adam> for Adam {
+    fn as_mut(&mut self) -> &mut Adam {
+        self
     }
 }
 

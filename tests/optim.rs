@@ -119,6 +119,42 @@ fn adam_and_adamw_match_the_published_rules() {
     assert_close("adamw", &got, &adam_host(&p0, &c, &d, 0.05, 0.1, true, 6));
 }
 
+/// A state taken from one AdamW after 3 steps and set on a fresh one, for a copy of the
+/// parameter, continues as the first does (a checkpoint's restart); moments of another shape
+/// are misuse at the caller's line.
+#[test]
+fn adamw_states_carry_a_run_over_to_another_optimizer() {
+    let (p0, c, d) = problem(3);
+    let mut first = AdamW::new(0.05);
+    let want = run(|p, g| first.step(p, g), &p0, &c, &d, 6);
+    let mut adamw = AdamW::new(0.05);
+    let mut steps = 0;
+    let mut step = |p: &mut [Tensor], g: &Grads| {
+        steps += 1;
+        if steps == 4 {
+            // A fresh optimizer, continuing from the state the first three steps left.
+            let state = adamw.state(&p[0]).expect("a state after 3 steps");
+            assert_eq!(state.step, 3);
+            adamw = AdamW::new(0.05);
+            adamw.set_state(&p[0], state);
+        }
+        adamw.step(p, g);
+    };
+    let got = run(&mut step, &p0, &c, &d, 6);
+    assert_close("adamw restored after 3 steps", &got, &want);
+    let dev = braid::testing::test_device();
+    let w = Tensor::from_vec(vec![1.0f32, 2.0], [2], &dev).requires_grad();
+    let wrong = braid::optim::AdamState {
+        exp_avg: Tensor::zeros([3], DType::F32, &dev),
+        exp_avg_sq: Tensor::zeros([3], DType::F32, &dev),
+        step: 1,
+    };
+    let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| AdamW::new(0.1).set_state(&w, wrong)))
+        .expect_err("misuse");
+    let m = e.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(m.contains("Adam::set_state") && m.contains("shape") && m.contains("tests/optim.rs"), "{m}");
+}
+
 #[test]
 fn training_steps_replay_the_cached_schedule() {
     let dev = braid::testing::test_device();

@@ -78,45 +78,45 @@ fn rank_losses(sharded: &mut Sharded, devices: &[Device], rng: &mut Rng, rows: u
         .collect()
 }
 
-/// Trains for 20 AdamW steps on `reference` (one device, the whole batch) and sharded over
-/// `group` (this process's ranks given their rows), comparing losses at every step and every
-/// parameter at the end.
-fn train_and_compare(group: &Group, reference: &Device) {
+/// One AdamW step of the whole model on one device over `x [rows, 7]`, `y [rows, 3]` (host
+/// values); its loss.
+fn single_step(single: &[Vec<Tensor>], opt: &mut AdamW, xv: &[f32], yv: &[f32]) -> f32 {
+    let device = single[0][0].device();
+    let rows = xv.len() / 7;
+    let x = Tensor::from_vec(xv.to_vec(), [rows, 7], device);
+    let y = Tensor::from_vec(yv.to_vec(), [rows, 3], device);
+    let want = loss(|u| single[u].clone(), &x, &y);
+    let grads = want.backward().unwrap();
+    let mut flat: Vec<Tensor> = single.concat();
+    opt.step(&mut flat, &grads);
+    want.item::<f32>().unwrap()
+}
+
+/// One sharded AdamW step over the same rows, each rank of `sharded`'s group given its equal
+/// share of them (from the host: not moved from another rank's device, see `braid::dist`);
+/// the mean of the ranks' losses.
+fn sharded_step(sharded: &mut Sharded, opts: &mut [AdamW], xv: &[f32], yv: &[f32]) -> f32 {
+    let group = sharded.group().clone();
     let local = group.devices().to_vec();
-    let n = group.size();
-    let mut rng = Rng::new(11);
-    let units = init(&mut rng, reference);
-    let single: Vec<Vec<Tensor>> = units.iter().map(|u| u.iter().map(|t| t.requires_grad()).collect()).collect();
-    let mut sharded = Sharded::new(group, &units);
-    let mut opt_single = AdamW::new(0.01);
-    let mut opts: Vec<AdamW> = local.iter().map(|_| AdamW::new(0.01)).collect();
-    let rows = 4;
-    for step in 0..20 {
-        let (xv, yv) = (random(&mut rng, n * rows * 7), random(&mut rng, n * rows * 3));
-        let x = Tensor::from_vec(xv.clone(), [n * rows, 7], reference);
-        let y = Tensor::from_vec(yv.clone(), [n * rows, 3], reference);
-        let want = loss(|u| single[u].clone(), &x, &y);
-        let grads = want.backward().unwrap();
-        let mut flat: Vec<Tensor> = single.concat();
-        opt_single.step(&mut flat, &grads);
-        let losses: Vec<Tensor> = (0..local.len())
-            .map(|i| {
-                let r = group.ranks()[i];
-                // Each rank's rows from the host (not moved from another rank's device, see
-                // `braid::dist`).
-                let xs = Tensor::from_vec(xv[r * rows * 7..(r + 1) * rows * 7].to_vec(), [rows, 7], &local[i]);
-                let ys = Tensor::from_vec(yv[r * rows * 3..(r + 1) * rows * 3].to_vec(), [rows, 3], &local[i]);
-                loss(|u| sharded.gather(i, u), &xs, &ys)
-            })
-            .collect();
-        let grads = sharded.backward(&losses).unwrap();
-        for (i, opt) in opts.iter_mut().enumerate() {
-            opt.step(sharded.shards_mut(i), &grads[i]);
-        }
-        let mean = group.all_reduce(&losses, Reduce::Mean)[0].item::<f32>().unwrap();
-        let want = want.item::<f32>().unwrap();
-        assert!((mean - want).abs() <= 1e-5 * (1.0 + want.abs()), "step {step}: loss {mean} vs {want}");
+    let rows = xv.len() / 7 / group.size();
+    let losses: Vec<Tensor> = (0..local.len())
+        .map(|i| {
+            let r = group.ranks()[i];
+            let xs = Tensor::from_vec(xv[r * rows * 7..(r + 1) * rows * 7].to_vec(), [rows, 7], &local[i]);
+            let ys = Tensor::from_vec(yv[r * rows * 3..(r + 1) * rows * 3].to_vec(), [rows, 3], &local[i]);
+            loss(|u| sharded.gather(i, u), &xs, &ys)
+        })
+        .collect();
+    let grads = sharded.backward(&losses).unwrap();
+    for (i, opt) in opts.iter_mut().enumerate() {
+        opt.step(sharded.shards_mut(i), &grads[i]);
     }
+    group.all_reduce(&losses, Reduce::Mean)[0].item::<f32>().unwrap()
+}
+
+/// Asserts that every parameter of `sharded`, gathered on each of its ranks, is within 1e-5
+/// of `single`'s (the units `units` laid out as the model's).
+fn assert_same_params(sharded: &Sharded, single: &[Vec<Tensor>], units: &[Params], after: &str) {
     let gathered = sharded.params();
     for (u, unit) in single.iter().enumerate() {
         for (k, p) in unit.iter().enumerate() {
@@ -125,10 +125,31 @@ fn train_and_compare(group: &Group, reference: &Device) {
                 let (name, t) = params.named().nth(units[..u].iter().map(Params::len).sum::<usize>() + k).unwrap();
                 assert_eq!(t.dims(), p.dims(), "{name}");
                 close(&t.to_vec::<f32>().unwrap(), &want, 1e-5)
-                    .unwrap_or_else(|e| panic!("{name} on rank {} after 20 steps: {e}", group.ranks()[i]));
+                    .unwrap_or_else(|e| panic!("{name} on rank {} {after}: {e}", sharded.group().ranks()[i]));
             }
         }
     }
+}
+
+/// Trains for 20 AdamW steps on `reference` (one device, the whole batch) and sharded over
+/// `group` (this process's ranks given their rows), comparing losses at every step and every
+/// parameter at the end.
+fn train_and_compare(group: &Group, reference: &Device) {
+    let n = group.size();
+    let mut rng = Rng::new(11);
+    let units = init(&mut rng, reference);
+    let single: Vec<Vec<Tensor>> = units.iter().map(|u| u.iter().map(|t| t.requires_grad()).collect()).collect();
+    let mut sharded = Sharded::new(group, &units);
+    let mut opt_single = AdamW::new(0.01);
+    let mut opts: Vec<AdamW> = group.devices().iter().map(|_| AdamW::new(0.01)).collect();
+    let rows = 4;
+    for step in 0..20 {
+        let (xv, yv) = (random(&mut rng, n * rows * 7), random(&mut rng, n * rows * 3));
+        let want = single_step(&single, &mut opt_single, &xv, &yv);
+        let mean = sharded_step(&mut sharded, &mut opts, &xv, &yv);
+        assert!((mean - want).abs() <= 1e-5 * (1.0 + want.abs()), "step {step}: loss {mean} vs {want}");
+    }
+    assert_same_params(&sharded, &single, &units, "after 20 steps");
 }
 
 fn matches_single_device(n: usize) {
@@ -292,6 +313,50 @@ fn a_checkpoint_written_on_4_ranks_loads_on_2_and_on_1() {
     let group = Group::new(&four[..2]).unwrap();
     let e = Sharded::load(&group, &dir).expect_err("a rank's file is missing").to_string();
     assert!(e.contains("shard-00003-of-00004"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// 10 AdamW steps on 4 ranks, a checkpoint with the optimizers' states, then 10 steps on 2
+/// ranks from it: the same as 20 steps on one device (a run restarted with fresh moments
+/// would take Adam's first, largest steps again and miss).
+#[test]
+fn a_run_saved_with_its_optimizers_on_4_ranks_continues_on_2() {
+    let _serial = serial();
+    let Some(four) = ranks(4, "a_run_saved_with_its_optimizers") else { return };
+    let mut rng = Rng::new(5);
+    let units = init(&mut rng, &four[0]);
+    let single: Vec<Vec<Tensor>> = units.iter().map(|u| u.iter().map(|t| t.requires_grad()).collect()).collect();
+    let mut opt_single = AdamW::new(0.01);
+    let mut sharded = Sharded::new(&Group::new(&four).unwrap(), &units);
+    let mut opts: Vec<AdamW> = four.iter().map(|_| AdamW::new(0.01)).collect();
+    let dir = std::env::temp_dir().join(format!("braid-sharded-optim-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    for step in 0..20 {
+        if step == 10 {
+            sharded.save_with_optimizers(&dir, &opts).unwrap();
+            drop((sharded, opts));
+            let two = Group::new(&four[..2]).unwrap();
+            sharded = Sharded::load(&two, &dir).unwrap();
+            opts = vec![AdamW::new(0.01), AdamW::new(0.01)];
+            sharded.load_optimizers(&dir, &mut opts).unwrap();
+            for (i, opt) in opts.iter().enumerate() {
+                for shard in sharded.shards(i) {
+                    let state = opt.state(shard).expect("every unit's state restored");
+                    assert_eq!((state.step, state.exp_avg.dims()), (10, shard.dims()));
+                }
+            }
+        }
+        let (xv, yv) = (random(&mut rng, 8 * 7), random(&mut rng, 8 * 3));
+        let want = single_step(&single, &mut opt_single, &xv, &yv);
+        let mean = sharded_step(&mut sharded, &mut opts, &xv, &yv);
+        assert!((mean - want).abs() <= 1e-5 * (1.0 + want.abs()), "step {step}: loss {mean} vs {want}");
+    }
+    assert_same_params(&sharded, &single, &units, "after 10 steps on 4 ranks and 10 on 2");
+    // A checkpoint of parameters only has no states to load.
+    let plain = dir.join("plain");
+    sharded.save(&plain).unwrap();
+    let e = sharded.load_optimizers(&plain, &mut opts).expect_err("no optimizer states").to_string();
+    assert!(e.contains("no optimizer states"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -4,15 +4,18 @@
 //! dtypes). Loading reads every rank's file (a directory all processes see) and shards again
 //! for the loading group, whatever its size.
 //!
-//! Parameters only: optimizer states stay with the optimizers (a restarted run's AdamW starts
-//! its moments from zero).
+//! [`Sharded::save_with_optimizers`] also writes each rank's Adam/AdamW moments (its part of
+//! every parameter's, beside the parameter's part: `optim.exp_avg/NAME`, `optim.exp_avg_sq/NAME`)
+//! and step counts (`optim.step/unitU`); [`Sharded::load_optimizers`] shards them again for the
+//! loading group, so a run continues as if it had not stopped.
 
-use super::Sharded;
+use super::{Sharded, by_rank};
 use crate::device::Device;
 use crate::dist::Group;
 use crate::error::{Error, Result};
 use crate::nn::Params;
-use crate::tensor::Tensor;
+use crate::optim::{Adam, AdamState};
+use crate::tensor::{Tensor, misuse};
 use braid_graph::{DType, Shape};
 use serde_json::{Value, json};
 use std::path::Path;
@@ -25,18 +28,116 @@ fn shard_file(rank: usize, world: usize) -> String {
     format!("shard-{rank:05}-of-{world:05}.safetensors")
 }
 
+/// Names of the optimizer's tensors in a rank's file: the moments' parts by parameter name,
+/// the step count by unit.
+const EXP_AVG: &str = "optim.exp_avg/";
+const EXP_AVG_SQ: &str = "optim.exp_avg_sq/";
+const STEP: &str = "optim.step/unit";
+
 impl Sharded {
     /// Writes this process's ranks' shards into `dir` (created if missing), and the index from
     /// rank 0. Reads the shards (a flush of what they need on each rank).
     pub fn save(&self, dir: impl AsRef<Path>) -> Result<()> {
+        self.write(dir.as_ref(), &[])
+    }
+
+    /// [`Sharded::save`] with the optimizers' states: `optimizers[i]` (an [`Adam`] or
+    /// [`crate::optim::AdamW`]) steps this process's `i`-th rank's shards
+    /// ([`Sharded::shards_mut`]); a unit it has not updated yet is saved without a state.
+    /// Misuse: not one optimizer per rank of this process.
+    ///
+    /// ```
+    /// use braid::prelude::*;
+    /// use braid::dist::{Group, Sharded};
+    /// use braid::nn::Params;
+    /// use braid::optim::AdamW;
+    /// let devices = [Device::new_cpu(), Device::new_cpu()];
+    /// let group = Group::new(&devices).unwrap();
+    /// let mut unit = Params::new();
+    /// unit.push("w", &Tensor::from_vec(vec![0.5f32, -1.0, 2.0], [3], &devices[0]));
+    /// let mut sharded = Sharded::new(&group, &[unit]);
+    /// let losses: Vec<Tensor> = (0..2).map(|r| sharded.gather(r, 0)[0].square().sum()).collect();
+    /// let grads = sharded.backward(&losses).unwrap();
+    /// let mut opts = vec![AdamW::new(0.1), AdamW::new(0.1)];
+    /// for (r, opt) in opts.iter_mut().enumerate() {
+    ///     opt.step(sharded.shards_mut(r), &grads[r]);
+    /// }
+    /// let dir = std::env::temp_dir().join(format!("braid-doc-sharded-{}", std::process::id()));
+    /// sharded.save_with_optimizers(&dir, &opts).unwrap();
+    /// // On one rank: the parameters and the moments, resharded.
+    /// let one = Group::new(&devices[..1]).unwrap();
+    /// let loaded = Sharded::load(&one, &dir).unwrap();
+    /// let mut restored = vec![AdamW::new(0.1)];
+    /// loaded.load_optimizers(&dir, &mut restored).unwrap();
+    /// assert_eq!(restored[0].state(&loaded.shards(0)[0]).unwrap().step, 1);
+    /// # std::fs::remove_dir_all(&dir).unwrap();
+    /// ```
+    #[track_caller]
+    pub fn save_with_optimizers<O: AsRef<Adam>>(&self, dir: impl AsRef<Path>, optimizers: &[O]) -> Result<()> {
+        self.check_optimizers("Sharded::save_with_optimizers", optimizers.len());
+        let adams: Vec<&Adam> = optimizers.iter().map(AsRef::as_ref).collect();
+        self.write(dir.as_ref(), &adams)
+    }
+
+    /// Reads the optimizer states of the checkpoint in `dir` (written by
+    /// [`Sharded::save_with_optimizers`] on any number of ranks) into `optimizers`, one per rank
+    /// of this process as there, each rank's part of every moment sharded for this group; a
+    /// unit saved without a state is left as it is. Call it on the `Sharded` that
+    /// [`Sharded::load`] read from the same checkpoint. A checkpoint without optimizer states,
+    /// or with other units, is an `Err`. Misuse: not one optimizer per rank of this process.
+    #[track_caller]
+    pub fn load_optimizers<O: AsMut<Adam>>(&self, dir: impl AsRef<Path>, optimizers: &mut [O]) -> Result<()> {
+        self.check_optimizers("Sharded::load_optimizers", optimizers.len());
         let dir = dir.as_ref();
+        let n = self.group.size();
+        let (exp_avg, exp_avg_sq) = (read_units(dir, EXP_AVG)?, read_units(dir, EXP_AVG_SQ)?);
+        let steps = read_steps(dir)?;
+        if exp_avg.len() != self.units.len() || steps.len() != self.units.len() {
+            return Err(Error::Io(format!("{}: not this model's units", dir.join(INDEX).display())));
+        }
+        if steps.iter().all(Option::is_none) {
+            return Err(Error::Io(format!("{}: no optimizer states (saved with `save`)", dir.display())));
+        }
+        for (u, lay) in self.units.iter().enumerate() {
+            let (Some(m), Some(v), Some(step)) = (&exp_avg[u], &exp_avg_sq[u], steps[u]) else { continue };
+            let (m, v) = (by_rank(m, lay, n), by_rank(v, lay, n));
+            for (i, rank) in self.group.ranks().into_iter().enumerate() {
+                let device = &self.group.devices()[i];
+                let take = |rows: &Tensor| rows.narrow(0, rank, 1).reshape([lay.len]).to_device(device).contiguous();
+                let state = AdamState { exp_avg: take(&m), exp_avg_sq: take(&v), step };
+                optimizers[i].as_mut().set_state(&self.shards[i][u], state);
+            }
+        }
+        Ok(())
+    }
+
+    #[track_caller]
+    fn check_optimizers(&self, op: &str, count: usize) {
+        let ranks = self.group.devices().len();
+        if count != ranks {
+            let problem = format!("one optimizer per rank of this process: {ranks}, not {count}");
+            misuse(op, &problem, &[]);
+        }
+    }
+
+    /// Writes the shards and, where `optimizers` holds one per rank, their states.
+    fn write(&self, dir: &Path, optimizers: &[&Adam]) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(|e| Error::Io(format!("cannot create {}: {e}", dir.display())))?;
         let world = self.group.size();
         for (i, rank) in self.group.ranks().into_iter().enumerate() {
             let mut parts: Vec<(String, Tensor)> = Vec::new();
             for (u, lay) in self.units.iter().enumerate() {
+                let shard = &self.shards[i][u];
+                let state = optimizers.get(i).and_then(|o| o.state(shard));
                 for p in &lay.params {
-                    parts.push((p.name.clone(), self.shards[i][u].detach().narrow(0, p.offset, p.part)));
+                    parts.push((p.name.clone(), shard.detach().narrow(0, p.offset, p.part)));
+                    if let Some(s) = &state {
+                        parts.push((format!("{EXP_AVG}{}", p.name), s.exp_avg.narrow(0, p.offset, p.part)));
+                        parts.push((format!("{EXP_AVG_SQ}{}", p.name), s.exp_avg_sq.narrow(0, p.offset, p.part)));
+                    }
+                }
+                if let Some(s) = &state {
+                    parts.push((format!("{STEP}{u}"), Tensor::from_vec(vec![s.step], [1], &Device::cpu())));
                 }
             }
             let named: Vec<(&str, &Tensor)> = parts.iter().map(|(n, t)| (n.as_str(), t)).collect();
@@ -68,13 +169,14 @@ impl Sharded {
     /// whole model passes through this process's memory once. A missing or inconsistent file
     /// is an `Err` naming it.
     pub fn load(group: &Group, dir: impl AsRef<Path>) -> Result<Sharded> {
-        let units = read(dir.as_ref())?;
+        let units = read_units(dir.as_ref(), "")?;
+        let units = units.into_iter().map(|u| u.expect("every parameter is in every file")).collect::<Vec<_>>();
         Ok(Sharded::new(group, &units))
     }
 }
 
-/// The units of the checkpoint in `dir`, each parameter whole, on the CPU.
-fn read(dir: &Path) -> Result<Vec<Params>> {
+/// The index of the checkpoint in `dir`, checked, and its group's size.
+fn read_index(dir: &Path) -> Result<(Value, usize)> {
     let bad = |what: String| Error::Io(format!("{}: {what}", dir.join(INDEX).display()));
     let path = dir.join(INDEX);
     let text = std::fs::read_to_string(&path).map_err(|e| Error::Io(format!("cannot read {}: {e}", path.display())))?;
@@ -83,6 +185,24 @@ fn read(dir: &Path) -> Result<Vec<Params>> {
         return Err(bad("not a braid sharded checkpoint index (format braid-sharded, version 1)".into()));
     }
     let world = index["world"].as_u64().filter(|&w| w > 0).ok_or_else(|| bad("no world size".into()))? as usize;
+    Ok((index, world))
+}
+
+/// Each unit's step count in the checkpoint in `dir` (rank 0's file; `None` for a unit saved
+/// without an optimizer state).
+fn read_steps(dir: &Path) -> Result<Vec<Option<i32>>> {
+    let (index, world) = read_index(dir)?;
+    let units = index["units"].as_array().map_or(0, Vec::len);
+    let file = crate::io::load(dir.join(shard_file(0, world)), &Device::cpu())?;
+    (0..units).map(|u| file.get(&format!("{STEP}{u}")).map(|t| Ok(t.to_vec::<i32>()?[0])).transpose()).collect()
+}
+
+/// The units of the checkpoint in `dir`, each parameter whole, on the CPU: the tensors named
+/// `prefix` + the parameter's name in every rank's file (`None` for a unit whose first
+/// parameter has none; then it has none on any rank).
+fn read_units(dir: &Path, prefix: &str) -> Result<Vec<Option<Params>>> {
+    let bad = |what: String| Error::Io(format!("{}: {what}", dir.join(INDEX).display()));
+    let (index, world) = read_index(dir)?;
     let host = Device::cpu();
     let files =
         (0..world).map(|r| crate::io::load(dir.join(shard_file(r, world)), &host)).collect::<Result<Vec<_>>>()?;
@@ -90,9 +210,15 @@ fn read(dir: &Path) -> Result<Vec<Params>> {
     units
         .iter()
         .map(|unit| {
+            let list = unit.as_array().ok_or_else(|| bad("a unit is not a list".into()))?;
+            let first = list.first().and_then(|p| p["name"].as_str()).map(|n| format!("{prefix}{n}"));
+            if !prefix.is_empty() && first.is_none_or(|k| !files[0].contains_key(k.as_str())) {
+                return Ok(None);
+            }
             let mut params = Params::new();
-            for p in unit.as_array().ok_or_else(|| bad("a unit is not a list".into()))? {
+            for p in list {
                 let name = p["name"].as_str().ok_or_else(|| bad("a parameter without a name".into()))?;
+                let key = format!("{prefix}{name}");
                 let dims: Vec<usize> = p["shape"]
                     .as_array()
                     .and_then(|d| d.iter().map(|x| x.as_u64().map(|x| x as usize)).collect())
@@ -105,12 +231,12 @@ fn read(dir: &Path) -> Result<Vec<Params>> {
                 let part = shape.numel().div_ceil(world).max(1);
                 let mut pieces = Vec::with_capacity(world);
                 for (r, file) in files.iter().enumerate() {
-                    let piece = file.get(name).ok_or_else(|| {
-                        Error::Io(format!("{}: no tensor {name:?}", dir.join(shard_file(r, world)).display()))
+                    let piece = file.get(key.as_str()).ok_or_else(|| {
+                        Error::Io(format!("{}: no tensor {key:?}", dir.join(shard_file(r, world)).display()))
                     })?;
                     if piece.dims() != [part] || piece.dtype() != dtype {
                         return Err(Error::Io(format!(
-                            "{}: {name:?} is {}, not {dtype} [{part}]",
+                            "{}: {key:?} is {}, not {dtype} [{part}]",
                             dir.join(shard_file(r, world)).display(),
                             piece.describe()
                         )));
@@ -120,7 +246,7 @@ fn read(dir: &Path) -> Result<Vec<Params>> {
                 let whole = Tensor::cat(&pieces.iter().collect::<Vec<_>>(), 0);
                 params.push(name, &whole.narrow(0, 0, shape.numel()).reshape(shape));
             }
-            Ok(params)
+            Ok(Some(params))
         })
         .collect()
 }

@@ -31,7 +31,8 @@
 //! precision: [`Sharded::with_param_dtype`] gathers in a low
 //! precision (the shards, the reduction and the optimizer stay in the parameters' dtype).
 //! Checkpoints: [`Sharded::save`] writes one safetensors file per rank and an index;
-//! [`Sharded::load`] reads them on any number of ranks.
+//! [`Sharded::load`] reads them on any number of ranks. [`Sharded::save_with_optimizers`] and
+//! [`Sharded::load_optimizers`] add each rank's Adam/AdamW moments, resharded the same way.
 //!
 //! A `Sharded` step records user events, so it is not captured as a `braid::Step`. Every rank
 //! must make the same calls in the same order (the collectives pair up by order, as everywhere
