@@ -186,18 +186,10 @@ fn deterministic_mode_gives_the_bits_of_tuning_off() {
 /// bitwise or within the tolerance.
 #[test]
 fn gpu_comparisons_give_the_host_rules_verdicts() {
-    use braid_devices::DeviceError;
-    use braid_devices::cuda::{Harness, compare_on_gpu};
+    use braid_devices::cuda::compare_on_gpu;
     use braid_devices::runtime::tune::{Output, agree};
     use braid_graph::DType;
-    let h = match Harness::new(0, None) {
-        Ok(h) => h,
-        Err(DeviceError::Unavailable(why)) => {
-            let _ = writeln!(std::io::stderr(), "skipped: gpu_comparisons: {why}");
-            return;
-        }
-        Err(e) => panic!("the GPU is there but unusable: {e}"),
-    };
+    let Some(h) = common::cuda_harness("gpu_comparisons") else { return };
     let encode = |dtype: DType, v: &[f64]| -> Vec<u8> {
         v.iter()
             .flat_map(|&x| match dtype {
