@@ -13,16 +13,8 @@ use braid::dist::{DataParallel, Group, Reduce};
 use braid::optim::Sgd;
 use braid::prelude::*;
 use common::Rng;
-use group::{close, ranks};
+use group::{close, ranks, serial};
 use std::time::{Duration, Instant};
-
-/// Held by every test: on GPUs, two groups' NCCL collectives enqueued at once can wait for each
-/// other forever (see `braid::dist`), so the tests take turns.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 fn random(rng: &mut Rng, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.uniform(-4.0, 4.0) as f32).collect()

@@ -4,9 +4,12 @@
 //! Every rank of a group pairs its `k`-th collective with the others' `k`-th, so a device must
 //! run its collectives in recording order and must run every one of them, even one whose
 //! result nobody reads any more (the other ranks wait for it). Hence: each collective is ordered
-//! after the device's previous one of the same group by a control edge (a flush that runs it
-//! runs the earlier ones first), and holds one extra handle until it ran, so dropping its tensor
-//! never drops it.
+//! after the device's previous one by a control edge (a flush that runs it runs the earlier
+//! ones first), and holds one extra handle until it ran, so dropping its tensor never drops it.
+//! The order spans groups: a device in several groups (HSDP's replica and part groups, a
+//! world group beside them) runs all of their collectives in the order it recorded them, as
+//! NCCL runs them on one stream; a flush that ran only what it needs of one group could wait
+//! at a collective of another while its peer waits for a collective it skipped.
 //! This module never waits for other devices; the rendezvous (`braid_devices::collective`) does.
 
 use super::{Engine, EngineState, NewNode, Value};
@@ -15,16 +18,15 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 impl Engine {
     /// Records this device's part of a collective (`new.op` is an `Op::Collective`) over the
-    /// version `input` names, after the device's previous collective. Returns the node with one
+    /// version `input` names, after the device's previous collective (of any group). Returns the node with one
     /// handle counted for the caller (and one more that the collective keeps until it ran).
     pub(crate) fn record_collective(&self, new: NewNode, input: &AtomicU32) -> NodeId {
-        let Op::Collective(c) = &new.op else { unreachable!("record_collective records collectives") };
-        let group = c.group;
+        debug_assert!(matches!(new.op, Op::Collective(_)), "record_collective records collectives");
         let mut st = self.state();
         let source = NodeId::new(input.load(Ordering::Relaxed) as usize);
         let id = self.add_recorded(&mut st, new, &[source], None, None);
         st.graph.node_mut(id).handles += 1;
-        if let Some(&(prev, seq)) = st.last_collective.get(&group)
+        if let Some((prev, seq)) = st.last_collective
             && st.graph.contains(prev)
             && st.graph.node(prev).seq == seq
             && matches!(st.graph.node(prev).value, None | Some(Value::InFlight(_)))
@@ -32,7 +34,7 @@ impl Engine {
             st.graph.add_control(prev, id);
         }
         let seq = st.graph.node(id).seq;
-        st.last_collective.insert(group, (id, seq));
+        st.last_collective = Some((id, seq));
         self.finish_record(st);
         id
     }

@@ -374,8 +374,11 @@ pub(super) fn walk(st: &mut EngineState, targets: &[NodeId]) -> Walked {
             // Inputs are finished first (post-order), so their lost status is known. A user
             // event that can never be reached (ordered after lost work) orders nothing: the
             // work that waits for it is not lost with it (the lost work's readers report it).
+            // Nor does a lost collective that a collective is only ordered after (the device's
+            // previous one, `collective.rs`): a broken group's leftover never runs, and a new
+            // group's collectives on the same device go on.
             let (data, control) = graph.in_edges(id);
-            let ordering_only = |p: &NodeId| graph.node(*p).op == Op::Event;
+            let ordering_only = |p: &NodeId| matches!(graph.node(*p).op, Op::Event | Op::Collective(_));
             let reason = data.iter().chain(control.iter().filter(|p| !ordering_only(p))).find_map(|&p| {
                 match &graph.node(p).value {
                     Some(Value::Lost(r)) => Some(r.clone()),

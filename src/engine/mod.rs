@@ -162,7 +162,7 @@ impl Engine {
                 waits: HashMap::new(),
                 marks: marks::Marks::default(),
                 deferred: Vec::new(),
-                last_collective: HashMap::new(),
+                last_collective: None,
                 backward_marks: Vec::new(),
             }),
             plans: Mutex::new(Default::default()),

@@ -101,9 +101,9 @@ pub(crate) struct EngineState {
     pub(super) marks: marks::Marks,
     /// Handles on other engines' nodes to release once this lock is let go.
     pub(super) deferred: Vec<(Arc<Engine>, NodeId)>,
-    /// Per group: the latest collective recorded here, with its recording order (see
+    /// The latest collective recorded here (of any group), with its recording order (see
     /// `collective.rs`).
-    pub(super) last_collective: HashMap<u64, (NodeId, u64)>,
+    pub(super) last_collective: Option<(NodeId, u64)>,
     /// The latest backward passes recorded here (see `recompute_copies.rs`).
     pub(super) backward_marks: Vec<super::recompute_copies::BackwardMark>,
 }

@@ -6,6 +6,14 @@ use braid::prelude::*;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
+/// Held by every test of a multi-rank suite: two groups' NCCL calls from different threads at
+/// once may wait for each other forever (see `braid::dist`), so the tests take turns.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// `n` devices of the kind `BRAID_DEVICE` names, one per rank, or `None` (with a message)
 /// when this machine cannot make a group of `n` of them.
 pub fn ranks(n: usize, test: &str) -> Option<Vec<Device>> {
@@ -45,25 +53,36 @@ pub fn close(a: &[f32], b: &[f32], tol: f32) -> Result<(), String> {
 /// successfully, printing `{marker} {rank}: ok`. Skips (saying why) where the device kind
 /// cannot make such a group.
 pub fn run_workers(worker: &str, marker: &str, test: &str) {
+    run_processes(2, worker, marker, test)
+}
+
+/// [`run_workers`] with `world` processes; each also gets `BRAID_TEST_PORTS`, four more free
+/// ports (comma-separated) for groups of its own.
+pub fn run_processes(world: usize, worker: &str, marker: &str, test: &str) {
     let kind = std::env::var("BRAID_DEVICE").unwrap_or_default();
-    if kind.starts_with("cuda") && Device::count("cuda") < 2 {
-        let _ = writeln!(std::io::stderr(), "skipped: {test}: needs 2 GPUs");
+    if kind.starts_with("cuda") && Device::count("cuda") < world {
+        let _ = writeln!(std::io::stderr(), "skipped: {test}: needs {world} GPUs");
         return;
     }
     if !(kind.is_empty() || kind == "cpu" || kind.starts_with("cuda")) {
         let _ = writeln!(std::io::stderr(), "skipped: {test}: BRAID_DEVICE={kind} runs no collectives");
         return;
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    // Held together until all are read, so that the five ports differ.
+    let listeners: Vec<std::net::TcpListener> =
+        (0..5).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+    let ports: Vec<String> = listeners.iter().map(|l| l.local_addr().unwrap().port().to_string()).collect();
+    drop(listeners);
     let exe = std::env::current_exe().unwrap();
-    let mut children: Vec<std::process::Child> = (0..2)
+    let mut children: Vec<std::process::Child> = (0..world)
         .map(|rank| {
             std::process::Command::new(&exe)
                 .args(["--ignored", "--exact", worker, "--nocapture", "--test-threads", "1"])
                 .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
+                .env("WORLD_SIZE", world.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
+                .env("MASTER_PORT", &ports[0])
+                .env("BRAID_TEST_PORTS", ports[1..].join(","))
                 .env("BRAID_COLLECTIVE_TIMEOUT", "60")
                 .stdout(std::process::Stdio::piped())
                 .stderr(std::process::Stdio::piped())

@@ -1,5 +1,6 @@
 //! Checkpoints of a [`Sharded`] model: each rank writes its shard (safetensors, one file per
-//! rank: every parameter's part under the parameter's name, flat), rank 0 an index
+//! rank: every parameter's part under the parameter's name, flat; under HSDP one file per
+//! part, from the first replica's ranks), rank 0 an index
 //! (`sharded-index.json`: the group's size and every unit's parameters, names, shapes and
 //! dtypes). Loading reads every rank's file (a directory all processes see) and shards again
 //! for the loading group, whatever its size.
@@ -89,7 +90,7 @@ impl Sharded {
     pub fn load_optimizers<O: AsMut<Adam>>(&self, dir: impl AsRef<Path>, optimizers: &mut [O]) -> Result<()> {
         self.check_optimizers("Sharded::load_optimizers", optimizers.len());
         let dir = dir.as_ref();
-        let n = self.group.size();
+        let n = self.placements[0].shard.size();
         let (exp_avg, exp_avg_sq) = (read_units(dir, EXP_AVG)?, read_units(dir, EXP_AVG_SQ)?);
         let steps = read_steps(dir)?;
         if exp_avg.len() != self.units.len() || steps.len() != self.units.len() {
@@ -101,9 +102,9 @@ impl Sharded {
         for (u, lay) in self.units.iter().enumerate() {
             let (Some(m), Some(v), Some(step)) = (&exp_avg[u], &exp_avg_sq[u], steps[u]) else { continue };
             let (m, v) = (by_rank(m, lay, n), by_rank(v, lay, n));
-            for (i, rank) in self.group.ranks().into_iter().enumerate() {
-                let device = &self.group.devices()[i];
-                let take = |rows: &Tensor| rows.narrow(0, rank, 1).reshape([lay.len]).to_device(device).contiguous();
+            for (i, place) in self.placements.iter().enumerate() {
+                let (device, part) = (&self.group.devices()[i], place.part());
+                let take = |rows: &Tensor| rows.narrow(0, part, 1).reshape([lay.len]).to_device(device).contiguous();
                 let state = AdamState { exp_avg: take(&m), exp_avg_sq: take(&v), step };
                 optimizers[i].as_mut().set_state(&self.shards[i][u], state);
             }
@@ -123,8 +124,13 @@ impl Sharded {
     /// Writes the shards and, where `optimizers` holds one per rank, their states.
     fn write(&self, dir: &Path, optimizers: &[&Adam]) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(|e| Error::Io(format!("cannot create {}: {e}", dir.display())))?;
-        let world = self.group.size();
-        for (i, rank) in self.group.ranks().into_iter().enumerate() {
+        let world = self.placements[0].shard.size();
+        for (i, place) in self.placements.iter().enumerate() {
+            // One file per part: replica 0's ranks write them (the other replicas hold the same).
+            if place.replica_index() != 0 {
+                continue;
+            }
+            let rank = place.part();
             let mut parts: Vec<(String, Tensor)> = Vec::new();
             for (u, lay) in self.units.iter().enumerate() {
                 let shard = &self.shards[i][u];
@@ -169,9 +175,15 @@ impl Sharded {
     /// whole model passes through this process's memory once. A missing or inconsistent file
     /// is an `Err` naming it.
     pub fn load(group: &Group, dir: impl AsRef<Path>) -> Result<Sharded> {
+        Ok(Sharded::new(group, &Sharded::read_checkpoint(dir)?))
+    }
+
+    /// The units of the checkpoint in `dir` (written by [`Sharded::save`] on any number of
+    /// ranks), each parameter whole, on the CPU: for [`Sharded::hybrid`] and
+    /// [`Sharded::hybrid_across`], or to use the model elsewhere. Errors as [`Sharded::load`].
+    pub fn read_checkpoint(dir: impl AsRef<Path>) -> Result<Vec<Params>> {
         let units = read_units(dir.as_ref(), "")?;
-        let units = units.into_iter().map(|u| u.expect("every parameter is in every file")).collect::<Vec<_>>();
-        Ok(Sharded::new(group, &units))
+        Ok(units.into_iter().map(|u| u.expect("every parameter is in every file")).collect())
     }
 }
 

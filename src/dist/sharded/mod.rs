@@ -30,6 +30,9 @@
 //! stream and its waits on the compute stream's events (the prefetch distance). Mixed
 //! precision: [`Sharded::with_param_dtype`] gathers in a low
 //! precision (the shards, the reduction and the optimizer stay in the parameters' dtype).
+//! Hybrid sharding (HSDP, [`Sharded::hybrid`], [`Sharded::hybrid_across`]): replicas of ranks
+//! each shard the model among their ranks, and each part's gradient is averaged across the
+//! replicas after its reduce-scatter (one more all-reduce per unit, on the same stream).
 //! Checkpoints: [`Sharded::save`] writes one safetensors file per rank and an index;
 //! [`Sharded::load`] reads them on any number of ranks. [`Sharded::save_with_optimizers`] and
 //! [`Sharded::load_optimizers`] add each rank's Adam/AdamW moments, resharded the same way.
@@ -70,6 +73,7 @@
 //! ```
 
 mod checkpoint;
+mod hybrid;
 mod walk;
 
 use super::{Group, Reduce};
@@ -112,9 +116,36 @@ struct RankStep {
     gathered: Vec<Option<(u64, Vec<u64>)>>,
 }
 
+/// Where this process's `i`-th rank shards and replicates its units.
+#[derive(Clone)]
+struct Placement {
+    /// The ranks that share the units (each holding a part), and this rank's index among this
+    /// process's devices of that group.
+    shard: Group,
+    at: usize,
+    /// HSDP ([`Sharded::hybrid`]): the ranks holding the same part in the other replicas, and
+    /// this rank's index there.
+    replica: Option<(Group, usize)>,
+}
+
+impl Placement {
+    /// The rank's part: its rank in the shard group.
+    fn part(&self) -> usize {
+        self.shard.ranks()[self.at]
+    }
+
+    /// Which replica the rank is in (0 without replicas).
+    fn replica_index(&self) -> usize {
+        self.replica.as_ref().map_or(0, |(g, j)| g.ranks()[*j])
+    }
+}
+
 /// Parameters, gradients and optimizer states sharded over a [`Group`]. See the module docs.
 pub struct Sharded {
+    /// This process's ranks (`devices()[i]` is rank `i` of the calls taking a rank).
     group: Group,
+    /// Per rank of this process: where it shards and replicates.
+    placements: Vec<Placement>,
     units: Vec<UnitLayout>,
     /// `shards[i][u]`: this process's `i`-th rank's shard of unit `u`, a flat leaf.
     shards: Vec<Vec<Tensor>>,
@@ -132,26 +163,37 @@ impl Sharded {
     /// floating-point, or a unit mixing dtypes.
     #[track_caller]
     pub fn new(group: &Group, units: &[Params]) -> Sharded {
-        let n = group.size();
+        let placements =
+            (0..group.devices().len()).map(|at| Placement { shard: group.clone(), at, replica: None }).collect();
+        Sharded::build(group, placements, units)
+    }
+
+    /// Shards `units` for this process's ranks (`group`'s devices) as `placements` say.
+    #[track_caller]
+    fn build(group: &Group, placements: Vec<Placement>, units: &[Params]) -> Sharded {
+        let n = placements[0].shard.size();
         // A loop, not a closure: misuse is reported at the caller's line.
         let mut layouts: Vec<UnitLayout> = Vec::with_capacity(units.len());
         for unit in units {
             layouts.push(layout(unit, n));
         }
-        let spanning = group.devices().len() < n;
+        let spans = |g: &Group| g.devices().len() < g.size();
         let shards: Vec<Vec<Tensor>> = no_grad(|| {
             let mut shards = vec![Vec::with_capacity(units.len()); group.devices().len()];
             for (unit, lay) in units.iter().zip(&layouts) {
-                // `[N, len]`: row `r` is rank `r`'s shard.
+                // `[N, len]`: row `r` is part `r`.
                 let rows = by_rank(unit, lay, n);
-                let per_rank: Vec<Tensor> = if spanning {
-                    let here = rows.to_device(&group.devices()[0]);
-                    group.broadcast(&[here], 0)
-                } else {
-                    group.devices().iter().map(|d| rows.to_device(d)).collect()
-                };
-                for (i, (full, rank)) in per_rank.iter().zip(group.ranks()).enumerate() {
-                    shards[i].push(full.narrow(0, rank, 1).reshape([lay.len]).contiguous().requires_grad());
+                for (i, (p, device)) in placements.iter().zip(group.devices()).enumerate() {
+                    // Across processes every rank starts from rank 0's values: replica 0's
+                    // across the replicas, then part 0's across the parts.
+                    let mut full = rows.to_device(device);
+                    if let Some((replica, _)) = p.replica.as_ref().filter(|(g, _)| spans(g)) {
+                        full = replica.broadcast(&[full], 0).remove(0);
+                    }
+                    if spans(&p.shard) {
+                        full = p.shard.broadcast(&[full], 0).remove(0);
+                    }
+                    shards[i].push(full.narrow(0, p.part(), 1).reshape([lay.len]).contiguous().requires_grad());
                 }
             }
             shards
@@ -163,7 +205,16 @@ impl Sharded {
             let _ = super::settle(s);
         }
         let steps = group.devices().iter().map(|_| RankStep::default()).collect();
-        Sharded { group: group.clone(), units: layouts, shards, param_dtype: None, prefetch: 1, regather: true, steps }
+        Sharded {
+            group: group.clone(),
+            placements,
+            units: layouts,
+            shards,
+            param_dtype: None,
+            prefetch: 1,
+            regather: true,
+            steps,
+        }
     }
 
     /// Gathers parameters in `dtype` (bf16 or f16 under `braid::amp::autocast`: half the
@@ -315,7 +366,8 @@ impl Sharded {
     /// communication stream, with the copy out into the parameters) and returns the parameters.
     fn all_gather(&self, rank: usize, unit: usize, gate: Option<&Event>) -> Vec<Tensor> {
         let lay = &self.units[unit];
-        let n = self.group.size();
+        let place = &self.placements[rank];
+        let n = place.shard.size();
         let device = &self.group.devices()[rank];
         let comm = device.comm_stream();
         if let Some(gate) = gate {
@@ -324,7 +376,8 @@ impl Sharded {
         comm.scope(|| {
             let dtype = self.param_dtype.unwrap_or(lay.dtype);
             let shard = self.shards[rank][unit].as_dtype(dtype);
-            let whole = self.group.record_rank(CollectiveKind::AllGather, rank, &shard, Shape::from([n * lay.len]));
+            let whole =
+                place.shard.record_rank(CollectiveKind::AllGather, place.at, &shard, Shape::from([n * lay.len]));
             let rows = whole.reshape([n, lay.len]);
             lay.params
                 .iter()
@@ -341,10 +394,12 @@ impl Sharded {
     }
 
     /// Records the reduce-scatter (mean) of unit `unit`'s gradients `grads` (full shapes, any
-    /// float dtype, `None` for zeros) on this process's `rank`-th rank: its shard's gradient.
+    /// float dtype, `None` for zeros) on this process's `rank`-th rank, then (HSDP) the
+    /// all-reduce (mean) of its part across the replicas: its shard's gradient.
     fn reduce_scatter(&self, rank: usize, unit: usize, grads: Vec<Option<Tensor>>) -> Tensor {
         let lay = &self.units[unit];
-        let n = self.group.size();
+        let place = &self.placements[rank];
+        let n = place.shard.size();
         let device = &self.group.devices()[rank];
         device.comm_stream().scope(|| {
             let parts: Vec<Tensor> = lay
@@ -362,7 +417,14 @@ impl Sharded {
             let rows =
                 if let [one] = &parts[..] { one.clone() } else { Tensor::cat(&parts.iter().collect::<Vec<_>>(), 1) };
             let kind = CollectiveKind::ReduceScatter(Reduce::Mean.op());
-            self.group.record_rank(kind, rank, &rows.reshape([n * lay.len]), Shape::from([lay.len]))
+            let part = place.shard.record_rank(kind, place.at, &rows.reshape([n * lay.len]), Shape::from([lay.len]));
+            match &place.replica {
+                Some((replica, j)) => {
+                    let kind = CollectiveKind::AllReduce(Reduce::Mean.op());
+                    replica.record_rank(kind, *j, &part, Shape::from([lay.len]))
+                }
+                None => part,
+            }
         })
     }
 }
