@@ -46,32 +46,6 @@ fn sharded_training_matches_single_device_on_4_ranks() {
     matches_single_device(4);
 }
 
-/// `layers` units of one random `[width, width]` weight each (scaled by `scale`), for
-/// [`deep_loss`].
-fn square_units(rng: &mut Rng, layers: usize, width: usize, scale: f64, device: &Device) -> Vec<Params> {
-    (0..layers)
-        .map(|l| {
-            let mut p = Params::new();
-            p.push(
-                format!("layer{l}.w"),
-                &(Tensor::from_vec(random(rng, width * width), [width, width], device) * scale),
-            );
-            p
-        })
-        .collect()
-}
-
-/// A stack of `layers` units of one `[width, width]` weight each, read transposed by every
-/// other layer.
-fn deep_loss(mut unit: impl FnMut(usize) -> Vec<Tensor>, layers: usize, x: &Tensor) -> Tensor {
-    let mut h = x.clone();
-    for l in 0..layers {
-        let w = &unit(l)[0];
-        h = if l % 2 == 0 { h.matmul(w) } else { h.matmul(&w.t()) }.tanh();
-    }
-    h.square().mean()
-}
-
 #[test]
 fn a_step_gathers_each_unit_twice_reduces_it_once_and_never_holds_every_full_weight() {
     let _serial = serial();

@@ -2,7 +2,8 @@
 //! model among its ranks, the parts' gradients averaged across replicas. Training equals one
 //! device's within 1e-5 after 20 AdamW steps on 2 replicas of 2 ranks (one process) and on 4
 //! processes (`Sharded::hybrid_across`, the replicas' groups made with `Group::connect`); a
-//! hybrid checkpoint is one file per part and loads on plain sharding; misuse at the call. On
+//! hybrid checkpoint is one file per part and loads on plain sharding; a step's schedule
+//! reduces each part within its replica, then across; misuse at the call. On
 //! the CPU the ranks are CPU devices; with `BRAID_DEVICE=cuda` GPUs through NCCL (skipped,
 //! saying so, with fewer than 4).
 
@@ -49,6 +50,41 @@ fn two_replicas_of_two_ranks_train_as_one_device_and_save_one_file_per_part() {
         assert_eq!(named(&params), before, "the hybrid checkpoint read on 4 plain ranks");
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A hybrid step's schedule on one rank: every unit gathered twice and reduce-scattered once
+/// within the replica, then its part all-reduced once across replicas, all on the
+/// communication stream, in that order per unit.
+#[test]
+fn a_hybrid_step_reduces_each_part_within_its_replica_then_across() {
+    let _serial = serial();
+    let Some(devices) = ranks(4, "a_hybrid_step_reduces_each_part") else { return };
+    let world = Group::new(&devices).unwrap();
+    let (layers, width) = (4, 64);
+    let mut rng = common::Rng::new(9);
+    let units = square_units(&mut rng, layers, width, 0.2, &devices[0]);
+    let mut sharded = Sharded::hybrid(&world, 2, &units).unwrap();
+    let losses: Vec<Tensor> = (0..4)
+        .map(|i| {
+            let x = Tensor::from_vec(random(&mut rng, 2 * width), [2, width], &devices[i]);
+            deep_loss(|u| sharded.gather(i, u), layers, &x)
+        })
+        .collect();
+    let grads = sharded.backward(&losses).unwrap();
+    let mut opts: Vec<braid::optim::AdamW> = devices.iter().map(|_| braid::optim::AdamW::new(0.01)).collect();
+    for (i, opt) in opts.iter_mut().enumerate() {
+        opt.step(sharded.shards_mut(i), &grads[i]);
+    }
+    world.sync().unwrap();
+    let text = devices[0].last_schedule().expect("the step's schedule").to_text();
+    let count = |what: &str| text.matches(what).count();
+    assert_eq!(count("all_gather"), 2 * layers, "each unit gathered for forward and backward:\n{text}");
+    assert_eq!(count("reduce_scatter"), layers, "one reduce-scatter per unit:\n{text}");
+    assert_eq!(count("all_reduce"), layers, "one all-reduce of each part across replicas:\n{text}");
+    let comm = format!("stream {}:", devices[0].comm_stream().id());
+    let on_comm = &text[text.find(&comm).expect("the communication stream is in the dump")..];
+    let (rs, ar) = (on_comm.find("reduce_scatter").unwrap(), on_comm.find("all_reduce").unwrap());
+    assert!(rs < ar, "a part is all-reduced after its reduce-scatter:\n{text}");
 }
 
 #[test]

@@ -135,3 +135,29 @@ pub fn train_and_compare(world: &Group, reference: &Device, shard: impl FnOnce(&
     assert_same_params(&sharded, &single, &units, "after 20 steps");
     sharded
 }
+
+/// `layers` units of one random `[width, width]` weight each (scaled by `scale`), for
+/// [`deep_loss`].
+pub fn square_units(rng: &mut Rng, layers: usize, width: usize, scale: f64, device: &Device) -> Vec<Params> {
+    (0..layers)
+        .map(|l| {
+            let mut p = Params::new();
+            p.push(
+                format!("layer{l}.w"),
+                &(Tensor::from_vec(random(rng, width * width), [width, width], device) * scale),
+            );
+            p
+        })
+        .collect()
+}
+
+/// A stack of `layers` units of one `[width, width]` weight each, read transposed by every
+/// other layer.
+pub fn deep_loss(mut unit: impl FnMut(usize) -> Vec<Tensor>, layers: usize, x: &Tensor) -> Tensor {
+    let mut h = x.clone();
+    for l in 0..layers {
+        let w = &unit(l)[0];
+        h = if l % 2 == 0 { h.matmul(w) } else { h.matmul(&w.t()) }.tanh();
+    }
+    h.square().mean()
+}
