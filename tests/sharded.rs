@@ -204,6 +204,66 @@ fn a_run_saved_with_its_optimizers_on_4_ranks_continues_on_2() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Ranks recorded on threads of their own (`Sharded::record_ranks`) train to the same bits as
+/// ranks recorded one after another, sharded plainly and hybrid (2 replicas of 2).
+#[test]
+fn ranks_recorded_on_threads_of_their_own_give_the_same_bits() {
+    let _serial = serial();
+    let Some(devices) = ranks(4, "ranks_recorded_on_threads") else { return };
+    let group = Group::new(&devices).unwrap();
+    let units = init(&mut Rng::new(13), &devices[0]);
+    type Make<'a> = &'a dyn Fn() -> Sharded;
+    let plain = || Sharded::new(&group, &units);
+    let hybrid = || Sharded::hybrid(&group, 2, &units).unwrap();
+    for (what, make) in [("plain", &plain as Make<'_>), ("hybrid", &hybrid as Make<'_>)] {
+        let train = |threads: bool| -> Vec<Vec<u32>> {
+            let mut sharded = make();
+            let mut opts: Vec<AdamW> = devices.iter().map(|_| AdamW::new(0.01)).collect();
+            let mut rng = Rng::new(17);
+            for _ in 0..3 {
+                let data: Vec<(Vec<f32>, Vec<f32>)> =
+                    (0..4).map(|_| (random(&mut rng, 2 * 7), random(&mut rng, 2 * 3))).collect();
+                let batch = |r: usize| {
+                    let x = Tensor::from_vec(data[r].0.clone(), [2, 7], &devices[r]);
+                    (x, Tensor::from_vec(data[r].1.clone(), [2, 3], &devices[r]))
+                };
+                let grads = if threads {
+                    sharded.record_ranks(|rank| {
+                        let (x, y) = batch(rank.rank());
+                        loss(|u| rank.gather(u), &x, &y)
+                    })
+                } else {
+                    let losses: Vec<Tensor> = (0..4)
+                        .map(|r| {
+                            let (x, y) = batch(r);
+                            loss(|u| sharded.gather(r, u), &x, &y)
+                        })
+                        .collect();
+                    sharded.backward(&losses)
+                };
+                let grads = grads.unwrap();
+                for (i, opt) in opts.iter_mut().enumerate() {
+                    opt.step(sharded.shards_mut(i), &grads[i]);
+                }
+            }
+            (0..4)
+                .flat_map(|i| sharded.shards(i).to_vec())
+                .map(|t| t.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect())
+                .collect()
+        };
+        assert_eq!(train(true), train(false), "{what}: threads against one thread");
+    }
+    // Mixing both ways in one step is misuse.
+    let mut sharded = Sharded::new(&group, &units);
+    let _ = sharded.gather(0, 0);
+    let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = sharded.record_ranks(|rank| rank.gather(0)[0].sum());
+    }))
+    .expect_err("gathered already");
+    let m = e.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(m.contains("Sharded::record_ranks") && m.contains("tests/sharded.rs"), "{m}");
+}
+
 #[test]
 fn a_failed_rank_mid_step_is_an_err_on_every_rank_and_the_devices_go_on() {
     let _serial = serial();

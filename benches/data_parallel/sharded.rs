@@ -4,8 +4,10 @@
 //! plus the embeddings and final norm, bf16 autocast with parameters gathered in bf16 (f32
 //! shards, reduction and AdamW), `--batch` sequences of `--seq` tokens per rank.
 //!
-//! Each step records every rank's forward pass (gathering unit by unit), the backward pass
-//! (gathered again, reduce-scattered unit by unit), AdamW on every rank's shards, and runs it
+//! Each step records every rank's forward pass (gathering unit by unit) and backward pass
+//! (gathered again, reduce-scattered unit by unit), each rank on a thread of its own
+//! (`Sharded::record_ranks`; `--one-thread`: every rank on the bench's thread, one after
+//! another), AdamW on every rank's shards, and runs it
 //! all (`Group::sync`) and reads every rank's loss: what FSDP2's step computes. Measured on 1
 //! rank and on `--ranks` ranks (weak scaling: the same batch per rank), the median step after
 //! 3 warm-up steps; tokens/s = ranks x batch x seq / step; the peak memory of rank 0's device;
@@ -42,7 +44,7 @@ struct Measured {
 }
 
 /// Trains on `devices` (one rank each) and measures.
-fn measure(devices: &[Device], cfg: gpt2::Config, batch: usize, seq: usize, steps: usize) -> Measured {
+fn measure(devices: &[Device], cfg: gpt2::Config, batch: usize, seq: usize, steps: usize, threads: bool) -> Measured {
     let n = devices.len();
     let group = Group::new(devices).expect("a group");
     let model = gpt2::Gpt2::new(cfg, &devices[0], 1);
@@ -50,17 +52,32 @@ fn measure(devices: &[Device], cfg: gpt2::Config, batch: usize, seq: usize, step
     drop(model);
     let mut opts: Vec<AdamW> = (0..n).map(|_| AdamW::new(6e-4).betas(0.9, 0.95).weight_decay(0.1)).collect();
     let text = include_bytes!("../../examples/data/alice.txt");
-    // Host time spent recording the step (every rank, on this thread), before it runs.
+    // Host time spent recording the step (every rank), before it runs.
     let mut recording = Vec::new();
     let mut step = |k: usize| -> Vec<Tensor> {
         let t = Instant::now();
-        let losses: Vec<Tensor> = (0..n)
-            .map(|r| {
-                let (ids, targets) = gpt2::batch(text, batch, seq, k * n + r, &devices[r]);
-                braid::amp::autocast(DType::BF16, || gpt2::unit_loss(cfg, &ids, &targets, |u| sharded.gather(r, u)))
-            })
-            .collect();
-        let grads = sharded.backward(&losses).expect("gradients");
+        let batch = |r: usize| gpt2::batch(text, batch, seq, k * n + r, &devices[r]);
+        let (losses, grads) = if threads {
+            let losses: Vec<std::sync::Mutex<Option<Tensor>>> = (0..n).map(|_| Default::default()).collect();
+            let grads = sharded.record_ranks(|rank| {
+                let (ids, targets) = batch(rank.rank());
+                let loss =
+                    braid::amp::autocast(DType::BF16, || gpt2::unit_loss(cfg, &ids, &targets, |u| rank.gather(u)));
+                *losses[rank.rank()].lock().unwrap() = Some(loss.clone());
+                loss
+            });
+            (losses.into_iter().map(|l| l.into_inner().unwrap().expect("every rank's loss")).collect(), grads)
+        } else {
+            let losses: Vec<Tensor> = (0..n)
+                .map(|r| {
+                    let (ids, targets) = batch(r);
+                    braid::amp::autocast(DType::BF16, || gpt2::unit_loss(cfg, &ids, &targets, |u| sharded.gather(r, u)))
+                })
+                .collect();
+            let grads = sharded.backward(&losses);
+            (losses, grads)
+        };
+        let grads = grads.expect("gradients");
         for (r, opt) in opts.iter_mut().enumerate() {
             opt.step(sharded.shards_mut(r), &grads[r]);
         }
@@ -125,10 +142,12 @@ pub fn run(devices: &[Device], arg: impl Fn(&str) -> Option<String>) {
         devices[0].name()
     );
     let mut rows = Vec::new();
+    let threads = !std::env::args().any(|a| a == "--one-thread");
+    let recorded = if threads { "each rank on a thread of its own" } else { "every rank on one thread" };
     for ranks in [1, n] {
-        let m = measure(&devices[..ranks], cfg, batch, seq, steps);
+        let m = measure(&devices[..ranks], cfg, batch, seq, steps, threads);
         println!(
-            "braid sharded, {ranks} rank(s): {:.1} ms/step ({:.1} ms of it recording every rank on one thread), {:.0} tokens/s, peak {:.2} GiB on rank 0, all-gather + reduce-scatter {:.1} ms of which {:.1} ms ({:.0}%) under compute, loss {:.3}",
+            "braid sharded, {ranks} rank(s): {:.1} ms/step ({:.1} ms of it recording, {recorded}), {:.0} tokens/s, peak {:.2} GiB on rank 0, all-gather + reduce-scatter {:.1} ms of which {:.1} ms ({:.0}%) under compute, loss {:.3}",
             m.step_ms,
             m.recording_ms,
             m.tokens_per_s,

@@ -44,7 +44,7 @@ mod data_parallel;
 mod sharded;
 
 pub use data_parallel::DataParallel;
-pub use sharded::Sharded;
+pub use sharded::{Sharded, ShardedRank};
 
 use crate::device::Device;
 use crate::engine::{Engine, NewNode};

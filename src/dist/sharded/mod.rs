@@ -33,6 +33,8 @@
 //! Hybrid sharding (HSDP, [`Sharded::hybrid`], [`Sharded::hybrid_across`]): replicas of ranks
 //! each shard the model among their ranks, and each part's gradient is averaged across the
 //! replicas after its reduce-scatter (one more all-reduce per unit, on the same stream).
+//! [`Sharded::record_ranks`] records every rank's step at once, a thread per rank (the host's
+//! recording time is then about one rank's).
 //! Checkpoints: [`Sharded::save`] writes one safetensors file per rank and an index;
 //! [`Sharded::load`] reads them on any number of ranks. [`Sharded::save_with_optimizers`] and
 //! [`Sharded::load_optimizers`] add each rank's Adam/AdamW moments, resharded the same way.
@@ -74,7 +76,10 @@
 
 mod checkpoint;
 mod hybrid;
+mod parallel;
 mod walk;
+
+pub use parallel::ShardedRank;
 
 use super::{Group, Reduce};
 use crate::autograd::{Grads, no_grad};
@@ -279,28 +284,26 @@ impl Sharded {
     #[track_caller]
     pub fn gather(&mut self, rank: usize, unit: usize) -> Vec<Tensor> {
         self.check_rank_unit("Sharded::gather", rank, unit);
-        if self.steps[rank].gathered.get(unit).is_some_and(Option::is_some) {
-            misuse(
-                "Sharded::gather",
-                &format!(
-                    "unit {unit} was gathered already in this step on rank {rank} (its gradients would be lost); \
-                     gather each unit once a step and reuse its tensors"
-                ),
-                &[],
-            );
-        }
+        check_not_gathered(&self.steps[rank], rank, unit);
+        let mut step = std::mem::take(&mut self.steps[rank]);
+        let params = self.gather_into(&mut step, rank, unit);
+        self.steps[rank] = step;
+        params
+    }
+
+    /// [`Sharded::gather`] with the rank's step state `step` held apart (so that ranks can
+    /// record on threads of their own, `parallel.rs`); the caller checked the rank and unit.
+    fn gather_into(&self, step: &mut RankStep, rank: usize, unit: usize) -> Vec<Tensor> {
         let device = self.group.devices()[rank].clone();
         let compute = Stream::current(&device);
         // The gate of unit `u` is the event recorded at the gather of unit `u - prefetch`
         // (with prefetch 0: now, after unit `u - 1`'s forward pass).
-        let step = &mut self.steps[rank];
         step.gates.push_back(compute.record_event());
         let gate = if step.gates.len() > self.prefetch { step.gates.pop_front() } else { None };
         let params = no_grad(|| self.all_gather(rank, unit, gate.as_ref()));
         // Fresh floating-point values without history: always leaves.
         let leaves =
             params.iter().map(|p| crate::autograd::mark_leaf(p).expect("a gathered parameter can be a leaf")).collect();
-        let step = &mut self.steps[rank];
         step.gathered.resize_with(self.units.len(), || None);
         step.gathered[unit] = Some((crate::autograd::next_seq(), leaves));
         params
@@ -426,6 +429,18 @@ impl Sharded {
                 None => part,
             }
         })
+    }
+}
+
+/// Misuse: unit `unit` gathered already in `step` (rank `rank`'s step under way).
+#[track_caller]
+fn check_not_gathered(step: &RankStep, rank: usize, unit: usize) {
+    if step.gathered.get(unit).is_some_and(Option::is_some) {
+        let problem = format!(
+            "unit {unit} was gathered already in this step on rank {rank} (its gradients would be lost); \
+             gather each unit once a step and reuse its tensors"
+        );
+        misuse("Sharded::gather", &problem, &[]);
     }
 }
 
