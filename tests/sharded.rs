@@ -228,10 +228,12 @@ fn ranks_recorded_on_threads_of_their_own_give_the_same_bits() {
                     (x, Tensor::from_vec(data[r].1.clone(), [2, 3], &devices[r]))
                 };
                 let grads = if threads {
-                    sharded.record_ranks(|rank| {
-                        let (x, y) = batch(rank.rank());
-                        loss(|u| rank.gather(u), &x, &y)
-                    })
+                    sharded
+                        .record_ranks(|rank| {
+                            let (x, y) = batch(rank.rank());
+                            loss(|u| rank.gather(u), &x, &y)
+                        })
+                        .map(|(_, grads)| grads)
                 } else {
                     let losses: Vec<Tensor> = (0..4)
                         .map(|r| {

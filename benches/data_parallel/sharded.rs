@@ -58,15 +58,12 @@ fn measure(devices: &[Device], cfg: gpt2::Config, batch: usize, seq: usize, step
         let t = Instant::now();
         let batch = |r: usize| gpt2::batch(text, batch, seq, k * n + r, &devices[r]);
         let (losses, grads) = if threads {
-            let losses: Vec<std::sync::Mutex<Option<Tensor>>> = (0..n).map(|_| Default::default()).collect();
-            let grads = sharded.record_ranks(|rank| {
-                let (ids, targets) = batch(rank.rank());
-                let loss =
-                    braid::amp::autocast(DType::BF16, || gpt2::unit_loss(cfg, &ids, &targets, |u| rank.gather(u)));
-                *losses[rank.rank()].lock().unwrap() = Some(loss.clone());
-                loss
-            });
-            (losses.into_iter().map(|l| l.into_inner().unwrap().expect("every rank's loss")).collect(), grads)
+            sharded
+                .record_ranks(|rank| {
+                    let (ids, targets) = batch(rank.rank());
+                    braid::amp::autocast(DType::BF16, || gpt2::unit_loss(cfg, &ids, &targets, |u| rank.gather(u)))
+                })
+                .expect("gradients")
         } else {
             let losses: Vec<Tensor> = (0..n)
                 .map(|r| {
@@ -74,10 +71,9 @@ fn measure(devices: &[Device], cfg: gpt2::Config, batch: usize, seq: usize, step
                     braid::amp::autocast(DType::BF16, || gpt2::unit_loss(cfg, &ids, &targets, |u| sharded.gather(r, u)))
                 })
                 .collect();
-            let grads = sharded.backward(&losses);
+            let grads = sharded.backward(&losses).expect("gradients");
             (losses, grads)
         };
-        let grads = grads.expect("gradients");
         for (r, opt) in opts.iter_mut().enumerate() {
             opt.step(sharded.shards_mut(r), &grads[r]);
         }

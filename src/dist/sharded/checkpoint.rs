@@ -19,6 +19,7 @@ use crate::optim::{Adam, AdamState};
 use crate::tensor::{Tensor, misuse};
 use braid_graph::{DType, Shape};
 use serde_json::{Value, json};
+use std::collections::BTreeMap;
 use std::path::Path;
 
 /// The index's file name in a checkpoint directory.
@@ -91,8 +92,10 @@ impl Sharded {
         self.check_optimizers("Sharded::load_optimizers", optimizers.len());
         let dir = dir.as_ref();
         let n = self.placements[0].shard.size();
-        let (exp_avg, exp_avg_sq) = (read_units(dir, EXP_AVG)?, read_units(dir, EXP_AVG_SQ)?);
-        let steps = read_steps(dir)?;
+        // Every file read once, for the moments and the step counts.
+        let checkpoint = Checkpoint::read(dir)?;
+        let (exp_avg, exp_avg_sq) = (checkpoint.units(EXP_AVG)?, checkpoint.units(EXP_AVG_SQ)?);
+        let steps = checkpoint.steps()?;
         if exp_avg.len() != self.units.len() || steps.len() != self.units.len() {
             return Err(Error::Io(format!("{}: not this model's units", dir.join(INDEX).display())));
         }
@@ -182,83 +185,93 @@ impl Sharded {
     /// ranks), each parameter whole, on the CPU: for [`Sharded::hybrid`] and
     /// [`Sharded::hybrid_across`], or to use the model elsewhere. Errors as [`Sharded::load`].
     pub fn read_checkpoint(dir: impl AsRef<Path>) -> Result<Vec<Params>> {
-        let units = read_units(dir.as_ref(), "")?;
+        let units = Checkpoint::read(dir.as_ref())?.units("")?;
         Ok(units.into_iter().map(|u| u.expect("every parameter is in every file")).collect())
     }
 }
 
-/// The index of the checkpoint in `dir`, checked, and its group's size.
-fn read_index(dir: &Path) -> Result<(Value, usize)> {
-    let bad = |what: String| Error::Io(format!("{}: {what}", dir.join(INDEX).display()));
-    let path = dir.join(INDEX);
-    let text = std::fs::read_to_string(&path).map_err(|e| Error::Io(format!("cannot read {}: {e}", path.display())))?;
-    let index: Value = serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
-    if index["format"] != "braid-sharded" || index["version"] != 1 {
-        return Err(bad("not a braid sharded checkpoint index (format braid-sharded, version 1)".into()));
+/// A checkpoint's index and every rank's file, read from disk once.
+struct Checkpoint<'a> {
+    dir: &'a Path,
+    index: Value,
+    world: usize,
+    files: Vec<BTreeMap<String, Tensor>>,
+}
+
+impl<'a> Checkpoint<'a> {
+    /// The checkpoint in `dir`: its index checked, every rank's file read onto the CPU.
+    fn read(dir: &'a Path) -> Result<Checkpoint<'a>> {
+        let bad = |what: String| Error::Io(format!("{}: {what}", dir.join(INDEX).display()));
+        let path = dir.join(INDEX);
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| Error::Io(format!("cannot read {}: {e}", path.display())))?;
+        let index: Value = serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+        if index["format"] != "braid-sharded" || index["version"] != 1 {
+            return Err(bad("not a braid sharded checkpoint index (format braid-sharded, version 1)".into()));
+        }
+        let world = index["world"].as_u64().filter(|&w| w > 0).ok_or_else(|| bad("no world size".into()))? as usize;
+        let host = Device::cpu();
+        let files =
+            (0..world).map(|r| crate::io::load(dir.join(shard_file(r, world)), &host)).collect::<Result<Vec<_>>>()?;
+        Ok(Checkpoint { dir, index, world, files })
     }
-    let world = index["world"].as_u64().filter(|&w| w > 0).ok_or_else(|| bad("no world size".into()))? as usize;
-    Ok((index, world))
-}
 
-/// Each unit's step count in the checkpoint in `dir` (rank 0's file; `None` for a unit saved
-/// without an optimizer state).
-fn read_steps(dir: &Path) -> Result<Vec<Option<i32>>> {
-    let (index, world) = read_index(dir)?;
-    let units = index["units"].as_array().map_or(0, Vec::len);
-    let file = crate::io::load(dir.join(shard_file(0, world)), &Device::cpu())?;
-    (0..units).map(|u| file.get(&format!("{STEP}{u}")).map(|t| Ok(t.to_vec::<i32>()?[0])).transpose()).collect()
-}
+    /// Each unit's step count (rank 0's file; `None` for a unit saved without an optimizer
+    /// state).
+    fn steps(&self) -> Result<Vec<Option<i32>>> {
+        let units = self.index["units"].as_array().map_or(0, Vec::len);
+        let step = |u: usize| self.files[0].get(&format!("{STEP}{u}")).map(|t| Ok(t.to_vec::<i32>()?[0])).transpose();
+        (0..units).map(step).collect()
+    }
 
-/// The units of the checkpoint in `dir`, each parameter whole, on the CPU: the tensors named
-/// `prefix` + the parameter's name in every rank's file (`None` for a unit whose first
-/// parameter has none; then it has none on any rank).
-fn read_units(dir: &Path, prefix: &str) -> Result<Vec<Option<Params>>> {
-    let bad = |what: String| Error::Io(format!("{}: {what}", dir.join(INDEX).display()));
-    let (index, world) = read_index(dir)?;
-    let host = Device::cpu();
-    let files =
-        (0..world).map(|r| crate::io::load(dir.join(shard_file(r, world)), &host)).collect::<Result<Vec<_>>>()?;
-    let units = index["units"].as_array().ok_or_else(|| bad("no units".into()))?;
-    units
-        .iter()
-        .map(|unit| {
-            let list = unit.as_array().ok_or_else(|| bad("a unit is not a list".into()))?;
-            let first = list.first().and_then(|p| p["name"].as_str()).map(|n| format!("{prefix}{n}"));
-            if !prefix.is_empty() && first.is_none_or(|k| !files[0].contains_key(k.as_str())) {
-                return Ok(None);
-            }
-            let mut params = Params::new();
-            for p in list {
-                let name = p["name"].as_str().ok_or_else(|| bad("a parameter without a name".into()))?;
-                let key = format!("{prefix}{name}");
-                let dims: Vec<usize> = p["shape"]
-                    .as_array()
-                    .and_then(|d| d.iter().map(|x| x.as_u64().map(|x| x as usize)).collect())
-                    .ok_or_else(|| bad(format!("{name}: no shape")))?;
-                let dtype = p["dtype"]
-                    .as_str()
-                    .and_then(|n| DType::ALL.into_iter().find(|d| d.name() == n))
-                    .ok_or_else(|| bad(format!("{name}: no dtype")))?;
-                let shape = Shape::new(&dims);
-                let part = shape.numel().div_ceil(world).max(1);
-                let mut pieces = Vec::with_capacity(world);
-                for (r, file) in files.iter().enumerate() {
-                    let piece = file.get(key.as_str()).ok_or_else(|| {
-                        Error::Io(format!("{}: no tensor {key:?}", dir.join(shard_file(r, world)).display()))
-                    })?;
-                    if piece.dims() != [part] || piece.dtype() != dtype {
-                        return Err(Error::Io(format!(
-                            "{}: {key:?} is {}, not {dtype} [{part}]",
-                            dir.join(shard_file(r, world)).display(),
-                            piece.describe()
-                        )));
-                    }
-                    pieces.push(piece.clone());
+    /// The units, each parameter whole, on the CPU: the tensors named `prefix` + the
+    /// parameter's name in every rank's file (`None` for a unit whose first parameter has
+    /// none; then it has none on any rank).
+    fn units(&self, prefix: &str) -> Result<Vec<Option<Params>>> {
+        let (dir, index, world, files) = (self.dir, &self.index, self.world, &self.files);
+        let bad = |what: String| Error::Io(format!("{}: {what}", dir.join(INDEX).display()));
+        let units = index["units"].as_array().ok_or_else(|| bad("no units".into()))?;
+        units
+            .iter()
+            .map(|unit| {
+                let list = unit.as_array().ok_or_else(|| bad("a unit is not a list".into()))?;
+                let first = list.first().and_then(|p| p["name"].as_str()).map(|n| format!("{prefix}{n}"));
+                if !prefix.is_empty() && first.is_none_or(|k| !files[0].contains_key(k.as_str())) {
+                    return Ok(None);
                 }
-                let whole = Tensor::cat(&pieces.iter().collect::<Vec<_>>(), 0);
-                params.push(name, &whole.narrow(0, 0, shape.numel()).reshape(shape));
-            }
-            Ok(Some(params))
-        })
-        .collect()
+                let mut params = Params::new();
+                for p in list {
+                    let name = p["name"].as_str().ok_or_else(|| bad("a parameter without a name".into()))?;
+                    let key = format!("{prefix}{name}");
+                    let dims: Vec<usize> = p["shape"]
+                        .as_array()
+                        .and_then(|d| d.iter().map(|x| x.as_u64().map(|x| x as usize)).collect())
+                        .ok_or_else(|| bad(format!("{name}: no shape")))?;
+                    let dtype = p["dtype"]
+                        .as_str()
+                        .and_then(|n| DType::ALL.into_iter().find(|d| d.name() == n))
+                        .ok_or_else(|| bad(format!("{name}: no dtype")))?;
+                    let shape = Shape::new(&dims);
+                    let part = shape.numel().div_ceil(world).max(1);
+                    let mut pieces = Vec::with_capacity(world);
+                    for (r, file) in files.iter().enumerate() {
+                        let piece = file.get(key.as_str()).ok_or_else(|| {
+                            Error::Io(format!("{}: no tensor {key:?}", dir.join(shard_file(r, world)).display()))
+                        })?;
+                        if piece.dims() != [part] || piece.dtype() != dtype {
+                            return Err(Error::Io(format!(
+                                "{}: {key:?} is {}, not {dtype} [{part}]",
+                                dir.join(shard_file(r, world)).display(),
+                                piece.describe()
+                            )));
+                        }
+                        pieces.push(piece.clone());
+                    }
+                    let whole = Tensor::cat(&pieces.iter().collect::<Vec<_>>(), 0);
+                    params.push(name, &whole.narrow(0, 0, shape.numel()).reshape(shape));
+                }
+                Ok(Some(params))
+            })
+            .collect()
+    }
 }

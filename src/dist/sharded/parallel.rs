@@ -38,8 +38,8 @@ impl Sharded {
     /// Records a step of every rank of this process, each on a thread of its own: `forward(r)`
     /// records rank `r`'s forward pass, gathering its units through the [`ShardedRank`] it is
     /// given, and returns its loss; the rank's backward pass is then recorded on the same thread
-    /// (as [`Sharded::backward`] does). Returns each rank's gradients of its shards, in rank
-    /// order. The host's recording time is about one rank's instead of the sum over them (one
+    /// (as [`Sharded::backward`] does). Returns each rank's loss and its gradients of its
+    /// shards, in rank order. The host's recording time is about one rank's instead of the sum over them (one
     /// thread recorded both ranks of a 2-GPU step in 23-25 ms of 130, BENCHMARKS.md).
     ///
     /// The threads start without the caller's scopes (`braid::amp::autocast`, `no_grad`,
@@ -57,7 +57,7 @@ impl Sharded {
     /// let mut unit = Params::new();
     /// unit.push("w", &Tensor::from_vec(vec![1.0f32, -2.0, 3.0], [3], &devices[0]));
     /// let mut sharded = Sharded::new(&group, &[unit]);
-    /// let grads = sharded
+    /// let (losses, grads) = sharded
     ///     .record_ranks(|rank| {
     ///         let w = &rank.gather(0)[0];
     ///         (w * w).sum() * (rank.rank() + 1) as f32
@@ -66,9 +66,10 @@ impl Sharded {
     /// // d/dw of the mean over ranks of (r + 1) w^2: 3 w, rank 1's part being w[2..] (padded).
     /// let g = grads[1].get(&sharded.shards(1)[0]).unwrap().to_vec::<f32>().unwrap();
     /// assert_eq!(g, vec![9.0, 0.0]);
+    /// assert_eq!(losses[1].item::<f32>().unwrap(), 28.0);
     /// ```
     #[track_caller]
-    pub fn record_ranks<F>(&mut self, forward: F) -> Result<Vec<Grads>>
+    pub fn record_ranks<F>(&mut self, forward: F) -> Result<(Vec<Tensor>, Vec<Grads>)>
     where
         F: Fn(&mut ShardedRank<'_>) -> Tensor + Sync,
     {
@@ -80,7 +81,7 @@ impl Sharded {
         let steps: Vec<RankStep> = self.steps.iter_mut().map(std::mem::take).collect();
         let this: &Sharded = self;
         let forward = &forward;
-        let results: Vec<std::thread::Result<Result<Grads>>> = std::thread::scope(|scope| {
+        let results: Vec<std::thread::Result<Result<(Tensor, Grads)>>> = std::thread::scope(|scope| {
             let threads: Vec<_> = steps
                 .into_iter()
                 .enumerate()
@@ -93,20 +94,19 @@ impl Sharded {
                             let mut walk = walk::ShardedWalk::new(this, rank, handle.step);
                             let mut full = Grads::new();
                             loss.backward_hooked(&mut full, false, Some(&mut walk))?;
-                            Ok(walk.finish(&full))
+                            Ok((loss, walk.finish(&full)))
                         })
                         .expect("a thread to record a rank on")
                 })
                 .collect();
             threads.into_iter().map(|t| t.join()).collect()
         });
-        let mut out = Vec::with_capacity(results.len());
+        let (mut losses, mut grads) = (Vec::with_capacity(results.len()), Vec::with_capacity(results.len()));
         for result in results {
-            match result {
-                Ok(grads) => out.push(grads?),
-                Err(panic) => std::panic::resume_unwind(panic),
-            }
+            let (loss, g) = result.unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
+            losses.push(loss);
+            grads.push(g);
         }
-        Ok(out)
+        Ok((losses, grads))
     }
 }
