@@ -31,6 +31,20 @@ fn recomputes(dev: &Device, test: &str) -> bool {
     on
 }
 
+/// The low precision of the test device when it recomputes and computes in bf16 or f16; else
+/// prints why `test` is skipped.
+fn recomputing_low_precision(test: &str) -> Option<DType> {
+    let dev = device();
+    if !recomputes(&dev, test) {
+        return None;
+    }
+    let low = low_precision(&dev);
+    if low.is_none() {
+        println!("skipped: {test}: {} computes in neither bf16 nor f16", dev.name());
+    }
+    low
+}
+
 /// The low precision this device computes products in, if any.
 fn low_precision(dev: &Device) -> Option<DType> {
     [DType::BF16, DType::F16].into_iter().find(|&d| dev.target().dtypes.contains(d))
@@ -234,13 +248,9 @@ fn split_heads_step(recompute: bool) -> (u64, u64) {
 /// bits recomputation off gives, and the reference interpreter's.
 #[test]
 fn a_step_flushed_whole_computes_its_saved_exponentials_again_in_the_backward_kernel() {
-    let name = "a_step_flushed_whole_computes_its_saved_exponentials_again_in_the_backward_kernel";
-    let dev = device();
-    if !recomputes(&dev, name) {
-        return;
-    }
-    let Some(low) = low_precision(&dev) else {
-        println!("skipped: {name}: {} computes in neither bf16 nor f16", dev.name());
+    let Some(low) =
+        recomputing_low_precision("a_step_flushed_whole_computes_its_saved_exponentials_again_in_the_backward_kernel")
+    else {
         return;
     };
     let (peak_off, dw_off) = whole_step(low, false);
@@ -296,6 +306,63 @@ fn whole_step(low: DType, recompute: bool) -> (u64, Vec<u32>) {
     let text = schedule.to_text();
     assert_eq!(text.contains("+exp+select+"), recompute, "{text}");
     let stats = common::check_recorded(&[&dw]).unwrap();
+    assert!(stats.checked >= width * vocab, "{stats:?}");
+    (dump["planned_peak_bytes"].as_u64().unwrap(), bits)
+}
+
+#[test]
+fn a_training_step_ended_by_a_sync_computes_its_normalized_rows_and_exponentials_again() {
+    let Some(low) = recomputing_low_precision(
+        "a_training_step_ended_by_a_sync_computes_its_normalized_rows_and_exponentials_again",
+    ) else {
+        return;
+    };
+    let (peak_off, grads_off) = normed_step(low, false);
+    let (peak_on, grads_on) = normed_step(low, true);
+    println!("planned peak of the step's flush: {peak_off} B recomputation off, {peak_on} B on");
+    let (rows, width, vocab, layers) = (64u64, 48u64, 1001u64, 3u64);
+    // Off, each layer norm's normalized rows (f32) and the cross-entropy's exponentials (f32)
+    // live from the forward kernels to the backward ones; on, what they are computed from does.
+    let saved = layers * rows * width * 4 + rows * vocab * (4 - low.size() as u64);
+    assert!(peak_off >= peak_on + saved, "{peak_off} B off, {peak_on} B on: expected {saved} B less");
+    assert_eq!(grads_on, grads_off, "the same bits with and without recomputation");
+}
+
+/// A step of `layers` pre-norm residual layers and a head under low-precision autocast,
+/// recorded whole and ended by `Device::sync` (nothing read before it), its gradients checked
+/// against the reference: (the flush's planned peak, every gradient's bits).
+fn normed_step(low: DType, recompute: bool) -> (u64, Vec<Vec<u32>>) {
+    let dev = device();
+    dev.set_recompute(recompute);
+    let (rows, width, vocab, layers) = (64, 48, 1001, 3);
+    let mut rng = Rng::new(5);
+    let mut param = |dims: [usize; 2]| {
+        let values = normal_vec(&mut rng, dims[0] * dims[1]).iter().map(|v| v * 0.3).collect();
+        Tensor::from_vec(values, dims, &dev).requires_grad()
+    };
+    let weights: Vec<Tensor> = (0..layers).map(|_| param([width, width])).collect();
+    let gains: Vec<Tensor> = (0..layers).map(|_| param([1, width])).collect();
+    let head = param([width, vocab]);
+    let x = Tensor::from_vec(normal_vec(&mut rng, rows * width), [rows, width], &dev);
+    let targets: Vec<i64> = (0..rows).map(|_| rng.below(vocab) as i64).collect();
+    let target = Tensor::from_vec(targets, [rows], &dev);
+    dev.sync().unwrap();
+    let loss = braid::amp::autocast(low, || {
+        let mut h = x.clone();
+        for (w, g) in weights.iter().zip(&gains) {
+            h = &h + &(&h.layer_norm(-1, 1e-5) * g).matmul(w);
+        }
+        h.layer_norm(-1, 1e-5).matmul(&head).cross_entropy(&target)
+    });
+    let grads = loss.backward().unwrap();
+    let all: Vec<Tensor> =
+        weights.iter().chain(&gains).chain([&head]).map(|p| grads.get(p).expect("a gradient")).collect();
+    drop((loss, grads));
+    dev.sync().unwrap();
+    let schedule = dev.last_schedule().unwrap();
+    let dump: serde_json::Value = serde_json::from_str(&schedule.to_json()).unwrap();
+    let bits = all.iter().map(|g| g.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()).collect();
+    let stats = common::check_recorded(&all.iter().collect::<Vec<_>>()).unwrap();
     assert!(stats.checked >= width * vocab, "{stats:?}");
     (dump["planned_peak_bytes"].as_u64().unwrap(), bits)
 }

@@ -50,6 +50,14 @@ impl Engine {
     /// Computes the pending nodes among `targets` and everything pending they need; waits for
     /// work other threads already started. Returns once the values are ready.
     pub(crate) fn flush_nodes(&self, targets: &[NodeId]) -> Result<()> {
+        self.flush_reading(targets, targets)
+    }
+
+    /// [`Self::flush_nodes`], where `read_out` are the targets read out of the flush (by a
+    /// read, or a caller that needs them computed): only those a backward pass's copies
+    /// (`recompute_copies`) must leave computed. A sync names every pending node a target
+    /// but reads none of them out: the values autograd saved are still free to be copied.
+    fn flush_reading(&self, targets: &[NodeId], read_out: &[NodeId]) -> Result<()> {
         super::capture::refuse_while_capturing("a flush or sync")?;
         // A variable braid does not understand fails the read before anything is taken out.
         let env = super::env::FlushEnv::for_flush()?;
@@ -93,7 +101,8 @@ impl Engine {
             }
             // A backward pass flushed with its forward pass: saved values copied for it change
             // the flush's nodes, so walk again.
-            if self.recompute_under(&env) && super::recompute_copies::copy_for_backward(&mut st, &walked.order, targets)
+            if self.recompute_under(&env)
+                && super::recompute_copies::copy_for_backward(&mut st, &walked.order, read_out)
             {
                 continue;
             }
@@ -119,7 +128,7 @@ impl Engine {
             }
             (targets, tickets)
         };
-        let result = self.flush_nodes(&targets);
+        let result = self.flush_reading(&targets, &[]);
         for t in tickets {
             let _ = t.wait();
         }

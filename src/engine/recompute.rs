@@ -49,7 +49,7 @@ pub(super) struct Recompute {
 }
 
 /// An op cheap enough to compute again inside another kernel: elementwise, a view, a constant.
-fn cheap(op: &Op) -> bool {
+pub(super) fn cheap(op: &Op) -> bool {
     op.is_elementwise()
         || matches!(op, Op::Reshape | Op::Permute(_) | Op::Expand | Op::Narrow { .. } | Op::Full(_) | Op::Arange { .. })
 }

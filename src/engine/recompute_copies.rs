@@ -1,5 +1,6 @@
 //! Saved values computed again inside one flush: the forward and backward passes of a training
-//! step flushed together (a captured `Step`, or a step read only at its end).
+//! step flushed together (a captured `Step`, a step read only at its end, or ended by a sync,
+//! which names every pending node a target but reads none out).
 //!
 //! `recompute.rs` leaves a cheap saved value uncomputed when a read splits the forward pass from
 //! its backward pass (the loss read of an eager step), so that the backward pass computes it
@@ -14,7 +15,9 @@
 //!
 //! The copies are ordinary pending nodes: recorded into the graph with places in the recording
 //! order reserved below the backward pass's first (`COPY_PLACES`), and the backward readers'
-//! inputs retargeted to them. Must never: copy anything but the elementwise ops and views
+//! inputs retargeted to them; an original no reader is left to is dropped. A forward part of
+//! nothing but cheap nodes (what an eager step's loss read left pending) gets no copies. Must
+//! never: copy anything but the elementwise ops and views
 //! `recompute::choose` accepts, or change what any node computes.
 
 use super::recompute::{Recompute, choose};
@@ -73,6 +76,12 @@ pub(super) fn copy_for_backward(st: &mut EngineState, order: &[NodeId], targets:
     for m in marks {
         let split = split(&st.backward_marks[m]);
         let early: Vec<NodeId> = order.iter().copied().take_while(|&id| st.graph.node(id).seq < split).collect();
+        // A forward part of nothing but cheap nodes is what an earlier flush left pending for
+        // the backward pass to compute again (the loss read of an eager step): the backward
+        // kernels compute those values inline already.
+        if early.iter().all(|&id| super::recompute::cheap(&st.graph.node(id).op)) {
+            continue;
+        }
         let before: HashSet<NodeId> = early.iter().copied().collect();
         let forward = |id: NodeId| before.contains(&id);
         let chosen = choose(st, &early, targets, forward);
@@ -179,6 +188,10 @@ fn copy(
             }
         }
     }
+    // An original no reader is left to (a value the forward part computed for the backward
+    // pass alone, a one-hot mask) is dropped, as any value nothing reads: a sync, which names
+    // every pending node, would otherwise compute it for nothing.
+    super::state::collect(st, values.iter().copied());
     tracing::debug!(target: "braid::flush", values = values.len(), nodes = nodes.len(), "saved values copied for a backward pass");
     true
 }

@@ -33,18 +33,27 @@ fn a_value_kept_over_the_input_still_leaves_every_stored_value_computed() {
 
 /// A sum over the first axis of `[len, cols]` f32 (a bias gradient, G2-axis0) as a kernel.
 fn column_sum(len: usize, cols: usize) -> Kernel {
+    column_sum_storing(len, cols, false)
+}
+
+/// [`column_sum`], with `doubled` also storing `2 x` per element: the constant is recorded
+/// after the sum (as a derivative's `2` after the reduction beside it), and the store reads no
+/// reduction, so a split kernel's first pass writes it.
+fn column_sum_storing(len: usize, cols: usize, doubled: bool) -> Kernel {
     let mut b = ExprBuilder::new();
     let x = b.load(0, DType::F32);
     let sum = b.reduce(ReduceOp::Sum, x);
     let dims = [len, cols];
-    let r = RowKernel {
-        dims: dims.as_slice().into(),
-        axis: Some(0),
-        loads: vec![load(0, DType::F32, contiguous(&dims))],
-        expr: b.finish(),
-        stores: vec![store(1, DType::F32, view(&dims, &[0, 1], 0), sum)],
-    };
-    Kernel { args: args(&[(DType::F32, len * cols), (DType::F32, cols)]), inputs: 1, body: Body::Rows(r) }
+    let mut stores = vec![store(1, DType::F32, view(&dims, &[0, 1], 0), sum)];
+    let mut arg_list = vec![(DType::F32, len * cols), (DType::F32, cols)];
+    if doubled {
+        let two = b.constant(2.0, DType::F32);
+        stores.push(store(2, DType::F32, contiguous(&dims), b.mul(x, two)));
+        arg_list.push((DType::F32, len * cols));
+    }
+    let loads = vec![load(0, DType::F32, contiguous(&dims))];
+    let r = RowKernel { dims: dims.as_slice().into(), axis: Some(0), loads, expr: b.finish(), stores };
+    Kernel { args: args(&arg_list), inputs: 1, body: Body::Rows(r) }
 }
 
 #[test]
@@ -95,6 +104,19 @@ fn short_columns_take_blocks_of_as_few_lines_as_they_fill() {
         let bound = format!("__global__ void __launch_bounds__({threads}) short_rows(");
         in_order(&p.source, &[bound.as_str(), &format!("if (ys == {}u) {{", threads / 32)]);
     }
+}
+
+#[test]
+fn a_split_columns_first_pass_declares_the_constants_its_stores_read() {
+    // The first pass of a split column kernel writes the stores that read no reduction; a
+    // constant they read, recorded after the pass's last reduction, is declared there too
+    // (it was declared only in later entries: NVRTC refused `v2` as undefined).
+    let p = print(&column_sum_storing(4096, 512, true), "twice").unwrap();
+    let names: Vec<&str> = p.entries.iter().map(|e| e.name.as_str()).collect();
+    assert_eq!(names, ["twice_rows_partial1", "twice_rows_combine1"]);
+    let partial =
+        &p.source[p.source.find("twice_rows_partial1(").unwrap()..p.source.find("twice_rows_combine1(").unwrap()];
+    in_order(partial, &["const float v2 = 2.0f;", "const float v3 = v", "* v2;", "acc1"]);
 }
 
 #[test]
