@@ -90,20 +90,36 @@ pub struct PlatformMath {
     pub gpu_builtins: bool,
     /// An absolute error `sin` and `cos` may add (with `gpu_builtins`).
     pub sin_cos_absolute: f64,
+    /// Arithmetic may not keep a NaN: WGSL lets an implementation assume none occurs, and its
+    /// compilers fold `x - x` to 0 for a NaN `x` (lavapipe does). A NaN that arithmetic gives
+    /// is then uncertain.
+    pub nan_may_fold: bool,
 }
 
 impl PlatformMath {
     /// A math library within the op table's allowances (the CPU's, CUDA's).
-    pub const TABLE: PlatformMath =
-        PlatformMath { extra_half_ulps: 0.0, wgsl_bounds: false, gpu_builtins: false, sin_cos_absolute: 0.0 };
+    pub const TABLE: PlatformMath = PlatformMath {
+        extra_half_ulps: 0.0,
+        wgsl_bounds: false,
+        gpu_builtins: false,
+        sin_cos_absolute: 0.0,
+        nan_may_fold: false,
+    };
 
-    /// WGSL's builtins: 16 ulps more than the table, `exp` and `pow` as WGSL bounds them; on a
+    /// WGSL's builtins: 16 ulps more than the table, `exp` and `pow` as WGSL bounds them, NaNs
+    /// that arithmetic may fold away; on a
     /// GPU (not a software adapter such as lavapipe) also `sin`/`cos` off by an absolute 2^-20
     /// (measured within 2^-22 on an H100's Vulkan driver; WGSL allows 2^-11) and `exp` by WGSL's
     /// `2|x|` ulps more.
     pub fn wgsl(gpu: bool) -> PlatformMath {
         let sin_cos_absolute = if gpu { 2f64.powi(-20) } else { 0.0 };
-        PlatformMath { extra_half_ulps: 32.0, wgsl_bounds: true, gpu_builtins: gpu, sin_cos_absolute }
+        PlatformMath {
+            extra_half_ulps: 32.0,
+            wgsl_bounds: true,
+            gpu_builtins: gpu,
+            sin_cos_absolute,
+            nan_may_fold: true,
+        }
     }
 
     /// The extra relative error of a platform math op in `f32`, as a multiple of `f32::EPSILON`

@@ -158,6 +158,12 @@ pub(crate) fn platform_scales_exp() -> bool {
     p.wgsl_bounds || p.gpu_builtins
 }
 
+/// An arithmetic result `(v, bound)` as the platform keeps it: a NaN is uncertain where
+/// arithmetic may fold NaNs away (`PlatformMath::nan_may_fold`: `x - x` is 0 there).
+pub(crate) fn arithmetic((v, bound): (f64, f64)) -> (f64, f64) {
+    if v.is_nan() && platform().nan_may_fold { (v, f64::INFINITY) } else { (v, bound) }
+}
+
 /// The extra absolute allowance of op `name` (only `sin` and `cos` have one).
 pub(crate) fn absolute_allowance(name: &str) -> f64 {
     if matches!(name, "sin" | "cos") && platform().gpu_builtins { platform().sin_cos_absolute } else { 0.0 }

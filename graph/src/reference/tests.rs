@@ -359,3 +359,25 @@ fn gather_and_index_select_read_the_named_elements_and_zero_outside() {
     assert_eq!(r[s].values_f64(), [2.0, 0.0, 0.0, 0.0, 5.0, 0.0, 3.0, 0.0]);
     assert_eq!(r[rows].values_f64(), [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 2.0, 0.0, 0.0, 0.0]);
 }
+
+#[test]
+fn a_nan_arithmetic_gives_is_uncertain_where_the_platform_may_fold_it() {
+    // sqrt(-1) - sqrt(-1) and argmax over it: a certain NaN and its position with the op
+    // table's math; uncertain on WGSL, whose compilers fold `x - x` to 0 (lavapipe does).
+    let mut p = Prog::new();
+    let x = p.data(DType::F32, &[2, 1], &[4.0, -1.0]);
+    let root = p.op(
+        Op::BinaryScalar { op: BinaryOp::Pow, scalar: Scalar(0.5), scalar_first: false },
+        DType::F32,
+        &[2, 1],
+        &[x],
+    );
+    let zero = p.op(Op::Binary(BinaryOp::Sub), DType::F32, &[2, 1], &[root, root]);
+    let at = p.op(reduce(ReduceOp::ArgMax, Some(0), false), DType::I64, &[1], &[zero]);
+    let table = evaluate(&p.0);
+    assert!(table[zero].values_f64()[1].is_nan() && table[zero].bounds()[1] == 0.0);
+    assert_eq!((table[at].values_f64(), table[at].bounds()), (vec![1.0], &[0.0][..]));
+    let wgsl = evaluate_on(&p.0, &crate::PlatformMath::wgsl(false));
+    assert!(wgsl[zero].bounds()[0].is_finite(), "a number stays certain");
+    assert!(wgsl[zero].bounds()[1].is_infinite() && wgsl[at].bounds()[0].is_infinite());
+}
