@@ -91,8 +91,8 @@ pub struct PlatformMath {
     /// An absolute error `sin` and `cos` may add (with `gpu_builtins`).
     pub sin_cos_absolute: f64,
     /// Arithmetic may not keep a NaN: WGSL lets an implementation assume none occurs, and its
-    /// compilers fold `x - x` to 0 for a NaN `x` (lavapipe does). A NaN that arithmetic gives
-    /// is then uncertain.
+    /// compilers fold `x - x` to 0 for a NaN `x` (lavapipe does). A NaN that arithmetic
+    /// carries over from a NaN operand is then uncertain.
     pub nan_may_fold: bool,
 }
 

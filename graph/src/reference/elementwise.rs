@@ -109,7 +109,7 @@ pub(super) fn unary(op: UnaryOp, dtype: DType, shape: &Shape, x: &RefValue) -> R
             let scaled = if exp_scaled { 2.0 * (xv.abs() + xe) * eps * v.abs() } else { 0.0 };
             // An infinite (uncertain) part times a zero is NaN: still uncertain.
             let bound = bound + abs + scaled;
-            super::arithmetic((v, if bound.is_nan() { f64::INFINITY } else { bound }))
+            super::arithmetic((v, if bound.is_nan() { f64::INFINITY } else { bound }), xv.is_nan())
         })
     } else {
         let f = def.reference_int.unwrap_or_else(|| panic!("{} has no integer form ({dtype})", def.name));
@@ -129,7 +129,8 @@ pub(super) fn binary(op: BinaryOp, dtype: DType, shape: &Shape, a: &RefValue, b:
         floats(dtype, shape, |i| {
             let (x, y) = (a.float_at(ia[i]), b.float_at(ib[i]));
             let r = float_binary(dtype, &def.reference, def.sensitivity, ulps, x, y);
-            super::arithmetic(if pow_scaled { gpu_pow_bound(dtype, r, x, y) } else { r })
+            let from_nan = x.0.is_nan() || y.0.is_nan();
+            super::arithmetic(if pow_scaled { gpu_pow_bound(dtype, r, x, y) } else { r }, from_nan)
         })
     } else {
         let f = def.reference_int.unwrap_or_else(|| panic!("{} has no integer form ({dtype})", def.name));
@@ -152,7 +153,7 @@ pub(super) fn binary_scalar(op: BinaryOp, dtype: DType, x: &RefValue, s: f64, sc
             let xi = x.float_at(i);
             let (l, r) = if scalar_first { (sc, xi) } else { (xi, sc) };
             let result = float_binary(dtype, f, sens, ulps, l, r);
-            super::arithmetic(if pow_scaled { gpu_pow_bound(dtype, result, l, r) } else { result })
+            super::arithmetic(if pow_scaled { gpu_pow_bound(dtype, result, l, r) } else { result }, xi.0.is_nan())
         })
     } else {
         let f = def.reference_int.unwrap_or_else(|| panic!("{} has no integer form ({dtype})", def.name));

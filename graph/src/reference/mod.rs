@@ -158,10 +158,12 @@ pub(crate) fn platform_scales_exp() -> bool {
     p.wgsl_bounds || p.gpu_builtins
 }
 
-/// An arithmetic result `(v, bound)` as the platform keeps it: a NaN is uncertain where
-/// arithmetic may fold NaNs away (`PlatformMath::nan_may_fold`: `x - x` is 0 there).
-pub(crate) fn arithmetic((v, bound): (f64, f64)) -> (f64, f64) {
-    if v.is_nan() && platform().nan_may_fold { (v, f64::INFINITY) } else { (v, bound) }
+/// An arithmetic result `(v, bound)` as the platform keeps it: a NaN carried over from a NaN
+/// operand (`from_nan`) is uncertain where arithmetic may fold NaNs away
+/// (`PlatformMath::nan_may_fold`: `x - x` is 0 there for a NaN `x`). A NaN the op makes from
+/// numbers (`sqrt(-1)`) is certain: no identity folds it away.
+pub(crate) fn arithmetic((v, bound): (f64, f64), from_nan: bool) -> (f64, f64) {
+    if v.is_nan() && from_nan && platform().nan_may_fold { (v, f64::INFINITY) } else { (v, bound) }
 }
 
 /// The extra absolute allowance of op `name` (only `sin` and `cos` have one).

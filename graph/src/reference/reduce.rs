@@ -69,8 +69,9 @@ pub(super) fn reduce(op: ReduceOp, dim: Option<usize>, dtype: DType, shape: &Sha
                     }
                     let (z, p) = acc.finish();
                     if set.is_empty() {
-                        // Exactly 0, and 0 / 0 (a NaN, which a platform's arithmetic may fold).
-                        if op == ReduceOp::Sum { (0.0, 0.0) } else { super::arithmetic((f64::NAN, 0.0)) }
+                        // Exactly 0, and 0 / 0: a NaN of two constants, which a platform's
+                        // arithmetic may fold as it folds one from a NaN.
+                        if op == ReduceOp::Sum { (0.0, 0.0) } else { super::arithmetic((f64::NAN, 0.0), true) }
                     } else if op == ReduceOp::Sum {
                         finish(dtype, z, p, 0.0, 0.0)
                     } else {

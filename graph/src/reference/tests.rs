@@ -379,5 +379,6 @@ fn a_nan_arithmetic_gives_is_uncertain_where_the_platform_may_fold_it() {
     assert_eq!((table[at].values_f64(), table[at].bounds()), (vec![1.0], &[0.0][..]));
     let wgsl = evaluate_on(&p.0, &crate::PlatformMath::wgsl(false));
     assert!(wgsl[zero].bounds()[0].is_finite(), "a number stays certain");
+    assert!(wgsl[root].values_f64()[1].is_nan() && wgsl[root].bounds()[1] == 0.0, "sqrt(-1) is made, not carried");
     assert!(wgsl[zero].bounds()[1].is_infinite() && wgsl[at].bounds()[0].is_infinite());
 }
