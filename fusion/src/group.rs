@@ -5,9 +5,8 @@
 //! a backward pass started, see `FlushNode::recomputed`; else the latest) when the two can
 //! share a kernel (the rules are `joins.rs`'s: same stream, no control edge in between,
 //! compatible kinds and index spaces, the target's limits kept, and no cycle between
-//! segments); refused there, an
-//! elementwise node may join a recent kernel it meets later. Otherwise it starts a segment of
-//! its own, and the refusal is recorded with its reason.
+//! segments); refused there, an elementwise node may join a recent kernel it meets later.
+//! Otherwise it starts a segment of its own, and the refusal is recorded with its reason.
 
 mod attention;
 mod classify;
@@ -186,12 +185,11 @@ impl Grouper<'_> {
         let producers = self.producers(i);
         let mut candidates: Vec<usize> =
             producers.iter().filter(|(_, _, via_view)| !via_view).filter_map(|&(_, j, _)| self.group_of[j]).collect();
-        candidates.sort_unstable_by_key(|&g| Reverse(g));
+        // Latest first, but a kernel that a copy computed again for the backward pass starts
+        // before any: the copy was made to be computed inside its reader's kernel, never stored
+        // (joined elsewhere, the reader leaves it a kernel of its own that writes it out).
+        candidates.sort_unstable_by_key(|&g| (!self.graph.nodes[self.groups[g].nodes[0]].recomputed, Reverse(g)));
         candidates.dedup();
-        // A kernel that a copy computed again for the backward pass starts comes first: the copy
-        // was made to be computed inside its reader's kernel, never stored (joined elsewhere,
-        // the reader leaves it a kernel of its own that writes it out).
-        candidates.sort_by_key(|&g| !self.graph.nodes[self.groups[g].nodes[0]].recomputed);
         // A node that reads nothing computed in this flush may join a recent kernel of the same
         // index space anyway (horizontal fusion) when the two will meet or it costs nothing: the
         // node reads nothing (a constant, random numbers), the kernel reads one of its inputs

@@ -218,17 +218,16 @@ fn print_split(
         let comment = format!("Reductions v{}{what}, pass 1: a block per group and segment.", ids.join(", v"));
         entry(out, &format!("partial{label}"), launch, comment);
         turns(out, p, segments);
-        let roots: Vec<usize> = (pass.iter().map(|&(_, _, x, _)| x))
-            .chain(elem_stores.iter().filter(|s| with_stores && free(s)).map(|s| s.value as usize))
-            .collect();
+        let stores: Vec<&Store> = elem_stores.iter().copied().filter(|s| with_stores && free(s)).collect();
+        let roots: Vec<usize> =
+            (pass.iter().map(|&(_, _, x, _)| x)).chain(stores.iter().map(|s| s.value as usize)).collect();
         // The per-row values the sweep reads: those before the pass's last reduction, and
         // those before the last value it stores (a constant recorded after the reduction, as
         // a derivative's `2`); a reduction among them that has not run reads as 0, and
         // nothing this pass computes reads it (the stores here read none).
         let upto = (pass.iter().map(|&(i, ..)| i).max().unwrap_or(0))
-            .max(roots.iter().skip(pass.len()).map(|&v| v + 1).max().unwrap_or(0));
+            .max(stores.iter().map(|s| s.value as usize + 1).max().unwrap_or(0));
         row_values(out, upto, &|i| done.contains(&i))?;
-        let stores: Vec<&Store> = elem_stores.iter().copied().filter(|s| with_stores && free(s)).collect();
         // Every thread of a column holds its segment's results (a mean's sum, undivided).
         column_reductions(out, pass, [len, threads], &|out, body| p.sweep(out, range, &roots, &stores, body, None))?;
         let _ = writeln!(out, "  if (active && cy == 0) {{");

@@ -346,12 +346,18 @@ impl Sharded {
         let mut out = Vec::with_capacity(local);
         for (rank, loss) in losses.iter().enumerate() {
             let step = std::mem::take(&mut self.steps[rank]);
-            let mut walk = walk::ShardedWalk::new(self, rank, step);
-            let mut full = Grads::new();
-            loss.backward_hooked(&mut full, false, Some(&mut walk))?;
-            out.push(walk.finish(&full));
+            out.push(self.backward_rank(rank, step, loss)?);
         }
         Ok(out)
+    }
+
+    /// Rank `rank`'s backward pass from `loss`, given what its forward pass gathered (`step`):
+    /// the gradients of its shards.
+    fn backward_rank(&self, rank: usize, step: RankStep, loss: &Tensor) -> Result<Grads> {
+        let mut walk = walk::ShardedWalk::new(self, rank, step);
+        let mut full = Grads::new();
+        loss.backward_hooked(&mut full, false, Some(&mut walk))?;
+        Ok(walk.finish(&full))
     }
 
     #[track_caller]

@@ -6,7 +6,7 @@
 //! collectives stay in its thread's order, the same on every rank. This module only splits the
 //! ranks' state among the threads and joins their results.
 
-use super::{RankStep, Sharded, check_not_gathered, walk};
+use super::{RankStep, Sharded, check_not_gathered};
 use crate::autograd::Grads;
 use crate::error::Result;
 use crate::tensor::{Tensor, misuse};
@@ -39,8 +39,9 @@ impl Sharded {
     /// records rank `r`'s forward pass, gathering its units through the [`ShardedRank`] it is
     /// given, and returns its loss; the rank's backward pass is then recorded on the same thread
     /// (as [`Sharded::backward`] does). Returns each rank's loss and its gradients of its
-    /// shards, in rank order. The host's recording time is about one rank's instead of the sum over them (one
-    /// thread recorded both ranks of a 2-GPU step in 23-25 ms of 130, BENCHMARKS.md).
+    /// shards, in rank order. The host's recording time is about one rank's instead of the sum
+    /// over them (one thread recorded both ranks of a 2-GPU step in 23-25 ms of 130,
+    /// BENCHMARKS.md).
     ///
     /// The threads start without the caller's scopes (`braid::amp::autocast`, `no_grad`,
     /// stream scopes): set them inside `forward`; the backward pass runs outside them, as it
@@ -91,10 +92,8 @@ impl Sharded {
                         .spawn_scoped(scope, move || {
                             let mut handle = ShardedRank { sharded: this, rank, step };
                             let loss = forward(&mut handle);
-                            let mut walk = walk::ShardedWalk::new(this, rank, handle.step);
-                            let mut full = Grads::new();
-                            loss.backward_hooked(&mut full, false, Some(&mut walk))?;
-                            Ok((loss, walk.finish(&full)))
+                            let grads = this.backward_rank(rank, handle.step, &loss)?;
+                            Ok((loss, grads))
                         })
                         .expect("a thread to record a rank on")
                 })
