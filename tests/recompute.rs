@@ -335,28 +335,11 @@ fn normed_step(low: DType, recompute: bool) -> (u64, Vec<Vec<u32>>) {
     let dev = device();
     dev.set_recompute(recompute);
     let (rows, width, vocab, layers) = (64, 48, 1001, 3);
-    let mut rng = Rng::new(5);
-    let mut param = |dims: [usize; 2]| {
-        let values = normal_vec(&mut rng, dims[0] * dims[1]).iter().map(|v| v * 0.3).collect();
-        Tensor::from_vec(values, dims, &dev).requires_grad()
-    };
-    let weights: Vec<Tensor> = (0..layers).map(|_| param([width, width])).collect();
-    let gains: Vec<Tensor> = (0..layers).map(|_| param([1, width])).collect();
-    let head = param([width, vocab]);
-    let x = Tensor::from_vec(normal_vec(&mut rng, rows * width), [rows, width], &dev);
-    let targets: Vec<i64> = (0..rows).map(|_| rng.below(vocab) as i64).collect();
-    let target = Tensor::from_vec(targets, [rows], &dev);
+    let model = NormedModel::new(&dev, (rows, width, vocab, layers), 5);
     dev.sync().unwrap();
-    let loss = braid::amp::autocast(low, || {
-        let mut h = x.clone();
-        for (w, g) in weights.iter().zip(&gains) {
-            h = &h + &(&h.layer_norm(-1, 1e-5) * g).matmul(w);
-        }
-        h.layer_norm(-1, 1e-5).matmul(&head).cross_entropy(&target)
-    });
+    let loss = model.loss(low);
     let grads = loss.backward().unwrap();
-    let all: Vec<Tensor> =
-        weights.iter().chain(&gains).chain([&head]).map(|p| grads.get(p).expect("a gradient")).collect();
+    let all = model.gradients(&grads);
     drop((loss, grads));
     dev.sync().unwrap();
     let schedule = dev.last_schedule().unwrap();
@@ -365,4 +348,103 @@ fn normed_step(low: DType, recompute: bool) -> (u64, Vec<Vec<u32>>) {
     let stats = common::check_recorded(&all.iter().collect::<Vec<_>>()).unwrap();
     assert!(stats.checked >= width * vocab, "{stats:?}");
     (dump["planned_peak_bytes"].as_u64().unwrap(), bits)
+}
+
+#[test]
+fn a_step_read_before_its_backward_pass_computes_each_layers_normalized_rows_near_their_readers() {
+    let test = "a_step_read_before_its_backward_pass_computes_each_layers_normalized_rows_near_their_readers";
+    let Some(low) = recomputing_low_precision(test) else { return };
+    let (peak_off, grads_off) = read_then_backward_step(low, false);
+    let (peak_on, grads_on) = read_then_backward_step(low, true);
+    println!("peak of the step: {peak_off} B recomputation off, {peak_on} B on");
+    let (rows, width, layers) = (READ_STEP.0 as u64, READ_STEP.1 as u64, READ_STEP.3 as u64);
+    // Off, every layer norm's normalized rows (f32) are stored by the loss read and live until
+    // the backward pass reads them; on, each is computed inside (or right before) its readers,
+    // so at most one layer's are live at a time, and the cross-entropy's exponentials never.
+    let saved = (layers - 1) * rows * width * 4;
+    assert!(peak_off >= peak_on + saved, "{peak_off} B off, {peak_on} B on: expected {saved} B less");
+    assert_eq!(grads_on, grads_off, "the same bits with and without recomputation");
+}
+
+/// Rows, width, vocabulary and layers of `read_then_backward_step` (the layers' values
+/// outweigh the head's).
+const READ_STEP: (usize, usize, usize, usize) = (64, 192, 251, 6);
+
+/// A step of `layers` pre-norm residual layers and a head under low-precision autocast whose
+/// loss is read before its backward pass is recorded; at the start of the backward pass an
+/// event gates work on another stream (as a sharded step's next all-gathers are gated). The
+/// event waits for the forward pass, never for the values the read left to compute again: its
+/// flush runs no kernel. Returns the device's peak over the step and every gradient's bits,
+/// the gradients checked against the reference.
+fn read_then_backward_step(low: DType, recompute: bool) -> (u64, Vec<Vec<u32>>) {
+    let dev = device();
+    dev.set_recompute(recompute);
+    let (_, width, vocab, _) = READ_STEP;
+    let model = NormedModel::new(&dev, READ_STEP, 9);
+    dev.sync().unwrap();
+    dev.reset_peak();
+    let loss = model.loss(low);
+    assert!(loss.item::<f32>().unwrap().is_finite());
+    let gate = Stream::current(&dev).record_event();
+    gate.synchronize().unwrap();
+    let dump: serde_json::Value = serde_json::from_str(&dev.last_schedule().unwrap().to_json()).unwrap();
+    let kernels = dump["streams"].as_array().unwrap().iter().flat_map(|s| s["steps"].as_array().unwrap());
+    assert_eq!(kernels.filter(|s| s["kind"] == "kernel").count(), 0, "the event waited for work: {dump}");
+    let side = dev.new_stream();
+    side.wait_event(&gate);
+    let scaled = side.scope(|| &model.head * 0.5);
+    let grads = loss.backward().unwrap();
+    let all = model.gradients(&grads);
+    drop((loss, grads, gate));
+    dev.sync().unwrap();
+    assert_eq!(scaled.to_vec::<f32>().unwrap()[0], model.head.to_vec::<f32>().unwrap()[0] * 0.5);
+    let peak = dev.memory().peak;
+    let bits = all.iter().map(|g| g.to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()).collect();
+    let stats = common::check_recorded(&all.iter().collect::<Vec<_>>()).unwrap();
+    assert!(stats.checked >= width * vocab, "{stats:?}");
+    (peak, bits)
+}
+
+/// `layers` pre-norm residual layers (`h + (norm(h) * g) W`) and a language-model head, with
+/// random parameters, input rows and targets.
+struct NormedModel {
+    weights: Vec<Tensor>,
+    gains: Vec<Tensor>,
+    head: Tensor,
+    x: Tensor,
+    target: Tensor,
+}
+
+impl NormedModel {
+    fn new(dev: &Device, (rows, width, vocab, layers): (usize, usize, usize, usize), seed: u64) -> NormedModel {
+        let mut rng = Rng::new(seed);
+        let mut param = |dims: [usize; 2]| {
+            let values = normal_vec(&mut rng, dims[0] * dims[1]).iter().map(|v| v * 0.3).collect();
+            Tensor::from_vec(values, dims, dev).requires_grad()
+        };
+        let weights: Vec<Tensor> = (0..layers).map(|_| param([width, width])).collect();
+        let gains: Vec<Tensor> = (0..layers).map(|_| param([1, width])).collect();
+        let head = param([width, vocab]);
+        let x = Tensor::from_vec(normal_vec(&mut rng, rows * width), [rows, width], dev);
+        let targets: Vec<i64> = (0..rows).map(|_| rng.below(vocab) as i64).collect();
+        let target = Tensor::from_vec(targets, [rows], dev);
+        NormedModel { weights, gains, head, x, target }
+    }
+
+    /// The cross-entropy loss under `low`-precision autocast.
+    fn loss(&self, low: DType) -> Tensor {
+        braid::amp::autocast(low, || {
+            let mut h = self.x.clone();
+            for (w, g) in self.weights.iter().zip(&self.gains) {
+                h = &h + &(&h.layer_norm(-1, 1e-5) * g).matmul(w);
+            }
+            h.layer_norm(-1, 1e-5).matmul(&self.head).cross_entropy(&self.target)
+        })
+    }
+
+    /// Every parameter's gradient in `grads`.
+    fn gradients(&self, grads: &Grads) -> Vec<Tensor> {
+        let params = self.weights.iter().chain(&self.gains).chain([&self.head]);
+        params.map(|p| grads.get(p).expect("a gradient")).collect()
+    }
 }

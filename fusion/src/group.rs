@@ -5,8 +5,11 @@
 //! a backward pass started, see `FlushNode::recomputed`; else the latest) when the two can
 //! share a kernel (the rules are `joins.rs`'s: same stream, no control edge in between,
 //! compatible kinds and index spaces, the target's limits kept, and no cycle between
-//! segments); refused there, an elementwise node may join a recent kernel it meets later.
+//! segments); refused there, an elementwise node may join a recent kernel it meets later (a
+//! node computed again for the backward pass: only one it meets through such nodes).
 //! Otherwise it starts a segment of its own, and the refusal is recorded with its reason.
+//! Segments run in a topological order, each at its first node, except one of nodes computed
+//! again for the backward pass, which runs right before its first reader (`places`).
 
 mod attention;
 mod classify;
@@ -203,8 +206,16 @@ impl Grouper<'_> {
         if candidates.is_empty() && !cat {
             let inputs: Vec<ValueRef> =
                 node.inputs.iter().map(|&v| crate::underlying(self.graph, &self.folded, v)).collect();
+            // A node computed again for the backward pass joins another such chain only where
+            // the two meet (a cross-entropy's one-hot mask and its exponentials): every value
+            // of such chains is read later, by the backward pass, and two chains joined
+            // without meeting would both be written for their readers instead of computed
+            // inside them (every layer's normalized rows in one kernel).
             let meets = |g: &usize| {
                 let grp = &self.groups[*g];
+                if node.recomputed {
+                    return self.meets_near(*g, i);
+                }
                 self.meets_later(*g, i) || inputs.is_empty() || grp.inputs.iter().any(|u| inputs.contains(u))
             };
             candidates = (0..self.groups.len()).rev().take(4).filter(meets).collect();
@@ -246,6 +257,37 @@ impl Grouper<'_> {
                 self.refused.push(r);
             }
         }
+    }
+
+    /// Whether node `i` meets group `g` near the nodes computed again for the backward pass: some
+    /// node reads (through such nodes, and at most one other) both a value of `i` and one of `g`
+    /// (a cross-entropy's exponentials and its one-hot mask meet in the derivative that reads
+    /// the mask's `select`).
+    fn meets_near(&self, g: usize, i: usize) -> bool {
+        let mine = self.readers_near(&[i]);
+        let theirs = self.readers_near(&self.groups[g].nodes);
+        mine.iter().any(|r| theirs.contains(r))
+    }
+
+    /// The readers of `from`, through readers computed again for the backward pass and at most
+    /// one other (a bounded look: such chains are short, see the engine's `recompute.rs`).
+    fn readers_near(&self, from: &[usize]) -> Vec<usize> {
+        let mut stack: Vec<(usize, bool)> = from.iter().map(|&n| (n, false)).collect();
+        let mut seen: Vec<usize> = Vec::new();
+        while let Some((n, past_one)) = stack.pop() {
+            for &r in &self.readers[n] {
+                if seen.contains(&r) || seen.len() >= 64 {
+                    continue;
+                }
+                seen.push(r);
+                if self.graph.nodes[r].recomputed {
+                    stack.push((r, past_one));
+                } else if !past_one {
+                    stack.push((r, true));
+                }
+            }
+        }
+        seen
     }
 
     /// Whether a value the last nodes of group `g` compute (where a chain in progress is: a
@@ -375,11 +417,53 @@ impl Grouper<'_> {
         (opens, closes)
     }
 
+    /// Where each group goes in the kernel order: at its first node, except a group of nodes
+    /// computed again for the backward pass (work an earlier flush left pending, or copies)
+    /// whose readers are all on its stream: it goes right before its first reader. Such a group
+    /// is left when a reader refused to take it in (its values have readers in several
+    /// kernels); at its first node it would run at the start of the backward pass, and every
+    /// layer's recomputed values would be live at once.
+    fn places(&self, users: &[Vec<usize>]) -> Vec<usize> {
+        let deferred: Vec<bool> = (self.groups.iter())
+            .map(|grp| {
+                grp.waits.is_empty()
+                    && grp.nodes.iter().all(|&i| {
+                        let node = &self.graph.nodes[i];
+                        node.recomputed && node.after.iter().all(|&a| self.group_of[a] == self.group_of[i])
+                    })
+            })
+            .collect();
+        // A topological order of the groups (a node may join a group made before the groups it
+        // reads, so their numbers are not one), walked backwards: a group's readers are placed
+        // before it is.
+        let ng = self.groups.len();
+        let mut indeg: Vec<usize> = self.groups.iter().map(|grp| grp.deps.len()).collect();
+        let mut topo: Vec<usize> = (0..ng).filter(|&g| indeg[g] == 0).collect();
+        let mut k = 0;
+        while k < topo.len() {
+            for &u in &users[topo[k]] {
+                indeg[u] -= 1;
+                if indeg[u] == 0 {
+                    topo.push(u);
+                }
+            }
+            k += 1;
+        }
+        let mut place: Vec<usize> = self.groups.iter().map(|grp| grp.nodes[0]).collect();
+        for &g in topo.iter().rev() {
+            let stream = self.groups[g].stream;
+            if deferred[g] && !users[g].is_empty() && users[g].iter().all(|&u| self.groups[u].stream == stream) {
+                place[g] = users[g].iter().map(|&u| place[u]).min().expect("users");
+            }
+        }
+        place
+    }
+
     fn finish(self) -> Fusion {
         let graph = self.graph;
         let readers = &self.readers;
         let n = graph.nodes.len();
-        // Topological order of the groups, ties broken by their first node.
+        // Topological order of the groups, ties broken by their place (`places`).
         let ng = self.groups.len();
         let mut indeg = vec![0usize; ng];
         let mut users: Vec<Vec<usize>> = vec![Vec::new(); ng];
@@ -389,15 +473,16 @@ impl Grouper<'_> {
                 users[h].push(g);
             }
         }
+        let place = self.places(&users);
         let mut heap: BinaryHeap<Reverse<(usize, usize)>> =
-            (0..ng).filter(|&g| indeg[g] == 0).map(|g| Reverse((self.groups[g].nodes[0], g))).collect();
+            (0..ng).filter(|&g| indeg[g] == 0).map(|g| Reverse((place[g], g))).collect();
         let mut order = Vec::with_capacity(ng);
         while let Some(Reverse((_, g))) = heap.pop() {
             order.push(g);
             for &u in &users[g] {
                 indeg[u] -= 1;
                 if indeg[u] == 0 {
-                    heap.push(Reverse((self.groups[u].nodes[0], u)));
+                    heap.push(Reverse((place[u], u)));
                 }
             }
         }

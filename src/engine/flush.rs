@@ -195,7 +195,7 @@ impl Engine {
             _ => (HashSet::new(), Default::default()),
         };
         lazy.extend(recompute.pending.iter().copied());
-        let EngineState { graph: recorded, marks, backward_marks, .. } = st;
+        let EngineState { graph: recorded, marks, backward_marks, recomputing, .. } = st;
         let mut graph = FlushGraph { nodes: Vec::with_capacity(order.len()), externals: Vec::new() };
         let mut externals = Vec::new();
         for &id in order {
@@ -275,10 +275,19 @@ impl Engine {
                 keep,
                 offload_hint: n.offload_hint,
                 persistent: n.persistent,
-                recomputed: super::recompute_copies::is_copy(backward_marks, n.seq),
+                recomputed: recomputing.get(&id) == Some(&n.seq)
+                    || super::recompute_copies::is_copy(backward_marks, n.seq),
             });
         }
         keep_collectives_read_later(&mut graph, recorded, marks, &lazy);
+        // This flush computes its recomputed nodes; it leaves others pending for that.
+        recomputing.retain(|&id, &mut seq| {
+            recorded.contains(id) && {
+                let n = recorded.node(id);
+                n.seq == seq && n.value.is_none() && marks.node_place(id).is_none()
+            }
+        });
+        recomputing.extend(recompute.pending.iter().map(|&id| (id, recorded.node(id).seq)));
         let ticket = Arc::new(Ticket::default());
         for &id in order {
             recorded.node_mut(id).value = Some(Value::InFlight(ticket.clone()));

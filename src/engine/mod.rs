@@ -164,6 +164,7 @@ impl Engine {
                 deferred: Vec::new(),
                 last_collective: None,
                 backward_marks: Vec::new(),
+                recomputing: HashMap::new(),
             }),
             plans: Mutex::new(Default::default()),
             last_schedule: Mutex::new(None),
@@ -379,9 +380,17 @@ impl Engine {
     /// depends on, which implies the rest). Returned with one handle counted.
     pub(crate) fn record_event(&self, stream: StreamId) -> NodeId {
         let mut st = self.state();
+        // Work on the stream not done yet; not a value a flush left pending for the backward
+        // pass to compute again (its readers compute it, after what it reads, which its data
+        // edges order; ordering the event after it would hold the event back to those readers).
         let on_stream = |st: &EngineState, n: NodeId| {
             let node = st.graph.node(n);
-            node.stream == stream && matches!(node.value, None | Some(Value::InFlight(_)))
+            node.stream == stream
+                && match node.value {
+                    None => !st.is_recomputing(n),
+                    Some(Value::InFlight(_)) => true,
+                    _ => false,
+                }
         };
         let tail: Vec<NodeId> = st
             .graph

@@ -28,8 +28,15 @@
 //!   reads (attention's q, k and v split from one product: keeping the product is keeping
 //!   them, without three copy kernels).
 //!
-//! This module only chooses; `flush::extract` marks the choice (`keep`) and `run::install`
-//! leaves the chosen nodes pending. It never changes what is computed, only when.
+//! - it is not what a choice already made relies on being kept (values are considered from the
+//!   last recorded: a layer norm's normalized rows are chosen, and the residual stream value
+//!   they are computed from stays kept; chosen the other way round, each layer's rows would
+//!   need the residual stream computed again from the first layer on, all at once).
+//!
+//! This module only chooses; `flush::extract` marks the choice (`keep`, and
+//! `EngineState::recomputing`, which keeps later events from waiting for the chosen nodes and
+//! tells fusion to compute them inside their readers) and `run::install` leaves the chosen nodes
+//! pending. It never changes what is computed, only when.
 
 use super::{EngineState, Value};
 use braid_graph::{NodeId, Op};
@@ -85,12 +92,26 @@ pub(super) fn choose(
         let n = graph.node(id);
         cheap(&n.op) && graph.in_edges(id).1.is_empty() && readers_fuse(id)
     };
-    for &v in order {
+    // Values a choice relies on being kept: autograd holds them, so they were counted as
+    // kept anyway. Chosen later, they would have to be computed again before each value that
+    // relies on them, and a residual stream's values chained across every layer would be
+    // computed again (and written) at once.
+    let mut relied: HashSet<NodeId> = HashSet::new();
+    // Later values first: a value read later by the backward pass (a layer norm's normalized
+    // rows) is chosen before what it is computed from (the residual stream), which it then
+    // relies on.
+    for &v in order.iter().rev() {
         let n = graph.node(v);
         // The cheap tests first: this runs over every node of a read's flush. A tensor's own
         // handle keeps a value; so does being a parameter's version (left pending, it would keep
         // the version before it, and that one's moments, alive one more step instead).
-        if n.persistent || n.handles != u32::from(n.saved) || !cheap(&n.op) || targets.contains(&v) {
+        if n.persistent
+            || n.handles != u32::from(n.saved)
+            || !cheap(&n.op)
+            || targets.contains(&v)
+            || relied.contains(&v)
+            || chosen.pending.contains(&v)
+        {
             continue;
         }
         // Kept only for autograd's saved handles or for pending work the flush leaves (the
@@ -107,6 +128,7 @@ pub(super) fn choose(
         let mut held_longer = 0usize;
         let mut before: Vec<NodeId> = Vec::new();
         let mut stack: Vec<NodeId> = graph.in_edges(v).0.into_vec();
+        let mut relies: Vec<NodeId> = Vec::new();
         let mut ok = true;
         while let Some(p) = stack.pop() {
             if closure.contains(&p) || frontier.contains(&p) {
@@ -132,9 +154,11 @@ pub(super) fn choose(
                     break;
                 }
             }
-            let kept_anyway = chosen.kept.contains(&p)
-                || (pn.handles > super::collective::own_handles(&pn.op) && !chosen.pending.contains(&p))
-                || graph.successors(p).any(|s| !in_flush(s));
+            let held = pn.handles > super::collective::own_handles(&pn.op) && !chosen.pending.contains(&p);
+            let kept_anyway = chosen.kept.contains(&p) || held || graph.successors(p).any(|s| !in_flush(s));
+            if held {
+                relies.push(p);
+            }
             if kept_anyway || chosen.pending.contains(&p) {
                 continue;
             }
@@ -153,6 +177,7 @@ pub(super) fn choose(
         if ok && (kept < n.bytes() || (views && kept <= n.bytes())) {
             chosen.pending.extend(closure);
             chosen.kept.extend(frontier);
+            relied.extend(relies);
         } else if let Some((chain, base)) = views_together(graph, v, &in_flush, targets, &recomputable) {
             chosen.pending.extend(chain);
             chosen.kept.insert(base);

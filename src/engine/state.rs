@@ -106,6 +106,18 @@ pub(crate) struct EngineState {
     pub(super) last_collective: Option<(NodeId, u64)>,
     /// The latest backward passes recorded here (see `recompute_copies.rs`).
     pub(super) backward_marks: Vec<super::recompute_copies::BackwardMark>,
+    /// Nodes a flush left pending for the backward pass to compute again (`recompute.rs`),
+    /// with their place in the recording order (a vacated node id is reused). Entries whose
+    /// node was computed or dropped since are pruned at each flush.
+    pub(super) recomputing: HashMap<NodeId, u64>,
+}
+
+impl EngineState {
+    /// Whether `id` is pending because a flush left it for the backward pass to compute again.
+    pub(super) fn is_recomputing(&self, id: NodeId) -> bool {
+        let node = self.graph.node(id);
+        node.value.is_none() && self.recomputing.get(&id) == Some(&node.seq)
+    }
 }
 
 /// The engine's state under its lock. Handles on other engines' nodes that were dropped

@@ -37,15 +37,20 @@ impl ShardedRank<'_> {
 impl Sharded {
     /// Records a step of every rank of this process, each on a thread of its own: `forward(r)`
     /// records rank `r`'s forward pass, gathering its units through the [`ShardedRank`] it is
-    /// given, and returns its loss; the rank's backward pass is then recorded on the same thread
-    /// (as [`Sharded::backward`] does). Returns each rank's loss and its gradients of its
-    /// shards, in rank order. The host's recording time is about one rank's instead of the sum
-    /// over them (one thread recorded both ranks of a 2-GPU step in 23-25 ms of 130,
-    /// BENCHMARKS.md).
+    /// given, and returns its loss; the rank's forward pass is then flushed (it runs on the
+    /// device while the thread goes on) and its backward pass recorded on the same thread (as
+    /// [`Sharded::backward`] does). Returns each rank's loss and its gradients of its shards, in
+    /// rank order. The host's recording time is about one rank's instead of the sum over them
+    /// (one thread recorded both ranks of a 2-GPU step in 23-25 ms of 130, BENCHMARKS.md), and
+    /// the device does not wait for the backward pass to be recorded and planned before it
+    /// starts (GPT-2 medium on one H200: 83-85 ms a step against 102-108, BENCHMARKS.md).
+    /// The flush leaves the cheap values autograd saved for the backward pass to compute again
+    /// (`Device::set_recompute`).
     ///
     /// The threads start without the caller's scopes (`braid::amp::autocast`, `no_grad`,
     /// stream scopes): set them inside `forward`; the backward pass runs outside them, as it
-    /// would after `forward` returned. Errors: the first rank's backward error, in rank order.
+    /// would after `forward` returned. Errors: the first rank's error (its forward pass's
+    /// flush, or its backward pass), in rank order.
     /// Misuse (at the line in `forward`): as [`Sharded::gather`]; a panic in `forward` on any
     /// thread is raised here after every thread ended.
     ///
@@ -92,6 +97,9 @@ impl Sharded {
                         .spawn_scoped(scope, move || {
                             let mut handle = ShardedRank { sharded: this, rank, step };
                             let loss = forward(&mut handle);
+                            // The forward pass runs on the device while this thread records
+                            // and plans the backward pass.
+                            loss.device().engine().flush_nodes(&[loss.node()])?;
                             let grads = this.backward_rank(rank, handle.step, &loss)?;
                             Ok((loss, grads))
                         })
