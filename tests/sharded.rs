@@ -266,6 +266,60 @@ fn ranks_recorded_on_threads_of_their_own_give_the_same_bits() {
     assert!(m.contains("Sharded::record_ranks") && m.contains("tests/sharded.rs"), "{m}");
 }
 
+/// `record_ranks` flushes each rank's forward pass before recording its backward pass, while
+/// autograd still holds the gathered weights (and `w.t()`) for the derivatives. The backward
+/// pass gathers them again, so that flush frees each unit's copy after its last reader instead
+/// of keeping every unit's full weights to its end; the step's results are the same bits.
+#[test]
+fn a_forward_pass_flushed_before_its_backward_frees_each_gathered_unit_after_its_readers() {
+    let _serial = serial();
+    let Some(devices) = ranks(2, "a_forward_pass_flushed_before_its_backward") else { return };
+    let group = Group::new(&devices).unwrap();
+    let (layers, width) = (8, 128);
+    let units = square_units(&mut Rng::new(9), layers, width, 0.2, &devices[0]);
+    let inputs: Vec<Vec<f32>> = {
+        let mut rng = Rng::new(10);
+        (0..2).map(|_| random(&mut rng, 2 * width)).collect()
+    };
+    let step = |sharded: &mut Sharded, threads: bool| -> (u64, Vec<Vec<u32>>) {
+        let x = |r: usize| Tensor::from_vec(inputs[r].clone(), [2, width], &devices[r]);
+        let (grads, peak) = if threads {
+            let (_, grads) = sharded
+                .record_ranks(|rank| {
+                    let x = x(rank.rank());
+                    deep_loss(|u| rank.gather(u), layers, &x)
+                })
+                .unwrap();
+            // The last flush is rank 0's forward pass (the backward pass is recorded, not run).
+            (grads, devices[0].last_schedule().expect("the forward pass's schedule").planned_peak_bytes())
+        } else {
+            let losses: Vec<Tensor> = (0..2).map(|r| deep_loss(|u| sharded.gather(r, u), layers, &x(r))).collect();
+            (sharded.backward(&losses).unwrap(), 0)
+        };
+        let bits = (0..2)
+            .map(|r| grads[r].get(&sharded.shards(r)[3]).unwrap().to_vec::<f32>().unwrap())
+            .map(|g| g.iter().map(|v| v.to_bits()).collect())
+            .collect();
+        (peak, bits)
+    };
+    let (peak, bits) = step(&mut Sharded::new(&group, &units), true);
+    let (_, want) = step(&mut Sharded::new(&group, &units), false);
+    assert_eq!(bits, want, "the same gradients as a step recorded whole");
+    // Every unit's full weight is 64 KiB, its shard 32 KiB (the flush's inputs, counted in its
+    // peak); the activations are 2 rows. Kept to the flush's end, the copies would be 512 KiB
+    // on top of the shards; freed after their readers, about one unit's at a time.
+    let full = (layers * width * width * 4) as u64;
+    let shards = full / 2;
+    assert!(
+        peak < shards + full / 4,
+        "the forward flush's planned peak is {peak} bytes: the shards are {shards}, every unit's full weights {full}"
+    );
+    // Kept without gathering again: the forward pass's copies are what the backward pass reads.
+    let (kept_peak, kept_bits) = step(&mut Sharded::new(&group, &units).with_regather(false), true);
+    assert!(kept_peak >= shards + full, "without gathering again the copies stay: {kept_peak} bytes");
+    assert_eq!(kept_bits, want);
+}
+
 #[test]
 fn a_failed_rank_mid_step_is_an_err_on_every_rank_and_the_devices_go_on() {
     let _serial = serial();

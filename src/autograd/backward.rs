@@ -231,7 +231,7 @@ impl Tensor {
 
 /// Every `GradNode` reachable from `root`, latest first (a valid order for the backward pass:
 /// a node is recorded after all of its inputs).
-fn reachable(root: &GradSource) -> Vec<Arc<GradNode>> {
+pub(super) fn reachable(root: &GradSource) -> Vec<Arc<GradNode>> {
     // Sized for a small graph at once (growing rehashes every entry, several times over).
     let mut seen: HashMap<*const GradNode, Arc<GradNode>> = HashMap::with_capacity(64);
     let mut stack: Vec<Arc<GradNode>> = Vec::with_capacity(64);

@@ -75,6 +75,29 @@ fn replay(x: &Tensor, (op, shape, dtype): &Link) -> Tensor {
     }
 }
 
+/// The saved values that `loss`'s backward pass, under a hook that gives a value for each of
+/// `leaves`, reads from the hook's replacements instead ([`substitute`]): the graph node of
+/// each, once per saved handle, so that a flush before that backward pass need not keep them
+/// (`Engine::supersede`).
+pub(crate) fn superseded_saved(loss: &Tensor, leaves: &hashbrown::HashSet<u64>) -> Vec<braid_graph::NodeId> {
+    let Some(root) = super::source_of(loss) else { return Vec::new() };
+    let mut out = Vec::new();
+    for node in super::backward::reachable(&root) {
+        let saved = node.saved.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(saved) = saved.as_ref() else { continue };
+        for (slot, value) in node.inputs.iter().zip(&saved.inputs) {
+            if let (Some(value), Some(source)) = (value, &slot.source)
+                && let Some((leaf, links)) = chain(source)
+                && leaves.contains(&leaf)
+                && links.last().is_none_or(|(_, shape, dtype)| shape == value.shape() && *dtype == value.dtype())
+            {
+                out.push(value.node());
+            }
+        }
+    }
+    out
+}
+
 /// `saved` with every saved input the hook replaces read from its replacement (`None` when it
 /// replaces none).
 pub(super) fn substitute(node: &GradNode, saved: &Saved, hook: &mut dyn BackwardHook) -> Option<Saved> {

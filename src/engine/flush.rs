@@ -183,18 +183,22 @@ impl Engine {
         for (i, &id) in order.iter().enumerate() {
             st.marks.set(id, i as u32);
         }
-        let (mut lazy, recompute) = match targets {
+        let (mut lazy, recompute, superseded) = match targets {
             Some(t) if t.len() <= LAZY_VIEW_TARGETS => {
+                let superseded = super::superseded::candidates(st, order, t);
                 let recompute = if self.recompute_under(&env) {
-                    super::recompute::choose(st, order, t, |id| st.marks.node_place(id).is_some())
+                    super::recompute::choose(st, order, t, |id| st.marks.node_place(id).is_some(), &superseded)
                 } else {
                     Default::default()
                 };
-                (lazy_views(st, order, t), recompute)
+                (lazy_views(st, order, t), recompute, superseded)
             }
-            _ => (HashSet::new(), Default::default()),
+            _ => (HashSet::new(), Default::default(), HashSet::new()),
         };
         lazy.extend(recompute.pending.iter().copied());
+        // Saved values the backward pass reads from elsewhere: freed after their last reader.
+        let superseded = super::superseded::settle(st, superseded, &lazy, |id| st.marks.node_place(id).is_some());
+        super::superseded::note(&mut st.superseded, &st.graph, order, &superseded);
         let EngineState { graph: recorded, marks, backward_marks, recomputing, .. } = st;
         let mut graph = FlushGraph { nodes: Vec::with_capacity(order.len()), externals: Vec::new() };
         let mut externals = Vec::new();
@@ -260,7 +264,7 @@ impl Engine {
             let after = crate::small(control.into_iter().filter_map(|p| marks.node_place(p)));
             // A collective holds a handle on itself until it ran (`collective.rs`): that one
             // makes it run, it does not keep its value past the flush.
-            let held = n.handles > super::collective::own_handles(&n.op);
+            let held = n.handles > super::collective::own_handles(&n.op) && !superseded.contains(&id);
             let keep = recompute.kept.contains(&id)
                 || !lazy.contains(&id) && (held || recorded.successors(id).any(|s| marks.node_place(s).is_none()));
             graph.nodes.push(FlushNode {

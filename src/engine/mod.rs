@@ -32,6 +32,7 @@ mod recompute;
 mod recompute_copies;
 mod run;
 mod state;
+mod superseded;
 mod versions;
 
 use crate::error::{Error, Result};
@@ -165,6 +166,7 @@ impl Engine {
                 last_collective: None,
                 backward_marks: Vec::new(),
                 recomputing: HashMap::new(),
+                superseded: Default::default(),
             }),
             plans: Mutex::new(Default::default()),
             last_schedule: Mutex::new(None),

@@ -67,12 +67,14 @@ fn is_view(op: &Op) -> bool {
 }
 
 /// Chooses, among `order` (the flush's nodes in recording order; `in_flush` tells them apart),
-/// the saved values to leave pending. `targets` are what the flush reads out.
+/// the saved values to leave pending. `targets` are what the flush reads out; `superseded`
+/// are saved values the backward pass reads from elsewhere (freed, not kept for it).
 pub(super) fn choose(
     st: &EngineState,
     order: &[NodeId],
     targets: &[NodeId],
     in_flush: impl Fn(NodeId) -> bool,
+    superseded: &HashSet<NodeId>,
 ) -> Recompute {
     let graph = &st.graph;
     let mut chosen = Recompute::default();
@@ -111,6 +113,7 @@ pub(super) fn choose(
             || targets.contains(&v)
             || relied.contains(&v)
             || chosen.pending.contains(&v)
+            || superseded.contains(&v)
         {
             continue;
         }

@@ -84,7 +84,7 @@ pub(super) fn copy_for_backward(st: &mut EngineState, order: &[NodeId], targets:
         }
         let before: HashSet<NodeId> = early.iter().copied().collect();
         let forward = |id: NodeId| before.contains(&id);
-        let chosen = choose(st, &early, targets, forward);
+        let chosen = choose(st, &early, targets, forward, &HashSet::new());
         // Only values every later reader of which is in this flush (a reader left pending would
         // still need the value itself, stored), computed from a reduction or broadcast from far
         // fewer bytes (see `worth_copying`).

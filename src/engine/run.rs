@@ -415,6 +415,10 @@ fn install(
             candidates.extend(st.graph.detach_inputs(n.id));
             // Its tensor may have been dropped while it was computed.
             candidates.push(n.id);
+        } else if super::superseded::lose_if_freed(st, n.id) {
+            // Saved for a backward pass that reads it from elsewhere: gone, its inputs free.
+            candidates.extend(st.graph.detach_inputs(n.id));
+            candidates.push(n.id);
         } else if !matches!(n.op, Op::Collective(_))
             && (st.graph.node(n.id).handles > 0
                 || st.graph.data_successors(n.id).any(|s| st.graph.node(s).value.is_none()))

@@ -110,6 +110,8 @@ pub(crate) struct EngineState {
     /// with their place in the recording order (a vacated node id is reused). Entries whose
     /// node was computed or dropped since are pruned at each flush.
     pub(super) recomputing: HashMap<NodeId, u64>,
+    /// Saved values a backward pass reads from elsewhere (`superseded.rs`).
+    pub(super) superseded: super::superseded::Superseded,
 }
 
 impl EngineState {

@@ -24,8 +24,10 @@
 //! Memory: the shards, the shards' gradients and the optimizer's states are `1/N` of the
 //! model's; a unit's full gradients are freed once reduce-scattered, and each gathered copy
 //! of a unit's parameters after its last reader (gated on the events of every stream that read
-//! it): the forward pass's copies after the forward pass when the backward pass gathers again,
-//! so a step holds about two units' full parameters at a time beside the states.
+//! it): the forward pass's copies after their last reader in the forward pass when the
+//! backward pass gathers again (also where [`Sharded::record_ranks`] flushes the forward pass
+//! while autograd still holds them: the backward pass reads the second gather instead), so a
+//! step holds about two units' full parameters at a time beside the states.
 //! A schedule dump shows the `all_gather` and `reduce_scatter` steps on the communication
 //! stream and its waits on the compute stream's events (the prefetch distance). Mixed
 //! precision: [`Sharded::with_param_dtype`] gathers in a low
@@ -119,6 +121,13 @@ struct RankStep {
     /// Per unit gathered this step: where its forward pass began (the recording sequence
     /// number) and its gathered parameters' leaves.
     gathered: Vec<Option<(u64, Vec<u64>)>>,
+}
+
+impl RankStep {
+    /// The leaves of every parameter gathered this step.
+    fn leaves(&self) -> hashbrown::HashSet<u64> {
+        self.gathered.iter().flatten().flat_map(|(_, ids)| ids.iter().copied()).collect()
+    }
 }
 
 /// Where this process's `i`-th rank shards and replicates its units.

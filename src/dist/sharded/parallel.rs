@@ -45,7 +45,10 @@ impl Sharded {
     /// the device does not wait for the backward pass to be recorded and planned before it
     /// starts (GPT-2 medium on one H200: 83-85 ms a step against 102-108, BENCHMARKS.md).
     /// The flush leaves the cheap values autograd saved for the backward pass to compute again
-    /// (`Device::set_recompute`).
+    /// (`Device::set_recompute`), and frees each unit's gathered parameters after their last
+    /// reader in the forward pass when the backward pass gathers them again (the default; a
+    /// tensor `forward` returns or keeps elsewhere keeps its copy, GPT-2 medium on one H200:
+    /// BENCHMARKS.md, stop 67).
     ///
     /// The threads start without the caller's scopes (`braid::amp::autocast`, `no_grad`,
     /// stream scopes): set them inside `forward`; the backward pass runs outside them, as it
@@ -97,9 +100,16 @@ impl Sharded {
                         .spawn_scoped(scope, move || {
                             let mut handle = ShardedRank { sharded: this, rank, step };
                             let loss = forward(&mut handle);
+                            let engine = loss.device().engine();
+                            if this.regather {
+                                // The backward pass gathers the parameters again: the flush
+                                // frees each unit's forward copy after its last reader.
+                                let leaves = handle.step.leaves();
+                                engine.supersede(&crate::autograd::hooks::superseded_saved(&loss, &leaves));
+                            }
                             // The forward pass runs on the device while this thread records
                             // and plans the backward pass.
-                            loss.device().engine().flush_nodes(&[loss.node()])?;
+                            engine.flush_nodes(&[loss.node()])?;
                             let grads = this.backward_rank(rank, handle.step, &loss)?;
                             Ok((loss, grads))
                         })
