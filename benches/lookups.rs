@@ -8,7 +8,8 @@
 //! pseudo-random walk over the table, so most rows are read from memory, not cache, at 32,000
 //! rows.
 //!
-//! On the device `BRAID_DEVICE` names (the CPU when unset). On a GPU the plain loops are not
+//! On the device `BRAID_DEVICE` names (the CPU when unset), with i64 ids (i32 on wgpu, which
+//! holds no i64). On a GPU the plain loops are not
 //! a peer (they run on the host): compare with PyTorch's `F.embedding` and its backward in the
 //! same command instead, `python3 benches/peers/lookups_torch.py --device cuda`. Both rows
 //! compute the same work on both sides: the lookup's rows (held until the sync), and the
@@ -32,13 +33,22 @@ fn lookups(c: &mut Criterion) {
     if !on_host {
         println!("lookups on {}: the plain host loops are skipped (not a peer of a GPU)", cpu.name());
     }
+    // The ids are i64 (as the peer's) where the device holds them; wgpu holds i32 only.
+    let wide_ids = cpu.target().dtypes.contains(DType::I64);
+    if !wide_ids {
+        println!("lookups on {}: i32 ids (the device holds no i64)", cpu.name());
+    }
     let mut g = c.benchmark_group("lookups");
     g.throughput(Throughput::Bytes((IDS * FEATURES * 4) as u64));
     for vocabulary in [1000usize, 32_000] {
         let table: Vec<f32> = (0..vocabulary * FEATURES).map(|i| (i % 97) as f32 * 0.25 - 12.0).collect();
         let ids: Vec<i64> = (0..IDS).map(|i| ((i * 7919 + 13) % vocabulary) as i64).collect();
         let weight = Tensor::from_vec(table.clone(), [vocabulary, FEATURES], &cpu);
-        let id_tensor = Tensor::from_vec(ids.clone(), [IDS], &cpu);
+        let id_tensor = if wide_ids {
+            Tensor::from_vec(ids.clone(), [IDS], &cpu)
+        } else {
+            Tensor::from_vec(ids.iter().map(|&i| i as i32).collect::<Vec<_>>(), [IDS], &cpu)
+        };
         // The result is checked once against the plain loop's before anything is timed.
         let mut plain = vec![0.0f32; IDS * FEATURES];
         let copy_rows = |out: &mut [f32]| {

@@ -47,8 +47,8 @@ impl Sharded {
     /// The flush leaves the cheap values autograd saved for the backward pass to compute again
     /// (`Device::set_recompute`), and frees each unit's gathered parameters after their last
     /// reader in the forward pass when the backward pass gathers them again (the default; a
-    /// tensor `forward` returns or keeps elsewhere keeps its copy, GPT-2 medium on one H200:
-    /// BENCHMARKS.md, stop 67).
+    /// tensor that `forward` returns or keeps elsewhere keeps its copy). BENCHMARKS.md, stop
+    /// 67, has the figures.
     ///
     /// The threads start without the caller's scopes (`braid::amp::autocast`, `no_grad`,
     /// stream scopes): set them inside `forward`; the backward pass runs outside them, as it
